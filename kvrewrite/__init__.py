@@ -1,0 +1,53 @@
+"""kvrewrite: compress the KV cache of Hugging Face causal LMs by rewriting their graph.
+
+    rw = kvrewrite.apply(model, method="chelsea", budget=0.2)
+    out = rw.generate(input_ids, attention_mask=mask, max_new_tokens=64)
+"""
+import logging
+
+from kvrewrite import kernels  # noqa: F401  (registers the kvrewrite:: ops)
+from kvrewrite.methods import METHODS, make_method
+
+logger = logging.getLogger(__name__)
+__all__ = ["apply", "METHODS"]
+DEFAULT_MAX_LENGTH = 4096
+
+
+def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1, prefill_chunk=256, **method_kwargs):
+    """Capture `model`, rewrite its attention and KV cache for `method`, return a KVRewrittenModel.
+
+    Args:
+        model: a Hugging Face causal LM (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma-3 are tested).
+        method: a name in METHODS, or a Method instance.
+        budget: fraction of the tokens kept per KV head, in (0, 1] (the method's default if None).
+        max_length: longest prompt + generation the state is sized for
+            (default: min(model's max_position_embeddings, 4096)).
+        batch_size: static batch size of the captured graphs.
+        prefill_chunk: tokens per prefill step; the prompt is left-padded to a multiple of it.
+        **method_kwargs: the method's own options (see its class, e.g. ChelseaMethod).
+    """
+    from kvrewrite.capture import capture
+    from kvrewrite.context import RewriteContext
+    from kvrewrite.passes import run_passes
+    from kvrewrite.runtime import KVRewrittenModel
+
+    m = make_method(method, budget, **method_kwargs)
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"kvrewrite.apply: batch_size must be an int >= 1, got {batch_size!r}")
+    if not isinstance(prefill_chunk, int) or prefill_chunk < 2:
+        raise ValueError(f"kvrewrite.apply: prefill_chunk must be an int >= 2, got {prefill_chunk!r}")
+    if max_length is None:
+        max_length = min(getattr(model.config, "max_position_embeddings", DEFAULT_MAX_LENGTH) or DEFAULT_MAX_LENGTH,
+                         DEFAULT_MAX_LENGTH)
+    if not isinstance(max_length, int) or max_length < 1:
+        raise ValueError(f"kvrewrite.apply: max_length must be an int >= 1, got {max_length!r}")
+    captured = capture(model, batch_size=batch_size, prefill_chunk=prefill_chunk)
+    if hasattr(m, "bind"):
+        m.bind(captured.layers)
+    graphs = {}
+    for kind, gm in captured.graphs.items():
+        ctx = RewriteContext(captured.model_tag, m, captured.layers, graph_kind=kind, cache_buffers=captured.cache_buffers)
+        graphs[kind] = run_passes(gm, ctx)
+    rw = KVRewrittenModel(captured, graphs, m, max_length, config=model.config)
+    rw.generation_config = model.generation_config
+    return rw

@@ -1,0 +1,54 @@
+"""RewriteContext: what the passes share (model tag, method, layer facts, counters)."""
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """Static facts of one decoder layer, read from the model config and checked against the graph.
+
+    window: the sliding window of the layer (0 for full attention); such layers stay exact.
+    """
+
+    index: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    window: int = 0
+
+
+@dataclass
+class AttentionSite:
+    """Where one layer's attention lives in the graph (filled by locate_attention_sites)."""
+
+    layer: int
+    attention: object  # fx.Node: the SDPA node
+    key_update: object  # fx.Node: index_copy_ into the key cache
+    value_update: object  # fx.Node: index_copy_ into the value cache
+    key_buffer: str  # attribute name of the dense key cache buffer
+    value_buffer: str
+    scale: float
+    state: dict = field(default_factory=dict)  # state placeholders, filled by replace_kv_cache_update
+    output: object = None  # fx.Node: the clustered_attention node
+
+
+@dataclass
+class RewriteContext:
+    """Carried through the passes. `graph_kind` is "prefill" or "decode"; `method` a Method instance."""
+
+    model_tag: str
+    method: object
+    layers: list
+    graph_kind: str = "decode"
+    cache_buffers: tuple = ()  # names of every buffer that belongs to the captured HF cache
+    sites: dict = field(default_factory=dict)
+    counters: Counter = field(default_factory=Counter)
+
+    def where(self, layer=None, node=None) -> str:
+        """Prefix for error messages: model, graph, layer and node."""
+        parts = [f"{self.model_tag} ({self.graph_kind} graph)"]
+        if layer is not None:
+            parts.append(f"layer {layer}")
+        if node is not None:
+            parts.append(f"node '{node.name}' ({node.target})")
+        return ": ".join(parts)

@@ -1,0 +1,23 @@
+"""Compression methods, one per file. METHODS maps each registry name to its class."""
+from kvrewrite.methods.base import Method
+from kvrewrite.methods.chelsea import ChelseaMethod
+from kvrewrite.methods.full import FullMethod
+from kvrewrite.methods.streamingllm import StreamingLLMMethod
+
+METHODS = {m.name: m for m in (FullMethod, StreamingLLMMethod, ChelseaMethod)}
+
+
+def make_method(method, budget=None, **kwargs) -> Method:
+    """A Method instance from a registry name (or pass an instance through)."""
+    if isinstance(method, Method):
+        if budget is not None or kwargs:
+            raise ValueError("kvrewrite.apply: give budget/method options in the Method instance, not both")
+        return method
+    if method not in METHODS:
+        raise ValueError(f"kvrewrite.apply: unknown method {method!r}; known methods: {', '.join(sorted(METHODS))}")
+    if budget is not None:
+        kwargs["budget"] = budget
+    try:
+        return METHODS[method](**kwargs)
+    except TypeError as e:
+        raise ValueError(f"kvrewrite.apply: bad option for method {method!r}: {e}") from None

@@ -1,0 +1,38 @@
+"""StreamingLLM: attention sinks + a recent window. Based on https://arxiv.org/abs/2309.17453."""
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvrewrite.methods.base import Method
+
+
+@dataclass
+class StreamingLLMMethod(Method):
+    """Keep the first `n_sink` tokens and the most recent ones, B slots in all.
+
+    Args:
+        budget: fraction of n + Γ kept per KV head, in (0, 1].
+        n_sink: initial "attention sink" tokens that are always kept (the paper's 4).
+        interval: evict every g appended tokens (the paper evicts every step, g = 1).
+    """
+
+    name: ClassVar[str] = "streamingllm"
+    budget: float = 0.2
+    n_sink: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not (isinstance(self.n_sink, int) and self.n_sink >= 0):
+            raise ValueError(f"StreamingLLMMethod.n_sink must be an int >= 0, got {self.n_sink!r}")
+
+    def compression_call(self, layer):
+        return torch.ops.kvrewrite.evict_to_budget.default, {"n_sink": self.n_sink}
+
+    def check_generation(self, n_prompt, max_new_tokens):
+        b = self.target(n_prompt, max_new_tokens)
+        if b <= self.n_sink:
+            raise ValueError(
+                f"streamingllm: budget {self.budget} x (n={n_prompt} + max_new_tokens={max_new_tokens}) = {b} slots "
+                f"cannot hold the {self.n_sink} sink tokens and a recent window; raise the budget"
+            )

@@ -1,0 +1,42 @@
+"""FX passes that turn a captured HF graph into one reading and updating a clustered KV cache.
+
+PASSES is the order (to reorder, edit the list). Every pass is `(gm, ctx) -> gm`, one per file,
+with a docstring stating what it matches and emits. `run_passes` lints after each pass and can
+dump the graph before/after each one.
+"""
+import logging
+import os
+
+from torch import fx
+
+from kvrewrite.context import RewriteContext
+from kvrewrite.passes.insert_cache_compression import insert_cache_compression
+from kvrewrite.passes.locate_attention_sites import locate_attention_sites
+from kvrewrite.passes.normalize_eager_attention import normalize_eager_attention
+from kvrewrite.passes.remove_dead_cache_buffers import remove_dead_cache_buffers
+from kvrewrite.passes.replace_kv_cache_update import replace_kv_cache_update
+from kvrewrite.passes.replace_sdpa_with_clustered_attention import replace_sdpa_with_clustered_attention
+
+logger = logging.getLogger(__name__)
+
+PASSES = [
+    normalize_eager_attention,
+    locate_attention_sites,
+    replace_kv_cache_update,
+    replace_sdpa_with_clustered_attention,
+    insert_cache_compression,
+    remove_dead_cache_buffers,
+]
+
+
+def run_passes(gm: fx.GraphModule, ctx: RewriteContext, passes=None, dump_dir=None) -> fx.GraphModule:
+    """Run `passes` (default PASSES) in order, linting after each; optionally dump graph text."""
+    for i, p in enumerate(PASSES if passes is None else passes):
+        if dump_dir:
+            os.makedirs(dump_dir, exist_ok=True)
+            with open(os.path.join(dump_dir, f"{ctx.graph_kind}_{i:02d}_before_{p.__name__}.txt"), "w") as f:
+                f.write(str(gm.graph))
+        gm = p(gm, ctx)
+        gm.graph.lint()
+        logger.debug("%s: ran %s", ctx.where(), p.__name__)
+    return gm

@@ -1,0 +1,45 @@
+"""Insert each layer's compression op right after its attention.
+
+Matches:  the clustered_attention node of every site.
+Emits:    what the method asks for (Method.compression_call), e.g. kvrewrite.chelsea_compress on the
+          layer's state; for sliding-window layers, kvrewrite.evict_to_budget(n_sink=0), which keeps
+          exactly the window. The ops mutate the state and run only on rows whose fill reached the
+          threshold in l<i>_budget, so the same graph serves every step (no host sync).
+Skips:    full-attention layers of the `full` method (no op is emitted).
+Requires: replace_sdpa_with_clustered_attention.
+"""
+import logging
+
+import torch
+from torch import fx
+
+from kvrewrite.context import RewriteContext
+
+logger = logging.getLogger(__name__)
+
+
+def insert_cache_compression(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
+    graph = gm.graph
+    count = 0
+    for layer, site in sorted(ctx.sites.items()):
+        info = ctx.layers[layer]
+        if info.window:
+            call = (torch.ops.kvrewrite.evict_to_budget.default, {"n_sink": 0})
+        else:
+            call = ctx.method.compression_call(info)
+        if call is None:
+            continue
+        op, kwargs = call
+        s = site.state
+        with graph.inserting_after(site.output):
+            node = graph.call_function(
+                op, (s["keys"], s["values"], s["bias"], s["slot_pos"], s["fill"], s["budget"]), kwargs
+            )
+        node.meta["kvrewrite"] = {"layer": layer, "role": "compression"}
+        node.meta["nn_module_stack"] = site.output.meta.get("nn_module_stack", {})
+        count += 1
+    ctx.counters["insert_cache_compression"] += count
+    logger.debug("insert_cache_compression: %d compression ops", count)
+    graph.lint()
+    gm.recompile()
+    return gm

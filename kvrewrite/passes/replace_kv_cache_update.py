@@ -1,0 +1,62 @@
+"""Replace each layer's pair of dense KV-cache writes with one kvrewrite::cache_append.
+
+Matches:  the two aten.index_copy_ nodes of every located site (key and value cache writes).
+Emits:    graph inputs `token_valid` [B, T] bool and, per layer, the state inputs
+          l<i>_keys, l<i>_values, l<i>_bias, l<i>_slot_pos, l<i>_fill, l<i>_budget; one
+          kvrewrite.cache_append(l<i>_keys, ..., l<i>_fill, k_new, v_new, cache_position, token_valid)
+          per layer, where the value write was. Readers of the old writes now read the dense buffer
+          itself (dead once the attention is replaced).
+Skips:    nothing: every located layer is rewritten.
+Requires: locate_attention_sites.
+"""
+import logging
+
+import torch
+from torch import fx
+
+from kvrewrite.context import RewriteContext
+from kvrewrite.errors import RewriteError
+from kvrewrite.state import STATE_FIELDS
+
+logger = logging.getLogger(__name__)
+
+
+def replace_kv_cache_update(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
+    graph = gm.graph
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    if "cache_position" not in placeholders:
+        raise RewriteError(f"{ctx.where()}: the captured graph has no 'cache_position' input")
+    cache_position = placeholders["cache_position"]
+    last = list(placeholders.values())[-1]
+    with graph.inserting_after(last):
+        token_valid = graph.placeholder("token_valid")
+    last = token_valid
+    for layer in sorted(ctx.sites):
+        site = ctx.sites[layer]
+        for field in STATE_FIELDS:
+            with graph.inserting_after(last):
+                last = site.state[field] = graph.placeholder(f"l{layer}_{field}")
+    count = 0
+    for layer, site in sorted(ctx.sites.items()):
+        k_update, v_update = site.key_update, site.value_update
+        if k_update.args[1] != 2 or v_update.args[1] != 2:
+            raise RewriteError(f"{ctx.where(layer, k_update)}: expected a write along dim 2 of [B, Hkv, S, D]")
+        s = site.state
+        with graph.inserting_after(v_update):
+            append = graph.call_function(
+                torch.ops.kvrewrite.cache_append.default,
+                (s["keys"], s["values"], s["bias"], s["slot_pos"], s["fill"], k_update.args[3], v_update.args[3],
+                 cache_position, token_valid),
+            )
+        append.meta["kvrewrite"] = {"layer": layer, "role": "cache_append"}
+        append.meta["nn_module_stack"] = v_update.meta.get("nn_module_stack", {})
+        for upd in (k_update, v_update):
+            upd.replace_all_uses_with(upd.args[0])
+            graph.erase_node(upd)
+        site.key_update = site.value_update = append
+        count += 1
+    ctx.counters["replace_kv_cache_update"] += count
+    logger.debug("replace_kv_cache_update: replaced %d KV-update pairs", count)
+    graph.lint()
+    gm.recompile()
+    return gm

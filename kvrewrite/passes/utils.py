@@ -1,0 +1,50 @@
+"""Helpers shared by the passes."""
+import torch
+from torch import fx
+
+# View-like ops HF puts between a cache buffer and the attention (repeat_kv, slicing, dtype casts).
+VIEW_OPS = {
+    torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.expand.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.contiguous.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.to.dtype,
+    torch.ops.aten.to.dtype_layout,
+    torch.ops.aten.to.device,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten.repeat_interleave.self_int,
+}
+INDEX_COPY = (torch.ops.aten.index_copy_.default, torch.ops.aten.index_copy.default)
+
+
+def trace_to_source(node: fx.Node) -> fx.Node:
+    """Follow view-like ops (and in-place updates, which return their first argument) upwards."""
+    while node.op == "call_function" and (node.target in VIEW_OPS or node.target in INDEX_COPY):
+        node = node.args[0]
+    return node
+
+
+def add_placeholder(gm: fx.GraphModule, name: str) -> fx.Node:
+    """Append a graph input after the existing ones (placeholders must stay first)."""
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    with gm.graph.inserting_after(last):
+        node = gm.graph.placeholder(name)
+    return node
+
+
+def clean_up(gm: fx.GraphModule) -> fx.GraphModule:
+    """Dead-code elimination, lint and recompile (the end of every pass that edits the graph)."""
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def val_shape(node) -> tuple:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if val is not None else ()
