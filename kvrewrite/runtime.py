@@ -7,6 +7,7 @@ exists). Decode steps run the decode graph; re-compression every g tokens happen
 """
 import logging
 import math
+import time
 
 import torch
 from torch import nn
@@ -167,7 +168,10 @@ class KVRewrittenModel(nn.Module):
         generator: torch.Generator | None = None,
         progress: bool = False,
     ):
-        """Greedy or sampled generation; returns [B, n + new] like HF's generate (pad after EOS)."""
+        """Greedy or sampled generation; returns [B, n + new] like HF's generate (pad after EOS).
+
+        Wall-clock prefill/decode seconds of the call are left in `self.last_timings`.
+        """
         from tqdm.auto import tqdm
 
         if max_new_tokens < 1:
@@ -181,7 +185,9 @@ class KVRewrittenModel(nn.Module):
             pad_token_id = (cfg.pad_token_id if cfg is not None and cfg.pad_token_id is not None else
                             (int(eos[0]) if len(eos) else 0))
         device = self.l0_fill.device
+        t0 = time.perf_counter()
         logits = self.prefill(input_ids, attention_mask, max_new_tokens, progress)
+        t1 = time.perf_counter()
         eos = eos.to(device)
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
         out = []
@@ -193,6 +199,8 @@ class KVRewrittenModel(nn.Module):
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
             logits = self.decode_step(tok)
+        # host-side wall clock; the .all() above already synchronises every step
+        self.last_timings = {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "new_tokens": len(out)}
         return torch.cat([input_ids.to(device), torch.stack(out, dim=1)], dim=1)
 
 

@@ -73,7 +73,8 @@ def chelsea_rows(K, V, n, pos, target, n_sink, n_recent, chunk, r_init, r_alpha,
     while L > target:
         M = L - n_sink - n_recent
         r = max(r_init - r_alpha * min(r_steps, i), r_min)
-        n_merge = min(max(1, int(r * M)), L - target)
+        # floor(r * M); the 1e-9 absorbs binary rounding (0.35 - 0.1 * 2 == 0.1499..., floor(0.15 * 20) is 3)
+        n_merge = min(max(1, int(r * M + 1e-9)), L - target)
         mid = slice(n_sink, L - n_recent)
         Km, Vm, nm, pm = csm_round(K[:, mid], V[:, mid], n[:, mid], pos[:, mid], n_merge, chunk)
         if Km.shape[1] == M:  # no edge left: the middle cannot shrink further

@@ -17,7 +17,9 @@ Args:
     scale:          softmax scale (the model's, e.g. D**-0.5)
     window:         sliding window of the layer, 0 for none
 Returns:
-    [B, Hq, T, D] in q's dtype; a query that sees no slot gets zeros (padding queries).
+    [B, Hq, T, D] in q's dtype, contiguous (whatever q's strides: q is often a transposed view,
+    and Inductor checks the real output's strides against the fake's); a query that sees no slot
+    gets zeros (padding queries).
 """
 import torch
 
@@ -56,9 +58,15 @@ def clustered_attention(
     window: int,
 ) -> torch.Tensor:
     """Degree-biased attention over cache slots (see the module docstring)."""
-    return reference_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window)
+    if not q.is_cuda:
+        # CPU: attend only up to the last used slot (slots past it are empty, bias -inf); the host
+        # read is free here, and the result is the same.
+        used = torch.isfinite(bias).flatten(0, 1).any(dim=0).nonzero()
+        last = int(used[-1]) + 1 if used.numel() else 1
+        keys, values, bias, slot_pos = keys[:, :, :last], values[:, :, :last], bias[:, :, :last], slot_pos[:, :, :last]
+    return reference_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window).contiguous()
 
 
 @clustered_attention.register_fake
 def _(q, keys, values, bias, slot_pos, cache_position, scale, window):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, like the real output (empty_like would copy q's strides)

@@ -30,13 +30,20 @@ PASSES = [
 
 
 def run_passes(gm: fx.GraphModule, ctx: RewriteContext, passes=None, dump_dir=None) -> fx.GraphModule:
-    """Run `passes` (default PASSES) in order, linting after each; optionally dump graph text."""
+    """Run `passes` (default PASSES) in order, linting after each; optionally dump the graph text
+    before and after each pass into dump_dir (<graph_kind>_<i>_{before,after}_<pass>.txt)."""
     for i, p in enumerate(PASSES if passes is None else passes):
         if dump_dir:
-            os.makedirs(dump_dir, exist_ok=True)
-            with open(os.path.join(dump_dir, f"{ctx.graph_kind}_{i:02d}_before_{p.__name__}.txt"), "w") as f:
-                f.write(str(gm.graph))
+            _dump(gm, dump_dir, f"{ctx.graph_kind}_{i:02d}_before_{p.__name__}.txt")
         gm = p(gm, ctx)
         gm.graph.lint()
+        if dump_dir:
+            _dump(gm, dump_dir, f"{ctx.graph_kind}_{i:02d}_after_{p.__name__}.txt")
         logger.debug("%s: ran %s", ctx.where(), p.__name__)
     return gm
+
+
+def _dump(gm: fx.GraphModule, dump_dir, name: str) -> None:
+    os.makedirs(dump_dir, exist_ok=True)
+    with open(os.path.join(dump_dir, name), "w") as f:
+        f.write(str(gm.graph))

@@ -1,11 +1,156 @@
 """Rewrite HF's eager attention (matmul -> scale -> +mask -> softmax -> matmul) into one SDPA node.
 
-Placeholder until the eager pattern lands: matches nothing yet.
+Matches:  the region of HF's `eager_attention_forward`, anchored on aten.softmax.int over the last dim:
+              scores = aten.matmul(q, aten.transpose.int(k, 2, 3))        q [B, Hq, T, D], k [B, Hq, S, D]
+              scaled = aten.mul.Tensor(scores, scaling)                   scaling a Python number
+              masked = aten.add.Tensor(scaled, mask)                      optional (no mask: no add)
+              probs  = aten.softmax.int(masked, -1, float32)
+                       aten.to.dtype(probs, q.dtype)                      optional (or aten._to_copy)
+                       aten.dropout(., p, train)                          optional; p == 0 or not train
+              out    = aten.matmul(., v)                                  v [B, Hq, S, D], out [B, Hq, T, D]
+          k and v are HF's repeat_kv outputs. Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma-3 all spell it
+          this way in the captured training IR (transformers 5.17 and 5.23); the matmuls are not decomposed.
+Emits:    one aten.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling) per region, with the
+          val and nn_module_stack of the value matmul it replaces (same [B, Hq, T, D] output, still before
+          HF's transpose(1, 2)); k/v stay the repeat_kv views, so locate_attention_sites traces them to the
+          cache buffers. The rest of the region is erased.
+Skips:    (logged at DEBUG with the softmax node and the reason) a region whose intermediates escape (e.g.
+          returned attention weights, output_attentions=True), softcapped scores (Gemma-2, or Gemma-3 with
+          attn_logit_softcapping: div/tanh/mul between scale and mask, which SDPA cannot express), active
+          dropout, a softmax over another dim, a mask of neither bool nor q's dtype, or any other spelling.
+          No rewrite is ever partial: a skipped layer keeps its whole eager region (and its softmax), so
+          locate_attention_sites then reports it as a layer without an attention site.
+Requires: capture only; runs first.
 """
+import logging
+import numbers
+
+import torch
 from torch import fx
 
 from kvrewrite.context import RewriteContext
+from kvrewrite.passes.utils import clean_up, val_shape
+
+logger = logging.getLogger(__name__)
+aten = torch.ops.aten
+SDPA = aten.scaled_dot_product_attention.default
+SOFTMAX = aten.softmax.int
+MATMUL = aten.matmul.default
+CASTS = (aten.to.dtype, aten._to_copy.default)  # softmax(..., dtype=float32).to(query.dtype)
+DROPOUT = aten.dropout.default
+TANH = aten.tanh.default  # Gemma-2/3 attn_logit_softcapping: ((s * scaling) / cap).tanh() * cap
+
+
+class _NoMatch(Exception):
+    """Why a softmax is not the anchor of a rewritable eager attention."""
+
+
+def _is_call(node, targets) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _arg(node: fx.Node, i: int, name: str, default=None):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def _only_user(node: fx.Node, what: str) -> fx.Node:
+    """The single user of an intermediate; more than one means the intermediate escapes the attention."""
+    if len(node.users) != 1:
+        raise _NoMatch(f"the {what} '{node.name}' escapes: used by {sorted(u.name for u in node.users)}")
+    return next(iter(node.users))
+
+
+def _match(softmax: fx.Node) -> dict:
+    """Walk back from the softmax to the score matmul and forward to the value matmul.
+
+    Returns q, k, v, mask (or None), scale, the value matmul `out`, and `region`: the nodes to erase,
+    users before producers.
+    """
+    before, after = [], []  # producers of the softmax input / consumers of its output, inside the region
+    dim = _arg(softmax, 1, "dim")
+    ndim = len(val_shape(softmax))
+    if ndim != 4 or dim not in (-1, ndim - 1):
+        raise _NoMatch(f"softmax over dim {dim} of a {ndim}-D tensor, expected the last dim of [B, Hq, T, S]")
+
+    # backwards: [add(mask)] <- mul(scaling) <- matmul(q, transpose(k))
+    node, mask = softmax.args[0], None
+    if _is_call(node, (aten.add.Tensor,)) and isinstance(node.args[1], fx.Node) and len(node.args) == 2:
+        before.append(node)
+        node, mask = node.args[0], node.args[1]
+    if not (_is_call(node, (aten.mul.Tensor,)) and isinstance(node.args[1], numbers.Real)):
+        raise _NoMatch(f"expected scores * scaling before the softmax, found '{getattr(node, 'name', node)}'")
+    scale = float(node.args[1])
+    before.append(node)
+    node = node.args[0]
+    if _is_call(node, (TANH,)):
+        raise _NoMatch(f"softcapped scores ('{node.name}' is a tanh); SDPA cannot express them")
+    if not _is_call(node, (MATMUL,)):
+        raise _NoMatch(f"expected the score matmul, found '{getattr(node, 'name', node)}'")
+    scores = node
+    before.append(scores)
+    q, kt = scores.args
+    if not (_is_call(kt, (aten.transpose.int,)) and {d % 4 for d in kt.args[1:3]} == {2, 3}):
+        raise _NoMatch(f"expected matmul(q, k.transpose(2, 3)), found '{getattr(kt, 'name', kt)}' as the key")
+    k = kt.args[0]
+    for n in before:
+        _only_user(n, "attention scores")
+
+    # forwards: [to(q.dtype)] -> [dropout(p=0)] -> matmul(., v)
+    node = _only_user(softmax, "attention weights")
+    if _is_call(node, CASTS):
+        after.append(node)
+        node = _only_user(node, "attention weights")
+    if _is_call(node, (DROPOUT,)):
+        p, train = _arg(node, 1, "p"), _arg(node, 2, "train")
+        if p and train:
+            raise _NoMatch(f"active dropout (p={p}, train={train}); call model.eval()")
+        after.append(node)
+        node = _only_user(node, "attention weights")
+    if not (_is_call(node, (MATMUL,)) and node.args[0] is (after or [softmax])[-1]):
+        raise _NoMatch(f"expected the value matmul after the softmax, found '{node.name}' ({node.target})")
+    out, v = node, node.args[1]
+
+    qv, kv, vv, ov = _val(q), _val(k), _val(v), _val(out)
+    if qv is None or kv is None or vv is None or ov is None:
+        raise _NoMatch("q, k, v or the output has no meta['val']")
+    shapes = f"{tuple(qv.shape)}, {tuple(kv.shape)}, {tuple(vv.shape)} and {tuple(ov.shape)} {ov.dtype}"
+    if not qv.dim() == kv.dim() == vv.dim() == 4:
+        raise _NoMatch(f"expected 4-D q, k, v and output, got {shapes}")
+    B, H, T, _ = qv.shape
+    # k/v are repeat_kv'd (Hq heads, like q); the output is [B, Hq, T, D], before HF's transpose(1, 2).
+    if tuple(kv.shape[:2]) != (B, H) or tuple(vv.shape[:2]) != (B, H) or tuple(ov.shape) != (B, H, T, vv.shape[3]) \
+            or ov.dtype != qv.dtype:
+        raise _NoMatch(f"expected q [B, Hq, T, D], k/v [B, Hq, S, D] and output [B, Hq, T, D] of q's dtype, got {shapes}")
+    mv = _val(mask)
+    if mask is not None and (mv is None or mv.dtype not in (torch.bool, qv.dtype)):
+        raise _NoMatch(f"the mask '{mask.name}' is {getattr(mv, 'dtype', None)}; SDPA needs bool or {qv.dtype}")
+    region = [out, *reversed(after), softmax, *before]
+    return dict(q=q, k=k, v=v, mask=mask, scale=scale, out=out, region=region)
 
 
 def normalize_eager_attention(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
-    return gm
+    graph = gm.graph
+    count = 0
+    for softmax in [n for n in graph.nodes if _is_call(n, (SOFTMAX,))]:
+        try:
+            m = _match(softmax)
+        except _NoMatch as e:
+            logger.debug("normalize_eager_attention: %s: skipped: %s", ctx.where(node=softmax), e)
+            continue
+        out = m["out"]
+        kwargs = {"scale": m["scale"]} if m["mask"] is None else {"attn_mask": m["mask"], "scale": m["scale"]}
+        with graph.inserting_before(out):
+            sdpa = graph.call_function(SDPA, (m["q"], m["k"], m["v"]), kwargs)
+        sdpa.meta.update({k: v for k, v in out.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+        out.replace_all_uses_with(sdpa)
+        # Erase explicitly, users first: DCE keeps aten.dropout (random ops count as impure).
+        for node in m["region"]:
+            graph.erase_node(node)
+        count += 1
+    ctx.counters["normalize_eager_attention"] += count
+    logger.debug("normalize_eager_attention: rewrote %d eager attention regions into SDPA", count)
+    return clean_up(gm) if count else gm

@@ -37,7 +37,6 @@ def remove_dead_cache_buffers(gm: fx.GraphModule, ctx: RewriteContext) -> fx.Gra
         elif node.target in VIEW_OPS:
             aliases.add(node)
     graph.eliminate_dead_code()
-    removed = 0
     for buf in [n for n in graph.nodes if n.op == "get_attr" and n.target in cache]:
         if buf.users:
             user = next(iter(buf.users))
@@ -45,10 +44,13 @@ def remove_dead_cache_buffers(gm: fx.GraphModule, ctx: RewriteContext) -> fx.Gra
                 f"{ctx.where(layer_of(user), user)}: still reads the dense cache buffer '{buf.target}' after the rewrite"
             )
         graph.erase_node(buf)
-        removed += 1
+    # Count what left the module: dead get_attr nodes are already gone after eliminate_dead_code
+    # above (and after the DCE of earlier passes), so counting erased nodes would report 0.
+    removed = 0
     for name in cache:
         if hasattr(gm, name):
             delattr(gm, name)
+            removed += 1
     ctx.counters["remove_dead_cache_buffers"] += removed
     logger.debug("remove_dead_cache_buffers: removed %d cache buffers", removed)
     return clean_up(gm)

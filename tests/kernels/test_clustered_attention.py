@@ -1,0 +1,205 @@
+"""kvrewrite::clustered_attention: the reference against a naive float64 attention written here.
+
+The naive version below is deliberately the paper's Eq. (2) spelled out query by query and slot by
+slot (no einsum, no max-subtraction trick beyond what float64 needs): weight_j = exp(scale*q.k_j + b_j)
+for every slot j visible to the query (slot_pos_j <= cache_position, and > cache_position - window for a
+windowed layer), o = sum_j weight_j v_j / sum_j weight_j, and 0 when the query sees no slot.
+"""
+import itertools
+import math
+
+import pytest
+import torch
+
+import kvrewrite  # noqa: F401  (registers the ops)
+
+OP = torch.ops.kvrewrite.clustered_attention.default
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny ops: a second OpenMP thread only adds spin-waits (100x slower on a loaded 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+# Tolerance table: output dtype -> (atol, rtol) of the op against the float64 naive attention.
+# Both see the *same* inputs (the naive version upcasts the exact bf16/fp32 values), so input
+# quantisation cancels; what remains is
+#   fp32: fp32 logits/softmax/accumulation. Logits are O(5) (q, k ~ N(0,1), scale D**-0.5, biases up
+#         to log 5), so exp() carries ~1e-6 relative error and outputs (|v| <= ~4) ~4e-6 absolute.
+#         atol 2e-5 / rtol 1e-5 is 5x that, and ~1e4 below the smallest effect a real bug has here
+#         (dropping the bias, a wrong GQA head or an off-by-one mask all move outputs by >= 1e-2).
+#   bf16: the fp32 result rounded once to bf16: relative error <= 2**-8 (half an ulp of an 8-bit
+#         significand), plus the fp32 error above for outputs near 0 after cancellation.
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=1e-5),
+    torch.bfloat16: dict(atol=2e-5, rtol=2**-8),
+}
+
+
+def naive_attention(q, keys, values, bias, slot_pos, cache_position, scale, window):
+    """float64 dense softmax, one (b, query head) at a time; GQA: query head h reads KV head h // (Hq // Hkv)."""
+    B, Hq, T, D = q.shape
+    Hkv = keys.shape[1]
+    G = Hq // Hkv
+    q, k, v, bias = q.double(), keys.double(), values.double(), bias.double()
+    out = torch.zeros(B, Hq, T, D, dtype=torch.float64)
+    cp = cache_position[:, None]
+    for b in range(B):
+        for h in range(Hq):
+            kh = h // G
+            sp = slot_pos[b, kh][None, :]
+            vis = (sp <= cp) & (bias[b, kh] > -math.inf)[None, :]  # [T, C]
+            if window > 0:
+                vis &= sp > cp - window
+            logits = (q[b, h] @ k[b, kh].T) * scale + bias[b, kh]
+            logits = logits.masked_fill(~vis, -math.inf)
+            m = logits.amax(-1, keepdim=True).nan_to_num(neginf=0.0)
+            w = torch.exp(logits - m)  # 0 where invisible
+            den = w.sum(-1, keepdim=True)
+            o = (w @ v[b, kh]) / torch.where(den > 0, den, 1.0)
+            out[b, h] = o  # a query that sees nothing: w == 0, o == 0
+    return out
+
+
+def make_state(B, Hkv, C, D, T, dtype, n_past_max=50, gen=None, empty_frac=0.15):
+    """A slot state whose last min(T, C) slots hold the fresh block (positions P..P+T-1) and whose
+    other slots hold past tokens (random distinct positions < P, random degrees 1..5, ~15% empty)."""
+    g = gen
+    keys = torch.randn(B, Hkv, C, D, generator=g).to(dtype)
+    values = torch.randn(B, Hkv, C, D, generator=g).to(dtype)
+    P = max(n_past_max, C + 3)  # past positions are drawn from [0, P)
+    n_fresh = min(T, C)
+    n_past = C - n_fresh
+    slot_pos = torch.empty(B, Hkv, C, dtype=torch.int64)
+    bias = torch.empty(B, Hkv, C, dtype=torch.float32)
+    for b in range(B):
+        for h in range(Hkv):
+            slot_pos[b, h, :n_past] = torch.randperm(P, generator=g)[:n_past].sort().values
+            slot_pos[b, h, n_past:] = P + T - n_fresh + torch.arange(n_fresh)  # the fresh block (the last tokens)
+            deg = torch.randint(1, 6, (C,), generator=g).float()
+            deg[n_past:] = 1
+            bias[b, h] = deg.log()
+            empty = torch.rand(n_past, generator=g) < empty_frac
+            bias[b, h, :n_past][empty] = -math.inf
+    cache_position = torch.arange(P, P + T)  # the fresh block, which the last min(T, C) slots hold
+    return keys, values, bias, slot_pos, cache_position
+
+
+HEADS = [(1, 1), (2, 1), (4, 2), (8, 2), (7, 1)]  # Hq/Hkv = 1, 2, 2, 4, 7
+GRID = list(itertools.product((1, 3), HEADS, (1, 5), (1, 37, 100), (16, 64)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,heads,T,C,D", GRID, ids=[f"B{b}-Hq{h[0]}Hkv{h[1]}-T{t}-C{c}-D{d}" for b, h, t, c, d in GRID])
+def test_matches_naive(B, heads, T, C, D, dtype):
+    Hq, Hkv = heads
+    g = torch.Generator().manual_seed(hash((B, Hq, Hkv, T, C, D)) % 2**31)
+    keys, values, bias, slot_pos, cp = make_state(B, Hkv, C, D, T, dtype, gen=g)
+    q = torch.randn(B, Hq, T, D, generator=g).to(dtype)
+    scale = D**-0.5
+    out = OP(q, keys, values, bias, slot_pos, cp, scale, 0)
+    assert out.dtype == dtype and out.shape == (B, Hq, T, D)
+    ref = naive_attention(q, keys, values, bias, slot_pos, cp, scale, 0)
+    torch.testing.assert_close(out.double(), ref, **TOL[dtype])
+
+
+def test_causal_fresh_block():
+    """T > 1 prefill chunk written just before: query t sees the fresh slots up to itself only."""
+    B, Hkv, C, D, T = 1, 1, 6, 16, 4
+    keys = torch.randn(B, Hkv, C, D)
+    values = torch.randn(B, Hkv, C, D)
+    bias = torch.zeros(B, Hkv, C)
+    slot_pos = torch.tensor([[[0, 1, 10, 11, 12, 13]]])  # 2 past tokens, then the chunk 10..13
+    cp = torch.arange(10, 14)
+    q = torch.randn(B, 1, T, D)
+    out = OP(q, keys, values, bias, slot_pos, cp, 0.25, 0)
+    for t in range(T):
+        vis = 2 + t + 1
+        exp = torch.softmax(q[0, 0, t] @ keys[0, 0, :vis].T * 0.25, -1) @ values[0, 0, :vis]
+        torch.testing.assert_close(out[0, 0, t], exp, atol=2e-6, rtol=1e-5)
+
+
+def test_bias_is_log_degree():
+    """A slot with bias log n is n identical slots with bias 0 (the paper's Eq. 2), added after scaling."""
+    D = 16
+    k = torch.randn(1, 1, 4, D)
+    v = torch.randn(1, 1, 4, D)
+    q = torch.randn(1, 2, 1, D)
+    deg = torch.tensor([3.0, 1.0, 2.0, 1.0])
+    merged = OP(q, k, v, deg.log().view(1, 1, 4), torch.zeros(1, 1, 4, dtype=torch.long), torch.tensor([5]), 0.3, 0)
+    rep = deg.long()
+    k_exp, v_exp = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    n = int(rep.sum())
+    expanded = OP(q, k_exp, v_exp, torch.zeros(1, 1, n), torch.zeros(1, 1, n, dtype=torch.long), torch.tensor([5]), 0.3, 0)
+    torch.testing.assert_close(merged, expanded, atol=2e-6, rtol=1e-5)
+    # and the bias matters: without it the result is measurably different
+    plain = OP(q, k, v, torch.zeros(1, 1, 4), torch.zeros(1, 1, 4, dtype=torch.long), torch.tensor([5]), 0.3, 0)
+    assert (plain - merged).abs().max() > 1e-2
+
+
+def test_empty_slots_are_ignored():
+    """bias -inf marks an empty slot: whatever (finite) stale data it holds is never attended."""
+    D = 16
+    k, v = torch.randn(1, 1, 5, D), torch.randn(1, 1, 5, D)
+    q = torch.randn(1, 1, 1, D)
+    pos = torch.zeros(1, 1, 5, dtype=torch.long)
+    bias = torch.tensor([[[0.0, -math.inf, 0.0, -math.inf, 0.0]]])
+    k2, v2 = k.clone(), v.clone()
+    k2[0, 0, [1, 3]] = 1e3 * torch.randn(2, D)  # large stale keys would dominate the softmax if attended
+    v2[0, 0, [1, 3]] = 1e3
+    out = OP(q, k2, v2, bias, pos, torch.tensor([0]), 0.25, 0)
+    ref = OP(q, k[:, :, [0, 2, 4]], v[:, :, [0, 2, 4]], torch.zeros(1, 1, 3), pos[:, :, :3], torch.tensor([0]), 0.25, 0)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("window", [1, 3, 7])
+def test_window_masking(window):
+    """Sliding window: slot visible iff cache_position - window < slot_pos <= cache_position."""
+    B, Hkv, Hq, C, D, T = 2, 2, 4, 20, 16, 3
+    g = torch.Generator().manual_seed(window)
+    keys, values, bias, slot_pos, cp = make_state(B, Hkv, C, D, T, torch.float32, n_past_max=25, gen=g)
+    q = torch.randn(B, Hq, T, D, generator=g)
+    out = OP(q, keys, values, bias, slot_pos, cp, 0.25, window)
+    ref = naive_attention(q, keys, values, bias, slot_pos, cp, 0.25, window)
+    torch.testing.assert_close(out.double(), ref, **TOL[torch.float32])
+    # the window really cuts something: without it the answer differs
+    full = OP(q, keys, values, bias, slot_pos, cp, 0.25, 0)
+    assert (full - out).abs().max() > 1e-2
+    # window == 1: each query sees exactly its own slot (the fresh token), so o = its value
+    if window == 1:
+        Gq = Hq // Hkv
+        for t in range(T):
+            fresh = (slot_pos == cp[t]).nonzero()
+            for b, h, j in fresh.tolist():
+                for hq in range(h * Gq, (h + 1) * Gq):
+                    torch.testing.assert_close(out[b, hq, t], values[b, h, j])
+
+
+def test_query_with_no_visible_slot_is_zero_not_nan():
+    D = 16
+    k, v = torch.randn(2, 1, 4, D), torch.randn(2, 1, 4, D)
+    q = torch.randn(2, 3, 2, D)
+    bias = torch.zeros(2, 1, 4)
+    bias[1] = -math.inf  # batch row 1: every slot empty
+    pos = torch.tensor([5, 6, 7, 8]).expand(2, 1, 4).contiguous()
+    cp = torch.tensor([3, 6])  # query 0 precedes every slot; query 1 sees slots 5, 6
+    for dtype in (torch.float32, torch.bfloat16):
+        out = OP(q.to(dtype), k.to(dtype), v.to(dtype), bias, pos, cp, 0.25, 0)
+        assert torch.isfinite(out).all()
+        assert (out[0, :, 0] == 0).all()  # nothing visible yet
+        assert (out[1] == 0).all()  # visible positions but every slot empty
+        assert (out[0, :, 1] != 0).any()
+    # the window can hide everything too
+    out = OP(q, k, v, torch.zeros(2, 1, 4), pos, torch.tensor([20, 21]), 0.25, 4)
+    assert torch.isfinite(out).all() and (out == 0).all()
+
+
+def test_opcheck():
+    g = torch.Generator().manual_seed(0)
+    for dtype, (Hq, Hkv), T, window in [(torch.float32, (4, 2), 3, 0), (torch.bfloat16, (7, 1), 1, 5)]:
+        keys, values, bias, slot_pos, cp = make_state(2, Hkv, 11, 16, T, dtype, gen=g)
+        q = torch.randn(2, Hq, T, 16, generator=g).to(dtype)
+        torch.library.opcheck(OP, (q, keys, values, bias, slot_pos, cp, 0.25, window))

@@ -1,0 +1,108 @@
+"""torch.compile of the rewritten model on CPU (Inductor, fullgraph=True): no graph break, same logits.
+
+One family (llama, 2 layers) keeps it short: Inductor's C++ compile of the two step graphs dominates
+(about 10 s warm, 30-75 s with a cold Inductor cache on the 2-core CI). The chelsea settings are
+small so that the compression op runs inside the compiled steps: prompt 24 tokens (row 1 has 5
+pads), 12 new tokens -> target B = round(0.5 * 36) = 18, threshold B + g = 22; prefill leaves
+18 slots and decode steps 4, 8, 12 compress back to 18.
+"""
+import pytest
+import torch
+
+import kvrewrite
+from tests.families import tiny_model
+
+# Inductor reorders and fuses fp32 reductions (RMSNorm, softmax, matmul epilogues): rounding only.
+# Chelsea's merge decisions (argmax of cosine similarities) see the same rounding; with random keys
+# no near-tie flips, so the same tolerance holds after compression.
+TOL = dict(atol=1e-5, rtol=1e-5)
+PROMPT, PAD_ROW1, NEW, CHUNK, MAX_LENGTH = 24, 5, 12, 16, 40
+CHELSEA = dict(budget=0.5, n_sink=2, n_recent=4, chunk=8, interval=4)
+METHODS = {"full": {}, "chelsea": CHELSEA}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models: intra-op threads only add synchronisation (about 10x slower on the 2-core CI)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = tiny_model("llama")
+    m.generation_config.eos_token_id = None  # every row generates all NEW tokens
+    m.generation_config.pad_token_id = 0
+    return m
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 128, (2, PROMPT), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :PAD_ROW1] = 0
+    return ids, mask
+
+
+def _fills(rw):
+    return [getattr(rw, f"l{info.index}_fill").clone() for info in rw.layers]
+
+
+@torch.no_grad()
+def _decode(step_fn, rw, tokens):
+    """Run the decode steps with step_fn(ids, pos, cpos, valid); logits [steps, B, V] and fills per step."""
+    pos, cpos = rw._next_position.clone(), rw._next_cache_position
+    valid = torch.ones(2, 1, dtype=torch.bool)
+    logits, fills = [], []
+    for s, tok in enumerate(tokens):
+        logits.append(step_fn(tok[:, None], (pos + s)[:, None], torch.tensor([cpos + s]), valid)[:, -1])
+        fills.append(_fills(rw))
+    return torch.stack(logits), fills
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@torch.no_grad()
+def test_compiled_decode_step_matches_eager(model, method):
+    """Eager prefill, then NEW decode steps eager and (from the same state) compiled, fed the same tokens."""
+    rw = kvrewrite.apply(model, method, max_length=MAX_LENGTH, batch_size=2, prefill_chunk=CHUNK, **METHODS[method])
+    ids, mask = _inputs()
+    rw.prefill(ids, mask, max_new_tokens=NEW)
+    saved = [t.clone() for t in rw.state_tensors()]
+    tokens = torch.randint(3, 128, (NEW, 2), generator=torch.Generator().manual_seed(3))
+
+    eager, eager_fills = _decode(rw, rw, tokens)
+    for t, s in zip(rw.state_tensors(), saved):  # back to the post-prefill state, same tensors
+        t.copy_(s)
+    compiled = torch.compile(rw, fullgraph=True)  # raises on any graph break
+    ours, our_fills = _decode(compiled, rw, tokens)
+
+    if method == "chelsea":  # compression really ran inside the compiled steps
+        l0 = [int(f[0].max()) for f in our_fills]
+        assert l0.count(18) >= 2 and max(l0) == 21, f"layer-0 fill per step {l0}: expected compressions back to 18"
+    for s, (a, b) in enumerate(zip(eager_fills, our_fills)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"{method}: fill differs at step {s}: {a} vs {b}"
+    diff = (ours - eager).abs().max().item()
+    assert torch.allclose(ours, eager, **TOL), f"{method}: compiled vs eager decode logits: max abs diff {diff:.3g}"
+
+
+@torch.no_grad()
+def test_module_compile_in_place_generate_matches_eager(model):
+    """rw.compile(fullgraph=True) (nn.Module.compile) makes generate run compiled (prefill chunks and decode)."""
+    rw = kvrewrite.apply(model, "chelsea", max_length=MAX_LENGTH, batch_size=2, prefill_chunk=CHUNK, **CHELSEA)
+    ids, mask = _inputs()
+    eager = rw.generate(ids, attention_mask=mask, max_new_tokens=NEW)
+    torch._dynamo.utils.counters.clear()
+    rw.compile(fullgraph=True)
+    compiled = rw.generate(ids, attention_mask=mask, max_new_tokens=NEW)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs >= 2, f"expected the prefill-chunk and decode steps compiled, dynamo compiled {graphs} graphs"
+    assert torch.equal(compiled, eager), f"compiled generate\n{compiled[:, PROMPT:]}\n!= eager\n{eager[:, PROMPT:]}"
