@@ -26,7 +26,7 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
         prefill_chunk: tokens per prefill step; the prompt is left-padded to a multiple of it.
         **method_kwargs: the method's own options (see its class, e.g. ChelseaMethod).
     """
-    from kvrewrite.capture import capture
+    from kvrewrite.capture import capture, check_causal_lm
     from kvrewrite.context import RewriteContext
     from kvrewrite.passes import run_passes
     from kvrewrite.runtime import KVRewrittenModel
@@ -36,6 +36,7 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
         raise ValueError(f"kvrewrite.apply: batch_size must be an int >= 1, got {batch_size!r}")
     if not isinstance(prefill_chunk, int) or prefill_chunk < 2:
         raise ValueError(f"kvrewrite.apply: prefill_chunk must be an int >= 2, got {prefill_chunk!r}")
+    check_causal_lm(model)  # before reading model.config
     if max_length is None:
         max_length = min(getattr(model.config, "max_position_embeddings", DEFAULT_MAX_LENGTH) or DEFAULT_MAX_LENGTH,
                          DEFAULT_MAX_LENGTH)

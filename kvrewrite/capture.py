@@ -112,13 +112,19 @@ def _to_plain_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     out = next(n for n in graph.nodes if n.op == "output")
     if isinstance(out.args[0], (tuple, list)) and len(out.args[0]) == 1:
         out.args = (out.args[0][0],)
+    graph.eliminate_dead_code()  # export leaves a few dead nodes (HF mask setup, unused rotary buffers)
     return fx.GraphModule(gm, graph, class_name="CapturedGraph")  # a plain module: no export pre-hooks
+
+
+def check_causal_lm(model) -> None:
+    """ValueError unless `model` looks like a Hugging Face causal LM (has config and generation_config)."""
+    if not hasattr(model, "config") or not hasattr(model, "generation_config"):
+        raise ValueError(f"kvrewrite.apply: expected a Hugging Face causal LM, got {type(model).__name__}")
 
 
 def capture(model, *, batch_size: int, prefill_chunk: int) -> Captured:
     """Export `model` into a prefill-chunk graph ([B, prefill_chunk]) and a decode-step graph ([B, 1])."""
-    if not hasattr(model, "config") or not hasattr(model, "generation_config"):
-        raise ValueError(f"kvrewrite.apply: expected a Hugging Face causal LM, got {type(model).__name__}")
+    check_causal_lm(model)
     mt = model.config.model_type
     if mt not in SUPPORTED_MODELS:
         logger.warning("kvrewrite: model type %r is outside SUPPORTED_MODELS %s; trying anyway", mt, SUPPORTED_MODELS)

@@ -84,7 +84,8 @@ def test_full_logits_match_hf_every_step(built, family):
         mask_now = torch.cat([mask_now, torch.ones_like(mask_now[:, :1])], dim=1)
         hf_step = model(input_ids=tok[:, None], attention_mask=mask_now, position_ids=next_pos[:, None],
                         past_key_values=cache, use_cache=True).logits[:, -1]
-        our_step = rw(tok[:, None], next_pos[:, None], torch.tensor([n + step]), torch.ones(2, 1, dtype=torch.bool))[:, -1]
+        valid = torch.ones(2, 1, dtype=torch.bool)
+        our_step = rw(tok[:, None], next_pos[:, None], torch.tensor([n + step]), valid)[:, -1]
         worst.append((f"decode {step}", _maxdiff(our_step, hf_step)))
         tok, next_pos = hf_step.argmax(-1), next_pos + 1
 

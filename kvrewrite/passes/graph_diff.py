@@ -4,11 +4,13 @@
     gm = some_pass(gm, ctx)
     print(graph_diff(before, gm, "tiny-llama / decode / some_pass"))
 
-The text lists op-count changes, then the removed, added and rewired nodes: layer 0 and new or
-removed graph inputs in full, other layers and the nodes outside any layer only as op counts. It is normalized so that it
-survives torch/transformers upgrades: node names lose their numeric suffix (`add_12` -> `add`),
-shapes come from meta["val"] (symbolic dims print as s0), floats print with six significant digits,
-devices print as `<device>`, and stack traces and source locations are never read.
+The text lists the change in op counts (deltas: the totals include HF code no pass touches), then
+the removed and added nodes and the redirected uses ("uses of X -> Y"): layer 0 and the graph inputs
+in full, other layers and the nodes outside any layer (HF's mask construction, cache bookkeeping)
+only as counts. Nodes are paired by their graph name, which passes never change. The text is
+normalized so that it survives torch/transformers upgrades: node names lose their numeric suffix
+(`add_12` -> `add`), shapes come from meta["val"] (symbolic dims print as s0), floats print with
+six significant digits, devices as `<device>`, and stack traces and source locations are never read.
 """
 import re
 from collections import Counter
@@ -159,7 +161,7 @@ def _target_name(target) -> str:
     if isinstance(target, torch._ops.OpOverload):
         ns, name = target.name().split("::")
         return f"{ns}.{name}" if "." in name else f"{ns}.{name}.default"
-    return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
+    return getattr(target, "__name__", None) or str(target)  # Python callables (symbolic_trace graphs)
 
 
 def _name(node: fx.Node) -> str:

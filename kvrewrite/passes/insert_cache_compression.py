@@ -14,6 +14,7 @@ import torch
 from torch import fx
 
 from kvrewrite.context import RewriteContext
+from kvrewrite.passes.utils import clean_up
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,4 @@ def insert_cache_compression(gm: fx.GraphModule, ctx: RewriteContext) -> fx.Grap
         count += 1
     ctx.counters["insert_cache_compression"] += count
     logger.debug("insert_cache_compression: %d compression ops", count)
-    graph.lint()
-    gm.recompile()
-    return gm
+    return clean_up(gm)

@@ -122,9 +122,10 @@ def _match(softmax: fx.Node) -> dict:
         raise _NoMatch(f"expected 4-D q, k, v and output, got {shapes}")
     B, H, T, _ = qv.shape
     # k/v are repeat_kv'd (Hq heads, like q); the output is [B, Hq, T, D], before HF's transpose(1, 2).
-    if tuple(kv.shape[:2]) != (B, H) or tuple(vv.shape[:2]) != (B, H) or tuple(ov.shape) != (B, H, T, vv.shape[3]) \
-            or ov.dtype != qv.dtype:
-        raise _NoMatch(f"expected q [B, Hq, T, D], k/v [B, Hq, S, D] and output [B, Hq, T, D] of q's dtype, got {shapes}")
+    if (tuple(kv.shape[:2]) != (B, H) or tuple(vv.shape[:2]) != (B, H)
+            or tuple(ov.shape) != (B, H, T, vv.shape[3]) or ov.dtype != qv.dtype):
+        raise _NoMatch(f"expected q [B, Hq, T, D], k/v [B, Hq, S, D] and output [B, Hq, T, D] of q's dtype, "
+                       f"got {shapes}")
     mv = _val(mask)
     if mask is not None and (mv is None or mv.dtype not in (torch.bool, qv.dtype)):
         raise _NoMatch(f"the mask '{mask.name}' is {getattr(mv, 'dtype', None)}; SDPA needs bool or {qv.dtype}")

@@ -15,6 +15,7 @@ import torch
 from torch import fx
 
 from kvrewrite.context import RewriteContext
+from kvrewrite.passes.utils import clean_up
 from kvrewrite.errors import RewriteError
 from kvrewrite.state import STATE_FIELDS
 
@@ -57,6 +58,4 @@ def replace_kv_cache_update(gm: fx.GraphModule, ctx: RewriteContext) -> fx.Graph
         count += 1
     ctx.counters["replace_kv_cache_update"] += count
     logger.debug("replace_kv_cache_update: replaced %d KV-update pairs", count)
-    graph.lint()
-    gm.recompile()
-    return gm
+    return clean_up(gm)

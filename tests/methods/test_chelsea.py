@@ -294,7 +294,7 @@ def test_r_schedule_per_round(sched, monkeypatch):
         return K[:, n_merge:], V[:, n_merge:], n[:, n_merge:], pos[:, n_merge:]
 
     monkeypatch.setattr(cc, "csm_round", stub)
-    for L in range(20, 400, 3):
+    for L in range(20, 320, 7):
         for target in (12, L // 5, L - 1):
             if target < 10:
                 continue

@@ -234,3 +234,32 @@ def test_run_passes_dumps_graphs(tmp_path):
     assert "scaled_dot_product_attention" in first and "hf_cache_0_keys" in first
     assert "clustered_attention" in last and "hf_cache_" not in last
     assert last == str(gm.graph)
+
+
+def test_graph_diff_format():
+    """graph_diff itself: removed / added / rewired / changed nodes, normalized names and floats."""
+
+    def f(x):
+        return torch.relu(x * 0.1234567) + 1
+
+    gm = torch.fx.symbolic_trace(f)
+    for n in gm.graph.nodes:
+        n.meta["kvrewrite"] = {"layer": 0 if n.op == "call_function" else 1}
+    before = snapshot(gm)
+    mul, relu, _ = [n for n in gm.graph.nodes if n.op == "call_function"]
+    mul.args = (mul.args[0], 2.0)
+    with gm.graph.inserting_after(relu):
+        sig = gm.graph.call_function(torch.sigmoid, (mul,))
+    sig.meta["kvrewrite"] = {"layer": 0}
+    relu.replace_all_uses_with(sig)
+    gm.graph.erase_node(relu)
+    assert graph_diff(before, gm, "toy").splitlines()[2:] == [
+        "[op counts]    relu    -1",
+        "               sigmoid +1",
+        "[removed]      layer0  relu = relu(mul)",
+        "[added]        layer0  sigmoid = sigmoid(mul)",
+        "[rewired]      layer0  uses of relu -> sigmoid",
+        "[changed]      layer0  mul = mul(x, 0.123457)",
+        "                       -> mul = mul(x, 2)",
+    ]
+    assert graph_diff(before, before, "same").endswith("[no change]\n")

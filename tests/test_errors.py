@@ -1,0 +1,194 @@
+"""Clear errors for unsupported models, bad settings and impossible generations (STYLE.md 2.6).
+
+Settings errors are raised before capture (cheap); the generation errors use a few captured tiny
+llamas shared by the module.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+import kvrewrite
+from kvrewrite.errors import RewriteError
+from tests.families import _cfg, tiny_model
+
+CHUNK = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models: intra-op threads only add synchronisation (about 10x slower on the 2-core CI)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+def _prompt(batch, n, pad_rows=()):
+    ids = torch.randint(3, 128, (batch, n), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    for r in pad_rows:
+        mask[r, :3] = 0
+    return ids, mask
+
+
+# -- unsupported models ------------------------------------------------------------------------------
+def test_not_a_hf_model():
+    with pytest.raises(ValueError, match=r"expected a Hugging Face causal LM, got Linear"):
+        kvrewrite.apply(torch.nn.Linear(4, 4), "full")  # no max_length: must not read model.config first
+
+
+def test_hf_base_model_without_lm_head():
+    from transformers import LlamaModel
+
+    with pytest.raises(ValueError, match=r"expected a Hugging Face causal LM, got LlamaModel"):
+        kvrewrite.apply(LlamaModel(_cfg("llama")).eval(), "full", max_length=32, prefill_chunk=CHUNK)
+
+
+def _sigmoid_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """A softmax-free attention (sigmoid attention): nothing the passes can turn into SDPA."""
+    g = query.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
+    w = torch.sigmoid(query @ k.transpose(-1, -2) * scaling)
+    if attention_mask is not None:
+        w = w * (attention_mask > -1).to(w.dtype)
+    return (w @ v).transpose(1, 2).contiguous(), None
+
+
+def _sdpa_on_normalized_keys(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """SDPA over keys transformed after the cache read (L2-normalised): not a plain cache read."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, F.normalize(key, dim=-1), value, attention_mask,
+                                  scaling=scaling, dropout=dropout, **kwargs)
+
+
+AttentionInterface.register("kvrewrite_test_sigmoid", _sigmoid_attention)
+AttentionInterface.register("kvrewrite_test_normalized_keys", _sdpa_on_normalized_keys)
+
+
+def test_attention_without_sdpa_is_refused():
+    model = tiny_model("llama", attn="kvrewrite_test_sigmoid")
+    with pytest.raises(RewriteError) as e:
+        kvrewrite.apply(model, "full", max_length=32, prefill_chunk=CHUNK)
+    msg = str(e.value)
+    assert "llama-2l" in msg and "found no attention site" in msg, msg
+    assert "aten.matmul" in msg and "unsupported attention implementation" in msg, msg  # targets seen + hint
+
+
+def test_sdpa_not_reading_the_cache_names_layer_and_node():
+    model = tiny_model("llama", attn="kvrewrite_test_normalized_keys")
+    with pytest.raises(RewriteError, match=r"llama-2l \(prefill graph\): layer 0: node 'scaled_dot_product_attention"
+                                           r"[^']*' \(aten\.scaled_dot_product_attention\.default\): expected the key "
+                                           r"to be read from a static cache buffer, "
+                                           r"found 'div' \(call_function aten\.div\.Tensor\)"):
+        kvrewrite.apply(model, "full", max_length=32, prefill_chunk=CHUNK)
+
+
+# -- bad settings (raised before capture) ----------------------------------------------------------
+@pytest.mark.parametrize("budget", [0, -0.1, 1.5], ids=["zero", "negative", "above_one"])
+@pytest.mark.parametrize("method,cls", [("chelsea", "ChelseaMethod"), ("streamingllm", "StreamingLLMMethod")])
+def test_budget_outside_unit_interval(llama, method, cls, budget):
+    with pytest.raises(ValueError, match=rf"{cls}\.budget must be in \(0, 1\], got {budget}"):
+        kvrewrite.apply(llama, method, budget=budget)
+
+
+BAD_SETTINGS = [
+    (dict(method="full", budget=0.5), r"FullMethod keeps every token: budget must be 1, got 0\.5"),
+    (dict(method="chelsea", budget="0.5"), r"ChelseaMethod\.budget must be in \(0, 1\], got '0\.5'"),
+    (dict(method="chelsea", interval=0), r"ChelseaMethod\.interval must be an int >= 1, got 0"),
+    (dict(method="chelsea", n_sink=-1), r"ChelseaMethod\.n_sink must be an int >= 0, got -1"),
+    (dict(method="chelsea", n_recent=2.5), r"ChelseaMethod\.n_recent must be an int >= 0, got 2\.5"),
+    (dict(method="chelsea", chunk=1), r"ChelseaMethod\.chunk must be an int >= 2, got 1"),
+    (dict(method="chelsea", r_init=0.6), r"ChelseaMethod\.r_init must be in \(0, 0\.5\], got 0\.6"),
+    (dict(method="chelsea", r_min=0), r"ChelseaMethod\.r_min must be in \(0, 0\.5\]"),
+    (dict(method="streamingllm", n_sink=-2), r"StreamingLLMMethod\.n_sink must be an int >= 0, got -2"),
+    (dict(method="chelsea", nonsense=1), r"bad option for method 'chelsea'.*nonsense"),
+    (dict(method="full", batch_size=0), r"batch_size must be an int >= 1, got 0"),
+    (dict(method="full", prefill_chunk=1), r"prefill_chunk must be an int >= 2, got 1"),
+    (dict(method="full", max_length=0), r"max_length must be an int >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize("kwargs,match", BAD_SETTINGS,
+                         ids=["-".join(f"{k}={v}" for k, v in kw.items()) for kw, _ in BAD_SETTINGS])
+def test_bad_settings_name_the_field(llama, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        kvrewrite.apply(llama, **kwargs)
+
+
+def test_method_instance_and_options_are_exclusive(llama):
+    from kvrewrite.methods import ChelseaMethod
+
+    with pytest.raises(ValueError, match=r"give budget/method options in the Method instance, not both"):
+        kvrewrite.apply(llama, ChelseaMethod(budget=0.3), budget=0.5)
+
+
+def test_unknown_method_lists_the_known_ones(llama):
+    with pytest.raises(ValueError, match=r"unknown method 'h2o'; known methods: chelsea, full, streamingllm"):
+        kvrewrite.apply(llama, "h2o")
+
+
+def test_outlier_head_outside_the_model(llama):
+    with pytest.raises(ValueError, match=r"ChelseaMethod\.outlier_heads: layer 0 has no KV heads \[5\]"):
+        kvrewrite.apply(llama, "chelsea", outlier_heads={0: [5]}, max_length=32, prefill_chunk=CHUNK)
+
+
+# -- generations that cannot run ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def full_rw(llama):
+    return kvrewrite.apply(llama, "full", max_length=32, batch_size=2, prefill_chunk=CHUNK)
+
+
+def test_prompt_beyond_capacity_mentions_max_length(full_rw):
+    ids, mask = _prompt(2, 37)
+    with pytest.raises(ValueError, match=r"prompt of 37 tokens \(padded to 40\) \+ max_new_tokens=4 exceeds the "
+                                         r"capacity of layer 0 \(39 slots, max_length=32\); "
+                                         r"apply\(\) with a larger max_length"):
+        full_rw.generate(ids, attention_mask=mask, max_new_tokens=4)
+
+
+def test_prompt_plus_new_tokens_beyond_max_length(llama):
+    rw = kvrewrite.apply(llama, "streamingllm", budget=0.5, n_sink=2, max_length=32, batch_size=2, prefill_chunk=CHUNK)
+    ids, mask = _prompt(2, 28)
+    with pytest.raises(ValueError, match=r"prompt of 28 tokens \+ max_new_tokens=8 exceeds max_length=32; "
+                                         r"apply\(\) with a larger max_length"):
+        rw.generate(ids, attention_mask=mask, max_new_tokens=8)
+    # StreamingLLM's own limit: B = round(0.5 * (4 + 1)) = 2 slots cannot hold 2 sinks and a recent window.
+    ids, mask = _prompt(2, 4)
+    with pytest.raises(ValueError, match=r"streamingllm: budget 0\.5 x \(n=4 \+ max_new_tokens=1\) = 2 slots cannot "
+                                         r"hold the 2 sink tokens"):
+        rw.generate(ids, attention_mask=mask, max_new_tokens=1)
+
+
+def test_batch_size_mismatch(full_rw):
+    ids, mask = _prompt(3, 10)
+    with pytest.raises(ValueError, match=r"llama-2l: captured for batch size 2, got input of batch 3"):
+        full_rw.generate(ids, attention_mask=mask, max_new_tokens=2)
+
+
+def test_step_length_must_be_one_or_a_chunk(full_rw):
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"a step takes 1 or prefill_chunk=8 tokens, got 5"):
+        full_rw(ids, ids, torch.arange(5), torch.ones(2, 5, dtype=torch.bool))
+
+
+def test_right_padding_is_refused(full_rw):
+    ids, mask = _prompt(2, 10)
+    mask[0, -2:] = 0
+    with pytest.raises(ValueError, match=r"right padding is not supported; left-pad the batch"):
+        full_rw.generate(ids, attention_mask=mask, max_new_tokens=2)
+
+
+def test_chelsea_budget_too_small_for_sinks_and_recent(llama):
+    rw = kvrewrite.apply(llama, "chelsea", budget=0.2, max_length=64, batch_size=2, prefill_chunk=CHUNK)
+    ids, mask = _prompt(2, 20, pad_rows=(1,))
+    # B = round(0.2 * (20 + 10)) = 6 slots; the paper's defaults protect 16 sinks + 64 recent.
+    with pytest.raises(ValueError, match=r"chelsea: budget 0\.2 x \(n=20 \+ max_new_tokens=10\) = 6 slots cannot hold "
+                                         r"the 16 sink \+ 64 recent tokens plus a compressible middle"):
+        rw.generate(ids, attention_mask=mask, max_new_tokens=10)
