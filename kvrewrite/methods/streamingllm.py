@@ -11,6 +11,11 @@ from kvrewrite.methods.base import Method
 class StreamingLLMMethod(Method):
     """Keep the first `n_sink` tokens and the most recent ones, B slots in all.
 
+    Decision: keys keep their original positions (HF caches store keys after RoPE, and the rewrite
+    works on that cache); the paper re-numbers positions inside the rolling cache, which needs
+    pre-RoPE keys. Within the model's trained context the difference is small; beyond it, ours
+    behaves like "window attention with sinks" at the original positions.
+
     Args:
         budget: fraction of n + Γ kept per KV head, in (0, 1].
         n_sink: initial "attention sink" tokens that are always kept (the paper's 4).
