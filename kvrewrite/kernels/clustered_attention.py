@@ -46,6 +46,30 @@ def reference_clustered_attention(q, keys, values, bias, slot_pos, cache_positio
     return out.reshape(B, Hq, T, D).to(q.dtype)
 
 
+def cpu_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window):
+    """The CPU path: the same function through PyTorch's fused SDPA with an additive fp32 mask
+    (bias, -inf where invisible); query groups are folded into the query axis for GQA. Checked
+    against the float64 spelling of the formula in tests/kernels/test_clustered_attention.py."""
+    B, Hq, T, D = q.shape
+    Hkv, C = keys.shape[1], keys.shape[2]
+    G = Hq // Hkv
+    qp = cache_position[None, None, :, None]
+    sp = slot_pos[:, :, None, :]
+    visible = sp <= qp
+    if window > 0:
+        visible = visible & (sp > qp - window)
+    mask = bias[:, :, None, :].masked_fill(~visible, float("-inf"))  # [B, Hkv, T, C]
+    seen = torch.isfinite(mask).any(dim=-1, keepdim=True)  # [B, Hkv, T, 1]
+    mask = mask.masked_fill(~seen, 0.0)  # no NaN rows; their output is zeroed below
+    mask = mask[:, :, None].expand(B, Hkv, G, T, C).reshape(B, Hkv, G * T, C)
+    f32 = torch.float32
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.to(f32).reshape(B, Hkv, G * T, D), keys.to(f32), values.to(f32), attn_mask=mask, scale=scale
+    )
+    out = out.view(B, Hkv, G, T, D).masked_fill(~seen[:, :, None], 0.0)
+    return out.reshape(B, Hq, T, D).to(q.dtype)
+
+
 @torch.library.custom_op("kvrewrite::clustered_attention", mutates_args=())
 def clustered_attention(
     q: torch.Tensor,
@@ -64,6 +88,7 @@ def clustered_attention(
         used = torch.isfinite(bias).flatten(0, 1).any(dim=0).nonzero()
         last = int(used[-1]) + 1 if used.numel() else 1
         keys, values, bias, slot_pos = keys[:, :, :last], values[:, :, :last], bias[:, :, :last], slot_pos[:, :, :last]
+        return cpu_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window).contiguous()
     return reference_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window).contiguous()
 
 

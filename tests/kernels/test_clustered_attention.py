@@ -13,7 +13,11 @@ import torch
 
 import kvrewrite  # noqa: F401  (registers the ops)
 
+from kvrewrite.kernels.clustered_attention import reference_clustered_attention
+
 OP = torch.ops.kvrewrite.clustered_attention.default
+# The op (its CPU path is fused SDPA) and the plain reference (the spec) must both match the naive form.
+IMPLS = {"op": OP, "reference": reference_clustered_attention}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -92,15 +96,16 @@ HEADS = [(1, 1), (2, 1), (4, 2), (8, 2), (7, 1)]  # Hq/Hkv = 1, 2, 2, 4, 7
 GRID = list(itertools.product((1, 3), HEADS, (1, 5), (1, 37, 100), (16, 64)))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("B,heads,T,C,D", GRID, ids=[f"B{b}-Hq{h[0]}Hkv{h[1]}-T{t}-C{c}-D{d}" for b, h, t, c, d in GRID])
-def test_matches_naive(B, heads, T, C, D, dtype):
+def test_matches_naive(B, heads, T, C, D, dtype, impl):
     Hq, Hkv = heads
     g = torch.Generator().manual_seed(hash((B, Hq, Hkv, T, C, D)) % 2**31)
     keys, values, bias, slot_pos, cp = make_state(B, Hkv, C, D, T, dtype, gen=g)
     q = torch.randn(B, Hq, T, D, generator=g).to(dtype)
     scale = D**-0.5
-    out = OP(q, keys, values, bias, slot_pos, cp, scale, 0)
+    out = IMPLS[impl](q, keys, values, bias, slot_pos, cp, scale, 0)
     assert out.dtype == dtype and out.shape == (B, Hq, T, D)
     ref = naive_attention(q, keys, values, bias, slot_pos, cp, scale, 0)
     torch.testing.assert_close(out.double(), ref, **TOL[dtype])
