@@ -1,0 +1,35 @@
+"""The pipeline on CUDA (reference ops on the GPU; Triton kernels come with the kernels issue).
+
+Skipped without CUDA. On a GPU machine: `python -m pytest -m gpu -q`.
+"""
+import pytest
+import torch
+
+import kvrewrite
+from tests.families import tiny_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_full_on_cuda_matches_hf(family):
+    model = tiny_model(family).cuda()
+    rw = kvrewrite.apply(model, "full", batch_size=2, prefill_chunk=16, max_length=128)
+    ids = torch.randint(1, 128, (2, 37), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    ours = rw.generate(ids, mask, max_new_tokens=12, eos_token_id=[])
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert torch.equal(ours, ref)
+
+
+def test_chelsea_bf16_on_cuda_compiles():
+    model = tiny_model("llama", dtype=torch.bfloat16).cuda()
+    rw = kvrewrite.apply(model, "chelsea", budget=0.5, batch_size=1, prefill_chunk=16, max_length=128,
+                         n_sink=2, n_recent=4, chunk=8, interval=4)
+    ids = torch.randint(1, 128, (1, 40), device="cuda")
+    eager = rw.generate(ids, max_new_tokens=10, eos_token_id=[])
+    rw.compile(fullgraph=True)
+    compiled = rw.generate(ids, max_new_tokens=10, eos_token_id=[])
+    assert torch.equal(eager, compiled)
+    assert int(rw.l0_fill.max()) < int(rw.l0_budget[1])
