@@ -18,9 +18,14 @@ def test_full_on_cuda_matches_hf(family):
     ids = torch.randint(1, 128, (2, 37), device="cuda")
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
-    ours = rw.generate(ids, mask, max_new_tokens=12, eos_token_id=[])
-    ref = model.generate(ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False)
-    assert torch.equal(ours, ref)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    # teacher-force HF's tokens: GPU kernels differ in summation order, so compare logits, not argmaxes
+    ours = [rw.prefill(ids, mask, max_new_tokens=12)]
+    for step in range(11):
+        ours.append(rw.decode_step(ref.sequences[:, 37 + step]))
+    diff = max((o - r).abs().max().item() for o, r in zip(ours, ref.logits))
+    assert diff <= 1e-4, f"{family}: max |logits - HF| = {diff:.3g} on CUDA (fp32)"
 
 
 def test_chelsea_bf16_on_cuda_compiles():
