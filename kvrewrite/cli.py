@@ -87,7 +87,7 @@ def cmd_run(args) -> int:
     print(f"(dense HF static cache for {n + args.max_new_tokens} tokens: {_human(dense)}; kvrewrite's state is as "
           f"allocated, including the prefill chunk and g headroom; 'slots used' summed over layers at the end; "
           f"{'cuda' if torch.cuda.is_available() else 'cpu'}, torch {torch.__version__})")
-    print(f"needle found: " + ", ".join(f"{r[0]}={'amber-falcon-42' in r[1]}" for r in rows))
+    print("needle found: " + ", ".join(f"{r[0]}={'amber-falcon-42' in r[1]}" for r in rows))
     return 0
 
 

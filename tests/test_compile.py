@@ -21,13 +21,6 @@ CHELSEA = dict(budget=0.5, n_sink=2, n_recent=4, chunk=8, interval=4)
 METHODS = {"full": {}, "chelsea": CHELSEA}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: intra-op threads only add synchronisation (about 10x slower on the 2-core CI)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

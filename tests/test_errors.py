@@ -15,13 +15,6 @@ from tests.families import _cfg, tiny_model
 CHUNK = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: intra-op threads only add synchronisation (about 10x slower on the 2-core CI)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

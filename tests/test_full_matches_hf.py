@@ -19,13 +19,6 @@ ATOL = 1e-5
 PROMPT, PAD_ROW1, CHUNK, NEW, MAX_LENGTH = 37, 7, 16, 20, 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: intra-op threads only add synchronisation (about 10x slower on the 2-core CI)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _inputs():

@@ -6,7 +6,6 @@ measured at +0.049 (2.890 vs 2.939) on this setup; a broken merge or
 bias (e.g. dropping log n) moves it by far more than that.
 """
 import pytest
-import torch
 
 import kvrewrite
 from kvrewrite.quality import continuation_nll

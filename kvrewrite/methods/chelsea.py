@@ -59,7 +59,7 @@ class ChelseaMethod(Method):
     r_steps: int = 2
     r_min: float = 0.1
     outlier_heads: dict = field(default_factory=dict)
-    _kv_heads_total: int = field(default=0, repr=False)
+    _kv_heads_total: int = field(default=0, init=False, repr=False)  # set by bind()
 
     def __post_init__(self):
         super().__post_init__()

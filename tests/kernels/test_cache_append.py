@@ -11,13 +11,6 @@ OP = torch.ops.kvrewrite.cache_append.default
 POISON_POS = -12345
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: a second OpenMP thread only adds spin-waits on a loaded 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def poisoned_state(B, Hkv, C, D, dtype, fill):

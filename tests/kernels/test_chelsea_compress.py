@@ -18,13 +18,6 @@ FIELDS = ("keys", "values", "bias", "slot_pos", "fill")
 SMALL = dict(n_sink=2, n_recent=3, chunk=8, r_init=0.35, r_alpha=0.1, r_steps=2, r_min=0.1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: a second OpenMP thread only adds spin-waits on a loaded 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def filled_state(B, Hkv, C, D, fills, target, threshold, dtype=torch.float32, pads=None, seed=0):

@@ -20,13 +20,6 @@ OP = torch.ops.kvrewrite.clustered_attention.default
 IMPLS = {"op": OP, "reference": reference_clustered_attention}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: a second OpenMP thread only adds spin-waits (100x slower on a loaded 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 # Tolerance table: output dtype -> (atol, rtol) of the op against the float64 naive attention.
 # Both see the *same* inputs (the naive version upcasts the exact bf16/fp32 values), so input

@@ -11,13 +11,6 @@ OP = torch.ops.kvrewrite.evict_to_budget.default
 FIELDS = ("keys", "values", "bias", "slot_pos", "fill")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: a second OpenMP thread only adds spin-waits on a loaded 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def filled_state(B, Hkv, C, D, fills, target, threshold, dtype=torch.float32, pads=None, seed=0):

@@ -28,13 +28,6 @@ ATTEND = torch.ops.kvrewrite.clustered_attention.default
 SCHED = dict(r_init=0.35, r_alpha=0.1, r_steps=2, r_min=0.1)  # the paper's Llama-3 schedule + our floor
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: a second OpenMP thread only adds spin-waits on a loaded 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # -- helpers -------------------------------------------------------------------------------------------

@@ -11,13 +11,6 @@ from tests.methods_matrix import METHODS_MATRIX
 N_PROMPT, MAX_NEW = 26, 8  # 26: the prompt is left-padded to 4 chunks of 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: a second OpenMP thread only adds spin-waits on a loaded 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
