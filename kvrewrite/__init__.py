@@ -26,7 +26,7 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
         prefill_chunk: tokens per prefill step; the prompt is left-padded to a multiple of it.
         **method_kwargs: the method's own options (see its class, e.g. ChelseaMethod).
     """
-    from kvrewrite.capture import capture, check_causal_lm
+    from kvrewrite.capture import capture, check_causal_lm, copy_graph_module
     from kvrewrite.context import RewriteContext
     from kvrewrite.passes import run_passes
     from kvrewrite.runtime import KVRewrittenModel
@@ -45,10 +45,14 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
     captured = capture(model, batch_size=batch_size, prefill_chunk=prefill_chunk)
     if hasattr(m, "bind"):
         m.bind(captured.layers)
+    # Three rewritten graphs: prefill chunk, decode step, decode step with compression (run on the
+    # steps where the runtime's host-side schedule knows some layer reaches its threshold).
+    variants = {"prefill": ("prefill", True), "decode": ("decode", False), "decode_compress": ("decode", True)}
     graphs = {}
-    for kind, gm in captured.graphs.items():
-        ctx = RewriteContext(captured.model_tag, m, captured.layers, graph_kind=kind, cache_buffers=captured.cache_buffers)
-        graphs[kind] = run_passes(gm, ctx)
+    for name, (kind, compress) in variants.items():
+        ctx = RewriteContext(captured.model_tag, m, captured.layers, graph_kind=kind, compress=compress,
+                             cache_buffers=captured.cache_buffers)
+        graphs[name] = run_passes(copy_graph_module(captured.graphs[kind]), ctx)
     rw = KVRewrittenModel(captured, graphs, m, max_length, config=model.config)
     rw.generation_config = model.generation_config
     return rw

@@ -159,6 +159,14 @@ def capture(model, *, batch_size: int, prefill_chunk: int) -> Captured:
     )
 
 
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy whose graph can be rewritten independently; parameters and buffers stay shared."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    graph.set_codegen(fx.graph.CodeGen())
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+
+
 def layer_of(node) -> int | None:
     """The decoder layer a node belongs to, from its nn_module_stack (None outside layers)."""
     stack = node.meta.get("nn_module_stack") or {}

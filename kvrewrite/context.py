@@ -34,19 +34,21 @@ class AttentionSite:
 
 @dataclass
 class RewriteContext:
-    """Carried through the passes. `graph_kind` is "prefill" or "decode"; `method` a Method instance."""
+    """Carried through the passes. `graph_kind` is "prefill" or "decode"; `method` a Method instance;
+    `compress` False builds the decode variant without compression ops (see runtime.HostSchedule)."""
 
     model_tag: str
     method: object
     layers: list
     graph_kind: str = "decode"
+    compress: bool = True
     cache_buffers: tuple = ()  # names of every buffer that belongs to the captured HF cache
     sites: dict = field(default_factory=dict)
     counters: Counter = field(default_factory=Counter)
 
     def where(self, layer=None, node=None) -> str:
         """Prefix for error messages: model, graph, layer and node."""
-        parts = [f"{self.model_tag} ({self.graph_kind} graph)"]
+        parts = [f"{self.model_tag} ({self.graph_kind}{'' if self.compress else ' without compression'} graph)"]
         if layer is not None:
             parts.append(f"layer {layer}")
         if node is not None:

@@ -3,7 +3,9 @@
 Prefill is chunked: the prompt is left-padded to a whole number of `prefill_chunk` tokens and each
 chunk runs the prefill graph, which appends to every layer's state, attends and compresses layer by
 layer; so a layer never holds more than its static capacity (the full-length dense cache never
-exists). Decode steps run the decode graph; re-compression every g tokens happens inside it.
+exists). Decode steps run the decode graph; on the steps where the host-side schedule knows some
+layer reaches its threshold (every g tokens) they run the variant that also holds the compression
+ops, so re-compression happens inside the step without reading the device.
 """
 import logging
 import math
@@ -18,6 +20,35 @@ logger = logging.getLogger(__name__)
 WINDOW_INTERVAL = 32  # sliding-window layers evict every 32 tokens (exact at any interval)
 
 
+class HostSchedule:
+    """Host mirror of every layer's fill per batch row, kept from what the host already knows (the
+    tokens appended, the padding mask, each layer's target and threshold), never from the device.
+
+    A compression op shrinks a due row to min(valid tokens, target) slots, so the mirror is exact
+    for every compressible head (outlier heads never compress and are not tracked). The runtime runs
+    the decode variant with compression ops only on steps where `due()` says some layer reaches its
+    threshold: no host sync, and no compression kernels launched on the other steps.
+    """
+
+    def __init__(self, budgets: list, batch_size: int):
+        self.budgets = budgets  # per layer (target, threshold); threshold NO_LIMIT: never compressed
+        self.fill = [[0] * batch_size for _ in budgets]
+        self.valid = [[0] * batch_size for _ in budgets]
+
+    def due(self, T: int) -> bool:
+        """Would appending T tokens bring some row of some layer to its threshold?"""
+        return any(f + T >= thr for (_, thr), fills in zip(self.budgets, self.fill) for f in fills)
+
+    def step(self, valid_new: list, T: int, compress: bool) -> None:
+        """Mirror one step: T tokens appended (valid_new[b] of them real), then compression if run."""
+        for (target, thr), fills, valids in zip(self.budgets, self.fill, self.valid):
+            for b in range(len(fills)):
+                fills[b] += T
+                valids[b] += valid_new[b]
+                if compress and fills[b] >= thr:
+                    fills[b] = valids[b] = min(valids[b], target)
+
+
 class KVRewrittenModel(nn.Module):
     """A Hugging Face causal LM whose KV cache is the clustered state of `method`.
 
@@ -30,6 +61,7 @@ class KVRewrittenModel(nn.Module):
         super().__init__()
         self.prefill_graph = graphs["prefill"]
         self.decode_graph = graphs["decode"]
+        self.decode_compress_graph = graphs["decode_compress"]
         self.method = method
         self.layers = captured.layers
         self.model_tag = captured.model_tag
@@ -60,12 +92,15 @@ class KVRewrittenModel(nn.Module):
 
     def reset(self, n_prompt: int, max_new_tokens: int) -> None:
         """Empty every layer's state and set this generation's targets (B, B + g)."""
+        budgets = []
         for info in self.layers:
             if info.window:
                 target, threshold = info.window - 1, info.window - 1 + WINDOW_INTERVAL
             else:
                 target, threshold = self.method.targets(info, n_prompt, max_new_tokens)
             reset_layer_state(self.layer_state(info.index), target, threshold)
+            budgets.append((target, threshold))
+        self.schedule = HostSchedule(budgets, self.batch_size)
 
     def cache_bytes(self, seq_len: int | None = None) -> dict:
         """Bytes of the kvrewrite state (all fields, as allocated) vs a dense HF static cache.
@@ -83,13 +118,14 @@ class KVRewrittenModel(nn.Module):
         return {"kvrewrite": state, "dense": dense, "ratio": state / dense}
 
     # -- one step ------------------------------------------------------------------------------------
-    def forward(self, input_ids, position_ids, cache_position, token_valid):
-        """One step: T == prefill_chunk runs the prefill graph, T == 1 the decode graph."""
+    def forward(self, input_ids, position_ids, cache_position, token_valid, compress: bool = True):
+        """One step: T == prefill_chunk runs the prefill graph, T == 1 a decode graph (with the
+        compression ops when `compress`, else the variant without them)."""
         B, T = input_ids.shape
         if B != self.batch_size:
             raise ValueError(f"{self.model_tag}: captured for batch size {self.batch_size}, got input of batch {B}")
         if T == 1:
-            graph = self.decode_graph
+            graph = self.decode_compress_graph if compress else self.decode_graph
         elif T == self.prefill_chunk:
             graph = self.prefill_graph
         else:
@@ -134,9 +170,11 @@ class KVRewrittenModel(nn.Module):
         position_ids = (valid.long().cumsum(dim=1) - 1).clamp_min(0)
         cache_position = torch.arange(-pad, n, device=device)
         logits = None
+        valid_host = valid.cpu()  # the mask is the caller's: one copy per generation, not per step
         for c in tqdm(range(0, n_pad, self.prefill_chunk), desc="prefill", unit="chunk", disable=not progress):
             sl = slice(c, c + self.prefill_chunk)
             logits = self(ids[:, sl], position_ids[:, sl], cache_position[sl], valid[:, sl])
+            self.schedule.step(valid_host[:, sl].sum(dim=1).tolist(), self.prefill_chunk, compress=True)
         self._next_position = position_ids[:, -1] + 1
         self._next_cache_position = n
         return logits[:, -1]
@@ -148,7 +186,9 @@ class KVRewrittenModel(nn.Module):
         pos = self._next_position
         cpos = torch.tensor([self._next_cache_position], device=device)
         valid = torch.ones(tokens.shape[0], 1, dtype=torch.bool, device=device)
-        logits = self(tokens[:, None].to(device), pos[:, None], cpos, valid)
+        compress = self.schedule.due(1)
+        logits = self(tokens[:, None].to(device), pos[:, None], cpos, valid, compress)
+        self.schedule.step([1] * tokens.shape[0], 1, compress)
         self._next_position = pos + 1
         self._next_cache_position += 1
         return logits[:, -1]

@@ -76,3 +76,43 @@ def test_cache_bytes_reports_state_against_dense(llama):
     assert mem["kvrewrite"] == expected
     assert mem["ratio"] == pytest.approx(expected / dense)
     assert mem["ratio"] < 0.35
+
+
+@pytest.mark.parametrize("method,opts", [
+    ("chelsea", dict(budget=0.75, n_sink=2, n_recent=4, chunk=8, interval=4, outlier_heads={2: [0]})),
+    ("streamingllm", dict(budget=0.3, interval=3)),
+])
+def test_host_schedule_mirrors_device_fill(method, opts):
+    """The runtime decides on the host when to run the decode variant with compression ops; its
+    mirror must equal the device fill of every compressible row after every step, padding included."""
+    model = tiny_model("gemma3")  # sliding-window layers have their own thresholds
+    rw = kvrewrite.apply(model, method, batch_size=2, prefill_chunk=16, max_length=96, **opts)
+    ids, mask = _batch()
+    ids, mask = torch.cat([ids, ids[:, :12]], 1), torch.cat([mask, torch.ones_like(mask[:, :12])], 1)
+    logits = rw.prefill(ids, mask, max_new_tokens=30)
+    compress_steps = 0
+    for step in range(31):
+        outliers = rw.method.outlier_heads if method == "chelsea" else {}
+        for info, host in zip(rw.layers, rw.schedule.fill):
+            fill = rw.layer_state(info.index)["fill"]
+            heads = [h for h in range(info.num_kv_heads) if h not in outliers.get(info.index, [])]
+            assert fill[:, heads].tolist() == [[f] * len(heads) for f in host], f"layer {info.index}, step {step}"
+        if step == 30:
+            break
+        compress_steps += rw.schedule.due(1)
+        logits = rw.decode_step(logits.argmax(-1))
+    assert 0 < compress_steps < 30, "decode steps must run both graph variants"
+
+
+def test_decode_variants_differ_only_by_compression_ops(llama):
+    rw = kvrewrite.apply(llama, "chelsea", budget=0.5, batch_size=1, prefill_chunk=16, max_length=96,
+                         n_sink=2, n_recent=4, chunk=8, interval=4)
+
+    def targets(gm):
+        return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+    plain, full = targets(rw.decode_graph), targets(rw.decode_compress_graph)
+    assert "kvrewrite.chelsea_compress.default" not in plain
+    assert full.count("kvrewrite.chelsea_compress.default") == 2
+    assert [t for t in full if t != "kvrewrite.chelsea_compress.default"] == plain
+    assert targets(rw.prefill_graph).count("kvrewrite.chelsea_compress.default") == 2

@@ -20,8 +20,25 @@ Returns:
     [B, Hq, T, D] in q's dtype, contiguous (whatever q's strides: q is often a transposed view,
     and Inductor checks the real output's strides against the fake's); a query that sees no slot
     gets zeros (padding queries).
+Mutates: nothing.
+
+Backends: CUDA runs the Triton kernel below (fp16/bf16/fp32, D in 16..256, a power of two); CPU
+runs fused SDPA over the used slots; other devices, and CUDA without Triton, run the reference.
+The op is a `torch.library.triton_op`, so Inductor sees the Triton launch and CUDA graphs work.
 """
+from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
+
+import functools
+import logging
+
 import torch
+from torch.library import wrap_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the op runs its PyTorch paths; only triton_clustered_attention raises
+    triton = tl = None
 
 
 def reference_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window):
@@ -70,7 +87,282 @@ def cpu_clustered_attention(q, keys, values, bias, slot_pos, cache_position, sca
     return out.reshape(B, Hq, T, D).to(q.dtype)
 
 
-@torch.library.custom_op("kvrewrite::clustered_attention", mutates_args=())
+# ---------------------------------------------------------------------------------------------------
+# Triton (CUDA)
+#
+# One program owns one KV head of one batch row (GQA: its G query heads and a block of the T queries
+# are the M rows of the tile, row = t * G + g, so each K/V tile is read once for the whole group), and
+# one contiguous range of slots (split-K). With one split the program normalises and writes the output;
+# with several (decode, where B * Hkv programs would leave most SMs idle) each writes an unnormalised
+# partial (acc, running max m, sum l) and a combine kernel merges them, flash-decoding style. Both
+# cases share the kernel: the slot loop is the same, only the range and the epilogue differ.
+#
+# Later methods (DESIGN.md §3) are meant as small edits of the slot loop: separate numerator and
+# denominator weights (ClusterGen) load a second bias and keep two exponentials (one feeds acc, the
+# other l); attention over a selected subset (ClusterKV) takes the slot offsets `offs_n` from an index
+# tensor instead of an arange; per-slot key scaling (EMS) multiplies `qk` by a loaded per-slot factor.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _triton_jit(fn):
+    return fn if triton is None else triton.jit(fn)
+
+
+@_triton_jit
+def _clustered_attention_fwd_kernel(
+    Q, K, V, BIAS, POS, CPOS,
+    OUT,  # [B, Hq, T, D] q's dtype (SPLIT False), or fp32 partial acc [B * Hq * T, NUM_SPLITS, D]
+    M_PART, L_PART,  # fp32 [B * Hq * T, NUM_SPLITS], log2-domain running max and sum (SPLIT only)
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kc, stride_kd,
+    stride_vb, stride_vh, stride_vc, stride_vd,
+    stride_bb, stride_bh, stride_bc,
+    stride_pb, stride_ph, stride_pc,
+    Hkv, G, T, C, window, slots_per_split, qk_scale,  # qk_scale = scale * log2(e)
+    NUM_SPLITS,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SKIP_UNSEEN: tl.constexpr,  # predicate off K/V reads of slots no query of the block can see
+):
+    LOG2E: tl.constexpr = 1.4426950408889634
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    b = pid_bh // Hkv
+    h = pid_bh % Hkv
+    Hq = Hkv * G
+
+    # -- rows of the tile: (query t, head g of the group) -----------------------------------------
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < G * T
+    t = rows // G
+    hq = h * G + rows % G
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    # load q: it stays in registers for the whole slot range
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + hq[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    qpos = tl.load(CPOS + t, mask=row_ok, other=0)
+    # the block's position range: a slot outside it is seen by no row of the block
+    qpos_max = tl.max(tl.where(row_ok, qpos, -(2**62)), axis=0)
+    qpos_min = tl.min(tl.where(row_ok, qpos, 2**62), axis=0)
+
+    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    bias_base = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
+    pos_base = POS + b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # this program's slots: [n_start, n_start + slots_per_split) clipped to C (the last split is shorter)
+    n_start = pid_s * slots_per_split
+    n_end = tl.minimum(n_start + slots_per_split, C)
+    for n0 in range(n_start, n_end, BLOCK_N):
+        # -- slot metadata: bias (-inf = empty) and position ------------------------------------------
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_end
+        bias = tl.load(bias_base + offs_n * stride_bc, mask=n_ok, other=float("-inf"))
+        pos = tl.load(pos_base + offs_n * stride_pc, mask=n_ok, other=0)
+        if SKIP_UNSEEN:
+            need = (bias > float("-inf")) & (pos <= qpos_max) & ((window <= 0) | (pos > qpos_min - window))
+        else:
+            need = n_ok
+
+        # -- scores: scale * q·k + bias, -inf where the slot is not visible to the row --------------
+        k = tl.load(k_base + offs_n[:, None] * stride_kc + offs_d[None, :] * stride_kd, mask=need[:, None], other=0.0)
+        if Q.dtype.element_ty == tl.float32:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        visible = need[None, :] & (pos[None, :] <= qpos[:, None]) & row_ok[:, None]
+        visible = visible & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
+        s = tl.where(visible, qk * qk_scale + bias[None, :] * LOG2E, float("-inf"))
+
+        # -- online softmax (base 2); a row that has seen nothing yet keeps m = -inf, l = 0 --------
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_base)
+        p = tl.exp2(s - m_base[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        # -- accumulate p @ v -------------------------------------------------------------------------
+        v = tl.load(v_base + offs_n[:, None] * stride_vc + offs_d[None, :] * stride_vd, mask=need[:, None], other=0.0)
+        if V.dtype.element_ty == tl.float32:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(V.dtype.element_ty), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # -- epilogue: output row (b, hq, t), contiguous [B, Hq, T, D] --------------------------------------
+    out_row = (b.to(tl.int64) * Hq + hq) * T + t
+    if SPLIT:
+        tl.store(OUT + (out_row[:, None] * NUM_SPLITS + pid_s) * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(M_PART + out_row * NUM_SPLITS + pid_s, m_i, mask=row_ok)
+        tl.store(L_PART + out_row * NUM_SPLITS + pid_s, l_i, mask=row_ok)
+    else:
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row that saw nothing: acc == 0, o == 0
+        tl.store(OUT + out_row[:, None] * HEAD_DIM + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+
+
+@_triton_jit
+def _clustered_attention_combine_kernel(
+    ACC, M_PART, L_PART, OUT,  # partials as written by the fwd kernel; OUT [B * Hq * T, D]
+    NUM_SPLITS,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < NUM_SPLITS
+    # rescale each split's (acc, l) to the row's overall max; splits that saw nothing weigh 0
+    m = tl.load(M_PART + row * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
+    l = tl.load(L_PART + row * NUM_SPLITS + offs_s, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    den = tl.sum(w * l, axis=0)
+    acc = tl.load(ACC + (row * NUM_SPLITS + offs_s[:, None]) * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
+    tl.store(OUT + row * HEAD_DIM + offs_d, o.to(OUT.dtype.element_ty))
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _launch_config(B, Hkv, G, T, C, D, device, block_n=None, num_splits=None, num_warps=None, num_stages=None):
+    """Block sizes, split count and launch options from the shapes alone (never the data, so CUDA
+    graphs and Inductor see a fixed launch). Keyword overrides exist for the benchmark's tuning sweep."""
+    rows = G * T
+    block_m = min(max(triton.next_power_of_2(rows), 16), 64)
+    m_blocks = triton.cdiv(rows, block_m)
+    if block_n is None:
+        block_n = 64 if D <= 128 else 32
+    tiles = triton.cdiv(C, block_n)
+    if num_splits is None:
+        # split the slots until the grid fills the SMs ~2 times, keeping >= 4 tiles per split
+        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 132
+        programs = B * Hkv * m_blocks
+        num_splits = max(1, min(triton.cdiv(2 * sms, programs), tiles // 4))
+    tiles_per_split = triton.cdiv(tiles, max(1, min(num_splits, tiles)))
+    slots_per_split = tiles_per_split * block_n
+    num_splits = triton.cdiv(tiles, tiles_per_split)  # no empty split
+    if num_warps is None:
+        num_warps = 4 if block_m * D <= 64 * 64 else 8
+    if num_stages is None:
+        num_stages = 2 if D >= 256 else 3
+    return dict(block_m=block_m, m_blocks=m_blocks, block_n=block_n, num_splits=num_splits,
+                slots_per_split=slots_per_split, num_warps=num_warps, num_stages=num_stages)
+
+
+def _check_inputs(q, keys, values, bias, slot_pos, cache_position, window):
+    if q.dim() != 4 or keys.dim() != 4:
+        raise ValueError(f"clustered_attention: expected q [B, Hq, T, D] and keys [B, Hkv, C, D], got q {tuple(q.shape)}, keys {tuple(keys.shape)}")
+    B, Hq, T, D = q.shape
+    _, Hkv, C, _ = keys.shape
+    if keys.shape != (B, Hkv, C, D) or values.shape != keys.shape:
+        raise ValueError(f"clustered_attention: keys and values must be [B={B}, Hkv, C, D={D}], got keys {tuple(keys.shape)}, values {tuple(values.shape)}")
+    if bias.shape != (B, Hkv, C) or slot_pos.shape != (B, Hkv, C):
+        raise ValueError(f"clustered_attention: bias and slot_pos must be [B, Hkv, C] = {(B, Hkv, C)}, got bias {tuple(bias.shape)}, slot_pos {tuple(slot_pos.shape)}")
+    if cache_position.shape != (T,):
+        raise ValueError(f"clustered_attention: cache_position must be [T] = ({T},), got {tuple(cache_position.shape)}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"clustered_attention: Hq must be a multiple of Hkv (GQA), got Hq={Hq}, Hkv={Hkv}")
+    if q.dtype not in _DTYPES or keys.dtype != q.dtype or values.dtype != q.dtype:
+        raise TypeError(f"clustered_attention (triton): q, keys, values must share one of fp16/bf16/fp32, got {q.dtype}, {keys.dtype}, {values.dtype}")
+    if bias.dtype != torch.float32 or slot_pos.dtype != torch.int64 or cache_position.dtype != torch.int64:
+        raise TypeError(f"clustered_attention (triton): expected bias fp32, slot_pos and cache_position int64, got {bias.dtype}, {slot_pos.dtype}, {cache_position.dtype}")
+    if D not in _HEAD_DIMS:
+        raise ValueError(f"clustered_attention (triton): head dim D must be one of {_HEAD_DIMS}, got D={D}")
+    devices = {t.device for t in (q, keys, values, bias, slot_pos, cache_position)}
+    if len(devices) != 1:
+        raise ValueError(f"clustered_attention (triton): all inputs must be on one device, got {sorted(map(str, devices))}")
+    if window < 0:
+        raise ValueError(f"clustered_attention: window must be >= 0 (0 = no window), got {window}")
+
+
+def triton_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, **tuning):
+    """The op on CUDA through Triton (shapes and dtypes in the module docstring); validates its inputs.
+
+    ``tuning`` overrides the shape-based launch choices (block_n, num_splits, num_warps, num_stages,
+    skip_unseen); it is for the benchmark's sweep, the op never passes it.
+    """
+    if triton is None:
+        raise NotImplementedError("triton_clustered_attention needs Triton (pip install triton); the op itself runs without it")
+    _check_inputs(q, keys, values, bias, slot_pos, cache_position, window)
+    if not q.is_cuda:
+        raise ValueError(f"triton_clustered_attention: inputs must be CUDA tensors, got {q.device}")
+    return _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, **tuning)
+
+
+def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, skip_unseen=True, **overrides):
+    """Allocate the output (and the split partials) and launch; no checks (the interpreter tests call it on CPU)."""
+    B, Hq, T, D = q.shape
+    Hkv, C = keys.shape[1], keys.shape[2]
+    G = Hq // Hkv
+    cfg = _launch_config(B, Hkv, G, T, C, D, q.device, **overrides)
+    S = cfg["num_splits"]
+    out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
+    if S > 1:
+        part = torch.empty((B * Hq * T, S, D), dtype=torch.float32, device=q.device)
+        m_part = torch.empty((B * Hq * T, S), dtype=torch.float32, device=q.device)
+        l_part = torch.empty((B * Hq * T, S), dtype=torch.float32, device=q.device)
+    else:
+        part, m_part, l_part = out, bias, bias  # M_PART and L_PART are never touched without splits
+    wrap_triton(_clustered_attention_fwd_kernel)[(S, B * Hkv, cfg["m_blocks"])](
+        q, keys, values, bias, slot_pos, cache_position, part, m_part, l_part,
+        *q.stride(), *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(),
+        Hkv, G, T, C, window, cfg["slots_per_split"], scale * 1.4426950408889634, S,
+        HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], SPLIT=S > 1, SKIP_UNSEEN=skip_unseen,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if S > 1:
+        wrap_triton(_clustered_attention_combine_kernel)[(B * Hq * T,)](
+            part, m_part, l_part, out, S, HEAD_DIM=D, BLOCK_S=max(triton.next_power_of_2(S), 2), num_warps=4,
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# The op
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kvrewrite::clustered_attention_cpu", mutates_args=(), device_types="cpu")
+def clustered_attention_cpu(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor,
+    slot_pos: torch.Tensor,
+    cache_position: torch.Tensor,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """The CPU path of kvrewrite::clustered_attention, an opaque op of its own: it attends only up to
+    the last used slot (slots past it are empty, bias -inf), which takes a host read. The read is free
+    on the CPU but cannot be traced, so the triton_op below calls this op rather than inlining it."""
+    used = torch.isfinite(bias).flatten(0, 1).any(dim=0).nonzero()
+    last = int(used[-1]) + 1 if used.numel() else 1
+    keys, values, bias, slot_pos = keys[:, :, :last], values[:, :, :last], bias[:, :, :last], slot_pos[:, :, :last]
+    return cpu_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window).contiguous()
+
+
+@clustered_attention_cpu.register_fake
+def _(q, keys, values, bias, slot_pos, cache_position, scale, window):
+    return q.new_empty(q.shape)  # contiguous, like the real output (empty_like would copy q's strides)
+
+
 def clustered_attention(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -81,17 +373,31 @@ def clustered_attention(
     scale: float,
     window: int,
 ) -> torch.Tensor:
-    """Degree-biased attention over cache slots (see the module docstring)."""
-    if not q.is_cuda:
-        # CPU: attend only up to the last used slot (slots past it are empty, bias -inf); the host
-        # read is free here, and the result is the same.
-        used = torch.isfinite(bias).flatten(0, 1).any(dim=0).nonzero()
-        last = int(used[-1]) + 1 if used.numel() else 1
-        keys, values, bias, slot_pos = keys[:, :, :last], values[:, :, :last], bias[:, :, :last], slot_pos[:, :, :last]
-        return cpu_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window).contiguous()
+    """Degree-biased attention over cache slots (see the module docstring).
+
+    This body is the op's kernel, its fake (traced on fake tensors) and, under torch.compile, what
+    Inductor inlines: it must stay free of data-dependent Python. Hence the CPU path is a call to the
+    opaque kvrewrite::clustered_attention_cpu (Inductor keeps it as an extern call), and CUDA is the
+    Triton launch, which Inductor sees as a user-defined Triton kernel.
+    """
+    if q.is_cuda and triton is not None:
+        return triton_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window)
+    if q.device.type == "cpu":
+        return torch.ops.kvrewrite.clustered_attention_cpu(q, keys, values, bias, slot_pos, cache_position, scale, window)
     return reference_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window).contiguous()
 
 
-@clustered_attention.register_fake
-def _(q, keys, values, bias, slot_pos, cache_position, scale, window):
-    return q.new_empty(q.shape)  # contiguous, like the real output (empty_like would copy q's strides)
+def _register_triton_op(fn):
+    # Without Triton, torch logs "Triton not available" at WARNING while registering a triton_op: expected
+    # on CPU installs, so it is silenced here and only here.
+    log = logging.getLogger("torch._library.triton")
+    level = log.level
+    if triton is None:
+        log.setLevel(logging.ERROR)
+    try:
+        return torch.library.triton_op("kvrewrite::clustered_attention", fn, mutates_args=())
+    finally:
+        log.setLevel(level)
+
+
+clustered_attention = _register_triton_op(clustered_attention)

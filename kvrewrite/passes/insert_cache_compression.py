@@ -5,7 +5,9 @@ Emits:    what the method asks for (Method.compression_call), e.g. kvrewrite.che
           layer's state; for sliding-window layers, kvrewrite.evict_to_budget(n_sink=0), which keeps
           exactly the window. The ops mutate the state and run only on rows whose fill reached the
           threshold in l<i>_budget, so the same graph serves every step (no host sync).
-Skips:    full-attention layers of the `full` method (no op is emitted).
+Skips:    full-attention layers of the `full` method (no op is emitted); every layer when
+          ctx.compress is False: the plain decode-step variant, which the runtime runs on steps where
+          its host-side schedule knows no layer is due (so non-compressing steps launch nothing extra).
 Requires: replace_sdpa_with_clustered_attention.
 """
 import logging
@@ -22,7 +24,7 @@ logger = logging.getLogger(__name__)
 def insert_cache_compression(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     graph = gm.graph
     count = 0
-    for layer, site in sorted(ctx.sites.items()):
+    for layer, site in sorted(ctx.sites.items()) if ctx.compress else ():
         info = ctx.layers[layer]
         if info.window:
             call = (torch.ops.kvrewrite.evict_to_budget.default, {"n_sink": 0})

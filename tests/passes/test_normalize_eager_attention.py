@@ -76,7 +76,7 @@ def eager_run(family):
 def test_rewrites_every_layer(eager_run):
     model, rw, after = eager_run
     layers = rw.layers
-    assert [s["kind"] for s, _ in after] == ["prefill", "decode"]
+    assert [s["kind"] for s, _ in after] == ["prefill", "decode", "decode"]  # decode: plain + with compression
     for s, cache in after:
         T = CHUNK if s["kind"] == "prefill" else 1
         assert s["count"] == len(layers), s
