@@ -5,4 +5,10 @@ tests). Each op is a ``torch.library.custom_op`` whose CPU/default kernel is the
 kernel slots in per device with ``op.register_kernel("cuda")`` in the same file.
 Importing this package registers every op.
 """
-from kvrewrite.kernels import cache_append, chelsea_compress, clustered_attention, evict_to_budget  # noqa: F401
+from kvrewrite.kernels import (  # noqa: F401
+    attention_column_stats,
+    cache_append,
+    chelsea_compress,
+    clustered_attention,
+    evict_to_budget,
+)
