@@ -176,7 +176,7 @@ class KVRewrittenModel(nn.Module):
             logits = self(ids[:, sl], position_ids[:, sl], cache_position[sl], valid[:, sl])
             self.schedule.step(valid_host[:, sl].sum(dim=1).tolist(), self.prefill_chunk, compress=True)
         self._next_position = position_ids[:, -1] + 1
-        self._next_cache_position = n
+        self._next_cache_position = torch.tensor([n], device=device)  # advanced on the device: no H2D copy per step
         return logits[:, -1]
 
     @torch.no_grad()
@@ -184,13 +184,13 @@ class KVRewrittenModel(nn.Module):
         """Feed one token per row [B]; returns the logits [B, V]."""
         device = self.l0_fill.device
         pos = self._next_position
-        cpos = torch.tensor([self._next_cache_position], device=device)
+        cpos = self._next_cache_position
         valid = torch.ones(tokens.shape[0], 1, dtype=torch.bool, device=device)
         compress = self.schedule.due(1)
         logits = self(tokens[:, None].to(device), pos[:, None], cpos, valid, compress)
         self.schedule.step([1] * tokens.shape[0], 1, compress)
         self._next_position = pos + 1
-        self._next_cache_position += 1
+        self._next_cache_position = cpos + 1
         return logits[:, -1]
 
     @torch.no_grad()
