@@ -1,8 +1,9 @@
 """kvrewrite custom ops (namespace ``kvrewrite::``).
 
 One op per file: schema, fake, plain-PyTorch reference (the CPU path and the ground truth of the
-tests). Each op is a ``torch.library.custom_op`` whose CPU/default kernel is the reference; a Triton
-kernel slots in per device with ``op.register_kernel("cuda")`` in the same file.
+tests). An op is a ``torch.library.custom_op`` whose kernel is the reference until its Triton kernel
+lands; then it becomes a ``torch.library.triton_op`` (clustered_attention.py shows the form: CUDA
+launches the kernel through ``wrap_triton``, CPU calls an opaque CPU op), so Inductor sees the kernel.
 Importing this package registers every op.
 """
 from kvrewrite.kernels import (  # noqa: F401

@@ -104,11 +104,13 @@ def cpu_clustered_attention(q, keys, values, bias, slot_pos, cache_position, sca
 # ---------------------------------------------------------------------------------------------------
 
 
-def _triton_jit(fn):
-    return fn if triton is None else triton.jit(fn)
+def _triton_jit(**options):
+    return lambda fn: fn if triton is None else triton.jit(fn, **options)
 
 
-@_triton_jit
+# Shape ints that only bound loops and masks are not specialised on (value 1, multiple of 16): one
+# compiled kernel then serves every C, T, G and window of a dtype and head dim.
+@_triton_jit(do_not_specialize=["Hkv", "G", "T", "C", "window", "NUM_SPLITS"])
 def _clustered_attention_fwd_kernel(
     Q, K, V, BIAS, POS, CPOS,
     OUT,  # [B, Hq, T, D] q's dtype (SPLIT False), or fp32 partial acc [B * Hq * T, NUM_SPLITS, D]
@@ -142,8 +144,8 @@ def _clustered_attention_fwd_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
 
     # load q: it stays in registers for the whole slot range
-    q_ptrs = Q + b.to(tl.int64) * stride_qb + hq[:, None] * stride_qh + t[:, None] * stride_qt + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + hq[:, None] * stride_qh + t[:, None] * stride_qt
+    q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
     qpos = tl.load(CPOS + t, mask=row_ok, other=0)
     # the block's position range: a slot outside it is seen by no row of the block
     qpos_max = tl.max(tl.where(row_ok, qpos, -(2**62)), axis=0)
@@ -180,7 +182,8 @@ def _clustered_attention_fwd_kernel(
             qk = tl.dot(q, tl.trans(k))
         visible = need[None, :] & (pos[None, :] <= qpos[:, None]) & row_ok[:, None]
         visible = visible & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
-        s = tl.where(visible, qk * qk_scale + bias[None, :] * LOG2E, float("-inf"))
+        # (the cast: Inductor may hand qk_scale over as an fp64 scalar)
+        s = tl.where(visible, (qk * qk_scale).to(tl.float32) + bias[None, :] * LOG2E, float("-inf"))
 
         # -- online softmax (base 2); a row that has seen nothing yet keeps m = -inf, l = 0 --------
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -209,7 +212,7 @@ def _clustered_attention_fwd_kernel(
         tl.store(OUT + out_row[:, None] * HEAD_DIM + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
 
-@_triton_jit
+@_triton_jit(do_not_specialize=["NUM_SPLITS"])
 def _clustered_attention_combine_kernel(
     ACC, M_PART, L_PART, OUT,  # partials as written by the fwd kernel; OUT [B * Hq * T, D]
     NUM_SPLITS,
@@ -226,7 +229,8 @@ def _clustered_attention_combine_kernel(
     m_max = tl.max(m, axis=0)
     w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
     den = tl.sum(w * l, axis=0)
-    acc = tl.load(ACC + (row * NUM_SPLITS + offs_s[:, None]) * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    acc_ptrs = ACC + (row * NUM_SPLITS + offs_s[:, None]) * HEAD_DIM + offs_d[None, :]
+    acc = tl.load(acc_ptrs, mask=s_ok[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
     tl.store(OUT + row * HEAD_DIM + offs_d, o.to(OUT.dtype.element_ty))
 
@@ -235,60 +239,79 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
+def _num_sms(device: torch.device) -> int:
+    return _num_sms_of(torch.cuda.current_device() if device.index is None else device.index)
+
+
 @functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _num_sms_of(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _launch_config(B, Hkv, G, T, C, D, device, block_n=None, num_splits=None, num_warps=None, num_stages=None):
-    """Block sizes, split count and launch options from the shapes alone (never the data, so CUDA
-    graphs and Inductor see a fixed launch). Keyword overrides exist for the benchmark's tuning sweep."""
-    rows = G * T
-    block_m = min(max(triton.next_power_of_2(rows), 16), 64)
+def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_n=None, num_splits=None,
+                   num_warps=None, num_stages=None):
+    """Block sizes, split count and launch options from the shapes alone (never the data, so CUDA graphs
+    and Inductor see one fixed launch). The keyword overrides are for the benchmark's tuning sweep.
+
+    Decode (G * T <= 16 rows) uses what the sweep of kvrewrite/bench/attention.py found best on an H100
+    (Llama-3.1-8B layout, bf16): 128-slot tiles, 4 warps, 2 stages, the slots split until the grid covers
+    the SMs twice. Longer query blocks (prefill) are correct but not tuned yet.
+    """
+    rows = G * T  # M rows of one (b, kv head): every query head of the group at every query
+    if block_m is None:
+        block_m = min(max(triton.next_power_of_2(rows), 16), 64)  # tl.dot needs M >= 16
     m_blocks = triton.cdiv(rows, block_m)
+    decode = block_m <= 16
+    if num_stages is None:
+        num_stages = 2 if decode or D >= 256 else 3
     if block_n is None:
-        block_n = 64 if D <= 128 else 32
-    tiles = triton.cdiv(C, block_n)
-    if num_splits is None:
-        # split the slots until the grid fills the SMs ~2 times, keeping >= 4 tiles per split
-        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 132
-        programs = B * Hkv * m_blocks
-        num_splits = max(1, min(triton.cdiv(2 * sms, programs), tiles // 4))
-    tiles_per_split = triton.cdiv(tiles, max(1, min(num_splits, tiles)))
-    slots_per_split = tiles_per_split * block_n
-    num_splits = triton.cdiv(tiles, tiles_per_split)  # no empty split
+        block_n = 128 if decode else 64
+        while 2 * num_stages * block_n * D * itemsize > 128 * 1024 and block_n > 16:  # K and V tiles in smem
+            block_n //= 2
     if num_warps is None:
         num_warps = 4 if block_m * D <= 64 * 64 else 8
-    if num_stages is None:
-        num_stages = 2 if D >= 256 else 3
+    tiles = triton.cdiv(C, block_n)
+    if num_splits is None:
+        # split the slots until the grid covers the SMs twice, keeping >= 2 tiles per split
+        num_splits = min(triton.cdiv(2 * num_sms, B * Hkv * m_blocks), tiles // 2)
+    tiles_per_split = triton.cdiv(tiles, min(max(num_splits, 1), tiles))
+    num_splits = triton.cdiv(tiles, tiles_per_split)  # no empty split
     return dict(block_m=block_m, m_blocks=m_blocks, block_n=block_n, num_splits=num_splits,
-                slots_per_split=slots_per_split, num_warps=num_warps, num_stages=num_stages)
+                slots_per_split=tiles_per_split * block_n, num_warps=num_warps, num_stages=num_stages)
 
 
 def _check_inputs(q, keys, values, bias, slot_pos, cache_position, window):
+    name = "triton_clustered_attention"
     if q.dim() != 4 or keys.dim() != 4:
-        raise ValueError(f"clustered_attention: expected q [B, Hq, T, D] and keys [B, Hkv, C, D], got q {tuple(q.shape)}, keys {tuple(keys.shape)}")
+        raise ValueError(f"{name}: expected q [B, Hq, T, D] and keys [B, Hkv, C, D], "
+                         f"got q {tuple(q.shape)}, keys {tuple(keys.shape)}")
     B, Hq, T, D = q.shape
-    _, Hkv, C, _ = keys.shape
+    Hkv, C = keys.shape[1], keys.shape[2]
     if keys.shape != (B, Hkv, C, D) or values.shape != keys.shape:
-        raise ValueError(f"clustered_attention: keys and values must be [B={B}, Hkv, C, D={D}], got keys {tuple(keys.shape)}, values {tuple(values.shape)}")
+        raise ValueError(f"{name}: keys and values must be [B={B}, Hkv, C, D={D}] like q, "
+                         f"got keys {tuple(keys.shape)}, values {tuple(values.shape)}")
     if bias.shape != (B, Hkv, C) or slot_pos.shape != (B, Hkv, C):
-        raise ValueError(f"clustered_attention: bias and slot_pos must be [B, Hkv, C] = {(B, Hkv, C)}, got bias {tuple(bias.shape)}, slot_pos {tuple(slot_pos.shape)}")
+        raise ValueError(f"{name}: bias and slot_pos must be [B, Hkv, C] = {(B, Hkv, C)}, "
+                         f"got bias {tuple(bias.shape)}, slot_pos {tuple(slot_pos.shape)}")
     if cache_position.shape != (T,):
-        raise ValueError(f"clustered_attention: cache_position must be [T] = ({T},), got {tuple(cache_position.shape)}")
-    if Hkv == 0 or Hq % Hkv:
-        raise ValueError(f"clustered_attention: Hq must be a multiple of Hkv (GQA), got Hq={Hq}, Hkv={Hkv}")
+        raise ValueError(f"{name}: cache_position must be [T] = ({T},), got {tuple(cache_position.shape)}")
+    if Hq % Hkv:
+        raise ValueError(f"{name}: Hq must be a multiple of Hkv (GQA), got Hq={Hq}, Hkv={Hkv}")
+    if C == 0:
+        raise ValueError(f"{name}: the state has no slots (C = 0)")
     if q.dtype not in _DTYPES or keys.dtype != q.dtype or values.dtype != q.dtype:
-        raise TypeError(f"clustered_attention (triton): q, keys, values must share one of fp16/bf16/fp32, got {q.dtype}, {keys.dtype}, {values.dtype}")
+        raise TypeError(f"{name}: q, keys and values must share one dtype of fp16/bf16/fp32, "
+                        f"got {q.dtype}, {keys.dtype}, {values.dtype}")
     if bias.dtype != torch.float32 or slot_pos.dtype != torch.int64 or cache_position.dtype != torch.int64:
-        raise TypeError(f"clustered_attention (triton): expected bias fp32, slot_pos and cache_position int64, got {bias.dtype}, {slot_pos.dtype}, {cache_position.dtype}")
+        raise TypeError(f"{name}: expected bias fp32, slot_pos and cache_position int64, "
+                        f"got {bias.dtype}, {slot_pos.dtype}, {cache_position.dtype}")
     if D not in _HEAD_DIMS:
-        raise ValueError(f"clustered_attention (triton): head dim D must be one of {_HEAD_DIMS}, got D={D}")
+        raise ValueError(f"{name}: head dim D must be one of {_HEAD_DIMS}, got D={D}")
     devices = {t.device for t in (q, keys, values, bias, slot_pos, cache_position)}
-    if len(devices) != 1:
-        raise ValueError(f"clustered_attention (triton): all inputs must be on one device, got {sorted(map(str, devices))}")
+    if len(devices) != 1 or q.device.type != "cuda":
+        raise ValueError(f"{name}: all inputs must be on one CUDA device, got {sorted(map(str, devices))}")
     if window < 0:
-        raise ValueError(f"clustered_attention: window must be >= 0 (0 = no window), got {window}")
+        raise ValueError(f"{name}: window must be >= 0 (0 = no window), got {window}")
 
 
 def triton_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, **tuning):
@@ -298,19 +321,21 @@ def triton_clustered_attention(q, keys, values, bias, slot_pos, cache_position, 
     skip_unseen); it is for the benchmark's sweep, the op never passes it.
     """
     if triton is None:
-        raise NotImplementedError("triton_clustered_attention needs Triton (pip install triton); the op itself runs without it")
+        raise NotImplementedError("triton_clustered_attention needs Triton (pip install triton); "
+                                  "kvrewrite::clustered_attention itself runs without it")
     _check_inputs(q, keys, values, bias, slot_pos, cache_position, window)
-    if not q.is_cuda:
-        raise ValueError(f"triton_clustered_attention: inputs must be CUDA tensors, got {q.device}")
     return _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, **tuning)
 
 
 def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, skip_unseen=True, **overrides):
-    """Allocate the output (and the split partials) and launch; no checks (the interpreter tests call it on CPU)."""
-    B, Hq, T, D = q.shape
-    Hkv, C = keys.shape[1], keys.shape[2]
+    """Allocate the output (and the split partials) and launch. No checks: Triton's interpreter
+    (TRITON_INTERPRET=1) runs it on CPU tensors, which is how the kernel can be debugged without a GPU."""
+    # int(): the launch depends on the shapes, so a dynamic-shape trace specialises on them (a guard)
+    B, Hq, T, D = (int(n) for n in q.shape)
+    Hkv, C = int(keys.shape[1]), int(keys.shape[2])
     G = Hq // Hkv
-    cfg = _launch_config(B, Hkv, G, T, C, D, q.device, **overrides)
+    num_sms = _num_sms(q.device) if q.is_cuda else 8  # 8: Triton's interpreter on CPU tensors
+    cfg = _launch_config(B, Hkv, G, T, C, D, num_sms, q.element_size(), **overrides)
     S = cfg["num_splits"]
     out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
     if S > 1:
@@ -318,7 +343,7 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, skip
         m_part = torch.empty((B * Hq * T, S), dtype=torch.float32, device=q.device)
         l_part = torch.empty((B * Hq * T, S), dtype=torch.float32, device=q.device)
     else:
-        part, m_part, l_part = out, bias, bias  # M_PART and L_PART are never touched without splits
+        part = m_part = l_part = out  # M_PART and L_PART are never touched without splits
     wrap_triton(_clustered_attention_fwd_kernel)[(S, B * Hkv, cfg["m_blocks"])](
         q, keys, values, bias, slot_pos, cache_position, part, m_part, l_part,
         *q.stride(), *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(),
@@ -383,7 +408,8 @@ def clustered_attention(
     if q.is_cuda and triton is not None:
         return triton_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window)
     if q.device.type == "cpu":
-        return torch.ops.kvrewrite.clustered_attention_cpu(q, keys, values, bias, slot_pos, cache_position, scale, window)
+        return torch.ops.kvrewrite.clustered_attention_cpu(q, keys, values, bias, slot_pos, cache_position, scale,
+                                                           window)
     return reference_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window).contiguous()
 
 

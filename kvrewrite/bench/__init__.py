@@ -1,0 +1,1 @@
+"""Benchmark scripts, run as ``python -m kvrewrite.bench.<name>`` (GPU; not imported by kvrewrite)."""

@@ -1,0 +1,275 @@
+"""Decode attention on the GPU: kvrewrite::clustered_attention (Triton) vs torch SDPA vs copy bandwidth.
+
+Llama-3.1-8B layout (Hq 32, Hkv 8, D 128, bf16), one query per sequence (T = 1), B = 1 and 8, C = 4k..128k
+slots, every slot in use (bias 0, all visible): the dense data SDPA gets, so both compute the same function
+(their outputs are compared) and SDPA's time is a floor for an attention that also reads bias and positions.
+
+Timing (triton.testing.do_bench, median): each variant runs N times inside one CUDA graph, over N input
+sets rotated so that the data read per replay is >= 4x the L2 (a single small set would be timed from the
+L2), and the replay time is divided by N. Launch overhead is thus left out, as in a CUDA-graphed decode
+step; the eager op call (Python dispatch and launch included, one input set) is reported apart.
+
+Bytes the op must move, each once: K + V (2 * B * Hkv * C * D * 2) + bias (4 * B * Hkv * C) + slot_pos
+(8 * B * Hkv * C) + q and the output (2 * B * Hq * T * D * 2); GB/s = that / time. Copy bandwidth: a 1 GiB
+device-to-device copy, counting bytes read plus written, the ceiling the target is stated against.
+
+SDPA: F.scaled_dot_product_attention(q, k, v, enable_gqa=True) (GQA without repeat_kv), under each backend
+that accepts it (flash, efficient, cudnn) and under PyTorch's own choice; the fastest is the baseline.
+
+Run:  python -m kvrewrite.bench.attention --out attention.json [--sweep sweep.json]
+Plot: python -m kvrewrite.bench.plot attention.json
+"""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch._library.triton import set_wrap_triton_enabled
+
+import kvrewrite  # noqa: F401  (registers the ops)
+from kvrewrite.kernels import clustered_attention as ca
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ROTATE_BYTES = 256 << 20  # >= 4x the L2 of an H100 (50 MB) / H200 (60 MB)
+
+
+@dataclass(frozen=True)
+class Config:
+    B: int
+    C: int
+    Hq: int = 32
+    Hkv: int = 8
+    D: int = 128
+    T: int = 1
+    dtype: str = "bf16"
+
+    @property
+    def bytes_moved(self) -> int:
+        e = DTYPES[self.dtype].itemsize
+        slots = self.B * self.Hkv * self.C
+        return 2 * slots * self.D * e + slots * (4 + 8) + 2 * self.B * self.Hq * self.T * self.D * e
+
+
+@dataclass(frozen=True)
+class Result:
+    bytes_moved: int
+    copy_gbps: float
+    triton_us: float = math.nan  # CUDA-graph replay, per call
+    triton_eager_us: float = math.nan  # one eager op call, Python dispatch and launch included
+    triton_gbps: float = math.nan
+    frac_of_copy: float = math.nan  # triton_gbps / copy_gbps
+    sdpa_us: float = math.nan  # the fastest SDPA backend, CUDA-graph replay, per call
+    sdpa_backend: str = ""
+    sdpa_us_by_backend: dict = dataclasses.field(default_factory=dict)
+    sdpa_over_triton: float = math.nan  # > 1: the Triton op is faster
+    max_abs_diff_vs_sdpa: float = math.nan
+    launch: dict = dataclasses.field(default_factory=dict)  # block sizes, splits, warps, stages the op chose
+    skipped: str = ""
+
+
+def get_configs() -> list[Config]:
+    return [Config(B=B, C=C) for B in (1, 8) for C in (4096, 8192, 16384, 32768, 65536, 131072)]
+
+
+def env_info() -> dict:
+    import triton
+
+    sha = os.environ.get("KVREWRITE_GIT_SHA")
+    if sha is None:
+        try:
+            git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+            sha = git.stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            sha = "unknown"
+    return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, git_sha=sha,
+                sms=torch.cuda.get_device_properties(0).multi_processor_count)
+
+
+def _bench_ms(fn, quick=False) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100, return_mode="median")
+
+
+def copy_gbps() -> float:
+    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = _bench_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def _make_sets(cfg: Config):
+    """Input sets for the op and SDPA (q, k, v, bias, slot_pos, cache_position): all slots in use and visible."""
+    dtype = DTYPES[cfg.dtype]
+    n = max(1, min(16, math.ceil(ROTATE_BYTES / cfg.bytes_moved)))
+    sets = []
+    for _ in range(n):
+        q = torch.randn(cfg.B, cfg.Hq, cfg.T, cfg.D, device="cuda", dtype=dtype)
+        k = torch.randn(cfg.B, cfg.Hkv, cfg.C, cfg.D, device="cuda", dtype=dtype)
+        v = torch.randn(cfg.B, cfg.Hkv, cfg.C, cfg.D, device="cuda", dtype=dtype)
+        bias = torch.zeros(cfg.B, cfg.Hkv, cfg.C, device="cuda")
+        pos = torch.arange(cfg.C, device="cuda").expand(cfg.B, cfg.Hkv, cfg.C).contiguous()
+        cp = torch.arange(cfg.C - cfg.T, cfg.C, device="cuda")
+        sets.append((q, k, v, bias, pos, cp))
+    return sets
+
+
+def _graph_us(fn, sets, quick=False) -> float:
+    """Per-call time of fn over the rotated input sets, captured in one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles) off the capture stream, as torch.cuda.graphs asks
+        for s in sets:
+            fn(*s)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [fn(*s) for s in sets]
+    ms = _bench_ms(graph.replay, quick)
+    del graph, outs
+    return ms * 1e3 / len(sets)
+
+
+def _op(scale, **tuning):
+    """The op, or with tuning overrides its launcher called directly (as the op's eager kernel does)."""
+    if tuning:
+        def launch(q, k, v, bias, pos, cp):
+            with set_wrap_triton_enabled(False):  # launch the kernel itself, not the tracing wrapper
+                return ca._launch(q, k, v, bias, pos, cp, scale, 0, **tuning)
+
+        return launch
+    return lambda q, k, v, bias, pos, cp: torch.ops.kvrewrite.clustered_attention(q, k, v, bias, pos, cp, scale, 0)
+
+
+def _sdpa(backend):
+    from torch.nn.attention import sdpa_kernel
+
+    def fn(q, k, v, *_):
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    return fn
+
+
+def _fits(cfg: Config) -> bool:
+    free, _ = torch.cuda.mem_get_info()
+    return 2.5 * cfg.bytes_moved < free  # the set, SDPA's workspace, the split partials, headroom
+
+
+def run(cfg: Config, copy: float) -> Result:
+    if not _fits(cfg):
+        return Result(cfg.bytes_moved, copy, skipped="does not fit in GPU memory")
+    from torch.nn.attention import SDPBackend
+
+    sets = _make_sets(cfg)
+    scale = cfg.D**-0.5
+    op = _op(scale)
+    ours = op(*sets[0])
+    triton_us = _graph_us(op, sets)
+    eager_us = _bench_ms(lambda: op(*sets[0])) * 1e3
+    sdpa_us, diff = {}, math.nan
+    for name, backend in [("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                          ("cudnn", SDPBackend.CUDNN_ATTENTION), ("default", None)]:
+        try:
+            ref = _sdpa(backend)(*sets[0])
+            sdpa_us[name] = _graph_us(_sdpa(backend), sets)
+            diff = (ours.float() - ref.float()).abs().max().item() if math.isnan(diff) else diff
+        except RuntimeError as e:  # the backend refuses this input (GQA, head dim, GPU)
+            sdpa_us[name] = f"unsupported: {str(e).splitlines()[0][:80]}"
+    timed = {k: v for k, v in sdpa_us.items() if isinstance(v, float)}
+    best = min(timed, key=timed.get)
+    gbps = cfg.bytes_moved / triton_us / 1e3
+    G = cfg.Hq // cfg.Hkv
+    launch = ca._launch_config(cfg.B, cfg.Hkv, G, cfg.T, cfg.C, cfg.D, ca._num_sms(torch.device("cuda")),
+                               DTYPES[cfg.dtype].itemsize)
+    del sets
+    torch.cuda.empty_cache()
+    return Result(cfg.bytes_moved, copy, triton_us=triton_us, triton_eager_us=eager_us, triton_gbps=gbps,
+                  frac_of_copy=gbps / copy, sdpa_us=timed[best], sdpa_backend=best, sdpa_us_by_backend=sdpa_us,
+                  sdpa_over_triton=timed[best] / triton_us, max_abs_diff_vs_sdpa=diff, launch=launch)
+
+
+def sweep(configs, copy: float) -> list[dict]:
+    """Launch variants of the Triton op (tile, warps, stages, splits, skip_unseen), CUDA-graph timed.
+    Stage 1 crosses tile / warps / stages on the first config; stage 2 varies the split count and the
+    predicated loads around the best of stage 1 on every config."""
+    records = []
+
+    def time_variant(cfg, sets, **tuning):
+        try:
+            us = _graph_us(_op(cfg.D**-0.5, **tuning), sets, quick=True)
+        except Exception as e:  # e.g. out of shared memory for a large tile with many stages
+            us = math.nan
+            tuning = dict(tuning, error=str(e).splitlines()[0][:80])
+        rec = dict(config=dataclasses.asdict(cfg), tuning=tuning, us=us, gbps=cfg.bytes_moved / us / 1e3,
+                   frac_of_copy=cfg.bytes_moved / us / 1e3 / copy)
+        records.append(rec)
+        print(f"sweep B{cfg.B} C{cfg.C} {tuning}: {us:.1f} us, {rec['frac_of_copy']:.2f} of copy", flush=True)
+        return us
+
+    first = configs[0]
+    sets = _make_sets(first)
+    stage1 = {}
+    for block_n in (64, 128):  # a first sweep over (32, 64, 128) x (2, 4, 8) x (2, 3, 4) left these
+        for num_warps in (2, 4):
+            for num_stages in (2, 3):
+                t = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+                stage1[tuple(t.items())] = time_variant(first, sets, **t)
+    best = dict(min((k for k in stage1 if not math.isnan(stage1[k])), key=stage1.get))
+    del sets
+    for cfg in configs:
+        sets = _make_sets(cfg)
+        G = cfg.Hq // cfg.Hkv
+        default = ca._launch_config(cfg.B, cfg.Hkv, G, cfg.T, cfg.C, cfg.D, ca._num_sms(torch.device("cuda")),
+                                    DTYPES[cfg.dtype].itemsize, block_n=best["block_n"])["num_splits"]
+        for splits in sorted({max(1, default // 4), max(1, default // 2), default, 2 * default, 4 * default,
+                              8 * default}):
+            time_variant(cfg, sets, **best, num_splits=splits)
+        time_variant(cfg, sets, **best, skip_unseen=False)
+        time_variant(cfg, sets)  # the op's own choice
+        del sets
+        torch.cuda.empty_cache()
+    return records
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="attention.json", help="JSON list of {config, result, env}")
+    parser.add_argument("--sweep", default=None, help="also time launch variants, written to this JSON file")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", message="For dense input")  # SDPA's efficient backend refusing GQA
+    env = env_info()
+    copy = copy_gbps()
+    print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, git {env['git_sha'][:12]}; "
+          f"copy {copy:.0f} GB/s (read + write)", flush=True)
+    rows = []
+    for cfg in get_configs():
+        res = run(cfg, copy)
+        rows.append(dict(config=dataclasses.asdict(cfg), result=dataclasses.asdict(res), env=env))
+        if res.skipped:
+            print(f"B={cfg.B:<2} C={cfg.C:<7} skipped: {res.skipped}", flush=True)
+            continue
+        print(f"B={cfg.B:<2} C={cfg.C:<7} triton {res.triton_us:8.1f} us (eager {res.triton_eager_us:7.1f}) "
+              f"{res.triton_gbps:6.0f} GB/s = {res.frac_of_copy:.2f} of copy | SDPA {res.sdpa_backend} "
+              f"{res.sdpa_us:8.1f} us, SDPA/triton {res.sdpa_over_triton:.2f} | splits {res.launch['num_splits']} "
+              f"| max diff {res.max_abs_diff_vs_sdpa:.2g}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    if args.sweep:
+        sweep_configs = [Config(B=8, C=32768), Config(B=1, C=32768), Config(B=1, C=4096), Config(B=8, C=131072)]
+        records = sweep(sweep_configs, copy)
+        with open(args.sweep, "w") as f:
+            json.dump([dict(r, env=env, copy_gbps=copy) for r in records], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""kvrewrite::clustered_attention on CUDA: the Triton kernel against the reference, opcheck, torch.compile.
+
+Every check draws fresh random inputs (make_state: past slots with random degrees and ~15% empty, then a
+causal fresh block of T tokens) and runs the op in memory filled with NaN first, so an output element the
+kernel forgets to write fails the comparison. Skipped without CUDA or Triton.
+On a GPU machine: `python -m pytest -m gpu -q tests/kernels/test_clustered_attention_gpu.py`.
+"""
+import math
+
+import pytest
+import torch
+
+import kvrewrite  # noqa: F401  (registers the ops)
+from kvrewrite.kernels import clustered_attention as ca
+from tests.kernels.test_clustered_attention import make_state
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(ca.triton is None, reason="needs Triton"),
+]
+
+OP = torch.ops.kvrewrite.clustered_attention.default
+
+# Tolerance table: q's dtype -> assert_close(op output, reference on the fp32-upcast inputs).
+# Inputs are the same exact values for both, so only the kernel's own rounding remains:
+#   fp32: ieee fp32 dots (no TF32), fp32 softmax and accumulation in another order and base 2 (exp2 of
+#         logit * log2 e): ~1e-6 absolute on outputs of size <= ~4; 2e-5 / 1e-5 leaves 10x headroom and
+#         sits ~1e3 below what a real bug moves (a dropped bias, wrong GQA head or off-by-one mask >= 1e-2).
+#   fp16: q.k in fp16 products with fp32 sums (exact), p rounded to fp16 before p @ v (relative 2**-11 per
+#         weight), output rounded to fp16 (half an ulp: 2**-11 relative): <= 2**-11 * max|v| ~ 2e-3 worst case.
+#   bf16: the same with an 8-bit significand: p and output at 2**-8 / 2**-9 relative: 1.6e-2 (2**-6) covers
+#         the worst case (the Triton tutorial uses 1e-2 for fp16 attention); typical errors are ~1e-3.
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# (B, Hq, Hkv, T, C, window). GQA ratios of the supported families: 1, 3 (SmolLM2 9/3), 4, 7 (Qwen2.5
+# 14/2), 8. C is ragged (never a multiple of the 32/64-slot tile) except 1; C = 4097 at T = 1 and small
+# B * Hkv is split over many programs (split-K + combine), C = 1 and 37 are not. T = 64 is a prefill
+# chunk: the last min(T, C) slots are the fresh block, each query sees it causally.
+SHAPES = [
+    (1, 4, 4, 1, 1, 0),
+    (3, 9, 3, 1, 37, 0),
+    (1, 8, 2, 1, 1000, 16),
+    (3, 14, 2, 1, 4097, 0),
+    (1, 16, 2, 1, 4097, 16),
+    (3, 32, 4, 1, 1000, 0),
+    (1, 7, 1, 1, 37, 16),
+    (1, 9, 3, 5, 1000, 0),
+    (3, 8, 2, 5, 37, 16),
+    (1, 14, 2, 5, 4097, 0),
+    (3, 4, 4, 5, 1, 0),
+    (1, 14, 2, 64, 1000, 0),
+    (3, 4, 4, 64, 37, 16),
+    (1, 16, 2, 64, 4097, 16),
+    (3, 9, 3, 64, 1000, 0),
+]
+HEAD_DIMS = (64, 128, 256)
+
+
+def _id(shape):
+    B, Hq, Hkv, T, C, w = shape
+    return f"B{B}-Hq{Hq}Hkv{Hkv}-T{T}-C{C}-w{w}"
+
+
+def _inputs(B, Hq, Hkv, T, C, D, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    keys, values, bias, slot_pos, cp = make_state(B, Hkv, C, D, T, dtype, gen=g)
+    q = torch.randn(B, T, Hq, D, generator=g).to(dtype).transpose(1, 2)  # a transposed view, as in the models
+    return [x.cuda() for x in (q, keys, values, bias, slot_pos, cp)]
+
+
+def _poisoned(fn, nbytes):
+    """fn() with every CUDA allocation inside it taken from memory filled with 0xFF bytes (NaN in fp16,
+    bf16 and fp32): a private pool is filled and freed first. Returns a copy made outside the pool."""
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        large = torch.full((2 * nbytes + (32 << 20),), 255, dtype=torch.uint8, device="cuda")
+        small = [torch.full((1 << 20,), 255, dtype=torch.uint8, device="cuda") for _ in range(8)]
+        del large, small
+        probe = torch.empty(1 << 16, dtype=torch.float32, device="cuda")
+        assert probe.isnan().all(), "poisoning the allocator failed: the test would not see unwritten outputs"
+        del probe
+        out = fn()
+    result = out.clone()
+    del out, pool
+    torch.cuda.empty_cache()  # hands the freed pool's memory back
+    return result
+
+
+def _check(out, ref, dtype, what):
+    assert out.dtype == dtype and out.shape == ref.shape and out.is_contiguous(), what
+    assert torch.isfinite(out).all(), f"{what}: {int((~torch.isfinite(out)).sum())} non-finite outputs (unwritten?)"
+    diff = (out.float() - ref).abs().max().item()
+    rel = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype], msg=f"{what}: max |diff| {diff:.3g}, rel {rel:.3g}")
+
+
+def _run_and_compare(B, Hq, Hkv, T, C, D, dtype, window, seed, **tuning):
+    q, keys, values, bias, slot_pos, cp = _inputs(B, Hq, Hkv, T, C, D, dtype, seed)
+    scale = D**-0.5
+    f32 = [x.float() for x in (q, keys, values)]
+    ref = ca.reference_clustered_attention(*f32, bias, slot_pos, cp, scale, window)
+    overrides = {k: v for k, v in tuning.items() if k != "skip_unseen"}
+    cfg = ca._launch_config(B, Hkv, Hq // Hkv, T, C, D, ca._num_sms(q.device), q.element_size(), **overrides)
+    nbytes = B * Hq * T * (D * q.element_size() + cfg["num_splits"] * (D + 2) * 4)  # output, split partials
+    args = (q, keys, values, bias, slot_pos, cp, scale, window)
+    out = _poisoned(lambda: ca.triton_clustered_attention(*args, **tuning) if tuning else OP(*args), nbytes)
+    _check(out, ref, dtype, f"B{B} Hq{Hq} Hkv{Hkv} T{T} C{C} D{D} {dtype} window {window} {tuning or ''}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("D", HEAD_DIMS, ids=[f"D{d}" for d in HEAD_DIMS])
+@pytest.mark.parametrize("shape", SHAPES, ids=[_id(s) for s in SHAPES])
+def test_triton_matches_reference(shape, D, dtype):
+    B, Hq, Hkv, T, C, window = shape
+    _run_and_compare(B, Hq, Hkv, T, C, D, dtype, window, seed=hash((shape, D, str(dtype))) % 2**31)
+
+
+@pytest.mark.parametrize("D", (16, 32))
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_small_head_dims(D, dtype):
+    """The tiny models of the CPU tests use D = 16; D = 32 for completeness."""
+    for i, (B, Hq, Hkv, T, C, window) in enumerate([(2, 4, 2, 1, 100, 0), (1, 7, 1, 5, 37, 3), (3, 8, 2, 16, 300, 0)]):
+        _run_and_compare(B, Hq, Hkv, T, C, D, dtype, window, seed=100 * D + i)
+
+
+@pytest.mark.parametrize("tuning", [dict(num_splits=1), dict(num_splits=2), dict(num_splits=7), dict(block_n=32),
+                                    dict(skip_unseen=False), dict(num_splits=5, skip_unseen=False)],
+                         ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_launch_variants_agree(tuning):
+    """Forced split counts and tile sizes (the benchmark's sweep space) compute the same function."""
+    for T in (1, 5):
+        _run_and_compare(3, 14, 2, T, 1000, 128, torch.bfloat16, 16 if T == 5 else 0, seed=7 + T, **tuning)
+
+
+def test_query_with_no_visible_slot_is_zero_not_nan():
+    D = 64
+    k, v = torch.randn(2, 1, 4, D, device="cuda"), torch.randn(2, 1, 4, D, device="cuda")
+    q = torch.randn(2, 3, 2, D, device="cuda")
+    bias = torch.zeros(2, 1, 4, device="cuda")
+    bias[1] = -math.inf  # batch row 1: every slot empty
+    pos = torch.tensor([5, 6, 7, 8], device="cuda").expand(2, 1, 4).contiguous()
+    cp = torch.tensor([3, 6], device="cuda")  # query 0 precedes every slot; query 1 sees slots 5, 6
+    for dtype in DTYPES.values():
+        out = _poisoned(lambda: OP(q.to(dtype), k.to(dtype), v.to(dtype), bias, pos, cp, 0.125, 0), 1 << 20)
+        assert torch.isfinite(out).all()
+        assert (out[0, :, 0] == 0).all() and (out[1] == 0).all() and (out[0, :, 1] != 0).any()
+    out = OP(q, k, v, torch.zeros_like(bias), pos, torch.tensor([20, 21], device="cuda"), 0.125, 4)  # window hides all
+    assert torch.isfinite(out).all() and (out == 0).all()
+
+
+def test_empty_slots_are_never_attended():
+    """bias -inf marks an empty slot: huge stale keys and values there change nothing."""
+    B, Hq, Hkv, T, C, D = 2, 8, 2, 1, 300, 128
+    q, keys, values, bias, slot_pos, cp = _inputs(B, Hq, Hkv, T, C, D, torch.bfloat16, seed=3)
+    empty = torch.isinf(bias)
+    assert empty.any()
+    k2, v2 = keys.clone(), values.clone()
+    k2[empty] = 1e4
+    v2[empty] = -1e4
+    a = OP(q, keys, values, bias, slot_pos, cp, D**-0.5, 0)
+    b = OP(q, k2, v2, bias, slot_pos, cp, D**-0.5, 0)
+    assert torch.equal(a, b)
+
+
+def test_errors_are_clear():
+    q, keys, values, bias, slot_pos, cp = _inputs(1, 4, 2, 1, 37, 64, torch.float16, seed=0)
+    with pytest.raises(TypeError, match="bias fp32"):
+        ca.triton_clustered_attention(q, keys, values, bias.half(), slot_pos, cp, 0.125, 0)
+    with pytest.raises(TypeError, match="share one dtype"):
+        ca.triton_clustered_attention(q, keys.float(), values, bias, slot_pos, cp, 0.125, 0)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        ca.triton_clustered_attention(q[:, :3], keys, values, bias, slot_pos, cp, 0.125, 0)
+    with pytest.raises(ValueError, match="head dim D"):
+        ca.triton_clustered_attention(q[..., :48], keys[..., :48], values[..., :48], bias, slot_pos, cp, 0.125, 0)
+    with pytest.raises(ValueError, match="CUDA device"):
+        ca.triton_clustered_attention(q, keys, values, bias, slot_pos.cpu(), cp, 0.125, 0)
+    with pytest.raises(ValueError, match=r"cache_position must be \[T\]"):
+        ca.triton_clustered_attention(q, keys, values, bias, slot_pos, cp.repeat(2), 0.125, 0)
+
+
+@pytest.mark.parametrize("case", [(torch.bfloat16, 8, 2, 1, 4097, 0), (torch.float16, 7, 1, 5, 300, 16),
+                                  (torch.float32, 4, 4, 3, 37, 0)], ids=["bf16-split", "fp16-window", "fp32"])
+def test_opcheck_cuda(case):
+    dtype, Hq, Hkv, T, C, window = case
+    q, keys, values, bias, slot_pos, cp = _inputs(2, Hq, Hkv, T, C, 64, dtype, seed=C)
+    torch.library.opcheck(OP, (q, keys, values, bias, slot_pos, cp, 0.125, window))
+
+
+def test_compile_reduce_overhead_no_graph_break():
+    """A decode-step-like function around the op compiles whole (fullgraph=True) under CUDA graphs, Inductor
+    sees the Triton kernel (a user-defined kernel in its code), and replays match eager on new inputs."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    B, Hq, Hkv, C, D, dtype = 2, 8, 2, 2000, 64, torch.bfloat16
+    _, keys, values, bias, slot_pos, cp = _inputs(B, Hq, Hkv, 1, C, D, dtype, seed=11)
+    w_q = torch.randn(Hq * D, Hq * D, device="cuda", dtype=dtype) / (Hq * D) ** 0.5
+
+    def step(x, cp):
+        q = (x @ w_q).view(B, 1, Hq, D).transpose(1, 2)  # [B, Hq, 1, D], a transposed view
+        o = torch.ops.kvrewrite.clustered_attention(q, keys, values, bias, slot_pos, cp, D**-0.5, 0)
+        return o.transpose(1, 2).reshape(B, Hq * D).float().sum(-1)
+
+    compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+    x0 = torch.randn(B, Hq * D, device="cuda", dtype=dtype)
+    _, code = run_and_get_code(compiled, x0, cp)
+    assert any("_clustered_attention_fwd_kernel" in c for c in code), "Inductor did not inline the Triton kernel"
+    for i in range(4):  # warm-up, recording, then replays
+        x = torch.randn(B, Hq * D, device="cuda", dtype=dtype)
+        got, want = compiled(x, cp).clone(), step(x, cp)
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=1e-2, msg=f"call {i}")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
