@@ -13,7 +13,8 @@ __all__ = ["apply", "METHODS"]
 DEFAULT_MAX_LENGTH = 4096
 
 
-def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1, prefill_chunk=256, **method_kwargs):
+def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1, prefill_chunk=256, captured=None,
+          **method_kwargs):
     """Capture `model`, rewrite its attention and KV cache for `method`, return a KVRewrittenModel.
 
     Args:
@@ -24,6 +25,9 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
             (default: min(model's max_position_embeddings, 4096)).
         batch_size: static batch size of the captured graphs.
         prefill_chunk: tokens per prefill step; the prompt is left-padded to a multiple of it.
+        captured: the result of `kvrewrite.capture.capture(model, ...)` to rewrite instead of capturing
+            again (capture is most of apply's time; kvrewrite.eval rewrites one capture for every
+            method). Its batch size and prefill chunk are used; `batch_size`/`prefill_chunk` are ignored.
         **method_kwargs: the method's own options (see its class, e.g. ChelseaMethod).
     """
     from kvrewrite.capture import capture, check_causal_lm, copy_graph_module
@@ -42,7 +46,8 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
                          DEFAULT_MAX_LENGTH)
     if not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"kvrewrite.apply: max_length must be an int >= 1, got {max_length!r}")
-    captured = capture(model, batch_size=batch_size, prefill_chunk=prefill_chunk)
+    if captured is None:
+        captured = capture(model, batch_size=batch_size, prefill_chunk=prefill_chunk)
     if hasattr(m, "bind"):
         m.bind(captured.layers)
     # Three rewritten graphs: prefill chunk, decode step, decode step with compression (run on the

@@ -91,6 +91,67 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _csv(kind):
+    """argparse type: a comma-separated list of `kind` (repeatable flags are joined by the caller)."""
+
+    def parse(text):
+        try:
+            return [kind(x.strip()) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, "
+                                             f"got {text!r}") from None
+
+    return parse
+
+
+def _option(text):
+    """--option METHOD.NAME=VALUE -> (method, name, value); the value is read as a Python literal if it is one."""
+    import ast
+
+    head, sep, value = text.partition("=")
+    method, dot, name = head.partition(".")
+    if not (sep and dot and method and name):
+        raise argparse.ArgumentTypeError(f"expected METHOD.OPTION=VALUE (e.g. chelsea.n_recent=32), got {text!r}")
+    try:
+        value = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        pass  # a plain string
+    return method.strip(), name.strip(), value
+
+
+def cmd_eval(args) -> int:
+    from kvrewrite.eval import QUICK, EvalConfig, run_grid
+    from kvrewrite.eval.grid import check_model
+    from kvrewrite.eval.report import write_report
+
+    flat = lambda xs: [x for group in xs for x in group] if xs else None  # noqa: E731
+    models = flat(args.model) or ["smollm2-135m"]
+    fields = {"methods": flat(args.methods), "budgets": flat(args.budgets), "tasks": flat(args.task),
+              "context_lengths": flat(args.context_lengths), "depths": flat(args.depths), "nll_tokens": args.nll_tokens,
+              "samples": args.samples, "answer_tokens": args.answer_tokens, "fidelity_steps": args.fidelity_steps,
+              "prefill_chunk": args.prefill_chunk, "out_dir": args.out}
+    base = dict(QUICK) if args.quick else {}
+    base.update({k: tuple(v) if isinstance(v, list) else v for k, v in fields.items() if v is not None})
+    options = {}
+    for method, name, value in args.option or []:
+        options.setdefault(method, {})[name] = value
+    out_dir = base.get("out_dir", EvalConfig.out_dir)
+    docs = args.docs or (f"{out_dir}/results.md" if args.quick else "docs/results.md")
+    if not args.report_only:
+        configs = [EvalConfig(model=m, method_options=options, progress=not args.no_progress, **base) for m in models]
+        for cfg in configs:  # every setting and model name is checked before the first model loads
+            cfg.validate()
+            check_model(cfg.model)
+        for cfg in configs:
+            t0 = time.perf_counter()
+            paths = run_grid(cfg)
+            print(f"{cfg.model}: wrote {', '.join(map(str, paths))} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    if args.report:
+        page = write_report(out_dir, docs)
+        print(f"wrote {page} (plots next to it)", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="kvrewrite", description="Compress the KV cache of Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -104,10 +165,62 @@ def main(argv=None) -> int:
     run.add_argument("--no-hf-baseline", dest="hf_baseline", action="store_false",
                      help="skip the HF transformers StaticCache baseline row")
     run.add_argument("-v", "--verbose", action="store_true", help="log progress of downloads and conversion")
+
+    ev = sub.add_parser(
+        "eval", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="quality of every method x budget x context length on real models: JSON, plots, docs/results.md",
+        description="Measure how much quality each compression method keeps, against the full cache in the same "
+        "run.\n\n"
+        "tasks:\n"
+        "  nll       continuation NLL: prefill n tokens of Shakespeare, compress to the budget, score the next\n"
+        "            --nll-tokens tokens teacher-forced with the compressed cache (nats/token; lower is better)\n"
+        "  needle    a passphrase hidden at --depths of n tokens of Paul Graham essays; greedy answer to a\n"
+        "            question after the context, exact match (accuracy; higher is better)\n"
+        "  fidelity  per layer, relative error of the attention output vs the full cache on --fidelity-steps\n"
+        "            decode queries, and the recall of the true top-k attended tokens (ClusterKV's metric)\n\n"
+        "budget: fraction of the tokens kept per KV head, B = round(budget * (n + generated tokens)).\n"
+        "Results go to OUT/<model>/<task>.json; then the plots and the results page are (re)written.\n\n"
+        "examples:\n"
+        "  kvrewrite eval --quick                                  # smoke test, a few minutes on 2 CPU cores\n"
+        "  kvrewrite eval --model smollm2-135m --task nll,needle --budgets 0.2,0.5 --context-lengths 1024,2048\n"
+        "  kvrewrite eval --report-only                            # redraw plots + docs/results.md from the JSON",
+    )
+    ev.add_argument("--model", type=_csv(str), action="append", metavar="M[,M...]",
+                    help="registry name (smollm2-135m, qwen2.5-0.5b, gemma3-270m), local HF folder or hub id; "
+                    "comma-separated or repeated (default: smollm2-135m)")
+    ev.add_argument("--methods", type=_csv(str), action="append", metavar="M[,M...]",
+                    help="methods to compare (default: all of them); `full` always runs, as the reference")
+    ev.add_argument("--budgets", type=_csv(float), action="append", metavar="B[,B...]",
+                    help="fractions of the tokens kept, in (0, 1] (default: 0.1,0.2,0.35,0.5)")
+    ev.add_argument("--task", type=_csv(str), action="append", metavar="T[,T...]",
+                    help="nll, needle and/or fidelity (default: all three)")
+    ev.add_argument("--context-lengths", type=_csv(int), action="append", metavar="N[,N...]",
+                    help="context lengths in tokens (default: 1024,2048; at most the model's window)")
+    ev.add_argument("--quick", action="store_true",
+                    help="smoke-test preset: context 512, budgets 0.2,0.5, 32 NLL tokens, 1 needle depth, 4 fidelity "
+                    "steps; writes to out/eval-quick (explicit flags override the preset)")
+    ev.add_argument("--option", type=_option, action="append", metavar="METHOD.NAME=VALUE",
+                    help="a method option, e.g. chelsea.n_recent=32 (repeatable)")
+    ev.add_argument("--nll-tokens", type=int, help="tokens scored after each context (default 256)")
+    ev.add_argument("--samples", type=int,
+                    help="NLL/fidelity samples (different places in the text) per length (default 1)")
+    ev.add_argument("--depths", type=_csv(float), action="append", metavar="D[,D...]",
+                    help="needle depths as fractions of the context (default 0.1,0.5,0.9)")
+    ev.add_argument("--answer-tokens", type=int, help="longest needle answer, in tokens (default 24)")
+    ev.add_argument("--fidelity-steps", type=int, help="decode queries compared per context (default 16)")
+    ev.add_argument("--prefill-chunk", type=int, metavar="N",
+                    help="make every method prefill itself in chunks of N (compressing while it prefills) instead of "
+                    "sharing one exact prefill per context (default: shared; see docs/results.md)")
+    ev.add_argument("--out", help="where the JSON goes (default out/eval, or out/eval-quick with --quick)")
+    ev.add_argument("--docs", help="results page to write (default docs/results.md, or OUT/results.md with --quick)")
+    ev.add_argument("--no-report", dest="report", action="store_false", help="write the JSON only")
+    ev.add_argument("--report-only", action="store_true", help="run nothing: redraw plots and the page from OUT")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ev.add_argument("-v", "--verbose", action="store_true", help="log what the grid does")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"run": cmd_run}[args.command](args)
+        return {"run": cmd_run, "eval": cmd_eval}[args.command](args)
     except ValueError as e:
         print(f"kvrewrite: error: {e}", file=sys.stderr)
         return 2

@@ -18,13 +18,43 @@ reached the threshold (budget = [target B, threshold B + g]) and that is not an 
 3. store the row packed, bias = log n.
 
 State (mutated): keys, values [B, Hkv, C, D]; bias, slot_pos [B, Hkv, C]; fill [B, Hkv].
+
+Load-bearing details of the reference (the CUDA kernel follows them): cosine in fp32 of the
+normalised keys; argmax ties go to the first B; a star is summed as n_b k_b, then its members in
+ranking order (scatter_add's order), then divided by the degree sum, and every other middle slot is
+divided back, (k n) / n; centroids stay fp32 between the rounds of one call and are cast to the
+state's dtype at the end. Exact ties in the edge ranking are broken by torch.topk (an unspecified
+order); the CUDA kernel breaks them toward the earlier edge, which `pinned_ties()` makes the reference
+do too (for the CUDA tests: identical keys tie exactly). Generic fp32 similarities never tie exactly.
+
+Backends: the reference reads fill and budget on the host (CPU; CUDA without Triton, or with a chunk
+above 512 or D above 256); on CUDA the Triton kernel in _compress_cuda.py runs every round on the
+device with no host sync (CUDA graphs can capture it).
 """
+import contextlib
+import logging
 import math
 
 import torch
 import torch.nn.functional as F
 
+from kvrewrite.kernels import _compress_cuda
 from kvrewrite.kernels._slots import load_row, rows_due, store_row
+
+logger = logging.getLogger(__name__)
+_PINNED_TIES = False
+
+
+@contextlib.contextmanager
+def pinned_ties():
+    """Inside: the reference breaks exact ties of the edge ranking toward the earlier edge (a stable
+    sort), as the CUDA kernel does, instead of torch.topk's unspecified order."""
+    global _PINNED_TIES
+    _PINNED_TIES = True
+    try:
+        yield
+    finally:
+        _PINNED_TIES = False
 
 
 def csm_round(K, V, n, pos, n_merge: int, chunk: int):
@@ -49,7 +79,10 @@ def csm_round(K, V, n, pos, n_merge: int, chunk: int):
     m = min(n_merge, int(torch.isfinite(best[0]).sum()))
     if m <= 0:
         return K, V, n, pos
-    top = best.topk(m, dim=1).indices
+    if _PINNED_TIES:  # ties to the earlier edge, as the CUDA kernel
+        top = best.sort(dim=1, descending=True, stable=True).indices[:, :m]
+    else:
+        top = best.topk(m, dim=1).indices
     src, dst = src.gather(1, top), dst.gather(1, top)  # [R, m]; src in A, dst in B: disjoint
     w = n[..., None]
     Ks, Vs = K * w, V * w
@@ -129,6 +162,21 @@ def chelsea_compress(
     reference_chelsea_compress(
         keys, values, bias, slot_pos, fill, budget, n_sink, n_recent, chunk, r_init, r_alpha, r_steps, r_min, outlier_heads
     )
+
+
+@chelsea_compress.register_kernel("cuda")
+def _(keys, values, bias, slot_pos, fill, budget, n_sink, n_recent, chunk, r_init, r_alpha, r_steps, r_min,
+      outlier_heads):
+    args = (keys, values, bias, slot_pos, fill, budget, n_sink, n_recent, chunk, r_init, r_alpha, r_steps, r_min,
+            outlier_heads)
+    if _compress_cuda.supports_chelsea(keys, chunk):
+        _compress_cuda.triton_chelsea_compress(*args)
+        return
+    if _compress_cuda.triton is not None:
+        logger.warning("chelsea_compress: chunk=%d, D=%d has no Triton kernel (chunk <= %d, D <= %d); running the "
+                       "reference, which syncs with the host", chunk, keys.shape[-1], _compress_cuda.MAX_CHUNK,
+                       _compress_cuda.MAX_HEAD_DIM)
+    reference_chelsea_compress(*args)
 
 
 @chelsea_compress.register_fake

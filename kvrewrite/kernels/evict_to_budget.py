@@ -8,9 +8,14 @@ State (mutated): keys, values [B, Hkv, C, D]; bias, slot_pos [B, Hkv, C]; fill [
 budget: [2] int64 (target, threshold). A row whose fill reached the threshold keeps its first
 n_sink valid slots and its last target - n_sink valid slots, packed in order; padding slots go first.
 Rows below the threshold are untouched.
+
+Backends: the reference below reads fill and budget on the host (CPU, and CUDA without Triton); on
+CUDA the Triton kernel in _compress_cuda.py does the same on the device, with no host sync (CUDA
+graphs can capture it), bit-for-bit the same result.
 """
 import torch
 
+from kvrewrite.kernels import _compress_cuda
 from kvrewrite.kernels._slots import load_row, rows_due, store_row
 
 
@@ -37,6 +42,14 @@ def evict_to_budget(
 ) -> None:
     """Sink + recent eviction of the rows that reached the threshold (see the module docstring)."""
     reference_evict_to_budget(keys, values, bias, slot_pos, fill, budget, n_sink)
+
+
+@evict_to_budget.register_kernel("cuda")
+def _(keys, values, bias, slot_pos, fill, budget, n_sink):
+    if _compress_cuda.triton is None:
+        reference_evict_to_budget(keys, values, bias, slot_pos, fill, budget, n_sink)
+    else:
+        _compress_cuda.triton_evict_to_budget(keys, values, bias, slot_pos, fill, budget, n_sink)
 
 
 @evict_to_budget.register_fake
