@@ -1,49 +1,57 @@
 """CUDA (Triton) kernels of kvrewrite::evict_to_budget and kvrewrite::chelsea_compress, free of host syncs.
 
 The references (evict_to_budget.py, chelsea_compress.py) read `fill` and `budget` on the host to pick
-the due rows and their lengths. These kernels read them on the device: one program per row
-(b, kv-head) loads its fill, the target and the threshold, and returns at once when the row is not due
-(or is an outlier head). Nothing is copied to the host and no shape depends on data, so the ops can be
-captured in a CUDA graph (torch.compile mode="reduce-overhead").
+the due rows and their lengths. These kernels read them on the device: every program loads its row's
+(b, kv-head) fill, the target and the threshold, and returns at once when the row is not due (or is an
+outlier head). Nothing is copied to the host and no shape depends on data, so a call can be captured in
+a CUDA graph (torch.compile mode="reduce-overhead"); the launch sequence is fixed per op call.
 
-Design (one launch per op call, grid = B * Hkv programs):
+evict_to_budget (2 launches): the row's valid slots are counted (bias > -inf inside the fill); valid
+ranks < min(n_sink, T) and >= L - (T - n_sink) are kept (all if L <= T). Step 1, grid rows x 2*D/16:
+each program moves 16 columns of keys or of values; step 2, grid rows: bias and slot_pos, then the
+row is finished (bias -inf past the kept slots, fill).
 
-- evict_to_budget: count the row's valid slots L (bias > -inf inside the fill), keep valid ranks
-  < min(n_sink, target) and >= L - (target - n_sink) (all of them if L <= target), compact.
-- chelsea_compress: drop padding (compact the valid slots), then loop CSM rounds *on the device*
-  (`while L > target`): the number of rounds is data-dependent but needs no host-side bound and no
-  no-op launches; every round removes >= 1 slot or ends the loop (no edge left), so it terminates. A
-  round, all inside the row's program:
-    1. similarity: chunk by chunk, A slots (even offsets) x B slots (odd offsets) cosine in fp32 and
-       the argmax over B (leftmost on ties), written to a per-row edge buffer;
-    2. selection: the n_merge best edges of the row by (similarity desc, edge index asc), found by a
-       32-step bisection on a monotone integer key of the fp32 similarity (ties at the threshold go to
-       the lowest edge index, as the reference's stable sort);
-    3. merge + compaction, chunk by chunk: each B's star members are added in the reference's
-       order (n_b k_b first, then the members by rank), divided by the degree sum; survivors are
-       written packed, in slot order; then the recent slots move left behind them.
-  Round 0 reads the state (model dtype). The centroids of a round that is not the row's last stay in
-  an fp32 scratch row (the reference keeps them in fp32 between rounds), so later rounds read and
-  write the scratch and the last round (or a final copy) writes the state.
+chelsea_compress: round 0 (every decode-time call and every prefill-chunk call needs exactly one) runs
+in parallel over the row's chunks and columns, five launches:
+  0. prepare   (rows):            due check; padding dropped (packed in place, only rows that have
+                                  some); degrees and positions snapshotted to SN, SP; n_merge of round 0;
+  1. similarity (rows x chunks):  A slots (even offsets of a chunk) x B slots (odd offsets), cosine in
+                                  fp32, argmax over B (leftmost on ties) -> per-row edge buffer;
+  2. select    (rows):            the n_merge best edges by (similarity desc, edge index asc): a radix
+                                  select of the threshold key (4 passes of a 256-bin histogram), ties at
+                                  the threshold to the lowest edges (the reference under pinned_ties());
+  3. plan      (rows x chunks):   each star's members in the reference's order, degree sums, largest
+                                  positions, every survivor's destination; bias and slot_pos written;
+  4. merge     (rows x 2*D/16):   each program merges and moves 16 columns of keys or values, chunk by
+                                  chunk, then the recent slots.
+Rows that need more rounds (a prefill far above the target, e.g. prefill_chunk >= prompt) keep round 0's
+centroids in an fp32 scratch (the reference keeps them in fp32 between rounds) and go on in a sixth
+launch, one program per row looping `while L > target` *on the device*: the number of rounds is
+data-dependent but needs no host-side bound and no no-op launches, and each round removes >= 1 slot
+or ends the loop (no edge left), so it terminates. That program runs the same three steps itself,
+chunk by chunk; it is slow (one SM per row) and only serves those rows. `parallel_round0=False` runs
+every round there (a cross-check path in the tests).
 
-In-place compaction does not race: a row belongs to one program, survivors only move left
-(destination slot <= source slot), and tiles (or chunks) are processed in increasing slot order with
-a CTA barrier between a tile's loads and its stores. So a store never hits a slot that a later load
-still needs (later tiles read slots >= their own start > every earlier destination), and inside a tile
-every thread has loaded before any thread stores. Members of a star are gathered before the barrier
-of their chunk, so they are read before the chunk's stores.
+In-place moves do not race: survivors only move left (destination slot <= source slot), a program
+owns its columns (or, in the per-row kernel and the padding/bias moves, its whole row) and walks its
+tiles / chunks in increasing slot order with a CTA barrier between a tile's loads and its stores. A
+store never hits a slot a later load still needs (later tiles read slots >= their own start > every
+earlier destination), and inside a tile every thread has loaded (star members included) before any
+thread stores. Steps 3 and 4 read degrees and positions from the SN/SP snapshot while step 3 rewrites
+bias and slot_pos, and step 4 reads no bias at all.
 
-Memory per call (besides the state): fp32 scratch keys + values [B*Hkv, CW, D] (CW = C minus the
-fewest slots round 0 removes from a row that needs a second round, ~0.65 C for Llama-3's schedule),
-degrees fp32 + positions int64 [B*Hkv, CW], and the edge buffers (~9 bytes per middle slot / 2).
+Memory per call (transient, besides the state): SN, SP (12 bytes per slot), edge and plan buffers
+(~26 bytes per A slot), and the fp32 scratch for multi-round rows: keys + values [B*Hkv, CW, D] fp32
+plus degrees and positions [B*Hkv, CW] (CW = C minus the fewest slots a non-final round 0 removes,
+~0.65 C with Llama-3's schedule; scratch_slots()).
 
 Numerics (bit-for-bit decisions where the inputs allow it): similarities are fp32 (16-bit keys: one
-tensor-core dot of the raw keys, exact products with fp32 accumulation, scaled by the reciprocal
-norms; fp32 keys: an IEEE fp32 dot of the normalised keys, no TF32), merges are fp32 in the
-reference's order, and fp contraction (FMA) is off so products and sums round as in the reference.
-Summation order inside a dot still differs from the CPU's, so on generic data a near-tie (two
-similarities within ~1e-7) may break the other way; on inputs whose similarities are exact in fp32
-(tests/kernels/test_compression_gpu.py) the kept slots, merges and order are identical.
+tensor-core dot of the raw keys, exact products with fp32 accumulation, scaled by the reciprocal norms;
+fp32 keys: 3xTF32, fp32-level accuracy), merges are fp32 in the reference's order, and fp contraction
+(FMA) is off so products and sums round as in the reference. A dot's summation order still differs
+from the CPU's, so on generic data a near-tie (two similarities within ~1e-7) may break the other way;
+on inputs whose similarities are exact in fp32 (tests/kernels/test_compression_gpu.py) the kept slots,
+merges, order and values are identical.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
@@ -360,7 +368,7 @@ def _csm_similarity(K, WK, EBEST, EDST, from_state, n_sink, M, D,
 
 
 @_triton_jit()
-def _select_topm(EBEST, ESEL, n_e, m, EB: tl.constexpr):
+def _select_topm(EBEST, ESEL, n_e, m, EB: tl.constexpr, CCOUNT=None, S: tl.constexpr = 1):
     """Step 2: ESEL[e] = 1 for the m best edges of [0, n_e) by (similarity desc, e asc). The threshold key
     is found 8 bits at a time (a 256-bin histogram of the candidates per pass), then the keys above it
     and the first ones equal to it (lowest e) are taken. Needs m <= the finite edges."""
@@ -390,6 +398,10 @@ def _select_topm(EBEST, ESEL, n_e, m, EB: tl.constexpr):
         sel = (k > t) | ((eq != 0) & (tl.cumsum(eq, axis=0) - eq < need))
         tl.store(ESEL + e, sel.to(tl.int8), mask=e < n_e)
         need -= tl.sum(eq, axis=0)
+        if CCOUNT is not None:  # selected edges per chunk (S edges a chunk; EB is a multiple of S)
+            ch = e0 // S + tl.arange(0, EB // S)
+            per_chunk = tl.sum(tl.reshape((sel & (e < n_e)).to(tl.int32), [EB // S, S]), axis=1)
+            tl.store(CCOUNT + ch, per_chunk, mask=ch * S < n_e)
 
 
 @_triton_jit()
@@ -458,7 +470,8 @@ def _csm_merge(K, V, BIAS, POS, WK, WV, WN, WP, EBEST, EDST, ESEL, LIST, FIRST, 
             s_o = (tl.load(ESEL + c * S + io) != 0) & (2 * io < clen)
             cnt += tl.sum((s_o[None, :] & (d_o[None, :] == ia[:, None])).to(tl.int32), axis=1)
             ahead = (s_o[None, :] & (d_o[None, :] == dst[:, None])
-                     & ((b_o[None, :] > best[:, None]) | ((b_o[None, :] == best[:, None]) & (io[None, :] < ia[:, None]))))
+                     & ((b_o[None, :] > best[:, None])
+                        | ((b_o[None, :] == best[:, None]) & (io[None, :] < ia[:, None]))))
             rank += tl.sum(ahead.to(tl.int32), axis=1)
         first = tl.cumsum(cnt, axis=0) - cnt  # star j's members sit at LIST[first[j] ...]
         tl.store(FIRST + ia, first)
@@ -621,13 +634,23 @@ def _chelsea_prepare_kernel(K, V, BIAS, POS, FILL, BUDGET, HEAD_ON, SN, SP, STAT
         Br = BIAS + row * C
         Pr = POS + row * C
         T = tl.load(BUDGET).to(tl.int32)
-        L = _compact_state_row(K + row * C * D, V + row * C * D, Br, Pr, fill.to(tl.int32), 2**30, 0, D, BLOCK_S,
-                               BLOCK_D, BLOCK_1D)
-        tl.debug_barrier()
-        for j0 in range(0, L, BLOCK_1D):
+        fill32 = fill.to(tl.int32)
+        L = tl.full([], 0, tl.int32)
+        for j0 in range(0, fill32, BLOCK_1D):  # count the valid slots, snapshot as if there were no padding
             j = j0 + tl.arange(0, BLOCK_1D)
-            tl.store(SN + row * C + j, _degree(tl.load(Br + j, mask=j < L, other=0.0)), mask=j < L)
-            tl.store(SP + row * C + j, tl.load(Pr + j, mask=j < L, other=0), mask=j < L)
+            bb = tl.load(Br + j, mask=j < fill32, other=float("-inf"))
+            L += tl.sum((bb > float("-inf")).to(tl.int32), axis=0)
+            tl.store(SN + row * C + j, _degree(bb), mask=j < fill32)
+            tl.store(SP + row * C + j, tl.load(Pr + j, mask=j < fill32, other=0), mask=j < fill32)
+        if L != fill32:  # padding slots go first: pack the valid ones, snapshot again
+            tl.debug_barrier()
+            L = _compact_state_row(K + row * C * D, V + row * C * D, Br, Pr, fill32, 2**30, 0, D, BLOCK_S, BLOCK_D,
+                                   BLOCK_1D)
+            tl.debug_barrier()
+            for j0 in range(0, L, BLOCK_1D):
+                j = j0 + tl.arange(0, BLOCK_1D)
+                tl.store(SN + row * C + j, _degree(tl.load(Br + j, mask=j < L, other=0.0)), mask=j < L)
+                tl.store(SP + row * C + j, tl.load(Pr + j, mask=j < L, other=0), mask=j < L)
         M = L - n_sink - n_recent
         if (L > T) & (M > 1):
             # round 0: r_0 = max(r_init - r_alpha * 0, r_min) = max(r_init, r_min)
@@ -662,10 +685,11 @@ def _chelsea_similarity_kernel(K, STATUS, EBEST, EDST, C, D, EMAX, n_sink, n_rec
             tl.store(EDST + row * EMAX + c * S + ia, arg)
 
 
-@_triton_jit(do_not_specialize=["C", "EMAX", "n_sink", "n_recent"])
-def _chelsea_select_kernel(BIAS, FILL, BUDGET, STATUS, EBEST, ESEL, C, EMAX, n_sink, n_recent,
+@_triton_jit(do_not_specialize=["C", "EMAX", "NCH", "n_sink", "n_recent"])
+def _chelsea_select_kernel(BIAS, FILL, BUDGET, STATUS, EBEST, ESEL, CCOUNT, C, EMAX, NCH, n_sink, n_recent,
                            CHUNK: tl.constexpr, S: tl.constexpr, EB: tl.constexpr, BLOCK_1D: tl.constexpr):
-    """Round 0, step 2 (grid: rows): m = min(n_merge, finite edges); the m best edges -> ESEL;
+    """Round 0, step 2 (grid: rows): m = min(n_merge, finite edges); the m best edges -> ESEL, their
+    count per chunk -> CCOUNT [rows, NCH];
     STATUS = (1, L, m, final). A row with no edge is finished here (STATUS active 0)."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(STATUS + row * 4) != 0:
@@ -678,7 +702,7 @@ def _chelsea_select_kernel(BIAS, FILL, BUDGET, STATUS, EBEST, ESEL, C, EMAX, n_s
                              > float("-inf")).to(tl.int32), axis=0)
         m = tl.minimum(tl.load(STATUS + row * 4 + 2), n_fin)
         if m > 0:
-            _select_topm(EBEST + row * EMAX, ESEL + row * EMAX, n_e, m, EB)
+            _select_topm(EBEST + row * EMAX, ESEL + row * EMAX, n_e, m, EB, CCOUNT + row * NCH, S)
             tl.store(STATUS + row * 4 + 2, m)
             tl.store(STATUS + row * 4 + 3, (L - m <= tl.load(BUDGET).to(tl.int32)).to(tl.int32))
         else:
@@ -686,10 +710,10 @@ def _chelsea_select_kernel(BIAS, FILL, BUDGET, STATUS, EBEST, ESEL, C, EMAX, n_s
             _finish_row(BIAS + row * C, FILL + row, L, C, BLOCK_1D)
 
 
-@_triton_jit(do_not_specialize=["C", "CW", "EMAX", "n_sink", "n_recent"])
-def _chelsea_plan_kernel(BIAS, POS, FILL, STATUS, SN, SP, WN, WP, EBEST, EDST, ESEL, LIST, CNT, FIRST, NTOT, DA, DB,
-                         C, CW, EMAX, n_sink, n_recent, CHUNK: tl.constexpr, S: tl.constexpr, SA: tl.constexpr,
-                         BLOCK_1D: tl.constexpr):
+@_triton_jit(do_not_specialize=["C", "CW", "EMAX", "NCH", "n_sink", "n_recent"])
+def _chelsea_plan_kernel(BIAS, POS, FILL, STATUS, SN, SP, WN, WP, EBEST, EDST, ESEL, CCOUNT, LIST, CNT, FIRST, NTOT,
+                         DA, DB, C, CW, EMAX, NCH, n_sink, n_recent, CHUNK: tl.constexpr, S: tl.constexpr,
+                         SA: tl.constexpr, NCB: tl.constexpr, BLOCK_1D: tl.constexpr):
     """Round 0, step 3 (grid: rows x chunks): the chunk's stars (member lists in the reference's order,
     degree sums, largest positions) and every survivor's destination slot -> LIST, CNT, FIRST, NTOT, DA,
     DB; the survivors' degrees and positions are written (state: bias = log n; scratch: n). The first
@@ -710,9 +734,8 @@ def _chelsea_plan_kernel(BIAS, POS, FILL, STATUS, SN, SP, WN, WP, EBEST, EDST, E
         vb = 2 * ia + 1 < clen
         sa = c_start + 2 * ia
         # survivors of the chunks before this one (all full chunks)
-        out = n_sink
-        for c2 in range(0, c):
-            out += CHUNK - tl.sum(tl.load(ESEL + row * EMAX + c2 * S + ia).to(tl.int32), axis=0)
+        c2 = tl.arange(0, NCB)
+        out = n_sink + c * CHUNK - tl.sum(tl.load(CCOUNT + row * NCH + c2, mask=c2 < c, other=0), axis=0)
         best = tl.load(EBEST + E + ia)
         dst = tl.load(EDST + E + ia)
         sel = (tl.load(ESEL + E + ia) != 0) & va
@@ -725,7 +748,8 @@ def _chelsea_plan_kernel(BIAS, POS, FILL, STATUS, SN, SP, WN, WP, EBEST, EDST, E
             s_o = (tl.load(ESEL + E + io) != 0) & (2 * io < clen)
             cnt += tl.sum((s_o[None, :] & (d_o[None, :] == ia[:, None])).to(tl.int32), axis=1)
             ahead = (s_o[None, :] & (d_o[None, :] == dst[:, None])
-                     & ((b_o[None, :] > best[:, None]) | ((b_o[None, :] == best[:, None]) & (io[None, :] < ia[:, None]))))
+                     & ((b_o[None, :] > best[:, None])
+                        | ((b_o[None, :] == best[:, None]) & (io[None, :] < ia[:, None]))))
             rank += tl.sum(ahead.to(tl.int32), axis=1)
         first = tl.cumsum(cnt, axis=0) - cnt
         tl.store(FIRST + E + ia, first)
@@ -807,7 +831,6 @@ def _merge_columns(X, WX, SNr, LIr, CNr, FIr, NTr, DAr, DBr, to_state, L, M, m, 
         n_tot = tl.load(NTr + c * S + ia)
         keep_a = da >= 0
         vb = db >= 0
-        va = 2 * ia < tl.minimum(M - c * CHUNK, CHUNK)
         n_a = tl.load(SNr + sa, mask=keep_a, other=1.0)
         n_b = tl.load(SNr + sa + 1, mask=vb, other=1.0)
         ma = keep_a[:, None] & dmask[None, :]
@@ -824,10 +847,10 @@ def _merge_columns(X, WX, SNr, LIr, CNr, FIr, NTr, DAr, DBr, to_state, L, M, m, 
         out_a = tl.div_rn(xa * n_a[:, None], n_a[:, None])
         tl.debug_barrier()  # the chunk's slots and star members are loaded before anything is stored
         if to_state:
-            tl.store(X + da[:, None] * D + offs_d[None, :], out_a.to(X.dtype.element_ty), mask=ma & va[:, None])
+            tl.store(X + da[:, None] * D + offs_d[None, :], out_a.to(X.dtype.element_ty), mask=ma)
             tl.store(X + db[:, None] * D + offs_d[None, :], out_b.to(X.dtype.element_ty), mask=mb)
         else:
-            tl.store(WX + da[:, None] * D + offs_d[None, :], out_a, mask=ma & va[:, None])
+            tl.store(WX + da[:, None] * D + offs_d[None, :], out_a, mask=ma)
             tl.store(WX + db[:, None] * D + offs_d[None, :], out_b, mask=mb)
     # the recent slots, m slots to the left (in place: tiles in order, loads before stores)
     for t0 in range(0, L - n_sink - M, BLOCK_S):
@@ -971,13 +994,16 @@ def triton_chelsea_compress(keys, values, bias, slot_pos, fill, budget, n_sink: 
                                       BLOCK_S=_block_s(block_d), BLOCK_D=block_d, BLOCK_1D=1024, num_warps=4,
                                       enable_fp_fusion=False)
         _chelsea_similarity_kernel[(R, n_chunks)](keys, status, ebest, edst, C, D, EMAX, n_sink, n_recent,
-                                                  CHUNK=chunk, S=S, SA=min(S, 64), SB=min(S, 64 if low_prec else 32), BLOCK_D=block_d,
-                                                  LOW_PREC_DOT=low_prec, num_warps=8, enable_fp_fusion=False)
-        _chelsea_select_kernel[(R,)](bias, fill, budget, status, ebest, esel, C, EMAX, n_sink, n_recent, CHUNK=chunk,
-                                     S=S, EB=edge_block, BLOCK_1D=1024, num_warps=8)
-        _chelsea_plan_kernel[(R, n_chunks)](bias, slot_pos, fill, status, sn, sp, wn, wp, ebest, edst, esel, lst, cnt,
-                                            first, ntot, da, db, C, CW, EMAX, n_sink, n_recent, CHUNK=chunk, S=S,
-                                            SA=min(S, 32), BLOCK_1D=256, num_warps=4, enable_fp_fusion=False)
+                                                  CHUNK=chunk, S=S, SA=min(S, 64), SB=min(S, 64 if low_prec else 32),
+                                                  BLOCK_D=block_d, LOW_PREC_DOT=low_prec, num_warps=8,
+                                                  enable_fp_fusion=False)
+        ccount = torch.empty(R, n_chunks, dtype=i32, device=dev)
+        _chelsea_select_kernel[(R,)](bias, fill, budget, status, ebest, esel, ccount, C, EMAX, n_chunks, n_sink,
+                                     n_recent, CHUNK=chunk, S=S, EB=max(edge_block, S), BLOCK_1D=1024, num_warps=8)
+        _chelsea_plan_kernel[(R, n_chunks)](bias, slot_pos, fill, status, sn, sp, wn, wp, ebest, edst, esel, ccount,
+                                            lst, cnt, first, ntot, da, db, C, CW, EMAX, n_chunks, n_sink, n_recent,
+                                            CHUNK=chunk, S=S, SA=min(S, 32), NCB=triton.next_power_of_2(n_chunks),
+                                            BLOCK_1D=256, num_warps=4, enable_fp_fusion=False)
         nslice = triton.cdiv(D, COLUMNS)
         _chelsea_merge_kernel[(R, 2 * nslice)](keys, values, wk, wv, sn, status, lst, cnt, first, ntot, da, db, C, CW,
                                                D, EMAX, n_sink, n_recent, CHUNK=chunk, S=S, DS=COLUMNS, NSLICE=nslice,

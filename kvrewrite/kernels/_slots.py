@@ -3,6 +3,9 @@
 A row is one (batch, kv-head) pair of a layer's slot state. Compression references read the valid
 slots of a row in slot order (append order, which is temporal order), decide what to keep or merge,
 and store the result packed at the front of the row, clearing the rest (bias -inf).
+
+These read fill and budget on the host: they serve the references (the CPU path). The CUDA kernels
+(_compress_cuda.py) do the same on the device.
 """
 import torch
 

@@ -28,8 +28,8 @@ order); the CUDA kernel breaks them toward the earlier edge, which `pinned_ties(
 do too (for the CUDA tests: identical keys tie exactly). Generic fp32 similarities never tie exactly.
 
 Backends: the reference reads fill and budget on the host (CPU; CUDA without Triton, or with a chunk
-above 512 or D above 256); on CUDA the Triton kernel in _compress_cuda.py runs every round on the
-device with no host sync (CUDA graphs can capture it).
+above 512 or D above 256); on CUDA the Triton kernels in _compress_cuda.py run every round on the
+device with no host sync (CUDA graphs can capture them).
 """
 import contextlib
 import logging
