@@ -1,0 +1,152 @@
+"""Host-side generation logic, shared by KVRewrittenModel and the deployment loaders (kvrewrite.export).
+
+Everything here runs on the host and depends only on the method, the layer facts and the static sizes
+fixed at apply time, never on the capture machinery: the per-layer capacities and budgets, the
+checks of a prompt against them, the left-padding of the prompt to whole prefill chunks, the host
+mirror of every layer's fill that picks the decode variant (HostSchedule), and the token loop of
+`generate` (greedy or sampled, EOS, padding). KVRewrittenModel and kvrewrite.export.loader both call
+these functions, so an exported model generates exactly what `rw.generate` does.
+"""
+import math
+
+import torch
+
+WINDOW_INTERVAL = 32  # sliding-window layers evict every 32 tokens (exact at any interval)
+
+
+class HostSchedule:
+    """Host mirror of every layer's fill per batch row, kept from what the host already knows (the
+    tokens appended, the padding mask, each layer's target and threshold), never from the device.
+
+    A compression op shrinks a due row to min(valid tokens, target) slots, so the mirror is exact
+    for every compressible head (outlier heads never compress and are not tracked). The runtime runs
+    the decode variant with compression ops only on steps where `due()` says some layer reaches its
+    threshold: no host sync, and no compression kernels launched on the other steps.
+    """
+
+    def __init__(self, budgets: list, batch_size: int):
+        self.budgets = budgets  # per layer (target, threshold); threshold NO_LIMIT: never compressed
+        self.fill = [[0] * batch_size for _ in budgets]
+        self.valid = [[0] * batch_size for _ in budgets]
+
+    def due(self, T: int) -> bool:
+        """Would appending T tokens bring some row of some layer to its threshold?"""
+        return any(f + T >= thr for (_, thr), fills in zip(self.budgets, self.fill) for f in fills)
+
+    def step(self, valid_new: list, T: int, compress: bool) -> None:
+        """Mirror one step: T tokens appended (valid_new[b] of them real), then compression if run."""
+        for (target, thr), fills, valids in zip(self.budgets, self.fill, self.valid):
+            for b in range(len(fills)):
+                fills[b] += T
+                valids[b] += valid_new[b]
+                if compress and fills[b] >= thr:
+                    fills[b] = valids[b] = min(valids[b], target)
+
+
+def layer_capacity(info, method, max_length: int, prefill_chunk: int) -> int:
+    """Static slots of one layer (sliding-window layers: window + eviction interval + a chunk)."""
+    if info.window:
+        return min(info.window - 1 + WINDOW_INTERVAL - 1 + prefill_chunk, max_length + prefill_chunk - 1)
+    return method.capacity(info, max_length, prefill_chunk)
+
+
+def layer_budgets(method, layers, n_prompt: int, max_new_tokens: int) -> list:
+    """(target, threshold) per layer for one generation, as written into each layer's `budget` state."""
+    budgets = []
+    for info in layers:
+        if info.window:
+            budgets.append((info.window - 1, info.window - 1 + WINDOW_INTERVAL))
+        else:
+            budgets.append(method.targets(info, n_prompt, max_new_tokens))
+    return budgets
+
+
+def prepare_prompt(input_ids, attention_mask, *, model_tag: str, method, layers, capacities, max_length: int,
+                   prefill_chunk: int, max_new_tokens: int, device):
+    """Check a prompt against the static sizes and left-pad it to whole prefill chunks.
+
+    Returns (ids, valid, position_ids, cache_position, n_real, n): the padded ids and mask [B, n_pad] on
+    `device`, their positions, the cache positions [n_pad] (negative for the added padding), the longest
+    real prompt and the caller's prompt length n.
+    """
+    B, n = input_ids.shape
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    attention_mask = attention_mask.to(device=device, dtype=torch.bool)
+    input_ids = input_ids.to(device)
+    if not attention_mask[:, -1].all():
+        raise ValueError(f"{model_tag}: right padding is not supported; left-pad the batch")
+    n_pad = math.ceil(n / prefill_chunk) * prefill_chunk
+    for info, cap in zip(layers, capacities):
+        need = n_pad + max_new_tokens if not info.window else 0
+        if need > cap and method.compression_call(info) is None:
+            raise ValueError(
+                f"{model_tag}: prompt of {n} tokens (padded to {n_pad}) + max_new_tokens={max_new_tokens} "
+                f"exceeds the capacity of layer {info.index} ({cap} slots, max_length={max_length}); "
+                f"apply() with a larger max_length"
+            )
+    if n + max_new_tokens > max_length:
+        raise ValueError(
+            f"{model_tag}: prompt of {n} tokens + max_new_tokens={max_new_tokens} exceeds "
+            f"max_length={max_length}; apply() with a larger max_length"
+        )
+    n_real = int(attention_mask.sum(dim=1).max())
+    method.check_generation(n_real, max_new_tokens)
+    pad = n_pad - n
+    ids = torch.nn.functional.pad(input_ids, (pad, 0), value=0)
+    valid = torch.nn.functional.pad(attention_mask, (pad, 0), value=False)
+    position_ids = (valid.long().cumsum(dim=1) - 1).clamp_min(0)
+    cache_position = torch.arange(-pad, n, device=device)
+    return ids, valid, position_ids, cache_position, n_real, n
+
+
+def eos_and_pad(eos_token_id, pad_token_id, generation_config):
+    """The EOS ids (a tensor, possibly empty) and the pad id, defaulting to the generation config's."""
+    cfg = generation_config
+    if eos_token_id is None and cfg is not None:
+        eos_token_id = cfg.eos_token_id
+    eos = torch.tensor([] if eos_token_id is None else
+                       ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)))
+    if pad_token_id is None:
+        pad_token_id = (cfg.pad_token_id if cfg is not None and cfg.pad_token_id is not None else
+                        (int(eos[0]) if len(eos) else 0))
+    return eos, pad_token_id
+
+
+def token_loop(logits, decode_step, *, max_new_tokens: int, eos, pad_token_id: int, do_sample=False,
+               temperature=1.0, top_k=None, top_p=None, generator=None, progress=False) -> list:
+    """The decode loop of `generate`: pick a token from `logits` [B, V], pad finished rows, stop when
+    every row hit EOS or after max_new_tokens; `decode_step(tokens [B]) -> logits [B, V]`. Returns the
+    picked tokens, one [B] tensor per step."""
+    from tqdm.auto import tqdm
+
+    device = logits.device
+    eos = eos.to(device)
+    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
+    out = []
+    for step in tqdm(range(max_new_tokens), desc="decode", unit="tok", disable=not progress):
+        tok = pick(logits, do_sample, temperature, top_k, top_p, generator)
+        tok = torch.where(done, torch.full_like(tok, pad_token_id), tok)
+        out.append(tok)
+        done = done | torch.isin(tok, eos)
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        logits = decode_step(tok)
+    return out
+
+
+def pick(logits, do_sample, temperature, top_k, top_p, generator):
+    """Next token per row from logits [B, V]: argmax, or a sample after temperature/top-k/top-p."""
+    if not do_sample:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / max(temperature, 1e-5)
+    if top_k:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum - sorted_logits.softmax(dim=-1) > top_p
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
