@@ -152,6 +152,12 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from kvrewrite.bench.e2e import cmd_bench as run
+
+    return run(args)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="kvrewrite", description="Compress the KV cache of Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -179,7 +185,8 @@ def main(argv=None) -> int:
         "  fidelity  per layer, relative error of the attention output vs the full cache on --fidelity-steps\n"
         "            decode queries, and the recall of the true top-k attended tokens (ClusterKV's metric)\n\n"
         "budget: fraction of the tokens kept per KV head, B = round(budget * (n + generated tokens)).\n"
-        "Results go to OUT/<model>/<task>.json; then the plots and the results page are (re)written.\n\n"
+        "Results go to OUT/<model>/<task>.json (a rerun of a model and task replaces its file); then the plots\n"
+        "and the results page are (re)written from every file in OUT.\n\n"
         "examples:\n"
         "  kvrewrite eval --quick                                  # smoke test, a few minutes on 2 CPU cores\n"
         "  kvrewrite eval --model smollm2-135m --task nll,needle --budgets 0.2,0.5 --context-lengths 1024,2048\n"
@@ -217,10 +224,18 @@ def main(argv=None) -> int:
     ev.add_argument("--report-only", action="store_true", help="run nothing: redraw plots and the page from OUT")
     ev.add_argument("--no-progress", action="store_true", help="no progress bars")
     ev.add_argument("-v", "--verbose", action="store_true", help="log what the grid does")
+    bench = sub.add_parser(
+        "bench", help="end-to-end decode/prefill speed and memory on the GPU, kvrewrite methods vs HF transformers",
+        description="Random-weight Llama-3.1-8B-shaped model: time per output token, decode tokens/s, prefill time, "
+        "peak GPU memory, KV bytes and the roofline floor of every row, kvrewrite methods vs HF StaticCache eager "
+        "and compiled, in one run (JSON rewritten after every row, plots at the end). See kvrewrite/bench/e2e.py.")
+    from kvrewrite.bench.e2e import add_arguments as _bench_arguments
+
+    _bench_arguments(bench)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"run": cmd_run, "eval": cmd_eval}[args.command](args)
+        return {"run": cmd_run, "eval": cmd_eval, "bench": cmd_bench}[args.command](args)
     except ValueError as e:
         print(f"kvrewrite: error: {e}", file=sys.stderr)
         return 2

@@ -87,9 +87,12 @@ def test_quick_grid_tiny(tmp_path):
     fid = json.loads(paths[2].read_text())["contexts"]
     assert [c["prefill_counted_here"] for c in nll + fid] == [True, True, False, False]  # one prefill per prompt
 
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "results-notes.md").write_text("Chelsea forgets names.")
     page = write_report(cfg.out_dir, tmp_path / "docs" / "results.md")
     text = page.read_text()
-    for needle in ("## tiny-llama", "### nll", "### needle", "### fidelity", "| chelsea | 0.2 |", "Shared prefill"):
+    for needle in ("## tiny-llama", "### nll", "### needle", "### fidelity", "| chelsea | 0.2 |", "Shared prefill",
+                   "## Findings", "Chelsea forgets names."):
         assert needle in text
     for png in ("tiny-llama-budget.png", "tiny-llama-needle.png", "tiny-llama-layers.png"):
         assert (tmp_path / "docs" / "results" / png).stat().st_size > 1000

@@ -5,7 +5,8 @@
 Per model: quality vs budget (one line per method and context length, the full cache as the
 reference), needle heatmaps (depth x length, one panel per method and budget) and per-layer
 attention error; tables of every metric. Everything on the page comes from the JSON files, so the
-page is regenerated, never edited by hand.
+page is regenerated, never edited by hand; hand-written findings live in <page>-notes.md
+(docs/results-notes.md), which the page includes.
 """
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def plot_budget(model, tasks: dict, path: Path) -> Path | None:
         panels.append(("fidelity", "topk_recall", "top-k recall (k = slots kept)", 1.0))
     if not panels:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 4.2), squeeze=False)
     styles = ["-", "--", ":", "-."]
     markers = ["o", "s", "^", "D"]
     for ax, (task, metric, label, ideal) in zip(axes[0], panels):
@@ -123,11 +124,14 @@ def plot_budget(model, tasks: dict, path: Path) -> Path | None:
         ax.grid(alpha=0.3)
         if task == "needle":
             ax.set_ylim(-0.05, 1.05)
-    axes[0][0].legend(fontsize=7)
-    if len(panels) > 1:
-        axes[0][1].legend(fontsize=7)
+    legend = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    rows = -(-len(legend) // 6)
+    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=min(len(legend), 6), fontsize=7, frameon=False)
     fig.suptitle(f"{model}: quality vs KV budget", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.045 * rows + 0.02, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -381,6 +385,9 @@ def write_report(out_dir, docs_path) -> Path:
     except ValueError:
         shown_out = out_dir
     page = [INTRO.format(out_dir=f"{shown_out}/<model>/<task>.json")]
+    notes = docs_path.with_name(f"{docs_path.stem}-notes.md")  # hand-written findings, kept across regenerations
+    if notes.is_file():
+        page.append(f"## Findings\n\n*(hand-written in {notes.name}, not generated)*\n\n{notes.read_text().strip()}\n")
     for slug, tasks in sorted(results.items()):
         tasks = {t: tasks[t] for t in TASK_ORDER if t in tasks}
         any_data = next(iter(tasks.values()))
