@@ -19,8 +19,22 @@ Args:
 Returns:
     (total, recent), each [B, Hq, C] fp32; invisible and empty slots get 0; queries that see no
     slot contribute nothing.
+
+Backends: CUDA runs the Triton kernels below (fp16/bf16/fp32, D <= 256); other devices run the
+reference. The op is a `torch.library.triton_op`, so Inductor sees the launches and CUDA graphs work.
 """
+from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
+
 import torch
+from torch.library import wrap_triton
+
+from kvrewrite.kernels._triton_op import register_triton_op
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the op runs its reference; only triton_attention_column_stats raises
+    triton = tl = None
 
 BLOCK_T = 128  # queries per block of the reference: bounds its memory to B*Hq*BLOCK_T*C floats
 
@@ -58,7 +72,244 @@ def reference_attention_column_stats(q, keys, bias, slot_pos, cache_position, ls
     return total, recent
 
 
-@torch.library.custom_op("kvrewrite::attention_column_stats", mutates_args=())
+
+# ---------------------------------------------------------------------------------------------------
+# Triton (CUDA)
+#
+# Stats kernel: one program owns BLOCK_N slots of one query head (b, hq) of KV head hq // G; it loads
+# its K tile, bias and positions once and walks the T queries in blocks of BLOCK_M: p = exp2(scale *
+# log2 e * q·k + log2 e * (bias - lse)), summed over the block's rows into `total` (and, for rows t >=
+# T - last, into `recent`). Only a [BLOCK_M, BLOCK_N] tile of p ever exists; query blocks that see no
+# slot of the tile (causality, window) are skipped. The K tile is read once per query head (G times
+# per KV head, from the L2); outputs are written once, with no atomics, so results are deterministic.
+# LSE kernel (only when the caller has no lse): one program per BLOCK_M queries of a query head, an
+# online log-sum-exp over every slot (flash-attention's forward without V), written as natural log.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _triton_jit(**options):
+    return lambda fn: fn if triton is None else triton.jit(fn, **options)
+
+
+@_triton_jit()
+def _scores(q, k, qk_scale, bias, FP32: tl.constexpr):
+    """log2-domain logits scale * log2 e * q·k + log2 e * bias of a [M, D] x [N, D] tile, in fp32."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    if FP32:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))  # 16-bit products are exact, sums fp32
+    # (the cast: Inductor may hand qk_scale over as an fp64 scalar)
+    return (qk * qk_scale).to(tl.float32) + bias[None, :] * LOG2E
+
+
+@_triton_jit(do_not_specialize=["Hq", "G", "T", "C", "D", "window"])
+def _column_stats_lse_kernel(
+    Q, K, BIAS, POS, CPOS, LSE,  # LSE: out, contiguous [B, Hq, T] fp32, natural log
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kc, stride_kd,
+    stride_bb, stride_bh, stride_bc,
+    stride_pb, stride_ph, stride_pc,
+    stride_cp,
+    Hq, G, T, C, D, window, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP32: tl.constexpr,  # fp32 inputs: ieee dots (no TF32)
+):
+    LOG2E: tl.constexpr = 1.4426950408889634
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    hq = (pid_bh % Hq).to(tl.int64)
+    h = hq // G
+    offs_t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    t_ok = offs_t < T
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    q = tl.load(Q + b * stride_qb + hq * stride_qh + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+    qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=0)
+    k_base = K + b * stride_kb + h * stride_kh
+    bias_base = BIAS + b * stride_bb + h * stride_bh
+    pos_base = POS + b * stride_pb + h * stride_ph
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for n0 in range(0, C, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        bias = tl.load(bias_base + offs_n * stride_bc, mask=offs_n < C, other=float("-inf"))
+        pos = tl.load(pos_base + offs_n * stride_pc, mask=offs_n < C, other=0)
+        live = bias > float("-inf")
+        k = tl.load(k_base + offs_n[:, None] * stride_kc + offs_d[None, :] * stride_kd,
+                    mask=live[:, None] & d_ok[None, :], other=0.0)
+        vis = live[None, :] & (pos[None, :] <= qpos[:, None]) & t_ok[:, None]
+        vis = vis & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
+        s = tl.where(vis, _scores(q, k, qk_scale, bias, FP32), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet: l stays 0
+        l_i = l_i * tl.exp2(m_i - m_base) + tl.sum(tl.exp2(s - m_base[:, None]), axis=1)
+        m_i = m_new
+    lse = tl.where(l_i > 0.0, (m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))) / LOG2E, float("-inf"))
+    tl.store(LSE + (b * Hq + hq) * T + offs_t, lse, mask=t_ok)
+
+
+@_triton_jit(do_not_specialize=["Hq", "G", "T", "C", "D", "window", "first_recent"])
+def _column_stats_kernel(
+    Q, K, BIAS, POS, CPOS, LSE,
+    TOTAL, RECENT,  # out, contiguous [B, Hq, C] fp32
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kc, stride_kd,
+    stride_bb, stride_bh, stride_bc,
+    stride_pb, stride_ph, stride_pc,
+    stride_cp,
+    stride_lb, stride_lh, stride_lt,
+    Hq, G, T, C, D, window, first_recent, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP32: tl.constexpr,  # fp32 inputs: ieee dots (no TF32)
+):
+    LOG2E: tl.constexpr = 1.4426950408889634
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    hq = (pid_bh % Hq).to(tl.int64)
+    h = hq // G
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < C
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+
+    # -- the tile's slots, loaded once: bias (-inf = empty), position, keys ------------------------------
+    bias = tl.load(BIAS + b * stride_bb + h * stride_bh + offs_n * stride_bc, mask=n_ok, other=float("-inf"))
+    pos = tl.load(POS + b * stride_pb + h * stride_ph + offs_n * stride_pc, mask=n_ok, other=0)
+    live = bias > float("-inf")
+    k = tl.load(K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kc + offs_d[None, :] * stride_kd,
+                mask=live[:, None] & d_ok[None, :], other=0.0)
+    pos_min = tl.min(tl.where(live, pos, 2**62), axis=0)
+    pos_max = tl.max(tl.where(live, pos, -(2**62)), axis=0)
+
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    recent = tl.zeros([BLOCK_N], dtype=tl.float32)
+    q_base = Q + b * stride_qb + hq * stride_qh
+    lse_base = LSE + b * stride_lb + hq * stride_lh
+    for t0 in range(0, T, BLOCK_M):
+        offs_t = t0 + tl.arange(0, BLOCK_M)
+        t_ok = offs_t < T
+        qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=0)
+        qpos_max = tl.max(tl.where(t_ok, qpos, -(2**62)), axis=0)
+        qpos_min = tl.min(tl.where(t_ok, qpos, 2**62), axis=0)
+        if (qpos_max >= pos_min) & ((window <= 0) | (pos_max > qpos_min - window)):  # some row sees some slot
+            q = tl.load(q_base + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                        mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+            lse = tl.load(lse_base + offs_t * stride_lt, mask=t_ok, other=float("-inf")) * LOG2E
+            vis = live[None, :] & (pos[None, :] <= qpos[:, None]) & (lse > float("-inf"))[:, None]
+            vis = vis & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
+            s = _scores(q, k, qk_scale, bias, FP32) - lse[:, None]
+            p = tl.where(vis, tl.exp2(s), 0.0)
+            total += tl.sum(p, axis=0)
+            recent += tl.sum(tl.where((offs_t >= first_recent)[:, None], p, 0.0), axis=0)
+    out = (b * Hq + hq) * C + offs_n
+    tl.store(TOTAL + out, total, mask=n_ok)
+    tl.store(RECENT + out, recent, mask=n_ok)
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634
+
+
+def _check_inputs(q, keys, bias, slot_pos, cache_position, lse, window, last):
+    """Shape and argument checks of the op (every device); names what is wrong."""
+    name = "kvrewrite::attention_column_stats"
+    if q.dim() != 4 or keys.dim() != 4:
+        raise ValueError(f"{name}: expected q [B, Hq, T, D] and keys [B, Hkv, C, D], "
+                         f"got q {tuple(q.shape)}, keys {tuple(keys.shape)}")
+    B, Hq, T, D = q.shape
+    Hkv, C = keys.shape[1], keys.shape[2]
+    if keys.shape[0] != B or keys.shape[3] != D:
+        raise ValueError(f"{name}: keys must be [B={B}, Hkv, C, D={D}] like q, got {tuple(keys.shape)}")
+    if tuple(bias.shape) != (B, Hkv, C) or tuple(slot_pos.shape) != (B, Hkv, C):
+        raise ValueError(f"{name}: bias and slot_pos must be [B, Hkv, C] = {(B, Hkv, C)}, "
+                         f"got bias {tuple(bias.shape)}, slot_pos {tuple(slot_pos.shape)}")
+    if tuple(cache_position.shape) != (T,):
+        raise ValueError(f"{name}: cache_position must be [T] = ({T},), got {tuple(cache_position.shape)}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"{name}: Hq must be a multiple of Hkv (GQA), got Hq={Hq}, Hkv={Hkv}")
+    if lse is not None and (tuple(lse.shape) != (B, Hq, T) or lse.dtype != torch.float32):
+        raise ValueError(f"{name}: lse must be None or fp32 [B, Hq, T] = {(B, Hq, T)}, "
+                         f"got {lse.dtype} {tuple(lse.shape)}")
+    if window < 0 or last < 0:
+        raise ValueError(f"{name}: window (0 = none) and last must be >= 0, got window={window}, last={last}")
+
+
+def _check_cuda_inputs(q, keys, bias, slot_pos, cache_position, lse):
+    name = "triton_attention_column_stats"
+    if q.dtype not in _DTYPES or keys.dtype != q.dtype:
+        raise TypeError(f"{name}: q and keys must share one dtype of fp16/bf16/fp32, got {q.dtype}, {keys.dtype}")
+    if bias.dtype != torch.float32 or slot_pos.dtype != torch.int64 or cache_position.dtype != torch.int64:
+        raise TypeError(f"{name}: expected bias fp32, slot_pos and cache_position int64, "
+                        f"got {bias.dtype}, {slot_pos.dtype}, {cache_position.dtype}")
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"{name}: head dim D must be <= {MAX_HEAD_DIM}, got D={q.shape[-1]}")
+    tensors = [q, keys, bias, slot_pos, cache_position] + ([] if lse is None else [lse])
+    devices = {t.device for t in tensors}
+    if len(devices) != 1 or q.device.type != "cuda":
+        raise ValueError(f"{name}: all inputs must be on one CUDA device, got {sorted(map(str, devices))}")
+
+
+def _launch_config(T: int, D: int) -> dict:
+    """Tile sizes from the shapes alone (never the data: one fixed launch for CUDA graphs and Inductor)."""
+    block_d = max(16, triton.next_power_of_2(D))
+    wide = block_d > 128  # D = 256: smaller tiles keep q and k in registers
+    return dict(
+        block_d=block_d,
+        block_m=min(32 if wide else 64, max(16, triton.next_power_of_2(T))),  # tl.dot needs M >= 16
+        block_n=32 if wide else 64,
+        num_warps=4 if block_d <= 64 else 8,
+    )
+
+
+def triton_attention_column_stats(q, keys, bias, slot_pos, cache_position, lse, scale, window, last):
+    """The op on CUDA through Triton (shapes in the module docstring); validates its inputs."""
+    if triton is None:
+        raise NotImplementedError("triton_attention_column_stats needs Triton (pip install triton); "
+                                  "kvrewrite::attention_column_stats itself runs without it")
+    _check_inputs(q, keys, bias, slot_pos, cache_position, lse, window, last)
+    _check_cuda_inputs(q, keys, bias, slot_pos, cache_position, lse)
+    return _launch(q, keys, bias, slot_pos, cache_position, lse, scale, window, last)
+
+
+def _launch(q, keys, bias, slot_pos, cache_position, lse, scale, window, last):
+    # int(): the launch depends on the shapes, so a dynamic-shape trace specialises on them (a guard)
+    B, Hq, T, D = (int(n) for n in q.shape)
+    Hkv, C = int(keys.shape[1]), int(keys.shape[2])
+    G = Hq // Hkv
+    total = torch.empty((B, Hq, C), dtype=torch.float32, device=q.device)
+    recent = torch.empty((B, Hq, C), dtype=torch.float32, device=q.device)
+    if B * Hq * C == 0:
+        return total, recent
+    if T == 0:
+        return total.zero_(), recent.zero_()
+    cfg = _launch_config(T, D)
+    meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_D=cfg["block_d"], num_warps=cfg["num_warps"],
+                num_stages=2, FP32=q.dtype == torch.float32)
+    common = (*q.stride(), *keys.stride(), *bias.stride(), *slot_pos.stride(), *cache_position.stride())
+    qk_scale = scale * LOG2E
+    if lse is None:
+        lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
+        wrap_triton(_column_stats_lse_kernel)[(triton.cdiv(T, cfg["block_m"]), B * Hq)](
+            q, keys, bias, slot_pos, cache_position, lse, *common, Hq, G, T, C, D, window, qk_scale, **meta,
+        )
+    first_recent = T - min(last, T)
+    wrap_triton(_column_stats_kernel)[(triton.cdiv(C, cfg["block_n"]), B * Hq)](
+        q, keys, bias, slot_pos, cache_position, lse, total, recent, *common, *lse.stride(),
+        Hq, G, T, C, D, window, first_recent, qk_scale, **meta,
+    )
+    return total, recent
+
+
+# ---------------------------------------------------------------------------------------------------
+# The op
+# ---------------------------------------------------------------------------------------------------
+
+
 def attention_column_stats(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -70,12 +321,15 @@ def attention_column_stats(
     window: int,
     last: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Column sums of the attention probabilities, over all queries and the last `last` ones."""
+    """Column sums of the attention probabilities, over all queries and the last `last` ones.
+
+    The op's kernel, fake and what Inductor inlines (see _triton_op.py): CUDA launches the Triton
+    kernels, other devices run the reference (plain tensor code, traceable: no host reads)."""
+    if q.is_cuda and triton is not None:
+        return triton_attention_column_stats(q, keys, bias, slot_pos, cache_position, lse, scale, window, last)
+    _check_inputs(q, keys, bias, slot_pos, cache_position, lse, window, last)
     return reference_attention_column_stats(q, keys, bias, slot_pos, cache_position, lse, scale, window, last)
 
 
-@attention_column_stats.register_fake
-def _(q, keys, bias, slot_pos, cache_position, lse, scale, window, last):
-    B, Hq, _, _ = q.shape
-    C = keys.shape[2]
-    return q.new_empty(B, Hq, C, dtype=torch.float32), q.new_empty(B, Hq, C, dtype=torch.float32)
+attention_column_stats = register_triton_op("kvrewrite::attention_column_stats", attention_column_stats, (),
+                                            triton is not None)

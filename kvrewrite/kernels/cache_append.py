@@ -15,8 +15,24 @@ Slots [fill, fill + T) of each (b, h) row are written and fill grows by T. The w
 computed on the device (fill + arange(T), a scatter), so the op never syncs with the host. Rows keep
 their own fill because compression may leave them different (outlier heads are never compressed).
 The runtime guarantees fill + T <= C.
+
+Backends: CUDA runs the Triton kernel below (one launch per call: each program moves a block of
+tokens of one row; with a single block per row the program also advances the fill, otherwise a
+second tiny launch does, after every program has read it); other devices run the reference, a
+scatter. The op is a `torch.library.triton_op`, so Inductor sees the kernel and CUDA graphs work.
 """
+from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
+
 import torch
+from torch.library import wrap_triton
+
+from kvrewrite.kernels._triton_op import register_triton_op
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the op runs its reference; only triton_cache_append raises
+    triton = tl = None
 
 NEG_INF = float("-inf")
 
@@ -33,7 +49,121 @@ def reference_cache_append(keys, values, bias, slot_pos, fill, k_new, v_new, cac
     fill.add_(T)
 
 
-@torch.library.custom_op("kvrewrite::cache_append", mutates_args=("keys", "values", "bias", "slot_pos", "fill"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton (CUDA)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _triton_jit(**options):
+    return lambda fn: fn if triton is None else triton.jit(fn, **options)
+
+
+@_triton_jit(do_not_specialize=["Hkv", "T", "D"])
+def _cache_append_kernel(
+    K, V, BIAS, POS, FILL, KN, VN, CPOS, VALID,
+    stride_kb, stride_kh, stride_kc, stride_kd,
+    stride_vb, stride_vh, stride_vc, stride_vd,
+    stride_bb, stride_bh, stride_bc,
+    stride_pb, stride_ph, stride_pc,
+    stride_fb, stride_fh,
+    stride_knb, stride_knh, stride_knt, stride_knd,
+    stride_vnb, stride_vnh, stride_vnt, stride_vnd,
+    stride_cp, stride_tb, stride_tt,
+    Hkv, T, D,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPDATE_FILL: tl.constexpr,  # the grid has one token block per row: this program advances the fill
+):
+    row = tl.program_id(0)
+    b = (row // Hkv).to(tl.int64)
+    h = (row % Hkv).to(tl.int64)
+    fill_ptr = FILL + b * stride_fb + h * stride_fh
+    f = tl.load(fill_ptr).to(tl.int64)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < T
+    offs_d = tl.arange(0, BLOCK_D)
+    m2 = t_ok[:, None] & (offs_d < D)[None, :]
+    slot = f + offs_t
+
+    kn = tl.load(KN + b * stride_knb + h * stride_knh + offs_t[:, None] * stride_knt + offs_d[None, :] * stride_knd,
+                 mask=m2)
+    tl.store(K + b * stride_kb + h * stride_kh + slot[:, None] * stride_kc + offs_d[None, :] * stride_kd,
+             kn.to(K.dtype.element_ty), mask=m2)
+    vn = tl.load(VN + b * stride_vnb + h * stride_vnh + offs_t[:, None] * stride_vnt + offs_d[None, :] * stride_vnd,
+                 mask=m2)
+    tl.store(V + b * stride_vb + h * stride_vh + slot[:, None] * stride_vc + offs_d[None, :] * stride_vd,
+             vn.to(V.dtype.element_ty), mask=m2)
+
+    valid = tl.load(VALID + b * stride_tb + offs_t * stride_tt, mask=t_ok, other=0)
+    tl.store(BIAS + b * stride_bb + h * stride_bh + slot * stride_bc, tl.where(valid != 0, 0.0, float("-inf")),
+             mask=t_ok)
+    cp = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=0)
+    tl.store(POS + b * stride_pb + h * stride_ph + slot * stride_pc, cp.to(POS.dtype.element_ty), mask=t_ok)
+    if UPDATE_FILL:
+        tl.store(fill_ptr, f + T)
+
+
+MAX_BLOCK_ELEMENTS = 4096  # BLOCK_T * BLOCK_D per program: 16 fp32 values of K (and of V) per thread
+
+
+def _check_inputs(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid):
+    """Shape and dtype checks of the op (every device); names what is wrong."""
+    name = "kvrewrite::cache_append"
+    if keys.dim() != 4 or values.shape != keys.shape:
+        raise ValueError(f"{name}: keys and values must be one shape [B, Hkv, C, D], "
+                         f"got {tuple(keys.shape)}, {tuple(values.shape)}")
+    B, Hkv, C, D = keys.shape
+    if k_new.dim() != 4 or tuple(k_new.shape[:2]) != (B, Hkv) or k_new.shape[3] != D or v_new.shape != k_new.shape:
+        raise ValueError(f"{name}: k_new and v_new must be [B={B}, Hkv={Hkv}, T, D={D}], "
+                         f"got {tuple(k_new.shape)}, {tuple(v_new.shape)}")
+    T = k_new.shape[2]
+    if tuple(bias.shape) != (B, Hkv, C) or tuple(slot_pos.shape) != (B, Hkv, C) or tuple(fill.shape) != (B, Hkv):
+        raise ValueError(f"{name}: expected bias and slot_pos [B, Hkv, C] = {(B, Hkv, C)} and fill [B, Hkv], got "
+                         f"{tuple(bias.shape)}, {tuple(slot_pos.shape)}, {tuple(fill.shape)}")
+    if tuple(cache_position.shape) != (T,) or tuple(token_valid.shape) != (B, T):
+        raise ValueError(f"{name}: expected cache_position [T] = ({T},) and token_valid [B, T] = {(B, T)}, "
+                         f"got {tuple(cache_position.shape)}, {tuple(token_valid.shape)}")
+    if token_valid.dtype != torch.bool or fill.dtype != torch.int64:
+        raise TypeError(f"{name}: expected token_valid bool and fill int64, got {token_valid.dtype}, {fill.dtype}")
+
+
+def triton_cache_append(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid) -> None:
+    """The op on CUDA through Triton (shapes in the module docstring); validates its inputs."""
+    if triton is None:
+        raise NotImplementedError("triton_cache_append needs Triton (pip install triton); "
+                                  "kvrewrite::cache_append itself runs without it")
+    _check_inputs(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid)
+    tensors = (keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid)
+    devices = {t.device for t in tensors}
+    if len(devices) != 1 or keys.device.type != "cuda":
+        raise ValueError(f"triton_cache_append: all inputs must be on one CUDA device, got {sorted(map(str, devices))}")
+    _launch(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid)
+
+
+def _launch(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid) -> None:
+    # int(): the launch depends on the shapes, so a dynamic-shape trace specialises on them (a guard)
+    B, Hkv, T, D = (int(n) for n in k_new.shape)
+    if B * Hkv == 0 or T == 0:
+        return
+    block_d = max(triton.next_power_of_2(D), 16)
+    block_t = min(triton.next_power_of_2(T), max(MAX_BLOCK_ELEMENTS // block_d, 1))
+    t_blocks = triton.cdiv(T, block_t)
+    wrap_triton(_cache_append_kernel)[(B * Hkv, t_blocks)](
+        keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid,
+        *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(), *fill.stride(),
+        *k_new.stride(), *v_new.stride(), *cache_position.stride(), *token_valid.stride(),
+        Hkv, T, D, BLOCK_T=block_t, BLOCK_D=block_d, UPDATE_FILL=t_blocks == 1, num_warps=4,
+    )
+    if t_blocks > 1:
+        fill.add_(T)  # after every program has read the old fill (stream order)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The op
+# ---------------------------------------------------------------------------------------------------
+
+
 def cache_append(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -45,10 +175,16 @@ def cache_append(
     cache_position: torch.Tensor,
     token_valid: torch.Tensor,
 ) -> None:
-    """Append T tokens to the slot state of one layer (see the module docstring for shapes)."""
+    """Append T tokens to the slot state of one layer (see the module docstring for shapes).
+
+    The op's kernel, fake and what Inductor inlines (see _triton_op.py): CUDA launches the Triton
+    kernel, other devices run the reference scatter (traceable: no host reads)."""
+    if keys.is_cuda and triton is not None:
+        triton_cache_append(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid)
+        return
+    _check_inputs(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid)
     reference_cache_append(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid)
 
 
-@cache_append.register_fake
-def _(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid):
-    return None
+cache_append = register_triton_op("kvrewrite::cache_append", cache_append,
+                                  ("keys", "values", "bias", "slot_pos", "fill"), triton is not None)
