@@ -129,7 +129,7 @@ def cmd_eval(args) -> int:
     fields = {"methods": flat(args.methods), "budgets": flat(args.budgets), "tasks": flat(args.task),
               "context_lengths": flat(args.context_lengths), "depths": flat(args.depths), "nll_tokens": args.nll_tokens,
               "samples": args.samples, "answer_tokens": args.answer_tokens, "fidelity_steps": args.fidelity_steps,
-              "prefill_chunk": args.prefill_chunk, "out_dir": args.out}
+              "prefill_chunk": args.prefill_chunk, "out_dir": args.out, "resume": args.resume or None}
     base = dict(QUICK) if args.quick else {}
     base.update({k: tuple(v) if isinstance(v, list) else v for k, v in fields.items() if v is not None})
     options = {}
@@ -220,6 +220,9 @@ def main(argv=None) -> int:
                     "sharing one exact prefill per context (default: shared; see docs/results.md)")
     ev.add_argument("--out", help="where the JSON goes (default out/eval, or out/eval-quick with --quick)")
     ev.add_argument("--docs", help="results page to write (default docs/results.md, or OUT/results.md with --quick)")
+    ev.add_argument("--resume", action="store_true",
+                    help="keep the contexts that OUT/<model>/<task>.json already holds in full (same settings only) "
+                    "and measure the rest, e.g. after an interrupted run")
     ev.add_argument("--no-report", dest="report", action="store_false", help="write the JSON only")
     ev.add_argument("--report-only", action="store_true", help="run nothing: redraw plots and the page from OUT")
     ev.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -3,6 +3,7 @@
 Tiny random models (tests/families.py) with a character tokenizer and synthetic text run the whole
 --quick plumbing without downloads; one real_model test runs the --quick preset on SmolLM2-135M.
 """
+import dataclasses
 import json
 import random
 
@@ -278,3 +279,30 @@ def test_quick_preset_smollm2(tmp_path):
     for m in fid.values():
         assert 0 < m["topk_recall_exact"] <= m["topk_recall"] <= 1
     assert "### fidelity" in write_report(cfg.out_dir, tmp_path / "results.md").read_text()
+
+
+def test_resume_keeps_whole_contexts_and_reruns_the_rest(tmp_path, monkeypatch):
+    cfg = tiny_config(tmp_path, tasks=("nll",), context_lengths=(80, 112))
+    model, tok = tiny_model("llama"), CharTokenizer()
+    path = run_grid(cfg, model=model, tokenizer=tok, text_loader=synthetic_text)[0]
+    first = json.loads(path.read_text())
+    # an interrupted run: n=80 measured in full, n=112 only its reference and one cell
+    cut = [r for r in first["runs"] if r["context_length"] == 80] + \
+          [r for r in first["runs"] if r["context_length"] == 112][:2]
+    path.write_text(json.dumps({**first, "runs": cut, "complete": False}))
+    seen = []
+    real_run = grid_mod.Grid._run_context
+    monkeypatch.setattr(grid_mod.Grid, "_run_context",
+                        lambda self, task, ctx, *a: (seen.append(ctx.length), real_run(self, task, ctx, *a))[1])
+    run_grid(dataclasses.replace(cfg, resume=True), model=model, tokenizer=tok, text_loader=synthetic_text)
+    second = json.loads(path.read_text())
+    assert seen == [112]  # n=80 copied, n=112 measured again in full
+    assert second["complete"] and second["resumed_from"]["started"] == first["started"]
+    assert [c.get("resumed", False) for c in second["contexts"]] == [True, False]
+    k = sum(r["context_length"] == 80 for r in first["runs"])
+    assert second["runs"][:k] == first["runs"][:k]
+    assert [(r["context_length"], r["method"], r["budget"]) for r in second["runs"][k:]] == \
+           [(r["context_length"], r["method"], r["budget"]) for r in first["runs"][k:]]
+    with pytest.raises(ValueError, match="nll_tokens: 8 there, 9 now"):  # other settings: refused, never mixed
+        run_grid(dataclasses.replace(cfg, resume=True, nll_tokens=9), model=model, tokenizer=tok,
+                 text_loader=synthetic_text)

@@ -20,6 +20,8 @@ What is shared, so that the grid stays affordable on a CPU:
 A task (kvrewrite/eval/{nll,needle,fidelity}.py) builds its contexts and scores one cell; this
 module runs the loops, records every cell (skipped ones with the reason) and writes one JSON file
 per model and task, rewritten after every cell so that an interrupted run keeps what it measured.
+With `resume=True` a rerun with the same settings copies the contexts that file already holds in
+full (every method x budget, and the reference) and measures only the rest.
 """
 from __future__ import annotations
 
@@ -73,6 +75,7 @@ class EvalConfig:
     prefill_chunk: int | None = None  # None: shared exact prefill; N: every method prefills itself in chunks of N
     out_dir: str = "out/eval"
     progress: bool = True
+    resume: bool = False  # keep the contexts a previous run with the same settings measured in full
 
     def validate(self) -> None:
         """ValueError naming the setting, with the accepted values."""
@@ -268,8 +271,14 @@ class Grid:
             if task.text not in texts:
                 texts[task.text] = self.text_loader(task.text)
             contexts[task.name] = task.contexts(self.tok, texts[task.text], cfg)
+        previous = {t.name: self._previous(t, contexts[t.name]) for t in tasks} if cfg.resume else {}
         self._build(self._max_length(tasks, contexts))
         self.files = {t.name: self._header(t) for t in tasks}
+        for name, (old, _) in previous.items():
+            if old is not None:
+                self.files[name]["resumed_from"] = {"started": old["started"], "finished": old.get("finished"),
+                                                    "git_sha": old["versions"].get("git_sha"),
+                                                    "git_dirty": old["versions"].get("git_dirty")}
 
         # by prompt (shortest first): one full prefill, then every task that uses that prompt
         order = sorted(((ctx, task) for task in tasks for ctx in contexts[task.name]),
@@ -280,6 +289,14 @@ class Grid:
         snap_key = None
         try:
             for ctx, task in order:
+                done = previous.get(task.name, (None, {}))[1].get(self._coords(ctx))
+                if done is not None:  # measured in full by the previous run: copied, not rerun
+                    context, runs = done
+                    self.files[task.name]["contexts"].append({**context, "resumed": True})
+                    self.files[task.name]["runs"].extend(runs)
+                    self._save(task.name)
+                    bar.update(1 + len(self.methods) * len(cfg.budgets))
+                    continue
                 first = ctx.key != snap_key
                 if first:
                     bar.set_postfix_str(f"prefill {ctx.input_ids.shape[1]} tokens")
@@ -296,6 +313,51 @@ class Grid:
         finally:
             bar.close()
         return [self.out / f"{t.name}.json" for t in tasks]
+
+    @staticmethod
+    def _coords(ctx) -> tuple:
+        return (ctx.length, *sorted(ctx.coords.items()))
+
+    def _comparable(self, task) -> dict:
+        """The settings that must match for a previous file's cells to be reused."""
+        cfg = self.cfg
+        return {"methods": ["full", *self.methods], "budgets": list(cfg.budgets),
+                "context_lengths": list(cfg.context_lengths),
+                "prefill": "shared" if cfg.prefill_chunk is None else f"own, chunks of {cfg.prefill_chunk}",
+                "text": task.text, **task.settings(cfg)}
+
+    def _previous(self, task, contexts):
+        """(previous file, {context coords: (context entry, runs)} of the contexts it holds in full), or
+        (None, {}) when there is no file; ValueError when its settings differ from this run's."""
+        path = self.out / f"{task.name}.json"
+        if not path.is_file():
+            return None, {}
+        old = json.loads(path.read_text())
+        want = self._comparable(task)
+        have = {k: old.get("settings", {}).get(k) for k in want}
+        have = {k: list(v) if isinstance(v, tuple) else v for k, v in have.items()}
+        want = json.loads(json.dumps(want, default=_json_default))
+        diff = [k for k in want if have[k] != want[k]]
+        if old.get("schema") != SCHEMA or old.get("model") != self.cfg.model or diff:
+            what = ", ".join(f"{k}: {have[k]} there, {want[k]} now" for k in diff) or "schema or model"
+            raise ValueError(f"--resume: {path} was measured with other settings ({what}); "
+                             f"rerun without --resume (it replaces the file) or use another --out")
+        names = {k for c in contexts for k in c.coords}
+        expected = {(m, b) for m in self.methods for b in self.cfg.budgets}
+        if any(r["method"] == "full" for r in old["runs"]):  # the task records its reference
+            expected.add(("full", 1.0))
+        by_ctx = {}
+        for r in old["runs"]:
+            key = (r["context_length"], *sorted((k, r[k]) for k in names if k in r))
+            by_ctx.setdefault(key, []).append(r)
+        entries = {(c["length"], *sorted((k, c[k]) for k in names if k in c)): c for c in old["contexts"]}
+        done = {}
+        for key, runs in by_ctx.items():
+            cells = {(r["method"], r["budget"]) for r in runs if r["status"] in ("ok", "skipped")}
+            if key in entries and expected <= cells:
+                done[key] = (entries[key], runs)
+        logger.info("%s: resuming, %d of its contexts were measured in full", path, len(done))
+        return old, done
 
     def _max_length(self, tasks, contexts) -> int:
         need = max(c.input_ids.shape[1] + t.gamma(self.cfg) for t in tasks for c in contexts[t.name])
