@@ -199,7 +199,7 @@ def run(cfg: Config, copy: float) -> Result:
 
 
 def sweep(configs, copy: float) -> list[dict]:
-    """Launch variants of the Triton op (tile, warps, stages, splits, skip_unseen), CUDA-graph timed.
+    """Launch variants of the Triton op (tile, warps, stages, splits, skip_unseen, load_pos), CUDA-graph timed.
     Stage 1 crosses tile / warps / stages on the first config; stage 2 varies the split count and the
     predicated loads around the best of stage 1 on every config."""
     records = []
@@ -235,6 +235,7 @@ def sweep(configs, copy: float) -> list[dict]:
                               8 * default}):
             time_variant(cfg, sets, **best, num_splits=splits)
         time_variant(cfg, sets, **best, skip_unseen=False)
+        time_variant(cfg, sets, **best, load_pos=False)  # what reading slot_pos costs (valid here: T = 1, no window)
         time_variant(cfg, sets)  # the op's own choice
         del sets
         torch.cuda.empty_cache()

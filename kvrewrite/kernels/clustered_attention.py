@@ -127,6 +127,7 @@ def _clustered_attention_fwd_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     SKIP_UNSEEN: tl.constexpr,  # predicate off K/V reads of slots no query of the block can see
+    LOAD_POS: tl.constexpr,  # False (benchmark only, see _launch): slot_pos is not read, every used slot is visible
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     pid_s = tl.program_id(0)
@@ -168,11 +169,17 @@ def _clustered_attention_fwd_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_end
         bias = tl.load(bias_base + offs_n * stride_bc, mask=n_ok, other=float("-inf"))
-        pos = tl.load(pos_base + offs_n * stride_pc, mask=n_ok, other=0)
-        if SKIP_UNSEEN:
-            need = (bias > float("-inf")) & (pos <= qpos_max) & ((window <= 0) | (pos > qpos_min - window))
+        if LOAD_POS:
+            pos = tl.load(pos_base + offs_n * stride_pc, mask=n_ok, other=0)
+            if SKIP_UNSEEN:
+                need = (bias > float("-inf")) & (pos <= qpos_max) & ((window <= 0) | (pos > qpos_min - window))
+            else:
+                need = n_ok
         else:
-            need = n_ok
+            if SKIP_UNSEEN:
+                need = bias > float("-inf")
+            else:
+                need = n_ok
 
         # -- scores: scale * q·k + bias, -inf where the slot is not visible to the row --------------
         k = tl.load(k_base + offs_n[:, None] * stride_kc + offs_d[None, :] * stride_kd, mask=need[:, None], other=0.0)
@@ -180,8 +187,11 @@ def _clustered_attention_fwd_kernel(
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        visible = need[None, :] & (pos[None, :] <= qpos[:, None]) & row_ok[:, None]
-        visible = visible & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
+        if LOAD_POS:
+            visible = need[None, :] & (pos[None, :] <= qpos[:, None]) & row_ok[:, None]
+            visible = visible & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
+        else:
+            visible = need[None, :] & row_ok[:, None]
         # (the cast: Inductor may hand qk_scale over as an fp64 scalar)
         s = tl.where(visible, (qk * qk_scale).to(tl.float32) + bias[None, :] * LOG2E, float("-inf"))
 
@@ -253,9 +263,9 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_
     """Block sizes, split count and launch options from the shapes alone (never the data, so CUDA graphs
     and Inductor see one fixed launch). The keyword overrides are for the benchmark's tuning sweep.
 
-    Decode (G * T <= 16 rows) uses what the sweep of kvrewrite/bench/attention.py found best on an H100
-    (Llama-3.1-8B layout, bf16): 128-slot tiles, 4 warps, 2 stages, the slots split until the grid covers
-    the SMs twice. Longer query blocks (prefill) are correct but not tuned yet.
+    Decode (G * T <= 16 rows) uses what the sweeps of kvrewrite/bench/attention.py found best on an H100
+    (Llama-3.1-8B layout, bf16): 128-slot tiles, 4 warps, 2 stages (8 warps, 64- or 32-slot tiles, 3-4
+    stages were 1-40% slower), and the split count below. Longer query blocks (prefill) are correct but not tuned.
     """
     rows = G * T  # M rows of one (b, kv head): every query head of the group at every query
     if block_m is None:
@@ -272,8 +282,14 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_
         num_warps = 4 if block_m * D <= 64 * 64 else 8
     tiles = triton.cdiv(C, block_n)
     if num_splits is None:
-        # split the slots until the grid covers the SMs twice, keeping >= 2 tiles per split
-        num_splits = min(triton.cdiv(2 * num_sms, B * Hkv * m_blocks), tiles // 2)
+        # split the slots until the grid covers the SMs twice; long caches (>= 256 tiles) take at least 32
+        # splits of >= 8 tiles: many programs per SM shrink the last wave's idle tail (H100, B = 8: 2-4%
+        # faster at C >= 32k; at C = 8k 8 splits were 4% slower than 5, and at B = 1 more than 32 splits
+        # were up to 8% slower; docs/bench/attention_notes.md)
+        num_splits = triton.cdiv(2 * num_sms, B * Hkv * m_blocks)
+        if decode and tiles >= 256:
+            num_splits = max(num_splits, 32)
+        num_splits = min(num_splits, tiles // 2)  # >= 2 tiles per split
     tiles_per_split = triton.cdiv(tiles, min(max(num_splits, 1), tiles))
     num_splits = triton.cdiv(tiles, tiles_per_split)  # no empty split
     return dict(block_m=block_m, m_blocks=m_blocks, block_n=block_n, num_splits=num_splits,
@@ -318,7 +334,7 @@ def triton_clustered_attention(q, keys, values, bias, slot_pos, cache_position, 
     """The op on CUDA through Triton (shapes and dtypes in the module docstring); validates its inputs.
 
     ``tuning`` overrides the shape-based launch choices (block_n, num_splits, num_warps, num_stages,
-    skip_unseen); it is for the benchmark's sweep, the op never passes it.
+    skip_unseen, load_pos); it is for the benchmark's sweep, the op never passes it.
     """
     if triton is None:
         raise NotImplementedError("triton_clustered_attention needs Triton (pip install triton); "
@@ -327,9 +343,16 @@ def triton_clustered_attention(q, keys, values, bias, slot_pos, cache_position, 
     return _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, **tuning)
 
 
-def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, skip_unseen=True, **overrides):
+def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, skip_unseen=True, load_pos=True,
+            **overrides):
     """Allocate the output (and the split partials) and launch. No checks: Triton's interpreter
-    (TRITON_INTERPRET=1) runs it on CPU tensors, which is how the kernel can be debugged without a GPU."""
+    (TRITON_INTERPRET=1) runs it on CPU tensors, which is how the kernel can be debugged without a GPU.
+
+    load_pos=False (T = 1, window 0 only) skips the causal test and never reads slot_pos: right only when
+    no used slot lies in the query's future. The runtime never makes one (it appends the query's token
+    before attending), but the op's contract allows them, and the op cannot learn their absence without
+    reading slot_pos, so the op always reads it; the benchmark uses the switch to measure what that read
+    costs (1.5-7% of the decode time on an H100, docs/bench/attention_notes.md)."""
     # int(): the launch depends on the shapes, so a dynamic-shape trace specialises on them (a guard)
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, C = int(keys.shape[1]), int(keys.shape[2])
@@ -337,6 +360,10 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, skip
     num_sms = _num_sms(q.device) if q.is_cuda else 8  # 8: Triton's interpreter on CPU tensors
     cfg = _launch_config(B, Hkv, G, T, C, D, num_sms, q.element_size(), **overrides)
     S = cfg["num_splits"]
+    if not load_pos and window > 0:
+        raise ValueError("_launch: load_pos=False needs window == 0 (the window test reads slot_pos)")
+    if not load_pos and T != 1:
+        raise ValueError("_launch: load_pos=False needs T == 1 (a prefill chunk's causal mask reads slot_pos)")
     out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
     if S > 1:
         part = torch.empty((B * Hq * T, S, D), dtype=torch.float32, device=q.device)
@@ -349,6 +376,7 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, skip
         *q.stride(), *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(),
         Hkv, G, T, C, window, cfg["slots_per_split"], scale * 1.4426950408889634, S,
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], SPLIT=S > 1, SKIP_UNSEEN=skip_unseen,
+        LOAD_POS=load_pos,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if S > 1:

@@ -105,7 +105,7 @@ def _run_and_compare(B, Hq, Hkv, T, C, D, dtype, window, seed, **tuning):
     scale = D**-0.5
     f32 = [x.float() for x in (q, keys, values)]
     ref = ca.reference_clustered_attention(*f32, bias, slot_pos, cp, scale, window)
-    overrides = {k: v for k, v in tuning.items() if k != "skip_unseen"}
+    overrides = {k: v for k, v in tuning.items() if k not in ("skip_unseen", "load_pos")}
     cfg = ca._launch_config(B, Hkv, Hq // Hkv, T, C, D, ca._num_sms(q.device), q.element_size(), **overrides)
     nbytes = B * Hq * T * (D * q.element_size() + cfg["num_splits"] * (D + 2) * 4)  # output, split partials
     args = (q, keys, values, bias, slot_pos, cp, scale, window)
@@ -136,6 +136,25 @@ def test_launch_variants_agree(tuning):
     """Forced split counts and tile sizes (the benchmark's sweep space) compute the same function."""
     for T in (1, 5):
         _run_and_compare(3, 14, 2, T, 1000, 128, torch.bfloat16, 16 if T == 5 else 0, seed=7 + T, **tuning)
+
+
+def test_future_slots_are_masked_at_decode():
+    """At T = 1 a used slot whose position lies after the query's is invisible, as in the reference: the op
+    reads slot_pos even though the runtime never makes such slots (see _launch's load_pos). This fails if
+    the causal test were skipped at decode, as the benchmark's load_pos=False variant does."""
+    B, Hq, Hkv, T, C, D = 2, 8, 2, 1, 3000, 128
+    q, keys, values, bias, slot_pos, cp = _inputs(B, Hq, Hkv, T, C, D, torch.float32, seed=5)
+    future = torch.rand(B, Hkv, C, device="cuda") < 0.3
+    slot_pos = torch.where(future, cp[0] + 1 + torch.randint(0, 50, (B, Hkv, C), device="cuda"), slot_pos)
+    args = (q, keys, values, bias, slot_pos, cp, D**-0.5, 0)
+    ref = ca.reference_clustered_attention(*args)
+    out = _poisoned(lambda: OP(*args), 1 << 24)
+    _check(out, ref, torch.float32, "future slots at T = 1")
+    unmasked = ca.triton_clustered_attention(*args, load_pos=False)
+    assert (unmasked - ref).abs().max() > 1e-2, "the future slots did not matter: the test would not catch a skip"
+    # without future slots, the benchmark's load_pos=False variant computes the same function
+    args = (q, keys, values, bias, torch.minimum(slot_pos, cp[0]), cp, D**-0.5, 0)
+    torch.testing.assert_close(ca.triton_clustered_attention(*args, load_pos=False), OP(*args), atol=1e-5, rtol=1e-5)
 
 
 def test_query_with_no_visible_slot_is_zero_not_nan():
