@@ -1,0 +1,115 @@
+"""What every deployment target shares: the graphs exported, their example inputs, and the metadata
+JSON written next to the artifacts (everything the loader needs to run generation without the
+capture machinery: layer facts and capacities, the method and its options, from which the per-
+generation budgets and thresholds follow, the static sizes, the generation defaults and versions)."""
+import dataclasses
+import importlib.metadata
+import json
+from pathlib import Path
+
+import torch
+
+from kvrewrite.state import STATE_FIELDS
+
+FORMAT = 1
+META_FILE = "kvrewrite_export.json"
+GRAPHS = ("prefill", "decode", "decode_compress")  # rw.<name>_graph
+INPUT_NAMES = ("input_ids", "position_ids", "cache_position", "token_valid")
+
+
+def graph_of(rw, name: str):
+    if name not in GRAPHS:
+        raise ValueError(f"unknown graph {name!r}; the graphs are {GRAPHS}")
+    return getattr(rw, f"{name}_graph")
+
+
+def step_tokens(rw, name: str) -> int:
+    return rw.prefill_chunk if name == "prefill" else 1
+
+
+def example_inputs(rw, name: str) -> tuple:
+    """(input_ids, position_ids, cache_position, token_valid, *state) for graph `name`, on rw's device;
+    the state tensors are rw's own (export traces them with fake tensors, they are not written)."""
+    B, T = rw.batch_size, step_tokens(rw, name)
+    dev = rw.l0_fill.device
+    ids = torch.zeros(B, T, dtype=torch.long, device=dev)
+    pos = torch.arange(T, device=dev).expand(B, T).contiguous()
+    cpos = torch.arange(T, device=dev)
+    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
+    return (ids, pos, cpos, valid, *rw.state_tensors())
+
+
+def _version(pkg: str):
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None  # recorded as null: informative only, never checked
+
+
+def method_options(method) -> dict:
+    """The method's constructor options (dataclass init fields), JSON-ready."""
+    out = {}
+    for f in dataclasses.fields(method):
+        if not f.init:
+            continue
+        v = getattr(method, f.name)
+        out[f.name] = {str(k): list(h) for k, h in v.items()} if isinstance(v, dict) else v
+    return out
+
+
+def metadata(rw, target: str, files: dict, **extra) -> dict:
+    gen = getattr(rw, "generation_config", None)
+    return {
+        "format": FORMAT,
+        "target": target,
+        "files": files,
+        "model_tag": rw.model_tag,
+        "batch_size": rw.batch_size,
+        "prefill_chunk": rw.prefill_chunk,
+        "max_length": rw.max_length,
+        "vocab_size": rw.vocab_size,
+        "dtype": str(rw.l0_keys.dtype).removeprefix("torch."),
+        "device": str(rw.l0_fill.device),
+        "layers": [dataclasses.asdict(info) for info in rw.layers],
+        "capacities": list(rw.capacities),
+        "state_fields": list(STATE_FIELDS),
+        "method": {"name": rw.method.name, "options": method_options(rw.method)},
+        "generation": {
+            "eos_token_id": None if gen is None else gen.eos_token_id,
+            "pad_token_id": None if gen is None else gen.pad_token_id,
+        },
+        "versions": {"kvrewrite": _version("kvrewrite"), "torch": torch.__version__,
+                     "transformers": _version("transformers")},
+        **extra,
+    }
+
+
+def write_metadata(directory, meta: dict) -> Path:
+    path = Path(directory) / META_FILE
+    path.write_text(json.dumps(meta, indent=1))
+    return path
+
+
+def read_metadata(directory) -> dict:
+    path = Path(directory) / META_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no kvrewrite export metadata here (expected the directory written by "
+                                f"kvrewrite.export.torch_export / aoti / onnx)")
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: export format {meta.get('format')!r}, this kvrewrite reads format {FORMAT}")
+    return meta
+
+
+def out_dir(path) -> Path:
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def check_graphs(graphs) -> tuple:
+    graphs = tuple(GRAPHS if graphs is None else graphs)
+    bad = [g for g in graphs if g not in GRAPHS]
+    if bad:
+        raise ValueError(f"unknown graph(s) {bad}; the graphs are {GRAPHS}")
+    return graphs

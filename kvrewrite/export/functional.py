@@ -1,0 +1,159 @@
+"""Functional forms of the state-mutating kvrewrite ops, and the pass that rewrites a graph onto them.
+
+ONNX and TensorRT have no in-place mutation of graph inputs: a node returns new tensors. For those
+targets the rewritten graph (signature (input_ids, position_ids, cache_position, token_valid, *state),
+state updated in place, output logits) becomes a graph with the same inputs whose output is
+(logits, *new_state); every kvrewrite::cache_append / evict_to_budget / chelsea_compress becomes the
+op of the same name in the namespace ``kvrewrite_export``, which takes the same arguments (chelsea's
+outlier heads as a bit mask) and returns the five updated tensors (keys, values, bias, slot_pos, fill)
+instead of mutating them. Their eager
+and CUDA kernels are the in-place ops applied to clones, so the functional graph computes exactly what
+the in-place one does. clustered_attention and attention_column_stats mutate nothing and stay.
+
+Importing this module registers the ``kvrewrite_export::`` ops.
+"""
+import operator
+
+import torch
+from torch import fx
+
+import kvrewrite.kernels  # noqa: F401  (registers kvrewrite::)
+from kvrewrite.state import STATE_FIELDS
+
+MUTATED = ("keys", "values", "bias", "slot_pos", "fill")  # what the in-place ops write, in this order
+_T = torch.Tensor
+_Out = tuple[_T, _T, _T, _T, _T]
+
+
+def _clones(*tensors):
+    return [t.clone() for t in tensors]
+
+
+@torch.library.custom_op("kvrewrite_export::cache_append", mutates_args=())
+def cache_append(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, k_new: _T, v_new: _T, cache_position: _T,
+                 token_valid: _T) -> _Out:
+    """kvrewrite::cache_append returning the updated (keys, values, bias, slot_pos, fill)."""
+    out = _clones(keys, values, bias, slot_pos, fill)
+    torch.ops.kvrewrite.cache_append(*out, k_new, v_new, cache_position, token_valid)
+    return tuple(out)
+
+
+@torch.library.custom_op("kvrewrite_export::evict_to_budget", mutates_args=())
+def evict_to_budget(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, budget: _T, n_sink: int) -> _Out:
+    """kvrewrite::evict_to_budget returning the updated (keys, values, bias, slot_pos, fill)."""
+    out = _clones(keys, values, bias, slot_pos, fill)
+    torch.ops.kvrewrite.evict_to_budget(*out, budget, n_sink)
+    return tuple(out)
+
+
+@torch.library.custom_op("kvrewrite_export::chelsea_compress", mutates_args=())
+def chelsea_compress(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, budget: _T, n_sink: int, n_recent: int,
+                     chunk: int, r_init: float, r_alpha: float, r_steps: int, r_min: float, outlier_mask: int) -> _Out:
+    """kvrewrite::chelsea_compress returning the updated (keys, values, bias, slot_pos, fill); the outlier heads
+    are a bit mask (bit h: KV head h), since plugin generators and AOTInductor take no (empty) int lists."""
+    out = _clones(keys, values, bias, slot_pos, fill)
+    heads = [h for h in range(keys.shape[1]) if outlier_mask >> h & 1]
+    torch.ops.kvrewrite.chelsea_compress(*out, budget, n_sink, n_recent, chunk, r_init, r_alpha, r_steps, r_min, heads)
+    return tuple(out)
+
+
+@torch.library.custom_op("kvrewrite_export::clustered_attention", mutates_args=())
+def clustered_attention(q: _T, keys: _T, values: _T, bias: _T, slot_pos: _T, cache_position: _T, scale: float,
+                        window: int) -> _T:
+    """kvrewrite::clustered_attention as a plain custom op: opaque to every decomposition (the triton_op itself
+    may be decomposed into its Triton launch), which a plugin-based backend needs (TensorRT)."""
+    return torch.ops.kvrewrite.clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window)
+
+
+@clustered_attention.register_fake
+def _(q, keys, values, bias, slot_pos, cache_position, scale, window):
+    return q.new_empty(q.shape)
+
+
+def outlier_mask(heads) -> int:
+    """The bit mask of a list of KV heads (0 <= h < 62)."""
+    if any(not 0 <= h < 62 for h in heads):
+        raise ValueError(f"outlier heads {list(heads)} outside 0..61 cannot be passed as a bit mask")
+    return sum(1 << h for h in set(heads))
+
+
+def _fake(keys, values, bias, slot_pos, fill, *args):
+    return tuple(torch.empty_like(t) for t in (keys, values, bias, slot_pos, fill))
+
+
+for _op in (cache_append, evict_to_budget, chelsea_compress):
+    _op.register_fake(_fake)
+
+FUNCTIONAL = {
+    torch.ops.kvrewrite.cache_append.default: torch.ops.kvrewrite_export.cache_append.default,
+    torch.ops.kvrewrite.evict_to_budget.default: torch.ops.kvrewrite_export.evict_to_budget.default,
+    torch.ops.kvrewrite.chelsea_compress.default: torch.ops.kvrewrite_export.chelsea_compress.default,
+}
+
+
+def functionalize(gm: fx.GraphModule, n_inputs: int = 4, opaque_attention: bool = False) -> fx.GraphModule:
+    """A copy of a rewritten graph whose state updates are returned, not applied: output
+    (logits, *new_state) in the order of the state inputs (those no op writes come back unchanged).
+    `opaque_attention` also swaps kvrewrite::clustered_attention for kvrewrite_export::clustered_attention.
+
+    Raises ValueError if a state input feeds anything but a kvrewrite op (a view of the state taken
+    before an update would read the old value in the functional graph, silently)."""
+    from kvrewrite.capture import copy_graph_module
+
+    gm = copy_graph_module(gm)
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    state = placeholders[n_inputs:]
+    for p in state:
+        bad = [u for u in p.users if not str(u.target).startswith("kvrewrite.")]
+        if bad:
+            raise ValueError(f"functionalize: state input '{p.name}' feeds non-kvrewrite node(s) "
+                             f"{[u.name for u in bad]}; cannot return its update functionally")
+    latest = {}  # state placeholder -> node holding its newest value
+
+    def remap(a):
+        return fx.node.map_arg(a, lambda n: latest.get(n, n))
+
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        node.args, node.kwargs = remap(node.args), remap(node.kwargs)
+        if opaque_attention and node.target == torch.ops.kvrewrite.clustered_attention.default:
+            node.target = torch.ops.kvrewrite_export.clustered_attention.default
+            continue
+        fn = FUNCTIONAL.get(node.target)
+        if fn is None:
+            continue
+        args = all_args(node)
+        if node.target == torch.ops.kvrewrite.chelsea_compress.default:
+            args[-1] = outlier_mask(args[-1])
+        with graph.inserting_after(node):
+            new = graph.call_function(fn, tuple(args))
+        with graph.inserting_after(new):
+            for i in reversed(range(len(MUTATED))):
+                item = graph.call_function(operator.getitem, (new, i))
+                latest[_origin(args[i], latest)] = item
+        graph.erase_node(node)
+    out = next(n for n in graph.nodes if n.op == "output")
+    out.args = ((out.args[0], *[latest.get(p, p) for p in state]),)
+    graph.lint()
+    return fx.GraphModule(gm, graph, class_name="FunctionalStepGraph")
+
+
+def all_args(node) -> list:
+    """A call's arguments in schema order, positional (kwargs folded in)."""
+    schema = node.target._schema
+    return list(node.args) + [node.kwargs[a.name] for a in schema.arguments[len(node.args):]]
+
+
+def _origin(node, latest):
+    """The state placeholder whose newest value `node` is."""
+    for p, n in latest.items():
+        if n is node:
+            return p
+    return node
+
+
+def state_names(layers) -> list:
+    """Names of the state inputs/outputs: l<i>_<field>, in the graphs' order."""
+    return [f"l{info.index}_{f}" for info in layers for f in STATE_FIELDS]

@@ -1,0 +1,103 @@
+"""ONNX target: one .onnx model per rewritten graph, kvrewrite ops as custom-domain functions.
+
+Each graph is made functional (kvrewrite.export.functional: inputs (input_ids, position_ids,
+cache_position, token_valid, *state), outputs (logits, *new_state), named l<i>_<field>) and exported
+with torch.onnx.export(dynamo=True). Every kvrewrite op becomes a node of domain "kvrewrite" (emitted
+through torch.onnx.ops.symbolic), and the model carries the op's FunctionProto (the reference
+computation in standard ONNX ops, kvrewrite/export/onnx_ops.py). The functions are attached after
+torch.onnx.export: its opset conversion inlines every model-local function, which would dissolve the
+custom nodes (a custom_translation_table with onnxscript functions ends up inlined that way). onnxruntime
+runs the model as it is; a runtime with a native kvrewrite kernel can substitute it by domain/name.
+onnx.checker.check_model(full_check=True) runs on every model written.
+
+Limit: kvrewrite::chelsea_compress has no ONNX function. Its reference compresses every due row
+with a data-dependent number of matching rounds over rows of different lengths (padding), each
+round a top-k over a data-dependent count of edges; a faithful ONNX body needs a Loop over rounds
+with per-row masks in place of the reference's per-length grouping, which is not written yet.
+Graphs holding it (method chelsea: prefill and decode_compress) are refused with a
+NotImplementedError; its compression-free decode graph exports (graphs=("decode",)). Methods full
+and streamingllm (and sliding-window layers, which use evict_to_budget) export completely.
+"""
+import torch
+
+from kvrewrite.export.common import INPUT_NAMES, check_graphs, example_inputs, graph_of, metadata, out_dir, \
+    write_metadata
+from kvrewrite.export.functional import all_args, functionalize, state_names
+
+OPSET = 18
+UNSUPPORTED = {torch.ops.kvrewrite.chelsea_compress.default: "chelsea_compress",
+               torch.ops.kvrewrite.attention_column_stats.default: "attention_column_stats"}
+
+
+def _require():
+    missing = []
+    for mod in ("onnx", "onnxscript"):
+        try:
+            __import__(mod)
+        except ImportError:
+            missing.append(mod)
+    if missing:
+        raise ImportError(f"kvrewrite.export.onnx needs {' and '.join(missing)} (pip install onnx onnxscript; "
+                          f"onnxruntime to run the models)")
+
+
+def unsupported_ops(gm) -> list:
+    """Names of the kvrewrite ops in `gm` that have no ONNX function."""
+    return sorted({UNSUPPORTED[n.target] for n in gm.graph.nodes if n.op == "call_function" and n.target in UNSUPPORTED})
+
+
+def symbolic_graph(gm):
+    """The functional graph with every kvrewrite op replaced by its kvrewrite::<op> ONNX node."""
+    from kvrewrite.export.onnx_ops import SYMBOLIC
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in SYMBOLIC:
+            node.target, node.args, node.kwargs = SYMBOLIC[node.target], tuple(all_args(node)), {}
+    gm.recompile()
+    return gm
+
+
+def export_graph(rw, name: str):
+    """The onnx.ModelProto of one graph: exported, kvrewrite functions attached, checked."""
+    _require()
+    import onnx as onnx_lib
+
+    from kvrewrite.export.onnx_ops import function_protos
+
+    gm = graph_of(rw, name)
+    bad = unsupported_ops(gm)
+    if bad:
+        raise NotImplementedError(
+            f"{rw.model_tag}: the {name} graph of method {rw.method.name!r} holds kvrewrite op(s) {bad}, which have "
+            f"no ONNX function yet (see kvrewrite/export/onnx_export.py); graphs without them: "
+            f"{[g for g in ('prefill', 'decode', 'decode_compress') if not unsupported_ops(graph_of(rw, g))]}")
+    sgm = symbolic_graph(functionalize(gm, n_inputs=len(INPUT_NAMES))).eval()
+    names = state_names(rw.layers)
+    with torch.no_grad():
+        program = torch.onnx.export(
+            sgm, example_inputs(rw, name), dynamo=True, opset_version=OPSET,
+            input_names=[*INPUT_NAMES, *names], output_names=["logits", *[f"{n}_out" for n in names]],
+            external_data=False,
+        )
+    model = program.model_proto
+    model.functions.extend(function_protos())
+    onnx_lib.checker.check_model(model, full_check=True)
+    return model
+
+
+def onnx(rw, path, graphs=None):
+    """Write <path>/<graph>.onnx for each graph (default: all three) and <path>/kvrewrite_export.json.
+
+    Returns the directory; `kvrewrite.export.loader.load(path)` runs generation through onnxruntime.
+    """
+    import onnx as onnx_lib
+
+    graphs = check_graphs(graphs)
+    d = out_dir(path)
+    files = {}
+    for name in graphs:
+        model = export_graph(rw, name)
+        files[name] = f"{name}.onnx"
+        onnx_lib.save(model, str(d / files[name]))
+    write_metadata(d, metadata(rw, "onnx", files, onnx_opset=OPSET))
+    return d

@@ -1,0 +1,177 @@
+"""ONNX export: each kvrewrite function against its PyTorch op (onnxruntime, fresh random inputs), then
+whole models: onnx.checker, custom-domain nodes with their functions, logits per step and greedy
+generation against the PyTorch runtime, and the refusal of graphs holding chelsea_compress.
+
+Tolerances: cache_append and evict_to_budget are scatters/gathers, so their outputs must be equal.
+clustered_attention computes in fp32 like the reference (MatMul in place of einsum: summation order
+only): atol 2e-6 on outputs of magnitude <= 1. Whole models: logits atol 1e-4 (fp32, 2-3 layers, a
+few ulp per op through RMSNorm/MLP/attention), and the greedy tokens equal.
+"""
+import pytest
+import torch
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+import kvrewrite  # noqa: E402
+import kvrewrite.export  # noqa: E402
+from kvrewrite.export import loader  # noqa: E402
+from kvrewrite.kernels.cache_append import reference_cache_append  # noqa: E402
+from kvrewrite.kernels.clustered_attention import reference_clustered_attention  # noqa: E402
+from kvrewrite.kernels.evict_to_budget import reference_evict_to_budget  # noqa: E402
+from tests.families import tiny_model  # noqa: E402
+
+MODEL_ATOL = 1e-4
+STATE = ("keys", "values", "bias", "slot_pos", "fill")
+
+
+def _info(name, t):
+    from onnx import helper
+
+    return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(t.numpy().dtype), list(t.shape))
+
+
+def _run_function(op: str, inputs: dict, out_like: list, **attrs):
+    """Run the single node kvrewrite::<op> (its FunctionProto in the model) in onnxruntime; the outputs are
+    declared with the dtypes and shapes of `out_like`."""
+    from onnx import helper
+
+    from kvrewrite.export.onnx_ops import DOMAIN, FUNCTIONS
+
+    names = list(inputs)
+    outs = [f"out{i}" for i in range(len(out_like))]
+    node = helper.make_node(op, names, outs, domain=DOMAIN, **attrs)
+    vi = [_info(n, v) for n, v in inputs.items()]
+    graph = helper.make_graph([node], op, vi, [_info(o, t) for o, t in zip(outs, out_like)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)],
+                              functions=[FUNCTIONS[op].to_function_proto()])
+    onnx.checker.check_model(model, full_check=True)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return [torch.from_numpy(o) for o in sess.run(None, {n: v.numpy() for n, v in inputs.items()})]
+
+
+def _state(B, H, C, D, fill, g, pad_frac=0.2):
+    """A layer state with `fill` [B, H] used slots, some of them padding (bias -inf), garbage past fill."""
+    keys = torch.randn(B, H, C, D, generator=g)
+    values = torch.randn(B, H, C, D, generator=g)
+    bias = torch.randn(B, H, C, generator=g).abs().log1p()  # degrees >= 1
+    bias[torch.rand(B, H, C, generator=g) < pad_frac] = float("-inf")
+    slot_pos = torch.randint(0, 1000, (B, H, C), generator=g)
+    return dict(keys=keys, values=values, bias=bias, slot_pos=slot_pos, fill=fill)
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,T,C,D,window", [(1, 2, 2, 1, 7, 16, 0), (2, 4, 2, 5, 19, 16, 0),
+                                                   (2, 8, 2, 16, 33, 32, 6), (1, 4, 1, 3, 12, 8, 4)])
+def test_clustered_attention_function(B, Hq, Hkv, T, C, D, window):
+    g = torch.Generator().manual_seed(B * 100 + T * 10 + C)
+    q = torch.randn(B, Hq, T, D, generator=g)
+    keys, values = torch.randn(B, Hkv, C, D, generator=g), torch.randn(B, Hkv, C, D, generator=g)
+    bias = torch.randn(B, Hkv, C, generator=g).abs().log1p()
+    bias[torch.rand(B, Hkv, C, generator=g) < 0.3] = float("-inf")
+    slot_pos = torch.randint(0, 40, (B, Hkv, C), generator=g)
+    cpos = torch.arange(30, 30 + T) if T > 1 else torch.tensor([-1 if B == 1 and C == 7 else 35])  # -1: sees nothing
+    scale = D ** -0.5
+    ref = reference_clustered_attention(q, keys, values, bias, slot_pos, cpos, scale, window)
+    (out,) = _run_function("clustered_attention", dict(q=q, keys=keys, values=values, bias=bias, slot_pos=slot_pos,
+                                                       cache_position=cpos), [ref], scale=scale, window=window)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("B,H,C,D,T", [(1, 1, 8, 4, 1), (2, 3, 20, 16, 5), (2, 2, 40, 8, 16)])
+def test_cache_append_function(B, H, C, D, T):
+    g = torch.Generator().manual_seed(C + T)
+    fill = torch.randint(0, C - T + 1, (B, H), generator=g)
+    st = _state(B, H, C, D, fill, g)
+    k_new, v_new = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+    cpos = torch.arange(-2, T - 2)
+    valid = torch.rand(B, T, generator=g) > 0.3
+    ref = {k: v.clone() for k, v in st.items()}
+    reference_cache_append(*[ref[k] for k in STATE], k_new, v_new, cpos, valid)
+    out = _run_function("cache_append", {**st, "k_new": k_new, "v_new": v_new, "cache_position": cpos,
+                                         "token_valid": valid}, [ref[k] for k in STATE])
+    for name, o in zip(STATE, out):
+        assert torch.equal(o, ref[name]), f"cache_append: {name} differs"
+
+
+@pytest.mark.parametrize("B,H,C,D,target,n_sink", [(1, 1, 10, 4, 4, 2), (2, 3, 24, 8, 7, 3), (2, 2, 30, 16, 12, 0),
+                                                   (1, 2, 16, 8, 20, 4)])
+def test_evict_to_budget_function(B, H, C, D, target, n_sink):
+    g = torch.Generator().manual_seed(C * 7 + target)
+    threshold = min(target + 4, C)
+    fill = torch.randint(0, C + 1, (B, H), generator=g)
+    fill[0, 0] = threshold  # at least one due row
+    if B * H > 1:
+        fill.view(-1)[-1] = max(threshold - 1, 0)  # and one that is not due
+    st = _state(B, H, C, D, fill, g)
+    budget = torch.tensor([target, threshold])
+    ref = {k: v.clone() for k, v in st.items()}
+    reference_evict_to_budget(*[ref[k] for k in STATE], budget, n_sink)
+    assert int(ref["fill"][0, 0]) < threshold, "the due row was not compressed: the case tests nothing"
+    out = _run_function("evict_to_budget", {**st, "budget": budget}, [ref[k] for k in STATE], n_sink=n_sink)
+    for name, o in zip(STATE, out):
+        assert torch.equal(o, ref[name]), f"evict_to_budget: {name} differs\n{o}\n{ref[name]}"
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 128, (2, 24), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    return ids, mask
+
+
+CASES = {  # family, method, options: full-attention eviction (llama), sliding-window layers (gemma3), no compression
+    "llama-streamingllm": ("llama", "streamingllm", dict(budget=0.5, n_sink=2, interval=4)),
+    "gemma3-streamingllm": ("gemma3", "streamingllm", dict(budget=0.5, n_sink=2, interval=4)),
+    "qwen3-full": ("qwen3", "full", {}),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def exported(request, tmp_path_factory):
+    family, method, opts = CASES[request.param]
+    model = tiny_model(family)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    rw = kvrewrite.apply(model, method, max_length=40, batch_size=2, prefill_chunk=16, **opts)
+    path = kvrewrite.export.onnx(rw, tmp_path_factory.mktemp(request.param))
+    return rw, path
+
+
+def test_models_check_and_carry_kvrewrite_functions(exported):
+    rw, path = exported
+    for name in ("prefill", "decode", "decode_compress"):
+        model = onnx.load(str(path / f"{name}.onnx"))
+        onnx.checker.check_model(model, full_check=True)
+        nodes = {n.op_type for n in model.graph.node if n.domain == "kvrewrite"}
+        assert {"cache_append", "clustered_attention"} <= nodes, f"{name}: kvrewrite nodes {nodes}"
+        assert nodes <= {(f.name) for f in model.functions if f.domain == "kvrewrite"}, "a kvrewrite node has no function"
+        if rw.method.name == "streamingllm" and name != "decode":
+            assert "evict_to_budget" in nodes
+        other = {n.domain for n in model.graph.node} - {"", "kvrewrite"}
+        assert not other, f"{name}: nodes of other domains {other}"
+
+
+def test_onnxruntime_steps_and_generation_match_pytorch(exported):
+    rw, path = exported
+    ids, mask = _inputs()
+    m = loader.load(path)
+    a, b = rw.prefill(ids, mask, max_new_tokens=12), m.prefill(ids, mask, max_new_tokens=12)
+    torch.testing.assert_close(b, a, atol=MODEL_ATOL, rtol=0)
+    for x, y in zip(rw.state_tensors(), m.state):
+        torch.testing.assert_close(y, x, atol=MODEL_ATOL, rtol=0)  # fill, slot_pos exact; K/V through the model
+    ref = rw.generate(ids, mask, max_new_tokens=12)
+    out = m.generate(ids, mask, max_new_tokens=12)
+    assert torch.equal(out, ref), f"onnxruntime generate\n{out[:, 24:]}\n!= runtime\n{ref[:, 24:]}"
+
+
+def test_chelsea_graphs_with_compression_are_refused_and_decode_exports(tmp_path):
+    model = tiny_model("llama")
+    rw = kvrewrite.apply(model, "chelsea", max_length=40, batch_size=2, prefill_chunk=16, budget=0.5, n_sink=2,
+                         n_recent=4, chunk=8, interval=4)
+    with pytest.raises(NotImplementedError, match=r"chelsea_compress.*graphs without them: \['decode'\]"):
+        kvrewrite.export.onnx(rw, tmp_path / "all")
+    path = kvrewrite.export.onnx(rw, tmp_path / "decode", graphs=("decode",))
+    onnx.checker.check_model(str(path / "decode.onnx"), full_check=True)

@@ -1,0 +1,98 @@
+"""torch.export target: .pt2 programs + metadata; the loader (no capture machinery) reproduces
+rw.generate token for token, greedy and sampled, for chelsea (compression in prefill and on the
+decode steps the host schedule picks) and for sliding-window layers (gemma3, streamingllm)."""
+import json
+
+import pytest
+import torch
+
+import kvrewrite
+import kvrewrite.export
+from kvrewrite.export import loader
+from kvrewrite.export.common import META_FILE, read_metadata
+from tests.families import tiny_model
+
+PROMPT, NEW = 24, 12
+CHELSEA = dict(budget=0.5, n_sink=2, n_recent=4, chunk=8, interval=4)  # compresses in prefill and at decode steps
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 128, (2, PROMPT), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    return ids, mask
+
+
+def _model(family):
+    m = tiny_model(family)
+    m.generation_config.eos_token_id = None
+    m.generation_config.pad_token_id = 0
+    return m
+
+
+@pytest.fixture(scope="module")
+def chelsea(tmp_path_factory):
+    rw = kvrewrite.apply(_model("llama"), "chelsea", max_length=40, batch_size=2, prefill_chunk=16, **CHELSEA)
+    return rw, kvrewrite.export.torch_export(rw, tmp_path_factory.mktemp("pt2"))
+
+
+def test_files_and_metadata(chelsea):
+    rw, path = chelsea
+    assert sorted(p.name for p in path.iterdir()) == ["decode.pt2", "decode_compress.pt2", META_FILE, "prefill.pt2"]
+    meta = json.loads((path / META_FILE).read_text())
+    assert meta["target"] == "torch_export" and meta["capacities"] == rw.capacities
+    assert meta["method"] == {"name": "chelsea", "options": {"budget": 0.5, "interval": 4, "n_sink": 2, "n_recent": 4,
+                                                            "chunk": 8, "r_init": 0.35, "r_alpha": 0.1, "r_steps": 2,
+                                                            "r_min": 0.1, "outlier_heads": {}}}
+    assert meta["versions"]["torch"] == torch.__version__
+    ops = {str(n.target) for n in torch.export.load(path / "decode_compress.pt2").graph.nodes if n.op == "call_function"}
+    assert {"kvrewrite.cache_append.default", "kvrewrite.clustered_attention.default",
+            "kvrewrite.chelsea_compress.default"} <= ops
+
+
+@torch.no_grad()
+def test_loader_reproduces_generate(chelsea):
+    rw, path = chelsea
+    m = loader.load(path)
+    ids, mask = _inputs()
+    ref = rw.generate(ids, mask, max_new_tokens=NEW)
+    fills = [int(f) for f in rw.l0_fill.flatten()]
+    out = m.generate(ids, mask, max_new_tokens=NEW)
+    assert torch.equal(out, ref), f"loader\n{out[:, PROMPT:]}\n!= rw.generate\n{ref[:, PROMPT:]}"
+    assert [int(f) for f in m.state[4].flatten()] == fills  # layer 0's fill: the same compressions ran
+    assert all(torch.equal(a, b) for a, b in zip(m.state, rw.state_tensors())), "final state differs"
+    kw = dict(max_new_tokens=NEW, do_sample=True, top_k=20, temperature=0.8)
+    s_ref = rw.generate(ids, mask, generator=torch.Generator().manual_seed(5), **kw)
+    s_out = m.generate(ids, mask, generator=torch.Generator().manual_seed(5), **kw)
+    assert torch.equal(s_out, s_ref)
+
+
+@torch.no_grad()
+def test_sliding_window_layers(tmp_path):
+    rw = kvrewrite.apply(_model("gemma3"), "streamingllm", max_length=40, batch_size=2, prefill_chunk=16, budget=0.5,
+                         n_sink=2, interval=4)
+    m = loader.load(kvrewrite.export.torch_export(rw, tmp_path))
+    ids, mask = _inputs()
+    assert torch.equal(m.generate(ids, mask, max_new_tokens=NEW), rw.generate(ids, mask, max_new_tokens=NEW))
+
+
+def test_loader_checks_like_the_runtime(chelsea):
+    _, path = chelsea
+    m = loader.load(path)
+    ids, mask = _inputs()
+    with pytest.raises(ValueError, match="exceeds max_length=40"):
+        m.generate(ids, mask, max_new_tokens=20)
+    with pytest.raises(ValueError, match="right padding"):
+        m.generate(ids, mask.flip(1), max_new_tokens=4)
+
+
+def test_bad_paths_and_graph_names(tmp_path, chelsea):
+    rw, _ = chelsea
+    with pytest.raises(FileNotFoundError, match="no kvrewrite export metadata"):
+        read_metadata(tmp_path)
+    with pytest.raises(ValueError, match="unknown graph"):
+        kvrewrite.export.torch_export(rw, tmp_path, graphs=("prefil",))
+    path = kvrewrite.export.torch_export(rw, tmp_path / "d", graphs=("decode",))
+    with pytest.raises(ValueError, match="graph 'prefill' was not exported"):
+        loader.load(path).generate(*_inputs(), max_new_tokens=2)
