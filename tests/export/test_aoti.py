@@ -1,0 +1,86 @@
+"""AOTInductor target: compiled packages + the loader reproduce rw.generate.
+
+CPU (C++ packages): one tiny llama with chelsea settings that compress in prefill and on decode steps,
+all three graphs compiled once (the module fixture; about 60-100 s on the 2-core CI, most of it
+Inductor's C++ compile). GPU (marked gpu): the same on CUDA, where the package holds Inductor's Triton
+kernels and kvrewrite::clustered_attention's own Triton kernel; plus torch_export on CUDA.
+"""
+import zipfile
+
+import pytest
+import torch
+
+import kvrewrite
+import kvrewrite.export
+from kvrewrite.export import loader
+from tests.families import tiny_model
+
+PROMPT, NEW = 24, 12
+CHELSEA = dict(budget=0.5, n_sink=2, n_recent=4, chunk=8, interval=4)
+
+
+def _inputs(device="cpu"):
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 128, (2, PROMPT), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    return ids.to(device), mask.to(device)
+
+
+def _rw(device, **kw):
+    m = tiny_model("llama").to(device)
+    m.generation_config.eos_token_id = None
+    m.generation_config.pad_token_id = 0
+    return kvrewrite.apply(m, "chelsea", max_length=40, batch_size=2, prefill_chunk=16, **(CHELSEA | kw))
+
+
+def _check_generate(rw, path, device):
+    m = loader.load(path)
+    ids, mask = _inputs(device)
+    ref = rw.generate(ids, mask, max_new_tokens=NEW)
+    out = m.generate(ids, mask, max_new_tokens=NEW)
+    assert torch.equal(out, ref), f"loader\n{out[:, PROMPT:]}\n!= rw.generate\n{ref[:, PROMPT:]}"
+    for name in ("fill", "slot_pos"):  # the same compressions ran, row by row
+        i = ("keys", "values", "bias", "slot_pos", "fill", "budget").index(name)
+        assert torch.equal(m.state[i], getattr(rw, f"l0_{name}"))
+    # the logits of a fresh prefill: compiled kernels vs eager, rounding only
+    a, b = rw.prefill(ids, mask, max_new_tokens=NEW), m.prefill(ids, mask, max_new_tokens=NEW)
+    diff = (a - b).abs().max().item()
+    assert diff <= 1e-4, f"prefill logits differ by {diff:.3g}"
+    return diff
+
+
+@torch.no_grad()
+def test_aoti_cpu_generate_matches_eager(tmp_path):
+    rw = _rw("cpu")
+    path = kvrewrite.export.aoti(rw, tmp_path)
+    assert sorted(p.name for p in path.glob("*.pt2")) == ["decode.pt2", "decode_compress.pt2", "prefill.pt2"]
+    print(f"aoti cpu: prefill logits max diff {_check_generate(rw, path, 'cpu'):.3g}")
+
+
+def test_outlier_heads_reach_the_op_as_a_mask():
+    from kvrewrite.export.aot_inductor import _mask_outlier_lists
+
+    rw = _rw("cpu", budget=0.6, outlier_heads={1: [1]})
+    gm = _mask_outlier_lists(rw.decode_compress_graph)
+    masks = [n.args[-1] for n in gm.graph.nodes if n.op == "call_function"
+             and n.target == torch.ops.kvrewrite_export.chelsea_compress_masked.default]
+    assert masks == [0, 2], masks  # layer 0: none, layer 1: KV head 1
+    assert not [n for n in gm.graph.nodes if n.target == torch.ops.kvrewrite.chelsea_compress.default]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("target", ["aoti", "torch_export"])
+@torch.no_grad()
+def test_cuda_generate_matches_eager(tmp_path, target):
+    rw = _rw("cuda")
+    path = getattr(kvrewrite.export, target)(rw, tmp_path)
+    diff = _check_generate(rw, path, "cuda")
+    print(f"{target} cuda: prefill logits max diff {diff:.3g}")
+    if target == "aoti":  # the attention's own Triton kernel is compiled into the package
+        with zipfile.ZipFile(path / "decode.pt2") as z:
+            text = b"".join(z.read(n) for n in z.namelist() if n.endswith((".cpp", ".json", ".py")))
+            names = z.namelist()
+        assert any(n.endswith(".cubin") for n in names), names
+        assert b"clustered_attention_fwd_kernel" in text, "the clustered attention Triton kernel is not in the package"

@@ -1,0 +1,112 @@
+"""TensorRT target, up to the torch-tensorrt call (TensorRT cannot be installed here): the functional
+graph handed over computes what the in-place graph does, holds only ATen ops and the kvrewrite ops that
+have plugins, and each plugin description (output shapes from the op's fake) is what the op returns.
+The compile test runs only where torch_tensorrt and CUDA exist (never so far; docs/deploy.md)."""
+import importlib.util
+
+import pytest
+import torch
+
+import kvrewrite
+import kvrewrite.export
+from kvrewrite.export import tensorrt_export as te
+from kvrewrite.export.common import example_inputs, graph_of
+from tests.families import tiny_model
+
+HAS_TRT = importlib.util.find_spec("torch_tensorrt") is not None
+
+
+@pytest.fixture(scope="module")
+def rw():
+    # gemma3: sliding-window layers (evict_to_budget) and a full layer with chelsea and an outlier head
+    m = tiny_model("gemma3")
+    m.generation_config.eos_token_id = None
+    return kvrewrite.apply(m, "chelsea", max_length=40, batch_size=2, prefill_chunk=16, budget=0.8, n_sink=2,
+                           n_recent=4, chunk=8, interval=4, outlier_heads={2: [1]})
+
+
+@pytest.fixture(scope="module")
+def prepared(rw):
+    return te.prepare(rw)
+
+
+def test_op_set_is_aten_plus_plugin_ops(prepared):
+    every = set(te.PLUGIN_OPS)
+    assert te.check_op_set(prepared["prefill"][0]) == sorted(every)
+    assert te.check_op_set(prepared["decode_compress"][0]) == sorted(every)
+    assert te.check_op_set(prepared["decode"][0]) == ["kvrewrite_export::cache_append",
+                                                      "kvrewrite_export::clustered_attention"]
+    for ep, _ in prepared.values():
+        for node in ep.graph.nodes:
+            if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+                assert node.target.namespace in ("aten", "kvrewrite_export"), node.target
+
+
+def test_plugin_descriptions(prepared):
+    _, descs = prepared["prefill"]
+    assert sorted(descs) == sorted(te.PLUGIN_OPS)
+    for op, d in descs.items():
+        if op.endswith("clustered_attention"):
+            assert d["outputs"] == d["inputs"][:1]  # [B, Hq, T, D] of q
+        else:  # the five state tensors come back with their own shapes
+            assert d["outputs"] == d["inputs"][:5]
+        assert all(not isinstance(e, int) or e > 0 for shape in d["outputs"] for e in shape)
+
+
+def test_plugin_description_refuses_what_a_plugin_cannot_take():
+    t = torch.zeros(1, 2, 4, 8)
+    args = [t, t, torch.zeros(1, 2, 4), torch.zeros(1, 2, 4, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long),
+            torch.zeros(2, dtype=torch.long), 1, 1, 2, 0.3, 0.1, 2, 0.1, []]
+    with pytest.raises(ValueError, match="outlier_heads=\\[\\].*cannot be a plugin attribute"):
+        te.plugin_description("kvrewrite::chelsea_compress", args)
+
+
+def test_check_op_set_names_foreign_ops(rw):
+    ep = torch.export.export(graph_of(rw, "decode"), example_inputs(rw, "decode"), strict=False)  # in-place ops
+    with pytest.raises(ValueError, match="kvrewrite::cache_append.*neither ATen ops nor kvrewrite ops with a TensorRT"):
+        te.check_op_set(ep)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["prefill", "decode_compress"])
+def test_functional_graph_computes_the_in_place_graph(rw, name):
+    ids = torch.randint(3, 128, (2, 24))
+    rw.prefill(ids, max_new_tokens=8)  # a state with compressed rows, near the thresholds
+    args = list(example_inputs(rw, name))
+    args[0] = torch.randint(3, 128, args[0].shape)
+    args[1] = args[1] + 24
+    args[2] = args[2] + 24
+    state = [t.clone() for t in rw.state_tensors()]
+    for i in range(len(rw.layers)):  # every layer due at this step: compression runs in both graphs
+        fill, budget = state[6 * i + 4], state[6 * i + 5]
+        budget.copy_(torch.tensor([int(fill.min()) - 4, int(fill.min()) + args[0].shape[1]]))
+    before = [state[6 * i + 4].clone() for i in range(len(rw.layers))]
+    saved = [t.clone() for t in state]
+    logits, *new_state = te.trt_graph(rw, name)(*args[:4], *state)
+    assert all(torch.equal(a, b) for a, b in zip(state, saved)), "the functional graph wrote its inputs"
+    ref = graph_of(rw, name)(*args[:4], *state)  # in place, on the clones
+    assert torch.equal(logits, ref)
+    assert all(torch.equal(a, b) for a, b in zip(new_state, state))
+    after = [new_state[6 * i + 4] for i in range(len(rw.layers))]
+    assert all(bool((a < b + args[0].shape[1]).any()) for a, b in zip(after, before)), "no compression ran"
+
+
+@pytest.mark.skipif(HAS_TRT, reason="torch_tensorrt is installed")
+def test_missing_tensorrt_is_a_clear_error(rw, tmp_path):
+    with pytest.raises(ImportError, match="needs torch_tensorrt .* tensorrt.plugin"):
+        kvrewrite.export.tensorrt(rw, tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_TRT or not torch.cuda.is_available(), reason="needs torch_tensorrt and CUDA")
+@torch.no_grad()
+def test_tensorrt_engine_generates_like_the_runtime(tmp_path):
+    from kvrewrite.export import loader
+
+    m = tiny_model("llama").cuda()
+    m.generation_config.eos_token_id = None
+    rw = kvrewrite.apply(m, "chelsea", max_length=40, batch_size=2, prefill_chunk=16, budget=0.5, n_sink=2,
+                         n_recent=4, chunk=8, interval=4)
+    path = kvrewrite.export.tensorrt(rw, tmp_path)
+    ids = torch.randint(3, 128, (2, 24), device="cuda")
+    assert torch.equal(loader.load(path).generate(ids, max_new_tokens=8), rw.generate(ids, max_new_tokens=8))
