@@ -1,0 +1,704 @@
+"""`kvrewrite bench`: end-to-end decode and prefill speed and memory, kvrewrite vs HF transformers, one run.
+
+Setup: a Llama-3.1-8B-shaped model with random bf16 weights built on the GPU (speed does not depend on the
+weights; `--model tiny-llama` is a 2-layer model for CPU tests). Rows are systems x contexts x batch sizes:
+  hf-eager, hf-compiled   HF forward per step over a transformers StaticCache (max_cache_len = n + new tokens),
+                          SDPA, full cache; eager, or torch.compile(mode="reduce-overhead", fullgraph=True)
+  <method>                every kvrewrite method named (full, streamingllm, chelsea, later ones by name),
+                          at --budget for the compressing ones.
+Every row holds one context n; "max" in --batches is the largest batch that fits at that context for that
+system (computed from the measured free memory and the row's bytes per sequence; see `max_batch`).
+
+Decisions (what exactly is timed):
+- Decode: after warm-up, `--intervals` x g (= 32) steps are timed with CUDA events around every step; the
+  reported ms/token is the mean over whole intervals (so every periodic re-compression of the compressing
+  methods is inside it), median over `--reps` repetitions; the median plain step and the mean compressing
+  step are reported apart. Each step feeds back the argmax token of its own logits (greedy decoding).
+- kvrewrite decode runs, by default (`--kv-compile graph`), its two rewritten decode graphs (with and without
+  the compression ops) eagerly, each captured once in a torch.cuda.CUDAGraph after eager warm-up: no
+  Inductor compile, so one export per batch size serves every method and context in seconds. The step
+  choice comes from the runtime's host-side schedule (`rw.schedule.due`), as in `rw.decode_step`.
+  `--kv-compile inductor` instead runs `rw.compile(fullgraph=True, mode="reduce-overhead")` (Inductor
+  fusion + CUDA graphs; minutes of compile per shape): the README's fastest path.
+- State before decode: at batch 1, the real chunked prefill of n random tokens (timed, compression
+  included) leaves the state. At batch > 1 the state is filled synthetically (speed does not depend on
+  values): each layer holds exactly the slots the method has after a real prefill (min(n, B) with
+  B = round(budget * (n + new)); n for full), random keys/values, bias 0, increasing slot positions; the
+  host schedule mirrors it, so re-compression happens every g steps as in a real run.
+- HF rows: the StaticCache is filled with random keys/values (HF reads all max_cache_len slots every step
+  whatever they hold; the mask hides the unwritten ones).
+- Prefill (batch 1): kvrewrite's real chunked prefill (`--prefill-chunk`, compression inside, eager graphs,
+  one Triton warm-up prefill of 3 chunks before) vs dense HF prefill: one forward of n tokens, SDPA (causal,
+  DynamicCache), logits of the last position only; one warm-up forward of 2048 tokens before. Wall clock
+  with synchronisation, one run each.
+- Memory: peak = torch.cuda.max_memory_allocated over the row (weights included); KV bytes = the cache as
+  allocated (kvrewrite: every state tensor at its static capacity; HF: the StaticCache). The export of the
+  model's graphs is setup: its time is reported (`capture_s`) and not counted; its scratch StaticCache
+  (prefill_chunk tokens per row) is freed right after capture, since the rewrite removes it from the graphs.
+- Roofline floor of a row: (weight bytes read per step + KV bytes read per step) / copy bandwidth, where the
+  copy bandwidth is measured in the same run (1 GiB device-to-device copy, bytes read + written); weights
+  read = every parameter but the input embedding (only B rows of it are read); KV read = keys + values of
+  the slots in use (kvrewrite: the mean fill over the timed steps, plus 12 bytes of bias/position per used
+  slot; full and HF: the n + step tokens in the cache). ratio = measured ms / floor ms.
+- Rows run in order and the JSON is rewritten after each one, so a run cut by a timeout keeps what it has;
+  `--time-budget` skips the rows not started once that many seconds have passed. A row that fails (out of
+  memory, say) is recorded with its error and the run goes on.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+HF_SYSTEMS = ("hf-eager", "hf-compiled")
+MODELS = {
+    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                         rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192)),
+    "tiny-llama": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, max_position_embeddings=8192, tie_word_embeddings=False),
+}
+GRIDS = {  # --grid presets; explicit flags override them
+    "full": dict(contexts=[16384, 32768, 65536], batches=["1", "16", "max"]),
+    "quick": dict(contexts=[32768], batches=["1"]),
+}
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    model: str = "llama-3.1-8b"
+    systems: tuple = ("hf-eager", "hf-compiled", "full", "streamingllm", "chelsea")
+    contexts: tuple = (16384, 32768, 65536)
+    batches: tuple = ("1", "16")  # ints, or "max"
+    budget: float = 0.2
+    new_tokens: int = 320
+    prefill_chunk: int = 1024
+    intervals: int = 2
+    reps: int = 3
+    kv_compile: str = "graph"
+    hf_compiled_contexts: tuple | None = None  # contexts where hf-compiled runs (compiles per shape); None: all
+    max_batch_cap: int = 128
+    time_budget: float = math.inf
+    prefill: bool = True
+    out: str = "e2e.json"
+    device: str = "cuda"
+
+    def validate(self) -> None:
+        from kvrewrite.methods import METHODS
+
+        if self.model not in MODELS:
+            raise ValueError(f"bench: unknown model {self.model!r}; known: {', '.join(MODELS)}")
+        bad = [s for s in self.systems if s not in HF_SYSTEMS and s not in METHODS]
+        if bad:
+            raise ValueError(f"bench: unknown system(s) {bad}; known: {', '.join(HF_SYSTEMS + tuple(sorted(METHODS)))}")
+        if not self.systems:
+            raise ValueError("bench: no system to run")
+        for n in self.contexts:
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"bench: contexts must be ints >= 1, got {n!r}")
+        for b in self.batches:
+            if b != "max" and not (str(b).isdigit() and int(b) >= 1):
+                raise ValueError(f"bench: batches must be ints >= 1 or 'max', got {b!r}")
+        if not 0 < self.budget <= 1:
+            raise ValueError(f"bench: budget must be in (0, 1], got {self.budget!r}")
+        if self.kv_compile not in ("graph", "inductor", "eager"):
+            raise ValueError(f"bench: kv_compile must be graph, inductor or eager, got {self.kv_compile!r}")
+        if self.intervals < 1 or self.reps < 1:
+            raise ValueError("bench: intervals and reps must be >= 1")
+        need = 2 * 32 + self.intervals * 32 * self.reps + 2
+        if self.new_tokens < need:
+            raise ValueError(f"bench: new_tokens={self.new_tokens} is too few for warm-up + {self.reps} reps x "
+                             f"{self.intervals} intervals of 32 steps; give at least {need}")
+        if self.prefill_chunk < 2:
+            raise ValueError(f"bench: prefill_chunk must be >= 2, got {self.prefill_chunk}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("bench: CUDA is not available (use --device cpu with --model tiny-llama for a dry run)")
+
+
+# -- environment, model, bandwidth ----------------------------------------------------------------------------
+
+def env_info(device: str) -> dict:
+    import transformers
+
+    sha = os.environ.get("KVREWRITE_GIT_SHA")
+    if sha is None:
+        try:
+            sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            sha = "unknown"
+    info = dict(torch=torch.__version__, transformers=transformers.__version__, git_sha=sha, device=device)
+    if device == "cuda":
+        import triton
+
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=torch.cuda.get_device_name(), triton=triton.__version__, sms=props.multi_processor_count,
+                    gpu_mem_gib=props.total_memory / 2**30)
+    else:
+        info.update(gpu="cpu (no GPU)")
+    return info
+
+
+def build_model(name: str, device: str):
+    """Random-weight Llama of the named shape, bf16 on CUDA (fp32 on CPU), SDPA attention, eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    cfg = LlamaConfig(**MODELS[name])
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    model.generation_config.eos_token_id = None
+    return model.eval().requires_grad_(False)
+
+
+def weight_bytes_read(model) -> int:
+    """Bytes of the parameters a decode step reads: all but the input embedding (B rows of it only)."""
+    emb = model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb)
+
+
+def copy_gbps(device: str) -> float:
+    """Device-to-device copy bandwidth, (bytes read + bytes written) / time, median of 20 after warm-up."""
+    n = (1 << 29) if device == "cuda" else (1 << 24)  # 1 GiB bf16 on the GPU, 32 MiB on the CPU
+    src = torch.randn(n, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(25):
+        t = Timer(device)
+        dst.copy_(src)
+        if i >= 5:
+            times.append(t.stop())
+    del src, dst
+    return 2 * n * 2 / statistics.median(times) / 1e6
+
+
+class Timer:
+    """ms between construction and stop(): CUDA events on the GPU (no sync until stop), perf_counter on the CPU."""
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+        if self.cuda:
+            self.a, self.b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.a.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.cuda:
+            self.b.record()
+            self.b.synchronize()
+            return self.a.elapsed_time(self.b)
+        return (time.perf_counter() - self.t0) * 1e3
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# -- decode loops ---------------------------------------------------------------------------------------------
+
+def _time_steps(device, steps: int, run_step) -> list:
+    """Per-step ms of `steps` calls of run_step(i) -> bool (compressing step?), events between steps."""
+    if device == "cuda":
+        evs = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        evs[0].record()
+        kinds = []
+        for i in range(steps):
+            kinds.append(run_step(i))
+            evs[i + 1].record()
+        evs[-1].synchronize()
+        return [(evs[i].elapsed_time(evs[i + 1]), kinds[i]) for i in range(steps)]
+    out = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        k = run_step(i)
+        out.append(((time.perf_counter() - t0) * 1e3, k))
+    return out
+
+
+def _summarise(per_rep: list, interval: int) -> dict:
+    """per_rep: [[(ms, compressing), ...], ...] -> ms/token (mean over whole intervals, median over reps)."""
+    means = [sum(ms for ms, _ in rep) / len(rep) for rep in per_rep]
+    plain = [ms for rep in per_rep for ms, c in rep if not c]
+    comp = [ms for rep in per_rep for ms, c in rep if c]
+    return dict(ms_per_step=statistics.median(means), ms_per_step_reps=means,
+                ms_plain_step_median=statistics.median(plain) if plain else math.nan,
+                ms_compress_step_mean=statistics.mean(comp) if comp else math.nan,
+                compress_steps_per_rep=sum(c for _, c in per_rep[0]), steps_per_rep=len(per_rep[0]))
+
+
+class KVDecoder:
+    """Greedy decode steps of a KVRewrittenModel from its current state, with static input buffers.
+
+    mode "graph": both decode variants are captured in CUDA graphs (one memory pool) after eager warm-up;
+    "inductor": rw.compile(fullgraph=True, mode="reduce-overhead"); "eager": the FX graphs as they are.
+    """
+
+    def __init__(self, rw, mode: str):
+        self.rw, self.mode = rw, mode
+        dev = rw.l0_fill.device
+        B = rw.batch_size
+        self.device = dev.type
+        self.tok = torch.randint(1, rw.vocab_size, (B, 1), device=dev)
+        self.pos = rw._next_position.reshape(B, 1).clone()
+        self.cpos = rw._next_cache_position.reshape(1).clone()
+        self.valid = torch.ones(B, 1, dtype=torch.bool, device=dev)
+        self.graphs = {}
+        self.compresses = any(thr < 2**62 for _, thr in rw.schedule.budgets)
+        if mode == "inductor":
+            rw.compile(fullgraph=True, mode="reduce-overhead")
+
+    def _body(self, compress: bool) -> None:
+        if self.mode == "inductor":
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = self.rw(self.tok, self.pos, self.cpos, self.valid, compress)
+        self.tok.copy_(logits[:, -1].argmax(dim=-1, keepdim=True))
+        self.pos.add_(1)
+        self.cpos.add_(1)
+
+    def step(self, _i=None) -> bool:
+        compress = self.rw.schedule.due(1)
+        g = self.graphs.get(compress)
+        if g is not None:
+            g.replay()
+        else:
+            self._body(compress)
+        self.rw.schedule.step([1] * self.rw.batch_size, 1, compress)
+        return compress
+
+    def warm_up(self, max_steps: int) -> int:
+        """Eager steps until both variants ran (the compressing one only if the method compresses), then capture."""
+        seen, steps = set(), 0
+        while steps < max_steps and (len(seen) < (2 if self.compresses else 1) or steps < 3):
+            seen.add(self.step())
+            steps += 1
+        if self.compresses and True not in seen:
+            raise RuntimeError(f"no compressing step within {max_steps} warm-up steps")
+        if self.mode == "graph" and self.device == "cuda":
+            torch.cuda.synchronize()
+            pool = None
+            for compress in sorted(seen):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self._body(compress)
+                pool = g.pool()
+                self.graphs[compress] = g
+            torch.cuda.synchronize()
+        return steps
+
+    def mean_fill(self) -> float:
+        return statistics.mean(f for fills in self.rw.schedule.fill for f in fills) if self.rw.schedule.fill else 0.0
+
+
+def synthetic_fill(rw, n: int, new_tokens: int) -> None:
+    """State as a real prefill of n tokens leaves it (see the module docstring), without running one."""
+    from kvrewrite.state import NO_LIMIT
+
+    B = rw.batch_size
+    rw.reset(n, new_tokens)
+    g = torch.Generator(device=rw.l0_fill.device).manual_seed(1)
+    for info, (target, thr), fills, valids in zip(rw.layers, rw.schedule.budgets, rw.schedule.fill, rw.schedule.valid):
+        f = n if thr >= NO_LIMIT else min(n, target)
+        st = rw.layer_state(info.index)
+        st["keys"][:, :, :f].normal_(generator=g)
+        st["values"][:, :, :f].normal_(generator=g)
+        st["bias"][:, :, :f] = 0.0
+        pos = torch.linspace(0, n - 1, f, device=st["slot_pos"].device).round().long() if f < n else \
+            torch.arange(n, device=st["slot_pos"].device)
+        st["slot_pos"][:, :, :f] = pos
+        st["fill"].fill_(f)
+        fills[:] = [f] * B
+        valids[:] = [f] * B
+    rw._next_position = torch.full((B,), n, dtype=torch.long, device=rw.l0_fill.device)
+    rw._next_cache_position = torch.tensor([n], device=rw.l0_fill.device)
+
+
+def hf_cache(model, B: int, length: int):
+    from transformers import StaticCache
+
+    cfg = model.config
+    cache = StaticCache(config=cfg, max_cache_len=length)
+    cache.early_initialization(B, cfg.num_key_value_heads, cfg.head_dim, model.dtype, model.device)
+    g = torch.Generator(device=model.device).manual_seed(2)
+    for layer in cache.layers:
+        layer.keys.normal_(generator=g)
+        layer.values.normal_(generator=g)
+        if model.device.type == "cuda":
+            torch._dynamo.mark_static_address(layer.keys)
+            torch._dynamo.mark_static_address(layer.values)
+    return cache
+
+
+def hf_decode(model, cache, B: int, n: int, compiled: bool, cfg: BenchConfig) -> dict:
+    """HF forward per step over the StaticCache, eager or torch.compile(mode="reduce-overhead")."""
+    dev = model.device
+
+    def step(tok, pos, cpos):
+        out = model(input_ids=tok, position_ids=pos, cache_position=cpos, past_key_values=cache, use_cache=True)
+        return out.logits[:, -1].argmax(dim=-1, keepdim=True)
+
+    fn = torch.compile(step, mode="reduce-overhead", fullgraph=True) if compiled else step
+    state = dict(tok=torch.randint(1, model.config.vocab_size, (B, 1), device=dev),
+                 pos=torch.full((B, 1), n, dtype=torch.long, device=dev), cpos=torch.tensor([n], device=dev))
+
+    def one(_i=None):
+        if compiled:
+            torch.compiler.cudagraph_mark_step_begin()
+        tok = fn(state["tok"], state["pos"], state["cpos"])
+        state["tok"] = tok.clone()
+        state["pos"] = state["pos"] + 1
+        state["cpos"] = state["cpos"] + 1
+        return False
+
+    t0 = time.perf_counter()
+    for i in range(3):
+        one()
+    _sync(dev.type)
+    warm_s = time.perf_counter() - t0
+    steps = cfg.intervals * 32
+    reps = [_time_steps(dev.type, steps, one) for _ in range(cfg.reps)]
+    res = _summarise(reps, 32)
+    res.update(warmup_s=warm_s, kv_tokens_read_per_row=n + 3 + steps * cfg.reps / 2)
+    return res
+
+
+# -- prefill --------------------------------------------------------------------------------------------------
+
+def hf_prefill_s(model, n: int) -> float:
+    dev = model.device
+    ids = torch.randint(1, model.config.vocab_size, (1, n), device=dev)
+    with torch.no_grad():
+        model(input_ids=ids[:, :min(n, 2048)], use_cache=True, logits_to_keep=1)  # warm-up
+        _sync(dev.type)
+        t0 = time.perf_counter()
+        model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        _sync(dev.type)
+    return time.perf_counter() - t0
+
+
+# -- rows -----------------------------------------------------------------------------------------------------
+
+class Bench:
+    def __init__(self, cfg: BenchConfig):
+        self.cfg = cfg
+        self.dev = cfg.device
+        self.model = build_model(cfg.model, self.dev)
+        self.mcfg = self.model.config
+        self.weights_read = weight_bytes_read(self.model)
+        self.weights_total = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.copy_gbps = copy_gbps(self.dev)
+        self.env = env_info(self.dev)
+        self.captures = {}  # batch size -> (Captured, capture seconds)
+        self.dense_prefill = {}  # n -> seconds
+        self.rows = []
+
+    # bytes -------------------------------------------------------------------------------------------------
+    def kv_token_bytes(self) -> int:
+        c = self.mcfg
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * (2 if self.dev == "cuda" else 4)
+
+    def floor_ms(self, kv_read: float) -> float:
+        return (self.weights_read + kv_read) / self.copy_gbps / 1e6
+
+    def per_row_bytes(self, system: str, n: int) -> int:
+        """Bytes one more sequence costs: its cache as allocated (+ logits and a margin for activations)."""
+        L = n + self.cfg.new_tokens
+        act = 4 * self.mcfg.vocab_size * 4 + 64 * self.mcfg.hidden_size * 2 * 8
+        if system in HF_SYSTEMS:
+            return L * self.kv_token_bytes() + act
+        from kvrewrite.methods import make_method
+        from kvrewrite.capture import layer_infos
+
+        m = make_method(system, None if system == "full" else self.cfg.budget)
+        if hasattr(m, "bind"):
+            m.bind(layer_infos(self.model))
+        c = self.mcfg
+        cap = m.capacity(layer_infos(self.model)[0], L, self.cfg.prefill_chunk)
+        e = 2 if self.dev == "cuda" else 4
+        per_slot = c.num_key_value_heads * (2 * c.head_dim * e + 12)
+        return c.num_hidden_layers * cap * per_slot + act
+
+    def max_batch(self, system: str, n: int) -> int:
+        """Largest batch whose cache fits next to the weights, with 6% of the card + 3 GiB kept free
+        (allocator fragmentation, CUDA graph pools, HF compile's workspaces)."""
+        total = torch.cuda.get_device_properties(0).total_memory if self.dev == "cuda" else 8 * 2**30
+        free = 0.94 * total - self.weights_total - 3 * 2**30
+        return max(1, min(self.cfg.max_batch_cap, int(free // self.per_row_bytes(system, n))))
+
+    # kvrewrite -----------------------------------------------------------------------------------------------
+    def captured(self, B: int):
+        if B not in self.captures:
+            from kvrewrite.capture import capture
+
+            self.captures.clear()
+            gc.collect()
+            t0 = time.perf_counter()
+            cap = capture(self.model, batch_size=B, prefill_chunk=self.cfg.prefill_chunk)
+            for g in cap.graphs.values():  # the scratch StaticCache: the rewrite drops it from every graph
+                for name in cap.cache_buffers:
+                    if hasattr(g, name):
+                        b = getattr(g, name)
+                        setattr(g, name, torch.empty(0, dtype=b.dtype, device=b.device))
+            _sync(self.dev)
+            self.captures[B] = (cap, time.perf_counter() - t0)
+        return self.captures[B]
+
+    def kv_row(self, method: str, n: int, B: int) -> dict:
+        import kvrewrite
+
+        cfg = self.cfg
+        cap, cap_s = self.captured(B)
+        opts = {} if method == "full" else {"budget": cfg.budget}
+        t0 = time.perf_counter()
+        rw = kvrewrite.apply(self.model, method, max_length=n + cfg.new_tokens, captured=cap, **opts)
+        apply_s = time.perf_counter() - t0
+        res = dict(capture_s=cap_s, apply_s=apply_s, kv_bytes=rw.cache_bytes()["kvrewrite"],
+                   prefill_chunk=cfg.prefill_chunk, kv_compile=cfg.kv_compile)
+        if B == 1 and cfg.prefill:
+            ids = torch.randint(1, self.mcfg.vocab_size, (1, n), device=self.dev)
+            warm = ids[:, :3 * cfg.prefill_chunk] if n >= 3 * cfg.prefill_chunk else ids
+            try:  # Triton warm-up: a short prompt that still compresses
+                rw.prefill(warm, max_new_tokens=cfg.new_tokens)
+            except ValueError:  # a short prompt leaves the method too few slots: warm up on the real one
+                rw.prefill(ids, max_new_tokens=cfg.new_tokens)
+            _sync(self.dev)
+            t0 = time.perf_counter()
+            rw.prefill(ids, max_new_tokens=cfg.new_tokens)
+            _sync(self.dev)
+            res["prefill_s"] = time.perf_counter() - t0
+            res["state"] = "real prefill"
+        else:
+            synthetic_fill(rw, n, cfg.new_tokens)
+            res["state"] = "synthetic fill"
+        fill_after_prefill = statistics.mean(f for fills in rw.schedule.fill for f in fills)
+        dec = KVDecoder(rw, cfg.kv_compile)
+        t0 = time.perf_counter()
+        res["warmup_steps"] = dec.warm_up(2 * 32 + 2)
+        _sync(self.dev)
+        res["warmup_s"] = time.perf_counter() - t0
+        steps = cfg.intervals * 32
+        fills = []
+        reps = []
+        for _ in range(cfg.reps):
+            fills.append(dec.mean_fill())
+            reps.append(_time_steps(self.dev, steps, dec.step))
+        fills.append(dec.mean_fill())
+        res.update(_summarise(reps, 32))
+        res["fill_after_prefill"] = fill_after_prefill
+        res["mean_fill"] = statistics.mean(fills)
+        c = self.mcfg
+        per_slot = c.num_key_value_heads * (2 * c.head_dim * (2 if self.dev == "cuda" else 4) + 12)
+        res["kv_read_bytes"] = res["mean_fill"] * c.num_hidden_layers * per_slot * B
+        del dec, rw
+        return res
+
+    # hf ------------------------------------------------------------------------------------------------------
+    def hf_row(self, system: str, n: int, B: int) -> dict:
+        res = dict(state="random StaticCache")
+        if B == 1 and self.cfg.prefill and system == "hf-eager":
+            res["prefill_s"] = self.dense_prefill_s(n)
+            if self.dev == "cuda":
+                res["prefill_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            self.free()  # the row's peak is the decode's: weights + StaticCache + step workspace
+        cache = hf_cache(self.model, B, n + self.cfg.new_tokens)
+        res["kv_bytes"] = sum(t.numel() * t.element_size() for layer in self.cache_layers(cache) for t in layer)
+        res.update(hf_decode(self.model, cache, B, n, system == "hf-compiled", self.cfg))
+        res["kv_read_bytes"] = res.pop("kv_tokens_read_per_row") * self.kv_token_bytes() * B
+        del cache
+        return res
+
+    @staticmethod
+    def cache_layers(cache):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+
+    def dense_prefill_s(self, n: int) -> float:
+        if n not in self.dense_prefill:
+            self.dense_prefill[n] = hf_prefill_s(self.model, n)
+        return self.dense_prefill[n]
+
+    # driver --------------------------------------------------------------------------------------------------
+    def plan(self) -> list:
+        """(system, n, batch spec) in run order: batch 1 first (every context), then larger batches."""
+        out = []
+        order = sorted(self.cfg.batches, key=lambda b: (b == "max", int(b) if b != "max" else 0))
+        for b in order:  # hf-compiled (minutes of compile per shape) after the other rows of its batch
+            for compiled in (False, True):
+                for n in self.cfg.contexts:
+                    for s in self.cfg.systems:
+                        if (s == "hf-compiled") != compiled or (compiled and self.cfg.hf_compiled_contexts is not None
+                                                                 and n not in self.cfg.hf_compiled_contexts):
+                            continue
+                        out.append((s, n, b))
+        return out
+
+    def run(self, log=print) -> list:
+        t_start = time.perf_counter()
+        done = set()
+        for system, n, bspec in self.plan():
+            B = self.max_batch(system, n) if bspec == "max" else int(bspec)
+            if (system, n, B) in done:
+                continue
+            done.add((system, n, B))
+            row = dict(system=system, context=n, batch=B, batch_spec=bspec, budget=None if system in ("full",) +
+                       HF_SYSTEMS else self.cfg.budget, model=self.cfg.model, new_tokens=self.cfg.new_tokens)
+            if time.perf_counter() - t_start > self.cfg.time_budget:
+                row["skipped"] = f"time budget of {self.cfg.time_budget:.0f} s spent"
+                self.add(row, log)
+                continue
+            self.free()
+            need = self.weights_total + B * self.per_row_bytes(system, n)
+            if self.dev == "cuda" and need > torch.cuda.get_device_properties(0).total_memory:
+                row["skipped"] = f"does not fit: weights + {B} x cache = {need / 2**30:.1f} GiB > the card"
+                self.add(row, log)
+                continue
+            t0 = time.perf_counter()
+            try:
+                res = self.hf_row(system, n, B) if system in HF_SYSTEMS else self.kv_row(system, n, B)
+            except Exception as e:  # noqa: BLE001  (recorded in the row; the grid goes on)
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                log(traceback.format_exc(limit=4))
+                self.add(row, log)
+                continue
+            row.update(res)
+            if self.dev == "cuda":
+                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            if B == 1 and self.cfg.prefill and "prefill_s" in row and system not in HF_SYSTEMS:
+                row["dense_prefill_s"] = self.dense_prefill_s(n)
+                row["prefill_vs_dense"] = row["prefill_s"] / row["dense_prefill_s"]
+            row["ms_per_token"] = row["ms_per_step"]
+            row["tok_per_s"] = 1e3 * B / row["ms_per_step"]
+            row["floor_ms"] = self.floor_ms(row["kv_read_bytes"])
+            row["ratio_to_floor"] = row["ms_per_step"] / row["floor_ms"]
+            row["row_s"] = time.perf_counter() - t0
+            self.add(row, log)
+        return self.rows
+
+    def free(self):
+        gc.collect()
+        if self.dev == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    def add(self, row: dict, log) -> None:
+        self.rows.append(row)
+        log(format_row(row))
+        self.write()
+
+    def write(self) -> None:
+        doc = dict(env=self.env, copy_gbps=self.copy_gbps, weight_bytes_read=self.weights_read,
+                   weight_bytes=self.weights_total, config=dataclasses.asdict(self.cfg), rows=self.rows)
+        path = Path(self.cfg.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1, default=str))
+        tmp.replace(path)
+
+
+ROW_KEYS = ("system", "context", "batch", "batch_spec", "model", "new_tokens")
+RESULT_KEYS = ("ms_per_token", "tok_per_s", "kv_bytes", "kv_read_bytes", "floor_ms", "ratio_to_floor",
+               "ms_plain_step_median", "ms_compress_step_mean", "state")
+
+
+def format_row(r: dict) -> str:
+    head = f"{r['system']:<14} n={r['context']:<6} B={r['batch']:<3}"
+    if "skipped" in r:
+        return f"{head} skipped: {r['skipped']}"
+    if "error" in r:
+        return f"{head} ERROR {r['error']}"
+    pre = f" prefill {r['prefill_s']:.2f}s" if "prefill_s" in r else ""
+    if "prefill_vs_dense" in r:
+        pre += f" ({r['prefill_vs_dense']:.2f}x dense)"
+    peak = f" peak {r['peak_gib']:.1f}GiB" if "peak_gib" in r else ""
+    setup = " ".join(f"{k}={r[k]:.1f}" for k in ("capture_s", "apply_s", "warmup_s", "row_s") if k in r)
+    return (f"{head} {r['ms_per_token']:8.2f} ms/tok {r['tok_per_s']:9.1f} tok/s | floor {r['floor_ms']:.2f} ms "
+            f"x{r['ratio_to_floor']:.2f} | KV {r['kv_bytes'] / 2**30:.2f}GiB{peak}{pre} | plain "
+            f"{r['ms_plain_step_median']:.2f} compress {r['ms_compress_step_mean']:.2f} | {setup}")
+
+
+def run_bench(cfg: BenchConfig, log=print) -> dict:
+    cfg.validate()
+    bench = Bench(cfg)
+    log(f"{bench.env.get('gpu')} | torch {bench.env['torch']} | transformers {bench.env['transformers']} | "
+        f"triton {bench.env.get('triton', '-')} | git {bench.env['git_sha'][:12]} | copy {bench.copy_gbps:.0f} GB/s | "
+        f"weights read/step {bench.weights_read / 1e9:.2f} GB")
+    bench.write()
+    with torch.no_grad():
+        bench.run(log)
+    return json.loads(Path(cfg.out).read_text())
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvrewrite.cli import _csv
+
+    p.add_argument("--grid", choices=sorted(GRIDS), help="preset: full (16k/32k/64k x batch 1, 16, max) or quick "
+                   "(32k, batch 1); explicit flags override it")
+    p.add_argument("--model", default="llama-3.1-8b", help=f"model shape with random weights: {', '.join(MODELS)}")
+    p.add_argument("--systems", type=_csv(str), help="hf-eager, hf-compiled and/or kvrewrite method names "
+                   "(default: the two HF baselines and every method)")
+    p.add_argument("--contexts", type=_csv(int), help="context lengths n (default 16384,32768,65536)")
+    p.add_argument("--batches", type=_csv(str), help="batch sizes; 'max' = the largest that fits per system and "
+                   "context (default 1,16)")
+    p.add_argument("--budget", type=float, default=0.2, help="budget of the compressing methods (default 0.2)")
+    p.add_argument("--new-tokens", type=int, default=320, help="max_new_tokens the state is sized for (default 320)")
+    p.add_argument("--prefill-chunk", type=int, default=1024, help="kvrewrite prefill chunk (default 1024)")
+    p.add_argument("--intervals", type=int, default=2, help="timed intervals of g=32 steps per rep (default 2)")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions (default 3)")
+    p.add_argument("--kv-compile", default="graph", choices=("graph", "inductor", "eager"),
+                   help="kvrewrite decode: CUDA graphs of the eager graphs (default), rw.compile(reduce-overhead), "
+                   "or eager")
+    p.add_argument("--hf-compiled-contexts", type=_csv(int), help="contexts where hf-compiled runs (default all)")
+    p.add_argument("--max-batch-cap", type=int, default=128, help="upper bound of 'max' batches (default 128)")
+    p.add_argument("--time-budget", type=float, default=math.inf, help="skip rows not started after this many s")
+    p.add_argument("--no-prefill", dest="prefill", action="store_false", help="no prefill timing (synthetic state)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the code paths")
+    p.add_argument("--out", default="out/bench/e2e.json", help="JSON file, rewritten after every row")
+    p.add_argument("--plot", default=None, help="image file for the plots (default: the JSON's name, .png)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
+
+
+def config_from_args(args) -> BenchConfig:
+    from kvrewrite.methods import METHODS
+
+    preset = GRIDS.get(args.grid or "", {})
+    systems = args.systems or list(HF_SYSTEMS) + [m for m in METHODS]
+    return BenchConfig(
+        model=args.model, systems=tuple(systems), contexts=tuple(args.contexts or preset.get("contexts", (16384, 32768, 65536))),
+        batches=tuple(args.batches or preset.get("batches", ("1", "16"))), budget=args.budget,
+        new_tokens=args.new_tokens, prefill_chunk=args.prefill_chunk, intervals=args.intervals, reps=args.reps,
+        kv_compile=args.kv_compile, hf_compiled_contexts=tuple(args.hf_compiled_contexts) if args.hf_compiled_contexts
+        else None, max_batch_cap=args.max_batch_cap, time_budget=args.time_budget, prefill=args.prefill,
+        out=args.out, device=args.device)
+
+
+def cmd_bench(args) -> int:
+    cfg = config_from_args(args)
+    cfg.validate()
+    doc = run_bench(cfg, log=lambda s: print(s, flush=True))
+    from kvrewrite.bench.plot_e2e import plot_e2e
+
+    out = args.plot or str(Path(cfg.out).with_suffix(".png"))
+    try:
+        plot_e2e(doc, out)
+        print(f"wrote {cfg.out} and {out}", flush=True)
+    except ImportError as e:
+        print(f"wrote {cfg.out} (no plot: {e})", flush=True)
+    return 0

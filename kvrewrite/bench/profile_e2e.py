@@ -1,0 +1,75 @@
+"""Where the time of a kvrewrite prefill goes, next to a dense HF prefill (torch.profiler, CUDA kernels).
+
+    python -m kvrewrite.bench.profile_e2e --methods chelsea,full --context 32768
+
+Same random Llama-3.1-8B-shaped model as `kvrewrite bench`; one warm-up prefill, then one profiled prefill
+per method and one dense HF forward. Prints, per run, the wall time and the CUDA kernels with the most
+device time, grouped into attention / compression / matmul / other.
+"""
+import argparse
+import time
+
+import torch
+
+GROUPS = (("attention", ("clustered", "attn", "flash", "fmha", "sdpa")),
+          ("compression", ("chelsea", "evict", "compress", "_merge", "_plan", "_select", "_similarity", "_prepare")),
+          ("matmul", ("gemm", "nvjet", "cutlass", "sm90", "xmma", "matmul")))
+
+
+def _group(name: str) -> str:
+    low = name.lower()
+    for g, keys in GROUPS:
+        if any(k in low for k in keys):
+            return g
+    return "other"
+
+
+def profile(fn, label: str, top: int) -> None:
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    fn()  # warm-up
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = [e for e in p.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events) / 1e6
+    groups = {}
+    for e in events:
+        groups[_group(e.key)] = groups.get(_group(e.key), 0) + e.device_time_total / 1e6
+    print(f"\n== {label}: wall {wall:.2f} s, kernel time {total:.2f} s | " +
+          ", ".join(f"{g} {s:.2f} s" for g, s in sorted(groups.items(), key=lambda x: -x[1])), flush=True)
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
+        print(f"  {e.device_time_total / 1e6:7.3f} s  {e.count:6d} x  {e.key[:110]}", flush=True)
+
+
+def main():
+    import kvrewrite
+    from kvrewrite.bench.e2e import build_model
+    from kvrewrite.cli import _csv
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", type=_csv(str), default=["chelsea", "full"])
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--prefill-chunk", type=int, default=1024)
+    parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    model = build_model("llama-3.1-8b", "cuda")
+    n = args.context
+    ids = torch.randint(1, model.config.vocab_size, (1, n), device="cuda")
+    with torch.no_grad():
+        profile(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1), f"dense HF prefill n={n}", args.top)
+        for m in args.methods:
+            opts = {} if m == "full" else {"budget": args.budget}
+            rw = kvrewrite.apply(model, m, max_length=n + 320, prefill_chunk=args.prefill_chunk, **opts)
+            profile(lambda: rw.prefill(ids, max_new_tokens=320), f"kvrewrite {m} prefill n={n} chunk "
+                    f"{args.prefill_chunk}", args.top)
+            del rw
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The whole `kvrewrite bench` grid on one GPU, in phases; each phase is cut by its own timeout and
+# rewrites its JSON after every row, so a cut run keeps its rows.
+#   scripts/bench_gpu.sh [OUTDIR] [PHASES]     (PHASES: any of a b c, default "a b c")
+# a: batch 1, 16k/32k/64k, HF eager + kvrewrite methods (real prefill), hf-compiled at 32k
+# b: 32k, batch 16 and the largest batch that fits per system, every system (synthetic state)
+# c: 32k batch 1 and 16, kvrewrite decode through rw.compile(mode="reduce-overhead") (Inductor)
+set -o pipefail
+OUT=${1:-out/bench}
+PHASES=${2:-a b c}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee -a "$OUT/log.txt"
+B="python -m kvrewrite.cli bench"
+for p in $PHASES; do
+  case $p in
+    a) timeout ${TA:-300} $B --contexts 16384,32768,65536 --batches 1 --hf-compiled-contexts 32768 \
+         --out "$OUT/e2e_b1.json" --plot /tmp/e2e_a.png 2>&1 | tee -a "$OUT/log.txt" ;;
+    b) timeout ${TB:-240} $B --contexts 32768 --batches 16,max --no-prefill \
+         --out "$OUT/e2e_batch.json" --plot /tmp/e2e_b.png 2>&1 | tee -a "$OUT/log.txt" ;;
+    c) timeout ${TC:-400} $B --systems chelsea,full --contexts 32768 --batches 1,16 --no-prefill \
+         --kv-compile inductor --out "$OUT/e2e_inductor.json" --plot /tmp/e2e_c.png 2>&1 | tee -a "$OUT/log.txt" ;;
+  esac
+done
+python - "$OUT" <<'PY'
+import json, sys, pathlib
+from kvrewrite.bench.plot_e2e import plot_e2e
+out = pathlib.Path(sys.argv[1])
+docs = [json.loads(p.read_text()) for p in sorted(out.glob("e2e_*.json")) if p.name != "e2e_all.json"]
+if docs:
+    merged = dict(docs[0], rows=[r for d in docs for r in d["rows"]])
+    (out / "e2e_all.json").write_text(json.dumps(merged, indent=1))
+    plot_e2e(merged, out / "e2e_all.png")
+    print("merged", len(merged["rows"]), "rows")
+PY

@@ -1,0 +1,98 @@
+"""`kvrewrite bench` (kvrewrite/bench/e2e.py): argument errors, method names joining by name, and one tiny
+CPU run through every code path (HF eager baseline, a kvrewrite method with real prefill and with the
+synthetic state) whose JSON is checked field by field. Speed is not tested here (docs/bench.md)."""
+import json
+
+import pytest
+import torch
+
+from kvrewrite.bench import e2e
+from kvrewrite.cli import main
+
+TINY = ["--model", "tiny-llama", "--device", "cpu", "--reps", "1", "--intervals", "1", "--new-tokens", "98"]
+
+
+def _err(capsys, argv):
+    assert main(["bench", *argv]) == 2
+    return capsys.readouterr().err
+
+
+def test_unknown_method_is_named(capsys):
+    err = _err(capsys, [*TINY, "--systems", "full,nosuchmethod"])
+    assert "nosuchmethod" in err and "chelsea" in err and "hf-compiled" in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--contexts", "0"], "contexts"),
+    (["--batches", "two"], "batches"),
+    (["--budget", "1.5"], "budget"),
+    (["--model", "llama-9000"], "llama-9000"),
+    (["--new-tokens", "40"], "new_tokens"),
+])
+def test_bad_arguments(capsys, argv, needle):
+    assert needle in _err(capsys, [*TINY, *argv])
+
+
+def test_cuda_required_without_cpu_flag(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here")
+    assert "CUDA" in _err(capsys, ["--model", "tiny-llama"])
+
+
+def test_every_registered_method_joins_by_name(monkeypatch):
+    """Systems default to the HF baselines plus every name in METHODS, so a new method runs without edits."""
+    from kvrewrite.methods import METHODS
+
+    monkeypatch.setitem(METHODS, "newmethod", METHODS["streamingllm"])
+    args = _parse([*TINY])
+    assert set(e2e.config_from_args(args).systems) == {"hf-eager", "hf-compiled", *METHODS}
+
+
+def _parse(argv):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    e2e.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_tiny_cpu_run_writes_the_json(tmp_path):
+    out = tmp_path / "e2e.json"
+    argv = [*TINY, "--systems", "hf-eager,streamingllm", "--contexts", "256", "--batches", "1,2",
+            "--prefill-chunk", "64", "--budget", "0.5", "--out", str(out), "--plot", str(tmp_path / "e2e.png")]
+    assert main(["bench", *argv]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["env"]["torch"] == torch.__version__ and doc["copy_gbps"] > 0 and doc["weight_bytes_read"] > 0
+    rows = {(r["system"], r["batch"]): r for r in doc["rows"]}
+    assert set(rows) == {("hf-eager", 1), ("hf-eager", 2), ("streamingllm", 1), ("streamingllm", 2)}
+    for (system, B), r in rows.items():
+        assert "error" not in r, r.get("error")
+        assert r["context"] == 256 and r["steps_per_rep"] == 32
+        assert r["ms_per_token"] > 0 and r["tok_per_s"] == pytest.approx(1e3 * B / r["ms_per_token"])
+        assert r["floor_ms"] > 0 and r["ratio_to_floor"] == pytest.approx(r["ms_per_token"] / r["floor_ms"])
+        assert r["kv_bytes"] > 0 and r["kv_read_bytes"] > 0
+    # streamingllm at budget 0.5 of n + new = 354 tokens keeps 177 slots; one interval holds one eviction
+    sl = rows[("streamingllm", 1)]
+    assert sl["state"] == "real prefill" and sl["prefill_s"] > 0 and sl["dense_prefill_s"] > 0
+    assert sl["fill_after_prefill"] == 177 and sl["compress_steps_per_rep"] == 1
+    assert rows[("streamingllm", 2)]["state"] == "synthetic fill"
+    assert rows[("streamingllm", 2)]["fill_after_prefill"] == 177
+    assert rows[("hf-eager", 1)]["kv_bytes"] == 2 * 2 * 2 * 16 * 4 * (256 + 98)  # layers x K,V x Hkv x D x fp32 x L
+    assert (tmp_path / "e2e.png").stat().st_size > 0
+
+
+def test_synthetic_fill_matches_a_real_prefill():
+    """The synthetic state has the slot occupancy, schedule and positions a real prefill leaves."""
+    import kvrewrite
+    from tests.families import tiny_model
+
+    model = tiny_model("llama")
+    kw = dict(budget=0.5, max_length=300, batch_size=2, prefill_chunk=32, n_sink=2, n_recent=4, chunk=8)
+    real, fake = kvrewrite.apply(model, "chelsea", **kw), kvrewrite.apply(model, "chelsea", **kw)
+    real.prefill(torch.randint(1, 128, (2, 256)), max_new_tokens=40)
+    e2e.synthetic_fill(fake, 256, 40)
+    assert real.schedule.fill == fake.schedule.fill and real.schedule.budgets == fake.schedule.budgets
+    for i in range(2):
+        assert torch.equal(real.layer_state(i)["fill"], fake.layer_state(i)["fill"])
+    assert torch.equal(real._next_position, fake._next_position)
+    assert torch.equal(real._next_cache_position, fake._next_cache_position)
