@@ -45,7 +45,8 @@ def _run_function(op: str, inputs: dict, out_like: list, **attrs):
     vi = [_info(n, v) for n, v in inputs.items()]
     graph = helper.make_graph([node], op, vi, [_info(o, t) for o, t in zip(outs, out_like)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)],
-                              functions=[FUNCTIONS[op].to_function_proto()])
+                              functions=[FUNCTIONS[op].to_function_proto()],
+                              ir_version=10)  # onnx 1.23 writes IR 14 by default; onnxruntime 1.30 reads up to 13
     onnx.checker.check_model(model, full_check=True)
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return [torch.from_numpy(o) for o in sess.run(None, {n: v.numpy() for n, v in inputs.items()})]
