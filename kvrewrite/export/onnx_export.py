@@ -10,13 +10,9 @@ custom nodes (a custom_translation_table with onnxscript functions ends up inlin
 runs the model as it is; a runtime with a native kvrewrite kernel can substitute it by domain/name.
 onnx.checker.check_model(full_check=True) runs on every model written.
 
-Limit: kvrewrite::chelsea_compress has no ONNX function. Its reference compresses every due row
-with a data-dependent number of matching rounds over rows of different lengths (padding), each
-round a top-k over a data-dependent count of edges; a faithful ONNX body needs a Loop over rounds
-with per-row masks in place of the reference's per-length grouping, which is not written yet.
-Graphs holding it (method chelsea: prefill and decode_compress) are refused with a
-NotImplementedError; its compression-free decode graph exports (graphs=("decode",)). Methods full
-and streamingllm (and sliding-window layers, which use evict_to_budget) export completely.
+Every op a method inserts has a function: methods full, streamingllm and chelsea export completely
+(sliding-window layers included). kvrewrite::attention_column_stats (used by no method yet) has none;
+a graph holding it is refused with NotImplementedError.
 """
 import torch
 
@@ -25,8 +21,7 @@ from kvrewrite.export.common import INPUT_NAMES, check_graphs, example_inputs, g
 from kvrewrite.export.functional import all_args, functionalize, state_names
 
 OPSET = 18
-UNSUPPORTED = {torch.ops.kvrewrite.chelsea_compress.default: "chelsea_compress",
-               torch.ops.kvrewrite.attention_column_stats.default: "attention_column_stats"}
+UNSUPPORTED = {torch.ops.kvrewrite.attention_column_stats.default: "attention_column_stats"}
 
 
 def _require():
@@ -80,7 +75,7 @@ def export_graph(rw, name: str):
             external_data=False,
         )
     model = program.model_proto
-    model.functions.extend(function_protos())
+    model.functions.extend(function_protos({n.op_type for n in model.graph.node if n.domain == "kvrewrite"}))
     onnx_lib.checker.check_model(model, full_check=True)
     return model
 

@@ -10,15 +10,23 @@ are the functional forms (kvrewrite.export.functional): they return the updated
     kvrewrite::cache_append(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid)
         -> (keys, values, bias, slot_pos, fill)
     kvrewrite::evict_to_budget(keys, values, bias, slot_pos, fill, budget; n_sink) -> (keys, ..., fill)
+    kvrewrite::chelsea_compress(keys, values, bias, slot_pos, fill, budget, rates;
+                                n_sink, n_recent, chunk, r_steps, outlier_mask) -> (keys, ..., fill)
+        rates: float64 [r_init, r_alpha, r_min, 1e-9] (ONNX float attributes are float32, the merge
+        count floor(r * M + 1e-9) needs the reference's doubles); outlier_mask: bit h = KV head h.
 
 Numerics: attention computes in fp32 (MatMul instead of the reference's einsum: rounding only);
-cache_append and evict_to_budget are scatters and gathers, exact. chelsea_compress has no function
-here (see kvrewrite/export/onnx_export.py for why).
+cache_append and evict_to_budget are scatters and gathers, exact. chelsea_compress follows the
+reference step by step, all rows at once: the valid slots are packed, then a Loop runs CSM rounds
+while some due row is above its target, each row with its own length and merge count (masks replace
+the reference's grouping of rows by length); the edge ranking is TopK (ties to the earlier edge, as
+pinned_ties()), the star sums are ScatterElements(add) in ranking order, like scatter_add. On the
+tests' random states it matches the reference bit for bit.
 """
 from typing import TypeVar, Union
 
 import torch
-from onnxscript import BFLOAT16, BOOL, FLOAT, FLOAT16, INT64, script
+from onnxscript import BFLOAT16, BOOL, DOUBLE, FLOAT, FLOAT16, INT64, script
 from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
@@ -117,13 +125,155 @@ def evict_to_budget(keys: TFloat, values: TFloat, bias: FLOAT, slot_pos: INT64, 
     return keys2, values2, bias2, slot_pos2, fill2
 
 
+# Per round and row: M = L - n_sink - n_recent middle slots; chunk id and A/B parity of each middle slot;
+# cosine similarities of every A to the B of its chunk (one [C, C] product, masked); best edge per A;
+# rank of the edges (TopK); the first m = min(n_merge, edges) merge into their B (ScatterElements add,
+# max for the position); the middle of merging rows becomes (sum n k) / sum n; survivors are repacked.
+@script(kv, default_opset=op)
+def chelsea_compress(keys: TFloat, values: TFloat, bias: FLOAT, slot_pos: INT64, fill: INT64, budget: INT64,
+                     rates: DOUBLE, n_sink: int, n_recent: int, chunk: int, r_steps: int,
+                     outlier_mask: int) -> tuple[TFloat, TFloat, FLOAT, INT64, INT64]:
+    zero = op.Constant(value_int=0)
+    one = op.Constant(value_int=1)
+    two = op.Constant(value_int=2)
+    neg_inf = op.Constant(value_float=float("-inf"))
+    fzero = op.Constant(value_float=0.0)
+    C = op.Shape(keys, start=2, end=3)
+    H = op.Shape(keys, start=1, end=2)
+    ar = op.Range(zero, op.Squeeze(C), one)  # [C]
+    rows = op.Shape(fill)  # [B, H]
+    CC = op.Concat(rows, op.Add(C, C), axis=0)
+    RC = op.Concat(rows, C, axis=0)
+    ar_rows = op.Expand(ar, RC)  # [B, H, C]
+    base = op.Expand(op.Concat(ar, ar, axis=0), CC)
+    target = op.Gather(budget, zero)
+    threshold = op.Gather(budget, one)
+    r_init = op.Gather(rates, zero)
+    r_alpha = op.Gather(rates, one)
+    r_min = op.Gather(rates, two)
+    eps = op.Gather(rates, op.Constant(value_int=3))
+    hs = op.Range(zero, op.Squeeze(H), one)
+    bit = op.Mod(op.Div(op.Constant(value_int=outlier_mask), op.Pow(two, hs)), two)  # [H]
+    due = op.And(op.GreaterOrEqual(fill, threshold), op.Equal(bit, zero))  # [B, H]
+    # the valid slots of every row, packed at the front in slot (temporal) order
+    valid = op.And(op.Less(ar, op.Unsqueeze(fill, [2])), op.Greater(bias, neg_inf))
+    vi = op.Cast(valid, to=INT64.dtype)
+    dest0 = op.Where(valid, op.Sub(op.CumSum(vi, two), one), op.Add(ar, C))
+    src0 = op.Slice(op.ScatterElements(base, dest0, ar_rows, axis=2), op.Constant(value_ints=[0]), C,
+                    op.Constant(value_ints=[2]))
+    src04 = op.Expand(op.Unsqueeze(src0, [3]), op.Shape(keys))
+    K = op.Cast(op.GatherElements(keys, src04, axis=2), to=FLOAT.dtype)
+    V = op.Cast(op.GatherElements(values, src04, axis=2), to=FLOAT.dtype)
+    n = op.Round(op.Exp(op.GatherElements(bias, src0, axis=2)))
+    pos = op.GatherElements(slot_pos, src0, axis=2)
+    L = op.ReduceSum(vi, op.Constant(value_ints=[2]), keepdims=0)  # [B, H]
+    active = op.And(due, op.Greater(L, target))
+    i = op.Constant(value_int=0)
+    ns = op.Constant(value_int=n_sink)
+    nr = op.Constant(value_int=n_recent)
+    ch = op.Constant(value_int=chunk)
+    rs = op.Constant(value_int=r_steps)
+    go = op.Greater(op.ReduceMax(op.Cast(active, to=INT64.dtype), keepdims=0), zero)
+    while go:
+        M = op.Sub(op.Sub(L, ns), nr)  # [B, H]
+        r = op.Max(op.Sub(r_init, op.Mul(r_alpha, op.Cast(op.Min(rs, i), to=DOUBLE.dtype))), r_min)
+        nm = op.Cast(op.Floor(op.Add(op.Mul(r, op.Cast(M, to=DOUBLE.dtype)), eps)), to=INT64.dtype)
+        nm = op.Min(op.Max(nm, one), op.Sub(L, target))
+        q = op.Sub(ar, ns)  # [C]
+        in_mid = op.And(op.GreaterOrEqual(q, zero), op.Less(q, op.Unsqueeze(M, [2])))  # [B, H, C]
+        qc = op.Max(q, zero)
+        cid = op.Div(qc, ch)
+        par = op.Mod(op.Mod(qc, ch), two)
+        is_a = op.And(in_mid, op.Equal(par, zero))
+        is_b = op.And(in_mid, op.Equal(par, one))
+        norm = op.Max(op.Sqrt(op.ReduceSum(op.Mul(K, K), op.Constant(value_ints=[3]), keepdims=1)),
+                      op.Constant(value_float=1e-12))
+        Kn = op.Div(K, norm)
+        S = op.MatMul(Kn, op.Transpose(Kn, perm=[0, 1, 3, 2]))  # [B, H, C, C]
+        same = op.Equal(op.Unsqueeze(cid, [1]), op.Unsqueeze(cid, [0]))  # [C, C]
+        pair = op.And(op.And(op.Unsqueeze(is_a, [3]), op.Unsqueeze(is_b, [2])), same)
+        Sm = op.Where(pair, S, neg_inf)
+        best = op.ReduceMax(Sm, op.Constant(value_ints=[3]), keepdims=0)  # [B, H, C]
+        arg = op.ArgMax(Sm, axis=3, keepdims=0, select_last_index=0)
+        finite = op.Not(op.IsInf(best))
+        nf = op.ReduceSum(op.Cast(finite, to=INT64.dtype), op.Constant(value_ints=[2]), keepdims=0)
+        m = op.Where(active, op.Min(nm, nf), zero)  # [B, H]
+        upd = op.Greater(m, zero)
+        _, order = op.TopK(best, C, axis=2, largest=1, sorted=1)  # edges by similarity, ties to the earlier
+        rank = op.ScatterElements(ar_rows, order, ar_rows, axis=2)
+        sel = op.And(finite, op.Less(rank, op.Unsqueeze(m, [2])))
+        sel_o = op.GatherElements(sel, order, axis=2)  # in ranking order
+        tgt = op.Where(sel_o, op.GatherElements(arg, order, axis=2), order)  # unselected: add 0 to itself
+        tgt4 = op.Expand(op.Unsqueeze(tgt, [3]), op.Shape(K))
+        o4 = op.Expand(op.Unsqueeze(order, [3]), op.Shape(K))
+        sel4 = op.Unsqueeze(sel_o, [3])
+        w = op.Unsqueeze(n, [3])
+        Ks = op.Mul(K, w)
+        Vs = op.Mul(V, w)
+        Ks2 = op.ScatterElements(Ks, tgt4, op.Where(sel4, op.GatherElements(Ks, o4, axis=2), fzero), axis=2,
+                                 reduction="add")
+        Vs2 = op.ScatterElements(Vs, tgt4, op.Where(sel4, op.GatherElements(Vs, o4, axis=2), fzero), axis=2,
+                                 reduction="add")
+        n2 = op.ScatterElements(n, tgt, op.Where(sel_o, op.GatherElements(n, order, axis=2), fzero), axis=2,
+                                reduction="add")
+        pos2 = op.ScatterElements(pos, tgt, op.Where(sel_o, op.GatherElements(pos, order, axis=2),
+                                                    op.Constant(value_int=-1)), axis=2, reduction="max")
+        change = op.And(in_mid, op.Unsqueeze(upd, [2]))  # the middle of the rows that merge this round
+        change4 = op.Unsqueeze(change, [3])
+        n2w = op.Unsqueeze(n2, [3])
+        Kc = op.Where(change4, op.Div(Ks2, n2w), K)
+        Vc = op.Where(change4, op.Div(Vs2, n2w), V)
+        nc = op.Where(change, n2, n)
+        pc = op.Where(change, pos2, pos)
+        keep = op.And(op.Less(ar, op.Unsqueeze(L, [2])), op.Not(sel))
+        dest = op.Where(keep, op.Sub(op.CumSum(op.Cast(keep, to=INT64.dtype), two), one), op.Add(ar, C))
+        src = op.Slice(op.ScatterElements(base, dest, ar_rows, axis=2), op.Constant(value_ints=[0]), C,
+                       op.Constant(value_ints=[2]))
+        src4 = op.Expand(op.Unsqueeze(src, [3]), op.Shape(K))
+        K = op.GatherElements(Kc, src4, axis=2)
+        V = op.GatherElements(Vc, src4, axis=2)
+        n = op.GatherElements(nc, src, axis=2)
+        pos = op.GatherElements(pc, src, axis=2)
+        L = op.Sub(L, m)
+        i = op.Add(i, one)
+        active = op.And(upd, op.Greater(L, target))
+        go = op.Greater(op.ReduceMax(op.Cast(active, to=INT64.dtype), keepdims=0), zero)
+    due3 = op.Unsqueeze(due, [2])
+    written = op.And(due3, op.Less(ar, op.Unsqueeze(L, [2])))
+    written4 = op.Unsqueeze(written, [3])
+    keys2 = op.Where(written4, op.CastLike(K, keys), keys)
+    values2 = op.Where(written4, op.CastLike(V, values), values)
+    bias2 = op.Where(written, op.Log(n), op.Where(due3, neg_inf, bias))
+    slot_pos2 = op.Where(written, pos, slot_pos)
+    fill2 = op.Where(due, L, fill)
+    return keys2, values2, bias2, slot_pos2, fill2
+
+
+
 FUNCTIONS = {"clustered_attention": clustered_attention, "cache_append": cache_append,
-             "evict_to_budget": evict_to_budget}
+             "evict_to_budget": evict_to_budget, "chelsea_compress": chelsea_compress}
 
 
-def function_protos() -> list:
-    """The FunctionProtos the exported models carry (domain "kvrewrite", version 1)."""
-    return [f.to_function_proto() for f in FUNCTIONS.values()]
+def fixed_proto(fn):
+    """fn's FunctionProto with every Loop's outer outputs put in the order of its body's outputs:
+    onnxscript 0.7 names the outer outputs of a `while` in set order, not in the carried order."""
+    proto = fn.to_function_proto()
+    for node in proto.node:
+        if node.op_type != "Loop":
+            continue
+        body = next(a.g for a in node.attribute if a.name == "body")
+        carried = [i.name.rsplit("_", 1)[0] for i in body.input[2:]]
+        by_var = {o.rsplit("_", 1)[0]: o for o in node.output}
+        if sorted(by_var) != sorted(carried) or len(by_var) != len(node.output):
+            raise RuntimeError(f"cannot match the Loop outputs {list(node.output)} to its carried values {carried}")
+        del node.output[:]
+        node.output.extend(by_var[v] for v in carried)
+    return proto
+
+
+def function_protos(names=None) -> list:
+    """The FunctionProtos the exported models carry (domain "kvrewrite", version 1), all or `names`."""
+    return [fixed_proto(f) for name, f in FUNCTIONS.items() if names is None or name in names]
 
 
 # -- the nodes: torch.onnx.ops.symbolic emits a "kvrewrite::<op>" node during export -------------------
@@ -152,8 +302,20 @@ def sym_evict_to_budget(keys, values, bias, slot_pos, fill, budget, n_sink):
         **_state_like(keys, values, bias, slot_pos, fill)))
 
 
+def sym_chelsea_compress(keys, values, bias, slot_pos, fill, budget, n_sink, n_recent, chunk, r_init, r_alpha, r_steps,
+                         r_min, outlier_mask):
+    # the rates travel as a float64 tensor: ONNX float attributes are float32, and n_merge = floor(r * M + 1e-9)
+    # must see the reference's double-precision r
+    rates = torch.tensor([r_init, r_alpha, r_min, 1e-9], dtype=torch.float64, device=keys.device)
+    return tuple(torch.onnx.ops.symbolic_multi_out(
+        f"{DOMAIN}::chelsea_compress", [keys, values, bias, slot_pos, fill, budget, rates],
+        {"n_sink": int(n_sink), "n_recent": int(n_recent), "chunk": int(chunk), "r_steps": int(r_steps),
+         "outlier_mask": int(outlier_mask)}, **_state_like(keys, values, bias, slot_pos, fill)))
+
+
 SYMBOLIC = {
     torch.ops.kvrewrite.clustered_attention.default: sym_clustered_attention,
     torch.ops.kvrewrite_export.cache_append.default: sym_cache_append,
     torch.ops.kvrewrite_export.evict_to_budget.default: sym_evict_to_budget,
+    torch.ops.kvrewrite_export.chelsea_compress.default: sym_chelsea_compress,
 }

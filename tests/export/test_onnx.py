@@ -1,8 +1,9 @@
 """ONNX export: each kvrewrite function against its PyTorch op (onnxruntime, fresh random inputs), then
-whole models: onnx.checker, custom-domain nodes with their functions, logits per step and greedy
-generation against the PyTorch runtime, and the refusal of graphs holding chelsea_compress.
+whole models (full, streamingllm, chelsea; sliding-window layers): onnx.checker, custom-domain nodes
+with their functions, logits and state after prefill, and greedy generation against the PyTorch runtime.
 
-Tolerances: cache_append and evict_to_budget are scatters/gathers, so their outputs must be equal.
+Tolerances: cache_append and evict_to_budget are scatters/gathers, so their outputs must be equal;
+chelsea_compress follows the reference's arithmetic step by step and must be equal too.
 clustered_attention computes in fp32 like the reference (MatMul in place of einsum: summation order
 only): atol 2e-6 on outputs of magnitude <= 1. Whole models: logits atol 1e-4 (fp32, 2-3 layers, a
 few ulp per op through RMSNorm/MLP/attention), and the greedy tokens equal.
@@ -18,6 +19,7 @@ import kvrewrite  # noqa: E402
 import kvrewrite.export  # noqa: E402
 from kvrewrite.export import loader  # noqa: E402
 from kvrewrite.kernels.cache_append import reference_cache_append  # noqa: E402
+from kvrewrite.kernels.chelsea_compress import pinned_ties, reference_chelsea_compress  # noqa: E402
 from kvrewrite.kernels.clustered_attention import reference_clustered_attention  # noqa: E402
 from kvrewrite.kernels.evict_to_budget import reference_evict_to_budget  # noqa: E402
 from tests.families import tiny_model  # noqa: E402
@@ -37,7 +39,7 @@ def _run_function(op: str, inputs: dict, out_like: list, **attrs):
     declared with the dtypes and shapes of `out_like`."""
     from onnx import helper
 
-    from kvrewrite.export.onnx_ops import DOMAIN, FUNCTIONS
+    from kvrewrite.export.onnx_ops import DOMAIN, function_protos
 
     names = list(inputs)
     outs = [f"out{i}" for i in range(len(out_like))]
@@ -45,7 +47,7 @@ def _run_function(op: str, inputs: dict, out_like: list, **attrs):
     vi = [_info(n, v) for n, v in inputs.items()]
     graph = helper.make_graph([node], op, vi, [_info(o, t) for o, t in zip(outs, out_like)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)],
-                              functions=[FUNCTIONS[op].to_function_proto()],
+                              functions=function_protos({op}),
                               ir_version=10)  # onnx 1.23 writes IR 14 by default; onnxruntime 1.30 reads up to 13
     onnx.checker.check_model(model, full_check=True)
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -115,6 +117,35 @@ def test_evict_to_budget_function(B, H, C, D, target, n_sink):
         assert torch.equal(o, ref[name]), f"evict_to_budget: {name} differs\n{o}\n{ref[name]}"
 
 
+@pytest.mark.parametrize("seed,B,H,C,D,target,g_,n_sink,n_recent,chunk,outliers", [
+    (0, 1, 1, 24, 4, 10, 4, 2, 3, 4, []),
+    (1, 2, 3, 40, 8, 12, 6, 2, 4, 8, [1]),      # an outlier head, rows of different lengths (padding)
+    (2, 2, 2, 64, 16, 16, 8, 4, 8, 16, []),
+    (3, 1, 4, 50, 8, 9, 3, 1, 2, 5, [0, 3]),   # odd chunk
+    (4, 2, 2, 30, 8, 6, 2, 0, 0, 2, []),       # no sink/recent, chunk 2: many rounds
+])
+def test_chelsea_compress_function(seed, B, H, C, D, target, g_, n_sink, n_recent, chunk, outliers):
+    g = torch.Generator().manual_seed(seed)
+    threshold = target + g_
+    fill = torch.randint(threshold, C + 1, (B, H), generator=g)
+    if B * H > 1:
+        fill.view(-1)[-1] = threshold - 1  # a row that is not due
+    st = _state(B, H, C, D, fill, g, pad_frac=0.15)
+    st["bias"] = torch.where(torch.isinf(st["bias"]), st["bias"], torch.randint(1, 4, (B, H, C), generator=g).float().log())
+    budget = torch.tensor([target, threshold])
+    r = (0.35, 0.1, 2, 0.1)
+    ref = {k: v.clone() for k, v in st.items()}
+    with pinned_ties():  # exact ties are impossible here; pinned for the record (ONNX TopK: earlier edge first)
+        reference_chelsea_compress(*[ref[k] for k in STATE], budget, n_sink, n_recent, chunk, *r, outliers)
+    assert bool((ref["fill"] < fill).any()), "no row was compressed: the case tests nothing"
+    rates = torch.tensor([r[0], r[1], r[3], 1e-9], dtype=torch.float64)
+    out = _run_function("chelsea_compress", {**st, "budget": budget, "rates": rates}, [ref[k] for k in STATE],
+                        n_sink=n_sink, n_recent=n_recent, chunk=chunk, r_steps=r[2],
+                        outlier_mask=sum(1 << h for h in outliers))
+    for name, o in zip(STATE, out):
+        assert torch.equal(o, ref[name]), f"chelsea_compress: {name} differs by {(o - ref[name]).abs().max()}"
+
+
 def _inputs():
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(3, 128, (2, 24), generator=g)
@@ -127,6 +158,9 @@ CASES = {  # family, method, options: full-attention eviction (llama), sliding-w
     "llama-streamingllm": ("llama", "streamingllm", dict(budget=0.5, n_sink=2, interval=4)),
     "gemma3-streamingllm": ("gemma3", "streamingllm", dict(budget=0.5, n_sink=2, interval=4)),
     "qwen3-full": ("qwen3", "full", {}),
+    # chelsea with an outlier head next to sliding-window layers: compression in prefill and on decode steps
+    "gemma3-chelsea": ("gemma3", "chelsea", dict(budget=0.8, n_sink=2, n_recent=4, chunk=8, interval=4,
+                                                 outlier_heads={2: [1]})),
 }
 
 
@@ -149,8 +183,8 @@ def test_models_check_and_carry_kvrewrite_functions(exported):
         nodes = {n.op_type for n in model.graph.node if n.domain == "kvrewrite"}
         assert {"cache_append", "clustered_attention"} <= nodes, f"{name}: kvrewrite nodes {nodes}"
         assert nodes <= {(f.name) for f in model.functions if f.domain == "kvrewrite"}, "a kvrewrite node has no function"
-        if rw.method.name == "streamingllm" and name != "decode":
-            assert "evict_to_budget" in nodes
+        if rw.method.name != "full" and name != "decode":
+            assert {"streamingllm": "evict_to_budget", "chelsea": "chelsea_compress"}[rw.method.name] in nodes
         other = {n.domain for n in model.graph.node} - {"", "kvrewrite"}
         assert not other, f"{name}: nodes of other domains {other}"
 
@@ -168,11 +202,12 @@ def test_onnxruntime_steps_and_generation_match_pytorch(exported):
     assert torch.equal(out, ref), f"onnxruntime generate\n{out[:, 24:]}\n!= runtime\n{ref[:, 24:]}"
 
 
-def test_chelsea_graphs_with_compression_are_refused_and_decode_exports(tmp_path):
-    model = tiny_model("llama")
-    rw = kvrewrite.apply(model, "chelsea", max_length=40, batch_size=2, prefill_chunk=16, budget=0.5, n_sink=2,
-                         n_recent=4, chunk=8, interval=4)
-    with pytest.raises(NotImplementedError, match=r"chelsea_compress.*graphs without them: \['decode'\]"):
-        kvrewrite.export.onnx(rw, tmp_path / "all")
-    path = kvrewrite.export.onnx(rw, tmp_path / "decode", graphs=("decode",))
-    onnx.checker.check_model(str(path / "decode.onnx"), full_check=True)
+def test_ops_without_a_function_are_named():
+    from torch import fx
+
+    from kvrewrite.export.onnx_export import unsupported_ops
+
+    g = fx.Graph()
+    q, k, b, p, c = (g.placeholder(n) for n in "qkbpc")
+    g.output(g.call_function(torch.ops.kvrewrite.attention_column_stats.default, (q, k, b, p, c, None, 0.25, 0, 4)))
+    assert unsupported_ops(fx.GraphModule(torch.nn.Module(), g)) == ["attention_column_stats"]
