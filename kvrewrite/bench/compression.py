@@ -39,7 +39,10 @@ cache_append: the Triton op against Inductor's compile of the reference scatter 
 mode) and against the reference scatter itself (eager ops, the op's CUDA path before), all replayed as CUDA graphs of one call per layer state (32 states, so the L2 does not hold
 them), at T = 1 (decode) and T = 256 (a prefill chunk), B = 1 and 8; median per call.
 
-Run:  python -m kvrewrite.bench.compression --out compression.json [--plot compression.png]
+(c) The prefill compression (B=1) again with larger prefill chunks (--other-chunks, default 1024, 2048,
+4096), with a kernel profile of a firing call at each.
+
+Run:  python -m kvrewrite.bench.compression --out compression.json [--plot compression.png] [--no-append]
       python -m kvrewrite.bench.compression --only-append --out cache_append.json
 """
 import argparse
@@ -383,15 +386,19 @@ def plot(result: dict, out: str) -> None:
 
     labels, values, colors = [], [], []
     pre = result["prefill"]
-    labels += ["prefill B=1\nvs dense prefill", "prefill B=1\nbandwidth floor\nof the same calls"]
+    labels += [f"prefill B=1\nchunk {result['config']['prefill_chunk']}", "prefill B=1\nbandwidth floor\nof the same calls"]
     values += [100 * pre["ratio"], 100 * pre["floor_ratio"]]
     colors += ["tab:blue", "tab:gray"]
+    for ch, d in result.get("prefill_other_chunks", {}).items():
+        labels.append(f"prefill B=1\nchunk {ch}")
+        values.append(100 * d["ratio"])
+        colors.append("tab:cyan")
     for B, d in result["decode"].items():
         if "ratio" in d:
             labels += [f"decode B={B}\nvs HF step", f"decode B={B}\nvs step floor"]
             values += [100 * d["ratio"], 100 * d["ratio_vs_floor"]]
             colors += ["tab:green", "tab:olive"]
-    fig, ax = plt.subplots(figsize=(9, 4.2))
+    fig, ax = plt.subplots(figsize=(11, 4.2))
     ax.bar(labels, values, color=colors)
     ax.axhline(5, color="tab:red", ls="--", label="target 5%")
     for x, v in enumerate(values):
@@ -415,7 +422,8 @@ def main():
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--batches", default="1,8", help="batch sizes of the decode comparison")
     parser.add_argument("--only-append", action="store_true", help="only the cache_append comparison")
-    parser.add_argument("--other-chunks", default="1024,4096",
+    parser.add_argument("--no-append", action="store_true", help="skip the cache_append comparison")
+    parser.add_argument("--other-chunks", default="1024,2048,4096",
                         help="also time the prefill compression (B=1) with these prefill chunks ('' for none)")
     args = parser.parse_args()
     env = env_info()
@@ -489,12 +497,18 @@ def main():
         ls = LayerStates(1, args.n, args.max_new_tokens, ch, args.layers, Hq, Hkv, D)
         pre = prefill_compression(ls, args.n, ls.graphs())
         pre.update(capacity=ls.capacity, ratio=pre["total_ms"] / dense["ms"])
+        pre["profile_fired_call_layer0"] = prefill_call_profile(ls)
         result["prefill_other_chunks"][str(ch)] = pre
         print(f"prefill chunk {ch}: {pre['calls_fired']} firing calls ({pre['per_fired_call_us']:.0f} us each), total "
               f"{pre['total_ms']:.1f} ms = {100 * pre['ratio']:.2f}% of the dense prefill", flush=True)
         del ls
         torch.cuda.empty_cache()
         save()
+    if args.no_append:
+        save()
+        if args.plot:
+            plot(result, args.plot)
+        return
     result["cache_append"] = []
     for B in (1, 8):
         for T in (1, chunk):

@@ -12,7 +12,7 @@ each program moves 16 columns of keys or of values; step 2, grid rows: bias and 
 row is finished (bias -inf past the kept slots, fill).
 
 chelsea_compress: round 0 (every decode-time call and every prefill-chunk call needs exactly one) runs
-in parallel over the row's chunks and columns, five launches:
+in parallel over the row's chunks and columns, six launches:
   0. prepare   (rows):            due check; padding dropped (packed in place, only rows that have
                                   some); degrees and positions snapshotted to SN, SP; n_merge of round 0;
   1. similarity (rows x chunks):  A slots (even offsets of a chunk) x B slots (odd offsets), cosine in
@@ -21,29 +21,39 @@ in parallel over the row's chunks and columns, five launches:
                                   select of the threshold key (4 passes of a 256-bin histogram), ties at
                                   the threshold to the lowest edges (the reference under pinned_ties());
   3. plan      (rows x chunks):   each star's members in the reference's order, degree sums, largest
-                                  positions, every survivor's destination; bias and slot_pos written;
-  4. merge     (rows x 2*D/16):   each program merges and moves 16 columns of keys or values, chunk by
-                                  chunk, then the recent slots.
-Rows that need more rounds (a prefill far above the target, e.g. prefill_chunk >= prompt) keep round 0's
-centroids in an fp32 scratch (the reference keeps them in fp32 between rounds) and go on in a sixth
-launch, one program per row looping `while L > target` *on the device*: the number of rounds is
-data-dependent but needs no host-side bound and no no-op launches, and each round removes >= 1 slot
-or ends the loop (no edge left), so it terminates. That program runs the same three steps itself,
-chunk by chunk; it is slow (one SM per row) and only serves those rows. `parallel_round0=False` runs
-every round there (a cross-check path in the tests).
+                                  positions, every survivor's destination (the chunk's output offset is
+                                  an exclusive prefix sum of the chunks' merged counts); bias and
+                                  slot_pos written;
+  4. merge     (rows x chunks+1 x 2*D/32): each program merges one chunk's stars in 32 columns of keys
+                                  or values and stores the survivors at their final slots, out of place
+                                  (a staging copy of K/V for rows this round finishes, the fp32 scratch
+                                  for the others); the extra program of each row moves the recent slots;
+  5. copy back (rows x C/32):     the finished rows' slots [n_sink, L - m) from the staging copy.
+Soft-matching edges never leave their chunk, so every chunk's stars are independent and steps 1, 3, 4
+need no order between chunks. Rows that need more rounds (a prefill far above the target, e.g.
+prefill_chunk >= prompt) keep round 0's centroids in the fp32 scratch (the reference keeps them in fp32
+between rounds) and go on in a seventh launch, one program per row looping `while L > target` *on the
+device*: the number of rounds is data-dependent but needs no host-side bound and no no-op launches, and
+each round removes >= 1 slot or ends the loop (no edge left), so it terminates. That program runs the
+same steps itself, chunk by chunk; it is slow (one SM per row) and only serves those rows.
+`parallel_round0=False` runs every round there (a cross-check path in the tests).
 
-In-place moves do not race: survivors only move left (destination slot <= source slot), a program
-owns its columns (or, in the per-row kernel and the padding/bias moves, its whole row) and walks its
-tiles / chunks in increasing slot order with a CTA barrier between a tile's loads and its stores. A
-store never hits a slot a later load still needs (later tiles read slots >= their own start > every
-earlier destination), and inside a tile every thread has loaded (star members included) before any
-thread stores. Steps 3 and 4 read degrees and positions from the SN/SP snapshot while step 3 rewrites
-bias and slot_pos, and step 4 reads no bias at all.
+No races: in round 0, steps 3 and 4 read degrees and positions from the SN/SP snapshot while step 3
+rewrites bias and slot_pos, step 4 reads no bias, and step 4 reads the state's K/V but writes only the
+staging copy or the scratch (an in-place compaction across chunk programs would race: a chunk's
+destinations overlap the previous chunk's sources); every output slot has exactly one writer, so the
+result is deterministic. In-place moves elsewhere (the per-row kernel, the padding/bias moves, evict)
+do not race either: survivors only move left (destination slot <= source slot), a program owns its
+columns (or its whole row) and walks its tiles / chunks in increasing slot order with a CTA barrier
+between a tile's loads and its stores. A store never hits a slot a later load still needs (later tiles
+read slots >= their own start > every earlier destination), and inside a tile every thread has loaded
+(star members included) before any thread stores.
 
 Memory per call (transient, besides the state): SN, SP (12 bytes per slot), edge and plan buffers
-(~26 bytes per A slot), and the fp32 scratch for multi-round rows: keys + values [B*Hkv, CW, D] fp32
-plus degrees and positions [B*Hkv, CW] (CW = C minus the fewest slots a non-final round 0 removes,
-~0.65 C with Llama-3's schedule; scratch_slots()).
+(~26 bytes per A slot), the staging copy of keys and values (the state's K/V size), and the fp32
+scratch for multi-round rows: keys + values [B*Hkv, CW, D] fp32 plus degrees and positions
+[B*Hkv, CW] (CW = C minus the fewest slots a non-final round 0 removes, ~0.65 C with Llama-3's
+schedule; scratch_slots()).
 
 Numerics (bit-for-bit decisions where the inputs allow it): similarities are fp32 (16-bit keys: one
 tensor-core dot of the raw keys, exact products with fp32 accumulation, scaled by the reciprocal norms;
@@ -72,7 +82,9 @@ _INTERPRET = None if triton is None else tl.constexpr(os.environ.get("TRITON_INT
 
 MAX_CHUNK = 512  # chunk sizes above this run the reference (a chunk's A x B tile lives in registers)
 MAX_HEAD_DIM = 256
-COLUMNS = 16  # head-dim columns per program of the column-parallel steps (K/V moves)
+COLUMNS = 16  # head-dim columns per program of evict's column-parallel step
+MERGE_COLUMNS = 32  # head-dim columns per program of chelsea's round-0 merge (a power of two >= 16)
+SELECT_BLOCK = 2048  # edges per block of chelsea's round-0 selection (its histogram passes)
 
 
 def _triton_jit(**options):
@@ -809,83 +821,106 @@ def _chelsea_plan_kernel(BIAS, POS, FILL, STATUS, SN, SP, WN, WP, EBEST, EDST, E
 
 
 @_triton_jit()
-def _merge_columns(X, WX, SNr, LIr, CNr, FIr, NTr, DAr, DBr, to_state, L, M, m, n_sink, D, offs_d, dmask,
-                   CHUNK: tl.constexpr, S: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Round 0, step 4 for one row and some columns of keys or values: stars merged in the reference's
-    order, survivors (and then the recent slots) moved to their destinations, chunk by chunk in slot
-    order, in place (state) or to the fp32 scratch."""
+def _merge_chunk(X, OUT, SNr, LIr, CNr, FIr, NTr, DAr, DBr, c, n_sink, D, offs_d, dmask,
+                 CHUNK: tl.constexpr, S: tl.constexpr):
+    """Round 0, step 4 for one chunk of one row and some columns of keys or values: the chunk's stars
+    merged in the reference's order (n_b x_b, then the members in ranking order, then / n; other
+    survivors (x n) / n), stored at their final slots in OUT (the staging copy or the fp32 scratch)."""
     ia = tl.arange(0, S)
-    if not to_state:
-        for t0 in range(0, n_sink, BLOCK_S):
-            t = t0 + tl.arange(0, BLOCK_S)
-            m2 = (t < n_sink)[:, None] & dmask[None, :]
-            xx = tl.load(X + t[:, None] * D + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
-            tl.store(WX + t[:, None] * D + offs_d[None, :], xx, mask=m2)
-    for c in range(0, tl.cdiv(M, CHUNK)):
-        c_start = n_sink + c * CHUNK
-        sa = c_start + 2 * ia
-        da = tl.load(DAr + c * S + ia)
-        db = tl.load(DBr + c * S + ia)
-        cnt = tl.load(CNr + c * S + ia)
-        first = tl.load(FIr + c * S + ia)
-        n_tot = tl.load(NTr + c * S + ia)
-        keep_a = da >= 0
-        vb = db >= 0
-        n_a = tl.load(SNr + sa, mask=keep_a, other=1.0)
-        n_b = tl.load(SNr + sa + 1, mask=vb, other=1.0)
-        ma = keep_a[:, None] & dmask[None, :]
-        mb = vb[:, None] & dmask[None, :]
-        xa = tl.load(X + sa[:, None] * D + offs_d[None, :], mask=ma, other=0.0).to(tl.float32)
-        acc = tl.load(X + (sa + 1)[:, None] * D + offs_d[None, :], mask=mb, other=0.0).to(tl.float32) * n_b[:, None]
-        for k in range(0, tl.max(cnt, axis=0)):
-            has = cnt > k
-            src = c_start + 2 * tl.load(LIr + c * S + first + k, mask=has, other=0)
-            xk = tl.load(X + src[:, None] * D + offs_d[None, :], mask=has[:, None] & dmask[None, :],
-                         other=0.0).to(tl.float32)
-            acc = tl.where(has[:, None], acc + xk * tl.load(SNr + src, mask=has, other=0.0)[:, None], acc)
-        out_b = tl.div_rn(acc, n_tot[:, None])
-        out_a = tl.div_rn(xa * n_a[:, None], n_a[:, None])
-        tl.debug_barrier()  # the chunk's slots and star members are loaded before anything is stored
-        if to_state:
-            tl.store(X + da[:, None] * D + offs_d[None, :], out_a.to(X.dtype.element_ty), mask=ma)
-            tl.store(X + db[:, None] * D + offs_d[None, :], out_b.to(X.dtype.element_ty), mask=mb)
-        else:
-            tl.store(WX + da[:, None] * D + offs_d[None, :], out_a, mask=ma)
-            tl.store(WX + db[:, None] * D + offs_d[None, :], out_b, mask=mb)
-    # the recent slots, m slots to the left (in place: tiles in order, loads before stores)
-    for t0 in range(0, L - n_sink - M, BLOCK_S):
+    c_start = n_sink + c * CHUNK
+    sa = c_start + 2 * ia
+    da = tl.load(DAr + c * S + ia)
+    db = tl.load(DBr + c * S + ia)
+    cnt = tl.load(CNr + c * S + ia)
+    first = tl.load(FIr + c * S + ia)
+    n_tot = tl.load(NTr + c * S + ia)
+    keep_a = da >= 0
+    vb = db >= 0
+    n_a = tl.load(SNr + sa, mask=keep_a, other=1.0)
+    n_b = tl.load(SNr + sa + 1, mask=vb, other=1.0)
+    ma = keep_a[:, None] & dmask[None, :]
+    mb = vb[:, None] & dmask[None, :]
+    xa = tl.load(X + sa[:, None] * D + offs_d[None, :], mask=ma, other=0.0).to(tl.float32)
+    acc = tl.load(X + (sa + 1)[:, None] * D + offs_d[None, :], mask=mb, other=0.0).to(tl.float32) * n_b[:, None]
+    for k in range(0, tl.max(cnt, axis=0)):
+        has = cnt > k
+        src = c_start + 2 * tl.load(LIr + c * S + first + k, mask=has, other=0)
+        xk = tl.load(X + src[:, None] * D + offs_d[None, :], mask=has[:, None] & dmask[None, :],
+                     other=0.0).to(tl.float32)
+        acc = tl.where(has[:, None], acc + xk * tl.load(SNr + src, mask=has, other=0.0)[:, None], acc)
+    out_b = tl.div_rn(acc, n_tot[:, None])
+    out_a = tl.div_rn(xa * n_a[:, None], n_a[:, None])
+    tl.store(OUT + da[:, None] * D + offs_d[None, :], out_a.to(OUT.dtype.element_ty), mask=ma)
+    tl.store(OUT + db[:, None] * D + offs_d[None, :], out_b.to(OUT.dtype.element_ty), mask=mb)
+
+
+@_triton_jit()
+def _move_slots(X, OUT, src0, dst0, count, D, offs_d, dmask, BLOCK_S: tl.constexpr):
+    """OUT[dst0 + t] = X[src0 + t] for t < count (some columns), cast to OUT's dtype; out of place."""
+    for t0 in range(0, count, BLOCK_S):
         t = t0 + tl.arange(0, BLOCK_S)
-        m2 = (t < L - n_sink - M)[:, None] & dmask[None, :]
-        xx = tl.load(X + (n_sink + M + t)[:, None] * D + offs_d[None, :], mask=m2, other=0.0)
-        tl.debug_barrier()
-        if to_state:
-            tl.store(X + (n_sink + M - m + t)[:, None] * D + offs_d[None, :], xx, mask=m2)
-        else:
-            tl.store(WX + (n_sink + M - m + t)[:, None] * D + offs_d[None, :], xx.to(tl.float32), mask=m2)
+        m2 = (t < count)[:, None] & dmask[None, :]
+        xx = tl.load(X + (src0 + t)[:, None] * D + offs_d[None, :], mask=m2, other=0.0)
+        tl.store(OUT + (dst0 + t)[:, None] * D + offs_d[None, :], xx.to(OUT.dtype.element_ty), mask=m2)
 
 
-@_triton_jit(do_not_specialize=["C", "CW", "EMAX", "n_sink", "n_recent"])
-def _chelsea_merge_kernel(K, V, WK, WV, SN, STATUS, LIST, CNT, FIRST, NTOT, DA, DB, C, CW, D, EMAX, n_sink, n_recent,
-                          CHUNK: tl.constexpr, S: tl.constexpr, DS: tl.constexpr, NSLICE: tl.constexpr,
-                          BLOCK_S: tl.constexpr):
-    """Round 0, step 4 (grid: rows x 2 * NSLICE): program (row, p) merges and moves columns
-    [DS * (p % NSLICE), +DS) of keys (p < NSLICE) or values. Programs own disjoint columns: no races."""
+@_triton_jit(do_not_specialize=["C", "CW", "EMAX", "NCH", "n_sink", "n_recent"])
+def _chelsea_merge_kernel(K, V, XK, XV, WK, WV, SN, STATUS, LIST, CNT, FIRST, NTOT, DA, DB, C, CW, D, EMAX, NCH,
+                          n_sink, n_recent, CHUNK: tl.constexpr, S: tl.constexpr, DS: tl.constexpr,
+                          NSLICE: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Round 0, step 4 (grid: rows x (NCH + 1) x 2 * NSLICE): program (row, c, p) merges chunk c's stars
+    (c < NCH; the last program of dim 1 moves the recent slots, and the sinks of scratch rows) in columns
+    [DS * (p % NSLICE), +DS) of keys (p < NSLICE) or values. Out of place, so the (row, chunk) programs
+    run in parallel without races: rows the round finishes go to the staging copy XK, XV [rows, C, D]
+    (state dtype; step 5 copies it back), the others to the fp32 scratch WK, WV. The state's K/V are
+    only read; each output slot has one writer (deterministic)."""
     row = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1)
-    if tl.load(STATUS + row * 4) != 0:
-        L = tl.load(STATUS + row * 4 + 1)
+    c = tl.program_id(1)
+    p = tl.program_id(2)
+    L = tl.load(STATUS + row * 4 + 1)
+    M = L - n_sink - n_recent
+    if (tl.load(STATUS + row * 4) != 0) & ((c * CHUNK < M) | (c == NCH)):
         m = tl.load(STATUS + row * 4 + 2)
         to_state = tl.load(STATUS + row * 4 + 3) != 0
-        M = L - n_sink - n_recent
         offs_d = (p % NSLICE) * DS + tl.arange(0, DS)
         dmask = offs_d < D
         E = row * EMAX
         if p < NSLICE:
-            _merge_columns(K + row * C * D, WK + row * CW * D, SN + row * C, LIST + E, CNT + E, FIRST + E, NTOT + E,
-                           DA + E, DB + E, to_state, L, M, m, n_sink, D, offs_d, dmask, CHUNK, S, BLOCK_S)
+            X = K + row * C * D
+            XS = XK + row * C * D
+            W = WK + row * CW * D
         else:
-            _merge_columns(V + row * C * D, WV + row * CW * D, SN + row * C, LIST + E, CNT + E, FIRST + E, NTOT + E,
-                           DA + E, DB + E, to_state, L, M, m, n_sink, D, offs_d, dmask, CHUNK, S, BLOCK_S)
+            X = V + row * C * D
+            XS = XV + row * C * D
+            W = WV + row * CW * D
+        if c < NCH:  # (a call per target: the staging copy and the scratch differ in element type)
+            if to_state:
+                _merge_chunk(X, XS, SN + row * C, LIST + E, CNT + E, FIRST + E, NTOT + E, DA + E, DB + E, c, n_sink,
+                             D, offs_d, dmask, CHUNK, S)
+            else:
+                _merge_chunk(X, W, SN + row * C, LIST + E, CNT + E, FIRST + E, NTOT + E, DA + E, DB + E, c, n_sink,
+                             D, offs_d, dmask, CHUNK, S)
+        else:  # the recent slots, m slots to the left; scratch rows also get the sinks
+            if to_state:
+                _move_slots(X, XS, n_sink + M, n_sink + M - m, L - n_sink - M, D, offs_d, dmask, BLOCK_S)
+            else:
+                _move_slots(X, W, n_sink + M, n_sink + M - m, L - n_sink - M, D, offs_d, dmask, BLOCK_S)
+                _move_slots(X, W, 0, 0, n_sink, D, offs_d, dmask, BLOCK_S)
+
+
+@_triton_jit(do_not_specialize=["C", "n_sink"])
+def _chelsea_writeback_kernel(K, V, XK, XV, STATUS, C, D, n_sink, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Round 0, step 5 (grid: rows x cdiv(C, BLOCK_T)): rows the round finished get their merged and
+    compacted slots [n_sink, L - m) back from the staging copy (the sinks never move)."""
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    if (tl.load(STATUS + row * 4) != 0) & (tl.load(STATUS + row * 4 + 3) != 0):
+        end = tl.load(STATUS + row * 4 + 1) - tl.load(STATUS + row * 4 + 2)
+        offs_d = tl.arange(0, BLOCK_D)
+        m2 = ((t >= n_sink) & (t < end))[:, None] & (offs_d < D)[None, :]
+        at = row * C * D + t[:, None] * D + offs_d[None, :]
+        tl.store(K + at, tl.load(XK + at, mask=m2), mask=m2)
+        tl.store(V + at, tl.load(XV + at, mask=m2), mask=m2)
 
 
 # -- launchers ---------------------------------------------------------------------------------------
@@ -947,10 +982,13 @@ def scratch_slots(C: int, n_sink: int, n_recent: int, r_init: float, r_min: floa
 
 def triton_chelsea_compress(keys, values, bias, slot_pos, fill, budget, n_sink: int, n_recent: int, chunk: int,
                             r_init: float, r_alpha: float, r_steps: int, r_min: float, outlier_heads,
-                            parallel_round0: bool = True, edge_block: int = 2048, sim_block: int = 32) -> None:
+                            parallel_round0: bool = True, edge_block: int = 2048, sim_block: int = 32,
+                            merge_columns: int | None = None, select_block: int | None = None) -> None:
     """Launch the kernels (see the module docstring). parallel_round0=False runs every round in the
-    one-program-per-row kernel (the slow path, kept as a cross-check). edge_block: edges per block of the
-    selection; sim_block: A (and B) slots per similarity tile of that kernel."""
+    one-program-per-row kernel (the slow path, kept as a cross-check). edge_block: edges per block of that
+    kernel's selection; sim_block: A (and B) slots per similarity tile of that kernel; merge_columns,
+    select_block: the round-0 merge's columns per program and selection's edges per block (defaults
+    MERGE_COLUMNS, SELECT_BLOCK)."""
     if triton is None:
         raise NotImplementedError("triton_chelsea_compress needs Triton (pip install triton)")
     B, H, C, D = _check_state("triton_chelsea_compress", keys, values, bias, slot_pos, fill, budget)
@@ -960,6 +998,8 @@ def triton_chelsea_compress(keys, values, bias, slot_pos, fill, budget, n_sink: 
     R = B * H
     if R == 0 or C == 0:
         return
+    merge_columns = MERGE_COLUMNS if merge_columns is None else merge_columns
+    select_block = SELECT_BLOCK if select_block is None else select_block
     dev = keys.device
     S = max(16, triton.next_power_of_2((chunk + 1) // 2))  # A (and B) slots of a chunk, padded
     n_chunks = max(1, triton.cdiv(max(C - n_sink - n_recent, 1), chunk))
@@ -999,15 +1039,20 @@ def triton_chelsea_compress(keys, values, bias, slot_pos, fill, budget, n_sink: 
                                                   enable_fp_fusion=False)
         ccount = torch.empty(R, n_chunks, dtype=i32, device=dev)
         _chelsea_select_kernel[(R,)](bias, fill, budget, status, ebest, esel, ccount, C, EMAX, n_chunks, n_sink,
-                                     n_recent, CHUNK=chunk, S=S, EB=max(edge_block, S), BLOCK_1D=1024, num_warps=8)
+                                     n_recent, CHUNK=chunk, S=S, EB=max(select_block, S), BLOCK_1D=1024, num_warps=8)
         _chelsea_plan_kernel[(R, n_chunks)](bias, slot_pos, fill, status, sn, sp, wn, wp, ebest, edst, esel, ccount,
                                             lst, cnt, first, ntot, da, db, C, CW, EMAX, n_chunks, n_sink, n_recent,
                                             CHUNK=chunk, S=S, SA=min(S, 32), NCB=triton.next_power_of_2(n_chunks),
                                             BLOCK_1D=256, num_warps=4, enable_fp_fusion=False)
-        nslice = triton.cdiv(D, COLUMNS)
-        _chelsea_merge_kernel[(R, 2 * nslice)](keys, values, wk, wv, sn, status, lst, cnt, first, ntot, da, db, C, CW,
-                                               D, EMAX, n_sink, n_recent, CHUNK=chunk, S=S, DS=COLUMNS, NSLICE=nslice,
-                                               BLOCK_S=256, num_warps=4, enable_fp_fusion=False)
+        nslice = triton.cdiv(D, merge_columns)
+        xk = torch.empty_like(keys)  # staging copy of the rows round 0 finishes (step 5 copies it back)
+        xv = torch.empty_like(values)
+        _chelsea_merge_kernel[(R, n_chunks + 1, 2 * nslice)](
+            keys, values, xk, xv, wk, wv, sn, status, lst, cnt, first, ntot, da, db, C, CW, D, EMAX, n_chunks, n_sink,
+            n_recent, CHUNK=chunk, S=S, DS=merge_columns, NSLICE=nslice, BLOCK_S=64, num_warps=4,
+            enable_fp_fusion=False)
+        _chelsea_writeback_kernel[(R, triton.cdiv(C, 32))](keys, values, xk, xv, status, C, D, n_sink, BLOCK_T=32,
+                                                           BLOCK_D=block_d, num_warps=4)
     _chelsea_rows_kernel[(R,)](
         keys, values, bias, slot_pos, fill, budget, head_on, wk, wv, wn, wp, ebest, edst, esel, lst, first, status,
         H, C, CW, D, EMAX, n_sink, n_recent, bits["r_init"], bits["r_alpha"], bits["r_min"], bits["eps"], r_steps,

@@ -275,6 +275,37 @@ def test_chelsea_matches_reference(case):
                 skip_heads=outliers)
 
 
+# Round 0 runs in parallel over (row, chunk) and writes out of place: many chunks per row, B > 1, ragged
+# fills (rows below the threshold and outlier heads must come back untouched), and "one_round" budgets
+# whose first round lands on the target after removing up to 0.3 M slots (a prefill chunk's call).
+PARALLEL_CASES = [
+    (2, 4, 2000, 128, "bf16", 64, 16, 64, "decode"),
+    (2, 4, 2000, 128, "bf16", 64, 16, 64, "one_round"),
+    (1, 8, 1500, 64, "fp16", 256, 16, 64, "one_round"),
+    (3, 2, 700, 128, "fp32", 32, 4, 8, "one_round"),
+    (2, 2, 600, 128, "bf16", 16, 2, 3, "one_round"),
+]
+
+
+@pytest.mark.parametrize("case", PARALLEL_CASES,
+                         ids=lambda c: f"B{c[0]}-Hkv{c[1]}-C{c[2]}-D{c[3]}-{c[4]}-chunk{c[5]}-{c[8]}")
+def test_parallel_round0_many_chunks(case):
+    B, H, C, D, dt, chunk, n_sink, n_recent, kind = case
+    for seed in range(2):
+        g = torch.Generator().manual_seed(3000 + seed)
+        if kind == "one_round":
+            target = C - int(0.3 * (C - n_sink - n_recent)) + int(torch.randint(0, 8, (1,), generator=g))
+            threshold = min(C, target + int(torch.randint(1, chunk + 1, (1,), generator=g)))
+        else:
+            target, threshold = _chelsea_budget(kind, C, n_sink + n_recent, g)
+        fills = fills_grid(B, H, C, target, threshold, g)
+        outliers = [H - 1] if seed == 1 else []
+        s = make_state(B, H, C, D, DTYPES[dt], fills, target, threshold, pads=[0, 7, 0][:B], seed=seed, keys="exact")
+        got, want = run_both(chelsea_args(n_sink, n_recent, chunk, outliers), s)
+        compare(got, want, s, DTYPES[dt], f"parallel {case} seed {seed} target {target} threshold {threshold}",
+                skip_heads=outliers)
+
+
 def test_gaussian_keys():
     """Generic keys: a similarity near-tie may rank differently on the two sides (see the module
     docstring), so every due row must keep the invariants and most rows must match the reference."""
