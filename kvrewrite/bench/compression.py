@@ -386,7 +386,8 @@ def plot(result: dict, out: str) -> None:
 
     labels, values, colors = [], [], []
     pre = result["prefill"]
-    labels += [f"prefill B=1\nchunk {result['config']['prefill_chunk']}", "prefill B=1\nbandwidth floor\nof the same calls"]
+    labels += [f"prefill B=1\nchunk {result['config']['prefill_chunk']}",
+               "prefill B=1\nbandwidth floor\nof the same calls"]
     values += [100 * pre["ratio"], 100 * pre["floor_ratio"]]
     colors += ["tab:blue", "tab:gray"]
     for ch, d in result.get("prefill_other_chunks", {}).items():
