@@ -25,7 +25,8 @@ from kvrewrite.export.functional import all_args, outlier_mask
 torch.library.define(
     "kvrewrite_export::chelsea_compress_masked",
     "(Tensor(a0!) keys, Tensor(a1!) values, Tensor(a2!) bias, Tensor(a3!) slot_pos, Tensor(a4!) fill, Tensor budget, "
-    "int n_sink, int n_recent, int chunk, float r_init, float r_alpha, int r_steps, float r_min, int outlier_mask) -> ()",
+    "int n_sink, int n_recent, int chunk, float r_init, float r_alpha, int r_steps, float r_min, "
+    "int outlier_mask) -> ()",
 )
 
 

@@ -38,7 +38,8 @@ def _require():
 
 def unsupported_ops(gm) -> list:
     """Names of the kvrewrite ops in `gm` that have no ONNX function."""
-    return sorted({UNSUPPORTED[n.target] for n in gm.graph.nodes if n.op == "call_function" and n.target in UNSUPPORTED})
+    calls = (n for n in gm.graph.nodes if n.op == "call_function")
+    return sorted({UNSUPPORTED[n.target] for n in calls if n.target in UNSUPPORTED})
 
 
 def symbolic_graph(gm):

@@ -46,7 +46,8 @@ def test_files_and_metadata(chelsea):
                                                             "chunk": 8, "r_init": 0.35, "r_alpha": 0.1, "r_steps": 2,
                                                             "r_min": 0.1, "outlier_heads": {}}}
     assert meta["versions"]["torch"] == torch.__version__
-    ops = {str(n.target) for n in torch.export.load(path / "decode_compress.pt2").graph.nodes if n.op == "call_function"}
+    graph = torch.export.load(path / "decode_compress.pt2").graph
+    ops = {str(n.target) for n in graph.nodes if n.op == "call_function"}
     assert {"kvrewrite.cache_append.default", "kvrewrite.clustered_attention.default",
             "kvrewrite.chelsea_compress.default"} <= ops
 
