@@ -2,13 +2,13 @@
 
 Each graph is torch.export-ed (kvrewrite.export.pt2) and compiled by
 `torch._inductor.aoti_compile_and_package` for the device the model is on: C++ on CPU, and on CUDA
-generated Triton kernels plus kvrewrite::clustered_attention's own Triton kernel (a triton_op, so
-Inductor compiles it into the package). The in-place state updates are applied to the caller's
-tensors, as in the runtime. `kvrewrite.export.loader.load(path)` runs generation from the directory.
+generated Triton kernels plus the own Triton kernels of kvrewrite::clustered_attention and
+kvrewrite::cache_append (triton_ops, so Inductor compiles them into the package). The in-place state
+updates are applied to the caller's tensors, as in the runtime. `kvrewrite.export.loader.load(path)`
+runs generation from the directory.
 
-What is not compiled into the package: ops that are plain custom ops (cache_append while it has no
-triton_op, evict_to_budget, chelsea_compress, and clustered_attention's CPU path) run through
-AOTInductor's proxy executor, which calls the registered op, i.e. the kvrewrite Python
+What is not compiled into the package: ops that are plain custom ops (evict_to_budget,
+chelsea_compress, and clustered_attention's CPU path) run through AOTInductor's proxy executor, which calls the registered op, i.e. the kvrewrite Python
 implementation (on CUDA its Triton compression kernels). So a package runs in a Python process
 that has done `import kvrewrite`; it is not a C++-only artifact.
 
