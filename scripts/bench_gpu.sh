@@ -4,7 +4,7 @@
 #   scripts/bench_gpu.sh [OUTDIR] [PHASES]     (PHASES: any of a b c, default "a b c")
 # a: batch 1, 16k/32k/64k, HF eager + kvrewrite methods (real prefill), hf-compiled at 32k
 # b: 32k, batch 16 and the largest batch that fits per system, every system (synthetic state)
-# c: 32k batch 1 and 16, kvrewrite decode through rw.compile(mode="reduce-overhead") (Inductor)
+# c: 32k batch 1 and 16 (CB=1: batch 1 only), kvrewrite decode through rw.compile(mode="reduce-overhead") (Inductor)
 set -o pipefail
 OUT=${1:-out/bench}
 PHASES=${2:-a b c}
@@ -18,7 +18,7 @@ for p in $PHASES; do
          --out "$OUT/e2e_b1.json" --plot /tmp/e2e_a.png 2>&1 | tee -a "$OUT/log.txt" ;;
     b) timeout ${TB:-240} $B --contexts 32768 --batches 16,max --no-prefill \
          --out "$OUT/e2e_batch.json" --plot /tmp/e2e_b.png 2>&1 | tee -a "$OUT/log.txt" ;;
-    c) timeout ${TC:-400} $B --systems chelsea,full --contexts 32768 --batches 1,16 --no-prefill \
+    c) timeout ${TC:-400} $B --systems chelsea,full --contexts 32768 --batches ${CB:-1,16} --no-prefill \
          --kv-compile inductor --out "$OUT/e2e_inductor.json" --plot /tmp/e2e_c.png 2>&1 | tee -a "$OUT/log.txt" ;;
   esac
 done

@@ -8,7 +8,9 @@ from pathlib import Path
 
 
 def _ok(rows):
-    return [r for r in rows if "ms_per_token" in r]
+    """Measured rows, each labelled with its system (kvrewrite rows decoded through Inductor get a suffix)."""
+    return [dict(r, system=r["system"] + (" (inductor)" if r.get("kv_compile") == "inductor" else ""))
+            for r in rows if "ms_per_token" in r]
 
 
 def plot_e2e(doc: dict, out) -> None:
@@ -35,7 +37,7 @@ def plot_e2e(doc: dict, out) -> None:
             if len(sel) > 1 or (sel and sel[0]["batch"] > 1):
                 ax_b.plot([r["batch"] for r in sel], [r["tok_per_s"] for r in sel], markers[i % 5] + "-",
                           label=f"{s} n={n // 1024}k")
-    ax_t.set(xscale="log", xlabel="context n (tokens)", ylabel="ms per output token (B=1)",
+    ax_t.set(xscale="log", yscale="log", xlabel="context n (tokens)", ylabel="ms per output token (B=1)",
              title="decode time per token (dotted: roofline floor)")
     ax_b.set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens/s", title="throughput vs batch")
     ax_m.set(xscale="log", xlabel="context n (tokens)", ylabel="peak GPU memory (GiB)", title="memory")
@@ -49,13 +51,41 @@ def plot_e2e(doc: dict, out) -> None:
     fig.savefig(out, dpi=110)
 
 
+def markdown_table(doc: dict) -> str:
+    """One markdown row per bench row (skipped and failed rows say why)."""
+    head = ("| system | n | B | ms/token | tok/s | prefill s (x dense) | peak GiB | KV GiB | floor ms | x floor | "
+            "plain / compress step ms | decode |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in doc["rows"]:
+        cells = [r["system"] + (" (inductor)" if r.get("kv_compile") == "inductor" else ""),
+                 f"{r['context'] // 1024}k", str(r["batch"])]
+        if "ms_per_token" not in r:
+            lines.append("| " + " | ".join(cells + [r.get("skipped") or r.get("error", "?")] + [""] * 8) + " |")
+            continue
+        pre = f"{r['prefill_s']:.2f}" if "prefill_s" in r else "-"
+        if "prefill_vs_dense" in r:
+            pre += f" ({r['prefill_vs_dense']:.2f}x)"
+        comp = "-" if r["ms_compress_step_mean"] != r["ms_compress_step_mean"] else f"{r['ms_compress_step_mean']:.1f}"
+        decode = r.get("kv_compile", "compiled" if r["system"] == "hf-compiled" else "eager")
+        cells += [f"{r['ms_per_token']:.2f}", f"{r['tok_per_s']:.0f}", pre, f"{r.get('peak_gib', float('nan')):.1f}",
+                  f"{r['kv_bytes'] / 2**30:.2f}", f"{r['floor_ms']:.2f}", f"{r['ratio_to_floor']:.2f}",
+                  f"{r['ms_plain_step_median']:.2f} / {comp}", decode]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", type=Path)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--markdown", action="store_true", help="print the rows as a markdown table, draw nothing")
     args = parser.parse_args()
+    doc = json.loads(args.json.read_text())
+    if args.markdown:
+        print(markdown_table(doc))
+        return
     out = args.out or args.json.with_suffix(".png")
-    plot_e2e(json.loads(args.json.read_text()), out)
+    plot_e2e(doc, out)
     print(f"wrote {out}")
 
 
