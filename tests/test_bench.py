@@ -79,6 +79,10 @@ def test_tiny_cpu_run_writes_the_json(tmp_path):
     assert rows[("streamingllm", 2)]["fill_after_prefill"] == 177
     assert rows[("hf-eager", 1)]["kv_bytes"] == 2 * 2 * 2 * 16 * 4 * (256 + 98)  # layers x K,V x Hkv x D x fp32 x L
     assert (tmp_path / "e2e.png").stat().st_size > 0
+    from kvrewrite.bench.plot_e2e import markdown_table
+
+    table = markdown_table(doc).splitlines()
+    assert len(table) == 2 + len(doc["rows"]) and all(line.count("|") == table[0].count("|") for line in table)
 
 
 def test_synthetic_fill_matches_a_real_prefill():

@@ -65,9 +65,9 @@ def main():
         for m in args.methods:
             opts = {} if m == "full" else {"budget": args.budget}
             rw = kvrewrite.apply(model, m, max_length=n + 320, prefill_chunk=args.prefill_chunk, **opts)
-            profile(lambda: rw.prefill(ids, max_new_tokens=320), f"kvrewrite {m} prefill n={n} chunk "
+            profile(lambda rw=rw: rw.prefill(ids, max_new_tokens=320), f"kvrewrite {m} prefill n={n} chunk "
                     f"{args.prefill_chunk}", args.top)
-            del rw
+            rw = None  # free the state before the next method
             torch.cuda.empty_cache()
 
 
