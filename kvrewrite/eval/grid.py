@@ -276,9 +276,11 @@ class Grid:
         self.files = {t.name: self._header(t) for t in tasks}
         for name, (old, _) in previous.items():
             if old is not None:
-                self.files[name]["resumed_from"] = {"started": old["started"], "finished": old.get("finished"),
-                                                    "git_sha": old["versions"].get("git_sha"),
-                                                    "git_dirty": old["versions"].get("git_dirty")}
+                earlier = old.get("resumed_from", [])  # the runs that file itself resumed from
+                self.files[name]["resumed_from"] = [*(earlier if isinstance(earlier, list) else [earlier]),
+                                                    {"started": old["started"], "finished": old.get("finished"),
+                                                     "git_sha": old["versions"].get("git_sha"),
+                                                     "git_dirty": old["versions"].get("git_dirty")}]
 
         # by prompt (shortest first): one full prefill, then every task that uses that prompt
         order = sorted(((ctx, task) for task in tasks for ctx in contexts[task.name]),
