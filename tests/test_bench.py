@@ -100,3 +100,18 @@ def test_synthetic_fill_matches_a_real_prefill():
         assert torch.equal(real.layer_state(i)["fill"], fake.layer_state(i)["fill"])
     assert torch.equal(real._next_position, fake._next_position)
     assert torch.equal(real._next_cache_position, fake._next_cache_position)
+
+
+def test_attention_bench_bytes_model():
+    """kvrewrite.bench.attention counts what the op reads: decode graphs pass past_only=True, so no positions
+    (4 B of bias per slot over SDPA's bytes), and 12 B (bias + int64 position) without it."""
+    import dataclasses
+
+    from kvrewrite.bench.attention import Config
+
+    c = Config(B=8, C=1024)
+    slots = 8 * 8 * 1024
+    assert c.past_only
+    assert c.sdpa_bytes == 2 * slots * 128 * 2 + 2 * 8 * 32 * 1 * 128 * 2  # K, V; q and the output
+    assert c.bytes_moved - c.sdpa_bytes == 4 * slots
+    assert dataclasses.replace(c, past_only=False).bytes_moved - c.sdpa_bytes == 12 * slots

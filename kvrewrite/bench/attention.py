@@ -2,7 +2,11 @@
 
 Llama-3.1-8B layout (Hq 32, Hkv 8, D 128, bf16), one query per sequence (T = 1), B = 1 and 8, C = 4k..128k
 slots, every slot in use (bias 0, all visible): the dense data SDPA gets, so both compute the same function
-(their outputs are compared) and SDPA's time is a floor for an attention that also reads bias and positions.
+(their outputs are compared) and SDPA's time is a floor for an attention that also reads the bias.
+
+The op is called as a rewritten decode graph calls it: past_only=True (no slot after the query, window 0),
+so the kernel does not read slot_pos. The same run also times past_only=False (positions read and
+tested), what a prefill chunk's attention or an op without the promise pays (triton_all_pos_us).
 
 Timing (triton.testing.do_bench, median): each variant runs N times inside one CUDA graph, over N input
 sets rotated so that the data read per replay is >= 4x the L2 (a single small set would be timed from the
@@ -10,8 +14,9 @@ L2), and the replay time is divided by N. Launch overhead is thus left out, as i
 step; the eager op call (Python dispatch and launch included, one input set) is reported apart.
 
 Bytes the op must move, each once: K + V (2 * B * Hkv * C * D * 2) + bias (4 * B * Hkv * C) + slot_pos
-(8 * B * Hkv * C) + q and the output (2 * B * Hq * T * D * 2); GB/s = that / time. Copy bandwidth: a 1 GiB
-device-to-device copy, counting bytes read plus written, the ceiling the target is stated against.
+(8 * B * Hkv * C, only without past_only) + q and the output (2 * B * Hq * T * D * 2); GB/s = that / time.
+Copy bandwidth: a 1 GiB device-to-device copy, counting bytes read plus written, the ceiling the target is
+stated against.
 
 SDPA: F.scaled_dot_product_attention(q, k, v, enable_gqa=True) (GQA without repeat_kv), under each backend
 that accepts it (flash, efficient, cudnn) and under PyTorch's own choice; the fastest is the baseline.
@@ -48,19 +53,26 @@ class Config:
     D: int = 128
     T: int = 1
     dtype: str = "bf16"
+    past_only: bool = True  # as decode graphs call the op: slot_pos is not read (window 0)
 
     @property
     def bytes_moved(self) -> int:
+        return self.sdpa_bytes + self.B * self.Hkv * self.C * (4 + (0 if self.past_only else 8))  # + bias, positions
+
+    @property
+    def sdpa_bytes(self) -> int:
+        """What SDPA must move: K, V, q and the output."""
         e = DTYPES[self.dtype].itemsize
-        slots = self.B * self.Hkv * self.C
-        return 2 * slots * self.D * e + slots * (4 + 8) + 2 * self.B * self.Hq * self.T * self.D * e
+        return 2 * self.B * self.Hkv * self.C * self.D * e + 2 * self.B * self.Hq * self.T * self.D * e
 
 
 @dataclass(frozen=True)
 class Result:
     bytes_moved: int
     copy_gbps: float
-    triton_us: float = math.nan  # CUDA-graph replay, per call
+    sdpa_bytes: int = 0
+    triton_us: float = math.nan  # CUDA-graph replay, per call (the config's past_only)
+    triton_all_pos_us: float = math.nan  # the same with past_only=False (slot_pos read and tested), same run
     triton_eager_us: float = math.nan  # one eager op call, Python dispatch and launch included
     triton_gbps: float = math.nan
     frac_of_copy: float = math.nan  # triton_gbps / copy_gbps
@@ -137,15 +149,16 @@ def _graph_us(fn, sets, quick=False) -> float:
     return ms * 1e3 / len(sets)
 
 
-def _op(scale, **tuning):
+def _op(scale, past_only, **tuning):
     """The op, or with tuning overrides its launcher called directly (as the op's eager kernel does)."""
     if tuning:
         def launch(q, k, v, bias, pos, cp):
             with set_wrap_triton_enabled(False):  # launch the kernel itself, not the tracing wrapper
-                return ca._launch(q, k, v, bias, pos, cp, scale, 0, **tuning)
+                return ca._launch(q, k, v, bias, pos, cp, scale, 0, past_only, **tuning)
 
         return launch
-    return lambda q, k, v, bias, pos, cp: torch.ops.kvrewrite.clustered_attention(q, k, v, bias, pos, cp, scale, 0)
+    return lambda q, k, v, bias, pos, cp: torch.ops.kvrewrite.clustered_attention(q, k, v, bias, pos, cp, scale, 0,
+                                                                                  past_only=past_only)
 
 
 def _sdpa(backend):
@@ -172,9 +185,10 @@ def run(cfg: Config, copy: float) -> Result:
 
     sets = _make_sets(cfg)
     scale = cfg.D**-0.5
-    op = _op(scale)
+    op = _op(scale, cfg.past_only)
     ours = op(*sets[0])
     triton_us = _graph_us(op, sets)
+    all_pos_us = triton_us if not cfg.past_only else _graph_us(_op(scale, False), sets)
     eager_us = _bench_ms(lambda: op(*sets[0])) * 1e3
     sdpa_us, diff = {}, math.nan
     for name, backend in [("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
@@ -193,23 +207,26 @@ def run(cfg: Config, copy: float) -> Result:
                                DTYPES[cfg.dtype].itemsize)
     del sets
     torch.cuda.empty_cache()
-    return Result(cfg.bytes_moved, copy, triton_us=triton_us, triton_eager_us=eager_us, triton_gbps=gbps,
+    return Result(cfg.bytes_moved, copy, sdpa_bytes=cfg.sdpa_bytes, triton_us=triton_us,
+                  triton_all_pos_us=all_pos_us, triton_eager_us=eager_us, triton_gbps=gbps,
                   frac_of_copy=gbps / copy, sdpa_us=timed[best], sdpa_backend=best, sdpa_us_by_backend=sdpa_us,
                   sdpa_over_triton=timed[best] / triton_us, max_abs_diff_vs_sdpa=diff, launch=launch)
 
 
 def sweep(configs, copy: float) -> list[dict]:
-    """Launch variants of the Triton op (tile, warps, stages, splits, skip_unseen, load_pos), CUDA-graph timed.
+    """Launch variants of the Triton op (tile, warps, stages, splits, skip_unseen, past_only), CUDA-graph timed.
     Stage 1 crosses tile / warps / stages on the first config; stage 2 varies the split count and the
     predicated loads around the best of stage 1 on every config."""
     records = []
 
-    def time_variant(cfg, sets, **tuning):
+    def time_variant(cfg, sets, past_only=None, **tuning):
+        cfg = cfg if past_only is None else dataclasses.replace(cfg, past_only=past_only)  # its bytes too
         try:
-            us = _graph_us(_op(cfg.D**-0.5, **tuning), sets, quick=True)
+            us = _graph_us(_op(cfg.D**-0.5, cfg.past_only, **tuning), sets, quick=True)
         except Exception as e:  # e.g. out of shared memory for a large tile with many stages
             us = math.nan
             tuning = dict(tuning, error=str(e).splitlines()[0][:80])
+        tuning = dict(tuning, past_only=cfg.past_only)
         rec = dict(config=dataclasses.asdict(cfg), tuning=tuning, us=us, gbps=cfg.bytes_moved / us / 1e3,
                    frac_of_copy=cfg.bytes_moved / us / 1e3 / copy)
         records.append(rec)
@@ -235,7 +252,7 @@ def sweep(configs, copy: float) -> list[dict]:
                               8 * default}):
             time_variant(cfg, sets, **best, num_splits=splits)
         time_variant(cfg, sets, **best, skip_unseen=False)
-        time_variant(cfg, sets, **best, load_pos=False)  # what reading slot_pos costs (valid here: T = 1, no window)
+        time_variant(cfg, sets, **best, past_only=not cfg.past_only)  # what reading slot_pos costs
         time_variant(cfg, sets)  # the op's own choice
         del sets
         torch.cuda.empty_cache()
@@ -259,7 +276,8 @@ def main():
         if res.skipped:
             print(f"B={cfg.B:<2} C={cfg.C:<7} skipped: {res.skipped}", flush=True)
             continue
-        print(f"B={cfg.B:<2} C={cfg.C:<7} triton {res.triton_us:8.1f} us (eager {res.triton_eager_us:7.1f}) "
+        print(f"B={cfg.B:<2} C={cfg.C:<7} triton {res.triton_us:8.1f} us (past_only={cfg.past_only}; "
+              f"past_only=False {res.triton_all_pos_us:8.1f}, eager {res.triton_eager_us:7.1f}) "
               f"{res.triton_gbps:6.0f} GB/s = {res.frac_of_copy:.2f} of copy | SDPA {res.sdpa_backend} "
               f"{res.sdpa_us:8.1f} us, SDPA/triton {res.sdpa_over_triton:.2f} | splits {res.launch['num_splits']} "
               f"| max diff {res.max_abs_diff_vs_sdpa:.2g}", flush=True)

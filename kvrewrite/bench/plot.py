@@ -24,8 +24,9 @@ def plot_attention(rows, out):
         C = [r["config"]["C"] for r in sel]
         res = [r["result"] for r in sel]
         line, = ax_bw.plot(C, [x["triton_gbps"] for x in res], "o-", label=f"Triton op, B={B}")
-        # SDPA's own bytes: K, V, q and the output (no bias, no positions: 12 bytes per slot fewer)
-        sdpa_bytes = [x["bytes_moved"] - 12 * B * r["config"]["Hkv"] * r["config"]["C"] for x, r in zip(res, sel)]
+        # SDPA's own bytes: K, V, q and the output (no bias, no positions; older JSONs: 12 bytes per slot fewer)
+        sdpa_bytes = [x.get("sdpa_bytes") or x["bytes_moved"] - 12 * B * r["config"]["Hkv"] * r["config"]["C"]
+                      for x, r in zip(res, sel)]
         ax_bw.plot(C, [n / x["sdpa_us"] / 1e3 for n, x in zip(sdpa_bytes, res)], "x--", color=line.get_color(),
                    label=f"SDPA (best backend, its own bytes), B={B}")
         ax_ratio.plot(C, [x["sdpa_over_triton"] for x in res], "o-", label=f"B={B}")

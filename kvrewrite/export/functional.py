@@ -59,14 +59,15 @@ def chelsea_compress(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, bud
 
 @torch.library.custom_op("kvrewrite_export::clustered_attention", mutates_args=())
 def clustered_attention(q: _T, keys: _T, values: _T, bias: _T, slot_pos: _T, cache_position: _T, scale: float,
-                        window: int) -> _T:
+                        window: int, past_only: bool = False) -> _T:
     """kvrewrite::clustered_attention as a plain custom op: opaque to every decomposition (the triton_op itself
     may be decomposed into its Triton launch), which a plugin-based backend needs (TensorRT)."""
-    return torch.ops.kvrewrite.clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window)
+    return torch.ops.kvrewrite.clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window,
+                                                   past_only=past_only)
 
 
 @clustered_attention.register_fake
-def _(q, keys, values, bias, slot_pos, cache_position, scale, window):
+def _(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False):
     return q.new_empty(q.shape)
 
 
@@ -141,9 +142,14 @@ def functionalize(gm: fx.GraphModule, n_inputs: int = 4, opaque_attention: bool 
 
 
 def all_args(node) -> list:
-    """A call's arguments in schema order, positional (kwargs folded in)."""
+    """A call's arguments in schema order, positional (kwargs folded in, omitted ones at their defaults)."""
     schema = node.target._schema
-    return list(node.args) + [node.kwargs[a.name] for a in schema.arguments[len(node.args):]]
+    out = list(node.args)
+    for a in schema.arguments[len(node.args):]:
+        if a.name not in node.kwargs and not a.has_default_value():
+            raise ValueError(f"node '{node.name}' ({node.target}) lacks its argument '{a.name}'")
+        out.append(node.kwargs[a.name] if a.name in node.kwargs else a.default_value)
+    return out
 
 
 def _origin(node, latest):

@@ -6,7 +6,9 @@ with a native kernel for kvrewrite::<op> can substitute its own by domain and na
 are the functional forms (kvrewrite.export.functional): they return the updated
 (keys, values, bias, slot_pos, fill) instead of writing them.
 
-    kvrewrite::clustered_attention(q, keys, values, bias, slot_pos, cache_position; scale, window) -> out
+    kvrewrite::clustered_attention(q, keys, values, bias, slot_pos, cache_position; scale, window, past_only) -> out
+        past_only (0/1, default 0): the producer's promise that no used slot lies after a query; the function
+        body computes the same either way (it applies the causal mask), a native kernel may skip the positions.
     kvrewrite::cache_append(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid)
         -> (keys, values, bias, slot_pos, fill)
     kvrewrite::evict_to_budget(keys, values, bias, slot_pos, fill, budget; n_sink) -> (keys, ..., fill)
@@ -39,7 +41,7 @@ TFloat = TypeVar("TFloat", bound=Union[FLOAT, FLOAT16, BFLOAT16])  # q, keys, va
 
 @script(kv, default_opset=op)
 def clustered_attention(q: TFloat, keys: TFloat, values: TFloat, bias: FLOAT, slot_pos: INT64, cache_position: INT64,
-                        scale: float, window: int) -> TFloat:
+                        scale: float, window: int, past_only: int = 0) -> TFloat:
     neg_inf = op.Constant(value_float=float("-inf"))
     B = op.Shape(q, start=0, end=1)
     Hq = op.Shape(q, start=1, end=2)
@@ -284,10 +286,10 @@ def _state_like(*tensors):
     return dict(dtypes=[t.dtype for t in tensors], shapes=[t.shape for t in tensors], version=1)
 
 
-def sym_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window):
+def sym_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False):
     return torch.onnx.ops.symbolic(f"{DOMAIN}::clustered_attention", [q, keys, values, bias, slot_pos, cache_position],
-                                   {"scale": float(scale), "window": int(window)}, dtype=q.dtype, shape=q.shape,
-                                   version=1)
+                                   {"scale": float(scale), "window": int(window), "past_only": int(past_only)},
+                                   dtype=q.dtype, shape=q.shape, version=1)
 
 
 def sym_cache_append(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid):

@@ -131,9 +131,11 @@ def plugin_description(op_name: str, args: list) -> dict:
 
 
 def _example_values(node):
-    """Concrete arguments of a node: tensors from the export's example values, constants as is."""
+    """Concrete arguments of a node in schema order (kwargs folded in, omitted defaults left out): tensors
+    from the export's example values, constants as is."""
+    names = [a.name for a in node.target._schema.arguments[len(node.args):]]
     vals = []
-    for a in node.args:
+    for a in [*node.args, *(node.kwargs[n] for n in names if n in node.kwargs)]:
         if isinstance(a, torch.fx.Node):
             v = a.meta["val"]
             vals.append(torch.empty(v.shape, dtype=v.dtype))

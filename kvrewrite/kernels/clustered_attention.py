@@ -16,6 +16,15 @@ Args:
     cache_position: [T]             int64
     scale:          softmax scale (the model's, e.g. D**-0.5)
     window:         sliding window of the layer, 0 for none
+    past_only:      the caller's promise that no used slot lies after any query position (every slot with
+                    bias > -inf has slot_pos <= min(cache_position)); then the causal test is redundant and
+                    the CUDA kernel skips reading slot_pos when window == 0 (8 bytes per slot; 1.5-7% of a
+                    decode step's attention on an H100, docs/bench/attention_notes.md). The function is the
+                    same either way. The CPU path and the reference check the promise (ValueError when it is
+                    broken); the CUDA kernel cannot without the read it skips, so there a broken promise makes
+                    future slots visible. The rewritten decode graph sets it (the runtime appends the query's
+                    token before attending, and compression keeps slot_pos = the max of the merged tokens'),
+                    prefill chunks do not (their fresh block is causal).
 Returns:
     [B, Hq, T, D] in q's dtype, contiguous (whatever q's strides: q is often a transposed view,
     and Inductor checks the real output's strides against the fake's); a query that sees no slot
@@ -41,9 +50,26 @@ except ImportError:  # CPU-only installs: the op runs its PyTorch paths; only tr
     triton = tl = None
 
 
-def reference_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window):
+def check_past_only(bias, slot_pos, cache_position, name="clustered_attention"):
+    """ValueError unless every used slot (bias > -inf) lies at or before every query (past_only's promise).
+    Reads the data: for the CPU path and the reference only (meta tensors hold none: nothing to check)."""
+    if cache_position.numel() == 0 or slot_pos.device.type == "meta":
+        return
+    q_min = cache_position.min()
+    late = (bias > float("-inf")) & (slot_pos > q_min)
+    if bool(late.any()):
+        b, h, c = (int(i) for i in late.nonzero()[0])
+        raise ValueError(f"{name}: past_only=True, but used slot {c} of batch row {b}, KV head {h} holds position "
+                         f"{int(slot_pos[b, h, c])}, after the query position {int(q_min)} ({int(late.sum())} such "
+                         f"slots); pass past_only=False when slots may lie in a query's future (e.g. a prefill chunk)")
+
+
+def reference_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False):
     """Plain-PyTorch reference. Load-bearing choices: fp32 logits, softmax and accumulation; the bias
-    is added after scaling; rows with no visible slot return 0 instead of NaN."""
+    is added after scaling; rows with no visible slot return 0 instead of NaN. past_only is checked
+    (check_past_only) and changes nothing else: the causal mask is applied either way."""
+    if past_only:
+        check_past_only(bias, slot_pos, cache_position, "reference_clustered_attention")
     B, Hq, T, D = q.shape
     Hkv = keys.shape[1]
     G = Hq // Hkv
@@ -127,7 +153,7 @@ def _clustered_attention_fwd_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     SKIP_UNSEEN: tl.constexpr,  # predicate off K/V reads of slots no query of the block can see
-    LOAD_POS: tl.constexpr,  # False (benchmark only, see _launch): slot_pos is not read, every used slot is visible
+    LOAD_POS: tl.constexpr,  # False (past_only, window 0): slot_pos is not read, every used slot is visible
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     pid_s = tl.program_id(0)
@@ -330,29 +356,29 @@ def _check_inputs(q, keys, values, bias, slot_pos, cache_position, window):
         raise ValueError(f"{name}: window must be >= 0 (0 = no window), got {window}")
 
 
-def triton_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, **tuning):
-    """The op on CUDA through Triton (shapes and dtypes in the module docstring); validates its inputs.
+def triton_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False,
+                               **tuning):
+    """The op on CUDA through Triton (shapes and dtypes in the module docstring); validates its inputs,
+    but cannot check past_only's promise (that would read slot_pos, the read past_only saves).
 
     ``tuning`` overrides the shape-based launch choices (block_n, num_splits, num_warps, num_stages,
-    skip_unseen, load_pos); it is for the benchmark's sweep, the op never passes it.
+    skip_unseen); it is for the benchmark's sweep, the op never passes it.
     """
     if triton is None:
         raise NotImplementedError("triton_clustered_attention needs Triton (pip install triton); "
                                   "kvrewrite::clustered_attention itself runs without it")
     _check_inputs(q, keys, values, bias, slot_pos, cache_position, window)
-    return _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, **tuning)
+    return _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only, **tuning)
 
 
-def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, skip_unseen=True, load_pos=True,
+def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False, skip_unseen=True,
             **overrides):
     """Allocate the output (and the split partials) and launch. No checks: Triton's interpreter
     (TRITON_INTERPRET=1) runs it on CPU tensors, which is how the kernel can be debugged without a GPU.
 
-    load_pos=False (T = 1, window 0 only) skips the causal test and never reads slot_pos: right only when
-    no used slot lies in the query's future. The runtime never makes one (it appends the query's token
-    before attending), but the op's contract allows them, and the op cannot learn their absence without
-    reading slot_pos, so the op always reads it; the benchmark uses the switch to measure what that read
-    costs (1.5-7% of the decode time on an H100, docs/bench/attention_notes.md)."""
+    past_only with window 0 skips the causal test and never reads slot_pos (LOAD_POS False): right because
+    the caller promises that no used slot lies after any query (module docstring), at any T. With a window
+    the positions are read anyway (the window test needs them), and the causal test costs nothing more."""
     # int(): the launch depends on the shapes, so a dynamic-shape trace specialises on them (a guard)
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, C = int(keys.shape[1]), int(keys.shape[2])
@@ -360,10 +386,7 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, skip
     num_sms = _num_sms(q.device) if q.is_cuda else 8  # 8: Triton's interpreter on CPU tensors
     cfg = _launch_config(B, Hkv, G, T, C, D, num_sms, q.element_size(), **overrides)
     S = cfg["num_splits"]
-    if not load_pos and window > 0:
-        raise ValueError("_launch: load_pos=False needs window == 0 (the window test reads slot_pos)")
-    if not load_pos and T != 1:
-        raise ValueError("_launch: load_pos=False needs T == 1 (a prefill chunk's causal mask reads slot_pos)")
+    load_pos = not (past_only and window == 0)
     out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
     if S > 1:
         part = torch.empty((B * Hq * T, S, D), dtype=torch.float32, device=q.device)
@@ -401,10 +424,14 @@ def clustered_attention_cpu(
     cache_position: torch.Tensor,
     scale: float,
     window: int,
+    past_only: bool = False,
 ) -> torch.Tensor:
     """The CPU path of kvrewrite::clustered_attention, an opaque op of its own: it attends only up to
     the last used slot (slots past it are empty, bias -inf), which takes a host read. The read is free
-    on the CPU but cannot be traced, so the triton_op below calls this op rather than inlining it."""
+    on the CPU but cannot be traced, so the triton_op below calls this op rather than inlining it.
+    past_only is checked (check_past_only), and the causal mask applied as always."""
+    if past_only:
+        check_past_only(bias, slot_pos, cache_position)
     used = torch.isfinite(bias).flatten(0, 1).any(dim=0).nonzero()
     last = int(used[-1]) + 1 if used.numel() else 1
     keys, values, bias, slot_pos = keys[:, :, :last], values[:, :, :last], bias[:, :, :last], slot_pos[:, :, :last]
@@ -412,7 +439,7 @@ def clustered_attention_cpu(
 
 
 @clustered_attention_cpu.register_fake
-def _(q, keys, values, bias, slot_pos, cache_position, scale, window):
+def _(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False):
     return q.new_empty(q.shape)  # contiguous, like the real output (empty_like would copy q's strides)
 
 
@@ -425,6 +452,7 @@ def clustered_attention(
     cache_position: torch.Tensor,
     scale: float,
     window: int,
+    past_only: bool = False,
 ) -> torch.Tensor:
     """Degree-biased attention over cache slots (see the module docstring).
 
@@ -434,11 +462,12 @@ def clustered_attention(
     Triton launch, which Inductor sees as a user-defined Triton kernel.
     """
     if q.is_cuda and triton is not None:
-        return triton_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window)
+        return triton_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only)
     if q.device.type == "cpu":
         return torch.ops.kvrewrite.clustered_attention_cpu(q, keys, values, bias, slot_pos, cache_position, scale,
-                                                           window)
-    return reference_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window).contiguous()
+                                                           window, past_only)
+    return reference_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window,
+                                         past_only).contiguous()
 
 
 def _register_triton_op(fn):

@@ -82,6 +82,21 @@ def test_clustered_attention_function(B, Hq, Hkv, T, C, D, window):
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=0)
 
 
+def test_clustered_attention_function_takes_past_only():
+    """past_only=1 (what decode graphs carry) is a declared attribute: the function computes the same."""
+    g = torch.Generator().manual_seed(9)
+    B, Hq, Hkv, C, D = 2, 4, 2, 11, 16
+    q = torch.randn(B, Hq, 1, D, generator=g)
+    keys, values = torch.randn(B, Hkv, C, D, generator=g), torch.randn(B, Hkv, C, D, generator=g)
+    bias = torch.zeros(B, Hkv, C)
+    slot_pos = torch.randint(0, 20, (B, Hkv, C), generator=g)
+    cpos = torch.tensor([20])
+    ref = reference_clustered_attention(q, keys, values, bias, slot_pos, cpos, 0.25, 0, past_only=True)
+    inputs = dict(q=q, keys=keys, values=values, bias=bias, slot_pos=slot_pos, cache_position=cpos)
+    (out,) = _run_function("clustered_attention", inputs, [ref], scale=0.25, window=0, past_only=1)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=0)
+
+
 @pytest.mark.parametrize("B,H,C,D,T", [(1, 1, 8, 4, 1), (2, 3, 20, 16, 5), (2, 2, 40, 8, 16)])
 def test_cache_append_function(B, H, C, D, T):
     g = torch.Generator().manual_seed(C + T)
@@ -183,6 +198,11 @@ def test_models_check_and_carry_kvrewrite_functions(exported):
         onnx.checker.check_model(model, full_check=True)
         nodes = {n.op_type for n in model.graph.node if n.domain == "kvrewrite"}
         assert {"cache_append", "clustered_attention"} <= nodes, f"{name}: kvrewrite nodes {nodes}"
+        windows = {layer.index: layer.window for layer in rw.layers}
+        attn = [n for n in model.graph.node if n.domain == "kvrewrite" and n.op_type == "clustered_attention"]
+        past_only = [next((a.i for a in n.attribute if a.name == "past_only"), None) for n in attn]
+        want = [int(name != "prefill" and w == 0) for w in windows.values()]  # decode graphs, layers without window
+        assert past_only == want, f"{name}: past_only attributes {past_only}, want {want}"
         functions = {f.name for f in model.functions if f.domain == "kvrewrite"}
         assert nodes == functions, f"{name}: kvrewrite nodes {nodes} vs functions {functions}"
         if rw.method.name != "full" and name != "decode":

@@ -53,6 +53,15 @@ def test_plugin_descriptions(prepared):
         assert all(not isinstance(e, int) or e > 0 for shape in d["outputs"] for e in shape)
 
 
+def test_attention_plugin_gets_past_only_in_decode(prepared):
+    """past_only (a bool, a plugin attribute) reaches the plugin op: True on the full-attention layer (2) of
+    decode graphs, absent (False) in prefill and on the sliding-window layers."""
+    for name, (ep, _) in prepared.items():
+        attn = [n for n in ep.graph.nodes if n.target == torch.ops.kvrewrite_export.clustered_attention.default]
+        got = [te._example_values(n)[8] if len(te._example_values(n)) > 8 else False for n in attn]
+        assert got == [False, False, name != "prefill"], f"{name}: past_only {got}"
+
+
 def test_plugin_description_refuses_what_a_plugin_cannot_take():
     t = torch.zeros(1, 2, 4, 8)
     args = [t, t, torch.zeros(1, 2, 4), torch.zeros(1, 2, 4, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long),

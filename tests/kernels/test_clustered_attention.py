@@ -201,3 +201,55 @@ def test_opcheck():
         keys, values, bias, slot_pos, cp = make_state(2, Hkv, 11, 16, T, dtype, gen=g)
         q = torch.randn(2, Hq, T, 16, generator=g).to(dtype)
         torch.library.opcheck(OP, (q, keys, values, bias, slot_pos, cp, 0.25, window))
+    # past_only, as decode graphs pass it (a keyword), on a state with no slot after the query
+    keys, values, bias, slot_pos, cp = make_state(2, 2, 11, 16, 1, torch.float32, gen=g)
+    q = torch.randn(2, 4, 1, 16, generator=g)
+    torch.library.opcheck(OP, (q, keys, values, bias, slot_pos, cp, 0.25, 0), {"past_only": True})
+
+
+# -- past_only: the caller's promise that no used slot lies after a query (decode graphs) ----------------------
+
+PAST_ONLY_CASES = [(1, (4, 4), 1, 1, 0), (3, (8, 2), 1, 100, 0), (2, (7, 1), 1, 37, 5), (2, (4, 2), 3, 40, 0)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B,heads,T,C,window", PAST_ONLY_CASES,
+                         ids=[f"B{b}-Hq{h[0]}Hkv{h[1]}-T{t}-C{c}-w{w}" for b, h, t, c, w in PAST_ONLY_CASES])
+def test_past_only_computes_the_same_function(B, heads, T, C, window, dtype, impl):
+    """With the promise kept, past_only=True returns exactly what past_only=False does (same masks and
+    arithmetic on the CPU), and that matches the naive attention. T = 3: every query after every slot."""
+    Hq, Hkv = heads
+    g = torch.Generator().manual_seed(C * 10 + T)
+    keys, values, bias, slot_pos, cp = make_state(B, Hkv, C, 16, 1, dtype, gen=g)
+    if T > 1:
+        cp = cp[0] + torch.arange(T)  # queries at and after the newest slot: the promise holds at every T
+    q = torch.randn(B, Hq, T, 16, generator=g).to(dtype)
+    want = IMPLS[impl](q, keys, values, bias, slot_pos, cp, 0.25, window)
+    got = IMPLS[impl](q, keys, values, bias, slot_pos, cp, 0.25, window, past_only=True)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got.double(), naive_attention(q, keys, values, bias, slot_pos, cp, 0.25, window),
+                               **TOL[dtype])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_past_only_broken_promise_is_a_clear_error(impl):
+    """A used slot after the query (or a prefill chunk's causal fresh block) with past_only=True raises,
+    naming the slot and the positions; an empty slot (bias -inf) after the query is no breach."""
+    g = torch.Generator().manual_seed(4)
+    keys, values, bias, slot_pos, cp = make_state(2, 2, 30, 16, 1, torch.float32, gen=g, empty_frac=0.0)
+    q = torch.randn(2, 4, 1, 16, generator=g)
+    late = slot_pos.clone()
+    late[1, 0, 7] = cp[0] + 3
+    with pytest.raises(ValueError, match=rf"past_only=True, but used slot 7 of batch row 1, KV head 0 holds "
+                                         rf"position {int(cp[0]) + 3}, after the query position {int(cp[0])}"):
+        IMPLS[impl](q, keys, values, bias, late, cp, 0.25, 0, past_only=True)
+    with pytest.raises(ValueError, match="past_only=True"):  # windowed layers are checked too
+        IMPLS[impl](q, keys, values, bias, late, cp, 0.25, 4, past_only=True)
+    empty = bias.clone()
+    empty[1, 0, 7] = -math.inf  # the late slot is empty: nothing to break
+    IMPLS[impl](q, keys, values, empty, late, cp, 0.25, 0, past_only=True)
+    # a prefill chunk: its fresh block is causal, so the earlier queries precede slots
+    keys, values, bias, slot_pos, cp = make_state(1, 2, 30, 16, 5, torch.float32, gen=g)
+    with pytest.raises(ValueError, match="past_only=True"):
+        IMPLS[impl](torch.randn(1, 2, 5, 16, generator=g), keys, values, bias, slot_pos, cp, 0.25, 0, past_only=True)

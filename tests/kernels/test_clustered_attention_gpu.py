@@ -100,17 +100,21 @@ def _check(out, ref, dtype, what):
     torch.testing.assert_close(out.float(), ref, **TOL[dtype], msg=f"{what}: max |diff| {diff:.3g}, rel {rel:.3g}")
 
 
-def _run_and_compare(B, Hq, Hkv, T, C, D, dtype, window, seed, **tuning):
+def _run_and_compare(B, Hq, Hkv, T, C, D, dtype, window, seed, past_only=False, **tuning):
     q, keys, values, bias, slot_pos, cp = _inputs(B, Hq, Hkv, T, C, D, dtype, seed)
     scale = D**-0.5
     f32 = [x.float() for x in (q, keys, values)]
     ref = ca.reference_clustered_attention(*f32, bias, slot_pos, cp, scale, window)
-    overrides = {k: v for k, v in tuning.items() if k not in ("skip_unseen", "load_pos")}
+    overrides = {k: v for k, v in tuning.items() if k != "skip_unseen"}
     cfg = ca._launch_config(B, Hkv, Hq // Hkv, T, C, D, ca._num_sms(q.device), q.element_size(), **overrides)
     nbytes = B * Hq * T * (D * q.element_size() + cfg["num_splits"] * (D + 2) * 4)  # output, split partials
     args = (q, keys, values, bias, slot_pos, cp, scale, window)
-    out = _poisoned(lambda: ca.triton_clustered_attention(*args, **tuning) if tuning else OP(*args), nbytes)
-    _check(out, ref, dtype, f"B{B} Hq{Hq} Hkv{Hkv} T{T} C{C} D{D} {dtype} window {window} {tuning or ''}")
+    if tuning:
+        out = _poisoned(lambda: ca.triton_clustered_attention(*args, past_only, **tuning), nbytes)
+    else:  # the op, with past_only as decode graphs pass it (a keyword)
+        out = _poisoned(lambda: OP(*args, past_only=True) if past_only else OP(*args), nbytes)
+    _check(out, ref, dtype, f"B{B} Hq{Hq} Hkv{Hkv} T{T} C{C} D{D} {dtype} window {window} past_only {past_only} "
+                            f"{tuning or ''}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -138,10 +142,36 @@ def test_launch_variants_agree(tuning):
         _run_and_compare(3, 14, 2, T, 1000, 128, torch.bfloat16, 16 if T == 5 else 0, seed=7 + T, **tuning)
 
 
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[3] == 1], ids=[_id(s) for s in SHAPES if s[3] == 1])
+def test_past_only_matches_reference(shape, dtype):
+    """past_only=True at T = 1 (decode graphs; no slot after the query: make_state's fresh slot is the query's
+    own): the kernel skips slot_pos (window 0) or reads it for the window, and matches the reference."""
+    B, Hq, Hkv, T, C, window = shape
+    _run_and_compare(B, Hq, Hkv, T, C, 128, dtype, window, seed=hash((shape, str(dtype), "past")) % 2**31,
+                     past_only=True)
+
+
+@pytest.mark.parametrize("tuning", [dict(num_splits=1), dict(num_splits=7), dict(skip_unseen=False)],
+                         ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_past_only_launch_variants_agree(tuning):
+    """past_only (no positions read) under forced splits and unpredicated loads, at T = 1 and at T = 5 with
+    the promise kept at every query (a T = 1 state, queries at and after its newest slot)."""
+    _run_and_compare(3, 14, 2, 1, 1000, 64, torch.bfloat16, 0, seed=21, past_only=True, **tuning)
+    q, keys, values, bias, slot_pos, cp = _inputs(2, 8, 2, 1, 1000, 64, torch.float16, seed=22)
+    q = torch.randn(2, 8, 5, 64, device="cuda", dtype=torch.float16)
+    cp = cp[0] + torch.arange(5, device="cuda")
+    args = (q, keys, values, bias, slot_pos, cp, 0.125, 0)
+    ref = ca.reference_clustered_attention(*[x.float() for x in args[:3]], *args[3:], past_only=True)
+    out = _poisoned(lambda: ca.triton_clustered_attention(*args, True, **tuning), 1 << 24)
+    _check(out, ref, torch.float16, f"T 5 past_only {tuning}")
+
+
 def test_future_slots_are_masked_at_decode():
-    """At T = 1 a used slot whose position lies after the query's is invisible, as in the reference: the op
-    reads slot_pos even though the runtime never makes such slots (see _launch's load_pos). This fails if
-    the causal test were skipped at decode, as the benchmark's load_pos=False variant does."""
+    """At T = 1 a used slot whose position lies after the query's is invisible, as in the reference: without
+    past_only the op reads slot_pos even though the runtime never makes such slots. This fails if the causal
+    test were skipped; past_only=True (the caller's promise, broken here) does skip it, which shows the test
+    can fail."""
     B, Hq, Hkv, T, C, D = 2, 8, 2, 1, 3000, 128
     q, keys, values, bias, slot_pos, cp = _inputs(B, Hq, Hkv, T, C, D, torch.float32, seed=5)
     future = torch.rand(B, Hkv, C, device="cuda") < 0.3
@@ -150,11 +180,11 @@ def test_future_slots_are_masked_at_decode():
     ref = ca.reference_clustered_attention(*args)
     out = _poisoned(lambda: OP(*args), 1 << 24)
     _check(out, ref, torch.float32, "future slots at T = 1")
-    unmasked = ca.triton_clustered_attention(*args, load_pos=False)
+    unmasked = OP(*args, past_only=True)  # the broken promise: the CUDA kernel cannot see it
     assert (unmasked - ref).abs().max() > 1e-2, "the future slots did not matter: the test would not catch a skip"
-    # without future slots, the benchmark's load_pos=False variant computes the same function
+    # without future slots, past_only computes the same function
     args = (q, keys, values, bias, torch.minimum(slot_pos, cp[0]), cp, D**-0.5, 0)
-    torch.testing.assert_close(ca.triton_clustered_attention(*args, load_pos=False), OP(*args), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(OP(*args, past_only=True), OP(*args), atol=1e-5, rtol=1e-5)
 
 
 def test_query_with_no_visible_slot_is_zero_not_nan():
@@ -209,11 +239,15 @@ def test_opcheck_cuda(case):
     dtype, Hq, Hkv, T, C, window = case
     q, keys, values, bias, slot_pos, cp = _inputs(2, Hq, Hkv, T, C, 64, dtype, seed=C)
     torch.library.opcheck(OP, (q, keys, values, bias, slot_pos, cp, 0.125, window))
+    if T == 1:
+        torch.library.opcheck(OP, (q, keys, values, bias, slot_pos, cp, 0.125, window), {"past_only": True})
 
 
-def test_compile_reduce_overhead_no_graph_break():
+@pytest.mark.parametrize("past_only", [False, True], ids=["all", "past_only"])
+def test_compile_reduce_overhead_no_graph_break(past_only):
     """A decode-step-like function around the op compiles whole (fullgraph=True) under CUDA graphs, Inductor
-    sees the Triton kernel (a user-defined kernel in its code), and replays match eager on new inputs."""
+    sees the Triton kernel (a user-defined kernel in its code), and replays match eager on new inputs;
+    past_only=True as decode graphs pass it (a keyword)."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
@@ -224,7 +258,8 @@ def test_compile_reduce_overhead_no_graph_break():
 
     def step(x, cp):
         q = (x @ w_q).view(B, 1, Hq, D).transpose(1, 2)  # [B, Hq, 1, D], a transposed view
-        o = torch.ops.kvrewrite.clustered_attention(q, keys, values, bias, slot_pos, cp, D**-0.5, 0)
+        o = torch.ops.kvrewrite.clustered_attention(q, keys, values, bias, slot_pos, cp, D**-0.5, 0,
+                                                    past_only=past_only)
         return o.transpose(1, 2).reshape(B, Hq * D).float().sum(-1)
 
     compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")

@@ -204,6 +204,8 @@ def test_sliding_window_layers_stay_exact(runs, kind, method):
     assert run.windowed == [0, 1]
     attn = _by_layer(run.gm, "kvrewrite.clustered_attention.default")
     assert {l: n.args[7] for l, n in attn.items()} == {0: 8, 1: 8, 2: 0}
+    # past_only (no slot after the query: the kernel skips the positions) in decode graphs, full-attention layers only
+    assert {l: n.kwargs.get("past_only", False) for l, n in attn.items()} == {0: False, 1: False, 2: kind == "decode"}
     evict = _by_layer(run.gm, "kvrewrite.evict_to_budget.default")
     assert sorted(evict) == [0, 1] and all(n.kwargs == {"n_sink": 0} for n in evict.values())
     chelsea = _by_layer(run.gm, "kvrewrite.chelsea_compress.default")
