@@ -104,7 +104,7 @@ def _run_and_compare(B, Hq, Hkv, T, C, D, dtype, window, seed, past_only=False, 
     q, keys, values, bias, slot_pos, cp = _inputs(B, Hq, Hkv, T, C, D, dtype, seed)
     scale = D**-0.5
     f32 = [x.float() for x in (q, keys, values)]
-    ref = ca.reference_clustered_attention(*f32, bias, slot_pos, cp, scale, window)
+    ref = ca.reference_clustered_attention(*f32, bias, slot_pos, cp, scale, window, past_only)  # checks the promise
     overrides = {k: v for k, v in tuning.items() if k != "skip_unseen"}
     cfg = ca._launch_config(B, Hkv, Hq // Hkv, T, C, D, ca._num_sms(q.device), q.element_size(), **overrides)
     nbytes = B * Hq * T * (D * q.element_size() + cfg["num_splits"] * (D + 2) * 4)  # output, split partials
