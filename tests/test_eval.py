@@ -299,6 +299,8 @@ def test_resume_keeps_whole_contexts_and_reruns_the_rest(tmp_path, monkeypatch):
     assert seen == [112]  # n=80 copied, n=112 measured again in full
     assert second["complete"] and [r["started"] for r in second["resumed_from"]] == [first["started"]]
     assert [c.get("resumed", False) for c in second["contexts"]] == [True, False]
+    assert f"1 context(s) resumed from earlier runs: {first['started']}" in \
+        write_report(cfg.out_dir, tmp_path / "r.md").read_text()
     k = sum(r["context_length"] == 80 for r in first["runs"])
     assert second["runs"][:k] == first["runs"][:k]
     assert [(r["context_length"], r["method"], r["budget"]) for r in second["runs"][k:]] == \

@@ -302,7 +302,20 @@ def _settings_line(data):
             + f". torch {v['torch']}, transformers {v['transformers']}, {v['device']} "
             f"({v.get('torch_threads')} threads), "
             f"kvrewrite {sha}; {data['started']} → {data.get('finished', '?')}"
+            + _resumed(data)
             + ("" if data.get("complete") else " **(incomplete run)**"))
+
+
+def _resumed(data) -> str:
+    """Where `--resume` copied contexts from (the earlier runs' start and commit)."""
+    earlier = data.get("resumed_from") or []
+    earlier = earlier if isinstance(earlier, list) else [earlier]
+    resumed = sum(1 for c in data["contexts"] if c.get("resumed"))
+    if not earlier or not resumed:
+        return ""
+    runs = ", ".join(f"{r['started']} ({(r.get('git_sha') or '')[:10]}{'+dirty' if r.get('git_dirty') else ''})"
+                     for r in earlier)
+    return f"; {resumed} context(s) resumed from earlier runs: {runs}"
 
 
 def _table(data, metric_fmt, lengths, title_fmt="n={}"):
