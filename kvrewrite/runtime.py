@@ -1,11 +1,12 @@
 """KVRewrittenModel: runs the rewritten prefill-chunk and decode-step graphs over the slot state.
 
 Prefill is chunked: the prompt is left-padded to a whole number of `prefill_chunk` tokens and each
-chunk runs the prefill graph, which appends to every layer's state, attends and compresses layer by
-layer; so a layer never holds more than its static capacity (the full-length dense cache never
-exists). Decode steps run the decode graph; on the steps where the host-side schedule knows some
-layer reaches its threshold (every g tokens) they run the variant that also holds the compression
-ops, so re-compression happens inside the step without reading the device.
+chunk runs the prefill graph, which appends to every layer's state and attends, then compresses
+every layer's state (at the end of the step, see insert_cache_compression); so a layer never holds
+more than its static capacity (the full-length dense cache never exists). Decode steps run the
+decode graph; on the steps where the host-side schedule knows some layer reaches its threshold
+(every g tokens) they run the variant that also holds the compression ops, so re-compression
+happens inside the step without reading the device.
 """
 import logging
 import time

@@ -1,4 +1,5 @@
-"""torch.compile of the rewritten model on CPU (Inductor, fullgraph=True): no graph break, same logits.
+"""torch.compile of the rewritten model on CPU (Inductor, fullgraph=True): no graph break, same logits,
+and the layer state updated in place (no copy of it in Inductor's output code).
 
 One family (llama, 2 layers) keeps it short: Inductor's C++ compile of the two step graphs dominates
 (about 10 s warm, 30-75 s with a cold Inductor cache on the 2-core CI). The chelsea settings are
@@ -6,8 +7,12 @@ small so that the compression op runs inside the compiled steps: prompt 24 token
 pads), 12 new tokens -> target B = round(0.5 * 36) = 18, threshold B + g = 22; prefill leaves
 18 slots and decode steps 4, 8, 12 compress back to 18.
 """
+import math
+import re
+
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
 import kvrewrite
 from tests.families import tiny_model
@@ -19,6 +24,9 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 PROMPT, PAD_ROW1, NEW, CHUNK, MAX_LENGTH = 24, 5, 12, 16, 40
 CHELSEA = dict(budget=0.5, n_sink=2, n_recent=4, chunk=8, interval=4)
 METHODS = {"full": {}, "chelsea": CHELSEA}
+STREAMINGLLM = dict(budget=0.5, n_sink=2, interval=4)
+COMPRESSION_OPS = {"chelsea": "chelsea_compress", "streamingllm": "evict_to_budget"}
+BIG_FIELDS = ("keys", "values", "bias", "slot_pos")  # fill [B, Hkv] and budget [2] are tiny
 
 
 
@@ -100,3 +108,47 @@ def test_module_compile_in_place_generate_matches_eager(model):
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert graphs >= 2, f"expected the prefill-chunk and decode steps compiled, dynamo compiled {graphs} graphs"
     assert torch.equal(compiled, eager), f"compiled generate\n{compiled[:, PROMPT:]}\n!= eager\n{eager[:, PROMPT:]}"
+
+
+def _state_sized_buffers(code: str, numels: set) -> list:
+    """Buffers Inductor allocates with as many elements as a keys/values/bias/slot_pos tensor: each one
+    is a copy of a layer's state (a clone before an op, or a functional write later copied back);
+    counted by element count so that flattened copies (empty_strided((numel,), ...)) count too."""
+    found = []
+    for shape in re.findall(r"empty_strided_\w+\(\(([\d, ]*)\)", code):
+        dims = [int(d) for d in shape.replace(" ", "").split(",") if d]
+        if math.prod(dims) in numels:
+            found.append(tuple(dims))
+    return found
+
+
+@pytest.mark.parametrize("method", ["chelsea", "streamingllm"])
+@torch.no_grad()
+def test_compiled_decode_updates_state_in_place(model, method):
+    """Both compiled decode variants run cache_append and the compression op on the state's own
+    tensors: no state-sized buffer anywhere in the output code, and every compression op is called
+    on graph inputs (the state), not on copies. Regression test: with the compression op right after
+    the attention, Inductor cloned each layer's whole state around it and copied it back (>= 4 GB per
+    compressing step at 32k; see kvrewrite/passes/insert_cache_compression.py)."""
+    kwargs = CHELSEA if method == "chelsea" else STREAMINGLLM
+    rw = kvrewrite.apply(model, method, max_length=MAX_LENGTH, batch_size=2, prefill_chunk=CHUNK, **kwargs)
+    ids, mask = _inputs()
+    rw.prefill(ids, mask, max_new_tokens=NEW)
+    numels = {getattr(rw, f"l{info.index}_{f}").numel() for info in rw.layers for f in BIG_FIELDS}
+    step = (ids[:, :1], rw._next_position[:, None], rw._next_cache_position, torch.ones(2, 1, dtype=torch.bool))
+    compiled = torch.compile(rw, fullgraph=True)
+    for compress in (True, False):
+        _, codes = run_and_get_code(lambda: compiled(*step, compress=compress))
+        code = "\n".join(codes)
+        assert "clustered_attention" in code, "no compiled decode graph in the captured output code"
+        copies = _state_sized_buffers(code, numels)
+        assert not copies, f"{method} compress={compress}: state-sized buffers (copies of the state) {copies}"
+        op = COMPRESSION_OPS[method]
+        calls = re.findall(rf"torch\.ops\.kvrewrite\.{op}\.default\(([^)]*)\)", code)
+        want = len(rw.layers) if compress else 0
+        assert len(calls) == want, f"{method} compress={compress}: {len(calls)} {op} calls, expected {want}"
+        for call in calls:
+            state_args = [a.strip() for a in call.split(",")[:4]]
+            assert all(re.fullmatch(r"arg\d+_1", a) for a in state_args), \
+                f"{method}: {op} runs on {state_args}, not on the graph's state inputs (a copy)"
+

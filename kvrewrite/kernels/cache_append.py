@@ -12,14 +12,14 @@ New tokens:
     token_valid:    [B, T] bool, False for padding (its slot gets bias -inf and is never attended)
 
 Slots [fill, fill + T) of each (b, h) row are written and fill grows by T. The write index is
-computed on the device (fill + arange(T), a scatter), so the op never syncs with the host. Rows keep
+computed on the device (fill + arange(T), an index_put_), so the op never syncs with the host. Rows keep
 their own fill because compression may leave them different (outlier heads are never compressed).
 The runtime guarantees fill + T <= C.
 
 Backends: CUDA runs the Triton kernel below (one launch per call: each program moves a block of
 tokens of one row; with a single block per row the program also advances the fill, otherwise a
-second tiny launch does, after every program has read it); other devices run the reference, a
-scatter. The op is a `torch.library.triton_op`, so Inductor sees the kernel and CUDA graphs work.
+second tiny launch does, after every program has read it); other devices run the reference, an
+index_put_. The op is a `torch.library.triton_op`, so Inductor sees the kernel and CUDA graphs work.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
@@ -38,14 +38,20 @@ NEG_INF = float("-inf")
 
 
 def reference_cache_append(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid):
-    """Plain-PyTorch reference; a scatter with a device-side index keeps it sync-free."""
+    """Plain-PyTorch reference; an index_put_ with a device-side index keeps it sync-free.
+
+    index_put_, not scatter_: under torch.compile the op's body is inlined on non-CUDA devices, and
+    Inductor's reinplace pass turns the functionalised index_put back into an in-place write into the
+    state; a functional scatter would become a copy of the layer's whole state (and a copy back)."""
     B, Hkv, T, D = k_new.shape
     idx = fill[:, :, None] + torch.arange(T, device=keys.device)  # [B, Hkv, T]
-    keys.scatter_(2, idx[..., None].expand(B, Hkv, T, D), k_new.to(keys.dtype))
-    values.scatter_(2, idx[..., None].expand(B, Hkv, T, D), v_new.to(values.dtype))
+    dev = keys.device
+    rows = (torch.arange(B, device=dev)[:, None, None], torch.arange(Hkv, device=dev)[None, :, None], idx)
+    keys.index_put_(rows, k_new.to(keys.dtype))
+    values.index_put_(rows, v_new.to(values.dtype))
     new_bias = torch.zeros(B, T, dtype=bias.dtype, device=bias.device).masked_fill(~token_valid, NEG_INF)
-    bias.scatter_(2, idx, new_bias[:, None, :].expand(B, Hkv, T))
-    slot_pos.scatter_(2, idx, cache_position.to(slot_pos.dtype)[None, None, :].expand(B, Hkv, T))
+    bias.index_put_(rows, new_bias[:, None, :].expand(B, Hkv, T))
+    slot_pos.index_put_(rows, cache_position.to(slot_pos.dtype)[None, None, :].expand(B, Hkv, T))
     fill.add_(T)
 
 
@@ -178,7 +184,7 @@ def cache_append(
     """Append T tokens to the slot state of one layer (see the module docstring for shapes).
 
     The op's kernel, fake and what Inductor inlines (see _triton_op.py): CUDA launches the Triton
-    kernel, other devices run the reference scatter (traceable: no host reads)."""
+    kernel, other devices run the reference index_put_ (traceable: no host reads)."""
     if keys.is_cuda and triton is not None:
         triton_cache_append(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid)
         return

@@ -1,4 +1,4 @@
-"""Insert each layer's compression op right after its attention.
+"""Insert each layer's compression op at the end of the graph, in layer order.
 
 Matches:  the clustered_attention node of every site.
 Emits:    what the method asks for (Method.compression_call), e.g. kvrewrite.chelsea_compress on the
@@ -8,6 +8,16 @@ Emits:    what the method asks for (Method.compression_call), e.g. kvrewrite.che
 Skips:    full-attention layers of the `full` method (no op is emitted); every layer when
           ctx.compress is False: the plain decode-step variant, which the runtime runs on steps where
           its host-side schedule knows no layer is due (so non-compressing steps launch nothing extra).
+Where:    just before the graph's output, after every attention (the ops only touch their own layer's
+          state, which nothing reads later in the step, so eager results are the same as right after
+          the attention). Under torch.compile this placement is what lets Inductor run the op in
+          place: functionalization turns it into auto_functionalized_v2 over the appended state, with
+          no data edge to the attention that reads that state, and Inductor's reorder_for_locality
+          (on by default) sinks the attention (with its whole chain) to just before its first user,
+          i.e. past a compression op placed right after it. The reinplace pass then sees the state
+          read after the op and clones the layer's whole keys/values/bias/slot_pos around it (and
+          copies them back): >= 4 GB per compressing step at 32k. At the end of the graph nothing
+          follows the ops, so they are reinplaced (tests/test_compile.py checks the output code).
 Requires: replace_sdpa_with_clustered_attention.
 """
 import logging
@@ -23,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 def insert_cache_compression(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     graph = gm.graph
+    output = next(n for n in graph.nodes if n.op == "output")
     count = 0
     for layer, site in sorted(ctx.sites.items()) if ctx.compress else ():
         info = ctx.layers[layer]
@@ -34,7 +45,7 @@ def insert_cache_compression(gm: fx.GraphModule, ctx: RewriteContext) -> fx.Grap
             continue
         op, kwargs = call
         s = site.state
-        with graph.inserting_after(site.output):
+        with graph.inserting_before(output):
             node = graph.call_function(
                 op, (s["keys"], s["values"], s["bias"], s["slot_pos"], s["fill"], s["budget"]), kwargs
             )

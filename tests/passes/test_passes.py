@@ -212,8 +212,11 @@ def test_sliding_window_layers_stay_exact(runs, kind, method):
     assert sorted(chelsea) == ([2] if method == "chelsea" else [])
     if method == "chelsea":
         assert chelsea[2].kwargs["n_sink"] == 2 and chelsea[2].kwargs["chunk"] == 8
-    for layer, node in {**evict, **chelsea}.items():  # right after the layer's attention, on its state
-        assert node.prev is attn[layer]
+    # on its layer's state, at the end of the graph in layer order (after every attention: see the pass's "Where")
+    ops = {**evict, **chelsea}
+    tail = list(run.gm.graph.nodes)[-1 - len(ops):-1]
+    assert tail == [ops[layer] for layer in sorted(ops)], f"compression ops are not the graph's last nodes: {tail}"
+    for layer, node in ops.items():
         assert [a.name for a in node.args] == [f"l{layer}_{f}" for f in STATE_FIELDS]
 
 
