@@ -159,7 +159,21 @@ def test_chelsea_compress_function(seed, B, H, C, D, target, g_, n_sink, n_recen
                         n_sink=n_sink, n_recent=n_recent, chunk=chunk, r_steps=r[2],
                         outlier_mask=sum(1 << h for h in outliers))
     for name, o in zip(STATE, out):
-        assert torch.equal(o, ref[name]), f"chelsea_compress: {name} differs by {(o - ref[name]).abs().max()}"
+        _assert_state_equal("chelsea_compress", name, o, ref[name])
+
+
+def _assert_state_equal(op, name, got, want):
+    """Integer fields and the layout (which slots are empty, -inf bias) must be identical. Float fields are
+    bit-identical on onnxruntime 1.32 but computed with the runtime's own exp/log/mean kernels, which may
+    round differently by an ulp on other versions (1.30 differs in the merged bias): 1e-6 there."""
+    if not got.is_floating_point():
+        assert torch.equal(got, want), f"{op}: {name} differs\n{got}\n{want}"
+        return
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got[torch.isinf(got)], want[torch.isinf(want)]), \
+        f"{op}: {name} has different empty (-inf) slots"
+    finite = torch.isfinite(want)
+    err = (got[finite] - want[finite]).abs().max() if finite.any() else torch.tensor(0.0)
+    assert torch.allclose(got[finite], want[finite], rtol=1e-6, atol=1e-6), f"{op}: {name} differs by {err}"
 
 
 def _inputs():
