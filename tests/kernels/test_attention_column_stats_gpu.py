@@ -13,6 +13,7 @@ import torch
 
 import kvrewrite  # noqa: F401  (registers the ops)
 from kvrewrite.kernels import attention_column_stats as acs
+from tests.kernels.poisoned import poisoned as _poisoned
 from tests.kernels.test_attention_column_stats import dense_probs
 from tests.kernels.test_clustered_attention import make_state
 
@@ -71,24 +72,6 @@ def _dense_lse(q, keys, bias, slot_pos, cp, scale, window):
     c = cp[None, None, :, None]
     vis = (sp <= c) & (sp > c - window) if window > 0 else sp <= c
     return logits.masked_fill(~vis, -math.inf).logsumexp(-1)
-
-
-def _poisoned(fn, nbytes):
-    """fn() (a tuple of tensors) with every CUDA allocation inside it taken from memory filled with 0xFF
-    bytes (NaN in fp32): a private pool is filled and freed first. Returns copies made outside the pool."""
-    pool = torch.cuda.MemPool()
-    with torch.cuda.use_mem_pool(pool):
-        large = torch.full((2 * nbytes + (32 << 20),), 255, dtype=torch.uint8, device="cuda")
-        small = [torch.full((1 << 20,), 255, dtype=torch.uint8, device="cuda") for _ in range(8)]
-        del large, small
-        probe = torch.empty(1 << 16, dtype=torch.float32, device="cuda")
-        assert probe.isnan().all(), "poisoning the allocator failed: the test would not see unwritten outputs"
-        del probe
-        outs = fn()
-    result = tuple(o.clone() for o in outs)
-    del outs, pool
-    torch.cuda.empty_cache()
-    return result
 
 
 def _run_and_compare(B, Hq, Hkv, T, C, D, dtype, window, last, with_lse, seed):

@@ -12,6 +12,7 @@ import torch
 
 import kvrewrite  # noqa: F401  (registers the ops)
 from kvrewrite.kernels import clustered_attention as ca
+from tests.kernels.poisoned import poisoned as _poisoned
 from tests.kernels.test_clustered_attention import make_state
 
 pytestmark = [
@@ -67,29 +68,15 @@ def _id(shape):
     return f"B{B}-Hq{Hq}Hkv{Hkv}-T{T}-C{C}-w{w}"
 
 
+def _tuning_id(tuning):
+    return "-".join(f"{k}{v}" for k, v in tuning.items())
+
+
 def _inputs(B, Hq, Hkv, T, C, D, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     keys, values, bias, slot_pos, cp = make_state(B, Hkv, C, D, T, dtype, gen=g)
     q = torch.randn(B, T, Hq, D, generator=g).to(dtype).transpose(1, 2)  # a transposed view, as in the models
     return [x.cuda() for x in (q, keys, values, bias, slot_pos, cp)]
-
-
-def _poisoned(fn, nbytes):
-    """fn() with every CUDA allocation inside it taken from memory filled with 0xFF bytes (NaN in fp16,
-    bf16 and fp32): a private pool is filled and freed first. Returns a copy made outside the pool."""
-    pool = torch.cuda.MemPool()
-    with torch.cuda.use_mem_pool(pool):
-        large = torch.full((2 * nbytes + (32 << 20),), 255, dtype=torch.uint8, device="cuda")
-        small = [torch.full((1 << 20,), 255, dtype=torch.uint8, device="cuda") for _ in range(8)]
-        del large, small
-        probe = torch.empty(1 << 16, dtype=torch.float32, device="cuda")
-        assert probe.isnan().all(), "poisoning the allocator failed: the test would not see unwritten outputs"
-        del probe
-        out = fn()
-    result = out.clone()
-    del out, pool
-    torch.cuda.empty_cache()  # hands the freed pool's memory back
-    return result
 
 
 def _check(out, ref, dtype, what):
@@ -135,7 +122,7 @@ def test_small_head_dims(D, dtype):
 
 @pytest.mark.parametrize("tuning", [dict(num_splits=1), dict(num_splits=2), dict(num_splits=7), dict(block_n=32),
                                     dict(skip_unseen=False), dict(num_splits=5, skip_unseen=False)],
-                         ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+                         ids=_tuning_id)
 def test_launch_variants_agree(tuning):
     """Forced split counts and tile sizes (the benchmark's sweep space) compute the same function."""
     for T in (1, 5):
@@ -153,7 +140,7 @@ def test_past_only_matches_reference(shape, dtype):
 
 
 @pytest.mark.parametrize("tuning", [dict(num_splits=1), dict(num_splits=7), dict(skip_unseen=False)],
-                         ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+                         ids=_tuning_id)
 def test_past_only_launch_variants_agree(tuning):
     """past_only (no positions read) under forced splits and unpredicated loads, at T = 1 and at T = 5 with
     the promise kept at every query (a T = 1 state, queries at and after its newest slot)."""
