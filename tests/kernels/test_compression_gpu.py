@@ -249,6 +249,11 @@ CHELSEA_CASES = [
 ]
 
 
+def _chelsea_id(case):
+    B, H, C, D, dt, chunk, _, _, kind = case
+    return f"B{B}-Hkv{H}-C{C}-D{D}-{dt}-chunk{chunk}-{kind}"
+
+
 def _chelsea_budget(kind, C, P, gen):
     if kind == "decode":
         g = int(torch.randint(4, 33, (1,), generator=gen))
@@ -258,8 +263,7 @@ def _chelsea_budget(kind, C, P, gen):
     return target, target + int(torch.randint(1, max(2, (C - target) // 2), (1,), generator=gen))
 
 
-@pytest.mark.parametrize("case", CHELSEA_CASES,
-                         ids=lambda c: f"B{c[0]}-Hkv{c[1]}-C{c[2]}-D{c[3]}-{c[4]}-chunk{c[5]}-{c[8]}")
+@pytest.mark.parametrize("case", CHELSEA_CASES, ids=_chelsea_id)
 def test_chelsea_matches_reference(case):
     B, H, C, D, dt, chunk, n_sink, n_recent, kind = case
     for seed in range(3):
@@ -287,8 +291,7 @@ PARALLEL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", PARALLEL_CASES,
-                         ids=lambda c: f"B{c[0]}-Hkv{c[1]}-C{c[2]}-D{c[3]}-{c[4]}-chunk{c[5]}-{c[8]}")
+@pytest.mark.parametrize("case", PARALLEL_CASES, ids=_chelsea_id)
 def test_parallel_round0_many_chunks(case):
     B, H, C, D, dt, chunk, n_sink, n_recent, kind = case
     for seed in range(2):
@@ -443,8 +446,7 @@ def test_tiny_llama_generate_cuda_matches_cpu():
             torch.testing.assert_close(a["keys"][bb, h, :n], b["keys"][bb, h, :n], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("case", [CHELSEA_CASES[1], CHELSEA_CASES[2], CHELSEA_CASES[5]],
-                         ids=lambda c: f"B{c[0]}-Hkv{c[1]}-C{c[2]}-D{c[3]}-{c[4]}-chunk{c[5]}-{c[8]}")
+@pytest.mark.parametrize("case", [CHELSEA_CASES[1], CHELSEA_CASES[2], CHELSEA_CASES[5]], ids=_chelsea_id)
 def test_single_program_path_matches_reference(case):
     """parallel_round0=False: every round in the one-program-per-row kernel (the cross-check path)."""
     B, H, C, D, dt, chunk, n_sink, n_recent, kind = case
