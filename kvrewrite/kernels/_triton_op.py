@@ -2,7 +2,7 @@
 
 A triton_op's body is its kernel, its fake (it is traced on fake tensors) and, under torch.compile,
 what Inductor inlines: CUDA launches Triton through ``wrap_triton`` (Inductor sees the kernel, CUDA
-graphs capture it), other devices run plain PyTorch. clustered_attention.py has its own copy of this.
+graphs capture it), other devices run plain PyTorch.
 """
 import logging
 

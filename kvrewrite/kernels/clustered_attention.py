@@ -38,10 +38,11 @@ The op is a `torch.library.triton_op`, so Inductor sees the Triton launch and CU
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
 import functools
-import logging
 
 import torch
 from torch.library import wrap_triton
+
+from kvrewrite.kernels._triton_op import register_triton_op
 
 try:
     import triton
@@ -470,17 +471,4 @@ def clustered_attention(
                                          past_only).contiguous()
 
 
-def _register_triton_op(fn):
-    # Without Triton, torch logs "Triton not available" at WARNING while registering a triton_op: expected
-    # on CPU installs, so it is silenced here and only here.
-    log = logging.getLogger("torch._library.triton")
-    level = log.level
-    if triton is None:
-        log.setLevel(logging.ERROR)
-    try:
-        return torch.library.triton_op("kvrewrite::clustered_attention", fn, mutates_args=())
-    finally:
-        log.setLevel(level)
-
-
-clustered_attention = _register_triton_op(clustered_attention)
+clustered_attention = register_triton_op("kvrewrite::clustered_attention", clustered_attention, (), triton is not None)
