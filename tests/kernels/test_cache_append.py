@@ -11,8 +11,6 @@ OP = torch.ops.kvrewrite.cache_append.default
 POISON_POS = -12345
 
 
-
-
 def poisoned_state(B, Hkv, C, D, dtype, fill):
     """A state whose every slot holds recognisable garbage, with per-row fills (rows may differ)."""
     s = allocate_layer_state(B, Hkv, C, D, dtype, "cpu")

@@ -18,8 +18,6 @@ FIELDS = ("keys", "values", "bias", "slot_pos", "fill")
 SMALL = dict(n_sink=2, n_recent=3, chunk=8, r_init=0.35, r_alpha=0.1, r_steps=2, r_min=0.1)
 
 
-
-
 def filled_state(B, Hkv, C, D, fills, target, threshold, dtype=torch.float32, pads=None, seed=0):
     """Row (b, h) holds fills[b][h] exact tokens (bias 0) at positions 0.., the first pads[b] of them
     padding (bias -inf); the slots past the fill hold garbage."""

@@ -20,7 +20,6 @@ OP = torch.ops.kvrewrite.clustered_attention.default
 IMPLS = {"op": OP, "reference": reference_clustered_attention}
 
 
-
 # Tolerance table: output dtype -> (atol, rtol) of the op against the float64 naive attention.
 # Both see the *same* inputs (the naive version upcasts the exact bf16/fp32 values), so input
 # quantisation cancels; what remains is

@@ -11,8 +11,6 @@ OP = torch.ops.kvrewrite.evict_to_budget.default
 FIELDS = ("keys", "values", "bias", "slot_pos", "fill")
 
 
-
-
 def filled_state(B, Hkv, C, D, fills, target, threshold, dtype=torch.float32, pads=None, seed=0):
     """Row (b, h) holds fills[b][h] tokens in order, positions 100.. (pads[b] leading padding slots,
     bias -inf); degrees vary so that bias must travel with its slot; slots past the fill are garbage."""
