@@ -19,7 +19,7 @@ a bit mask (an int), which calls kvrewrite::chelsea_compress.
 """
 import torch
 
-from kvrewrite.export.common import check_graphs, example_inputs, graph_of, metadata, out_dir, write_metadata
+from kvrewrite.export.common import example_inputs, graph_of, write_export
 from kvrewrite.export.functional import all_args, outlier_mask
 
 torch.library.define(
@@ -61,14 +61,9 @@ def _mask_outlier_lists(gm):
 def aoti(rw, path, graphs=None, inductor_configs=None):
     """Compile <path>/<graph>.pt2 (AOTInductor packages) for each graph (default: all three) on rw's
     device, and write <path>/kvrewrite_export.json. Returns the directory."""
-    graphs = check_graphs(graphs)
-    d = out_dir(path)
-    files = {}
-    for name in graphs:
+    def save(name, file):
         gm = _mask_outlier_lists(graph_of(rw, name))
         ep = torch.export.export(gm, example_inputs(rw, name), strict=False)
-        files[name] = f"{name}.pt2"
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(d / files[name]),
-                                                 inductor_configs=inductor_configs or {})
-    write_metadata(d, metadata(rw, "aoti", files))
-    return d
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(file), inductor_configs=inductor_configs or {})
+
+    return write_export(rw, path, graphs, "aoti", ".pt2", save)

@@ -107,6 +107,20 @@ def out_dir(path) -> Path:
     return p
 
 
+def write_export(rw, path, graphs, target: str, suffix: str, save, **extra) -> Path:
+    """What every target's entry point does around its own export: check `graphs` (default: all three),
+    create the directory `path`, `save(name, file)` each graph to <path>/<name><suffix>, then write the
+    metadata JSON (target, files, `extra`). Returns the directory."""
+    graphs = check_graphs(graphs)
+    d = out_dir(path)
+    files = {}
+    for name in graphs:
+        files[name] = f"{name}{suffix}"
+        save(name, d / files[name])
+    write_metadata(d, metadata(rw, target, files, **extra))
+    return d
+
+
 def check_graphs(graphs) -> tuple:
     graphs = tuple(GRAPHS if graphs is None else graphs)
     bad = [g for g in graphs if g not in GRAPHS]

@@ -16,8 +16,7 @@ a graph holding it is refused with NotImplementedError.
 """
 import torch
 
-from kvrewrite.export.common import INPUT_NAMES, check_graphs, example_inputs, graph_of, metadata, out_dir, \
-    write_metadata
+from kvrewrite.export.common import INPUT_NAMES, example_inputs, graph_of, write_export
 from kvrewrite.export.functional import all_args, functionalize, state_names
 
 OPSET = 18
@@ -88,12 +87,5 @@ def onnx(rw, path, graphs=None):
     """
     import onnx as onnx_lib
 
-    graphs = check_graphs(graphs)
-    d = out_dir(path)
-    files = {}
-    for name in graphs:
-        model = export_graph(rw, name)
-        files[name] = f"{name}.onnx"
-        onnx_lib.save(model, str(d / files[name]))
-    write_metadata(d, metadata(rw, "onnx", files, onnx_opset=OPSET))
-    return d
+    return write_export(rw, path, graphs, "onnx", ".onnx",
+                        lambda name, file: onnx_lib.save(export_graph(rw, name), str(file)), onnx_opset=OPSET)

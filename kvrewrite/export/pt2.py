@@ -12,7 +12,7 @@ device they were exported on (the loader allocates the state there).
 """
 import torch
 
-from kvrewrite.export.common import check_graphs, example_inputs, graph_of, metadata, out_dir, write_metadata
+from kvrewrite.export.common import example_inputs, graph_of, write_export
 
 
 def export_graph(rw, name: str) -> torch.export.ExportedProgram:
@@ -25,12 +25,5 @@ def torch_export(rw, path, graphs=None):
 
     Returns the directory; `kvrewrite.export.loader.load(path)` runs `generate` from it.
     """
-    graphs = check_graphs(graphs)
-    d = out_dir(path)
-    files = {}
-    for name in graphs:
-        ep = export_graph(rw, name)
-        files[name] = f"{name}.pt2"
-        torch.export.save(ep, d / files[name])
-    write_metadata(d, metadata(rw, "torch_export", files))
-    return d
+    return write_export(rw, path, graphs, "torch_export", ".pt2",
+                        lambda name, file: torch.export.save(export_graph(rw, name), file))
