@@ -89,9 +89,8 @@ def get_configs() -> list[Config]:
     return [Config(B=B, C=C) for B in (1, 8) for C in (4096, 8192, 16384, 32768, 65536, 131072)]
 
 
-def env_info() -> dict:
-    import triton
-
+def git_sha() -> str:
+    """$KVREWRITE_GIT_SHA (set where the tree is a copy without .git), else `git rev-parse HEAD`, else "unknown"."""
     sha = os.environ.get("KVREWRITE_GIT_SHA")
     if sha is None:
         try:
@@ -99,7 +98,13 @@ def env_info() -> dict:
             sha = git.stdout.strip()
         except (OSError, subprocess.CalledProcessError):
             sha = "unknown"
-    return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, git_sha=sha,
+    return sha
+
+
+def env_info() -> dict:
+    import triton
+
+    return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, git_sha=git_sha(),
                 sms=torch.cuda.get_device_properties(0).multi_processor_count)
 
 

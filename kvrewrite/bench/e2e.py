@@ -51,9 +51,7 @@ import dataclasses
 import gc
 import json
 import math
-import os
 import statistics
-import subprocess
 import time
 import traceback
 from pathlib import Path
@@ -132,13 +130,9 @@ class BenchConfig:
 def env_info(device: str) -> dict:
     import transformers
 
-    sha = os.environ.get("KVREWRITE_GIT_SHA")
-    if sha is None:
-        try:
-            sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            sha = "unknown"
-    info = dict(torch=torch.__version__, transformers=transformers.__version__, git_sha=sha, device=device)
+    from kvrewrite.bench.attention import git_sha
+
+    info = dict(torch=torch.__version__, transformers=transformers.__version__, git_sha=git_sha(), device=device)
     if device == "cuda":
         import triton
 
