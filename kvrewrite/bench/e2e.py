@@ -407,8 +407,14 @@ class Bench:
 
     # bytes -------------------------------------------------------------------------------------------------
     def kv_token_bytes(self) -> int:
+        """Bytes of one token in HF's dense cache, all layers: K and V."""
         c = self.mcfg
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * (2 if self.dev == "cuda" else 4)
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.model.dtype.itemsize
+
+    def slot_bytes(self) -> int:
+        """Bytes of one kvrewrite slot in one layer, all KV heads: K and V, fp32 bias, int64 position."""
+        c = self.mcfg
+        return c.num_key_value_heads * (2 * c.head_dim * self.model.dtype.itemsize + 12)
 
     def floor_ms(self, kv_read: float) -> float:
         return (self.weights_read + kv_read) / self.copy_gbps / 1e6
@@ -427,9 +433,7 @@ class Bench:
             m.bind(layer_infos(self.model))
         c = self.mcfg
         cap = m.capacity(layer_infos(self.model)[0], L, self.cfg.prefill_chunk)
-        e = 2 if self.dev == "cuda" else 4
-        per_slot = c.num_key_value_heads * (2 * c.head_dim * e + 12)
-        return c.num_hidden_layers * cap * per_slot + act
+        return c.num_hidden_layers * cap * self.slot_bytes() + act
 
     def max_batch(self, system: str, n: int) -> int:
         """Largest batch whose cache fits next to the weights, with 6% of the card + 3 GiB kept free
@@ -499,9 +503,7 @@ class Bench:
         res.update(_summarise(reps, 32))
         res["fill_after_prefill"] = fill_after_prefill
         res["mean_fill"] = statistics.mean(fills)
-        c = self.mcfg
-        per_slot = c.num_key_value_heads * (2 * c.head_dim * (2 if self.dev == "cuda" else 4) + 12)
-        res["kv_read_bytes"] = res["mean_fill"] * c.num_hidden_layers * per_slot * B
+        res["kv_read_bytes"] = res["mean_fill"] * self.mcfg.num_hidden_layers * self.slot_bytes() * B
         del dec, rw
         return res
 
