@@ -429,11 +429,11 @@ class Bench:
         from kvrewrite.capture import layer_infos
 
         m = make_method(system, None if system == "full" else self.cfg.budget)
+        infos = layer_infos(self.model)
         if hasattr(m, "bind"):
-            m.bind(layer_infos(self.model))
-        c = self.mcfg
-        cap = m.capacity(layer_infos(self.model)[0], L, self.cfg.prefill_chunk)
-        return c.num_hidden_layers * cap * self.slot_bytes() + act
+            m.bind(infos)
+        cap = m.capacity(infos[0], L, self.cfg.prefill_chunk)
+        return self.mcfg.num_hidden_layers * cap * self.slot_bytes() + act
 
     def max_batch(self, system: str, n: int) -> int:
         """Largest batch whose cache fits next to the weights, with 6% of the card + 3 GiB kept free
