@@ -184,8 +184,10 @@ def method_options(method) -> dict:
 
 
 def _compression_calls(rw) -> dict:
-    return {n.meta["kvrewrite"]["layer"]: (n.target, dict(n.kwargs)) for n in rw.decode_compress_graph.graph.nodes
-            if (n.meta.get("kvrewrite") or {}).get("role") == "compression"}
+    from kvrewrite.eval.prefill import compression_nodes
+
+    nodes = compression_nodes(rw.decode_compress_graph)
+    return {n.meta["kvrewrite"]["layer"]: (n.target, dict(n.kwargs)) for n in nodes}
 
 
 def with_budget(rw, method) -> bool:

@@ -73,7 +73,8 @@ def _copy(x):
     return x.clone() if isinstance(x, torch.Tensor) else x
 
 
-def _compression_nodes(gm):
+def compression_nodes(gm):
+    """The graph's compression op calls (the nodes the rewrite tagged with role "compression")."""
     return [n for n in gm.graph.nodes if (n.meta.get("kvrewrite") or {}).get("role") == "compression"]
 
 
@@ -83,7 +84,7 @@ def shares_prefill(rw) -> tuple[bool, str]:
         role = (node.meta.get("kvrewrite") or {}).get("role")
         if role is not None and role not in PREFILL_ROLES:
             return False, f"its prefill graph holds a {role!r} op ({node.target}), which a snapshot cannot replay"
-    for node in _compression_nodes(rw.prefill_graph):
+    for node in compression_nodes(rw.prefill_graph):
         layer = node.meta["kvrewrite"]["layer"]
         expected = [f"l{layer}_{f}" for f in STATE_FIELDS]
         names = [getattr(a, "name", None) for a in node.args]
@@ -109,7 +110,7 @@ def load_snapshot(rw, snap: PrefillSnapshot, max_new_tokens: int) -> torch.Tenso
                          f"max_length={rw.max_length}; apply() with a larger max_length")
     rw.method.check_generation(snap.n_real, max_new_tokens)
     rw.reset(snap.n_real, max_new_tokens)
-    calls = {n.meta["kvrewrite"]["layer"]: n for n in _compression_nodes(rw.prefill_graph)}
+    calls = {n.meta["kvrewrite"]["layer"]: n for n in compression_nodes(rw.prefill_graph)}
     for info, src, cap in zip(rw.layers, snap.state, rw.capacities):
         dst = rw.layer_state(info.index)
         f = src["keys"].shape[2]
