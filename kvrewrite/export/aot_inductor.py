@@ -20,7 +20,7 @@ a bit mask (an int), which calls kvrewrite::chelsea_compress.
 import torch
 
 from kvrewrite.export.common import example_inputs, graph_of, write_export
-from kvrewrite.export.functional import all_args, outlier_mask
+from kvrewrite.export.functional import all_args, outlier_heads, outlier_mask
 
 torch.library.define(
     "kvrewrite_export::chelsea_compress_masked",
@@ -33,9 +33,8 @@ torch.library.define(
 @torch.library.impl("kvrewrite_export::chelsea_compress_masked", "CompositeExplicitAutograd")
 def _chelsea_masked(keys, values, bias, slot_pos, fill, budget, n_sink, n_recent, chunk, r_init, r_alpha, r_steps,
                     r_min, outlier_mask):
-    heads = [h for h in range(keys.shape[1]) if outlier_mask >> h & 1]
     torch.ops.kvrewrite.chelsea_compress(keys, values, bias, slot_pos, fill, budget, n_sink, n_recent, chunk, r_init,
-                                         r_alpha, r_steps, r_min, heads)
+                                         r_alpha, r_steps, r_min, outlier_heads(outlier_mask, keys.shape[1]))
 
 
 @torch.library.register_fake("kvrewrite_export::chelsea_compress_masked")

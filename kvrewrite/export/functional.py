@@ -52,7 +52,7 @@ def chelsea_compress(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, bud
     """kvrewrite::chelsea_compress returning the updated (keys, values, bias, slot_pos, fill); the outlier heads
     are a bit mask (bit h: KV head h), since plugin generators and AOTInductor take no (empty) int lists."""
     out = _clones(keys, values, bias, slot_pos, fill)
-    heads = [h for h in range(keys.shape[1]) if outlier_mask >> h & 1]
+    heads = outlier_heads(outlier_mask, keys.shape[1])
     torch.ops.kvrewrite.chelsea_compress(*out, budget, n_sink, n_recent, chunk, r_init, r_alpha, r_steps, r_min, heads)
     return tuple(out)
 
@@ -76,6 +76,11 @@ def outlier_mask(heads) -> int:
     if any(not 0 <= h < 62 for h in heads):
         raise ValueError(f"outlier heads {list(heads)} outside 0..61 cannot be passed as a bit mask")
     return sum(1 << h for h in set(heads))
+
+
+def outlier_heads(mask: int, n_heads: int) -> list:
+    """The KV heads (of n_heads) in a bit mask made by outlier_mask."""
+    return [h for h in range(n_heads) if mask >> h & 1]
 
 
 def _fake(keys, values, bias, slot_pos, fill, *args):
