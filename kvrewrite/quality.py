@@ -12,10 +12,19 @@ def continuation_nll(rw, context_ids: torch.Tensor, target_ids: torch.Tensor, pr
     for n + m tokens; the target is then fed one decode step at a time, so decode-time
     re-compression is part of what is measured.
     """
+    m = target_ids.shape[1]
+    logits = rw.prefill(context_ids, max_new_tokens=m, progress=progress)
+    return teacher_forced_nll(rw, logits, target_ids, progress=progress, what="continuation_nll")
+
+
+@torch.no_grad()
+def teacher_forced_nll(rw, logits: torch.Tensor, target_ids: torch.Tensor, progress: bool = False,
+                       what: str = "teacher_forced_nll") -> float:
+    """Mean NLL (nats/token) of `target_ids` [B, m] fed one decode step at a time after a prefill that
+    returned `logits` [B, V]; `what` names the caller in the error raised on a non-finite result."""
     from tqdm.auto import tqdm
 
     m = target_ids.shape[1]
-    logits = rw.prefill(context_ids, max_new_tokens=m, progress=progress)
     target_ids = target_ids.to(logits.device)
     total = torch.zeros((), dtype=torch.float64)
     for j in tqdm(range(m), desc="score", unit="tok", disable=not progress):
@@ -25,5 +34,5 @@ def continuation_nll(rw, context_ids: torch.Tensor, target_ids: torch.Tensor, pr
             logits = rw.decode_step(target_ids[:, j])
     value = float(total) / (m * target_ids.shape[0])
     if not math.isfinite(value):
-        raise FloatingPointError(f"continuation_nll: non-finite NLL {value}")
+        raise FloatingPointError(f"{what}: non-finite NLL {value}")
     return value

@@ -9,11 +9,10 @@ compressed cache (re-compression every g = 32 steps included). Metric: mean NLL 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from kvrewrite.eval.grid import Context
+from kvrewrite.quality import teacher_forced_nll
 
 
 def text_sample(tokenizer, text: str, length: int, sample: int, samples: int, target_tokens: int):
@@ -42,23 +41,6 @@ def text_sample(tokenizer, text: str, length: int, sample: int, samples: int, ta
     return torch.tensor([before[-length:]]), torch.tensor([after[:target_tokens]])
 
 
-@torch.no_grad()
-def score(rw, logits, target_ids) -> float:
-    """Mean NLL (nats/token) of target_ids [B, m] teacher-forced after a prefill that returned `logits` [B, V]."""
-    m = target_ids.shape[1]
-    target_ids = target_ids.to(logits.device)
-    total = torch.zeros((), dtype=torch.float64)
-    for j in range(m):
-        logp = torch.log_softmax(logits.double(), dim=-1)
-        total += -logp.gather(1, target_ids[:, j : j + 1]).sum().cpu()
-        if j < m - 1:
-            logits = rw.decode_step(target_ids[:, j])
-    value = float(total) / (m * target_ids.shape[0])
-    if not math.isfinite(value):
-        raise FloatingPointError(f"nll: non-finite NLL {value}")
-    return value
-
-
 class NLLTask:
     name = "nll"
     text = "shakespeare"
@@ -85,7 +67,7 @@ class NLLTask:
 
     def run(self, rw, ctx, start, ref, cfg) -> dict:
         target = ctx.data["target"][:, : cfg.nll_tokens]
-        nll = score(rw, start(rw, cfg.nll_tokens), target)
+        nll = teacher_forced_nll(rw, start(rw, cfg.nll_tokens), target, what="nll")
         out = {"nll": nll}
         if ref is not None:
             out["nll_delta"] = nll - ref["nll"]
