@@ -3,13 +3,17 @@
 Everything here runs on the host and depends only on the method, the layer facts and the static sizes
 fixed at apply time, never on the capture machinery: the per-layer capacities and budgets, the
 checks of a prompt against them, the left-padding of the prompt to whole prefill chunks, the host
-mirror of every layer's fill that picks the decode variant (HostSchedule), and the token loop of
-`generate` (greedy or sampled, EOS, padding). KVRewrittenModel and kvrewrite.export.loader both call
-these functions, so an exported model generates exactly what `rw.generate` does.
+mirror of every layer's fill that picks the decode variant (HostSchedule), the token loop of
+`generate` (greedy or sampled, EOS, padding), and HostGeneration, the prefill / decode_step /
+generate methods built on them. KVRewrittenModel and kvrewrite.export.loader.ExportedModel both
+inherit HostGeneration, so an exported model generates exactly what `rw.generate` does.
 """
 import math
+import time
 
 import torch
+
+from kvrewrite.state import reset_layer_state
 
 WINDOW_INTERVAL = 32  # sliding-window layers evict every 32 tokens (exact at any interval)
 
@@ -150,3 +154,101 @@ def pick(logits, do_sample, temperature, top_k, top_p, generator):
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+class HostGeneration:
+    """prefill / decode_step / generate over the three step graphs, one implementation for
+    KVRewrittenModel (nn.Module) and kvrewrite.export.loader.ExportedModel.
+
+    The class using it provides the static facts `model_tag`, `method`, `layers`, `capacities`,
+    `batch_size`, `prefill_chunk`, `max_length` (and optionally `generation_config`), `layer_state(i)`,
+    `BATCH_FIXED_BY` (how the batch size was fixed, for the error: "captured", "exported"), and two hooks:
+    `_state_device()` (where the state and the step inputs live) and
+    `_run_graph(name, ids, pos, cpos, valid) -> logits [B, T, V]` for name in prefill / decode /
+    decode_compress, leaving the updated state in the state tensors. Between calls the generation's
+    position is kept in `schedule`, `_next_position` and `_next_cache_position`.
+    """
+
+    BATCH_FIXED_BY = "captured"
+
+    def _check_batch(self, b: int) -> None:
+        """Refuse a batch of the wrong size, before any state is touched (nothing is lost)."""
+        if b != self.batch_size:
+            raise ValueError(f"{self.model_tag}: {self.BATCH_FIXED_BY} for batch size {self.batch_size}, "
+                             f"got input of batch {b}")
+
+    def reset(self, n_prompt: int, max_new_tokens: int) -> None:
+        """Empty every layer's state and set this generation's targets (B, B + g)."""
+        budgets = layer_budgets(self.method, self.layers, n_prompt, max_new_tokens)
+        for info, (target, threshold) in zip(self.layers, budgets):
+            reset_layer_state(self.layer_state(info.index), target, threshold)
+        self.schedule = HostSchedule(budgets, self.batch_size)
+
+    @torch.no_grad()
+    def prefill(self, input_ids, attention_mask=None, max_new_tokens: int = 0, progress: bool = False):
+        """Reset the state and run the prompt through in chunks; returns the last position's logits [B, V].
+        A prompt that cannot run (batch size, right padding, sizes) is refused before the state is reset."""
+        from tqdm.auto import tqdm
+
+        device = self._state_device()
+        ids, valid, position_ids, cache_position, n_real, n = prepare_prompt(
+            input_ids, attention_mask, model_tag=self.model_tag, method=self.method, layers=self.layers,
+            capacities=self.capacities, max_length=self.max_length, prefill_chunk=self.prefill_chunk,
+            max_new_tokens=max_new_tokens, device=device)
+        self._check_batch(ids.shape[0])
+        self.reset(n_real, max_new_tokens)
+        logits = None
+        valid_host = valid.cpu()  # the mask is the caller's: one copy per generation, not per step
+        for c in tqdm(range(0, ids.shape[1], self.prefill_chunk), desc="prefill", unit="chunk", disable=not progress):
+            sl = slice(c, c + self.prefill_chunk)
+            logits = self._run_graph("prefill", ids[:, sl], position_ids[:, sl], cache_position[sl], valid[:, sl])
+            self.schedule.step(valid_host[:, sl].sum(dim=1).tolist(), self.prefill_chunk, compress=True)
+        self._next_position = position_ids[:, -1] + 1
+        self._next_cache_position = torch.tensor([n], device=device)  # advanced on the device: no H2D copy per step
+        return logits[:, -1]
+
+    @torch.no_grad()
+    def decode_step(self, tokens):
+        """Feed one token per row [B]; returns the logits [B, V]."""
+        self._check_batch(tokens.shape[0])
+        device = self._state_device()
+        pos, cpos = self._next_position, self._next_cache_position
+        valid = torch.ones(tokens.shape[0], 1, dtype=torch.bool, device=device)
+        compress = self.schedule.due(1)
+        name = "decode_compress" if compress else "decode"
+        logits = self._run_graph(name, tokens[:, None].to(device), pos[:, None], cpos, valid)
+        self.schedule.step([1] * tokens.shape[0], 1, compress)
+        self._next_position, self._next_cache_position = pos + 1, cpos + 1
+        return logits[:, -1]
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids,
+        attention_mask=None,
+        max_new_tokens: int = 64,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id=None,
+        pad_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+        progress: bool = False,
+    ):
+        """Greedy or sampled generation; returns [B, n + new] like HF's generate (pad after EOS).
+
+        Wall-clock prefill/decode seconds of the call are left in `self.last_timings`.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        eos, pad_token_id = eos_and_pad(eos_token_id, pad_token_id, getattr(self, "generation_config", None))
+        t0 = time.perf_counter()
+        logits = self.prefill(input_ids, attention_mask, max_new_tokens, progress)
+        t1 = time.perf_counter()
+        out = token_loop(logits, self.decode_step, max_new_tokens=max_new_tokens, eos=eos, pad_token_id=pad_token_id,
+                         do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
+                         progress=progress)
+        # host-side wall clock; the loop's .all() already synchronises every step
+        self.last_timings = {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "new_tokens": len(out)}
+        return torch.cat([input_ids.to(self._state_device()), torch.stack(out, dim=1)], dim=1)

@@ -159,10 +159,26 @@ def test_prompt_plus_new_tokens_beyond_max_length(llama):
         rw.generate(ids, attention_mask=mask, max_new_tokens=1)
 
 
-def test_batch_size_mismatch(full_rw):
-    ids, mask = _prompt(3, 10)
-    with pytest.raises(ValueError, match=r"llama-2l: captured for batch size 2, got input of batch 3"):
-        full_rw.generate(ids, attention_mask=mask, max_new_tokens=2)
+def test_batch_size_mismatch_is_refused_before_the_state_is_touched(full_rw):
+    """A wrong batch size (generate, prefill or decode_step) raises before the state is reset: the
+    generation in progress (state, host schedule, positions) survives and goes on."""
+    ids, mask = _prompt(2, 10, pad_rows=(1,))
+    logits = full_rw.prefill(ids, mask, max_new_tokens=4)
+    state = [t.clone() for t in full_rw.state_tensors()]
+    schedule, fill = full_rw.schedule, [list(f) for f in full_rw.schedule.fill]
+    pos, cpos = full_rw._next_position.clone(), full_rw._next_cache_position.clone()
+    bad, bad_mask = _prompt(3, 10)
+    msg = r"^llama-2l: captured for batch size 2, got input of batch 3$"
+    with pytest.raises(ValueError, match=msg):
+        full_rw.generate(bad, attention_mask=bad_mask, max_new_tokens=2)
+    with pytest.raises(ValueError, match=msg):
+        full_rw.prefill(bad, bad_mask, max_new_tokens=2)
+    with pytest.raises(ValueError, match=msg):
+        full_rw.decode_step(torch.zeros(3, dtype=torch.long))
+    assert all(torch.equal(a, b) for a, b in zip(full_rw.state_tensors(), state)), "the state was modified"
+    assert full_rw.schedule is schedule and full_rw.schedule.fill == fill
+    assert torch.equal(full_rw._next_position, pos) and torch.equal(full_rw._next_cache_position, cpos)
+    assert full_rw.decode_step(logits.argmax(-1)).shape == logits.shape
 
 
 def test_step_length_must_be_one_or_a_chunk(full_rw):

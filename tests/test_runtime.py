@@ -1,4 +1,6 @@
 """KVRewrittenModel.generate: sampling, EOS, padding errors, memory report."""
+import re
+
 import pytest
 import torch
 
@@ -53,6 +55,19 @@ def test_eos_stops_and_pads(rw_full):
     assert int(row0[1]) == eos and (row0[2:] == 0).all(), f"row 0 must stop at EOS and pad: {row0.tolist()}"
     if eos not in greedy[1, ids.shape[1]:].tolist():
         assert torch.equal(out[1], greedy[1, : out.shape[1]]), "row 1 never hits EOS and must be unaffected"
+
+
+def test_progress_bars_and_timings(rw_full, capsys):
+    ids, mask = _batch()  # 21 tokens: 2 prefill chunks of 16
+    out = rw_full.generate(ids, mask, max_new_tokens=3, eos_token_id=[], progress=True)
+    err = capsys.readouterr().err
+    assert re.search(r"prefill: 100%.* 2/2 ", err) and "decode" in err, err
+    assert out.shape == (2, 21 + 3)
+    t = rw_full.last_timings
+    assert sorted(t) == ["decode_s", "new_tokens", "prefill_s"] and t["new_tokens"] == 3
+    assert t["prefill_s"] > 0 and t["decode_s"] > 0
+    rw_full.generate(ids, mask, max_new_tokens=3, eos_token_id=[])
+    assert capsys.readouterr().err == "", "no bars without progress=True"
 
 
 def test_right_padding_is_refused(rw_full):

@@ -2,6 +2,7 @@
 rw.generate token for token, greedy and sampled, for chelsea (compression in prefill and on the
 decode steps the host schedule picks) and for sliding-window layers (gemma3, streamingllm)."""
 import json
+import re
 
 import pytest
 import torch
@@ -86,6 +87,30 @@ def test_loader_checks_like_the_runtime(chelsea):
         m.generate(ids, mask, max_new_tokens=20)
     with pytest.raises(ValueError, match="right padding"):
         m.generate(ids, mask.flip(1), max_new_tokens=4)
+
+
+@torch.no_grad()
+def test_batch_size_mismatch_is_refused_before_the_state_is_touched(chelsea):
+    """As in the runtime (tests/test_errors.py): a wrong batch size raises, naming the model, the exported
+    batch size and the one given, before the state of the generation in progress is reset."""
+    _, path = chelsea
+    m = loader.load(path)
+    ids, mask = _inputs()
+    logits = m.prefill(ids, mask, max_new_tokens=NEW)
+    state = [t.clone() for t in m.state]
+    schedule, fill = m.schedule, [list(f) for f in m.schedule.fill]
+    pos, cpos = m._next_position.clone(), m._next_cache_position.clone()
+    msg = rf"^{re.escape(m.model_tag)}: exported for batch size 2, got input of batch 1$"
+    with pytest.raises(ValueError, match=msg):
+        m.generate(ids[:1], mask[:1], max_new_tokens=NEW)
+    with pytest.raises(ValueError, match=msg):
+        m.prefill(ids[:1], mask[:1], max_new_tokens=NEW)
+    with pytest.raises(ValueError, match=msg):
+        m.decode_step(logits[:1].argmax(-1))
+    assert all(torch.equal(a, b) for a, b in zip(m.state, state)), "the state was modified"
+    assert m.schedule is schedule and m.schedule.fill == fill
+    assert torch.equal(m._next_position, pos) and torch.equal(m._next_cache_position, cpos)
+    assert m.decode_step(logits.argmax(-1)).shape == logits.shape
 
 
 def test_bad_paths_and_graph_names(tmp_path, chelsea):
