@@ -155,6 +155,8 @@ def _clustered_attention_fwd_kernel(
     SPLIT: tl.constexpr,
     SKIP_UNSEEN: tl.constexpr,  # predicate off K/V reads of slots no query of the block can see
     LOAD_POS: tl.constexpr,  # False (past_only, window 0): slot_pos is not read, every used slot is visible
+    HAS_WINDOW: tl.constexpr,  # window > 0 (only with LOAD_POS)
+    CAUSAL_SKIP: tl.constexpr,  # test causality per element only in tiles holding a slot after the block's first query
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     pid_s = tl.program_id(0)
@@ -171,13 +173,22 @@ def _clustered_attention_fwd_kernel(
     hq = h * G + rows % G
     offs_d = tl.arange(0, HEAD_DIM)
 
-    # load q: it stays in registers for the whole slot range
+    # load q: it stays in registers for the whole slot range (rows past G * T load 0 and are never stored)
     q_ptrs = Q + b.to(tl.int64) * stride_qb + hq[:, None] * stride_qh + t[:, None] * stride_qt
     q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
     qpos = tl.load(CPOS + t, mask=row_ok, other=0)
     # the block's position range: a slot outside it is seen by no row of the block
     qpos_max = tl.max(tl.where(row_ok, qpos, -(2**62)), axis=0)
     qpos_min = tl.min(tl.where(row_ok, qpos, 2**62), axis=0)
+    # positions relative to the block's first query, in int32 (int64 compares cost two instructions per
+    # element): rows get [0, T) (rows past G * T: 0, never stored); slots are clamped to
+    # [-(window + 1), 2**30], which keeps every causal and window test's outcome (slots before the clamp
+    # are older than every row's window, slots after it newer than every row)
+    q_rel = tl.where(row_ok, qpos - qpos_min, 0).to(tl.int32)
+    if HAS_WINDOW:
+        lo = -(window.to(tl.int64) + 1)
+    else:
+        lo = -1
 
     k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
@@ -192,14 +203,17 @@ def _clustered_attention_fwd_kernel(
     n_start = pid_s * slots_per_split
     n_end = tl.minimum(n_start + slots_per_split, C)
     for n0 in range(n_start, n_end, BLOCK_N):
-        # -- slot metadata: bias (-inf = empty) and position ------------------------------------------
+        # -- slot metadata: bias (-inf = empty), and position relative to the block's first query ----
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_end
         bias = tl.load(bias_base + offs_n * stride_bc, mask=n_ok, other=float("-inf"))
         if LOAD_POS:
             pos = tl.load(pos_base + offs_n * stride_pc, mask=n_ok, other=0)
+            p_rel = tl.minimum(tl.maximum(pos - qpos_min, lo), 2**30).to(tl.int32)
             if SKIP_UNSEEN:
-                need = (bias > float("-inf")) & (pos <= qpos_max) & ((window <= 0) | (pos > qpos_min - window))
+                need = (bias > float("-inf")) & (pos <= qpos_max)
+                if HAS_WINDOW:
+                    need = need & (pos > qpos_min - window)
             else:
                 need = n_ok
         else:
@@ -207,6 +221,9 @@ def _clustered_attention_fwd_kernel(
                 need = bias > float("-inf")
             else:
                 need = n_ok
+        # the bias in the log2 domain, -inf where no row needs the slot: such a slot's K/V are not read
+        # (q·k reads 0 there) and its score is -inf whatever the row
+        bias2 = tl.where(need, bias * LOG2E, float("-inf"))
 
         # -- scores: scale * q·k + bias, -inf where the slot is not visible to the row --------------
         k = tl.load(k_base + offs_n[:, None] * stride_kc + offs_d[None, :] * stride_kd, mask=need[:, None], other=0.0)
@@ -214,13 +231,17 @@ def _clustered_attention_fwd_kernel(
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        if LOAD_POS:
-            visible = need[None, :] & (pos[None, :] <= qpos[:, None]) & row_ok[:, None]
-            visible = visible & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
-        else:
-            visible = need[None, :] & row_ok[:, None]
         # (the cast: Inductor may hand qk_scale over as an fp64 scalar)
-        s = tl.where(visible, (qk * qk_scale).to(tl.float32) + bias[None, :] * LOG2E, float("-inf"))
+        s = (qk * qk_scale).to(tl.float32) + bias2[None, :]
+        if LOAD_POS:
+            if CAUSAL_SKIP:
+                # a tile whose slots all lie at or before the block's first query is visible to every row
+                if tl.max(tl.where(need, p_rel, -1), axis=0) > 0:
+                    s = tl.where(p_rel[None, :] <= q_rel[:, None], s, float("-inf"))
+            else:
+                s = tl.where(p_rel[None, :] <= q_rel[:, None], s, float("-inf"))
+            if HAS_WINDOW:
+                s = tl.where(p_rel[None, :] > q_rel[:, None] - window, s, float("-inf"))
 
         # -- online softmax (base 2); a row that has seen nothing yet keeps m = -inf, l = 0 --------
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -290,9 +311,13 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_
     """Block sizes, split count and launch options from the shapes alone (never the data, so CUDA graphs
     and Inductor see one fixed launch). The keyword overrides are for the benchmark's tuning sweep.
 
-    Decode (G * T <= 16 rows) uses what the sweeps of kvrewrite/bench/attention.py found best on an H100
-    (Llama-3.1-8B layout, bf16): 128-slot tiles, 4 warps, 2 stages (8 warps, 64- or 32-slot tiles, 3-4
-    stages were 1-40% slower), and the split count below. Longer query blocks (prefill) are correct but not tuned.
+    Both regimes use 128-slot tiles (fewer where K and V tiles would pass 128 KiB of shared memory), 4 warps
+    and 2 stages; what the sweeps on an H100 found best (Llama-3.1-8B layout, bf16):
+    - decode (G * T <= 16 rows; kvrewrite/bench/attention.py): 8 warps, 64- or 32-slot tiles, 3-4 stages
+      were 1-40% slower; the split count below;
+    - prefill chunks (T = 1024 and 2048 queries over ~7k compressed slots plus the causal fresh block;
+      docs/bench/attention_notes.md): 64-row query tiles; 190 TFLOP/s, 2.4x the previous launch (64-slot
+      tiles, 8 warps, 3 stages); 128-row tiles and 8 warps were no faster.
     """
     rows = G * T  # M rows of one (b, kv head): every query head of the group at every query
     if block_m is None:
@@ -300,13 +325,13 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_
     m_blocks = triton.cdiv(rows, block_m)
     decode = block_m <= 16
     if num_stages is None:
-        num_stages = 2 if decode or D >= 256 else 3
+        num_stages = 2
     if block_n is None:
-        block_n = 128 if decode else 64
+        block_n = 128
         while 2 * num_stages * block_n * D * itemsize > 128 * 1024 and block_n > 16:  # K and V tiles in smem
             block_n //= 2
     if num_warps is None:
-        num_warps = 4 if block_m * D <= 64 * 64 else 8
+        num_warps = 4
     tiles = triton.cdiv(C, block_n)
     if num_splits is None:
         # split the slots until the grid covers the SMs twice; long caches (>= 256 tiles) take at least 32
@@ -373,7 +398,7 @@ def triton_clustered_attention(q, keys, values, bias, slot_pos, cache_position, 
 
 
 def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False, skip_unseen=True,
-            **overrides):
+            causal_skip=True, **overrides):
     """Allocate the output (and the split partials) and launch. No checks: Triton's interpreter
     (TRITON_INTERPRET=1) runs it on CPU tensors, which is how the kernel can be debugged without a GPU.
 
@@ -400,7 +425,7 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past
         *q.stride(), *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(),
         Hkv, G, T, C, window, cfg["slots_per_split"], scale * 1.4426950408889634, S,
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], SPLIT=S > 1, SKIP_UNSEEN=skip_unseen,
-        LOAD_POS=load_pos,
+        LOAD_POS=load_pos, HAS_WINDOW=window > 0, CAUSAL_SKIP=causal_skip,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if S > 1:
