@@ -14,7 +14,7 @@ DEFAULT_MAX_LENGTH = 4096
 
 
 def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1, prefill_chunk=256, captured=None,
-          **method_kwargs):
+          fuse_projections=False, **method_kwargs):
     """Capture `model`, rewrite its attention and KV cache for `method`, return a KVRewrittenModel.
 
     Args:
@@ -28,6 +28,10 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
         captured: the result of `kvrewrite.capture.capture(model, ...)` to rewrite instead of capturing
             again (capture is most of apply's time; kvrewrite.eval rewrites one capture for every
             method). Its batch size and prefill chunk are used; `batch_size`/`prefill_chunk` are ignored.
+        fuse_projections: one matmul for q/k/v and one for gate/up (faster decode on a GPU). It rebinds
+            the model's own q/k/v and gate/up weights as views into the fused tensors: no extra memory and
+            the same values, but safetensors' save_pretrained then refuses the shared storage (see
+            kvrewrite/passes/fuse_projections.py). Off by default for that reason.
         **method_kwargs: the method's own options (see its class, e.g. ChelseaMethod).
     """
     from kvrewrite.capture import capture, check_causal_lm, copy_graph_module
@@ -40,6 +44,8 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
         raise ValueError(f"kvrewrite.apply: batch_size must be an int >= 1, got {batch_size!r}")
     if not isinstance(prefill_chunk, int) or prefill_chunk < 2:
         raise ValueError(f"kvrewrite.apply: prefill_chunk must be an int >= 2, got {prefill_chunk!r}")
+    if not isinstance(fuse_projections, bool):
+        raise ValueError(f"kvrewrite.apply: fuse_projections must be True or False, got {fuse_projections!r}")
     check_causal_lm(model)  # before reading model.config
     if max_length is None:
         max_length = min(getattr(model.config, "max_position_embeddings", DEFAULT_MAX_LENGTH) or DEFAULT_MAX_LENGTH,
@@ -56,7 +62,8 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
     graphs = {}
     for name, (kind, compress) in variants.items():
         ctx = RewriteContext(captured.model_tag, m, captured.layers, graph_kind=kind, compress=compress,
-                             cache_buffers=captured.cache_buffers)
+                             cache_buffers=captured.cache_buffers, fuse_projections=fuse_projections,
+                             fused_weights=captured.fused_weights)
         graphs[name] = run_passes(copy_graph_module(captured.graphs[kind]), ctx)
     rw = KVRewrittenModel(captured, graphs, m, max_length, config=model.config)
     rw.generation_config = model.generation_config

@@ -12,7 +12,7 @@ rewritten attention), as transformers' own executorch wrapper does.
 """
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
@@ -38,6 +38,7 @@ class Captured:
     dtype: torch.dtype
     device: torch.device
     vocab_size: int
+    fused_weights: dict = field(default_factory=dict)  # passes/fuse_projections.py: made once, shared by every apply
 
 
 def model_tag(model) -> str:

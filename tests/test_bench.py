@@ -115,3 +115,27 @@ def test_attention_bench_bytes_model():
     assert c.sdpa_bytes == 2 * slots * 128 * 2 + 2 * 8 * 32 * 1 * 128 * 2  # K, V; q and the output
     assert c.bytes_moved - c.sdpa_bytes == 4 * slots
     assert dataclasses.replace(c, past_only=False).bytes_moved - c.sdpa_bytes == 12 * slots
+
+
+def test_fuse_projections_flag_reaches_the_config():
+    assert e2e.config_from_args(_parse([*TINY, "--fuse-projections"])).fuse_projections is True
+    assert e2e.config_from_args(_parse([*TINY])).fuse_projections is False
+
+
+def test_inductor_warm_up_waits_for_three_compressing_steps():
+    # CUDA-graph trees record a graph on its second call: the timed steps must start after its third
+    def decoder(mode, first_compress):
+        dec = e2e.KVDecoder.__new__(e2e.KVDecoder)
+        dec.mode, dec.device, dec.compresses, dec.graphs, dec.calls = mode, "cpu", True, {}, []
+        dec.step = lambda: dec.calls.append(len(dec.calls) % 32 == first_compress) or dec.calls[-1]
+        return dec
+
+    for first in (0, 31):
+        dec = decoder("inductor", first)
+        steps = dec.warm_up(e2e.warmup_steps("inductor"))
+        assert sum(dec.calls) == 3 and dec.calls[-1] and steps == first + 65
+        dec = decoder("graph", first)
+        dec.warm_up(e2e.warmup_steps("graph"))
+        assert sum(dec.calls) == 1
+    with pytest.raises(RuntimeError, match="need 3 of each"):
+        decoder("inductor", 31).warm_up(e2e.warmup_steps("graph"))
