@@ -186,7 +186,7 @@ def _clustered_attention_fwd_kernel(
     # are older than every row's window, slots after it newer than every row)
     q_rel = tl.where(row_ok, qpos - qpos_min, 0).to(tl.int32)
     if HAS_WINDOW:
-        lo = -(window.to(tl.int64) + 1)
+        lo = -1 - window
     else:
         lo = -1
 
