@@ -104,6 +104,6 @@ def fuse_projections(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
         for node in nodes:
             graph.erase_node(node)
         fused += 1
-        ctx.counters["fused_projection_groups"] += 1
+        ctx.counters["fuse_projections"] += 1
     logger.debug("%s: fused %d projection groups", ctx.where(), fused)
     return clean_up(gm)

@@ -40,6 +40,7 @@ CACHE_APPEND = "kvrewrite.cache_append.default"
 ATTENTION = "kvrewrite.clustered_attention.default"
 CHELSEA = "kvrewrite.chelsea_compress.default"
 EVICT = "kvrewrite.evict_to_budget.default"
+LINEAR = "aten.linear.default"
 
 
 @dataclass
@@ -93,7 +94,8 @@ class Runs:
         m = make_method(method, **METHODS[method])
         if hasattr(m, "bind"):
             m.bind(c.layers)
-        ctx = RewriteContext(c.model_tag, m, c.layers, graph_kind=kind, cache_buffers=c.cache_buffers)
+        ctx = RewriteContext(c.model_tag, m, c.layers, graph_kind=kind, cache_buffers=c.cache_buffers,
+                             fuse_projections=True, fused_weights=c.fused_weights)  # the opt-in pass runs too
         run = Run(c, ctx, gm)
         for p in PASSES:
             before = snapshot(gm)
@@ -143,6 +145,9 @@ def _expected(run, name):
     if name == "remove_dead_cache_buffers":
         gone = {INDEX_COPY, "aten.copy_.default", "aten.add_.Tensor"}  # HF's cache writes and bookkeeping
         return len(run.captured.cache_buffers), {ATTENTION: n, CACHE_APPEND: n}, gone
+    if name == "fuse_projections":  # q/k/v and gate/up fused (Phi-3 ships them fused): o, down and lm_head stay
+        groups = 0 if "phi3" in run.ctx.model_tag.lower() else 2 * n
+        return groups, {LINEAR: 4 * n + 1, ATTENTION: n, CACHE_APPEND: n}, set()
     raise AssertionError(f"no expectations for pass {name!r}: add them to _expected")
 
 
