@@ -70,6 +70,8 @@ import struct
 
 import torch
 
+from kvrewrite.kernels._triton_op import triton_jit
+
 try:
     import triton
     import triton.language as tl
@@ -87,18 +89,15 @@ MERGE_COLUMNS = 32  # head-dim columns per program of chelsea's round-0 merge (a
 SELECT_BLOCK = 2048  # edges per block of chelsea's round-0 selection (its histogram passes)
 
 
-def _triton_jit(**options):
-    return lambda fn: fn if triton is None else triton.jit(fn, **options)
-
 
 # -- shared helpers ----------------------------------------------------------------------------------
-@_triton_jit()
+@triton_jit()
 def _degree(b):
     """Degree n = round(exp(bias)) of a slot, as the reference's exp().round() (never near .5)."""
     return tl.floor(tl.exp(b) + 0.5)
 
 
-@_triton_jit()
+@triton_jit()
 def _log(x):
     """log n of a merged slot: libdevice's logf (within an ulp, like the CPU's)."""
     if _INTERPRET:
@@ -107,20 +106,20 @@ def _log(x):
         return libdevice.log(x)
 
 
-@_triton_jit()
+@triton_jit()
 def _order_key(x):
     """Monotone int32 key of fp32 x: x < y <=> key(x) < key(y) (signed); -0.0 keys as +0.0."""
     bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
-@_triton_jit()
+@triton_jit()
 def _f64(bits):
     """A Python float passed as its IEEE bits (Triton passes Python floats as fp32)."""
     return (tl.full([], 0, tl.int64) + bits).to(tl.float64, bitcast=True)
 
 
-@_triton_jit()
+@triton_jit()
 def _keep_mask(bb, j, fill, rank0, L, keep_head, keep_tail):
     """(valid, keep) of slots j given their bias: keep = valid rank r < keep_head or r >= L - keep_tail."""
     valid = (bb > float("-inf")) & (j < fill)
@@ -129,7 +128,7 @@ def _keep_mask(bb, j, fill, rank0, L, keep_head, keep_tail):
     return vi, valid & ((rank < keep_head) | (rank >= L - keep_tail))
 
 
-@_triton_jit()
+@triton_jit()
 def _count_valid(BIAS, fill, BLOCK_1D: tl.constexpr):
     L = tl.full([], 0, tl.int32)
     for j0 in range(0, fill, BLOCK_1D):
@@ -138,7 +137,7 @@ def _count_valid(BIAS, fill, BLOCK_1D: tl.constexpr):
     return L
 
 
-@_triton_jit()
+@triton_jit()
 def _compact_state_row(K, V, BIAS, POS, fill, keep_head, keep_tail, D,
                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_1D: tl.constexpr):
     """Keep the valid slots of [0, fill) whose rank r among the valid ones has r < keep_head or
@@ -181,7 +180,7 @@ def _compact_state_row(K, V, BIAS, POS, fill, keep_head, keep_tail, D,
     return out
 
 
-@_triton_jit()
+@triton_jit()
 def _finish_row(BIAS, FILL_AT, L, C, BLOCK_S: tl.constexpr):
     """bias = -inf on slots [L, C), fill = L."""
     tl.debug_barrier()  # all loads of the row are done before slots past L are cleared
@@ -192,7 +191,7 @@ def _finish_row(BIAS, FILL_AT, L, C, BLOCK_S: tl.constexpr):
 
 
 # -- evict_to_budget ---------------------------------------------------------------------------------
-@_triton_jit()
+@triton_jit()
 def _evict_rule(BIAS, FILL, BUDGET, row, C, n_sink, BLOCK_1D: tl.constexpr):
     """(due, fill, L, keep_head, keep_tail) of a row: keep valid ranks < min(n_sink, T) and the last
     T - that many, or all of them when L <= T."""
@@ -205,7 +204,7 @@ def _evict_rule(BIAS, FILL, BUDGET, row, C, n_sink, BLOCK_1D: tl.constexpr):
     return due, fill32, L, tl.where(L > T, sink, L), tl.where(L > T, T - sink, 0)
 
 
-@_triton_jit(do_not_specialize=["C", "n_sink"])
+@triton_jit(do_not_specialize=["C", "n_sink"])
 def _evict_columns_kernel(K, V, BIAS, FILL, BUDGET, C, D, n_sink, DS: tl.constexpr, NSLICE: tl.constexpr,
                           BLOCK_S: tl.constexpr, BLOCK_1D: tl.constexpr):
     """Step 1 (grid: rows x 2 * NSLICE): program (row, p) moves the kept slots' columns
@@ -239,7 +238,7 @@ def _evict_columns_kernel(K, V, BIAS, FILL, BUDGET, C, D, n_sink, DS: tl.constex
             out += tl.sum(ki, axis=0)
 
 
-@_triton_jit(do_not_specialize=["C", "n_sink"])
+@triton_jit(do_not_specialize=["C", "n_sink"])
 def _evict_meta_kernel(BIAS, POS, FILL, BUDGET, C, n_sink, BLOCK_1D: tl.constexpr):
     """Step 2 (grid: rows): the same moves for bias and slot_pos, then bias = -inf past the kept slots and
     fill = their count."""
@@ -266,7 +265,7 @@ def _evict_meta_kernel(BIAS, POS, FILL, BUDGET, C, n_sink, BLOCK_1D: tl.constexp
 
 
 # -- chelsea_compress --------------------------------------------------------------------------------
-@_triton_jit()
+@triton_jit()
 def _copy_slots(K, V, BIAS, POS, WK, WV, WN, WP, src0, dst0, count, from_state, to_state, D,
                 BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Copy `count` slots src0.. -> dst0.. between the state (model dtype, bias = log n) and the fp32
@@ -303,14 +302,14 @@ def _copy_slots(K, V, BIAS, POS, WK, WV, WN, WP, src0, dst0, count, from_state, 
             tl.store(WV + d[:, None] * D + offs_d[None, :], vv, mask=m2)
 
 
-@_triton_jit()
+@triton_jit()
 def _norms(x):
     """Row norms of x in fp32, clamped as F.normalize's (zero rows give 0 similarities)."""
     xf = x.to(tl.float32)
     return tl.maximum(tl.sqrt_rn(tl.sum(xf * xf, axis=1)), 1e-12)
 
 
-@_triton_jit()
+@triton_jit()
 def _cosine(ka, na, kb, nb, LOW_PREC_DOT: tl.constexpr):
     """Cosine similarity in fp32 of rows ka x rows kb (na, nb: their norms)."""
     if LOW_PREC_DOT:  # 16-bit keys: exact products, fp32 accumulation on the tensor cores
@@ -328,7 +327,7 @@ def _cosine(ka, na, kb, nb, LOW_PREC_DOT: tl.constexpr):
     return sim
 
 
-@_triton_jit()
+@triton_jit()
 def _best_b(K, a_start, va, c_start, clen, D, S: tl.constexpr, SB: tl.constexpr, BLOCK_D: tl.constexpr,
             LOW_PREC_DOT: tl.constexpr):
     """For a block of A slots (rows a_start + 2 i): the most cosine-similar B slot of the chunk (leftmost on
@@ -354,7 +353,7 @@ def _best_b(K, a_start, va, c_start, clen, D, S: tl.constexpr, SB: tl.constexpr,
     return best, arg
 
 
-@_triton_jit()
+@triton_jit()
 def _csm_similarity(K, WK, EBEST, EDST, from_state, n_sink, M, D,
                     CHUNK: tl.constexpr, S: tl.constexpr, SA: tl.constexpr, BLOCK_D: tl.constexpr,
                     LOW_PREC_DOT: tl.constexpr):
@@ -379,7 +378,7 @@ def _csm_similarity(K, WK, EBEST, EDST, from_state, n_sink, M, D,
     return n_edges
 
 
-@_triton_jit()
+@triton_jit()
 def _select_topm(EBEST, ESEL, n_e, m, EB: tl.constexpr, CCOUNT=None, S: tl.constexpr = 1):
     """Step 2: ESEL[e] = 1 for the m best edges of [0, n_e) by (similarity desc, e asc). The threshold key
     is found 8 bits at a time (a 256-bin histogram of the candidates per pass), then the keys above it
@@ -416,7 +415,7 @@ def _select_topm(EBEST, ESEL, n_e, m, EB: tl.constexpr, CCOUNT=None, S: tl.const
             tl.store(CCOUNT + ch, per_chunk, mask=ch * S < n_e)
 
 
-@_triton_jit()
+@triton_jit()
 def _merge_tensor(X, WX, BIAS, WN, LIST, from_state, to_state, c_start, sa, va, vb, keep_a, dest_a, dest_b,
                   n_a, n_b, n_tot, cnt, first, k_max, offs_d, dmask, D):
     """Step 3 for one tensor (keys or values) and one block of D columns of a chunk: B slots become
@@ -454,7 +453,7 @@ def _merge_tensor(X, WX, BIAS, WN, LIST, from_state, to_state, c_start, sa, va, 
         tl.store(WX + dest_b[:, None] * D + offs_d[None, :], out_b, mask=mb)
 
 
-@_triton_jit()
+@triton_jit()
 def _csm_merge(K, V, BIAS, POS, WK, WV, WN, WP, EBEST, EDST, ESEL, LIST, FIRST, from_state, to_state,
                n_sink, M, D, CHUNK: tl.constexpr, S: tl.constexpr, SA: tl.constexpr, BLOCK_DM: tl.constexpr,
                NUM_DB: tl.constexpr):
@@ -542,7 +541,7 @@ def _csm_merge(K, V, BIAS, POS, WK, WV, WN, WP, EBEST, EDST, ESEL, LIST, FIRST, 
     return out
 
 
-@_triton_jit()
+@triton_jit()
 def _csm_rounds(Kr, Vr, Br, Pr, WKr, WVr, WNr, WPr, EBr, EDr, ESr, LIr, FIr, FILL_AT, L, T, i, in_scratch,
                 C, D, n_sink, n_recent, r_init, r_alpha, r_min, eps, r_steps,
                 CHUNK: tl.constexpr, S: tl.constexpr, SA: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -586,7 +585,7 @@ def _csm_rounds(Kr, Vr, Br, Pr, WKr, WVr, WNr, WPr, EBr, EDr, ESr, LIr, FIr, FIL
     _finish_row(Br, FILL_AT, L, C, BLOCK_S)
 
 
-@_triton_jit(do_not_specialize=["H", "C", "CW", "EMAX", "n_sink", "n_recent", "r_init_bits", "r_alpha_bits",
+@triton_jit(do_not_specialize=["H", "C", "CW", "EMAX", "n_sink", "n_recent", "r_init_bits", "r_alpha_bits",
                                 "r_min_bits", "eps_bits", "r_steps"])
 def _chelsea_rows_kernel(
     K, V, BIAS, POS, FILL, BUDGET, HEAD_ON,  # state [B, Hkv, C, (D)], fill [B, Hkv], budget [2], HEAD_ON [Hkv] int8
@@ -630,7 +629,7 @@ def _chelsea_rows_kernel(
 
 
 # -- chelsea round 0 in parallel: prepare, similarity, select, plan, merge ----------------------------------
-@_triton_jit(do_not_specialize=["H", "C", "n_sink", "n_recent", "r_init_bits", "r_min_bits", "eps_bits"])
+@triton_jit(do_not_specialize=["H", "C", "n_sink", "n_recent", "r_init_bits", "r_min_bits", "eps_bits"])
 def _chelsea_prepare_kernel(K, V, BIAS, POS, FILL, BUDGET, HEAD_ON, SN, SP, STATUS,
                             H, C, D, n_sink, n_recent, r_init_bits, r_min_bits, eps_bits,
                             BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_1D: tl.constexpr):
@@ -677,7 +676,7 @@ def _chelsea_prepare_kernel(K, V, BIAS, POS, FILL, BUDGET, HEAD_ON, SN, SP, STAT
     tl.store(STATUS + row * 4 + 3, tl.full([], 0, tl.int32))
 
 
-@_triton_jit(do_not_specialize=["C", "EMAX", "n_sink", "n_recent"])
+@triton_jit(do_not_specialize=["C", "EMAX", "n_sink", "n_recent"])
 def _chelsea_similarity_kernel(K, STATUS, EBEST, EDST, C, D, EMAX, n_sink, n_recent,
                                CHUNK: tl.constexpr, S: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr,
                                BLOCK_D: tl.constexpr, LOW_PREC_DOT: tl.constexpr):
@@ -697,7 +696,7 @@ def _chelsea_similarity_kernel(K, STATUS, EBEST, EDST, C, D, EMAX, n_sink, n_rec
             tl.store(EDST + row * EMAX + c * S + ia, arg)
 
 
-@_triton_jit(do_not_specialize=["C", "EMAX", "NCH", "n_sink", "n_recent"])
+@triton_jit(do_not_specialize=["C", "EMAX", "NCH", "n_sink", "n_recent"])
 def _chelsea_select_kernel(BIAS, FILL, BUDGET, STATUS, EBEST, ESEL, CCOUNT, C, EMAX, NCH, n_sink, n_recent,
                            CHUNK: tl.constexpr, S: tl.constexpr, EB: tl.constexpr, BLOCK_1D: tl.constexpr):
     """Round 0, step 2 (grid: rows): m = min(n_merge, finite edges); the m best edges -> ESEL, their
@@ -722,7 +721,7 @@ def _chelsea_select_kernel(BIAS, FILL, BUDGET, STATUS, EBEST, ESEL, CCOUNT, C, E
             _finish_row(BIAS + row * C, FILL + row, L, C, BLOCK_1D)
 
 
-@_triton_jit(do_not_specialize=["C", "CW", "EMAX", "NCH", "n_sink", "n_recent"])
+@triton_jit(do_not_specialize=["C", "CW", "EMAX", "NCH", "n_sink", "n_recent"])
 def _chelsea_plan_kernel(BIAS, POS, FILL, STATUS, SN, SP, WN, WP, EBEST, EDST, ESEL, CCOUNT, LIST, CNT, FIRST, NTOT,
                          DA, DB, C, CW, EMAX, NCH, n_sink, n_recent, CHUNK: tl.constexpr, S: tl.constexpr,
                          SA: tl.constexpr, NCB: tl.constexpr, BLOCK_1D: tl.constexpr):
@@ -820,7 +819,7 @@ def _chelsea_plan_kernel(BIAS, POS, FILL, STATUS, SN, SP, WN, WP, EBEST, EDST, E
                     tl.store(WP + row * CW + t, tl.load(SP + row * C + t, mask=mt, other=0), mask=mt)
 
 
-@_triton_jit()
+@triton_jit()
 def _merge_chunk(X, OUT, SNr, LIr, CNr, FIr, NTr, DAr, DBr, c, n_sink, D, offs_d, dmask,
                  CHUNK: tl.constexpr, S: tl.constexpr):
     """Round 0, step 4 for one chunk of one row and some columns of keys or values: the chunk's stars
@@ -854,7 +853,7 @@ def _merge_chunk(X, OUT, SNr, LIr, CNr, FIr, NTr, DAr, DBr, c, n_sink, D, offs_d
     tl.store(OUT + db[:, None] * D + offs_d[None, :], out_b.to(OUT.dtype.element_ty), mask=mb)
 
 
-@_triton_jit()
+@triton_jit()
 def _move_slots(X, OUT, src0, dst0, count, D, offs_d, dmask, BLOCK_S: tl.constexpr):
     """OUT[dst0 + t] = X[src0 + t] for t < count (some columns), cast to OUT's dtype; out of place."""
     for t0 in range(0, count, BLOCK_S):
@@ -864,7 +863,7 @@ def _move_slots(X, OUT, src0, dst0, count, D, offs_d, dmask, BLOCK_S: tl.constex
         tl.store(OUT + (dst0 + t)[:, None] * D + offs_d[None, :], xx.to(OUT.dtype.element_ty), mask=m2)
 
 
-@_triton_jit(do_not_specialize=["C", "CW", "EMAX", "NCH", "n_sink", "n_recent"])
+@triton_jit(do_not_specialize=["C", "CW", "EMAX", "NCH", "n_sink", "n_recent"])
 def _chelsea_merge_kernel(K, V, XK, XV, WK, WV, SN, STATUS, LIST, CNT, FIRST, NTOT, DA, DB, C, CW, D, EMAX, NCH,
                           n_sink, n_recent, CHUNK: tl.constexpr, S: tl.constexpr, DS: tl.constexpr,
                           NSLICE: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -908,7 +907,7 @@ def _chelsea_merge_kernel(K, V, XK, XV, WK, WV, SN, STATUS, LIST, CNT, FIRST, NT
                 _move_slots(X, W, 0, 0, n_sink, D, offs_d, dmask, BLOCK_S)
 
 
-@_triton_jit(do_not_specialize=["C", "n_sink"])
+@triton_jit(do_not_specialize=["C", "n_sink"])
 def _chelsea_writeback_kernel(K, V, XK, XV, STATUS, C, D, n_sink, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """Round 0, step 5 (grid: rows x cdiv(C, BLOCK_T)): rows the round finished get their merged and
     compacted slots [n_sink, L - m) back from the staging copy (the sinks never move)."""

@@ -1,4 +1,4 @@
-"""Registering an op as a ``torch.library.triton_op`` (shared by the ops with a Triton kernel).
+"""Shared by the ops with Triton kernels: ``triton_op`` registration, ``triton_jit``, the device check.
 
 A triton_op's body is its kernel, its fake (it is traced on fake tensors) and, under torch.compile,
 what Inductor inlines: CUDA launches Triton through ``wrap_triton`` (Inductor sees the kernel, CUDA
@@ -7,6 +7,23 @@ graphs capture it), other devices run plain PyTorch.
 import logging
 
 import torch
+
+try:
+    import triton
+except ImportError:  # CPU-only installs import the kernel modules too; only launching needs Triton
+    triton = None
+
+
+def triton_jit(**options):
+    """``triton.jit(**options)``, or the function left as plain Python where Triton is not installed."""
+    return lambda fn: fn if triton is None else triton.jit(fn, **options)
+
+
+def check_one_cuda_device(name: str, tensors) -> None:
+    """ValueError naming the op and the devices unless every tensor is on one and the same CUDA device."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise ValueError(f"{name}: all inputs must be on one CUDA device, got {sorted(map(str, devices))}")
 
 
 def register_triton_op(name: str, fn, mutates_args, triton_available: bool):

@@ -28,7 +28,7 @@ from __future__ import annotations  # the kernels' `tl.constexpr` annotations st
 import torch
 from torch.library import wrap_triton
 
-from kvrewrite.kernels._triton_op import register_triton_op
+from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
 
 try:
     import triton
@@ -87,11 +87,8 @@ def reference_attention_column_stats(q, keys, bias, slot_pos, cache_position, ls
 # ---------------------------------------------------------------------------------------------------
 
 
-def _triton_jit(**options):
-    return lambda fn: fn if triton is None else triton.jit(fn, **options)
 
-
-@_triton_jit()
+@triton_jit()
 def _scores(q, k, qk_scale, bias, FP32: tl.constexpr):
     """log2-domain logits scale * log2 e * q·k + log2 e * bias of a [M, D] x [N, D] tile, in fp32."""
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -103,7 +100,7 @@ def _scores(q, k, qk_scale, bias, FP32: tl.constexpr):
     return (qk * qk_scale).to(tl.float32) + bias[None, :] * LOG2E
 
 
-@_triton_jit(do_not_specialize=["Hq", "G", "T", "C", "D", "window"])
+@triton_jit(do_not_specialize=["Hq", "G", "T", "C", "D", "window"])
 def _column_stats_lse_kernel(
     Q, K, BIAS, POS, CPOS, LSE,  # LSE: out, contiguous [B, Hq, T] fp32, natural log
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -151,7 +148,7 @@ def _column_stats_lse_kernel(
     tl.store(LSE + (b * Hq + hq) * T + offs_t, lse, mask=t_ok)
 
 
-@_triton_jit(do_not_specialize=["Hq", "G", "T", "C", "D", "window", "first_recent"])
+@triton_jit(do_not_specialize=["Hq", "G", "T", "C", "D", "window", "first_recent"])
 def _column_stats_kernel(
     Q, K, BIAS, POS, CPOS, LSE,
     TOTAL, RECENT,  # out, contiguous [B, Hq, C] fp32
@@ -248,10 +245,7 @@ def _check_cuda_inputs(q, keys, bias, slot_pos, cache_position, lse):
                         f"got {bias.dtype}, {slot_pos.dtype}, {cache_position.dtype}")
     if q.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"{name}: head dim D must be <= {MAX_HEAD_DIM}, got D={q.shape[-1]}")
-    tensors = [q, keys, bias, slot_pos, cache_position] + ([] if lse is None else [lse])
-    devices = {t.device for t in tensors}
-    if len(devices) != 1 or q.device.type != "cuda":
-        raise ValueError(f"{name}: all inputs must be on one CUDA device, got {sorted(map(str, devices))}")
+    check_one_cuda_device(name, [q, keys, bias, slot_pos, cache_position] + ([] if lse is None else [lse]))
 
 
 def _launch_config(T: int, D: int) -> dict:

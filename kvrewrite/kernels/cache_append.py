@@ -26,7 +26,7 @@ from __future__ import annotations  # the kernels' `tl.constexpr` annotations st
 import torch
 from torch.library import wrap_triton
 
-from kvrewrite.kernels._triton_op import register_triton_op
+from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
 
 try:
     import triton
@@ -62,11 +62,8 @@ def reference_cache_append(keys, values, bias, slot_pos, fill, k_new, v_new, cac
 # ---------------------------------------------------------------------------------------------------
 
 
-def _triton_jit(**options):
-    return lambda fn: fn if triton is None else triton.jit(fn, **options)
 
-
-@_triton_jit(do_not_specialize=["Hkv", "T", "D"])
+@triton_jit(do_not_specialize=["Hkv", "T", "D"])
 def _cache_append_kernel(
     K, V, BIAS, POS, FILL, KN, VN, CPOS, VALID,
     stride_kb, stride_kh, stride_kc, stride_kd,
@@ -140,10 +137,8 @@ def triton_cache_append(keys, values, bias, slot_pos, fill, k_new, v_new, cache_
         raise NotImplementedError("triton_cache_append needs Triton (pip install triton); "
                                   "kvrewrite::cache_append itself runs without it")
     _check_inputs(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid)
-    tensors = (keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid)
-    devices = {t.device for t in tensors}
-    if len(devices) != 1 or keys.device.type != "cuda":
-        raise ValueError(f"triton_cache_append: all inputs must be on one CUDA device, got {sorted(map(str, devices))}")
+    check_one_cuda_device("triton_cache_append", (keys, values, bias, slot_pos, fill, k_new, v_new, cache_position,
+                                                  token_valid))
     _launch(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid)
 
 

@@ -42,7 +42,7 @@ import functools
 import torch
 from torch.library import wrap_triton
 
-from kvrewrite.kernels._triton_op import register_triton_op
+from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
 
 try:
     import triton
@@ -131,13 +131,10 @@ def cpu_clustered_attention(q, keys, values, bias, slot_pos, cache_position, sca
 # ---------------------------------------------------------------------------------------------------
 
 
-def _triton_jit(**options):
-    return lambda fn: fn if triton is None else triton.jit(fn, **options)
-
 
 # Shape ints that only bound loops and masks are not specialised on (value 1, multiple of 16): one
 # compiled kernel then serves every C, T, G and window of a dtype and head dim.
-@_triton_jit(do_not_specialize=["Hkv", "G", "T", "C", "window", "NUM_SPLITS"])
+@triton_jit(do_not_specialize=["Hkv", "G", "T", "C", "window", "NUM_SPLITS"])
 def _clustered_attention_fwd_kernel(
     Q, K, V, BIAS, POS, CPOS,
     OUT,  # [B, Hq, T, D] q's dtype (SPLIT False), or fp32 partial acc [B * Hq * T, NUM_SPLITS, D]
@@ -270,7 +267,7 @@ def _clustered_attention_fwd_kernel(
         tl.store(OUT + out_row[:, None] * HEAD_DIM + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
 
-@_triton_jit(do_not_specialize=["NUM_SPLITS"])
+@triton_jit(do_not_specialize=["NUM_SPLITS"])
 def _clustered_attention_combine_kernel(
     ACC, M_PART, L_PART, OUT,  # partials as written by the fwd kernel; OUT [B * Hq * T, D]
     NUM_SPLITS,
@@ -363,8 +360,8 @@ def _check_inputs(q, keys, values, bias, slot_pos, cache_position, window):
                          f"got bias {tuple(bias.shape)}, slot_pos {tuple(slot_pos.shape)}")
     if cache_position.shape != (T,):
         raise ValueError(f"{name}: cache_position must be [T] = ({T},), got {tuple(cache_position.shape)}")
-    if Hq % Hkv:
-        raise ValueError(f"{name}: Hq must be a multiple of Hkv (GQA), got Hq={Hq}, Hkv={Hkv}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"{name}: Hq must be a multiple of Hkv >= 1 (GQA), got Hq={Hq}, Hkv={Hkv}")
     if C == 0:
         raise ValueError(f"{name}: the state has no slots (C = 0)")
     if q.dtype not in _DTYPES or keys.dtype != q.dtype or values.dtype != q.dtype:
@@ -375,9 +372,7 @@ def _check_inputs(q, keys, values, bias, slot_pos, cache_position, window):
                         f"got {bias.dtype}, {slot_pos.dtype}, {cache_position.dtype}")
     if D not in _HEAD_DIMS:
         raise ValueError(f"{name}: head dim D must be one of {_HEAD_DIMS}, got D={D}")
-    devices = {t.device for t in (q, keys, values, bias, slot_pos, cache_position)}
-    if len(devices) != 1 or q.device.type != "cuda":
-        raise ValueError(f"{name}: all inputs must be on one CUDA device, got {sorted(map(str, devices))}")
+    check_one_cuda_device(name, (q, keys, values, bias, slot_pos, cache_position))
     if window < 0:
         raise ValueError(f"{name}: window must be >= 0 (0 = no window), got {window}")
 

@@ -212,6 +212,8 @@ def test_errors_are_clear():
         ca.triton_clustered_attention(q, keys.float(), values, bias, slot_pos, cp, 0.125, 0)
     with pytest.raises(ValueError, match="multiple of Hkv"):
         ca.triton_clustered_attention(q[:, :3], keys, values, bias, slot_pos, cp, 0.125, 0)
+    with pytest.raises(ValueError, match=r"multiple of Hkv >= 1 \(GQA\), got Hq=\d+, Hkv=0"):
+        ca.triton_clustered_attention(q, keys[:, :0], values[:, :0], bias[:, :0], slot_pos[:, :0], cp, 0.125, 0)
     with pytest.raises(ValueError, match="head dim D"):
         ca.triton_clustered_attention(q[..., :48], keys[..., :48], values[..., :48], bias, slot_pos, cp, 0.125, 0)
     with pytest.raises(ValueError, match="CUDA device"):
