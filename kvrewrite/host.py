@@ -199,10 +199,15 @@ class HostGeneration:
         self.reset(n_real, max_new_tokens)
         logits = None
         valid_host = valid.cpu()  # the mask is the caller's: one copy per generation, not per step
-        for c in tqdm(range(0, ids.shape[1], self.prefill_chunk), desc="prefill", unit="chunk", disable=not progress):
-            sl = slice(c, c + self.prefill_chunk)
-            logits = self._run_graph("prefill", ids[:, sl], position_ids[:, sl], cache_position[sl], valid[:, sl])
-            self.schedule.step(valid_host[:, sl].sum(dim=1).tolist(), self.prefill_chunk, compress=True)
+        # chunk c of each [B, n] input as a [B, T] view with the strides (T, 1) whatever n is: the compiled step
+        # (rw.compile) guards on input strides, and slices of [B, n] would recompile it for every prompt length
+        T = self.prefill_chunk
+        chunks = [x.reshape(x.shape[0], -1, T).transpose(0, 1).clone(memory_format=torch.contiguous_format)
+                  for x in (ids, position_ids, valid)]  # (.contiguous() would keep the size-1 dims' strides)
+        for i, c in enumerate(tqdm(range(0, ids.shape[1], T), desc="prefill", unit="chunk", disable=not progress)):
+            sl = slice(c, c + T)
+            logits = self._run_graph("prefill", chunks[0][i], chunks[1][i], cache_position[sl], chunks[2][i])
+            self.schedule.step(valid_host[:, sl].sum(dim=1).tolist(), T, compress=True)
         self._next_position = position_ids[:, -1] + 1
         self._next_cache_position = torch.tensor([n], device=device)  # advanced on the device: no H2D copy per step
         return logits[:, -1]
