@@ -6,7 +6,10 @@ over the slots j visible to query t: slot_pos[j] <= cache_position[t] (causality
 the fresh tokens of a prefill chunk written just before), and, for a sliding-window layer
 (window > 0), slot_pos[j] > cache_position[t] - window. b_j = log n_j is the slot's degree bias
 (0 for an exact token, -inf for an empty or padding slot), so merging identical keys is exact
-(Chelsea eq. 2). GQA is index math: query head h reads KV head h // (Hq // Hkv).
+(Chelsea eq. 2). GQA is index math: query head h reads KV head h // (Hq // Hkv). An empty slot's keys
+and values must be finite (the state keeps them so: zero-initialised, then written only with the
+model's keys and values or merges of them): the CUDA kernel reads every slot for prefill-sized query
+blocks and masks by score, and 0 x inf would be NaN.
 
 Args:
     q:              [B, Hq, T, D]   model dtype
@@ -304,27 +307,32 @@ def _num_sms_of(device_index: int) -> int:
 
 
 def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_n=None, num_splits=None,
-                   num_warps=None, num_stages=None):
+                   num_warps=None, num_stages=None, skip_unseen=None):
     """Block sizes, split count and launch options from the shapes alone (never the data, so CUDA graphs
     and Inductor see one fixed launch). The keyword overrides are for the benchmark's tuning sweep.
 
-    Both regimes use 128-slot tiles (fewer where K and V tiles would pass 128 KiB of shared memory), 4 warps
-    and 2 stages; what the sweeps on an H100 found best (Llama-3.1-8B layout, bf16):
-    - decode (G * T <= 16 rows; kvrewrite/bench/attention.py): 8 warps, 64- or 32-slot tiles, 3-4 stages
-      were 1-40% slower; the split count below;
-    - prefill chunks (T = 1024 and 2048 queries over ~7k compressed slots plus the causal fresh block;
-      docs/bench/attention_notes.md): 64-row query tiles; 190 TFLOP/s, 2.4x the previous launch (64-slot
-      tiles, 8 warps, 3 stages); 128-row tiles and 8 warps were no faster.
+    4 warps and 2 stages throughout; what the sweeps on an H100 found best (Llama-3.1-8B layout, bf16):
+    - decode (G * T <= 16 rows; kvrewrite/bench/attention.py): 128-slot tiles, K/V reads of empty slots
+      predicated off (skip_unseen: a decode step is bandwidth-bound); 8 warps, 64- or 32-slot tiles, 3-4
+      stages were 1-40% slower; the split count below;
+    - prefill chunks (kvrewrite/bench/attention_prefill.py: T = 1024 and 2048 queries over ~7k compressed
+      slots plus the causal fresh block): 64-row query tiles, 64-slot tiles, every slot's K/V read
+      (skip_unseen False: the reads no longer wait on the bias loads, so the loop pipelines): 3.0x the
+      previous launch at T = 1024 (1.49 -> 0.49 ms) and 20% faster than 128-slot tiles with skip_unseen;
+      128-row tiles and 8 warps were no faster. Reading empty slots is why their K/V must be finite
+      (module docstring).
     """
     rows = G * T  # M rows of one (b, kv head): every query head of the group at every query
     if block_m is None:
         block_m = min(max(triton.next_power_of_2(rows), 16), 64)  # tl.dot needs M >= 16
     m_blocks = triton.cdiv(rows, block_m)
     decode = block_m <= 16
+    if skip_unseen is None:
+        skip_unseen = decode
     if num_stages is None:
         num_stages = 2
     if block_n is None:
-        block_n = 128
+        block_n = 128 if decode else 64
         while 2 * num_stages * block_n * D * itemsize > 128 * 1024 and block_n > 16:  # K and V tiles in smem
             block_n //= 2
     if num_warps is None:
@@ -342,7 +350,8 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_
     tiles_per_split = triton.cdiv(tiles, min(max(num_splits, 1), tiles))
     num_splits = triton.cdiv(tiles, tiles_per_split)  # no empty split
     return dict(block_m=block_m, m_blocks=m_blocks, block_n=block_n, num_splits=num_splits,
-                slots_per_split=tiles_per_split * block_n, num_warps=num_warps, num_stages=num_stages)
+                slots_per_split=tiles_per_split * block_n, num_warps=num_warps, num_stages=num_stages,
+                skip_unseen=skip_unseen)
 
 
 def _check_inputs(q, keys, values, bias, slot_pos, cache_position, window):
@@ -392,8 +401,8 @@ def triton_clustered_attention(q, keys, values, bias, slot_pos, cache_position, 
     return _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only, **tuning)
 
 
-def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False, skip_unseen=True,
-            causal_skip=True, **overrides):
+def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False, causal_skip=True,
+            **overrides):
     """Allocate the output (and the split partials) and launch. No checks: Triton's interpreter
     (TRITON_INTERPRET=1) runs it on CPU tensors, which is how the kernel can be debugged without a GPU.
 
@@ -419,7 +428,7 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past
         q, keys, values, bias, slot_pos, cache_position, part, m_part, l_part,
         *q.stride(), *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(),
         Hkv, G, T, C, window, cfg["slots_per_split"], scale * 1.4426950408889634, S,
-        HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], SPLIT=S > 1, SKIP_UNSEEN=skip_unseen,
+        HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], SPLIT=S > 1, SKIP_UNSEEN=cfg["skip_unseen"],
         LOAD_POS=load_pos, HAS_WINDOW=window > 0, CAUSAL_SKIP=causal_skip,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

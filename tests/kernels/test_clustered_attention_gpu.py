@@ -92,8 +92,7 @@ def _run_and_compare(B, Hq, Hkv, T, C, D, dtype, window, seed, past_only=False, 
     scale = D**-0.5
     f32 = [x.float() for x in (q, keys, values)]
     ref = ca.reference_clustered_attention(*f32, bias, slot_pos, cp, scale, window, past_only)  # checks the promise
-    overrides = {k: v for k, v in tuning.items() if k != "skip_unseen"}
-    cfg = ca._launch_config(B, Hkv, Hq // Hkv, T, C, D, ca._num_sms(q.device), q.element_size(), **overrides)
+    cfg = ca._launch_config(B, Hkv, Hq // Hkv, T, C, D, ca._num_sms(q.device), q.element_size(), **tuning)
     nbytes = B * Hq * T * (D * q.element_size() + cfg["num_splits"] * (D + 2) * 4)  # output, split partials
     args = (q, keys, values, bias, slot_pos, cp, scale, window)
     if tuning:
@@ -121,7 +120,8 @@ def test_small_head_dims(D, dtype):
 
 
 @pytest.mark.parametrize("tuning", [dict(num_splits=1), dict(num_splits=2), dict(num_splits=7), dict(block_n=32),
-                                    dict(skip_unseen=False), dict(num_splits=5, skip_unseen=False)],
+                                    dict(skip_unseen=False), dict(num_splits=5, skip_unseen=False),
+                                    dict(skip_unseen=True), dict(block_n=128, skip_unseen=True)],
                          ids=_tuning_id)
 def test_launch_variants_agree(tuning):
     """Forced split counts and tile sizes (the benchmark's sweep space) compute the same function."""
@@ -190,9 +190,11 @@ def test_query_with_no_visible_slot_is_zero_not_nan():
     assert torch.isfinite(out).all() and (out == 0).all()
 
 
-def test_empty_slots_are_never_attended():
-    """bias -inf marks an empty slot: huge stale keys and values there change nothing."""
-    B, Hq, Hkv, T, C, D = 2, 8, 2, 1, 300, 128
+@pytest.mark.parametrize("T", [1, 5, 40], ids=["decode", "T5", "T40"])
+def test_empty_slots_are_never_attended(T):
+    """bias -inf marks an empty slot: huge stale keys and values there change nothing (decode predicates their
+    reads off; prefill-sized blocks read them and mask the scores, which needs them finite)."""
+    B, Hq, Hkv, C, D = 2, 8, 2, 300, 128
     q, keys, values, bias, slot_pos, cp = _inputs(B, Hq, Hkv, T, C, D, torch.bfloat16, seed=3)
     empty = torch.isinf(bias)
     assert empty.any()
