@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The whole `kvrewrite bench` grid on one GPU, in phases; each phase is cut by its own timeout and
 # rewrites its JSON after every row, so a cut run keeps its rows.
-#   scripts/bench_gpu.sh [OUTDIR] [PHASES]     (PHASES: any of a b c, default "a b c")
+#   scripts/bench_gpu.sh [OUTDIR] [PHASES]     (PHASES: any of a b c d, default "a b c d")
 # a: batch 1, 16k/32k/64k, HF eager + kvrewrite methods (real prefill), hf-compiled at 32k
 # b: 32k, batch 16 and the largest batch that fits per system, every system (synthetic state)
 # c: 32k batch 1 and 16 (CB=1: batch 1 only), kvrewrite decode through rw.compile(mode="reduce-overhead") (Inductor)
+# d: the headline rows: 32k batch 1, HF eager + compiled vs chelsea with fused projections, compiled decode
+#    and compiled prefill in chunks of 2048 (docs/bench.md, "Later runs")
 set -o pipefail
 OUT=${1:-out/bench}
-PHASES=${2:-a b c}
+PHASES=${2:-a b c d}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee -a "$OUT/log.txt"
@@ -20,6 +22,8 @@ for p in $PHASES; do
          --out "$OUT/e2e_batch.json" --plot /tmp/e2e_b.png 2>&1 | tee -a "$OUT/log.txt" ;;
     c) timeout ${TC:-400} $B --systems chelsea,full --contexts 32768 --batches ${CB:-1,16} --no-prefill \
          --kv-compile inductor --out "$OUT/e2e_inductor.json" --plot /tmp/e2e_c.png 2>&1 | tee -a "$OUT/log.txt" ;;
+    d) timeout ${TD:-500} $B --systems hf-eager,hf-compiled,chelsea --contexts 32768 --batches 1 --prefill-chunk 2048 \
+         --fuse-projections --kv-compile inductor --out "$OUT/e2e_headline.json" --plot /tmp/e2e_d.png 2>&1 | tee -a "$OUT/log.txt" ;;
   esac
 done
 python - "$OUT" <<'PY'

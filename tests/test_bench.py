@@ -139,3 +139,11 @@ def test_inductor_warm_up_waits_for_three_compressing_steps():
         assert sum(dec.calls) == 1
     with pytest.raises(RuntimeError, match="need 3 of each"):
         decoder("inductor", 31).warm_up(e2e.warmup_steps("graph"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")
+def test_profile_decode_refuses_to_run_without_a_gpu():
+    from kvrewrite.bench import profile_decode
+
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        profile_decode.main(["--context", "1024"])

@@ -317,8 +317,8 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_
       stages were 1-40% slower; the split count below;
     - prefill chunks (kvrewrite/bench/attention_prefill.py: T = 1024 and 2048 queries over ~7k compressed
       slots plus the causal fresh block): 64-row query tiles, 64-slot tiles, every slot's K/V read
-      (skip_unseen False: the reads no longer wait on the bias loads, so the loop pipelines): 3.0x the
-      previous launch at T = 1024 (1.49 -> 0.49 ms) and 20% faster than 128-slot tiles with skip_unseen;
+      (skip_unseen False: the reads no longer wait on the bias loads, so the loop pipelines): 2.5-3.0x the
+      previous launch at T = 1024 (1.49 -> 0.49-0.59 ms) and 20% faster than 128-slot tiles with skip_unseen;
       128-row tiles and 8 warps were no faster. Reading empty slots is why their K/V must be finite
       (module docstring).
     """

@@ -1,0 +1,108 @@
+"""Where the time of a kvrewrite decode step goes (torch.profiler, CUDA kernels), and how fast bare GEMVs are.
+
+    python -m kvrewrite.bench.profile_decode --method chelsea --context 32768 [--fuse-projections]
+
+Same random Llama-3.1-8B-shaped model as `kvrewrite bench`. First the GEMVs of its shapes alone (batch 1,
+bf16, each weight read from HBM: enough copies rotated past the L2, replayed as one CUDA graph), as a share
+of the measured copy bandwidth. Then a real chunked prefill of `--context` random tokens, the decode steps
+through rw.compile(fullgraph=True, mode="reduce-overhead") (or `--kv-compile graph`), and a profile of one
+compressing step and of 16 plain steps: device time per kernel per step, most expensive first.
+Output: docs/bench/e2e_h100_decode_profile.txt is one such run.
+"""
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+GEMV_SHAPES = ((4096, 4096), (1024, 4096), (6144, 4096), (14336, 4096), (28672, 4096), (4096, 14336), (128256, 4096))
+
+
+def gemv_us(n: int, k: int) -> float:
+    """Per-call time of x[1, k] @ W[n, k]^T with W read from HBM (copies rotated past the L2), CUDA-graph timed."""
+    from triton.testing import do_bench
+
+    copies = min(64, max(2, (400 << 20) // (n * k * 2)))
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream (cuBLAS workspaces)
+        for w in ws:
+            F.linear(x, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in ws:
+            F.linear(x, w)
+    return do_bench(graph.replay, warmup=5, rep=50, return_mode="median") * 1e3 / copies
+
+
+def profile_steps(dec, rw, n_steps: int, compressing: bool, top: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    while rw.schedule.due(1) != compressing:  # advance to the wanted kind of step
+        dec.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(n_steps):
+            dec.step()
+        torch.cuda.synchronize()
+    events = [e for e in p.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events) / n_steps
+    kernels = sum(e.count for e in events) / n_steps
+    label = "compressing step" if compressing else "plain steps"
+    print(f"\n== {label}: {n_steps} steps, kernel time per step {total / 1e3:.3f} ms, kernels per step {kernels:.0f}")
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
+        print(f"  {e.device_time_total / n_steps:9.1f} us/step {e.count / n_steps:6.1f}/step  "
+              f"{e.device_time_total / e.count:8.1f} us/call  {e.key[:100]}", flush=True)
+
+
+def main(argv=None):
+    import kvrewrite
+    from kvrewrite.bench.e2e import KVDecoder, _time_steps, build_model, copy_gbps
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--method", default="chelsea")
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--prefill-chunk", type=int, default=1024)
+    parser.add_argument("--kv-compile", default="inductor", choices=("inductor", "graph"))
+    parser.add_argument("--fuse-projections", action="store_true")
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_decode: needs a CUDA GPU")
+    bw = copy_gbps("cuda")
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | copy {bw:.0f} GB/s", flush=True)
+    for n, k in GEMV_SHAPES:
+        us = gemv_us(n, k)
+        gbs = n * k * 2 / us / 1e3
+        print(f"gemv {n}x{k}: {us:7.1f} us  {gbs:6.0f} GB/s  {gbs / bw * 100:5.1f}% of copy", flush=True)
+    torch.cuda.empty_cache()
+
+    model = build_model("llama-3.1-8b", "cuda")
+    opts = {} if args.method == "full" else {"budget": args.budget}
+    rw = kvrewrite.apply(model, args.method, max_length=args.context + 320, prefill_chunk=args.prefill_chunk,
+                         fuse_projections=args.fuse_projections, **opts)
+    ids = torch.randint(1, model.config.vocab_size, (1, args.context), device="cuda")
+    with torch.no_grad():
+        rw.prefill(ids, max_new_tokens=320)
+        dec = KVDecoder(rw, args.kv_compile)
+        t0 = time.perf_counter()
+        dec.warm_up(3 * 32 + 2)
+        torch.cuda.synchronize()
+        print(f"decode warm-up (compile, CUDA graphs) {time.perf_counter() - t0:.1f} s", flush=True)
+        steps = [s for _ in range(3) for s in _time_steps("cuda", 64, dec.step)]
+        plain = [ms for ms, c in steps if not c]
+        comp = [ms for ms, c in steps if c]
+        print(f"{args.kv_compile}: ms/step {statistics.mean(ms for ms, _ in steps):.3f}  plain median "
+              f"{statistics.median(plain):.3f}  compressing mean {statistics.mean(comp) if comp else float('nan'):.3f}")
+        if dec.compresses:
+            profile_steps(dec, rw, 1, True, args.top)
+        profile_steps(dec, rw, 16, False, args.top)
+
+
+if __name__ == "__main__":
+    main()
