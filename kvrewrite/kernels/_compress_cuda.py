@@ -89,7 +89,6 @@ MERGE_COLUMNS = 32  # head-dim columns per program of chelsea's round-0 merge (a
 SELECT_BLOCK = 2048  # edges per block of chelsea's round-0 selection (its histogram passes)
 
 
-
 # -- shared helpers ----------------------------------------------------------------------------------
 @triton_jit()
 def _degree(b):

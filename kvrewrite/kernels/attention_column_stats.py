@@ -72,7 +72,6 @@ def reference_attention_column_stats(q, keys, bias, slot_pos, cache_position, ls
     return total, recent
 
 
-
 # ---------------------------------------------------------------------------------------------------
 # Triton (CUDA)
 #
@@ -85,7 +84,6 @@ def reference_attention_column_stats(q, keys, bias, slot_pos, cache_position, ls
 # LSE kernel (only when the caller has no lse): one program per BLOCK_M queries of a query head, an
 # online log-sum-exp over every slot (flash-attention's forward without V), written as natural log.
 # ---------------------------------------------------------------------------------------------------
-
 
 
 @triton_jit()

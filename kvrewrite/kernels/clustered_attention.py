@@ -134,7 +134,6 @@ def cpu_clustered_attention(q, keys, values, bias, slot_pos, cache_position, sca
 # ---------------------------------------------------------------------------------------------------
 
 
-
 # Shape ints that only bound loops and masks are not specialised on (value 1, multiple of 16): one
 # compiled kernel then serves every C, T, G and window of a dtype and head dim.
 @triton_jit(do_not_specialize=["Hkv", "G", "T", "C", "window", "NUM_SPLITS"])
@@ -221,8 +220,8 @@ def _clustered_attention_fwd_kernel(
                 need = bias > float("-inf")
             else:
                 need = n_ok
-        # the bias in the log2 domain, -inf where no row needs the slot: such a slot's K/V are not read
-        # (q·k reads 0 there) and its score is -inf whatever the row
+        # the bias in the log2 domain, -inf where no row needs the slot: its score is -inf whatever the row
+        # (with SKIP_UNSEEN its K/V are not read either: q·k reads 0 there)
         bias2 = tl.where(need, bias * LOG2E, float("-inf"))
 
         # -- scores: scale * q·k + bias, -inf where the slot is not visible to the row --------------
