@@ -29,8 +29,8 @@ Decisions (what exactly is timed):
   whatever they hold; the mask hides the unwritten ones).
 - Prefill (batch 1): kvrewrite's real chunked prefill (`--prefill-chunk`, compression inside; eager graphs,
   or under `--kv-compile inductor` the compiled step, as after a user's rw.compile; one warm-up prefill of
-  3 chunks before, which also compiles and records the CUDA graph: `prefill_warmup_s`) vs dense HF prefill: one forward of n tokens, SDPA (causal,
-  DynamicCache), logits of the last position only; one warm-up forward of 2048 tokens before. Wall clock
+  3 chunks before, which also compiles and records the CUDA graph: `prefill_warmup_s`) vs dense HF prefill:
+  one forward of n tokens, SDPA (causal, DynamicCache), logits of the last position only; one warm-up forward of 2048 tokens before. Wall clock
   with synchronisation, one run each.
 - Memory: peak = torch.cuda.max_memory_allocated over the row (weights included); KV bytes = the cache as
   allocated (kvrewrite: every state tensor at its static capacity; HF: the StaticCache). The export of the
@@ -60,11 +60,6 @@ from pathlib import Path
 import torch
 
 HF_SYSTEMS = ("hf-eager", "hf-compiled")
-
-
-def warmup_steps(kv_compile: str) -> int:
-    """Bound of the kvrewrite decode warm-up (KVDecoder.warm_up): two compressing steps (g = 32), three under Inductor."""
-    return (3 if kv_compile == "inductor" else 2) * 32 + 2
 MODELS = {
     "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
@@ -78,6 +73,11 @@ GRIDS = {  # --grid presets; explicit flags override them
     "full": dict(contexts=[16384, 32768, 65536], batches=["1", "16", "max"]),
     "quick": dict(contexts=[32768], batches=["1"]),
 }
+
+
+def warmup_steps(kv_compile: str) -> int:
+    """Bound of the kvrewrite decode warm-up (KVDecoder.warm_up): two compressing steps (g = 32), three under Inductor."""
+    return (3 if kv_compile == "inductor" else 2) * 32 + 2
 
 
 @dataclasses.dataclass
