@@ -28,7 +28,7 @@ from __future__ import annotations  # the kernels' `tl.constexpr` annotations st
 import torch
 from torch.library import wrap_triton
 
-from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
+from kvrewrite.kernels._triton_op import check_attention_shapes, check_one_cuda_device, register_triton_op, triton_jit
 
 try:
     import triton
@@ -213,20 +213,7 @@ LOG2E = 1.4426950408889634
 def _check_inputs(q, keys, bias, slot_pos, cache_position, lse, window, last):
     """Shape and argument checks of the op (every device); names what is wrong."""
     name = "kvrewrite::attention_column_stats"
-    if q.dim() != 4 or keys.dim() != 4:
-        raise ValueError(f"{name}: expected q [B, Hq, T, D] and keys [B, Hkv, C, D], "
-                         f"got q {tuple(q.shape)}, keys {tuple(keys.shape)}")
-    B, Hq, T, D = q.shape
-    Hkv, C = keys.shape[1], keys.shape[2]
-    if keys.shape[0] != B or keys.shape[3] != D:
-        raise ValueError(f"{name}: keys must be [B={B}, Hkv, C, D={D}] like q, got {tuple(keys.shape)}")
-    if tuple(bias.shape) != (B, Hkv, C) or tuple(slot_pos.shape) != (B, Hkv, C):
-        raise ValueError(f"{name}: bias and slot_pos must be [B, Hkv, C] = {(B, Hkv, C)}, "
-                         f"got bias {tuple(bias.shape)}, slot_pos {tuple(slot_pos.shape)}")
-    if tuple(cache_position.shape) != (T,):
-        raise ValueError(f"{name}: cache_position must be [T] = ({T},), got {tuple(cache_position.shape)}")
-    if Hkv == 0 or Hq % Hkv:
-        raise ValueError(f"{name}: Hq must be a multiple of Hkv (GQA), got Hq={Hq}, Hkv={Hkv}")
+    B, Hq, T, _, _, _ = check_attention_shapes(name, q, keys, bias, slot_pos, cache_position)
     if lse is not None and (tuple(lse.shape) != (B, Hq, T) or lse.dtype != torch.float32):
         raise ValueError(f"{name}: lse must be None or fp32 [B, Hq, T] = {(B, Hq, T)}, "
                          f"got {lse.dtype} {tuple(lse.shape)}")

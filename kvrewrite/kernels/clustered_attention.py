@@ -45,7 +45,7 @@ import functools
 import torch
 from torch.library import wrap_triton
 
-from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
+from kvrewrite.kernels._triton_op import check_attention_shapes, check_one_cuda_device, register_triton_op, triton_jit
 
 try:
     import triton
@@ -355,21 +355,9 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_
 
 def _check_inputs(q, keys, values, bias, slot_pos, cache_position, window):
     name = "triton_clustered_attention"
-    if q.dim() != 4 or keys.dim() != 4:
-        raise ValueError(f"{name}: expected q [B, Hq, T, D] and keys [B, Hkv, C, D], "
-                         f"got q {tuple(q.shape)}, keys {tuple(keys.shape)}")
-    B, Hq, T, D = q.shape
-    Hkv, C = keys.shape[1], keys.shape[2]
-    if keys.shape != (B, Hkv, C, D) or values.shape != keys.shape:
-        raise ValueError(f"{name}: keys and values must be [B={B}, Hkv, C, D={D}] like q, "
-                         f"got keys {tuple(keys.shape)}, values {tuple(values.shape)}")
-    if bias.shape != (B, Hkv, C) or slot_pos.shape != (B, Hkv, C):
-        raise ValueError(f"{name}: bias and slot_pos must be [B, Hkv, C] = {(B, Hkv, C)}, "
-                         f"got bias {tuple(bias.shape)}, slot_pos {tuple(slot_pos.shape)}")
-    if cache_position.shape != (T,):
-        raise ValueError(f"{name}: cache_position must be [T] = ({T},), got {tuple(cache_position.shape)}")
-    if Hkv == 0 or Hq % Hkv:
-        raise ValueError(f"{name}: Hq must be a multiple of Hkv >= 1 (GQA), got Hq={Hq}, Hkv={Hkv}")
+    B, Hq, T, D, Hkv, C = check_attention_shapes(name, q, keys, bias, slot_pos, cache_position)
+    if values.shape != keys.shape:
+        raise ValueError(f"{name}: values must be shaped like keys {tuple(keys.shape)}, got {tuple(values.shape)}")
     if C == 0:
         raise ValueError(f"{name}: the state has no slots (C = 0)")
     if q.dtype not in _DTYPES or keys.dtype != q.dtype or values.dtype != q.dtype:
