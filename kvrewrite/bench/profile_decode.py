@@ -21,22 +21,11 @@ GEMV_SHAPES = ((4096, 4096), (1024, 4096), (6144, 4096), (14336, 4096), (28672, 
 
 def gemv_us(n: int, k: int) -> float:
     """Per-call time of x[1, k] @ W[n, k]^T with W read from HBM (copies rotated past the L2), CUDA-graph timed."""
-    from triton.testing import do_bench
+    from kvrewrite.bench.attention import _graph_us
 
     copies = min(64, max(2, (400 << 20) // (n * k * 2)))
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream (cuBLAS workspaces)
-        for w in ws:
-            F.linear(x, w)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in ws:
-            F.linear(x, w)
-    return do_bench(graph.replay, warmup=5, rep=50, return_mode="median") * 1e3 / copies
+    return _graph_us(F.linear, [(x, torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)])
 
 
 def profile_steps(dec, rw, n_steps: int, compressing: bool, top: int) -> None:
