@@ -57,7 +57,8 @@ def _groups(gm: fx.GraphModule) -> list:
 
 
 def _fused_tensors(gm: fx.GraphModule, nodes: list, ctx: RewriteContext):
-    """(fused weight, fused bias or None, row ranges) of a group; made once per capture, originals rebound."""
+    """(index in the capture, fused weight, fused bias or None, row ranges) of a group; made once per capture,
+    originals rebound."""
     key = tuple(n.args[1].target for n in nodes)
     if key not in ctx.fused_weights:
         ws = [_attr(gm, n.args[1].target) for n in nodes]
@@ -76,7 +77,7 @@ def _fused_tensors(gm: fx.GraphModule, nodes: list, ctx: RewriteContext):
             if bs:
                 bs[i].data = fb[a:z]
         ctx.fused_weights[key] = (fw, fb, ranges)
-    return ctx.fused_weights[key]
+    return (list(ctx.fused_weights).index(key), *ctx.fused_weights[key])
 
 
 def fuse_projections(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
@@ -85,8 +86,8 @@ def fuse_projections(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     graph = gm.graph
     fused = 0
     for nodes in _groups(gm):
-        fw, fb, ranges = _fused_tensors(gm, nodes, ctx)
-        name = f"kvrewrite_fused_{list(ctx.fused_weights).index(tuple(n.args[1].target for n in nodes))}"
+        index, fw, fb, ranges = _fused_tensors(gm, nodes, ctx)
+        name = f"kvrewrite_fused_{index}"
         if not hasattr(gm, f"{name}_weight"):
             gm.register_buffer(f"{name}_weight", fw, persistent=False)
             if fb is not None:
