@@ -14,7 +14,7 @@ DEFAULT_MAX_LENGTH = 4096
 
 
 def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1, prefill_chunk=256, captured=None,
-          fuse_projections=False, **method_kwargs):
+          fuse_projections=False, gemv=False, **method_kwargs):
     """Capture `model`, rewrite its attention and KV cache for `method`, return a KVRewrittenModel.
 
     Args:
@@ -32,6 +32,9 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
             the model's own q/k/v and gate/up weights as views into the fused tensors: no extra memory and
             the same values, but safetensors' save_pretrained then refuses the shared storage (see
             kvrewrite/passes/fuse_projections.py). Off by default for that reason.
+        gemv: with batch_size 1, run the decode graphs' matrix-vector products through kvrewrite's Triton GEMV
+            instead of cuBLAS on a GPU (faster decode; the CPU computes F.linear as before). Results differ
+            from cuBLAS's by rounding; see kvrewrite/passes/replace_linear_with_gemv.py. Off by default.
         **method_kwargs: the method's own options (see its class, e.g. ChelseaMethod).
     """
     from kvrewrite.capture import capture, check_causal_lm, copy_graph_module
@@ -44,8 +47,9 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
         raise ValueError(f"kvrewrite.apply: batch_size must be an int >= 1, got {batch_size!r}")
     if not isinstance(prefill_chunk, int) or prefill_chunk < 2:
         raise ValueError(f"kvrewrite.apply: prefill_chunk must be an int >= 2, got {prefill_chunk!r}")
-    if not isinstance(fuse_projections, bool):
-        raise ValueError(f"kvrewrite.apply: fuse_projections must be True or False, got {fuse_projections!r}")
+    for flag, value in (("fuse_projections", fuse_projections), ("gemv", gemv)):
+        if not isinstance(value, bool):
+            raise ValueError(f"kvrewrite.apply: {flag} must be True or False, got {value!r}")
     check_causal_lm(model)  # before reading model.config
     if max_length is None:
         max_length = min(getattr(model.config, "max_position_embeddings", DEFAULT_MAX_LENGTH) or DEFAULT_MAX_LENGTH,
@@ -63,7 +67,7 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
     for name, (kind, compress) in variants.items():
         ctx = RewriteContext(captured.model_tag, m, captured.layers, graph_kind=kind, compress=compress,
                              cache_buffers=captured.cache_buffers, fuse_projections=fuse_projections,
-                             fused_weights=captured.fused_weights)
+                             fused_weights=captured.fused_weights, gemv=gemv)
         graphs[name] = run_passes(copy_graph_module(captured.graphs[kind]), ctx)
     rw = KVRewrittenModel(captured, graphs, m, max_length, config=model.config)
     rw.generation_config = model.generation_config

@@ -45,6 +45,7 @@ class RewriteContext:
     cache_buffers: tuple = ()  # names of every buffer that belongs to the captured HF cache
     fuse_projections: bool = False  # run passes/fuse_projections.py (opt-in: it rebinds the model's weights)
     fused_weights: dict = field(default_factory=dict)  # the capture's fused projections, shared by its graphs
+    gemv: bool = False  # run passes/replace_linear_with_gemv.py (opt-in: rounding differs from cuBLAS)
     sites: dict = field(default_factory=dict)
     counters: Counter = field(default_factory=Counter)
 

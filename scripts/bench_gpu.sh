@@ -5,7 +5,7 @@
 # a: batch 1, 16k/32k/64k, HF eager + kvrewrite methods (real prefill), hf-compiled at 32k
 # b: 32k, batch 16 and the largest batch that fits per system, every system (synthetic state)
 # c: 32k batch 1 and 16 (CB=1: batch 1 only), kvrewrite decode through rw.compile(mode="reduce-overhead") (Inductor)
-# d: the headline rows: 32k batch 1, HF eager + compiled vs chelsea with fused projections, compiled decode
+# d: the headline rows: 32k batch 1, HF eager + compiled vs chelsea with fused projections and the Triton GEMV, compiled decode
 #    and compiled prefill in chunks of 2048 (docs/bench.md, "Later runs")
 set -o pipefail
 OUT=${1:-out/bench}
@@ -23,7 +23,7 @@ for p in $PHASES; do
     c) timeout ${TC:-400} $B --systems chelsea,full --contexts 32768 --batches ${CB:-1,16} --no-prefill \
          --kv-compile inductor --out "$OUT/e2e_inductor.json" --plot /tmp/e2e_c.png 2>&1 | tee -a "$OUT/log.txt" ;;
     d) timeout ${TD:-500} $B --systems hf-eager,hf-compiled,chelsea --contexts 32768 --batches 1 --prefill-chunk 2048 \
-         --fuse-projections --kv-compile inductor --out "$OUT/e2e_headline.json" --plot /tmp/e2e_d.png 2>&1 | tee -a "$OUT/log.txt" ;;
+         --fuse-projections --gemv --kv-compile inductor --out "$OUT/e2e_headline.json" --plot /tmp/e2e_d.png 2>&1 | tee -a "$OUT/log.txt" ;;
   esac
 done
 python - "$OUT" <<'PY'

@@ -147,3 +147,8 @@ def test_profile_decode_refuses_to_run_without_a_gpu():
 
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         profile_decode.main(["--context", "1024"])
+
+
+def test_gemv_flag_reaches_the_config():
+    assert e2e.config_from_args(_parse([*TINY, "--gemv"])).gemv is True
+    assert e2e.config_from_args(_parse([*TINY])).gemv is False

@@ -97,6 +97,7 @@ class BenchConfig:
     time_budget: float = math.inf
     prefill: bool = True
     fuse_projections: bool = False  # kvrewrite rows: kvrewrite.apply(..., fuse_projections=True)
+    gemv: bool = False  # kvrewrite rows: kvrewrite.apply(..., gemv=True)
     out: str = "e2e.json"
     device: str = "cuda"
 
@@ -483,10 +484,11 @@ class Bench:
         opts = {} if method == "full" else {"budget": cfg.budget}
         t0 = time.perf_counter()
         rw = kvrewrite.apply(self.model, method, max_length=n + cfg.new_tokens, captured=cap,
-                             fuse_projections=cfg.fuse_projections, **opts)
+                             fuse_projections=cfg.fuse_projections, gemv=cfg.gemv, **opts)
         apply_s = time.perf_counter() - t0
         res = dict(capture_s=cap_s, apply_s=apply_s, kv_bytes=rw.cache_bytes()["kvrewrite"],
-                   prefill_chunk=cfg.prefill_chunk, kv_compile=cfg.kv_compile, fuse_projections=cfg.fuse_projections)
+                   prefill_chunk=cfg.prefill_chunk, kv_compile=cfg.kv_compile, fuse_projections=cfg.fuse_projections,
+                   gemv=cfg.gemv)
         if B == 1 and cfg.prefill:
             ids = torch.randint(1, self.mcfg.vocab_size, (1, n), device=self.dev)
             warm = ids[:, :3 * cfg.prefill_chunk] if n >= 3 * cfg.prefill_chunk else ids
@@ -687,6 +689,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefill", dest="prefill", action="store_false", help="no prefill timing (synthetic state)")
     p.add_argument("--fuse-projections", action="store_true", help="kvrewrite rows: one matmul for q/k/v and one for "
                    "gate/up (kvrewrite.apply(fuse_projections=True); rebinds the model's weights as views, same values)")
+    p.add_argument("--gemv", action="store_true", help="kvrewrite rows: the decode graphs' matrix-vector products "
+                   "through kvrewrite's Triton GEMV (kvrewrite.apply(gemv=True))")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the code paths")
     p.add_argument("--out", default="out/bench/e2e.json", help="JSON file, rewritten after every row")
     p.add_argument("--plot", default=None, help="image file for the plots (default: the JSON's name, .png)")
@@ -704,7 +708,7 @@ def config_from_args(args) -> BenchConfig:
         new_tokens=args.new_tokens, prefill_chunk=args.prefill_chunk, intervals=args.intervals, reps=args.reps,
         kv_compile=args.kv_compile, hf_compiled_contexts=tuple(args.hf_compiled_contexts) if args.hf_compiled_contexts
         else None, max_batch_cap=args.max_batch_cap, time_budget=args.time_budget, prefill=args.prefill,
-        fuse_projections=args.fuse_projections, out=args.out, device=args.device)
+        fuse_projections=args.fuse_projections, gemv=args.gemv, out=args.out, device=args.device)
 
 
 def cmd_bench(args) -> int:

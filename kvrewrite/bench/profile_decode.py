@@ -1,6 +1,6 @@
 """Where the time of a kvrewrite decode step goes (torch.profiler, CUDA kernels), and how fast bare GEMVs are.
 
-    python -m kvrewrite.bench.profile_decode --method chelsea --context 32768 [--fuse-projections]
+    python -m kvrewrite.bench.profile_decode --method chelsea --context 32768 [--fuse-projections] [--gemv]
 
 Same random Llama-3.1-8B-shaped model as `kvrewrite bench`. First the GEMVs of its shapes alone (batch 1,
 bf16, each weight read from HBM: enough copies rotated past the L2, replayed as one CUDA graph), as a share
@@ -59,6 +59,7 @@ def main(argv=None):
     parser.add_argument("--prefill-chunk", type=int, default=1024)
     parser.add_argument("--kv-compile", default="inductor", choices=("inductor", "graph"))
     parser.add_argument("--fuse-projections", action="store_true")
+    parser.add_argument("--gemv", action="store_true")
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -74,7 +75,7 @@ def main(argv=None):
     model = build_model("llama-3.1-8b", "cuda")
     opts = {} if args.method == "full" else {"budget": args.budget}
     rw = kvrewrite.apply(model, args.method, max_length=args.context + 320, prefill_chunk=args.prefill_chunk,
-                         fuse_projections=args.fuse_projections, **opts)
+                         fuse_projections=args.fuse_projections, gemv=args.gemv, **opts)
     ids = torch.randint(1, model.config.vocab_size, (1, args.context), device="cuda")
     with torch.no_grad():
         rw.prefill(ids, max_new_tokens=320)

@@ -12,4 +12,5 @@ from kvrewrite.kernels import (  # noqa: F401
     chelsea_compress,
     clustered_attention,
     evict_to_budget,
+    gemv,
 )

@@ -15,6 +15,7 @@ from kvrewrite.passes.insert_cache_compression import insert_cache_compression
 from kvrewrite.passes.locate_attention_sites import locate_attention_sites
 from kvrewrite.passes.normalize_eager_attention import normalize_eager_attention
 from kvrewrite.passes.remove_dead_cache_buffers import remove_dead_cache_buffers
+from kvrewrite.passes.replace_linear_with_gemv import replace_linear_with_gemv
 from kvrewrite.passes.replace_kv_cache_update import replace_kv_cache_update
 from kvrewrite.passes.replace_sdpa_with_clustered_attention import replace_sdpa_with_clustered_attention
 
@@ -28,6 +29,7 @@ PASSES = [
     insert_cache_compression,
     remove_dead_cache_buffers,
     fuse_projections,  # opt-in (ctx.fuse_projections)
+    replace_linear_with_gemv,  # opt-in (ctx.gemv), decode graphs only
 ]
 
 

@@ -41,6 +41,7 @@ ATTENTION = "kvrewrite.clustered_attention.default"
 CHELSEA = "kvrewrite.chelsea_compress.default"
 EVICT = "kvrewrite.evict_to_budget.default"
 LINEAR = "aten.linear.default"
+GEMV = "kvrewrite.gemv.default"
 
 
 @dataclass
@@ -95,7 +96,7 @@ class Runs:
         if hasattr(m, "bind"):
             m.bind(c.layers)
         ctx = RewriteContext(c.model_tag, m, c.layers, graph_kind=kind, cache_buffers=c.cache_buffers,
-                             fuse_projections=True, fused_weights=c.fused_weights)  # the opt-in pass runs too
+                             fuse_projections=True, fused_weights=c.fused_weights, gemv=True)  # opt-in passes run too
         run = Run(c, ctx, gm)
         for p in PASSES:
             before = snapshot(gm)
@@ -148,6 +149,10 @@ def _expected(run, name):
     if name == "fuse_projections":  # q/k/v and gate/up fused (Phi-3 ships them fused): o, down and lm_head stay
         groups = 0 if "phi3" in run.ctx.model_tag.lower() else 2 * n
         return groups, {LINEAR: 4 * n + 1, ATTENTION: n, CACHE_APPEND: n}, set()
+    if name == "replace_linear_with_gemv":  # decode graphs (batch 1): every projection and the lm_head
+        if run.ctx.graph_kind == "prefill":
+            return 0, {LINEAR: 4 * n + 1, GEMV: 0}, set()
+        return 4 * n + 1, {GEMV: 4 * n + 1, ATTENTION: n, CACHE_APPEND: n}, {LINEAR}
     raise AssertionError(f"no expectations for pass {name!r}: add them to _expected")
 
 

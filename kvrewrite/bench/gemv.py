@@ -1,0 +1,157 @@
+"""Decode matrix-vector products on the GPU: kvrewrite::gemv (Triton) vs F.linear (cuBLAS) vs copy bandwidth.
+
+Shapes: the projections of a Llama-3.1-8B batch-1 decode step (bf16), fused (q/k/v 6144x4096, gate/up
+28672x4096) and not (q and o 4096x4096, k and v 1024x4096, gate and up 14336x4096), down 4096x14336 and the
+lm_head 128256x4096. Each output is checked against the fp32 product of the same inputs
+(kernels/gemv.py error_bound); the run stops if one is off.
+
+Timing as in kvrewrite/bench/attention.py: N calls inside one CUDA graph over N weight copies rotated so
+that each replay reads >= 256 MiB (more than 4x the L2), median of do_bench; launch overhead left out as in
+a CUDA-graphed decode step. GB/s counts the weight bytes (x and y are < 0.1% of them).
+
+Run:  python -m kvrewrite.bench.gemv --out gemv.json [--sweep]     (writes gemv.json and gemv.png)
+"""
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch._library.triton import set_wrap_triton_enabled
+
+import kvrewrite  # noqa: F401  (registers the ops)
+from kvrewrite.bench.attention import ROTATE_BYTES, _graph_us, copy_gbps, env_info
+from kvrewrite.kernels import gemv as g
+
+SHAPES = {  # name: (N, K)
+    "qkv fused": (6144, 4096), "q / o": (4096, 4096), "k / v": (1024, 4096), "gate/up fused": (28672, 4096),
+    "gate / up": (14336, 4096), "down": (4096, 14336), "lm_head": (128256, 4096),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    N: int
+    K: int
+    dtype: str = "bf16"
+
+
+def get_configs() -> list[Config]:
+    return [Config(name, N, K) for name, (N, K) in SHAPES.items()]
+
+
+def _make_sets(cfg: Config):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
+    n = max(1, min(16, math.ceil(ROTATE_BYTES / (cfg.N * cfg.K * 2))))
+    return [(torch.randn(1, 1, cfg.K, device="cuda", dtype=dtype),
+             torch.randn(cfg.N, cfg.K, device="cuda", dtype=dtype) / cfg.K**0.5) for _ in range(n)]
+
+
+def _median_us(fn, sets, repeats=3) -> float:
+    return statistics.median(_graph_us(fn, sets, quick=True) for _ in range(repeats))
+
+
+def check(out, x, w) -> float:
+    """Largest error over kernels/gemv.py's error_bound (<= 1 passes)."""
+    ref = F.linear(x.float(), w.float())
+    return ((out.float() - ref).abs() / g.error_bound(x, w, ref)).max().item()
+
+
+def run(cfg: Config, copy: float) -> dict:
+    sets = _make_sets(cfg)
+    err = check(torch.ops.kvrewrite.gemv(*sets[0]), *sets[0])
+    ours = _median_us(torch.ops.kvrewrite.gemv, sets)
+    cublas = _median_us(lambda x, w: F.linear(x, w), sets)
+    nbytes = cfg.N * cfg.K * 2
+    res = dict(gemv_us=ours, cublas_us=cublas, gemv_frac_of_copy=nbytes / ours / 1e3 / copy,
+               cublas_frac_of_copy=nbytes / cublas / 1e3 / copy, cublas_over_gemv=cublas / ours,
+               error_over_bound=err, launch=g._launch_config(cfg.N, cfg.K), copy_gbps=copy)
+    del sets
+    torch.cuda.empty_cache()
+    return res
+
+
+def sweep(configs, copy: float) -> list[dict]:
+    """Launch variants of the kernel on each config: weight rows per program, K tile, warps, stages, eviction hint.
+    (A first sweep over rows 2-16, K tiles 256-1024, 4 or 8 warps left its corner, 2 rows x 1024 x 4 warps, the
+    best everywhere; this one is centred on it.)"""
+    records = []
+    for cfg in configs:
+        sets = _make_sets(cfg)
+        for block_n in (1, 2, 4):
+            for block_k in (512, 1024, 2048):
+                for num_warps in (2, 4, 8):
+                    for num_stages, evict_first in ((3, False), (1, False), (3, True)):
+                        t = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                                 evict_first=evict_first)
+
+                        def fn(x, w, t=t):
+                            with set_wrap_triton_enabled(False):
+                                return g._launch(x, w, **t)
+                        us = _graph_us(fn, sets, quick=True)
+                        records.append(dict(config=dataclasses.asdict(cfg), tuning=t, us=us,
+                                            frac_of_copy=cfg.N * cfg.K * 2 / us / 1e3 / copy))
+        best = min((r for r in records if r["config"]["name"] == cfg.name), key=lambda r: r["us"])
+        print(f"sweep {cfg.name} {cfg.N}x{cfg.K}: best {best['tuning']} {best['us']:.1f} us "
+              f"{best['frac_of_copy']:.3f} of copy", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    return records
+
+
+def plot(rows, out) -> None:
+    """Fraction of the copy bandwidth per shape, kvrewrite::gemv vs cuBLAS."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["result"]["cublas_frac_of_copy"] for r in rows], 0.4, label="F.linear (cuBLAS)")
+    ax.bar([x + 0.2 for x in xs], [r["result"]["gemv_frac_of_copy"] for r in rows], 0.4, label="kvrewrite::gemv")
+    ax.set_xticks(list(xs), [f"{r['config']['name']}\n{r['config']['N']}x{r['config']['K']}" for r in rows], fontsize=7)
+    ax.axhline(1.0, color="k", lw=1)
+    ax.set_ylabel("weight bytes / time / copy bandwidth")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    env = rows[0]["env"]
+    ax.set_title(f"batch-1 decode GEMV, bf16 | {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
+                 f"{env['git_sha'][:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="gemv.json", help="JSON list of {config, result, env}; the plot goes next to it")
+    parser.add_argument("--sweep", default=None, help="also time launch variants, written to this JSON file")
+    args = parser.parse_args()
+    env = env_info()
+    copy = copy_gbps()
+    print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, git {env['git_sha'][:12]}; "
+          f"copy {copy:.0f} GB/s (read + write)", flush=True)
+    rows = []
+    for cfg in get_configs():
+        res = run(cfg, copy)
+        rows.append(dict(config=dataclasses.asdict(cfg), result=res, env=env))
+        print(f"{cfg.name:14s} {cfg.N:6d}x{cfg.K:<5d} gemv {res['gemv_us']:7.1f} us "
+              f"({res['gemv_frac_of_copy']:.3f} of copy) | cuBLAS {res['cublas_us']:7.1f} us "
+              f"({res['cublas_frac_of_copy']:.3f}) | cuBLAS/gemv {res['cublas_over_gemv']:.3f} | "
+              f"error/bound {res['error_over_bound']:.2f}", flush=True)
+        if res["error_over_bound"] > 1:
+            raise SystemExit(f"kvrewrite::gemv is wrong on {cfg}: error {res['error_over_bound']:.2f}x the bound")
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+    plot(rows, Path(args.out).with_suffix(".png"))
+    if args.sweep:
+        records = sweep(get_configs(), copy)
+        Path(args.sweep).write_text(json.dumps([dict(r, env=env, copy_gbps=copy) for r in records], indent=1))
+
+
+if __name__ == "__main__":
+    main()

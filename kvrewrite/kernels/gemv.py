@@ -1,0 +1,175 @@
+"""kvrewrite::gemv — F.linear(x, weight, bias) for one row of x: the products of a batch-1 decode step.
+
+    y[..., n] = sum_k x[..., k] * weight[n, k] (+ bias[n])
+
+Args:
+    x:      [..., K]  fp16/bf16/fp32, one row (x.numel() == K; e.g. [1, 1, K])
+    weight: [N, K]    x's dtype, unit stride along K
+    bias:   [N]       x's dtype, or None
+Returns:
+    [..., N] in x's dtype, contiguous. Mutates nothing.
+
+Why: a batch-1 decode step reads every weight once and does 2 FLOPs per weight: a matrix-vector product,
+bandwidth-bound. cuBLAS runs these shapes as split-K GEMMs plus a reduction kernel; on an H100 (bf16,
+Llama-3.1-8B shapes, docs/bench/gemv_h100.json) the kernel below reads the weights 5-44% faster in one
+launch (4096x4096: 63% -> 75% of the copy bandwidth; the 128256x4096 lm_head: 89% -> 101%).
+One row only: this kernel re-reads the weights for every row of x; a first version that took up to 4 rows
+was 5-54% slower than cuBLAS at 2 and 4, so more rows are a GEMM's job (F.linear).
+
+Backends: CUDA runs the Triton kernel (fp32 accumulation, the bias added in fp32, one rounding to x's
+dtype); other devices run F.linear itself. The op is a `torch.library.triton_op`, so Inductor sees
+the kernel and CUDA graphs capture it. Every device checks the shapes (one row included), so a graph
+that runs on the CPU runs on the GPU (passes/replace_linear_with_gemv.py inserts the op where it fits).
+"""
+from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.library import wrap_triton
+
+from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the op runs F.linear; only triton_gemv raises
+    triton = tl = None
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def reference_gemv(x, weight, bias=None):
+    """Ground truth of the tests: the product in fp32 (bias added in fp32), rounded once to x's dtype."""
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+ROUNDING = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-22}  # one ulp, relative
+
+
+def error_bound(x, weight, ref):
+    """What the Triton kernel may differ from the fp32 product `ref` (fp32, before rounding) by, elementwise:
+    one ulp of the output dtype (its own fp32 sum may round the other way) plus the fp32 summation-order
+    error, 4 sqrt(K) 2^-24 sum_k |x_k w_nk|. The GPU tests and kvrewrite/bench/gemv.py check against it."""
+    K = weight.shape[1]
+    magnitude = F.linear(x.float().abs(), weight.float().abs())
+    return ROUNDING[x.dtype] * ref.abs() + 4 * K**0.5 * 2.0**-24 * magnitude
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton (CUDA)
+#
+# One program computes BLOCK_N outputs: it streams its BLOCK_N weight rows in [BLOCK_N, BLOCK_K] tiles,
+# multiplies them by the matching slice of x and keeps an fp32 [BLOCK_N, BLOCK_K] accumulator, reduced
+# along K once at the end (no split-K, so no second kernel).
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton_jit()
+def _gemv_kernel(
+    X, W, BIAS, Y,
+    N, K,
+    stride_xk, stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,  # hint that the weight lines will not be read again
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = W + rows[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        k_ok = cols < K
+        x = tl.load(X + cols * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
+        if EVICT_FIRST:
+            w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(BIAS + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
+
+
+def _launch_config(N, K, block_n=None, block_k=None, num_warps=None, num_stages=None, evict_first=None):
+    """Tile sizes and launch options. The keyword overrides are for the benchmark's sweep.
+
+    From the sweeps on an H100 (bf16, the seven Llama-3.1-8B shapes from k/v's 1024x4096 to the lm_head's
+    128256x4096; kvrewrite/bench/gemv.py --sweep, docs/bench/sweep_gemv_h100.json): 2 weight rows per program,
+    2048-wide K tiles, 8 warps, 3 stages, no eviction hint: within 1.0% of the fastest of 81 variants on
+    average and 5% on every shape (k/v's best takes 1 row per program).
+    """
+    if block_k is None:
+        block_k = min(2048, max(triton.next_power_of_2(K), 16))
+    return dict(block_n=2 if block_n is None else block_n, block_k=block_k,
+                num_warps=8 if num_warps is None else num_warps, num_stages=3 if num_stages is None else num_stages,
+                evict_first=False if evict_first is None else evict_first)
+
+
+def _check_inputs(x, weight, bias, name="kvrewrite::gemv"):
+    """Shape and dtype checks of the op (every device); names what is wrong."""
+    if weight.dim() != 2:
+        raise ValueError(f"{name}: weight must be [N, K], got {tuple(weight.shape)}")
+    N, K = weight.shape
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise ValueError(f"{name}: x must be [..., K={K}] to match weight {tuple(weight.shape)}, got {tuple(x.shape)}")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"{name}: bias must be [N] = ({N},), got {tuple(bias.shape)}")
+    if x.numel() != K:
+        raise ValueError(f"{name}: x must hold one row of K={K} values (a batch-1 decode step), got shape "
+                         f"{tuple(x.shape)}: more rows are a GEMM's job (F.linear)")
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise TypeError(f"{name}: x, weight and bias must share one dtype of fp16/bf16/fp32, got x {x.dtype}, "
+                        f"weight {weight.dtype}, bias {None if bias is None else bias.dtype}")
+    if K and weight.stride(1) != 1:
+        raise ValueError(f"{name}: weight must have unit stride along K, got strides {weight.stride()}")
+
+
+def triton_gemv(x, weight, bias=None, **tuning):
+    """The op on CUDA through Triton (shapes in the module docstring); validates its inputs.
+    ``tuning`` overrides the launch choices (block_n, block_k, num_warps, num_stages, evict_first); for the
+    benchmark's sweep, the op never passes it."""
+    if triton is None:
+        raise NotImplementedError("triton_gemv needs Triton (pip install triton); kvrewrite::gemv itself runs without it")
+    _check_inputs(x, weight, bias, "triton_gemv")
+    check_one_cuda_device("triton_gemv", (x, weight) if bias is None else (x, weight, bias))
+    return _launch(x, weight, bias, **tuning)
+
+
+def _launch(x, weight, bias=None, **overrides):
+    """Allocate the output and launch; no checks (Triton's interpreter runs it on CPU tensors)."""
+    N, K = (int(n) for n in weight.shape)
+    x1 = x.reshape(K)
+    y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
+    cfg = _launch_config(N, K, **overrides)
+    wrap_triton(_gemv_kernel)[(triton.cdiv(N, cfg["block_n"]),)](
+        x1, weight, weight if bias is None else bias, y, N, K, x1.stride(0), weight.stride(0),
+        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], HAS_BIAS=bias is not None, EVICT_FIRST=cfg["evict_first"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return y
+
+
+# ---------------------------------------------------------------------------------------------------
+# The op
+# ---------------------------------------------------------------------------------------------------
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for one row of x (see the module docstring).
+
+    The op's kernel, fake and what Inductor inlines (see _triton_op.py): CUDA launches the Triton kernel,
+    other devices run F.linear."""
+    if x.is_cuda and triton is not None:
+        return triton_gemv(x, weight, bias)
+    _check_inputs(x, weight, bias)
+    return F.linear(x, weight, bias).contiguous()
+
+
+gemv = register_triton_op("kvrewrite::gemv", gemv, (), triton is not None)

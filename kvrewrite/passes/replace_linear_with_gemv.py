@@ -1,0 +1,65 @@
+"""Replace the decode graph's matrix-vector products with kvrewrite::gemv. Opt-in.
+
+Matches:  in decode graphs only, aten.linear nodes whose weight (and bias, if any) are get_attr tensors,
+          the weight 2-D with unit stride along K, whose input's traced value is one row (batch_size 1,
+          one token; kernels/gemv.py) of one dtype of fp16/bf16/fp32 with the weight: every projection,
+          the fused ones of passes/fuse_projections.py, and the lm_head.
+Emits:    kvrewrite::gemv(x, weight, bias) in place of each: the same function (F.linear on the CPU).
+Why:      a batch-1 decode step is a string of matrix-vector products that read every weight once;
+          cuBLAS runs them as split-K GEMMs plus a reduction kernel, the Triton GEMV reads the weights
+          5-44% faster on an H100 in one launch (kernels/gemv.py, docs/bench/gemv_h100.json).
+Opt-in:   `kvrewrite.apply(..., gemv=True)`: the results differ from cuBLAS's by rounding (a different
+          summation order), and the gain is measured on the H100 shapes of Llama-3.1-8B only.
+Requires: runs after fuse_projections (so the fused matmuls are replaced too); prefill graphs are left
+          alone (a chunk has batch_size x prefill_chunk rows: a GEMM), and so are decode graphs of batch_size > 1
+          (the kernel re-reads the weights per row; cuBLAS was faster from 2 rows on).
+"""
+import logging
+from functools import reduce
+
+import torch
+from torch import fx
+
+from kvrewrite.context import RewriteContext
+from kvrewrite.passes.utils import clean_up
+
+logger = logging.getLogger(__name__)
+
+LINEAR = torch.ops.aten.linear.default
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _attr(gm: fx.GraphModule, node):
+    return None if node is None else reduce(getattr, node.target.split("."), gm)
+
+
+def _fits(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """The linear node's weight, bias and input satisfy kvrewrite::gemv (module docstring)."""
+    x, w_node = node.args[0], node.args[1]
+    b_node = node.args[2] if len(node.args) > 2 else None
+    if node.kwargs or not isinstance(x, fx.Node) or w_node.op != "get_attr" or \
+            (b_node is not None and b_node.op != "get_attr"):
+        return False
+    w, b, val = _attr(gm, w_node), _attr(gm, b_node), x.meta.get("val")
+    if not isinstance(val, torch.Tensor) or w.dim() != 2 or w.stride(1) != 1 or val.shape[-1] != w.shape[1]:
+        return False
+    if val.dtype not in _DTYPES or w.dtype != val.dtype or (b is not None and b.dtype != val.dtype):
+        return False
+    return isinstance(val.numel(), int) and val.numel() == w.shape[1]  # one row (a symbolic size is not known to be)
+
+
+def replace_linear_with_gemv(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
+    if not ctx.gemv or ctx.graph_kind != "decode":
+        return gm
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not LINEAR or not _fits(gm, node):
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(torch.ops.kvrewrite.gemv.default, tuple(node.args))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        ctx.counters["replace_linear_with_gemv"] += 1
+    logger.debug("%s: %d linear nodes -> kvrewrite::gemv", ctx.where(), ctx.counters["replace_linear_with_gemv"])
+    return clean_up(gm)
