@@ -97,6 +97,17 @@ FUNCTIONAL = {
 }
 
 
+def gemv_as_linear(gm: fx.GraphModule) -> fx.GraphModule:
+    """gm with every kvrewrite::gemv (apply(gemv=True)) turned back into the aten.linear it computes, in place:
+    for the targets that bring their own matrix kernels (ONNX Runtime, TensorRT) instead of running kvrewrite's
+    Triton ones."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target == torch.ops.kvrewrite.gemv.default:
+            node.target, node.args, node.kwargs = torch.ops.aten.linear.default, tuple(all_args(node)), {}
+    gm.recompile()
+    return gm
+
+
 def functionalize(gm: fx.GraphModule, n_inputs: int = 4, opaque_attention: bool = False) -> fx.GraphModule:
     """A copy of a rewritten graph whose state updates are returned, not applied: output
     (logits, *new_state) in the order of the state inputs (those no op writes come back unchanged).

@@ -17,7 +17,7 @@ a graph holding it is refused with NotImplementedError.
 import torch
 
 from kvrewrite.export.common import GRAPHS, INPUT_NAMES, example_inputs, graph_of, write_export
-from kvrewrite.export.functional import all_args, functionalize, state_names
+from kvrewrite.export.functional import all_args, functionalize, gemv_as_linear, state_names
 
 OPSET = 18
 UNSUPPORTED = {torch.ops.kvrewrite.attention_column_stats.default: "attention_column_stats"}
@@ -66,7 +66,7 @@ def export_graph(rw, name: str):
             f"{rw.model_tag}: the {name} graph of method {rw.method.name!r} holds kvrewrite op(s) {bad}, which have "
             f"no ONNX function yet (see kvrewrite/export/onnx_export.py); graphs without them: "
             f"{[g for g in GRAPHS if not unsupported_ops(graph_of(rw, g))]}")
-    sgm = symbolic_graph(functionalize(gm, n_inputs=len(INPUT_NAMES))).eval()
+    sgm = symbolic_graph(gemv_as_linear(functionalize(gm, n_inputs=len(INPUT_NAMES)))).eval()
     names = state_names(rw.layers)
     with torch.no_grad():
         program = torch.onnx.export(

@@ -29,7 +29,7 @@ import torch
 
 from kvrewrite.export.common import INPUT_NAMES, check_graphs, example_inputs, graph_of, metadata, out_dir, \
     write_metadata
-from kvrewrite.export.functional import functionalize
+from kvrewrite.export.functional import functionalize, gemv_as_linear
 
 PLUGIN_OPS = (
     "kvrewrite_export::cache_append",
@@ -58,7 +58,7 @@ def require_tensorrt():
 
 def trt_graph(rw, name: str):
     """The functional graph handed to torch-tensorrt (see the module docstring, step 1)."""
-    return functionalize(graph_of(rw, name), n_inputs=len(INPUT_NAMES), opaque_attention=True)
+    return gemv_as_linear(functionalize(graph_of(rw, name), n_inputs=len(INPUT_NAMES), opaque_attention=True))
 
 
 def export_graph(rw, name: str) -> torch.export.ExportedProgram:

@@ -1,0 +1,79 @@
+"""replace_linear_with_gemv: decode graphs of batch 1 compute every projection and the lm_head with kvrewrite::gemv,
+nothing else changes (same tokens on the CPU, where the op is F.linear), batch > 1 and prefill graphs are left
+alone, and the graphs still export (ONNX and TensorRT get the plain linear back). The kernel's numerics on CUDA
+are checked in tests/kernels/test_gemv_gpu.py."""
+import pytest
+import torch
+
+import kvrewrite
+import kvrewrite.export
+from kvrewrite.export import loader
+from tests.families import FAMILIES, tiny_model
+
+GEMV = "kvrewrite.gemv.default"
+LINEAR = "aten.linear.default"
+CHELSEA = dict(budget=0.5, n_sink=2, n_recent=4, chunk=8, interval=4)  # compresses in prefill and at decode steps
+
+
+def _count(gm, target) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and str(n.target) == target)
+
+
+def _apply(model, gemv, batch_size=1, **kw):
+    return kvrewrite.apply(model, "chelsea", max_length=64, batch_size=batch_size, prefill_chunk=16, gemv=gemv,
+                           **CHELSEA, **kw)
+
+
+def _ids(batch=1, seed=3):
+    return torch.randint(3, 128, (batch, 24), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_every_decode_linear_becomes_a_gemv_and_tokens_are_unchanged(family):
+    model = tiny_model(family)
+    model.generation_config.eos_token_id = None
+    plain, rw = _apply(model, False), _apply(model, True)
+    for name in ("decode", "decode_compress"):
+        n = _count(getattr(plain, f"{name}_graph"), LINEAR)
+        assert n > 0
+        gm = getattr(rw, f"{name}_graph")
+        assert (_count(gm, LINEAR), _count(gm, GEMV)) == (0, n), f"{family} {name}"
+    assert _count(rw.prefill_graph, GEMV) == 0
+    assert _count(rw.prefill_graph, LINEAR) == _count(plain.prefill_graph, LINEAR)
+    ids = _ids()
+    assert torch.equal(rw.generate(ids, max_new_tokens=8), plain.generate(ids, max_new_tokens=8))
+
+
+def test_batch_above_one_and_default_leave_the_graphs_alone():
+    model = tiny_model("llama")
+    assert _count(_apply(model, True, batch_size=2).decode_graph, GEMV) == 0
+    assert _count(_apply(model, False).decode_graph, GEMV) == 0
+
+
+def test_flag_must_be_a_bool():
+    with pytest.raises(ValueError, match=r"gemv must be True or False, got 'yes'"):
+        _apply(tiny_model("llama"), "yes")
+
+
+@torch.no_grad()
+def test_fused_gemv_graphs_export_and_reproduce_generate(tmp_path):
+    pytest.importorskip("onnxruntime")
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    rw = _apply(model, True, fuse_projections=True)
+    ids = _ids()
+    ref = rw.generate(ids, max_new_tokens=6)
+    for target in ("torch_export", "aoti", "onnx"):
+        path = getattr(kvrewrite.export, target)(rw, tmp_path / target)
+        assert torch.equal(loader.load(path).generate(ids, max_new_tokens=6), ref), target
+
+
+def test_tensorrt_graph_gets_the_plain_linear():
+    from kvrewrite.export.tensorrt_export import check_op_set, export_graph
+
+    rw = _apply(tiny_model("llama"), True)
+    ep = export_graph(rw, "decode")
+    check_op_set(ep)  # ATen ops and the plugin ops only
+    assert not [n for n in ep.graph.nodes if "gemv" in str(n.target)]
