@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch._library.triton import set_wrap_triton_enabled
 
 import kvrewrite  # noqa: F401  (registers the ops)
+from kvrewrite.bench.cuda_graphs import capture, warm_up
 from kvrewrite.kernels import clustered_attention as ca
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -139,16 +140,9 @@ def _make_sets(cfg: Config):
 
 def _graph_us(fn, sets, quick=False) -> float:
     """Per-call time of fn over the rotated input sets, captured in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (compiles) off the capture stream, as torch.cuda.graphs asks
-        for s in sets:
-            fn(*s)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [fn(*s) for s in sets]
+    outs = []
+    warm_up(lambda: [fn(*s) for s in sets])
+    graph = capture(lambda: outs.extend(fn(*s) for s in sets))  # outs keeps the outputs alive while replaying
     ms = _bench_ms(graph.replay, quick)
     del graph, outs
     return ms * 1e3 / len(sets)

@@ -55,6 +55,7 @@ import torch
 
 import kvrewrite  # noqa: F401  (registers the ops)
 from kvrewrite.bench.attention import env_info
+from kvrewrite.bench.cuda_graphs import capture, warm_up
 from kvrewrite.methods.chelsea import ChelseaMethod
 from kvrewrite.runtime import HostSchedule
 from kvrewrite.state import allocate_layer_state, reset_layer_state
@@ -118,18 +119,10 @@ def dense_decode_ms(model, B: int, ctx: int) -> dict:
         return model(input_ids=tok, position_ids=pos, cache_position=cp, past_key_values=cache, use_cache=True,
                      logits_to_keep=1).logits
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    warm_up(step, times=3)
     eager = statistics.median(_events_ms(step, reps=5))
     try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture(step)
         ms = statistics.median(_events_ms(graph.replay, reps=20, warmup=3))
         how = "HF eager kernels (SDPA, StaticCache) replayed as one CUDA graph"
         del graph
@@ -176,22 +169,11 @@ class LayerStates:
         scratch["bias"].zero_()
         scratch["keys"].normal_()
         scratch["values"].normal_()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.op(scratch["keys"], scratch["values"], scratch["bias"], scratch["slot_pos"], scratch["fill"],
-                    scratch["budget"], **self.kwargs)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
+        warm_up(lambda: self.op(scratch["keys"], scratch["values"], scratch["bias"], scratch["slot_pos"],
+                                scratch["fill"], scratch["budget"], **self.kwargs))
         del scratch
         pool = torch.cuda.graph_pool_handle()
-        out = []
-        for i in range(len(self.states)):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self.compress(i)
-            out.append(g)
-        return out
+        return [capture(lambda i=i: self.compress(i), pool=pool) for i in range(len(self.states))]
 
 
 def _token_pool(B, Hkv, T, D, n=4):
@@ -354,16 +336,8 @@ def append_bench(B: int, T: int, layers: int = 32, Hkv: int = 8, D: int = 128, C
             for s in states:
                 fn(s["keys"], s["values"], s["bias"], s["slot_pos"], s["fill"], k, k, cp, valid)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                all_layers()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            all_layers()
+        warm_up(all_layers, times=3)
+        graph = capture(all_layers)
         times = []
         per_reset = max(1, (C - 4 * T) // T)
         for r in range(60):

@@ -1,0 +1,26 @@
+"""CUDA-graph helpers shared by the kernel benchmarks.
+
+A capture must launch nothing new: Triton compiles, cuBLAS picks workspaces and the caching allocator grows on
+the first calls, so torch.cuda.graphs asks for warm-up calls on a side stream first (warm_up); capture then
+records one call of `fn` (capture).
+"""
+import torch
+
+
+def warm_up(fn, times: int = 1) -> None:
+    """Call fn() `times` times on a side stream, then wait for it on the current stream and the device."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+def capture(fn, pool=None) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of one call of fn() (warm it up first), in the memory pool `pool` if given."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    return graph
