@@ -152,3 +152,14 @@ def test_profile_decode_refuses_to_run_without_a_gpu():
 def test_gemv_flag_reaches_the_config():
     assert e2e.config_from_args(_parse([*TINY, "--gemv"])).gemv is True
     assert e2e.config_from_args(_parse([*TINY])).gemv is False
+
+
+def test_gemv_bench_plot_draws_from_json_rows(tmp_path):
+    from kvrewrite.bench import gemv
+
+    env = dict(gpu="test GPU", torch="t", triton="x", git_sha="0" * 40)
+    rows = [dict(config=dict(name=c.name, N=c.N, K=c.K), env=env,
+                 result=dict(cublas_frac_of_copy=0.8, gemv_frac_of_copy=0.9)) for c in gemv.get_configs()]
+    gemv.plot(rows, tmp_path / "g.png")
+    assert (tmp_path / "g.png").stat().st_size > 0
+    assert [c.name for c in gemv.get_configs()][-1] == "lm_head"

@@ -9,7 +9,7 @@ Timing as in kvrewrite/bench/attention.py: N calls inside one CUDA graph over N 
 that each replay reads >= 256 MiB (more than 4x the L2), median of do_bench; launch overhead left out as in
 a CUDA-graphed decode step. GB/s counts the weight bytes (x and y are < 0.1% of them).
 
-Run:  python -m kvrewrite.bench.gemv --out gemv.json [--sweep]     (writes gemv.json and gemv.png)
+Run:  python -m kvrewrite.bench.gemv --out gemv.json [--sweep sweep.json]     (writes gemv.json and gemv.png)
 """
 import argparse
 import dataclasses

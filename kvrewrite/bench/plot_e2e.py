@@ -7,10 +7,16 @@ import json
 from pathlib import Path
 
 
+def _label(r) -> str:
+    """The row's system, with what its kvrewrite flags changed: decoded through Inductor, fused projections, GEMV."""
+    extra = [name for name, on in (("inductor", r.get("kv_compile") == "inductor"),
+                                   ("fused", r.get("fuse_projections")), ("gemv", r.get("gemv"))) if on]
+    return r["system"] + (f" ({', '.join(extra)})" if extra else "")
+
+
 def _ok(rows):
-    """Measured rows, each labelled with its system (kvrewrite rows decoded through Inductor get a suffix)."""
-    return [dict(r, system=r["system"] + (" (inductor)" if r.get("kv_compile") == "inductor" else ""))
-            for r in rows if "ms_per_token" in r]
+    """Measured rows, each labelled by _label."""
+    return [dict(r, system=_label(r)) for r in rows if "ms_per_token" in r]
 
 
 def plot_e2e(doc: dict, out) -> None:
@@ -43,7 +49,10 @@ def plot_e2e(doc: dict, out) -> None:
     ax_m.set(xscale="log", xlabel="context n (tokens)", ylabel="peak GPU memory (GiB)", title="memory")
     for ax in (ax_t, ax_b, ax_m):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "no rows of this kind in the run", transform=ax.transAxes, ha="center", fontsize=9)
     fig.suptitle(f"{doc['config']['model']} random bf16 | {env.get('gpu')} | torch {env['torch']} | transformers "
                  f"{env['transformers']} | triton {env.get('triton', '-')} | {env['git_sha'][:10]} | copy "
                  f"{doc['copy_gbps']:.0f} GB/s", fontsize=9)
@@ -57,8 +66,7 @@ def markdown_table(doc: dict) -> str:
             "plain / compress step ms | decode |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in doc["rows"]:
-        cells = [r["system"] + (" (inductor)" if r.get("kv_compile") == "inductor" else ""),
-                 f"{r['context'] // 1024}k", str(r["batch"])]
+        cells = [_label(r), f"{r['context'] // 1024}k", str(r["batch"])]
         if "ms_per_token" not in r:
             lines.append("| " + " | ".join(cells + [r.get("skipped") or r.get("error", "?")] + [""] * 8) + " |")
             continue
