@@ -116,23 +116,32 @@ def _launch_config(N, K, block_n=None, block_k=None, num_warps=None, num_stages=
                 evict_first=False if evict_first is None else evict_first)
 
 
-def _check_inputs(x, weight, bias, name="kvrewrite::gemv"):
-    """Shape and dtype checks of the op (every device); names what is wrong."""
+def input_problem(x, weight, bias, name="kvrewrite::gemv"):
+    """The error (ValueError or TypeError naming what is wrong) the op raises for these inputs, or None where it
+    takes them. x may be a fake tensor: passes/replace_linear_with_gemv.py asks this of a node's traced value."""
     if weight.dim() != 2:
-        raise ValueError(f"{name}: weight must be [N, K], got {tuple(weight.shape)}")
+        return ValueError(f"{name}: weight must be [N, K], got {tuple(weight.shape)}")
     N, K = weight.shape
     if x.dim() < 1 or x.shape[-1] != K:
-        raise ValueError(f"{name}: x must be [..., K={K}] to match weight {tuple(weight.shape)}, got {tuple(x.shape)}")
+        return ValueError(f"{name}: x must be [..., K={K}] to match weight {tuple(weight.shape)}, got {tuple(x.shape)}")
     if bias is not None and tuple(bias.shape) != (N,):
-        raise ValueError(f"{name}: bias must be [N] = ({N},), got {tuple(bias.shape)}")
+        return ValueError(f"{name}: bias must be [N] = ({N},), got {tuple(bias.shape)}")
     if x.numel() != K:
-        raise ValueError(f"{name}: x must hold one row of K={K} values (a batch-1 decode step), got shape "
-                         f"{tuple(x.shape)}: more rows are a GEMM's job (F.linear)")
+        return ValueError(f"{name}: x must hold one row of K={K} values (a batch-1 decode step), got shape "
+                          f"{tuple(x.shape)}: more rows are a GEMM's job (F.linear)")
     if x.dtype not in _DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise TypeError(f"{name}: x, weight and bias must share one dtype of fp16/bf16/fp32, got x {x.dtype}, "
-                        f"weight {weight.dtype}, bias {None if bias is None else bias.dtype}")
+        return TypeError(f"{name}: x, weight and bias must share one dtype of fp16/bf16/fp32, got x {x.dtype}, "
+                         f"weight {weight.dtype}, bias {None if bias is None else bias.dtype}")
     if K and weight.stride(1) != 1:
-        raise ValueError(f"{name}: weight must have unit stride along K, got strides {weight.stride()}")
+        return ValueError(f"{name}: weight must have unit stride along K, got strides {weight.stride()}")
+    return None
+
+
+def _check_inputs(x, weight, bias, name="kvrewrite::gemv"):
+    """Shape and dtype checks of the op (every device): raises input_problem's error, if any."""
+    problem = input_problem(x, weight, bias, name)
+    if problem is not None:
+        raise problem
 
 
 def triton_gemv(x, weight, bias=None, **tuning):

@@ -22,31 +22,28 @@ import torch
 from torch import fx
 
 from kvrewrite.context import RewriteContext
+from kvrewrite.kernels.gemv import input_problem
 from kvrewrite.passes.utils import clean_up
 
 logger = logging.getLogger(__name__)
 
 LINEAR = torch.ops.aten.linear.default
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
 def _attr(gm: fx.GraphModule, node):
     return None if node is None else reduce(getattr, node.target.split("."), gm)
 
 
 def _fits(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """The linear node's weight, bias and input satisfy kvrewrite::gemv (module docstring)."""
+    """The linear node's weight and bias are get_attr tensors and, with its input's traced value, are what
+    kvrewrite::gemv takes (its own input_problem decides)."""
     x, w_node = node.args[0], node.args[1]
     b_node = node.args[2] if len(node.args) > 2 else None
     if node.kwargs or not isinstance(x, fx.Node) or w_node.op != "get_attr" or \
             (b_node is not None and b_node.op != "get_attr"):
         return False
     w, b, val = _attr(gm, w_node), _attr(gm, b_node), x.meta.get("val")
-    if not isinstance(val, torch.Tensor) or w.dim() != 2 or w.stride(1) != 1 or val.shape[-1] != w.shape[1]:
+    if not isinstance(val, torch.Tensor) or not isinstance(val.numel(), int):  # a symbolic size is not known to fit
         return False
-    if val.dtype not in _DTYPES or w.dtype != val.dtype or (b is not None and b.dtype != val.dtype):
-        return False
-    return isinstance(val.numel(), int) and val.numel() == w.shape[1]  # one row (a symbolic size is not known to be)
+    return input_problem(val, w, b) is None
 
 
 def replace_linear_with_gemv(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
