@@ -109,6 +109,14 @@ def env_info() -> dict:
                 sms=torch.cuda.get_device_properties(0).multi_processor_count)
 
 
+def start_run() -> tuple:
+    """(env_info(), copy_gbps()) of this run, after printing them as the run's first line."""
+    env, copy = env_info(), copy_gbps()
+    print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, git {env['git_sha'][:12]}; "
+          f"copy {copy:.0f} GB/s (read + write)", flush=True)
+    return env, copy
+
+
 def _bench_ms(fn, quick=False) -> float:
     from triton.testing import do_bench
 
@@ -264,10 +272,7 @@ def main():
     parser.add_argument("--sweep", default=None, help="also time launch variants, written to this JSON file")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="For dense input")  # SDPA's efficient backend refusing GQA
-    env = env_info()
-    copy = copy_gbps()
-    print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, git {env['git_sha'][:12]}; "
-          f"copy {copy:.0f} GB/s (read + write)", flush=True)
+    env, copy = start_run()
     rows = []
     for cfg in get_configs():
         res = run(cfg, copy)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch._library.triton import set_wrap_triton_enabled
 
 import kvrewrite  # noqa: F401  (registers the ops)
-from kvrewrite.bench.attention import ROTATE_BYTES, _graph_us, copy_gbps, env_info
+from kvrewrite.bench.attention import ROTATE_BYTES, _graph_us, start_run
 from kvrewrite.kernels import gemv as g
 
 SHAPES = {  # name: (N, K)
@@ -132,10 +132,7 @@ def main():
     parser.add_argument("--out", default="gemv.json", help="JSON list of {config, result, env}; the plot goes next to it")
     parser.add_argument("--sweep", default=None, help="also time launch variants, written to this JSON file")
     args = parser.parse_args()
-    env = env_info()
-    copy = copy_gbps()
-    print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, git {env['git_sha'][:12]}; "
-          f"copy {copy:.0f} GB/s (read + write)", flush=True)
+    env, copy = start_run()
     rows = []
     for cfg in get_configs():
         res = run(cfg, copy)
