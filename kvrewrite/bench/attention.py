@@ -223,7 +223,8 @@ def run(cfg: Config, copy: float) -> Result:
 def sweep(configs, copy: float) -> list[dict]:
     """Launch variants of the Triton op (tile, warps, stages, splits, skip_unseen, past_only), CUDA-graph timed.
     Stage 1 crosses tile / warps / stages on the first config; stage 2 varies the split count and the
-    predicated loads around the best of stage 1 on every config."""
+    predicated loads around the best of stage 1 on every config (the op's split count, one less and one
+    more, and multiples of it)."""
     records = []
 
     def time_variant(cfg, sets, past_only=None, **tuning):
@@ -255,8 +256,8 @@ def sweep(configs, copy: float) -> list[dict]:
         G = cfg.Hq // cfg.Hkv
         default = ca._launch_config(cfg.B, cfg.Hkv, G, cfg.T, cfg.C, cfg.D, ca._num_sms(torch.device("cuda")),
                                     DTYPES[cfg.dtype].itemsize, block_n=best["block_n"])["num_splits"]
-        for splits in sorted({max(1, default // 4), max(1, default // 2), default, 2 * default, 4 * default,
-                              8 * default}):
+        for splits in sorted({max(1, default // 4), max(1, default // 2), max(1, default - 1), default,
+                              default + 1, 2 * default, 4 * default, 8 * default}):
             time_variant(cfg, sets, **best, num_splits=splits)
         time_variant(cfg, sets, **best, skip_unseen=False)
         time_variant(cfg, sets, **best, past_only=not cfg.past_only)  # what reading slot_pos costs
@@ -288,7 +289,8 @@ def main():
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
     if args.sweep:
-        sweep_configs = [Config(B=8, C=32768), Config(B=1, C=32768), Config(B=1, C=4096), Config(B=8, C=131072)]
+        sweep_configs = [Config(B=8, C=32768), Config(B=1, C=32768), Config(B=1, C=4096), Config(B=8, C=131072),
+                         Config(B=8, C=4096), Config(B=2, C=65536), Config(B=4, C=16384), Config(B=16, C=16384)]
         records = sweep(sweep_configs, copy)
         with open(args.sweep, "w") as f:
             json.dump([dict(r, env=env, copy_gbps=copy) for r in records], f, indent=1)

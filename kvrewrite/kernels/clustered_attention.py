@@ -338,13 +338,15 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_
         num_warps = 4
     tiles = triton.cdiv(C, block_n)
     if num_splits is None:
-        # split the slots until the grid covers the SMs twice; long caches (>= 256 tiles) take at least 32
-        # splits of >= 8 tiles: many programs per SM shrink the last wave's idle tail (H100, B = 8: 2-4%
-        # faster at C >= 32k; at C = 8k 8 splits were 4% slower than 5, and at B = 1 more than 32 splits
-        # were up to 8% slower; docs/bench/attention_notes.md)
-        num_splits = triton.cdiv(2 * num_sms, B * Hkv * m_blocks)
-        if decode and tiles >= 256:
-            num_splits = max(num_splits, 32)
+        if decode:
+            # the most splits that keep the grid within two programs per SM: one wave, and no SM running
+            # a third program while the others wait for it (H100 sweep, B = 1, 2, 4, 8, 16, C = 4k to 128k:
+            # the best count measured at every size; one split more was up to 5% slower. B = 8 gets 4
+            # splits = 256 programs; 5 splits (320) ran 2-5% slower, 32 splits 0.5-2%;
+            # docs/bench/attention_notes.md)
+            num_splits = max(1, 2 * num_sms // (B * Hkv * m_blocks))
+        else:
+            num_splits = triton.cdiv(2 * num_sms, B * Hkv * m_blocks)  # prefill: cover the SMs twice
         num_splits = min(num_splits, tiles // 2)  # >= 2 tiles per split
     tiles_per_split = triton.cdiv(tiles, min(max(num_splits, 1), tiles))
     num_splits = triton.cdiv(tiles, tiles_per_split)  # no empty split

@@ -129,6 +129,23 @@ def test_launch_variants_agree(tuning):
         _run_and_compare(3, 14, 2, T, 1000, 128, torch.bfloat16, 16 if T == 5 else 0, seed=7 + T, **tuning)
 
 
+@pytest.mark.parametrize("B", (1, 2, 4, 8, 16, 64))
+@pytest.mark.parametrize("Hkv, G", [(8, 4), (2, 7), (1, 4), (3, 3)])
+@pytest.mark.parametrize("C", (100, 4096, 32768, 131072))
+def test_decode_grid_stays_within_two_programs_per_sm(B, Hkv, G, C):
+    """The decode split rule (the H100 sweep's finding): the grid never puts a third program on an SM, unless
+    one split per (b, kv head) already does; and it uses that room: one split more would break the rule, or
+    the slots run out (>= 2 tiles per split)."""
+    sms = 132
+    cfg = ca._launch_config(B, Hkv, G, 1, C, 128, sms)
+    S, tiles = cfg["num_splits"], math.ceil(C / cfg["block_n"])
+    assert B * Hkv * S <= max(2 * sms, B * Hkv), cfg
+    more = ca._launch_config(B, Hkv, G, 1, C, 128, sms, num_splits=S + 1)["num_splits"]
+    assert B * Hkv * (S + 1) > 2 * sms or more == S or tiles // (S + 1) < 2, (cfg, more)
+    if (B, Hkv, G, C) == (8, 8, 4, 32768):
+        assert S == 4  # the Llama-3.1-8B batch-8 case of docs/bench/attention_notes.md
+
+
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[3] == 1], ids=[_id(s) for s in SHAPES if s[3] == 1])
 def test_past_only_matches_reference(shape, dtype):
