@@ -163,3 +163,17 @@ def test_gemv_bench_plot_draws_from_json_rows(tmp_path):
     gemv.plot(rows, tmp_path / "g.png")
     assert (tmp_path / "g.png").stat().st_size > 0
     assert [c.name for c in gemv.get_configs()][-1] == "lm_head"
+
+
+def test_attention_plot_draws_the_committed_h100_run(tmp_path):
+    """The committed decode-attention JSON redraws (the dotted "at SDPA's GB/s" line needs sdpa_bytes and
+    bytes_moved in every row), and its bytes make that line sit below 1 by the bias: 4 of 516 bytes per slot."""
+    from pathlib import Path
+
+    from kvrewrite.bench import plot
+
+    rows = json.loads((Path(__file__).parents[1] / "docs/bench/attention_h100.json").read_text())
+    plot.plot_attention(rows, tmp_path / "a.png")
+    assert (tmp_path / "a.png").stat().st_size > 0
+    for r in rows:
+        assert r["result"]["sdpa_bytes"] / r["result"]["bytes_moved"] == pytest.approx(512 / 516, rel=1e-3)

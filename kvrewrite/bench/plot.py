@@ -3,7 +3,8 @@
     python -m kvrewrite.bench.plot attention.json [--out attention.png]
 
 attention.json (kvrewrite.bench.attention): left, achieved GB/s of the Triton op and of SDPA against C, one
-line per B, with the measured copy bandwidth as the ceiling; right, SDPA time / Triton time (> 1: faster).
+line per B, with the measured copy bandwidth as the ceiling; right, SDPA time / Triton time (> 1: faster),
+with the ratio the op would reach moving its bytes (SDPA's plus the bias) at SDPA's GB/s (dotted).
 """
 import argparse
 import json
@@ -29,7 +30,10 @@ def plot_attention(rows, out):
                       for x, r in zip(res, sel)]
         ax_bw.plot(C, [n / x["sdpa_us"] / 1e3 for n, x in zip(sdpa_bytes, res)], "x--", color=line.get_color(),
                    label=f"SDPA (best backend, its own bytes), B={B}")
-        ax_ratio.plot(C, [x["sdpa_over_triton"] for x in res], "o-", label=f"B={B}")
+        line, = ax_ratio.plot(C, [x["sdpa_over_triton"] for x in res], "o-", label=f"B={B}")
+        # the ratio a kernel moving its bytes at SDPA's GB/s would reach: below 1 by the bias's bytes
+        ax_ratio.plot(C, [n / x["bytes_moved"] for n, x in zip(sdpa_bytes, res)], ":", color=line.get_color(),
+                      label=f"at SDPA's GB/s (SDPA's bytes / ours), B={B}")
     copy = rows[0]["result"]["copy_gbps"]
     ax_bw.axhline(copy, color="k", lw=1, label=f"D2D copy {copy:.0f} GB/s")
     ax_bw.axhline(0.8 * copy, color="k", lw=1, ls=":", label="80% of copy")
