@@ -64,7 +64,8 @@ def _check(B, Hkv, C, D, T, dtype, new_dtype, seed):
 # ragged token block), 256 and 300 (prefill chunks: several blocks, then the separate fill update);
 # D = 16 (the tiny test models), 64, 80 (not a power of two), 128, 256.
 SHAPES = [(1, 8, 300, 128, 1), (3, 2, 1000, 64, 1), (2, 3, 77, 80, 5), (3, 2, 500, 16, 37), (1, 8, 700, 128, 256),
-          (2, 2, 601, 256, 300), (4, 1, 33, 64, 33)]
+          (2, 2, 601, 256, 300), (4, 1, 33, 64, 33),
+          (2, 4, 64, 128, 16), (1, 2, 100, 128, 17)]  # the largest one-block call at D = 128, and one token more
 
 
 @pytest.mark.parametrize("new", ["same", "fp32"])
