@@ -106,8 +106,8 @@ def _cache_append_kernel(
 
 # Launch (H100 sweep over BLOCK_T x num_warps, 32 layer states of the Llama-3.1-8B layout, CUDA graphs): the
 # kernel is fastest with 4 elements of K (and of V) per thread, whatever the block: BLOCK_T 4 / 8 / 16 with
-# 4 / 8 / 16 warps at D = 128 moved a 256-token chunk at B = 8 in 8.6-8.8 us, while 8 elements per thread
-# took 19-26 us and 2 per thread 11 us (B = 8, T = 2048: 55 vs 114 us; B = 1, T = 2048: 8.5 vs 22.7 us).
+# 4 / 8 / 16 warps at D = 128 moved a 256-token chunk at B = 8 in 8.5-8.9 us, while 8 or more elements per
+# thread took 19-26 us and 2 per thread 11 us (B = 8, T = 2048: 54 vs 114 us; B = 1, T = 2048: 8.5 vs 22.7 us).
 # A call of up to SINGLE_BLOCK_ELEMENTS per row runs one block per row, which also advances the fill (no
 # second launch: at T = 5 that is 2.1 instead of 3.3 us); longer calls take blocks of BLOCK_ELEMENTS.
 ELEMENTS_PER_THREAD = 4

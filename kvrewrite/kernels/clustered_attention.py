@@ -342,7 +342,7 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_
             # the most splits that keep the grid within two programs per SM: one wave, and no SM running
             # a third program while the others wait for it (H100 sweep, B = 1, 2, 4, 8, 16, C = 4k to 128k:
             # the best count measured at every size; one split more was up to 5% slower. B = 8 gets 4
-            # splits = 256 programs; 5 splits (320) ran 2-5% slower, 32 splits 0.5-2%;
+            # splits = 256 programs; 5 splits (320) ran 3-5% slower, 32 splits 1-3%;
             # docs/bench/attention_notes.md)
             num_splits = max(1, 2 * num_sms // (B * Hkv * m_blocks))
         else:
