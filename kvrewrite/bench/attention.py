@@ -192,27 +192,36 @@ def _sdpa(backend, masked=False):
     return fn
 
 
+def _sdpa_by_backend(backends, sets, masked=False) -> tuple[dict, dict]:
+    """SDPA under each (name, backend) on the sets: {name: CUDA-graph us, or why the backend refused the
+    input (GQA, head dim, mask, GPU)} and {name: its output on sets[0]} for the backends that ran."""
+    times, outs = {}, {}
+    for name, backend in backends:
+        fn = _sdpa(backend, masked)
+        try:
+            out = fn(*sets[0])
+            times[name] = _graph_us(fn, sets)
+            outs[name] = out
+        except RuntimeError as e:
+            times[name] = f"unsupported: {str(e).splitlines()[0][:80]}"
+    return times, outs
+
+
 def _sdpa_with_bias_us(sets, ours) -> dict:
     """SDPA with the sets' bias as an additive attn_mask, per backend that accepts it (flash does not).
-    The masks are built before timing; the output must match the op's (the same function)."""
+    The masks are built before timing; every output must match the op's (the same function)."""
     from torch.nn.attention import SDPBackend
 
     G = sets[0][0].shape[1] // sets[0][1].shape[1]
     masked = [(q, k, v, bias.repeat_interleave(G, dim=1)[:, :, None, :].to(q.dtype)) for q, k, v, bias, *_ in sets]
-    times = {}
-    for name, backend in [("efficient", SDPBackend.EFFICIENT_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
-                          ("default", None)]:
-        fn = _sdpa(backend, masked=True)
-        try:
-            ref = fn(*masked[0])
-        except RuntimeError:  # the backend refuses a mask here
-            continue
-        torch.testing.assert_close(ref.float(), ours.float(), atol=2e-2, rtol=2e-2,
-                                   msg=f"SDPA {name} with the bias as mask differs from the op")
-        times[name] = _graph_us(fn, masked)
-    if not times:
+    times, outs = _sdpa_by_backend([("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                                    ("cudnn", SDPBackend.CUDNN_ATTENTION), ("default", None)], masked, masked=True)
+    if not outs:
         raise RuntimeError("no SDPA backend accepted the bias as attn_mask")
-    return times
+    for name, out in outs.items():
+        torch.testing.assert_close(out.float(), ours.float(), atol=2e-2, rtol=2e-2,
+                                   msg=f"SDPA {name} with the bias as mask differs from the op")
+    return {name: times[name] for name in outs}
 
 
 def _fits(cfg: Config) -> bool:
@@ -232,15 +241,11 @@ def run(cfg: Config, copy: float) -> Result:
     triton_us = _graph_us(op, sets)
     all_pos_us = triton_us if not cfg.past_only else _graph_us(_op(scale, False), sets)
     eager_us = _bench_ms(lambda: op(*sets[0])) * 1e3
-    sdpa_us, diff = {}, math.nan
-    for name, backend in [("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
-                          ("cudnn", SDPBackend.CUDNN_ATTENTION), ("default", None)]:
-        try:
-            ref = _sdpa(backend)(*sets[0])
-            sdpa_us[name] = _graph_us(_sdpa(backend), sets)
-            diff = (ours.float() - ref.float()).abs().max().item() if math.isnan(diff) else diff
-        except RuntimeError as e:  # the backend refuses this input (GQA, head dim, GPU)
-            sdpa_us[name] = f"unsupported: {str(e).splitlines()[0][:80]}"
+    sdpa_us, outs = _sdpa_by_backend([("flash", SDPBackend.FLASH_ATTENTION),
+                                      ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                                      ("cudnn", SDPBackend.CUDNN_ATTENTION), ("default", None)], sets)
+    ref = next(iter(outs.values()), None)  # the first backend that ran
+    diff = math.nan if ref is None else (ours.float() - ref.float()).abs().max().item()
     timed = {k: v for k, v in sdpa_us.items() if isinstance(v, float)}
     best = min(timed, key=timed.get)
     bias_us = _sdpa_with_bias_us(sets, ours)

@@ -25,6 +25,7 @@ from torch._library.triton import set_wrap_triton_enabled
 
 import kvrewrite  # noqa: F401  (registers the ops)
 from kvrewrite.bench.attention import ROTATE_BYTES, _graph_us, start_run
+from kvrewrite.bench.plot import env_label
 from kvrewrite.kernels import gemv as g
 
 SHAPES = {  # name: (N, K)
@@ -120,9 +121,7 @@ def plot(rows, out) -> None:
     ax.set_ylabel("weight bytes / time / copy bandwidth")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
-    env = rows[0]["env"]
-    ax.set_title(f"batch-1 decode GEMV, bf16 | {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
-                 f"{env['git_sha'][:10]}", fontsize=9)
+    ax.set_title(f"batch-1 decode GEMV, bf16 | {env_label(rows[0]['env'])}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 

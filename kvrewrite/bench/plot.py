@@ -11,6 +11,11 @@ import json
 from pathlib import Path
 
 
+def env_label(env) -> str:
+    """A run's machine and versions, for a plot title: GPU, torch, triton, commit."""
+    return f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['git_sha'][:10]}"
+
+
 def plot_attention(rows, out):
     import matplotlib
 
@@ -46,8 +51,8 @@ def plot_attention(rows, out):
     c = rows[0]["config"]
     ax_bw.set_ylabel("GB/s (bytes each must move / time)")
     ax_ratio.set_ylabel("SDPA time / Triton time")
-    fig.suptitle(f"decode attention, Hq {c['Hq']} Hkv {c['Hkv']} D {c['D']} {c['dtype']} T {c['T']} | {env['gpu']}, "
-                 f"torch {env['torch']}, triton {env['triton']}, {env['git_sha'][:10]}", fontsize=9)
+    fig.suptitle(f"decode attention, Hq {c['Hq']} Hkv {c['Hkv']} D {c['D']} {c['dtype']} T {c['T']} | "
+                 f"{env_label(env)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
