@@ -7,7 +7,8 @@ reached the threshold (budget = [target B, threshold B + g]) and that is not an 
 1. load its valid slots in temporal order; protect the first n_sink and the last n_recent;
 2. repeat CSM rounds on the middle region until the row holds `target` slots:
    - split the middle into consecutive chunks of `chunk`; inside each chunk, 1st/3rd/5th... slots
-     form set A and 2nd/4th/6th... set B (the alternation restarts in every chunk);
+     form set A and 2nd/4th/6th... set B (the alternation restarts in every chunk); every round
+     re-chunks the middle it starts from, so boundaries move as the middle shrinks (see ChelseaMethod);
    - every A slot draws one edge to its most cosine-similar B slot of the same chunk (keys only);
    - edges of all chunks are ranked together and the top n_merge kept, with
      r_i = max(r_init - r_alpha * min(r_steps, i), r_min), n_merge = min(max(1, floor(r_i * M)),

@@ -14,7 +14,17 @@ Decisions where the paper is silent or ambiguous (each tested in tests/methods/t
   compression needs a bounded number of rounds.
 - g (interval) is not given: 32. Γ is max_new_tokens of the generation.
 - Chunks start at the first middle slot; the last may be shorter; the A/B alternation restarts in
-  each chunk (A = 1st, 3rd, ...); chunk boundaries do not move between rounds (as in the paper).
+  each chunk (A = 1st, 3rd, ...).
+- Every CSM round re-chunks the middle it is given: chunks of `chunk` slots over the current (already
+  shrunken) middle, so boundaries move between rounds and a slot can meet, in a later round, a slot
+  that sat in a neighbouring chunk before. The paper never discusses boundaries across rounds, but
+  each step is one Chunked Soft Matching of the current cache: Alg. 1 carries only K, V, N, s between
+  calls (`K,V,N,s = Chelsea(K,V,N,s,n1,n2,r,c)`, no chunk layout), "the sequence is divided into
+  chunks while preserving the attention sinks and recent tokens", "multiple clustering steps are
+  required", and c is the chunk size of a CSM over a sequence of length n (Table 1: cost 1/4 ncd).
+  Fixed boundaries would shrink every chunk to ~c (1 - r)^i slots, away from the c the paper sets
+  (256) and ablates (Table 4), and across calls they cannot hold anyway (the recent window slides
+  into the middle). The Triton kernels do the same (chunks over the current M every round).
 - Merged slots keep temporal order: the centroid takes its B slot's place (paper §8.5 reading).
 - Keys are post-RoPE, as stored in HF caches; similarity is cosine in fp32; merging in fp32.
 - GQA: clustering per KV head; every query head of the group sees the same log n.
@@ -43,7 +53,7 @@ class ChelseaMethod(Method):
         budget: R, fraction of n + Γ kept per KV head, in (0, 1].
         n_sink: attention-sink slots never merged (paper: 16).
         n_recent: most recent slots never merged (paper: 64).
-        chunk: chunk size c of the soft matching (paper: 256).
+        chunk: chunk size c of the soft matching (paper: 256); every round re-chunks the current middle.
         r_init, r_alpha, r_steps, r_min: schedule r_i = max(r_init - r_alpha * min(r_steps, i), r_min).
         interval: g, compress when a row holds B + g slots.
         outlier_heads: {layer: [kv head, ...]} kept uncompressed.

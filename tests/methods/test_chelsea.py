@@ -6,7 +6,7 @@ Numbered as in the brief / the ChelseaMethod docstring:
  (3) compressed rows hold exactly B slots       (9) temporal order kept, merged slot_pos = max
  (4) sinks and recent slots bit-for-bit         (10) outlier heads never compressed, R' formula
  (5) the r schedule and the landing on B        (11) config validation
- (6) alternating A/B per chunk, intra-chunk edges only
+ (6) alternating A/B per chunk, intra-chunk edges only, chunks rebuilt every round
 csm_round is also checked against a slow float64 transcription of the paper's CSM written here.
 """
 import math
@@ -360,6 +360,35 @@ def test_alternation_restarts_in_every_chunk():
     _, _, no, po = csm_round(K[None], K[None], torch.ones(1, 6), torch.arange(6)[None], 2, 3)
     assert po[0].tolist() == [0, 1, 2, 5]
     assert no[0].tolist() == [1, 1, 1, 3]
+
+
+def test_chunks_rebuilt_every_round(monkeypatch):
+    """(6) Every round re-chunks the shrunken middle (chunk boundaries move), it does not keep the first
+    round's boundaries. Sinks 2, recent 3, middle m0..m7, chunk 4, constant r = 0.25: round 0 removes 2,
+    round 1 removes 1 (L 13 -> 11 -> 10). Keys: m0 = m1 = u, m2 = m3 = m4 = w, m5 = (w + x) / sqrt 2,
+    m6, m7, u, w, x orthogonal.
+    Round 0, chunks [m0 m1 m2 m3] [m4 m5 m6 m7]: the two cosine-1 edges m0 -> m1, m2 -> m3 (m4 -> m5 is
+    0.71). Survivors c01 c23 m4 m5 m6 m7.
+    Round 1, re-chunked: [c01 c23 m4 m5] [m6 m7]; m4 is an A slot of c23's chunk, m4 -> c23 (cosine 1)
+    wins: degrees 2, 3, 1, 1, 1. With fixed boundaries ([c01 c23] [m4 m5 m6 m7]) m4 could never reach
+    c23 and the merge would be m4 -> m5: degrees 2, 2, 2, 1, 1."""
+    D = 16
+    e = torch.eye(D)
+    u, w, x = e[0], e[1], e[2]
+    mid = torch.stack([u, u, w, w, w, (w + x) / 2 ** 0.5, e[3], e[4]])
+    K = torch.cat([e[10:12], mid, e[12:15]])[None]  # sinks and recent slots orthogonal to everything
+    V = torch.randn(1, 13, D, generator=torch.Generator().manual_seed(0))
+    s = state_from_rows(K, V)
+    calls = []
+    orig = cc.csm_round
+    monkeypatch.setattr(cc, "csm_round", lambda *a: calls.append((a[0].shape[1], a[4])) or orig(*a))
+    compress(s, 10, n_sink=2, n_recent=3, chunk=4, r_init=0.25, r_alpha=0.0, r_steps=0, r_min=0.25)
+    assert calls == [(8, 2), (6, 1)]  # two rounds, the second over the 6-slot middle
+    k, v, deg, pos = row(s, 0)
+    assert deg[2:-3].tolist() == [2, 3, 1, 1, 1]  # fixed boundaries: [2, 2, 2, 1, 1]
+    assert pos[2:-3].tolist() == [1 + 2, 4 + 2, 5 + 2, 6 + 2, 7 + 2]  # the star {m2, m3, m4} at m3's place
+    torch.testing.assert_close(k[3], w)
+    torch.testing.assert_close(v[3], V[0, 4:7].mean(0))
 
 
 # -- (7) global ranking ----------------------------------------------------------------------------------
