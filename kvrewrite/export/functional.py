@@ -59,15 +59,15 @@ def chelsea_compress(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, bud
 
 @torch.library.custom_op("kvrewrite_export::clustered_attention", mutates_args=())
 def clustered_attention(q: _T, keys: _T, values: _T, bias: _T, slot_pos: _T, cache_position: _T, scale: float,
-                        window: int, past_only: bool = False) -> _T:
+                        window: int, past_only: bool = False, softcap: float = 0.0) -> _T:
     """kvrewrite::clustered_attention as a plain custom op: opaque to every decomposition (the triton_op itself
     may be decomposed into its Triton launch), which a plugin-based backend needs (TensorRT)."""
     return torch.ops.kvrewrite.clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window,
-                                                   past_only=past_only)
+                                                   past_only=past_only, softcap=softcap)
 
 
 @clustered_attention.register_fake
-def _(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False):
+def _(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False, softcap=0.0):
     return q.new_empty(q.shape)
 
 

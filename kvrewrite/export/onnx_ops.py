@@ -6,9 +6,12 @@ with a native kernel for kvrewrite::<op> can substitute its own by domain and na
 are the functional forms (kvrewrite.export.functional): they return the updated
 (keys, values, bias, slot_pos, fill) instead of writing them.
 
-    kvrewrite::clustered_attention(q, keys, values, bias, slot_pos, cache_position; scale, window, past_only) -> out
+    kvrewrite::clustered_attention(q, keys, values, bias, slot_pos, cache_position; scale, window, past_only, softcap)
+        -> out
         past_only (0/1, default 0): the producer's promise that no used slot lies after a query; the function
         body computes the same either way (it applies the causal mask), a native kernel may skip the positions.
+        softcap (float, default 0 = none): logits softcap * tanh(scale * q·k / softcap), the bias and mask added
+        after (Gemma-2); the node carries it only when > 0, so the graphs of other models are as before.
     kvrewrite::cache_append(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid)
         -> (keys, values, bias, slot_pos, fill)
     kvrewrite::evict_to_budget(keys, values, bias, slot_pos, fill, budget; n_sink) -> (keys, ..., fill)
@@ -41,7 +44,7 @@ TFloat = TypeVar("TFloat", bound=Union[FLOAT, FLOAT16, BFLOAT16])  # q, keys, va
 
 @script(kv, default_opset=op)
 def clustered_attention(q: TFloat, keys: TFloat, values: TFloat, bias: FLOAT, slot_pos: INT64, cache_position: INT64,
-                        scale: float, window: int, past_only: int = 0) -> TFloat:
+                        scale: float, window: int, past_only: int = 0, softcap: float = 0.0) -> TFloat:
     neg_inf = op.Constant(value_float=float("-inf"))
     B = op.Shape(q, start=0, end=1)
     Hq = op.Shape(q, start=1, end=2)
@@ -53,7 +56,14 @@ def clustered_attention(q: TFloat, keys: TFloat, values: TFloat, bias: FLOAT, sl
     kf = op.Cast(keys, to=FLOAT.dtype)
     vf = op.Cast(values, to=FLOAT.dtype)
     sc = op.Constant(value_float=scale)
-    raw = op.Add(op.Mul(op.MatMul(qf, op.Transpose(kf, perm=[0, 1, 3, 2])), sc), op.Unsqueeze(bias, [2]))
+    scaled = op.Mul(op.MatMul(qf, op.Transpose(kf, perm=[0, 1, 3, 2])), sc)
+    # soft cap (softcap > 0): softcap * tanh(scaled / softcap), HF's order; at 0 Where keeps `scaled` as is
+    cap = op.Constant(value_float=softcap)
+    fzero = op.Constant(value_float=0.0)
+    capping = op.Greater(cap, fzero)
+    cap_safe = op.Where(capping, cap, op.Constant(value_float=1.0))
+    capped = op.Where(capping, op.Mul(op.Tanh(op.Div(scaled, cap_safe)), cap_safe), scaled)
+    raw = op.Add(capped, op.Unsqueeze(bias, [2]))
     qp = op.Reshape(op.Tile(cache_position, G), op.Constant(value_ints=[1, 1, -1, 1]))
     sp = op.Unsqueeze(slot_pos, [2])
     w = op.Constant(value_int=window)
@@ -286,10 +296,13 @@ def _state_like(*tensors):
     return dict(dtypes=[t.dtype for t in tensors], shapes=[t.shape for t in tensors], version=1)
 
 
-def sym_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False):
+def sym_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False,
+                            softcap=0.0):
+    attrs = {"scale": float(scale), "window": int(window), "past_only": int(past_only)}
+    if softcap:  # 0 (no cap) is the function's default: the node stays as it was before the attribute existed
+        attrs["softcap"] = float(softcap)
     return torch.onnx.ops.symbolic(f"{DOMAIN}::clustered_attention", [q, keys, values, bias, slot_pos, cache_position],
-                                   {"scale": float(scale), "window": int(window), "past_only": int(past_only)},
-                                   dtype=q.dtype, shape=q.shape, version=1)
+                                   attrs, dtype=q.dtype, shape=q.shape, version=1)
 
 
 def sym_cache_append(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid):

@@ -1,6 +1,7 @@
 """kvrewrite::clustered_attention — degree-biased attention of new queries over a layer's slots.
 
-    o[t] = sum_j exp(scale * q[t]·k_j + b_j) v_j / sum_j exp(scale * q[t]·k_j + b_j)
+    o[t] = sum_j exp(z_tj + b_j) v_j / sum_j exp(z_tj + b_j),
+    z_tj = scale * q[t]·k_j,  or with softcap > 0:  z_tj = softcap * tanh(scale * q[t]·k_j / softcap)
 
 over the slots j visible to query t: slot_pos[j] <= cache_position[t] (causality, which also covers
 the fresh tokens of a prefill chunk written just before), and, for a sliding-window layer
@@ -9,7 +10,9 @@ the fresh tokens of a prefill chunk written just before), and, for a sliding-win
 (Chelsea eq. 2). GQA is index math: query head h reads KV head h // (Hq // Hkv). An empty slot's keys
 and values must be finite (the state keeps them so: zero-initialised, then written only with the
 model's keys and values or merges of them): the CUDA kernel reads every slot for prefill-sized query
-blocks and masks by score, and 0 x inf would be NaN.
+blocks and masks by score, and 0 x inf would be NaN. The soft cap (Gemma-2, and Gemma-3 with
+attn_logit_softcapping set) applies to the scaled score alone: the degree bias and the -inf of an
+invisible slot are added after it, as Hugging Face's eager attention adds its mask after the cap.
 
 Args:
     q:              [B, Hq, T, D]   model dtype
@@ -28,6 +31,9 @@ Args:
                     future slots visible. The rewritten decode graph sets it (the runtime appends the query's
                     token before attending, and compression keeps slot_pos = the max of the merged tokens'),
                     prefill chunks do not (their fresh block is causal).
+    softcap:        attention logit soft cap (the model's attn_logit_softcapping, e.g. 50.0 for Gemma-2), 0 for
+                    none (the default: the function and every kernel are then those without the cap). Merging
+                    identical keys stays exact under the cap: the cap acts per score, the bias outside it.
 Returns:
     [B, Hq, T, D] in q's dtype, contiguous (whatever q's strides: q is often a transposed view,
     and Inductor checks the real output's strides against the fake's); a query that sees no slot
@@ -35,7 +41,8 @@ Returns:
 Mutates: nothing.
 
 Backends: CUDA runs the Triton kernel below (fp16/bf16/fp32, D in 16..256, a power of two); CPU
-runs fused SDPA over the used slots; other devices, and CUDA without Triton, run the reference.
+runs fused SDPA over the used slots (softcap > 0: the fp32 logits written out, SDPA cannot cap); other
+devices, and CUDA without Triton, run the reference.
 The op is a `torch.library.triton_op`, so Inductor sees the Triton launch and CUDA graphs work.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
@@ -52,6 +59,13 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the op runs its PyTorch paths; only triton_clustered_attention raises
     triton = tl = None
+try:
+    # tanh for the SOFTCAP kernel. A global of this name is what Triton remaps to the backend's library (CUDA's
+    # libdevice: __nv_tanhf); `tl.extra.libdevice.tanh` would reach only the unmapped stubs. Inductor's copy of
+    # the kernel source resolves the name too: its kernel header imports the same module as `libdevice`.
+    from triton.language.extra import libdevice
+except ImportError:
+    libdevice = None
 
 
 def check_past_only(bias, slot_pos, cache_position, name="clustered_attention"):
@@ -68,17 +82,30 @@ def check_past_only(bias, slot_pos, cache_position, name="clustered_attention"):
                          f"slots); pass past_only=False when slots may lie in a query's future (e.g. a prefill chunk)")
 
 
-def reference_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False):
+def check_softcap(softcap, name="clustered_attention"):
+    """ValueError unless softcap is a finite number >= 0 (0: no cap). A negative cap would compute the cap of
+    its absolute value (c * tanh(x / c) is even in c), a NaN no cap at all: both are caller bugs."""
+    if not softcap >= 0 or softcap == float("inf"):
+        raise ValueError(f"{name}: softcap must be a finite number >= 0 (0 = no cap), got {softcap}")
+
+
+def reference_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False,
+                                  softcap=0.0):
     """Plain-PyTorch reference. Load-bearing choices: fp32 logits, softmax and accumulation; the bias
-    is added after scaling; rows with no visible slot return 0 instead of NaN. past_only is checked
+    is added after scaling, and after the soft cap (softcap * tanh(logit / softcap), HF's order: divide,
+    tanh, multiply) when softcap > 0; rows with no visible slot return 0 instead of NaN. past_only is checked
     (check_past_only) and changes nothing else: the causal mask is applied either way."""
+    check_softcap(softcap, "reference_clustered_attention")
     if past_only:
         check_past_only(bias, slot_pos, cache_position, "reference_clustered_attention")
     B, Hq, T, D = q.shape
     Hkv = keys.shape[1]
     G = Hq // Hkv
     qf = q.float().view(B, Hkv, G, T, D)
-    logits = torch.einsum("bhgtd,bhcd->bhgtc", qf, keys.float()) * scale + bias[:, :, None, None, :]
+    logits = torch.einsum("bhgtd,bhcd->bhgtc", qf, keys.float()) * scale
+    if softcap > 0:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits + bias[:, :, None, None, :]
     qp = cache_position[None, None, None, :, None]
     sp = slot_pos[:, :, None, None, :]
     visible = sp <= qp
@@ -93,10 +120,11 @@ def reference_clustered_attention(q, keys, values, bias, slot_pos, cache_positio
     return out.reshape(B, Hq, T, D).to(q.dtype)
 
 
-def cpu_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window):
+def cpu_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, softcap=0.0):
     """The CPU path: the same function through PyTorch's fused SDPA with an additive fp32 mask
-    (bias, -inf where invisible); query groups are folded into the query axis for GQA. Checked
-    against the float64 spelling of the formula in tests/kernels/test_clustered_attention.py."""
+    (bias, -inf where invisible); query groups are folded into the query axis for GQA. SDPA cannot
+    soft-cap, so with softcap > 0 the fp32 logits are written out (matmul, cap, + mask, softmax, matmul).
+    Checked against the float64 spelling of the formula in tests/kernels/test_clustered_attention.py."""
     B, Hq, T, D = q.shape
     Hkv, C = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
@@ -110,9 +138,13 @@ def cpu_clustered_attention(q, keys, values, bias, slot_pos, cache_position, sca
     mask = mask.masked_fill(~seen, 0.0)  # no NaN rows; their output is zeroed below
     mask = mask[:, :, None].expand(B, Hkv, G, T, C).reshape(B, Hkv, G * T, C)
     f32 = torch.float32
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.to(f32).reshape(B, Hkv, G * T, D), keys.to(f32), values.to(f32), attn_mask=mask, scale=scale
-    )
+    qf, kf, vf = q.to(f32).reshape(B, Hkv, G * T, D), keys.to(f32), values.to(f32)
+    if softcap > 0:
+        logits = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+        logits = torch.tanh(logits / softcap) * softcap + mask
+        out = torch.matmul(torch.softmax(logits, dim=-1), vf)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale)
     out = out.view(B, Hkv, G, T, D).masked_fill(~seen[:, :, None], 0.0)
     return out.reshape(B, Hq, T, D).to(q.dtype)
 
@@ -146,7 +178,9 @@ def _clustered_attention_fwd_kernel(
     stride_vb, stride_vh, stride_vc, stride_vd,
     stride_bb, stride_bh, stride_bc,
     stride_pb, stride_ph, stride_pc,
-    Hkv, G, T, C, window, slots_per_split, qk_scale,  # qk_scale = scale * log2(e)
+    # qk_scale = scale * log2(e); with SOFTCAP, qk_scale = scale / softcap and softcap_log2 = softcap * log2(e)
+    # (unused without SOFTCAP)
+    Hkv, G, T, C, window, slots_per_split, qk_scale, softcap_log2,
     NUM_SPLITS,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -156,6 +190,7 @@ def _clustered_attention_fwd_kernel(
     LOAD_POS: tl.constexpr,  # False (past_only, window 0): slot_pos is not read, every used slot is visible
     HAS_WINDOW: tl.constexpr,  # window > 0 (only with LOAD_POS)
     CAUSAL_SKIP: tl.constexpr,  # test causality per element only in tiles holding a slot after the block's first query
+    SOFTCAP: tl.constexpr,  # soft-cap the scores: softcap * tanh(scale * q·k / softcap), before the bias and masks
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     pid_s = tl.program_id(0)
@@ -224,14 +259,22 @@ def _clustered_attention_fwd_kernel(
         # (with SKIP_UNSEEN its K/V are not read either: q·k reads 0 there)
         bias2 = tl.where(need, bias * LOG2E, float("-inf"))
 
-        # -- scores: scale * q·k + bias, -inf where the slot is not visible to the row --------------
+        # -- scores: scale * q·k (soft-capped) + bias, -inf where the slot is not visible to the row --
         k = tl.load(k_base + offs_n[:, None] * stride_kc + offs_d[None, :] * stride_kd, mask=need[:, None], other=0.0)
         if Q.dtype.element_ty == tl.float32:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        # (the cast: Inductor may hand qk_scale over as an fp64 scalar)
-        s = (qk * qk_scale).to(tl.float32) + bias2[None, :]
+        # (the casts: Inductor may hand the float scalars over as fp64)
+        if SOFTCAP:
+            # the cap works in natural units: tanh(scale * q·k / softcap) (qk_scale = scale / softcap), times
+            # softcap * log2(e) to reach the base-2 domain; CUDA's tanhf (libdevice, 2 ulp; no 1 - 2 / (e^2x + 1)
+            # cancellation near 0) saturates to +-1 for large arguments. An unneeded slot's q·k reads 0:
+            # tanh(0) = 0, then + bias2 = -inf.
+            capped = libdevice.tanh((qk * qk_scale).to(tl.float32))
+            s = (capped * softcap_log2).to(tl.float32) + bias2[None, :]
+        else:
+            s = (qk * qk_scale).to(tl.float32) + bias2[None, :]
         if LOAD_POS:
             if CAUSAL_SKIP:
                 # a tile whose slots all lie at or before the block's first query is visible to every row
@@ -355,7 +398,7 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_
                 skip_unseen=skip_unseen)
 
 
-def _check_inputs(q, keys, values, bias, slot_pos, cache_position, window):
+def _check_inputs(q, keys, values, bias, slot_pos, cache_position, window, softcap=0.0):
     name = "triton_clustered_attention"
     B, Hq, T, D, Hkv, C = check_attention_shapes(name, q, keys, bias, slot_pos, cache_position)
     if values.shape != keys.shape:
@@ -373,10 +416,11 @@ def _check_inputs(q, keys, values, bias, slot_pos, cache_position, window):
     check_one_cuda_device(name, (q, keys, values, bias, slot_pos, cache_position))
     if window < 0:
         raise ValueError(f"{name}: window must be >= 0 (0 = no window), got {window}")
+    check_softcap(softcap, name)
 
 
 def triton_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False,
-                               **tuning):
+                               softcap=0.0, **tuning):
     """The op on CUDA through Triton (shapes and dtypes in the module docstring); validates its inputs,
     but cannot check past_only's promise (that would read slot_pos, the read past_only saves).
 
@@ -386,18 +430,24 @@ def triton_clustered_attention(q, keys, values, bias, slot_pos, cache_position, 
     if triton is None:
         raise NotImplementedError("triton_clustered_attention needs Triton (pip install triton); "
                                   "kvrewrite::clustered_attention itself runs without it")
-    _check_inputs(q, keys, values, bias, slot_pos, cache_position, window)
-    return _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only, **tuning)
+    _check_inputs(q, keys, values, bias, slot_pos, cache_position, window, softcap)
+    if softcap > 0 and libdevice is None:
+        raise NotImplementedError("triton_clustered_attention: softcap > 0 needs triton.language.extra.libdevice "
+                                  "(Triton >= 3.0) for tanh")
+    return _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only, softcap, **tuning)
 
 
-def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False, causal_skip=True,
-            **overrides):
+def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False, softcap=0.0,
+            causal_skip=True, **overrides):
     """Allocate the output (and the split partials) and launch. No checks: Triton's interpreter
     (TRITON_INTERPRET=1) runs it on CPU tensors, which is how the kernel can be debugged without a GPU.
 
     past_only with window 0 skips the causal test and never reads slot_pos (LOAD_POS False): right because
     the caller promises that no used slot lies after any query (module docstring), at any T. With a window
-    the positions are read anyway (the window test needs them), and the causal test costs nothing more."""
+    the positions are read anyway (the window test needs them), and the causal test costs nothing more.
+
+    softcap > 0 compiles the SOFTCAP variant (a constexpr: softcap == 0 runs the kernel without the cap, and
+    its float argument is passed but never read)."""
     # int(): the launch depends on the shapes, so a dynamic-shape trace specialises on them (a guard)
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, C = int(keys.shape[1]), int(keys.shape[2])
@@ -406,6 +456,10 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past
     cfg = _launch_config(B, Hkv, G, T, C, D, num_sms, q.element_size(), **overrides)
     S = cfg["num_splits"]
     load_pos = not (past_only and window == 0)
+    if softcap > 0:  # the cap in natural units, then the base-2 domain (kernel signature)
+        qk_scale, softcap_log2 = scale / softcap, softcap * 1.4426950408889634
+    else:
+        qk_scale, softcap_log2 = scale * 1.4426950408889634, 0.0
     out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
     if S > 1:
         part = torch.empty((B * Hq * T, S, D), dtype=torch.float32, device=q.device)
@@ -416,9 +470,9 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past
     wrap_triton(_clustered_attention_fwd_kernel)[(S, B * Hkv, cfg["m_blocks"])](
         q, keys, values, bias, slot_pos, cache_position, part, m_part, l_part,
         *q.stride(), *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(),
-        Hkv, G, T, C, window, cfg["slots_per_split"], scale * 1.4426950408889634, S,
+        Hkv, G, T, C, window, cfg["slots_per_split"], qk_scale, softcap_log2, S,
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], SPLIT=S > 1, SKIP_UNSEEN=cfg["skip_unseen"],
-        LOAD_POS=load_pos, HAS_WINDOW=window > 0, CAUSAL_SKIP=causal_skip,
+        LOAD_POS=load_pos, HAS_WINDOW=window > 0, CAUSAL_SKIP=causal_skip, SOFTCAP=softcap > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if S > 1:
@@ -444,21 +498,24 @@ def clustered_attention_cpu(
     scale: float,
     window: int,
     past_only: bool = False,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The CPU path of kvrewrite::clustered_attention, an opaque op of its own: it attends only up to
     the last used slot (slots past it are empty, bias -inf), which takes a host read. The read is free
     on the CPU but cannot be traced, so the triton_op below calls this op rather than inlining it.
     past_only is checked (check_past_only), and the causal mask applied as always."""
+    check_softcap(softcap)
     if past_only:
         check_past_only(bias, slot_pos, cache_position)
     used = torch.isfinite(bias).flatten(0, 1).any(dim=0).nonzero()
     last = int(used[-1]) + 1 if used.numel() else 1
     keys, values, bias, slot_pos = keys[:, :, :last], values[:, :, :last], bias[:, :, :last], slot_pos[:, :, :last]
-    return cpu_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window).contiguous()
+    return cpu_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window,
+                                   softcap).contiguous()
 
 
 @clustered_attention_cpu.register_fake
-def _(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False):
+def _(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False, softcap=0.0):
     return q.new_empty(q.shape)  # contiguous, like the real output (empty_like would copy q's strides)
 
 
@@ -472,6 +529,7 @@ def clustered_attention(
     scale: float,
     window: int,
     past_only: bool = False,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Degree-biased attention over cache slots (see the module docstring).
 
@@ -481,12 +539,13 @@ def clustered_attention(
     Triton launch, which Inductor sees as a user-defined Triton kernel.
     """
     if q.is_cuda and triton is not None:
-        return triton_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only)
+        return triton_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only,
+                                          softcap)
     if q.device.type == "cpu":
         return torch.ops.kvrewrite.clustered_attention_cpu(q, keys, values, bias, slot_pos, cache_position, scale,
-                                                           window, past_only)
+                                                           window, past_only, softcap)
     return reference_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window,
-                                         past_only).contiguous()
+                                         past_only, softcap).contiguous()
 
 
 clustered_attention = register_triton_op("kvrewrite::clustered_attention", clustered_attention, (), triton is not None)

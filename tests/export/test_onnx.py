@@ -97,6 +97,31 @@ def test_clustered_attention_function_takes_past_only():
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("softcap,window", [(5.0, 0), (50.0, 6)], ids=["cap5", "cap50-w6"])
+def test_clustered_attention_function_takes_softcap(softcap, window):
+    """softcap (a float attribute, Gemma-2) caps the scaled scores before the bias and the mask, like the reference;
+    softcap=0 gives the very same output as leaving the attribute out (the function's default: no cap)."""
+    g = torch.Generator().manual_seed(int(softcap))
+    B, Hq, Hkv, T, C, D = 2, 4, 2, 5, 19, 16
+    q = softcap * torch.randn(B, Hq, T, D, generator=g)  # scale * q.k ~ softcap: the cap bends most scores
+    keys, values = torch.randn(B, Hkv, C, D, generator=g), torch.randn(B, Hkv, C, D, generator=g)
+    bias = torch.randn(B, Hkv, C, generator=g).abs().log1p()
+    bias[torch.rand(B, Hkv, C, generator=g) < 0.3] = float("-inf")
+    slot_pos = torch.randint(0, 40, (B, Hkv, C), generator=g)
+    cpos = torch.arange(30, 30 + T)
+    inputs = dict(q=q, keys=keys, values=values, bias=bias, slot_pos=slot_pos, cache_position=cpos)
+    ref = reference_clustered_attention(q, keys, values, bias, slot_pos, cpos, 0.25, window, softcap=softcap)
+    (out,) = _run_function("clustered_attention", inputs, [ref], scale=0.25, window=window, softcap=softcap)
+    # logits up to |softcap| in fp32: a few ulp of it per weight (<= ~4 * softcap * 2**-23 relative), |v| <= ~4
+    torch.testing.assert_close(out, ref, atol=max(2e-6, 2e-6 * softcap), rtol=0)
+    uncapped = reference_clustered_attention(q, keys, values, bias, slot_pos, cpos, 0.25, window)
+    assert (uncapped - ref).abs().max() > 1e-1  # the cap matters here
+    (zero,) = _run_function("clustered_attention", inputs, [ref], scale=0.25, window=window, softcap=0.0)
+    (omitted,) = _run_function("clustered_attention", inputs, [ref], scale=0.25, window=window)
+    assert torch.equal(zero, omitted)
+    torch.testing.assert_close(omitted, uncapped, atol=2e-6, rtol=0)
+
+
 @pytest.mark.parametrize("B,H,C,D,T", [(1, 1, 8, 4, 1), (2, 3, 20, 16, 5), (2, 2, 40, 8, 16)])
 def test_cache_append_function(B, H, C, D, T):
     g = torch.Generator().manual_seed(C + T)

@@ -3,7 +3,8 @@
 The naive version below is deliberately the paper's Eq. (2) spelled out query by query and slot by
 slot (no einsum, no max-subtraction trick beyond what float64 needs): weight_j = exp(scale*q.k_j + b_j)
 for every slot j visible to the query (slot_pos_j <= cache_position, and > cache_position - window for a
-windowed layer), o = sum_j weight_j v_j / sum_j weight_j, and 0 when the query sees no slot.
+windowed layer), o = sum_j weight_j v_j / sum_j weight_j, and 0 when the query sees no slot. With a soft
+cap, scale*q.k_j becomes softcap*tanh(scale*q.k_j/softcap) and the bias is added after it (Gemma-2).
 """
 import itertools
 import math
@@ -35,8 +36,17 @@ TOL = {
 }
 
 
-def naive_attention(q, keys, values, bias, slot_pos, cache_position, scale, window):
-    """float64 dense softmax, one (b, query head) at a time; GQA: query head h reads KV head h // (Hq // Hkv)."""
+def softcap_tol(dtype, softcap):
+    """TOL[dtype] with the cap's own fp32 rounding: logits reach |softcap| and carry a few ulp of it (tanh, the
+    divide and multiply: <= ~4 * softcap * 2**-23), which is the relative error of each weight; outputs
+    (|v| <= ~4) move by <= softcap * 2e-6 (1e-4 at softcap 50), still ~1e2 below what a misplaced bias or a
+    missing cap moves (>= 1e-2; test_softcap_matches_naive checks the cap matters)."""
+    return dict(TOL[dtype], atol=max(TOL[dtype]["atol"], 2e-6 * softcap))
+
+
+def naive_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, softcap=0.0):
+    """float64 dense softmax, one (b, query head) at a time; GQA: query head h reads KV head h // (Hq // Hkv);
+    softcap > 0 caps the scaled score, then the bias and the mask are added."""
     B, Hq, T, D = q.shape
     Hkv = keys.shape[1]
     G = Hq // Hkv
@@ -50,7 +60,10 @@ def naive_attention(q, keys, values, bias, slot_pos, cache_position, scale, wind
             vis = (sp <= cp) & (bias[b, kh] > -math.inf)[None, :]  # [T, C]
             if window > 0:
                 vis &= sp > cp - window
-            logits = (q[b, h] @ k[b, kh].T) * scale + bias[b, kh]
+            logits = (q[b, h] @ k[b, kh].T) * scale
+            if softcap > 0:
+                logits = softcap * torch.tanh(logits / softcap)
+            logits = logits + bias[b, kh]
             logits = logits.masked_fill(~vis, -math.inf)
             m = logits.amax(-1, keepdim=True).nan_to_num(neginf=0.0)
             w = torch.exp(logits - m)  # 0 where invisible
@@ -252,3 +265,116 @@ def test_past_only_broken_promise_is_a_clear_error(impl):
     keys, values, bias, slot_pos, cp = make_state(1, 2, 30, 16, 5, torch.float32, gen=g)
     with pytest.raises(ValueError, match="past_only=True"):
         IMPLS[impl](torch.randn(1, 2, 5, 16, generator=g), keys, values, bias, slot_pos, cp, 0.25, 0, past_only=True)
+
+
+# -- softcap: Gemma-2's attention logit soft cap, softcap * tanh(scale * q.k / softcap), bias and mask after it -----
+
+# (B, (Hq, Hkv), T, C, D, window): decode and prefill-chunk shapes, GQA 1/4/7/2, empty slots (make_state), windows
+SOFTCAP_CASES = [(1, (4, 4), 1, 37, 16, 0), (3, (8, 2), 1, 100, 64, 0), (2, (7, 1), 5, 37, 16, 5),
+                 (2, (4, 2), 16, 100, 16, 8)]
+
+
+def softcap_inputs(B, Hq, Hkv, T, C, D, dtype, softcap, seed):
+    """make_state, and queries scaled so that scale * q.k has a standard deviation of about `softcap` (tanh(1) =
+    0.76: the cap bends most scores, and saturates the largest)."""
+    g = torch.Generator().manual_seed(seed)
+    keys, values, bias, slot_pos, cp = make_state(B, Hkv, C, D, T, dtype, gen=g)
+    q = (torch.randn(B, Hq, T, D, generator=g) * softcap).to(dtype)
+    return q, keys, values, bias, slot_pos, cp
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("softcap", [5.0, 30.0, 50.0], ids=lambda c: f"cap{c:g}")
+@pytest.mark.parametrize("B,heads,T,C,D,window", SOFTCAP_CASES,
+                         ids=[f"B{b}-Hq{h[0]}Hkv{h[1]}-T{t}-C{c}-D{d}-w{w}" for b, h, t, c, d, w in SOFTCAP_CASES])
+def test_softcap_matches_naive(B, heads, T, C, D, window, softcap, dtype, impl):
+    Hq, Hkv = heads
+    q, keys, values, bias, slot_pos, cp = softcap_inputs(B, Hq, Hkv, T, C, D, dtype, softcap,
+                                                         seed=hash((B, Hq, T, C, D, window, softcap)) % 2**31)
+    scale = D**-0.5
+    out = IMPLS[impl](q, keys, values, bias, slot_pos, cp, scale, window, softcap=softcap)
+    assert out.dtype == dtype and out.shape == (B, Hq, T, D)
+    ref = naive_attention(q, keys, values, bias, slot_pos, cp, scale, window, softcap=softcap)
+    torch.testing.assert_close(out.double(), ref, **softcap_tol(dtype, softcap))
+    # the cap matters on these logits: the uncapped function is far away
+    uncapped = naive_attention(q, keys, values, bias, slot_pos, cp, scale, window)
+    assert (uncapped - ref).abs().max() > 1e-1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_softcap_zero_is_no_cap_bit_for_bit(impl):
+    """softcap=0.0 (positional or keyword) is the default: the very same bits as omitting it, past_only too."""
+    g = torch.Generator().manual_seed(8)
+    for dtype, (Hq, Hkv), T, window in [(torch.float32, (4, 2), 3, 0), (torch.bfloat16, (7, 1), 1, 5)]:
+        keys, values, bias, slot_pos, cp = make_state(2, Hkv, 30, 16, T, dtype, gen=g)
+        q = torch.randn(2, Hq, T, 16, generator=g).to(dtype)
+        args = (q, keys, values, bias, slot_pos, cp, 0.25, window)
+        want = IMPLS[impl](*args)
+        assert torch.equal(IMPLS[impl](*args, softcap=0.0), want)
+        assert torch.equal(IMPLS[impl](*args, False, 0.0), want)
+        if T == 1:
+            assert torch.equal(IMPLS[impl](*args, past_only=True, softcap=0.0), IMPLS[impl](*args, past_only=True))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_softcap_bias_is_added_after_the_cap(impl):
+    """A slot with bias log n is n identical slots with bias 0 under the cap too (the cap acts on the score
+    alone); with the bias inside the tanh it would not be."""
+    D, cap = 16, 5.0
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(1, 1, 4, D, generator=g), torch.randn(1, 1, 4, D, generator=g)
+    q = 4 * torch.randn(1, 2, 1, D, generator=g)
+    deg = torch.tensor([3.0, 1.0, 2.0, 1.0])
+    pos, cp = torch.zeros(1, 1, 4, dtype=torch.long), torch.tensor([5])
+    merged = IMPLS[impl](q, k, v, deg.log().view(1, 1, 4), pos, cp, 0.3, 0, softcap=cap)
+    rep = deg.long()
+    n = int(rep.sum())
+    expanded = IMPLS[impl](q, k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2), torch.zeros(1, 1, n),
+                           torch.zeros(1, 1, n, dtype=torch.long), cp, 0.3, 0, softcap=cap)
+    torch.testing.assert_close(merged, expanded, atol=2e-6, rtol=1e-5)
+    # HF's order, spelled out: cap the scaled scores, then add the bias (here the log degrees)
+    s = cap * torch.tanh((q[0] @ k[0, 0].T) * 0.3 / cap) + deg.log()
+    torch.testing.assert_close(merged[0], torch.softmax(s, -1) @ v[0, 0], atol=2e-6, rtol=1e-5)
+    inside = torch.softmax(cap * torch.tanh(((q[0] @ k[0, 0].T) * 0.3 + deg.log()) / cap), -1) @ v[0, 0]
+    assert (inside - merged[0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_softcap_saturates_and_keeps_empty_rows_zero(impl):
+    """Scores far beyond the cap (|scale * q.k| ~ 1e5) saturate to +-softcap: finite, and the naive formula's;
+    a query that sees no slot is 0 and an empty slot's huge stale data is never attended, as without the cap."""
+    D, cap = 16, 30.0
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(2, 1, 5, D, generator=g), torch.randn(2, 1, 5, D, generator=g)
+    q = 1e5 * torch.randn(2, 3, 2, D, generator=g)
+    bias = torch.zeros(2, 1, 5)
+    bias[1] = -math.inf  # batch row 1: every slot empty
+    bias[0, 0, 2] = -math.inf
+    k[0, 0, 2], v[0, 0, 2] = 1e3, 1e3  # stale data in the empty slot
+    pos = torch.tensor([5, 6, 7, 8, 9]).expand(2, 1, 5).contiguous()
+    cp = torch.tensor([3, 8])  # query 0 precedes every slot; query 1 sees slots 5..8
+    out = IMPLS[impl](q, k, v, bias, pos, cp, 0.25, 0, softcap=cap)
+    assert torch.isfinite(out).all()
+    assert (out[:, :, 0] == 0).all() and (out[1] == 0).all()
+    torch.testing.assert_close(out.double(), naive_attention(q, k, v, bias, pos, cp, 0.25, 0, softcap=cap),
+                               **softcap_tol(torch.float32, cap))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_softcap_must_be_finite_and_not_negative(impl):
+    keys, values, bias, slot_pos, cp = make_state(1, 1, 5, 16, 1, torch.float32, gen=torch.Generator().manual_seed(0))
+    q = torch.randn(1, 1, 1, 16)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"softcap must be a finite number >= 0"):
+            IMPLS[impl](q, keys, values, bias, slot_pos, cp, 0.25, 0, softcap=bad)
+
+
+def test_softcap_opcheck():
+    g = torch.Generator().manual_seed(1)
+    for dtype, (Hq, Hkv), T, window, past_only in [(torch.float32, (4, 2), 3, 0, False),
+                                                   (torch.bfloat16, (7, 1), 1, 5, True)]:
+        keys, values, bias, slot_pos, cp = make_state(2, Hkv, 11, 16, T, dtype, gen=g)
+        q = (30 * torch.randn(2, Hq, T, 16, generator=g)).to(dtype)
+        torch.library.opcheck(OP, (q, keys, values, bias, slot_pos, cp, 0.25, window),
+                              {"past_only": past_only, "softcap": 30.0})

@@ -72,35 +72,51 @@ def _tuning_id(tuning):
     return "-".join(f"{k}{v}" for k, v in tuning.items())
 
 
-def _inputs(B, Hq, Hkv, T, C, D, dtype, seed):
+def _inputs(B, Hq, Hkv, T, C, D, dtype, seed, q_std=1.0):
+    """make_state and q ~ N(0, q_std**2) (scale * q.k then has a standard deviation of about q_std)."""
     g = torch.Generator().manual_seed(seed)
     keys, values, bias, slot_pos, cp = make_state(B, Hkv, C, D, T, dtype, gen=g)
-    q = torch.randn(B, T, Hq, D, generator=g).to(dtype).transpose(1, 2)  # a transposed view, as in the models
+    q = (torch.randn(B, T, Hq, D, generator=g) * q_std).to(dtype).transpose(1, 2)  # a transposed view, as in the models
     return [x.cuda() for x in (q, keys, values, bias, slot_pos, cp)]
 
 
-def _check(out, ref, dtype, what):
+def _tol(dtype, softcap=0.0):
+    """TOL[dtype]; with a soft cap the fp32 logits reach |softcap| and carry a few ulp of it (<= ~4 * softcap *
+    2**-23 through the divide, tanh and multiply, in the reference as in the kernel's libdevice tanhf): each
+    weight moves by that relatively, outputs (|v| <= ~4) by <= softcap * 2e-6. fp16/bf16 are dominated by the
+    rounding of p before p @ v, which the cap does not change."""
+    return dict(TOL[dtype], atol=max(TOL[dtype]["atol"], 2e-6 * softcap))
+
+
+def _check(out, ref, dtype, what, softcap=0.0):
     assert out.dtype == dtype and out.shape == ref.shape and out.is_contiguous(), what
     assert torch.isfinite(out).all(), f"{what}: {int((~torch.isfinite(out)).sum())} non-finite outputs (unwritten?)"
     diff = (out.float() - ref).abs().max().item()
     rel = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-    torch.testing.assert_close(out.float(), ref, **TOL[dtype], msg=f"{what}: max |diff| {diff:.3g}, rel {rel:.3g}")
+    torch.testing.assert_close(out.float(), ref, **_tol(dtype, softcap),
+                               msg=f"{what}: max |diff| {diff:.3g}, rel {rel:.3g}")
 
 
-def _run_and_compare(B, Hq, Hkv, T, C, D, dtype, window, seed, past_only=False, **tuning):
-    q, keys, values, bias, slot_pos, cp = _inputs(B, Hq, Hkv, T, C, D, dtype, seed)
+def _run_and_compare(B, Hq, Hkv, T, C, D, dtype, window, seed, past_only=False, softcap=0.0, **tuning):
+    """The op (or, with `tuning`, the launcher) against the reference on fresh inputs. softcap > 0 also draws
+    q ~ N(0, softcap**2): scale * q.k then spreads over about +-softcap, where the cap bends most scores."""
+    q, keys, values, bias, slot_pos, cp = _inputs(B, Hq, Hkv, T, C, D, dtype, seed, q_std=softcap or 1.0)
     scale = D**-0.5
     f32 = [x.float() for x in (q, keys, values)]
-    ref = ca.reference_clustered_attention(*f32, bias, slot_pos, cp, scale, window, past_only)  # checks the promise
+    ref = ca.reference_clustered_attention(*f32, bias, slot_pos, cp, scale, window, past_only,  # checks the promise
+                                           softcap)
     cfg = ca._launch_config(B, Hkv, Hq // Hkv, T, C, D, ca._num_sms(q.device), q.element_size(), **tuning)
     nbytes = B * Hq * T * (D * q.element_size() + cfg["num_splits"] * (D + 2) * 4)  # output, split partials
     args = (q, keys, values, bias, slot_pos, cp, scale, window)
     if tuning:
-        out = _poisoned(lambda: ca.triton_clustered_attention(*args, past_only, **tuning), nbytes)
-    else:  # the op, with past_only as decode graphs pass it (a keyword)
-        out = _poisoned(lambda: OP(*args, past_only=True) if past_only else OP(*args), nbytes)
+        out = _poisoned(lambda: ca.triton_clustered_attention(*args, past_only, softcap, **tuning), nbytes)
+    else:  # the op, with past_only and softcap as the graphs pass them (keywords, only when set)
+        kwargs = dict(past_only=True) if past_only else {}
+        if softcap:
+            kwargs["softcap"] = softcap
+        out = _poisoned(lambda: OP(*args, **kwargs), nbytes)
     _check(out, ref, dtype, f"B{B} Hq{Hq} Hkv{Hkv} T{T} C{C} D{D} {dtype} window {window} past_only {past_only} "
-                            f"{tuning or ''}")
+                            f"softcap {softcap} {tuning or ''}", softcap)
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -239,6 +255,8 @@ def test_errors_are_clear():
         ca.triton_clustered_attention(q, keys, values, bias, slot_pos.cpu(), cp, 0.125, 0)
     with pytest.raises(ValueError, match=r"cache_position must be \[T\]"):
         ca.triton_clustered_attention(q, keys, values, bias, slot_pos, cp.repeat(2), 0.125, 0)
+    with pytest.raises(ValueError, match="softcap must be a finite number >= 0"):
+        ca.triton_clustered_attention(q, keys, values, bias, slot_pos, cp, 0.125, 0, softcap=-30.0)
 
 
 @pytest.mark.parametrize("case", [(torch.bfloat16, 8, 2, 1, 4097, 0), (torch.float16, 7, 1, 5, 300, 16),
@@ -251,11 +269,13 @@ def test_opcheck_cuda(case):
         torch.library.opcheck(OP, (q, keys, values, bias, slot_pos, cp, 0.125, window), {"past_only": True})
 
 
+@pytest.mark.parametrize("softcap", [0.0, 50.0], ids=["nocap", "cap50"])
 @pytest.mark.parametrize("past_only", [False, True], ids=["all", "past_only"])
-def test_compile_reduce_overhead_no_graph_break(past_only):
+def test_compile_reduce_overhead_no_graph_break(past_only, softcap):
     """A decode-step-like function around the op compiles whole (fullgraph=True) under CUDA graphs, Inductor
     sees the Triton kernel (a user-defined kernel in its code), and replays match eager on new inputs;
-    past_only=True as decode graphs pass it (a keyword)."""
+    past_only=True as decode graphs pass it (a keyword). softcap=50: the SOFTCAP kernel, whose
+    libdevice.tanh Inductor's copy of the kernel source must resolve too (its kernel header imports it)."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
@@ -267,7 +287,7 @@ def test_compile_reduce_overhead_no_graph_break(past_only):
     def step(x, cp):
         q = (x @ w_q).view(B, 1, Hq, D).transpose(1, 2)  # [B, Hq, 1, D], a transposed view
         o = torch.ops.kvrewrite.clustered_attention(q, keys, values, bias, slot_pos, cp, D**-0.5, 0,
-                                                    past_only=past_only)
+                                                    past_only=past_only, softcap=softcap)
         return o.transpose(1, 2).reshape(B, Hq * D).float().sum(-1)
 
     compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
@@ -280,3 +300,87 @@ def test_compile_reduce_overhead_no_graph_break(past_only):
         torch.testing.assert_close(got, want, atol=5e-2, rtol=1e-2, msg=f"call {i}")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     torch._dynamo.reset()
+
+
+# -- softcap: Gemma-2's soft cap, softcap * tanh(scale * q.k / softcap) before the bias and the masks --------------
+
+# (B, Hq, Hkv, T, C, D, window): decode (T = 1: split-K over C = 4097 slots, single split at C = 37, a window), odd
+# prefill blocks (T = 17, 64: 64-row tiles, causal fresh block), odd C throughout, GQA 1/3/4/7
+SOFTCAP_SHAPES = [
+    (3, 14, 2, 1, 4097, 128, 0),
+    (1, 7, 1, 1, 37, 128, 0),
+    (1, 8, 2, 1, 1000, 64, 16),
+    (2, 9, 3, 17, 333, 128, 0),
+    (1, 14, 2, 64, 1000, 128, 0),
+    (3, 4, 4, 64, 37, 64, 16),
+]
+
+
+def _softcap_id(shape):
+    B, Hq, Hkv, T, C, D, w = shape
+    return f"B{B}-Hq{Hq}Hkv{Hkv}-T{T}-C{C}-D{D}-w{w}"
+
+
+@pytest.mark.parametrize("softcap", [5.0, 30.0, 50.0], ids=lambda c: f"cap{c:g}")
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", SOFTCAP_SHAPES, ids=[_softcap_id(s) for s in SOFTCAP_SHAPES])
+def test_softcap_matches_reference(shape, dtype, softcap):
+    B, Hq, Hkv, T, C, D, window = shape
+    _run_and_compare(B, Hq, Hkv, T, C, D, dtype, window, seed=hash((shape, str(dtype), softcap)) % 2**31,
+                     softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_softcap_past_only_matches_reference(dtype):
+    """SOFTCAP with LOAD_POS off (past_only at window 0, as decode graphs run full-attention layers), split and not."""
+    for i, (B, Hq, Hkv, C, window) in enumerate([(3, 14, 2, 4097, 0), (1, 7, 1, 37, 0), (1, 8, 2, 1000, 16)]):
+        _run_and_compare(B, Hq, Hkv, 1, C, 128, dtype, window, seed=40 + i, past_only=True, softcap=50.0)
+
+
+@pytest.mark.parametrize("tuning", [dict(num_splits=1), dict(num_splits=7), dict(block_n=32),
+                                    dict(skip_unseen=False), dict(skip_unseen=True)], ids=_tuning_id)
+def test_softcap_launch_variants_agree(tuning):
+    """The SOFTCAP kernel under forced splits, tile sizes and (un)predicated loads, decode and a T = 5 block."""
+    for T in (1, 5):
+        _run_and_compare(3, 14, 2, T, 1000, 128, torch.bfloat16, 16 if T == 5 else 0, seed=70 + T, softcap=30.0,
+                         **tuning)
+
+
+@pytest.mark.parametrize("T", [1, 40], ids=["decode", "T40"])
+def test_softcap_zero_is_the_uncapped_kernel(T):
+    """softcap=0.0 launches the kernel without SOFTCAP: the very same bits as omitting it; and a cap changes the
+    result on these logits (so the flag reaches the kernel)."""
+    q, keys, values, bias, slot_pos, cp = _inputs(2, 8, 2, T, 1000, 128, torch.bfloat16, seed=9, q_std=30.0)
+    args = (q, keys, values, bias, slot_pos, cp, 128**-0.5, 0)
+    want = OP(*args)
+    assert torch.equal(OP(*args, softcap=0.0), want)
+    assert torch.equal(ca.triton_clustered_attention(*args, False, 0.0), want)
+    assert (OP(*args, softcap=30.0).float() - want.float()).abs().max() > 1e-1
+
+
+def test_softcap_saturates_and_keeps_empty_rows_zero():
+    """|scale * q.k| ~ 1e5 (fp32): tanh saturates to +-1, no inf or NaN, as the reference; a query that sees
+    no slot is still 0; an empty slot's huge stale keys and values are still never attended."""
+    B, Hq, Hkv, T, C, D = 2, 8, 2, 5, 300, 64
+    q, keys, values, bias, slot_pos, cp = _inputs(B, Hq, Hkv, T, C, D, torch.float32, seed=13, q_std=1e4)
+    empty = torch.isinf(bias)
+    keys[empty], values[empty] = 1e4, -1e4
+    args = (q, keys, values, bias, slot_pos, cp, D**-0.5, 0)
+    ref = ca.reference_clustered_attention(*args, softcap=30.0)
+    _check(_poisoned(lambda: OP(*args, softcap=30.0), 1 << 24), ref, torch.float32, "saturated", 30.0)
+    k, v = torch.randn(2, 1, 4, D, device="cuda"), torch.randn(2, 1, 4, D, device="cuda")
+    bias = torch.zeros(2, 1, 4, device="cuda")
+    bias[1] = -math.inf  # batch row 1: every slot empty
+    pos = torch.tensor([5, 6, 7, 8], device="cuda").expand(2, 1, 4).contiguous()
+    out = OP(1e4 * torch.randn(2, 3, 2, D, device="cuda"), k, v, bias, pos, torch.tensor([3, 6], device="cuda"),
+             D**-0.5, 0, softcap=30.0)
+    assert torch.isfinite(out).all() and (out[:, :, 0] == 0).all() and (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("case", [(torch.bfloat16, 8, 2, 1, 4097, 0, True), (torch.float32, 7, 1, 17, 300, 16, False)],
+                         ids=["bf16-split-past_only", "fp32-prefill-window"])
+def test_softcap_opcheck_cuda(case):
+    dtype, Hq, Hkv, T, C, window, past_only = case
+    q, keys, values, bias, slot_pos, cp = _inputs(2, Hq, Hkv, T, C, 64, dtype, seed=C, q_std=30.0)
+    torch.library.opcheck(OP, (q, keys, values, bias, slot_pos, cp, 0.125, window),
+                          {"past_only": past_only, "softcap": 30.0})
