@@ -37,7 +37,8 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
             from cuBLAS's by rounding; see kvrewrite/passes/replace_linear_with_gemv.py. Off by default.
         **method_kwargs: the method's own options (see its class, e.g. ChelseaMethod).
     """
-    from kvrewrite.capture import capture, check_causal_lm, copy_graph_module
+    from kvrewrite.capture import capture, check_causal_lm, copy_graph_module, model_tag
+    from kvrewrite.rope import check_max_length, seq_len_dependent_ropes
     from kvrewrite.context import RewriteContext
     from kvrewrite.passes import run_passes
     from kvrewrite.runtime import KVRewrittenModel
@@ -51,11 +52,13 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
         if not isinstance(value, bool):
             raise ValueError(f"kvrewrite.apply: {flag} must be True or False, got {value!r}")
     check_causal_lm(model)  # before reading model.config
+    tag = model_tag(model)
     if max_length is None:
         max_length = min(getattr(model.config, "max_position_embeddings", DEFAULT_MAX_LENGTH) or DEFAULT_MAX_LENGTH,
-                         DEFAULT_MAX_LENGTH)
-    if not isinstance(max_length, int) or max_length < 1:
+                         DEFAULT_MAX_LENGTH, *(limit for _, _, limit in seq_len_dependent_ropes(model)))
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"kvrewrite.apply: max_length must be an int >= 1, got {max_length!r}")
+    check_max_length(model, max_length, tag)
     if captured is None:
         captured = capture(model, batch_size=batch_size, prefill_chunk=prefill_chunk)
     if hasattr(m, "bind"):

@@ -9,6 +9,12 @@ tensors are registered as buffers of a thin wrapper, so every layer shows up as
 (or the eager matmul-softmax-matmul form). The passes then replace those nodes. Sliding-window cache
 layers are captured as plain static layers (their window is read from the config and enforced by the
 rewritten attention), as transformers' own executorch wrapper does.
+
+Per-layer facts come from the model as it runs, never from config attribute names (Falcon, GPT-2 and
+others spell them differently): KV heads and head dim from the keys a one-token eager forward caches,
+query heads from the captured attention's q, and each layer's sliding window from the attention mask HF
+builds (kvrewrite/masks.py). RoPE whose frequencies depend on the sequence length is traced on its
+original frequencies (kvrewrite/rope.py; apply bounds max_length accordingly).
 """
 import logging
 import re
@@ -18,6 +24,9 @@ import torch
 from torch import fx
 
 from kvrewrite.context import LayerInfo
+from kvrewrite.errors import RewriteError
+from kvrewrite.masks import SDPA, attention_windows
+from kvrewrite.rope import original_frequencies
 
 logger = logging.getLogger(__name__)
 
@@ -47,34 +56,60 @@ def model_tag(model) -> str:
     return f"{cfg.model_type}:{name}" if name else f"{cfg.model_type}-{cfg.num_hidden_layers}l"
 
 
+def text_config(model):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
+@torch.no_grad()
+def kv_shapes(model) -> list:
+    """[(Hkv, D)] per layer: the shape of the keys a one-token eager forward caches (a DynamicCache), so MQA,
+    GQA and per-layer head dims are what the model really stores, whatever its config calls them."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    ids = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+    was_training = model.training
+    model.eval()
+    try:
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    finally:
+        model.train(was_training)
+    shapes = []
+    for i, layer in enumerate(cache.layers):
+        k = getattr(layer, "keys", None)
+        if not isinstance(k, torch.Tensor) or k.dim() != 4:
+            raise RewriteError(f"{model_tag(model)}: layer {i}: the model cached no [B, Hkv, T, D] keys "
+                               f"(found {type(k).__name__}); only attention KV caches can be rewritten")
+        shapes.append((int(k.shape[1]), int(k.shape[3])))
+    if not shapes:
+        raise RewriteError(f"{model_tag(model)}: a forward with a DynamicCache cached nothing; is it a decoder "
+                           f"with a KV cache?")
+    return shapes
+
+
 def layer_infos(model) -> list:
-    """Per-layer head counts and sliding windows, from the (text) config."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-    window = getattr(cfg, "sliding_window", None) or 0
-    return [
-        LayerInfo(i, heads, kv_heads, head_dim, window if t == "sliding_attention" else 0) for i, t in enumerate(types)
-    ]
+    """Per-layer facts without a capture: KV shapes from kv_shapes, query heads from the config, no windows
+    (benchmarks of random full-attention models use this; capture reads every fact off the graphs)."""
+    heads = text_config(model).num_attention_heads
+    return [LayerInfo(i, heads, hkv, d) for i, (hkv, d) in enumerate(kv_shapes(model))]
 
 
 class _StaticCacheWrapper(torch.nn.Module):
     """Holds the model and a StaticCache whose tensors are registered buffers (so export sees them)."""
 
-    def __init__(self, model, batch_size: int, max_cache_len: int):
+    def __init__(self, model, batch_size: int, max_cache_len: int, shapes: list):
         super().__init__()
         from transformers import StaticCache
         from transformers.cache_utils import StaticLayer
 
         self.model = model
-        layers = layer_infos(model)
         self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
-        for i, layer in enumerate(self.cache.layers):
-            if type(layer) is not StaticLayer:  # sliding-window layers: the rewrite enforces the window
-                self.cache.layers[i] = StaticLayer(max_cache_len)
-        self.cache.early_initialization(batch_size, layers[0].num_kv_heads, layers[0].head_dim, model.dtype, model.device)
+        # every layer a plain static layer (sliding and chunked ones too: the rewrite enforces the window it
+        # reads off the mask), one per layer the model caches, each sized by the keys it really stores
+        self.cache.layers = [StaticLayer(max_cache_len) for _ in shapes]
+        for layer, (hkv, d) in zip(self.cache.layers, shapes):
+            empty = torch.zeros(batch_size, hkv, 0, d, dtype=model.dtype, device=model.device)
+            layer.lazy_initialization(empty, empty)
         self._names = []
         for i, layer in enumerate(self.cache.layers):
             for attr, value in vars(layer).items():
@@ -126,31 +161,35 @@ def check_causal_lm(model) -> None:
 def capture(model, *, batch_size: int, prefill_chunk: int) -> Captured:
     """Export `model` into a prefill-chunk graph ([B, prefill_chunk]) and a decode-step graph ([B, 1])."""
     check_causal_lm(model)
-    mt = model.config.model_type
-    if mt not in SUPPORTED_MODELS:
-        logger.warning("kvrewrite: model type %r is outside SUPPORTED_MODELS %s; trying anyway", mt, SUPPORTED_MODELS)
-    layers = layer_infos(model)
-    wrapper = _StaticCacheWrapper(model, batch_size, max_cache_len=prefill_chunk)
-    graphs = {}
+    tag = model_tag(model)
+    shapes = kv_shapes(model)
+    wrapper = _StaticCacheWrapper(model, batch_size, prefill_chunk, shapes)
+    graphs, inputs = {}, {}
     grads = {p: p.requires_grad for p in model.parameters()}
     was_training = model.training
     model.eval().requires_grad_(False)
     try:
-        for kind, T in (("prefill", prefill_chunk), ("decode", 1)):
-            ids = torch.zeros(batch_size, T, dtype=torch.long, device=model.device)
-            pos = torch.arange(T, device=model.device).expand(batch_size, T)
-            cpos = torch.arange(T, device=model.device)
-            with torch.no_grad():
-                ep = torch.export.export(wrapper, (ids, pos, cpos), strict=False)
-            graphs[kind] = _to_plain_graph_module(ep.module())
+        with original_frequencies(model):
+            for kind, T in (("prefill", prefill_chunk), ("decode", 1)):
+                ids = torch.zeros(batch_size, T, dtype=torch.long, device=model.device)
+                pos = torch.arange(T, device=model.device).expand(batch_size, T)
+                cpos = torch.arange(T, device=model.device)
+                inputs[kind] = dict(zip(GRAPH_INPUTS, (ids, pos, cpos)))
+                with torch.no_grad():
+                    try:
+                        ep = torch.export.export(wrapper, (ids, pos, cpos), strict=False)
+                    except Exception as e:
+                        raise RewriteError(f"{tag}: torch.export could not capture the {kind} graph "
+                                           f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e
+                graphs[kind] = _to_plain_graph_module(ep.module())
     finally:
         for p, g in grads.items():
             p.requires_grad_(g)
         model.train(was_training)
     return Captured(
         graphs=graphs,
-        layers=layers,
-        model_tag=model_tag(model),
+        layers=read_layer_facts(graphs["prefill"], inputs["prefill"], shapes, tag, model),
+        model_tag=tag,
         cache_buffers=tuple(name for _, _, name in wrapper._names),
         batch_size=batch_size,
         prefill_chunk=prefill_chunk,
@@ -158,6 +197,29 @@ def capture(model, *, batch_size: int, prefill_chunk: int) -> Captured:
         device=model.device,
         vocab_size=model.config.get_text_config().vocab_size,
     )
+
+
+def read_layer_facts(gm: fx.GraphModule, inputs: dict, shapes: list, tag: str, model) -> list:
+    """LayerInfo per layer from the captured prefill graph: query heads from each attention's q, the window
+    from its mask (kvrewrite/masks.py), KV heads and head dim from `shapes` (kv_shapes)."""
+    from kvrewrite.context import RewriteContext
+    from kvrewrite.passes.normalize_eager_attention import normalize_eager_attention
+
+    probe = normalize_eager_attention(copy_graph_module(gm), RewriteContext(tag, None, []))
+    windows = attention_windows(probe, inputs, layer_of, tag, getattr(text_config(model), "layer_types", None))
+    q_heads = {}
+    for node in probe.graph.nodes:
+        if node.op == "call_function" and node.target == SDPA:
+            q = node.args[0].meta.get("val")
+            if q is not None and q.dim() == 4:
+                q_heads[layer_of(node)] = int(q.shape[1])
+    infos = []
+    for i, (hkv, d) in enumerate(shapes):
+        # a layer without an attention site keeps the config's head count here: locate_attention_sites
+        # then names it as a layer without a site
+        heads = q_heads.get(i, getattr(text_config(model), "num_attention_heads", hkv))
+        infos.append(LayerInfo(i, heads, hkv, d, windows.get(i, 0)))
+    return infos
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -172,7 +234,12 @@ def layer_of(node) -> int | None:
     """The decoder layer a node belongs to, from its nn_module_stack (None outside layers)."""
     stack = node.meta.get("nn_module_stack") or {}
     for path, _ in reversed(list(stack.values())):
-        m = re.search(r"layers\.(\d+)(\.|$)", path)
+        m = _LAYER.search(path)
         if m:
             return int(m.group(1))
     return None
+
+
+# the first numbered module of a path is the decoder layer: model.layers.3, transformer.h.3,
+# gpt_neox.layers.3 (an MoE layer's experts.<j> come after it)
+_LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")

@@ -28,6 +28,7 @@ class AttentionSite:
     key_buffer: str  # attribute name of the dense key cache buffer
     value_buffer: str
     scale: float
+    softcap: float = 0.0  # cap of the scores (cap * tanh(s / cap)), 0 for none (normalize_eager_attention)
     state: dict = field(default_factory=dict)  # state placeholders, filled by replace_kv_cache_update
     output: object = None  # fx.Node: the clustered_attention node
 

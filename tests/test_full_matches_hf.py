@@ -1,43 +1,51 @@
-"""The `full` method reproduces Hugging Face's own logits, for every family (tiny random models, fp32).
+"""The `full` method reproduces Hugging Face's own logits, for every family and variant of the matrix
+(tests/families.py: FAMILIES and MATRIX; tiny random models, fp32), or is refused at apply by name.
 
 Setting (the hard cases of the runtime): batch 2 with left padding (row 1 has 7 pad tokens), a
-37-token prompt with prefill_chunk=16 (3 chunks, the first padded with 11 chunk-padding tokens),
+40-token prompt with prefill_chunk=16 (3 chunks, the first padded with 8 chunk-padding tokens),
 then 20 greedy decode steps. The reference is a plain HF forward with a DynamicCache, the 2-D
-attention_mask and mask-derived position ids (what HF's generate does). Gemma-3 has two
-sliding-window layers (window 8), so the prompt and the decode run past the window.
+attention_mask and mask-derived position ids (what HF's generate does). Windows are 8 tokens and RoPE
+switch points 32 (tests/families.py), so the prompt and the decode run past all of them.
 """
 import pytest
 import torch
 from transformers import DynamicCache
 
 import kvrewrite
-from tests.families import tiny_model
+from kvrewrite.errors import RewriteError
+from tests.families import FAMILIES, MATRIX, matrix_case, matrix_model, tiny_model
 
 # fp32 end to end: both sides compute the same math in a different order (fp32 attention with a
 # degree bias of 0 vs SDPA), so differences are rounding only. 1e-5 absolute on logits of O(1).
 ATOL = 1e-5
-PROMPT, PAD_ROW1, CHUNK, NEW, MAX_LENGTH = 37, 7, 16, 20, 64
+PROMPT, PAD_ROW1, CHUNK, NEW, MAX_LENGTH = 40, 7, 16, 20, 64
+CASES = FAMILIES + MATRIX
+MATCHING = tuple(c for c in CASES if c in FAMILIES or matrix_case(c)[2] is None)
+REFUSED = tuple(c for c in CASES if c not in MATCHING)
 
 
-
-
-def _inputs():
+def _inputs(prompt=PROMPT):
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 128, (2, PROMPT), generator=g)
+    ids = torch.randint(3, 128, (2, prompt), generator=g)
     mask = torch.ones_like(ids)
     mask[1, :PAD_ROW1] = 0
     ids[1, :PAD_ROW1] = 0  # pad id; never attended
     return ids, mask
 
 
-@pytest.fixture(scope="module")
-def built(family):
-    model = tiny_model(family)
+def _model(case):
+    model = tiny_model(case) if case in FAMILIES else matrix_model(case)[0]
     # No EOS: every step of both generations is a real token (random weights hit EOS early otherwise).
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.fixture(scope="module", params=MATCHING)
+def built(request):
+    model = _model(request.param)
     rw = kvrewrite.apply(model, "full", max_length=MAX_LENGTH, batch_size=2, prefill_chunk=CHUNK)
-    return model, rw
+    return request.param, model, rw
 
 
 def _maxdiff(a, b):
@@ -45,9 +53,9 @@ def _maxdiff(a, b):
 
 
 @torch.no_grad()
-def test_full_logits_match_hf_every_step(built, family):
+def test_full_logits_match_hf_every_step(built):
     """Every valid prompt position of every prefill chunk, then 20 decode steps, fed the same tokens."""
-    model, rw = built
+    family, model, rw = built
     ids, mask = _inputs()
     n = ids.shape[1]
 
@@ -88,8 +96,8 @@ def test_full_logits_match_hf_every_step(built, family):
 
 
 @torch.no_grad()
-def test_full_generate_matches_hf_generate(built, family):
-    model, rw = built
+def test_full_generate_matches_hf_generate(built):
+    family, model, rw = built
     ids, mask = _inputs()
     ours = rw.generate(ids, attention_mask=mask, max_new_tokens=NEW)
     theirs = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
@@ -99,3 +107,29 @@ def test_full_generate_matches_hf_generate(built, family):
         f"{family}: rw.generate diverges from HF generate at position {int(diverge[0])}:\n{ours[:, PROMPT:]}\n"
         f"vs\n{theirs[:, PROMPT:]}"
     )
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_unsupported_variant_is_refused_by_name(case):
+    """A variant the passes cannot reproduce is refused at apply, naming the model type and the feature."""
+    model, fragments = matrix_model(case)
+    with pytest.raises((RewriteError, ValueError)) as e:
+        kvrewrite.apply(model, "full", max_length=MAX_LENGTH, batch_size=2, prefill_chunk=CHUNK)
+    missing = [f for f in fragments if f not in str(e.value)]
+    assert not missing, f"{case}: the refusal does not name {missing}: {e.value}"
+
+
+@pytest.mark.parametrize("case", ["llama-rope-dynamic", "phi3-longrope"])
+@torch.no_grad()
+def test_seq_len_dependent_rope_is_exact_below_its_switch(case):
+    """Dynamic and LongRoPE frequencies are fixed below their switch point (32 here): with max_length at the
+    switch (apply's default then), full matches HF's generate; one token more is refused."""
+    model = _model(case)
+    rw = kvrewrite.apply(model, "full", batch_size=2, prefill_chunk=CHUNK)
+    assert rw.max_length == 32
+    ids, mask = _inputs(prompt=20)
+    ours = rw.generate(ids, attention_mask=mask, max_new_tokens=12)
+    theirs = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(ours, theirs)
+    with pytest.raises(ValueError, match="max_length=33"):
+        kvrewrite.apply(model, "full", max_length=33, batch_size=2, prefill_chunk=CHUNK)

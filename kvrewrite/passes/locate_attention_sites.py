@@ -18,6 +18,7 @@ from torch import fx
 from kvrewrite.capture import layer_of
 from kvrewrite.context import AttentionSite, RewriteContext
 from kvrewrite.errors import RewriteError
+from kvrewrite.passes.normalize_eager_attention import SOFTCAP_META
 from kvrewrite.passes.utils import INDEX_COPY, trace_to_source, val_shape
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,8 @@ def locate_attention_sites(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphM
             continue
         layer = layer_of(node)
         if layer is None:
-            raise RewriteError(f"{ctx.where(node=node)}: attention outside a decoder layer (no 'layers.<i>' module)")
+            raise RewriteError(f"{ctx.where(node=node)}: attention outside a decoder layer (no numbered module such "
+                               f"as 'layers.<i>' or 'h.<i>' in its module path)")
         src = {}
         for role, arg in (("key", node.args[1]), ("value", node.args[2])):
             buf = trace_to_source(arg)
@@ -74,6 +76,7 @@ def locate_attention_sites(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphM
             key_buffer=src["key"][0].target,
             value_buffer=src["value"][0].target,
             scale=float(scale),
+            softcap=float(node.meta.get(SOFTCAP_META, 0.0)),
         )
         node.meta["kvrewrite"] = {"layer": layer, "role": "attention"}
         src["key"][1].meta["kvrewrite"] = {"layer": layer, "role": "key_update"}

@@ -2,7 +2,8 @@
 
 Matches:  the attention node of every located site (aten.scaled_dot_product_attention).
 Emits:    kvrewrite.clustered_attention(q, l<i>_keys, l<i>_values, l<i>_bias, l<i>_slot_pos,
-          cache_position, scale, window) with the SDPA's q and scale; the HF mask, repeat_kv and the
+          cache_position, scale, window[, softcap]) with the SDPA's q and scale (and the soft cap
+          normalize_eager_attention found, Gemma-2); the HF mask, repeat_kv and the
           dense-cache views become dead and are removed. In a decode graph, layers without a window
           also get past_only=True: the step's token is appended (cache_append) before the attention and
           compression keeps slot_pos = the max of the merged tokens', so no used slot lies after the
@@ -29,12 +30,14 @@ def replace_sdpa_with_clustered_attention(gm: fx.GraphModule, ctx: RewriteContex
     for layer, site in sorted(ctx.sites.items()):
         sdpa, s = site.attention, site.state
         window = ctx.layers[layer].window
-        past_only = ctx.graph_kind == "decode" and window == 0
+        kwargs = {"past_only": True} if ctx.graph_kind == "decode" and window == 0 else {}
+        if site.softcap:
+            kwargs["softcap"] = site.softcap
         with graph.inserting_before(sdpa):
             attn = graph.call_function(
                 torch.ops.kvrewrite.clustered_attention.default,
                 (sdpa.args[0], s["keys"], s["values"], s["bias"], s["slot_pos"], cache_position, site.scale, window),
-                {"past_only": True} if past_only else {},
+                kwargs,
             )
         attn.meta.update({k: v for k, v in sdpa.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
         attn.meta["kvrewrite"] = {"layer": layer, "role": "attention"}

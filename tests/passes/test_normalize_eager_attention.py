@@ -13,7 +13,7 @@ import kvrewrite
 import kvrewrite.passes as passes
 from kvrewrite.capture import _to_plain_graph_module, layer_of
 from kvrewrite.context import RewriteContext
-from kvrewrite.passes.normalize_eager_attention import normalize_eager_attention
+from kvrewrite.passes.normalize_eager_attention import SOFTCAP_META, normalize_eager_attention
 from kvrewrite.passes.utils import trace_to_source
 from tests.families import tiny_model
 
@@ -180,8 +180,30 @@ def test_toy_attention_is_rewritten_exactly(with_mask):
     torch.testing.assert_close(gm(*args), expected, **TOL)
 
 
-@pytest.mark.parametrize("mod", [_EagerAttention(return_weights=True), _EagerAttention(softcap=5.0)],
-                         ids=["weights_returned", "softcapped"])
+def test_softcapped_attention_keeps_its_cap():
+    """Gemma-2's cap * tanh(s / cap) becomes SDPA carrying the cap in meta (the end-to-end numerics are the
+    Gemma-2/3 soft-cap cases of tests/test_full_matches_hf.py)."""
+    mod, args = _EagerAttention(softcap=5.0), _toy_inputs()
+    gm = _export(mod, args)
+    ctx = RewriteContext("toy", None, [])
+    gm = normalize_eager_attention(gm, ctx)
+    assert ctx.counters["normalize_eager_attention"] == 1
+    sdpa = next(n for n in gm.graph.nodes if n.target == SDPA)
+    assert sdpa.meta[SOFTCAP_META] == 5.0 and sdpa.kwargs["scale"] == 0.3
+    assert torch.ops.aten.tanh.default not in _targets(gm)
+
+
+class _TanhScores(_EagerAttention):
+    """tanh(scores) without the cap's division and multiplication: not a soft cap, left alone."""
+
+    def forward(self, q, k, v, mask=None):
+        k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        w = torch.softmax(torch.tanh(torch.matmul(q, k.transpose(2, 3)) * 0.3) + mask, dim=-1)
+        return torch.matmul(w, v)
+
+
+@pytest.mark.parametrize("mod", [_EagerAttention(return_weights=True), _TanhScores()],
+                         ids=["weights_returned", "tanh_not_a_cap"])
 def test_toy_attention_is_left_alone(mod, caplog):
     args = _toy_inputs()
     gm = _export(mod, args)
@@ -191,5 +213,5 @@ def test_toy_attention_is_left_alone(mod, caplog):
         gm = normalize_eager_attention(gm, ctx)
     assert ctx.counters["normalize_eager_attention"] == 0
     assert gm.code == before and SDPA not in _targets(gm)
-    reason = "escapes" if mod.return_weights else "softcapped"
+    reason = "escapes" if mod.return_weights else "tanh"
     assert any("skipped" in r.getMessage() and reason in r.getMessage() for r in caplog.records), caplog.text
