@@ -30,8 +30,11 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 
 
 def tiny_model(family, attn="sdpa", dtype=torch.float32, seed=0):
+    """A tiny model of FAMILIES (with `attn`) or of a MATRIX case (with the case's own attention)."""
     from transformers import AutoModelForCausalLM
 
+    if family not in FAMILIES:
+        return matrix_model(family, dtype, seed)[0]
     torch.manual_seed(seed)
     cfg = _cfg(family)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype).eval()
@@ -130,3 +133,17 @@ def matrix_model(case, dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(make(), attn_implementation=attn, dtype=dtype).eval()
     return model, refuse
+
+
+def golden_cases() -> tuple:
+    """One matching matrix case per model type not in FAMILIES: the families with golden graph diffs of their own."""
+    import transformers as tf
+
+    seen, out = {t: None for t in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")}, []
+    for case in MATRIX:
+        make, _, refuse = matrix_case(case)
+        mt = make().model_type
+        if refuse is None and mt not in seen:
+            seen[mt] = case
+            out.append(case)
+    return tuple(out)

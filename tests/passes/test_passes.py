@@ -24,7 +24,7 @@ from kvrewrite.methods import make_method
 from kvrewrite.passes import PASSES, run_passes
 from kvrewrite.passes.graph_diff import graph_diff, op_counts, snapshot
 from kvrewrite.state import STATE_FIELDS
-from tests.families import FAMILIES, tiny_model
+from tests.families import FAMILIES, golden_cases, tiny_model
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 UPDATE = os.environ.get("KVREWRITE_UPDATE_GOLDEN") == "1"
@@ -186,6 +186,18 @@ def test_pass_contract(runs, family, kind, method, name):
 @pytest.mark.parametrize("kind", KINDS)
 def test_golden_diff(runs, family, kind, name):
     """(c) what the pass changed, as text, against tests/golden/<family>/<kind>/<pass>.txt."""
+    _check_golden(runs, family, kind, name)
+
+
+@pytest.mark.parametrize("name", PASS_NAMES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", golden_cases())
+def test_golden_diff_matrix_family(runs, case, kind, name):
+    """(c) for every other family of the matrix (tests/families.py: one case per model type)."""
+    _check_golden(runs, case, kind, name)
+
+
+def _check_golden(runs, family, kind, name):
     got = runs.get(family, kind).steps[name].diff
     path = GOLDEN / family / kind / f"{name}.txt"
     if UPDATE:
