@@ -9,6 +9,7 @@ generate methods built on them. KVRewrittenModel and kvrewrite.export.loader.Exp
 inherit HostGeneration, so an exported model generates exactly what `rw.generate` does.
 """
 import math
+import numbers
 import time
 
 import torch
@@ -36,6 +37,15 @@ class HostSchedule:
     def due(self, T: int) -> bool:
         """Would appending T tokens bring some row of some layer to its threshold?"""
         return any(f + T >= thr for (_, thr), fills in zip(self.budgets, self.fill) for f in fills)
+
+    def overflow(self, T: int, capacities: list):
+        """(layer position, fill, capacity) of the first layer where appending T tokens would pass the
+        capacity of some row, or None."""
+        for i, (fills, cap) in enumerate(zip(self.fill, capacities)):
+            f = max(fills, default=0)
+            if f + T > cap:
+                return i, f, cap
+        return None
 
     def step(self, valid_new: list, T: int, compress: bool) -> None:
         """Mirror one step: T tokens appended (valid_new[b] of them real), then compression if run."""
@@ -65,6 +75,43 @@ def layer_budgets(method, layers, n_prompt: int, max_new_tokens: int) -> list:
     return budgets
 
 
+def check_count(model_tag: str, name: str, value, minimum: int) -> None:
+    """ValueError unless `value` is an int >= minimum; a bool is refused (True is not a count)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{model_tag}: {name} must be an int >= {minimum}, got {value!r}")
+
+
+def check_prompt(input_ids, attention_mask, model_tag: str) -> None:
+    """ValueError unless input_ids is an integer tensor [B, n] (n >= 1) and attention_mask, if given, is
+    [B, n] too, with at least one real token per row and none of them right-padded."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"{model_tag}: input_ids must be a tensor [B, n] of token ids, got {type(input_ids).__name__}")
+    if input_ids.dim() != 2:
+        hint = "; for one prompt pass input_ids[None]" if input_ids.dim() == 1 else ""
+        raise ValueError(f"{model_tag}: input_ids must be [B, n] (a batch of prompts), got shape "
+                         f"{tuple(input_ids.shape)}{hint}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"{model_tag}: input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.shape[1] == 0:
+        raise ValueError(f"{model_tag}: input_ids has no tokens (shape {tuple(input_ids.shape)}); "
+                         f"a prompt needs at least one")
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise ValueError(f"{model_tag}: attention_mask must be [B, n] = {tuple(input_ids.shape)} like input_ids, "
+                         f"got {got}")
+    mask = attention_mask.bool()
+    real = mask.any(dim=1)
+    if not bool(real.all()):
+        empty = (~real).nonzero().flatten().tolist()
+        rows = f"row {empty[0]} of attention_mask has" if len(empty) == 1 else \
+            f"rows {', '.join(map(str, empty))} of attention_mask have"
+        raise ValueError(f"{model_tag}: {rows} no real token (all zeros); every row needs at least one")
+    if not mask[:, -1].all():
+        raise ValueError(f"{model_tag}: right padding is not supported; left-pad the batch")
+
+
 def prepare_prompt(input_ids, attention_mask, *, model_tag: str, method, layers, capacities, max_length: int,
                    prefill_chunk: int, max_new_tokens: int, device):
     """Check a prompt against the static sizes and left-pad it to whole prefill chunks.
@@ -73,13 +120,14 @@ def prepare_prompt(input_ids, attention_mask, *, model_tag: str, method, layers,
     `device`, their positions, the cache positions [n_pad] (negative for the added padding), the longest
     real prompt and the caller's prompt length n.
     """
+    check_prompt(input_ids, attention_mask, model_tag)
+    check_count(model_tag, "max_new_tokens", max_new_tokens, 0)
+    max_new_tokens = int(max_new_tokens)
     B, n = input_ids.shape
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     attention_mask = attention_mask.to(device=device, dtype=torch.bool)
     input_ids = input_ids.to(device)
-    if not attention_mask[:, -1].all():
-        raise ValueError(f"{model_tag}: right padding is not supported; left-pad the batch")
     n_pad = math.ceil(n / prefill_chunk) * prefill_chunk
     for info, cap in zip(layers, capacities):
         need = n_pad + max_new_tokens if not info.window else 0
@@ -124,6 +172,7 @@ def token_loop(logits, decode_step, *, max_new_tokens: int, eos, pad_token_id: i
     picked tokens, one [B] tensor per step."""
     from tqdm.auto import tqdm
 
+    check_count("token_loop", "max_new_tokens", max_new_tokens, 1)
     device = logits.device
     eos = eos.to(device)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
@@ -166,7 +215,11 @@ class HostGeneration:
     `_state_device()` (where the state and the step inputs live) and
     `_run_graph(name, ids, pos, cpos, valid) -> logits [B, T, V]` for name in prefill / decode /
     decode_compress, leaving the updated state in the state tensors. Between calls the generation's
-    position is kept in `schedule`, `_next_position` and `_next_cache_position`.
+    position is kept in `schedule`, `_next_position`, `_next_cache_position` and `_decode_steps` (the
+    decode steps run, at most `_decode_limit`, the max_new_tokens the state was prefilled for).
+
+    Every call checks its arguments and the generation's sizes before it touches any state, so a
+    refused call (ValueError) leaves the generation in progress as it was.
     """
 
     BATCH_FIXED_BY = "captured"
@@ -183,11 +236,43 @@ class HostGeneration:
         for info, (target, threshold) in zip(self.layers, budgets):
             reset_layer_state(self.layer_state(info.index), target, threshold)
         self.schedule = HostSchedule(budgets, self.batch_size)
+        # decode_step runs at most max_new_tokens steps; the caller sets the positions once the state is filled
+        self._decode_steps, self._decode_limit = 0, max_new_tokens
+        self._next_position = self._next_cache_position = None
+
+    def _check_decode(self, tokens) -> None:
+        """Refuse a decode step that cannot run, before anything is launched (nothing is lost)."""
+        tag = self.model_tag
+        if getattr(self, "_next_position", None) is None or getattr(self, "_decode_limit", None) is None:
+            raise ValueError(f"{tag}: decode_step: no generation in progress; call prefill (or generate) first")
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
+            got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            hint = "; pass tokens[:, 0]" if isinstance(tokens, torch.Tensor) and tokens.dim() == 2 \
+                and tokens.shape[1] == 1 else ""
+            raise ValueError(f"{tag}: decode_step: tokens must be [B] (one token id per row), got {got}{hint}")
+        self._check_batch(tokens.shape[0])
+        n_new, step = self._decode_limit, self._decode_steps + 1
+        if step > n_new:
+            raise ValueError(
+                f"{tag}: decode_step: this generation was prefilled for max_new_tokens={n_new}; step {step} "
+                f"would go past the prompt + {n_new} tokens its state was sized for (max_length={self.max_length}); "
+                f"call prefill(..., max_new_tokens={step} or more)"
+            )
+        over = self.schedule.overflow(1, self.capacities)
+        if over is not None:
+            i, fill, cap = over
+            raise ValueError(
+                f"{tag}: decode_step: layer {self.layers[i].index} holds {cap} slots and a row already uses {fill}; "
+                f"step {step} would write past its capacity; call prefill(...) again, or apply() with a larger "
+                f"max_length"
+            )
 
     @torch.no_grad()
     def prefill(self, input_ids, attention_mask=None, max_new_tokens: int = 0, progress: bool = False):
         """Reset the state and run the prompt through in chunks; returns the last position's logits [B, V].
-        A prompt that cannot run (batch size, right padding, sizes) is refused before the state is reset."""
+
+        The state is sized for the prompt + `max_new_tokens` (an int >= 0): that many decode_step calls may
+        follow. A prompt that cannot run (shapes, batch size, padding, sizes) is refused before the state is reset."""
         from tqdm.auto import tqdm
 
         device = self._state_device()
@@ -214,8 +299,9 @@ class HostGeneration:
 
     @torch.no_grad()
     def decode_step(self, tokens):
-        """Feed one token per row [B]; returns the logits [B, V]."""
-        self._check_batch(tokens.shape[0])
+        """Feed one token per row [B]; returns the logits [B, V]. At most max_new_tokens steps (of the
+        prefill) follow a prefill; a step that cannot run is refused before anything is launched."""
+        self._check_decode(tokens)
         device = self._state_device()
         pos, cpos = self._next_position, self._next_cache_position
         valid = torch.ones(tokens.shape[0], 1, dtype=torch.bool, device=device)
@@ -224,6 +310,7 @@ class HostGeneration:
         logits = self._run_graph(name, tokens[:, None].to(device), pos[:, None], cpos, valid)
         self.schedule.step([1] * tokens.shape[0], 1, compress)
         self._next_position, self._next_cache_position = pos + 1, cpos + 1
+        self._decode_steps += 1
         return logits[:, -1]
 
     @torch.no_grad()
@@ -245,8 +332,7 @@ class HostGeneration:
 
         Wall-clock prefill/decode seconds of the call are left in `self.last_timings`.
         """
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_count(self.model_tag, "max_new_tokens", max_new_tokens, 1)
         eos, pad_token_id = eos_and_pad(eos_token_id, pad_token_id, getattr(self, "generation_config", None))
         t0 = time.perf_counter()
         logits = self.prefill(input_ids, attention_mask, max_new_tokens, progress)

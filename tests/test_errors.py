@@ -1,7 +1,8 @@
-"""Clear errors for unsupported models, bad settings and impossible generations (STYLE.md 2.6).
+"""Clear errors for unsupported models, bad settings, impossible generations and runtime misuse (STYLE.md 2.6).
 
-Settings errors are raised before capture (cheap); the generation errors use a few captured tiny
-llamas shared by the module.
+Settings errors are raised before capture (cheap); the generation errors use one capture of a tiny
+llama shared by the module (each method is then a cheap apply over it). A misused runtime call raises
+before it touches any state: the generation in progress goes on as if the call had not been made.
 """
 import pytest
 import torch
@@ -15,11 +16,17 @@ from tests.families import _cfg, tiny_model
 CHUNK = 8
 
 
-
-
 @pytest.fixture(scope="module")
 def llama():
     return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def captured(llama):
+    """One capture (batch 2, chunks of CHUNK) that every generation test of the module applies a method to."""
+    from kvrewrite.capture import capture
+
+    return capture(llama, batch_size=2, prefill_chunk=CHUNK)
 
 
 def _prompt(batch, n, pad_rows=()):
@@ -101,6 +108,13 @@ BAD_SETTINGS = [
     (dict(method="chelsea", r_init=0.6), r"ChelseaMethod\.r_init must be in \(0, 0\.5\], got 0\.6"),
     (dict(method="chelsea", r_min=0), r"ChelseaMethod\.r_min must be in \(0, 0\.5\]"),
     (dict(method="streamingllm", n_sink=-2), r"StreamingLLMMethod\.n_sink must be an int >= 0, got -2"),
+    # bool is an int subclass: True must not pass as budget 1.0, interval 1 or one sink token
+    (dict(method="chelsea", budget=True), r"ChelseaMethod\.budget must be a number, not a bool, got True"),
+    (dict(method="full", budget=True), r"FullMethod\.budget must be a number, not a bool, got True"),
+    (dict(method="chelsea", interval=True), r"ChelseaMethod\.interval must be an int, not a bool, got True"),
+    (dict(method="chelsea", n_sink=False), r"ChelseaMethod\.n_sink must be an int, not a bool, got False"),
+    (dict(method="chelsea", r_alpha=True), r"ChelseaMethod\.r_alpha must be a number, not a bool, got True"),
+    (dict(method="streamingllm", n_sink=True), r"StreamingLLMMethod\.n_sink must be an int, not a bool, got True"),
     (dict(method="chelsea", nonsense=1), r"bad option for method 'chelsea'.*nonsense"),
     (dict(method="full", batch_size=0), r"batch_size must be an int >= 1, got 0"),
     (dict(method="full", prefill_chunk=1), r"prefill_chunk must be an int >= 2, got 1"),
@@ -134,8 +148,8 @@ def test_outlier_head_outside_the_model(llama):
 
 # -- generations that cannot run ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def full_rw(llama):
-    return kvrewrite.apply(llama, "full", max_length=32, batch_size=2, prefill_chunk=CHUNK)
+def full_rw(llama, captured):
+    return kvrewrite.apply(llama, "full", max_length=32, captured=captured)
 
 
 def test_prompt_beyond_capacity_mentions_max_length(full_rw):
@@ -146,8 +160,8 @@ def test_prompt_beyond_capacity_mentions_max_length(full_rw):
         full_rw.generate(ids, attention_mask=mask, max_new_tokens=4)
 
 
-def test_prompt_plus_new_tokens_beyond_max_length(llama):
-    rw = kvrewrite.apply(llama, "streamingllm", budget=0.5, n_sink=2, max_length=32, batch_size=2, prefill_chunk=CHUNK)
+def test_prompt_plus_new_tokens_beyond_max_length(llama, captured):
+    rw = kvrewrite.apply(llama, "streamingllm", budget=0.5, n_sink=2, max_length=32, captured=captured)
     ids, mask = _prompt(2, 28)
     with pytest.raises(ValueError, match=r"prompt of 28 tokens \+ max_new_tokens=8 exceeds max_length=32; "
                                          r"apply\(\) with a larger max_length"):
@@ -194,10 +208,174 @@ def test_right_padding_is_refused(full_rw):
         full_rw.generate(ids, attention_mask=mask, max_new_tokens=2)
 
 
-def test_chelsea_budget_too_small_for_sinks_and_recent(llama):
-    rw = kvrewrite.apply(llama, "chelsea", budget=0.2, max_length=64, batch_size=2, prefill_chunk=CHUNK)
+def test_chelsea_budget_too_small_for_sinks_and_recent(llama, captured):
+    rw = kvrewrite.apply(llama, "chelsea", budget=0.2, max_length=64, captured=captured)
     ids, mask = _prompt(2, 20, pad_rows=(1,))
     # B = round(0.2 * (20 + 10)) = 6 slots; the paper's defaults protect 16 sinks + 64 recent.
     with pytest.raises(ValueError, match=r"chelsea: budget 0\.2 x \(n=20 \+ max_new_tokens=10\) = 6 slots cannot hold "
                                          r"the 16 sink \+ 64 recent tokens plus a compressible middle"):
         rw.generate(ids, attention_mask=mask, max_new_tokens=10)
+
+
+# -- runtime misuse: refused before any state is touched (nothing is lost) ---------------------------
+NEW = 3  # max_new_tokens of the generation in progress
+
+
+@pytest.fixture(scope="module")
+def loaded(full_rw):
+    """full_rw's step graphs behind kvrewrite.export.loader.ExportedModel, with its own state: the loader's
+    host side (HostGeneration) is what is tested, so nothing is exported."""
+    from kvrewrite.export.common import GRAPHS, graph_of, metadata
+    from kvrewrite.export.loader import ExportedModel
+
+    def step(graph):
+        return lambda ids, pos, cpos, valid, state: graph(ids, pos, cpos, valid, *state)
+
+    return ExportedModel(metadata(full_rw, "torch_export", {}), {n: step(graph_of(full_rw, n)) for n in GRAPHS})
+
+
+@pytest.fixture(scope="module")
+def reference(full_rw):
+    """An uninterrupted greedy generation: the prompt, and the logits of its prefill and NEW decode steps
+    (with one thread, as the tests run: the same summation order, so the same bits)."""
+    ids, mask = _prompt(2, 10, pad_rows=(1,))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        logits = [full_rw.prefill(ids, mask, max_new_tokens=NEW)]
+        for _ in range(NEW):
+            logits.append(full_rw.decode_step(logits[-1].argmax(-1)))
+    finally:
+        torch.set_num_threads(threads)
+    return ids, mask, logits
+
+
+@pytest.fixture(params=["rw", "loader"])
+def model(request, full_rw, loaded):
+    return full_rw if request.param == "rw" else loaded
+
+
+def _frozen(m) -> dict:
+    """What a refused call must leave as it was: state, host schedule, positions and decode steps."""
+    return {"state": [t.clone() for info in m.layers for t in m.layer_state(info.index).values()],
+            "positions": [m._next_position.clone(), m._next_cache_position.clone()],
+            "host": ([list(f) for f in m.schedule.fill], m._decode_steps, m._decode_limit)}
+
+
+def _assert_unchanged(m, before: dict) -> None:
+    after = _frozen(m)
+    assert all(torch.equal(a, b) for a, b in zip(after["state"], before["state"])), "the state was modified"
+    assert all(torch.equal(a, b) for a, b in zip(after["positions"], before["positions"])), "the positions moved"
+    assert after["host"] == before["host"], "the host schedule or the decode step count moved"
+
+
+def _generates_the_reference(m, reference) -> None:
+    ids, mask, logits = reference
+    tokens = torch.stack([l.argmax(-1) for l in logits], dim=1)
+    assert torch.equal(m.generate(ids, mask, max_new_tokens=NEW + 1, eos_token_id=[]), torch.cat([ids, tokens], 1))
+
+
+MISUSE = {  # call(m, ids, mask, next_tokens) on a generation in progress, what the ValueError says
+    "1d-input_ids": (lambda m, ids, mask, tok: m.generate(ids[0], max_new_tokens=2),
+                     r"llama-2l: input_ids must be \[B, n\] \(a batch of prompts\), got shape \(10,\); "
+                     r"for one prompt pass input_ids\[None\]"),
+    "1d-input_ids-prefill": (lambda m, ids, mask, tok: m.prefill(ids[0], max_new_tokens=2),
+                             r"input_ids must be \[B, n\] .*input_ids\[None\]"),
+    "empty-prompt": (lambda m, ids, mask, tok: m.generate(ids[:, :0], max_new_tokens=2),
+                     r"input_ids has no tokens \(shape \(2, 0\)\)"),
+    "float-input_ids": (lambda m, ids, mask, tok: m.generate(ids.float(), max_new_tokens=2),
+                        r"input_ids must hold integer token ids, got dtype torch\.float32"),
+    "mask-shape": (lambda m, ids, mask, tok: m.generate(ids, mask[:, 1:], max_new_tokens=2),
+                   r"attention_mask must be \[B, n\] = \(2, 10\) like input_ids, got \(2, 9\)"),
+    "all-zero-mask-row": (lambda m, ids, mask, tok: m.generate(ids, mask * torch.tensor([[1], [0]]), max_new_tokens=2),
+                          r"llama-2l: row 1 of attention_mask has no real token \(all zeros\)"),
+    "float-max_new_tokens": (lambda m, ids, mask, tok: m.generate(ids, mask, max_new_tokens=2.5),
+                             r"llama-2l: max_new_tokens must be an int >= 1, got 2\.5"),
+    "bool-max_new_tokens": (lambda m, ids, mask, tok: m.generate(ids, mask, max_new_tokens=True),
+                            r"max_new_tokens must be an int >= 1, got True"),
+    "zero-max_new_tokens": (lambda m, ids, mask, tok: m.generate(ids, mask, max_new_tokens=0),
+                            r"max_new_tokens must be an int >= 1, got 0"),
+    "float-max_new_tokens-prefill": (lambda m, ids, mask, tok: m.prefill(ids, mask, max_new_tokens=2.5),
+                                     r"max_new_tokens must be an int >= 0, got 2\.5"),
+    "2d-tokens": (lambda m, ids, mask, tok: m.decode_step(tok[:, None]),
+                  r"llama-2l: decode_step: tokens must be \[B\] \(one token id per row\), got \(2, 1\); "
+                  r"pass tokens\[:, 0\]"),
+}
+
+
+@pytest.mark.parametrize("case", MISUSE)
+def test_misuse_is_refused_and_nothing_is_lost(model, reference, case):
+    """Mid-generation, a misused call raises a ValueError saying what is wrong; the generation then goes on
+    exactly as the uninterrupted one, and a new one generates the same tokens (rw and loaded model alike)."""
+    call, match = MISUSE[case]
+    ids, mask, logits = reference
+    model.prefill(ids, mask, max_new_tokens=NEW)
+    torch.testing.assert_close(model.decode_step(logits[0].argmax(-1)), logits[1], rtol=0, atol=0)
+    before = _frozen(model)
+    with pytest.raises(ValueError, match=match):
+        call(model, ids, mask, logits[1].argmax(-1))
+    _assert_unchanged(model, before)
+    for k in range(2, NEW + 1):
+        torch.testing.assert_close(model.decode_step(logits[k - 1].argmax(-1)), logits[k], rtol=0, atol=0)
+    _generates_the_reference(model, reference)
+
+
+def test_decode_step_past_max_new_tokens(model, reference):
+    """prefill(max_new_tokens=N) sizes the generation for N decode steps: step N + 1 is refused before it runs
+    (full: it would run on past the declared length and, further on, index past the state)."""
+    ids, mask, logits = reference
+    model.prefill(ids, mask, max_new_tokens=NEW)
+    for k in range(1, NEW + 1):
+        model.decode_step(logits[k - 1].argmax(-1))
+    before = _frozen(model)
+    with pytest.raises(ValueError, match=rf"^llama-2l: decode_step: this generation was prefilled for max_new_tokens="
+                                         rf"{NEW}; step {NEW + 1} would go past the prompt \+ {NEW} tokens its state "
+                                         rf"was sized for \(max_length=32\); call prefill\(\.\.\., "
+                                         rf"max_new_tokens={NEW + 1} or more\)$"):
+        model.decode_step(logits[NEW].argmax(-1))
+    _assert_unchanged(model, before)
+    _generates_the_reference(model, reference)
+
+
+@pytest.mark.parametrize("target", ["rw", "loader"])
+def test_decode_step_before_prefill(llama, captured, full_rw, loaded, reference, target):
+    from kvrewrite.export.common import metadata
+    from kvrewrite.export.loader import ExportedModel
+
+    if target == "rw":
+        fresh = kvrewrite.apply(llama, "full", max_length=32, captured=captured)
+    else:
+        fresh = ExportedModel(metadata(full_rw, "torch_export", {}), loaded.steps)
+    with pytest.raises(ValueError, match=r"^llama-2l: decode_step: no generation in progress; "
+                                         r"call prefill \(or generate\) first$"):
+        fresh.decode_step(torch.zeros(2, dtype=torch.long))
+    _generates_the_reference(fresh, reference)
+
+
+def test_decode_step_past_the_capacity_of_a_layer(loaded, reference):
+    """The host mirror of the fills is checked too: a step that would write past a layer's capacity is refused
+    before it is launched (reachable only through a state filled by hand; the step count refuses first)."""
+    ids, mask, logits = reference
+    loaded.prefill(ids, mask, max_new_tokens=NEW)
+    cap = loaded.capacities[1]
+    loaded.schedule.fill[1] = [cap - 1, cap]  # as if row 1 of layer 1 were full
+    with pytest.raises(ValueError, match=rf"^llama-2l: decode_step: layer 1 holds {cap} slots and a row already uses "
+                                         rf"{cap}; step 1 would write past its capacity"):
+        loaded.decode_step(logits[0].argmax(-1))
+    _generates_the_reference(loaded, reference)
+
+
+def test_chelsea_decode_step_past_max_length(llama, captured):
+    """A compressing method never runs out of slots, but step N + 1 would run past max_length (and the budget
+    set for n + N tokens): refused like the full method's, and the next generation is unaffected."""
+    rw = kvrewrite.apply(llama, "chelsea", budget=0.5, n_sink=1, n_recent=2, chunk=4, interval=2, max_length=32,
+                         captured=captured)
+    ids, mask = _prompt(2, 32 - NEW, pad_rows=(1,))  # prompt + NEW == max_length
+    expected = rw.generate(ids, mask, max_new_tokens=NEW, eos_token_id=[])
+    logits = rw.prefill(ids, mask, max_new_tokens=NEW)
+    for _ in range(NEW):
+        logits = rw.decode_step(logits.argmax(-1))
+    with pytest.raises(ValueError, match=rf"prefilled for max_new_tokens={NEW}; step {NEW + 1} would go past .*"
+                                         rf"\(max_length=32\)"):
+        rw.decode_step(logits.argmax(-1))
+    assert torch.equal(rw.generate(ids, mask, max_new_tokens=NEW, eos_token_id=[]), expected)

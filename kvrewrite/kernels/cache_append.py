@@ -14,7 +14,13 @@ New tokens:
 Slots [fill, fill + T) of each (b, h) row are written and fill grows by T. The write index is
 computed on the device (fill + arange(T), an index_put_), so the op never syncs with the host. Rows keep
 their own fill because compression may leave them different (outlier heads are never compressed).
-The runtime guarantees fill + T <= C.
+
+Capacity: the runtime guarantees fill + T <= C (kvrewrite.host refuses a prompt or a decode step that
+would pass it, before launching anything). Past it, no backend writes outside the state: the Triton
+kernel masks its stores to slots < C, so a row's tokens that do not fit are dropped and its fill
+stops at C (min(fill + T, C): every op reading the fill stays inside the state); the reference raises
+IndexError from index_put_'s bounds check, after writing at most the slots [fill, C) of `keys` (fill
+is not advanced). On CUDA without Triton the reference's index_put_ fails a device-side assert instead.
 
 Backends: CUDA runs the Triton kernel below (one launch per call: each program moves a block of
 tokens of one row; with a single block per row the program also advances the fill, otherwise a
@@ -60,7 +66,7 @@ def reference_cache_append(keys, values, bias, slot_pos, fill, k_new, v_new, cac
 # ---------------------------------------------------------------------------------------------------
 
 
-@triton_jit(do_not_specialize=["Hkv", "T", "D"])
+@triton_jit(do_not_specialize=["Hkv", "T", "D", "C"])
 def _cache_append_kernel(
     K, V, BIAS, POS, FILL, KN, VN, CPOS, VALID,
     stride_kb, stride_kh, stride_kc, stride_kd,
@@ -71,7 +77,7 @@ def _cache_append_kernel(
     stride_knb, stride_knh, stride_knt, stride_knd,
     stride_vnb, stride_vnh, stride_vnt, stride_vnd,
     stride_cp, stride_tb, stride_tt,
-    Hkv, T, D,
+    Hkv, T, D, C,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     UPDATE_FILL: tl.constexpr,  # the grid has one token block per row: this program advances the fill
 ):
@@ -85,23 +91,35 @@ def _cache_append_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m2 = t_ok[:, None] & (offs_d < D)[None, :]
     slot = f + offs_t
+    # stores stop at the capacity: slots >= C lie outside the row (see "Capacity" in the module docstring)
+    s_ok = t_ok & (slot < C)
+    s2 = m2 & s_ok[:, None]
 
     kn = tl.load(KN + b * stride_knb + h * stride_knh + offs_t[:, None] * stride_knt + offs_d[None, :] * stride_knd,
                  mask=m2)
     tl.store(K + b * stride_kb + h * stride_kh + slot[:, None] * stride_kc + offs_d[None, :] * stride_kd,
-             kn.to(K.dtype.element_ty), mask=m2)
+             kn.to(K.dtype.element_ty), mask=s2)
     vn = tl.load(VN + b * stride_vnb + h * stride_vnh + offs_t[:, None] * stride_vnt + offs_d[None, :] * stride_vnd,
                  mask=m2)
     tl.store(V + b * stride_vb + h * stride_vh + slot[:, None] * stride_vc + offs_d[None, :] * stride_vd,
-             vn.to(V.dtype.element_ty), mask=m2)
+             vn.to(V.dtype.element_ty), mask=s2)
 
     valid = tl.load(VALID + b * stride_tb + offs_t * stride_tt, mask=t_ok, other=0)
     tl.store(BIAS + b * stride_bb + h * stride_bh + slot * stride_bc, tl.where(valid != 0, 0.0, float("-inf")),
-             mask=t_ok)
+             mask=s_ok)
     cp = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=0)
-    tl.store(POS + b * stride_pb + h * stride_ph + slot * stride_pc, cp.to(POS.dtype.element_ty), mask=t_ok)
+    tl.store(POS + b * stride_pb + h * stride_ph + slot * stride_pc, cp.to(POS.dtype.element_ty), mask=s_ok)
     if UPDATE_FILL:
-        tl.store(fill_ptr, f + T)
+        tl.store(fill_ptr, tl.minimum(f + T, C))
+
+
+@triton_jit(do_not_specialize=["Hkv", "T", "C"])
+def _cache_append_fill_kernel(FILL, stride_fb, stride_fh, Hkv, T, C):
+    # a multi-block call's fill update, one program per row, after every token block has read the old fill
+    row = tl.program_id(0)
+    fill_ptr = FILL + (row // Hkv).to(tl.int64) * stride_fb + (row % Hkv).to(tl.int64) * stride_fh
+    f = tl.load(fill_ptr).to(tl.int64)
+    tl.store(fill_ptr, tl.minimum(f + T, C))
 
 
 # Launch (H100 sweep over BLOCK_T x num_warps, 32 layer states of the Llama-3.1-8B layout, CUDA graphs): the
@@ -150,6 +168,7 @@ def triton_cache_append(keys, values, bias, slot_pos, fill, k_new, v_new, cache_
 def _launch(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid) -> None:
     # int(): the launch depends on the shapes, so a dynamic-shape trace specialises on them (a guard)
     B, Hkv, T, D = (int(n) for n in k_new.shape)
+    C = int(keys.shape[2])
     if B * Hkv == 0 or T == 0:
         return
     block_d = max(triton.next_power_of_2(D), 16)
@@ -162,10 +181,10 @@ def _launch(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, to
         keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid,
         *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(), *fill.stride(),
         *k_new.stride(), *v_new.stride(), *cache_position.stride(), *token_valid.stride(),
-        Hkv, T, D, BLOCK_T=block_t, BLOCK_D=block_d, UPDATE_FILL=t_blocks == 1, num_warps=num_warps,
+        Hkv, T, D, C, BLOCK_T=block_t, BLOCK_D=block_d, UPDATE_FILL=t_blocks == 1, num_warps=num_warps,
     )
-    if t_blocks > 1:
-        fill.add_(T)  # after every program has read the old fill (stream order)
+    if t_blocks > 1:  # after every program has read the old fill (stream order); one launch, like fill.add_(T)
+        wrap_triton(_cache_append_fill_kernel)[(B * Hkv,)](fill, *fill.stride(), Hkv, T, C, num_warps=1)
 
 
 # ---------------------------------------------------------------------------------------------------

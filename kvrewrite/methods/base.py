@@ -10,7 +10,7 @@ head, n the longest prompt of the batch and Γ = max_new_tokens; a row is compre
 it holds B + g slots, so between compressions it holds at most B + g - 1.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 from kvrewrite.state import NO_LIMIT
@@ -25,6 +25,12 @@ class Method:
     interval: int = 32  # g: compress every g appended tokens (amortises the compression)
 
     def __post_init__(self):
+        # bool is an int subclass: budget=True would pass as 1.0, n_sink=True as 1 (every subclass's fields)
+        for f in fields(self):
+            kind = {int: "an int", "int": "an int", float: "a number", "float": "a number"}.get(f.type)
+            if kind and f.init and isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"{type(self).__name__}.{f.name} must be {kind}, not a bool, "
+                                 f"got {getattr(self, f.name)!r}")
         if not (isinstance(self.budget, (int, float)) and 0 < self.budget <= 1):
             raise ValueError(f"{type(self).__name__}.budget must be in (0, 1], got {self.budget!r}")
         if not (isinstance(self.interval, int) and self.interval >= 1):

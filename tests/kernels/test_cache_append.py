@@ -95,3 +95,28 @@ def test_opcheck():
     torch.library.opcheck(
         OP, (s["keys"], s["values"], s["bias"], s["slot_pos"], s["fill"], k, -k, torch.arange(3, 6), valid)
     )
+
+
+def test_past_capacity_raises_and_writes_nothing_outside_the_state():
+    """fill + T > C (the runtime refuses it first): the reference raises IndexError and writes nothing past C.
+    Every field is a view into a larger poisoned buffer (room for T slots after each row), so a write past a
+    row's C slots would land in the poison; values, bias, slot_pos and fill are untouched, keys at most in
+    the slots [fill, C) (module docstring, "Capacity")."""
+    B, Hkv, C, D, T = 2, 2, 6, 4, 3
+    bufs = poisoned_state(B, Hkv, C + T, D, torch.float32, 0)
+    fill_buf = torch.full((B, Hkv + 1), -5, dtype=torch.long)  # one poisoned column after the fill
+    s = {k: v[:, :, :C] for k, v in bufs.items() if k in ("keys", "values", "bias", "slot_pos")}
+    s["fill"] = fill_buf[:, :Hkv]
+    s["fill"].copy_(torch.tensor([[C - T, C - 1], [C, 0]]))  # one row fits, two pass C, one is full
+    before = {k: v.clone() for k, v in bufs.items()}
+    fill0, fill_buf0 = s["fill"].clone(), fill_buf.clone()
+    k = torch.randn(B, Hkv, T, D)
+    with pytest.raises(IndexError, match="out of bounds"):
+        call(s, k, k, torch.arange(T), torch.ones(B, T, dtype=torch.bool))
+    for f_name in ("values", "bias", "slot_pos"):
+        assert torch.equal(bufs[f_name], before[f_name]), f_name
+    assert torch.equal(bufs["keys"][:, :, C:], before["keys"][:, :, C:]), "a key was written past C"
+    for b in range(B):
+        for h in range(Hkv):
+            assert torch.equal(bufs["keys"][b, h, : int(fill0[b, h])], before["keys"][b, h, : int(fill0[b, h])])
+    assert torch.equal(fill_buf, fill_buf0), "fill must not advance"

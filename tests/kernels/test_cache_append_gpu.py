@@ -148,3 +148,55 @@ def test_compile_sees_the_kernel():
             assert torch.equal(s[f], ref[f]), f"call {i}: {f}"
         torch.testing.assert_close(got, ref["keys"].float().sum())
     torch._dynamo.reset()
+
+
+# (B, Hkv, C, D, T): one-block calls (T = 1 and 5: the kernel advances the fill) and multi-block ones (T = 37 at
+# D = 128 and T = 300: the separate fill update), every one with rows that pass C
+CAPACITY_SHAPES = [(2, 3, 20, 64, 1), (2, 3, 20, 80, 5), (1, 4, 40, 128, 37), (2, 2, 50, 128, 300)]
+
+
+@pytest.mark.parametrize("shape", CAPACITY_SHAPES, ids=lambda s: "B{}-Hkv{}-C{}-D{}-T{}".format(*s))
+def test_stores_stop_at_capacity(shape):
+    """fill + T > C (the runtime refuses it first): the kernel writes the tokens that fit and nothing past C,
+    and the fill stops at C. Every field is a view into a larger buffer whose slots after each row's C are
+    poisoned (room for T of them: every slot an unbounded store could reach), fill a view with a poisoned
+    column after it; the poison must be untouched, bit for bit."""
+    B, Hkv, C, D, T = shape
+    g = torch.Generator().manual_seed(C + T)
+    dev, dtype = "cuda", torch.bfloat16
+    bufs = {
+        "keys": (torch.randn(B, Hkv, C + T, D, generator=g) * 100).to(dtype).to(dev),
+        "values": (torch.randn(B, Hkv, C + T, D, generator=g) * 100).to(dtype).to(dev),
+        "bias": (torch.rand(B, Hkv, C + T, generator=g) + 0.5).to(dev),
+        "slot_pos": torch.randint(10**9, 2 * 10**9, (B, Hkv, C + T), generator=g).to(dev),
+    }
+    s = {k: v[:, :, :C] for k, v in bufs.items()}
+    fill_buf = torch.full((B, Hkv + 1), -5, dtype=torch.long, device=dev)
+    s["fill"] = fill_buf[:, :Hkv]
+    # ragged rows: already full, one slot left, passing C by part of T, fitting exactly (T <= C), empty
+    fills = [C, C - 1, C - min(max(T // 2, 1), C), C - min(T, C), 0, C - 2]
+    s["fill"].copy_(torch.tensor(fills * B)[: B * Hkv].view(B, Hkv))
+    before = {k: v.clone() for k, v in bufs.items()}
+    fill0, fill_buf0 = s["fill"].clone(), fill_buf.clone()
+    k_new = torch.randn(B, T, Hkv, D, generator=g).cuda().transpose(1, 2)  # fp32, converted to bf16 on store
+    v_new = torch.randn(B, T, Hkv, D, generator=g).cuda().transpose(1, 2)
+    cp = torch.arange(T, device=dev) + 7000
+    valid = torch.rand(B, T, generator=g).cuda() > 0.2
+    _call(OP, s, k_new, v_new, cp, valid)
+    torch.cuda.synchronize()
+
+    for f in bufs:  # the poison after C (every row)
+        assert torch.equal(bufs[f][:, :, C:], before[f][:, :, C:]), f"{f}: written past C"
+    assert torch.equal(fill_buf[:, Hkv], fill_buf0[:, Hkv]), "written past fill"
+    assert torch.equal(s["fill"], (fill0 + T).clamp(max=C)), "fill must stop at C"
+    for b in range(B):
+        for h in range(Hkv):
+            f0 = int(fill0[b, h])
+            n = max(0, min(T, C - f0))  # the tokens that fit
+            new = slice(f0, f0 + n)
+            assert torch.equal(s["keys"][b, h, new], k_new[b, h, :n].to(dtype)), (b, h)
+            assert torch.equal(s["values"][b, h, new], v_new[b, h, :n].to(dtype)), (b, h)
+            assert torch.equal(s["slot_pos"][b, h, new], cp[:n]), (b, h)
+            assert torch.equal(s["bias"][b, h, new], torch.where(valid[b, :n], 0.0, float("-inf"))), (b, h)
+            for f in bufs:  # the slots before the fill are kept
+                assert torch.equal(s[f][b, h, :f0], before[f][b, h, :f0]), (f, b, h)
