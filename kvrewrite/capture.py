@@ -87,6 +87,16 @@ def kv_shapes(model) -> list:
     return shapes
 
 
+def refuse_alibi(model, tag: str) -> None:
+    """RewriteError for ALiBi (Bloom; Falcon and MPT with alibi set): an additive per-head position bias on the
+    scores that the slot state does not carry. (With SDPA the mask probe would catch it too; Bloom and MPT
+    run eager attention, whose bias lives outside the mask, so the config says it first.)"""
+    cfg = text_config(model)
+    if cfg.model_type == "bloom" or getattr(cfg, "alibi", False) or getattr(getattr(cfg, "attn_config", None), "alibi", False):
+        raise RewriteError(f"{tag}: ALiBi position bias (an additive per-head bias on the attention scores) is not "
+                           f"supported: the KV slot state keeps no per-slot position bias")
+
+
 def layer_infos(model) -> list:
     """Per-layer facts without a capture: KV shapes from kv_shapes, query heads from the config, no windows
     (benchmarks of random full-attention models use this; capture reads every fact off the graphs)."""
@@ -162,6 +172,7 @@ def capture(model, *, batch_size: int, prefill_chunk: int) -> Captured:
     """Export `model` into a prefill-chunk graph ([B, prefill_chunk]) and a decode-step graph ([B, 1])."""
     check_causal_lm(model)
     tag = model_tag(model)
+    refuse_alibi(model, tag)
     shapes = kv_shapes(model)
     wrapper = _StaticCacheWrapper(model, batch_size, prefill_chunk, shapes)
     graphs, inputs = {}, {}
