@@ -5,7 +5,7 @@ slots of a row in slot order (append order, which is temporal order), decide wha
 and store the result packed at the front of the row, clearing the rest (bias -inf).
 
 These read fill and budget on the host: they serve the references (the CPU path). The CUDA kernels
-(_compress_cuda.py) do the same on the device.
+(in each op's file, with their shared device-side helpers in _slot_kernels.py) do the same on the device.
 """
 import torch
 

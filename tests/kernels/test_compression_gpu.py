@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import kvrewrite  # noqa: F401  (registers the ops)
-from kvrewrite.kernels import _compress_cuda as cc
+from kvrewrite.kernels import chelsea_compress as cc
 from kvrewrite.kernels.chelsea_compress import pinned_ties
 from kvrewrite.state import allocate_layer_state
 
