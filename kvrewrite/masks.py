@@ -73,7 +73,7 @@ class _MaskProbe:
         first = vis[:1, :1]
         if not bool((vis == first).all()):
             raise _NotAWindow("a mask that differs between batch rows or heads")
-        return first[0, 0]
+        return first[0, 0].cpu()  # a [T, C] bool: the checks below compare it with masks built on the CPU
 
 
 class _NotAWindow(Exception):
