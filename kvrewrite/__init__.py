@@ -7,14 +7,18 @@ import logging
 
 from kvrewrite import kernels  # noqa: F401  (registers the kvrewrite:: ops)
 from kvrewrite.methods import METHODS, make_method
+# The function shadows its module on the package: `kvrewrite.verify(...)` is the function; the module is
+# sys.modules["kvrewrite.verify"] (importlib.import_module gives it). Imported here, before anything else can
+# import the module first and rebind the package attribute to it.
+from kvrewrite.verify import VerifyReport, verify
 
 logger = logging.getLogger(__name__)
-__all__ = ["apply", "METHODS"]
+__all__ = ["apply", "verify", "VerifyReport", "METHODS"]
 DEFAULT_MAX_LENGTH = 4096
 
 
 def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1, prefill_chunk=256, captured=None,
-          fuse_projections=False, gemv=False, **method_kwargs):
+          fuse_projections=False, gemv=False, verify="auto", **method_kwargs):
     """Capture `model`, rewrite its attention and KV cache for `method`, return a KVRewrittenModel.
 
     Args:
@@ -35,13 +39,16 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
         gemv: with batch_size 1, run the decode graphs' matrix-vector products through kvrewrite's Triton GEMV
             instead of cuBLAS on a GPU (faster decode; the CPU computes F.linear as before). Results differ
             from cuBLAS's by rounding; see kvrewrite/passes/replace_linear_with_gemv.py. Off by default.
+        verify: "auto" (default): a model type outside the tested matrix (kvrewrite.capture.SUPPORTED_MODELS)
+            is first verified on a reduced random-weight copy of its config (kvrewrite.verify: full vs HF per
+            layer; a few seconds, once per config and process); a mismatch raises RewriteError with the
+            report, a pass is logged at INFO. Tested types cost nothing extra. True: verify whatever the type.
+            False: skip it; an untested type then logs a WARNING that its rewrite is untrusted.
         **method_kwargs: the method's own options (see its class, e.g. ChelseaMethod).
     """
-    from kvrewrite.capture import capture, check_causal_lm, copy_graph_module, model_tag
+    from kvrewrite.capture import capture, check_causal_lm, model_tag
     from kvrewrite.rope import check_max_length, seq_len_dependent_ropes
-    from kvrewrite.context import RewriteContext
-    from kvrewrite.passes import run_passes
-    from kvrewrite.runtime import KVRewrittenModel
+    from kvrewrite.verify import auto_verify
 
     m = make_method(method, budget, **method_kwargs)
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -51,6 +58,8 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
     for flag, value in (("fuse_projections", fuse_projections), ("gemv", gemv)):
         if not isinstance(value, bool):
             raise ValueError(f"kvrewrite.apply: {flag} must be True or False, got {value!r}")
+    if not (isinstance(verify, bool) or (isinstance(verify, str) and verify == "auto")):
+        raise ValueError(f"kvrewrite.apply: verify must be 'auto', True or False, got {verify!r}")
     check_causal_lm(model)  # before reading model.config
     tag = model_tag(model)
     if max_length is None:
@@ -61,6 +70,17 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
     check_max_length(model, max_length, tag)
     if captured is None:
         captured = capture(model, batch_size=batch_size, prefill_chunk=prefill_chunk)
+    auto_verify(model, captured, captured.prefill_chunk, verify)
+    return _rewrite(model, m, captured, max_length, fuse_projections=fuse_projections, gemv=gemv)
+
+
+def _rewrite(model, m, captured, max_length: int, fuse_projections: bool = False, gemv: bool = False):
+    """The KVRewrittenModel of `captured` for method instance `m` (apply's last step; verify's too)."""
+    from kvrewrite.context import RewriteContext
+    from kvrewrite.passes import run_passes
+    from kvrewrite.capture import copy_graph_module
+    from kvrewrite.runtime import KVRewrittenModel
+
     if hasattr(m, "bind"):
         m.bind(captured.layers)
     # Three rewritten graphs: prefill chunk, decode step, decode step with compression (run on the

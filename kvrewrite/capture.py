@@ -30,7 +30,13 @@ from kvrewrite.rope import original_frequencies
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODELS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma3")
+# Model types the family matrix of tests/families.py checks against HF (tests/test_verify.py keeps the two equal);
+# apply verifies any other type on a reduced copy first (kvrewrite/verify.py)
+SUPPORTED_MODELS = frozenset({
+    "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi3", "phi", "starcoder2", "gemma",
+    "gemma2", "gemma3_text", "olmo", "olmo2", "granite", "stablelm", "cohere", "gpt_neox", "glm4", "smollm3",
+    "falcon", "gpt2", "gptj",
+})
 GRAPH_INPUTS = ("input_ids", "position_ids", "cache_position")
 
 
