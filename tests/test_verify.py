@@ -30,8 +30,8 @@ def _untested_model(seed=0):
     return tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
 
 
-def _break_window(monkeypatch, layer: int, modules=(verify_module,)):
-    """Make capture report window 0 (full attention) for `layer`: the rewrite then ignores its window."""
+def _break_window(monkeypatch, layer: int):
+    """Make verify's capture report window 0 (full attention) for `layer`: the rewrite then ignores its window."""
     real = verify_module.capture
 
     def broken(*args, **kwargs):
@@ -39,8 +39,7 @@ def _break_window(monkeypatch, layer: int, modules=(verify_module,)):
         captured.layers[layer] = dataclasses.replace(captured.layers[layer], window=0)
         return captured
 
-    for module in modules:
-        monkeypatch.setattr(module, "capture", broken)
+    monkeypatch.setattr(verify_module, "capture", broken)
 
 
 def test_supported_models_is_the_matrix():
