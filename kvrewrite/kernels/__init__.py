@@ -7,10 +7,12 @@ launches the kernel through ``wrap_triton``, CPU calls an opaque CPU op), so Ind
 Importing this package registers every op.
 """
 from kvrewrite.kernels import (  # noqa: F401
+    accumulate_attention,
     attention_column_stats,
     cache_append,
     chelsea_compress,
     clustered_attention,
+    evict_by_score,
     evict_to_budget,
     gemv,
 )
