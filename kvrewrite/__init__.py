@@ -7,10 +7,7 @@ import logging
 
 from kvrewrite import kernels  # noqa: F401  (registers the kvrewrite:: ops)
 from kvrewrite.methods import METHODS, make_method
-# The function shadows its module on the package: `kvrewrite.verify(...)` is the function; the module is
-# sys.modules["kvrewrite.verify"] (importlib.import_module gives it). Imported here, before anything else can
-# import the module first and rebind the package attribute to it.
-from kvrewrite.verify import VerifyReport, verify
+from kvrewrite.verification import VerifyReport, verify
 
 logger = logging.getLogger(__name__)
 __all__ = ["apply", "verify", "VerifyReport", "METHODS"]
@@ -22,7 +19,8 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
     """Capture `model`, rewrite its attention and KV cache for `method`, return a KVRewrittenModel.
 
     Args:
-        model: a Hugging Face causal LM (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma-3 are tested).
+        model: a Hugging Face causal LM (the tested families: README "Supported models"; other model types are
+            verified first, see `verify`).
         method: a name in METHODS, or a Method instance.
         budget: fraction of the tokens kept per KV head, in (0, 1] (the method's default if None).
         max_length: longest prompt + generation the state is sized for
@@ -48,12 +46,12 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
     """
     from kvrewrite.capture import capture, check_causal_lm, model_tag
     from kvrewrite.rope import check_max_length, seq_len_dependent_ropes
-    from kvrewrite.verify import auto_verify
+    from kvrewrite.verification import auto_verify
 
     m = make_method(method, budget, **method_kwargs)
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"kvrewrite.apply: batch_size must be an int >= 1, got {batch_size!r}")
-    if not isinstance(prefill_chunk, int) or prefill_chunk < 2:
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 2:
         raise ValueError(f"kvrewrite.apply: prefill_chunk must be an int >= 2, got {prefill_chunk!r}")
     for flag, value in (("fuse_projections", fuse_projections), ("gemv", gemv)):
         if not isinstance(value, bool):

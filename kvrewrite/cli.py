@@ -1,6 +1,6 @@
 """`kvrewrite` command line. `kvrewrite run` is the main job: a real model, a long prompt, the full
 cache against a compressed one, answers, KV memory and time side by side. `kvrewrite check MODEL_DIR`
-verifies the rewrite of a local model folder against HF (kvrewrite/verify.py)."""
+verifies the rewrite of a local model folder against HF (kvrewrite/verification.py)."""
 import argparse
 import logging
 import sys
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
         "the model\n(and stays below its RoPE switch points), compare every decoder layer's output and the logits, "
         "print the table.\nWith weights in the folder the model itself runs; with --config-only or without weights, "
         "a reduced\nrandom-weight copy of its config (a prefix of layers holding every kind of layer, heads and widths "
-        "shrunk as\nkvrewrite/verify.py describes: seconds on a CPU for 7-8B configs). Exit status: 0 pass, 1 mismatch "
+        "shrunk as\nkvrewrite/verification.py describes: seconds on a CPU for 7-8B configs). Exit status: 0 pass, 1 mismatch "
         "(or the\nmodel is refused), 2 the folder is not a loadable causal LM.\n\n"
         "examples:\n"
         "  kvrewrite check ~/models/Mistral-7B-v0.1 --config-only   # the config's reduced copy, ~10 s on 2 cores\n"
@@ -303,7 +303,7 @@ def main(argv=None) -> int:
     check.add_argument("--config-only", action="store_true",
                        help="verify a reduced random-weight copy of the config even when the folder has weights")
     check.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                       help="dtype of the run (default float32; the tolerance follows it, see kvrewrite/verify.py)")
+                       help="dtype of the run (default float32; the tolerance follows it, see kvrewrite/verification.py)")
     check.add_argument("--attn", choices=("sdpa", "eager"), help="attention implementation (default: HF's choice)")
     check.add_argument("--max-length", type=int, help="longest prompt + decode the run may use (default: the model's)")
     check.add_argument("--prompt-tokens", type=int, help="prompt length (default: past every window, >= 2 chunks)")

@@ -19,7 +19,7 @@ from kvrewrite.cli import main as cli_main
 from kvrewrite.errors import RewriteError
 from tests.families import COMMON, FAMILIES, MATRIX, _cfg, matrix_case, matrix_model, tiny_model
 
-verify_module = importlib.import_module("kvrewrite.verify")  # `kvrewrite.verify` is the function
+from kvrewrite import verification as verify_module
 CHUNK = 16
 UNTESTED = "helium"  # a model type outside the matrix that captures and matches HF on the CPU
 
@@ -115,11 +115,11 @@ def test_apply_verifies_an_untested_type(monkeypatch, caplog):
     """An untested type is verified (INFO on a pass), verify=False logs that it is untrusted, a tested type is
     not verified at all (apply costs what it did), and a mismatch is a RewriteError holding the report."""
     monkeypatch.setattr(verify_module, "_auto_reports", {})
-    with caplog.at_level(logging.INFO, logger="kvrewrite.verify"):
+    with caplog.at_level(logging.INFO, logger="kvrewrite.verification"):
         kvrewrite.apply(_untested_model(), "full", max_length=64, batch_size=2, prefill_chunk=CHUNK)
     assert f"model type '{UNTESTED}' verified on a reduced copy" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="kvrewrite.verify"):
+    with caplog.at_level(logging.INFO, logger="kvrewrite.verification"):
         kvrewrite.apply(_untested_model(), "full", max_length=64, batch_size=2, prefill_chunk=CHUNK, verify=False)
     assert [r.levelname for r in caplog.records] == ["WARNING"] and "untrusted" in caplog.text
 
