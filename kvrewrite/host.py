@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from kvrewrite.state import reset_layer_state
+from kvrewrite.state import STATE_FIELDS, reset_layer_state
 
 WINDOW_INTERVAL = 32  # sliding-window layers evict every 32 tokens (exact at any interval)
 
@@ -62,6 +62,18 @@ def layer_capacity(info, method, max_length: int, prefill_chunk: int) -> int:
     if info.window:
         return min(info.window - 1 + WINDOW_INTERVAL - 1 + prefill_chunk, max_length + prefill_chunk - 1)
     return method.capacity(info, max_length, prefill_chunk)
+
+
+def layer_state_fields(info, method) -> dict:
+    """The method's own state of one layer, {name: StateField} (Method.state_fields); {} for a sliding-window
+    layer, which keeps its window exactly and never runs the method's ops."""
+    if info.window:
+        return {}
+    fields = dict(method.state_fields(info))
+    clash = sorted(set(fields) & set(STATE_FIELDS))
+    if clash:
+        raise ValueError(f"{type(method).__name__}.state_fields: {clash} clash with the base state {STATE_FIELDS}")
+    return fields
 
 
 def layer_budgets(method, layers, n_prompt: int, max_new_tokens: int) -> list:
@@ -210,7 +222,8 @@ class HostGeneration:
     KVRewrittenModel (nn.Module) and kvrewrite.export.loader.ExportedModel.
 
     The class using it provides the static facts `model_tag`, `method`, `layers`, `capacities`,
-    `batch_size`, `prefill_chunk`, `max_length` (and optionally `generation_config`), `layer_state(i)`,
+    `batch_size`, `prefill_chunk`, `max_length` (and optionally `generation_config`), `state_specs` (per layer,
+    the method's {name: StateField}, reset with the base state), `layer_state(i)`,
     `BATCH_FIXED_BY` (how the batch size was fixed, for the error: "captured", "exported"), and two hooks:
     `_state_device()` (where the state and the step inputs live) and
     `_run_graph(name, ids, pos, cpos, valid) -> logits [B, T, V]` for name in prefill / decode /
@@ -233,8 +246,8 @@ class HostGeneration:
     def reset(self, n_prompt: int, max_new_tokens: int) -> None:
         """Empty every layer's state and set this generation's targets (B, B + g)."""
         budgets = layer_budgets(self.method, self.layers, n_prompt, max_new_tokens)
-        for info, (target, threshold) in zip(self.layers, budgets):
-            reset_layer_state(self.layer_state(info.index), target, threshold)
+        for info, specs, (target, threshold) in zip(self.layers, self.state_specs, budgets):
+            reset_layer_state(self.layer_state(info.index), target, threshold, specs)
         self.schedule = HostSchedule(budgets, self.batch_size)
         # decode_step runs at most max_new_tokens steps; the caller sets the positions once the state is filled
         self._decode_steps, self._decode_limit = 0, max_new_tokens

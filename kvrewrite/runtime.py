@@ -17,6 +17,7 @@ from kvrewrite.host import (  # noqa: F401  (HostSchedule and WINDOW_INTERVAL ar
     HostGeneration,
     HostSchedule,
     layer_capacity,
+    layer_state_fields,
 )
 from kvrewrite.state import STATE_FIELDS, allocate_layer_state
 
@@ -46,24 +47,33 @@ class KVRewrittenModel(HostGeneration, nn.Module):
         self.vocab_size = captured.vocab_size
         self.config = config
         self.capacities = []
+        self.state_specs = []  # per layer, the method's own state fields (Method.state_fields)
         for info in self.layers:
             cap = layer_capacity(info, method, max_length, self.prefill_chunk)
+            specs = layer_state_fields(info, method)
             self.capacities.append(cap)
+            self.state_specs.append(specs)
             state = allocate_layer_state(
-                self.batch_size, info.num_kv_heads, cap, info.head_dim, captured.dtype, captured.device
+                self.batch_size, info.num_kv_heads, cap, info.head_dim, captured.dtype, captured.device, specs
             )
-            for field in STATE_FIELDS:
+            for field in (*STATE_FIELDS, *specs):
                 self.register_buffer(f"l{info.index}_{field}", state[field], persistent=False)
 
     # -- state ---------------------------------------------------------------------------------------
+    def layer_fields(self, k: int) -> tuple:
+        """The state field names of the k-th layer (of self.layers): the base ones, then the method's."""
+        return (*STATE_FIELDS, *self.state_specs[k])
+
     def layer_state(self, i: int) -> dict:
-        return {f: getattr(self, f"l{i}_{f}") for f in STATE_FIELDS}
+        k = next(k for k, info in enumerate(self.layers) if info.index == i)
+        return {f: getattr(self, f"l{i}_{f}") for f in self.layer_fields(k)}
 
     def state_tensors(self) -> list:
-        return [getattr(self, f"l{info.index}_{f}") for info in self.layers for f in STATE_FIELDS]
+        """Every state tensor in the graphs' input order: per layer, the base fields then the method's."""
+        return [getattr(self, f"l{info.index}_{f}") for k, info in enumerate(self.layers) for f in self.layer_fields(k)]
 
     def cache_bytes(self, seq_len: int | None = None) -> dict:
-        """Bytes of the kvrewrite state (all fields, as allocated) vs a dense HF static cache.
+        """Bytes of the kvrewrite state (all fields as allocated, the method's own included) vs a dense HF static cache.
 
         The dense figure is keys + values for `seq_len` tokens (default max_length) per layer
         (sliding-window layers hold at most their window), at the state's dtype.

@@ -1,21 +1,55 @@
 """The clustered-cache state of one layer: static-shape tensors the rewritten graphs read and update.
 
+Base state (every method, every layer):
+
     keys, values: [B, Hkv, C, D]  model dtype
     bias:         [B, Hkv, C]     fp32, log of the slot's degree; -inf marks an empty slot
     slot_pos:     [B, Hkv, C]     int64, cache position of the slot (the largest of a merged slot)
     fill:         [B, Hkv]        int64, slots in use per row (the append pointer)
     budget:       [2]             int64, (target, threshold): a row whose fill reaches the threshold
                                   is compressed back to target slots (the method's B and B + g)
+
+Method state: what a method owns besides (Method.state_fields, e.g. H2O's accumulated scores
+[B, Hkv, C] fp32), one StateField per name, allocated and reset with the base state and placed
+after it, layer by layer: l<i>_keys, ..., l<i>_budget, l<i>_<method field>, ..., then layer i + 1.
 """
+from dataclasses import dataclass
+
 import torch
 
 STATE_FIELDS = ("keys", "values", "bias", "slot_pos", "fill", "budget")
 NO_LIMIT = 2**62  # a threshold that is never reached
+DIMS = ("B", "Hkv", "C", "D")
 
 
-def allocate_layer_state(B: int, Hkv: int, C: int, D: int, dtype, device) -> dict:
-    """Fresh (empty) state for one layer with capacity C slots."""
-    return {
+@dataclass(frozen=True)
+class StateField:
+    """One state tensor a method owns, per layer.
+
+    Args:
+        shape: a tuple of dimension names ("B", "Hkv", "C", "D": batch, KV heads, slots, head dim) and
+            ints, e.g. ("B", "Hkv", "C") for one value per slot; or a callable (B, Hkv, C, D) -> tuple.
+        dtype: its dtype (fp32 for scores).
+        reset: the value every element takes when a generation starts (and the state is allocated).
+    """
+
+    shape: object
+    dtype: torch.dtype = torch.float32
+    reset: float = 0.0
+
+    def size(self, B: int, Hkv: int, C: int, D: int) -> tuple:
+        dims = dict(zip(DIMS, (B, Hkv, C, D)))
+        if callable(self.shape):
+            return tuple(int(d) for d in self.shape(B, Hkv, C, D))
+        bad = [d for d in self.shape if not (isinstance(d, int) or d in dims)]
+        if bad:
+            raise ValueError(f"StateField.shape: {bad} are neither ints nor one of {DIMS}")
+        return tuple(dims[d] if isinstance(d, str) else int(d) for d in self.shape)
+
+
+def allocate_layer_state(B: int, Hkv: int, C: int, D: int, dtype, device, extra: dict | None = None) -> dict:
+    """Fresh (empty) state for one layer with capacity C slots; `extra` the method's {name: StateField}."""
+    state = {
         "keys": torch.zeros(B, Hkv, C, D, dtype=dtype, device=device),
         "values": torch.zeros(B, Hkv, C, D, dtype=dtype, device=device),
         "bias": torch.full((B, Hkv, C), float("-inf"), dtype=torch.float32, device=device),
@@ -23,13 +57,21 @@ def allocate_layer_state(B: int, Hkv: int, C: int, D: int, dtype, device) -> dic
         "fill": torch.zeros(B, Hkv, dtype=torch.int64, device=device),
         "budget": torch.tensor([NO_LIMIT, NO_LIMIT], dtype=torch.int64, device=device),
     }
+    for name, spec in (extra or {}).items():
+        if name in state:
+            raise ValueError(f"method state field {name!r} clashes with the base state {STATE_FIELDS}")
+        state[name] = torch.full(spec.size(B, Hkv, C, D), spec.reset, dtype=spec.dtype, device=device)
+    return state
 
 
-def reset_layer_state(state: dict, target: int, threshold: int) -> None:
-    """Empty the state in place (keeps tensor identity, which CUDA graphs and compiled code rely on)."""
+def reset_layer_state(state: dict, target: int, threshold: int, extra: dict | None = None) -> None:
+    """Empty the state in place (keeps tensor identity, which CUDA graphs and compiled code rely on);
+    `extra` the method's {name: StateField}, each set to its reset value."""
     state["keys"].zero_()
     state["values"].zero_()
     state["bias"].fill_(float("-inf"))
     state["slot_pos"].zero_()
     state["fill"].zero_()
     state["budget"].copy_(torch.tensor([target, threshold], dtype=torch.int64))
+    for name, spec in (extra or {}).items():
+        state[name].fill_(spec.reset)

@@ -23,9 +23,12 @@ from tests.families import tiny_model
 TOL = dict(atol=1e-5, rtol=1e-5)
 PROMPT, PAD_ROW1, NEW, CHUNK, MAX_LENGTH = 24, 5, 12, 16, 40
 CHELSEA = dict(budget=0.5, n_sink=2, n_recent=4, chunk=8, interval=4)
-METHODS = {"full": {}, "chelsea": CHELSEA}
+# the score methods: their observation op runs in every compiled step, their compression on steps 4, 8, 12
+H2O = dict(budget=0.5, interval=4)
+SNAPKV = dict(budget=18, window=4, kernel=7, interval=4)
+METHODS = {"full": {}, "chelsea": CHELSEA, "h2o": H2O, "snapkv": SNAPKV}
 STREAMINGLLM = dict(budget=0.5, n_sink=2, interval=4)
-COMPRESSION_OPS = {"chelsea": "chelsea_compress", "streamingllm": "evict_to_budget"}
+COMPRESSION_OPS = {"chelsea": "chelsea_compress", "streamingllm": "evict_to_budget", "h2o": "evict_by_score"}
 BIG_FIELDS = ("keys", "values", "bias", "slot_pos")  # fill [B, Hkv] and budget [2] are tiny
 
 
@@ -81,14 +84,19 @@ def test_compiled_decode_step_matches_eager(model, method):
     tokens = torch.randint(3, 128, (NEW, 2), generator=torch.Generator().manual_seed(3))
 
     eager, eager_fills = _decode(rw, rw, tokens)
+    eager_state = {name: t.clone() for name, t in rw.named_buffers() if name.startswith("l")}
     for t, s in zip(rw.state_tensors(), saved):  # back to the post-prefill state, same tensors
         t.copy_(s)
     compiled = torch.compile(rw, fullgraph=True)  # raises on any graph break
     ours, our_fills = _decode(compiled, rw, tokens)
 
-    if method == "chelsea":  # compression really ran inside the compiled steps
+    if method != "full":  # compression really ran inside the compiled steps
         l0 = [int(f[0].max()) for f in our_fills]
         assert l0.count(18) >= 2 and max(l0) == 21, f"layer-0 fill per step {l0}: expected compressions back to 18"
+    for info, specs in zip(rw.layers, rw.state_specs):  # the method's own state (scores) too
+        for name in specs:
+            ours_s, eager_s = getattr(rw, f"l{info.index}_{name}"), eager_state[f"l{info.index}_{name}"]
+            assert torch.allclose(ours_s, eager_s, **TOL), f"{method}: {name} of layer {info.index} differs compiled"
     for s, (a, b) in enumerate(zip(eager_fills, our_fills)):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), f"{method}: fill differs at step {s}: {a} vs {b}"
     diff = (ours - eager).abs().max().item()
@@ -96,10 +104,12 @@ def test_compiled_decode_step_matches_eager(model, method):
     print(f"{method}: compiled vs eager max abs diff {diff:.3g}")
 
 
+@pytest.mark.parametrize("method", ["chelsea", "h2o", "snapkv"])
 @torch.no_grad()
-def test_module_compile_in_place_generate_matches_eager(model):
-    """rw.compile(fullgraph=True) (nn.Module.compile) makes generate run compiled (prefill chunks and decode)."""
-    rw = kvrewrite.apply(model, "chelsea", max_length=MAX_LENGTH, batch_size=2, prefill_chunk=CHUNK, **CHELSEA)
+def test_module_compile_in_place_generate_matches_eager(model, method):
+    """rw.compile(fullgraph=True) (nn.Module.compile) makes generate run compiled (prefill chunks and decode);
+    for H2O and SnapKV the prefill chunks hold the observation op too."""
+    rw = kvrewrite.apply(model, method, max_length=MAX_LENGTH, batch_size=2, prefill_chunk=CHUNK, **METHODS[method])
     ids, mask = _inputs()
     eager = rw.generate(ids, attention_mask=mask, max_new_tokens=NEW)
     torch._dynamo.utils.counters.clear()
@@ -138,19 +148,23 @@ def _state_sized_buffers(code: str, numels: set) -> list:
     return found
 
 
-@pytest.mark.parametrize("method", ["chelsea", "streamingllm"])
+@pytest.mark.parametrize("method", ["chelsea", "streamingllm", "h2o"])
 @torch.no_grad()
 def test_compiled_decode_updates_state_in_place(model, method):
     """Both compiled decode variants run cache_append and the compression op on the state's own
     tensors: no state-sized buffer anywhere in the output code, and every compression op is called
     on graph inputs (the state), not on copies. Regression test: with the compression op right after
     the attention, Inductor cloned each layer's whole state around it and copied it back (>= 4 GB per
-    compressing step at 32k; see kvrewrite/passes/insert_cache_compression.py)."""
-    kwargs = CHELSEA if method == "chelsea" else STREAMINGLLM
+    compressing step at 32k; see kvrewrite/passes/insert_cache_compression.py).
+    H2O (the score methods): the score, updated by the observation op and then handed to evict_by_score,
+    is materialised once on compressing steps (4 bytes per slot and KV head, the size of `bias`), so only
+    keys/values-sized buffers are looked for; the state arguments of the op are checked as for the others."""
+    kwargs = {"chelsea": CHELSEA, "streamingllm": STREAMINGLLM, "h2o": H2O}[method]
     rw = kvrewrite.apply(model, method, max_length=MAX_LENGTH, batch_size=2, prefill_chunk=CHUNK, **kwargs)
     ids, mask = _inputs()
     rw.prefill(ids, mask, max_new_tokens=NEW)
-    numels = {getattr(rw, f"l{info.index}_{f}").numel() for info in rw.layers for f in BIG_FIELDS}
+    fields = ("keys", "values") if rw.state_specs[0] else BIG_FIELDS
+    numels = {getattr(rw, f"l{info.index}_{f}").numel() for info in rw.layers for f in fields}
     step = (ids[:, :1], rw._next_position[:, None], rw._next_cache_position, torch.ones(2, 1, dtype=torch.bool))
     compiled = torch.compile(rw, fullgraph=True)
     for compress in (True, False):

@@ -4,6 +4,8 @@ Settings errors are raised before capture (cheap); the generation errors use one
 llama shared by the module (each method is then a cheap apply over it). A misused runtime call raises
 before it touches any state: the generation in progress goes on as if the call had not been made.
 """
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,16 +93,24 @@ def test_sdpa_not_reading_the_cache_names_layer_and_node():
 
 
 # -- bad settings (raised before capture) ----------------------------------------------------------
-@pytest.mark.parametrize("budget", [0, -0.1, 1.5], ids=["zero", "negative", "above_one"])
-@pytest.mark.parametrize("method,cls", [("chelsea", "ChelseaMethod"), ("streamingllm", "StreamingLLMMethod")])
-def test_budget_outside_unit_interval(llama, method, cls, budget):
-    with pytest.raises(ValueError, match=rf"{cls}\.budget must be in \(0, 1\], got {budget}"):
+@pytest.mark.parametrize("budget", [0, -0.1, 1.5, -3, "0.5", None.__class__], ids=["zero", "negative", "above_one",
+                                                                                   "negative_int", "str", "type"])
+@pytest.mark.parametrize("method,cls", [("chelsea", "ChelseaMethod"), ("streamingllm", "StreamingLLMMethod"),
+                                        ("h2o", "H2OMethod"), ("snapkv", "SnapKVMethod")])
+def test_budget_neither_fraction_nor_slots(llama, method, cls, budget):
+    with pytest.raises(ValueError, match=rf"{cls}\.budget must be a float in \(0, 1\] \(a fraction of n \+ "
+                                         rf"max_new_tokens\) or an int >= 1 \(slots per KV head\), got {re.escape(repr(budget))}"):
         kvrewrite.apply(llama, method, budget=budget)
 
 
+def test_whole_float_budget_points_to_the_int(llama):
+    with pytest.raises(ValueError, match=r"got 64\.0; for 64 slots pass the int 64"):
+        kvrewrite.apply(llama, "h2o", budget=64.0)
+
+
 BAD_SETTINGS = [
-    (dict(method="full", budget=0.5), r"FullMethod keeps every token: budget must be 1, got 0\.5"),
-    (dict(method="chelsea", budget="0.5"), r"ChelseaMethod\.budget must be in \(0, 1\], got '0\.5'"),
+    (dict(method="full", budget=0.5), r"FullMethod keeps every token: budget must be 1\.0 \(the default\), got 0\.5"),
+    (dict(method="full", budget=1), r"FullMethod keeps every token: budget must be 1\.0 .*got 1 \(an int counts slots"),
     (dict(method="chelsea", interval=0), r"ChelseaMethod\.interval must be an int >= 1, got 0"),
     (dict(method="chelsea", n_sink=-1), r"ChelseaMethod\.n_sink must be an int >= 0, got -1"),
     (dict(method="chelsea", n_recent=2.5), r"ChelseaMethod\.n_recent must be an int >= 0, got 2\.5"),
@@ -137,8 +147,9 @@ def test_method_instance_and_options_are_exclusive(llama):
 
 
 def test_unknown_method_lists_the_known_ones(llama):
-    with pytest.raises(ValueError, match=r"unknown method 'h2o'; known methods: chelsea, full, streamingllm"):
-        kvrewrite.apply(llama, "h2o")
+    with pytest.raises(ValueError, match=r"unknown method 'pyramidkv'; known methods: chelsea, full, h2o, snapkv, "
+                                         r"streamingllm"):
+        kvrewrite.apply(llama, "pyramidkv")
 
 
 def test_outlier_head_outside_the_model(llama):

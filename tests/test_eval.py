@@ -23,7 +23,8 @@ from kvrewrite.eval.report import write_report
 from tests.families import tiny_model
 
 # Chelsea's defaults (16 sink + 64 recent slots) need B >= 82 slots: tiny contexts use small ones.
-TINY_OPTIONS = {"chelsea": {"n_sink": 4, "n_recent": 8, "chunk": 16}}
+TINY_OPTIONS = {"chelsea": {"n_sink": 4, "n_recent": 8, "chunk": 16}, "snapkv": {"window": 8}}
+SHARED = ("streamingllm", "chelsea")  # methods that start from the shared prefill (h2o, snapkv observe their own)
 
 
 class CharTokenizer:
@@ -57,7 +58,7 @@ def test_quick_grid_tiny(tmp_path):
     cfg = tiny_config(tmp_path, context_lengths=(80, 112))
     paths = run_grid(cfg, model=tiny_model("llama"), tokenizer=CharTokenizer(), text_loader=synthetic_text)
     assert [p.name for p in paths] == ["nll.json", "needle.json", "fidelity.json"]
-    cells = {(m, b) for m in ("streamingllm", "chelsea") for b in cfg.budgets}
+    cells = {(m, b) for m in ("streamingllm", "chelsea", "h2o", "snapkv") for b in cfg.budgets}
     for path in paths:
         data = json.loads(path.read_text())
         assert data["complete"] and data["model"] == "tiny-llama" and data["settings"]["prefill"] == "shared"
@@ -72,7 +73,7 @@ def test_quick_grid_tiny(tmp_path):
             assert r["options"] == grid_mod.method_options(
                 make_method(r["method"], budget, **TINY_OPTIONS.get(r["method"], {})))
             if r["method"] != "full":
-                assert r["prefill"] == "shared"
+                assert r["prefill"] == ("shared" if r["method"] in SHARED else "own")
                 assert r["kv_slots"] <= round(r["budget"] * (r["prompt_tokens"] + 16)) + 1
         if data["task"] == "nll":
             assert all(0 < r["metrics"]["nll"] < 10 for r in runs)
@@ -220,7 +221,7 @@ def test_exact_match():
 
 @pytest.mark.parametrize("argv,message", [
     (["--model", "no-such-model"], "unknown model 'no-such-model'"),
-    (["--methods", "full,snapkvv"], "unknown method(s) 'snapkvv'; known methods: full, streamingllm, chelsea"),
+    (["--methods", "full,snapkvv"], "unknown method(s) 'snapkvv'; known methods: full, streamingllm, chelsea, h2o, snapkv"),
     (["--task", "nll,ppl"], "unknown task(s) 'ppl'; known tasks: nll, needle, fidelity"),
     (["--budgets", "0.2,1.5"], "budgets are fractions of the tokens kept, in (0, 1]"),
     (["--option", "chelsea.n_sinks=3"], "bad option for method 'chelsea'"),
@@ -246,7 +247,7 @@ def test_cli_quick_end_to_end(monkeypatch, tmp_path, capsys):
     assert (tmp_path / "out" / "results.md").is_file()  # --quick writes its page next to its JSON
     data = json.loads((tmp_path / "out" / "tiny" / "nll.json").read_text())
     assert data["settings"]["budgets"] == list(QUICK["budgets"]) and data["settings"]["context_lengths"] == [80]
-    assert data["runs"][-1]["options"]["n_recent"] == 8
+    assert next(r for r in data["runs"] if r["method"] == "chelsea")["options"]["n_recent"] == 8
     assert main(["eval", "--report-only", "--out", str(tmp_path / "out"), "--docs", str(tmp_path / "p.md")]) == 0
     assert "## tiny" in (tmp_path / "p.md").read_text()
 

@@ -192,7 +192,8 @@ def _compression_calls(rw) -> dict:
 
 def with_budget(rw, method) -> bool:
     """Swap `method` (same kind, another budget) into `rw` if the rewrite does not depend on the budget:
-    same compression op and options per layer, and state capacities large enough. Returns False if not."""
+    same compression op and options per layer, same method state and observation op, and state capacities
+    large enough. Returns False if not."""
     if type(method) is not type(rw.method):
         return False
     if hasattr(method, "bind"):
@@ -203,6 +204,10 @@ def with_budget(rw, method) -> bool:
             continue
         call = method.compression_call(info)
         if (call is None) != (info.index not in calls):
+            return False
+        # the method's own state and observation op are part of the rewrite too
+        if method.state_fields(info) != rw.method.state_fields(info) or \
+                method.observe_call(info) != rw.method.observe_call(info):
             return False
         if call is not None and (call[0], dict(call[1])) != calls[info.index]:
             return False

@@ -57,6 +57,17 @@ def method_options(method) -> dict:
     return out
 
 
+def method_state(rw) -> list:
+    """Per layer, the method's own state fields as allocated: {name: {"shape", "dtype", "reset"}} (Method.
+    state_fields; placed after the base fields of the layer in the graphs' inputs), for the loader."""
+    out = []
+    for info, specs in zip(rw.layers, rw.state_specs):
+        out.append({name: {"shape": list(getattr(rw, f"l{info.index}_{name}").shape),
+                           "dtype": str(spec.dtype).removeprefix("torch."), "reset": spec.reset}
+                    for name, spec in specs.items()})
+    return out
+
+
 def metadata(rw, target: str, files: dict, **extra) -> dict:
     gen = getattr(rw, "generation_config", None)
     return {
@@ -73,6 +84,7 @@ def metadata(rw, target: str, files: dict, **extra) -> dict:
         "layers": [dataclasses.asdict(info) for info in rw.layers],
         "capacities": list(rw.capacities),
         "state_fields": list(STATE_FIELDS),
+        "method_state": method_state(rw),
         "method": {"name": rw.method.name, "options": method_options(rw.method)},
         "generation": {
             "eos_token_id": None if gen is None else gen.eos_token_id,

@@ -3,12 +3,14 @@
 ONNX and TensorRT have no in-place mutation of graph inputs: a node returns new tensors. For those
 targets the rewritten graph (signature (input_ids, position_ids, cache_position, token_valid, *state),
 state updated in place, output logits) becomes a graph with the same inputs whose output is
-(logits, *new_state); every kvrewrite::cache_append / evict_to_budget / chelsea_compress becomes the
-op of the same name in the namespace ``kvrewrite_export``, which takes the same arguments (chelsea's
-outlier heads as a bit mask) and returns the five updated tensors (keys, values, bias, slot_pos, fill)
-instead of mutating them. Their eager
-and CUDA kernels are the in-place ops applied to clones, so the functional graph computes exactly what
-the in-place one does. clustered_attention and attention_column_stats mutate nothing and stay.
+(logits, *new_state); every kvrewrite::cache_append / evict_to_budget / chelsea_compress /
+evict_by_score / accumulate_attention becomes the op of the same name in the namespace
+``kvrewrite_export``, which takes the same arguments (chelsea's outlier heads as a bit mask) and returns
+the tensors it would write instead of mutating them: (keys, values, bias, slot_pos, fill) for the first
+three, those plus the score for evict_by_score, the score for accumulate_attention (FUNCTIONAL lists the
+mutated argument positions). Their eager and CUDA kernels are the in-place ops applied to clones, so the
+functional graph computes exactly what the in-place one does. clustered_attention and
+attention_column_stats mutate nothing and stay.
 
 Importing this module registers the ``kvrewrite_export::`` ops.
 """
@@ -57,6 +59,34 @@ def chelsea_compress(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, bud
     return tuple(out)
 
 
+@torch.library.custom_op("kvrewrite_export::evict_by_score", mutates_args=())
+def evict_by_score(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, budget: _T, score: _T, n_recent: int,
+                   recent_ratio: float = 0.0, pool: int = 1, reset_score: bool = False) -> tuple[_T, _T, _T, _T, _T, _T]:
+    """kvrewrite::evict_by_score returning the updated (keys, values, bias, slot_pos, fill, score)."""
+    out = _clones(keys, values, bias, slot_pos, fill, score)
+    torch.ops.kvrewrite.evict_by_score(*out[:5], budget, out[5], n_recent, recent_ratio, pool, reset_score)
+    return tuple(out)
+
+
+@torch.library.custom_op("kvrewrite_export::accumulate_attention", mutates_args=())
+def accumulate_attention(q: _T, keys: _T, bias: _T, slot_pos: _T, cache_position: _T, score: _T, scale: float,
+                         window: int, mode: str, last: int = 0) -> _T:
+    """kvrewrite::accumulate_attention returning the updated score."""
+    out = score.clone()
+    torch.ops.kvrewrite.accumulate_attention(q, keys, bias, slot_pos, cache_position, out, scale, window, mode, last)
+    return out
+
+
+@evict_by_score.register_fake
+def _(keys, values, bias, slot_pos, fill, budget, score, *args, **kwargs):
+    return tuple(torch.empty_like(t) for t in (keys, values, bias, slot_pos, fill, score))
+
+
+@accumulate_attention.register_fake
+def _(q, keys, bias, slot_pos, cache_position, score, *args, **kwargs):
+    return torch.empty_like(score)
+
+
 @torch.library.custom_op("kvrewrite_export::clustered_attention", mutates_args=())
 def clustered_attention(q: _T, keys: _T, values: _T, bias: _T, slot_pos: _T, cache_position: _T, scale: float,
                         window: int, past_only: bool = False, softcap: float = 0.0) -> _T:
@@ -90,10 +120,15 @@ def _fake(keys, values, bias, slot_pos, fill, *args):
 for _op in (cache_append, evict_to_budget, chelsea_compress):
     _op.register_fake(_fake)
 
+# in-place op -> (functional op, positions of the arguments it writes, in the order the functional op returns them)
 FUNCTIONAL = {
-    torch.ops.kvrewrite.cache_append.default: torch.ops.kvrewrite_export.cache_append.default,
-    torch.ops.kvrewrite.evict_to_budget.default: torch.ops.kvrewrite_export.evict_to_budget.default,
-    torch.ops.kvrewrite.chelsea_compress.default: torch.ops.kvrewrite_export.chelsea_compress.default,
+    torch.ops.kvrewrite.cache_append.default: (torch.ops.kvrewrite_export.cache_append.default, (0, 1, 2, 3, 4)),
+    torch.ops.kvrewrite.evict_to_budget.default: (torch.ops.kvrewrite_export.evict_to_budget.default, (0, 1, 2, 3, 4)),
+    torch.ops.kvrewrite.chelsea_compress.default: (torch.ops.kvrewrite_export.chelsea_compress.default,
+                                                   (0, 1, 2, 3, 4)),
+    torch.ops.kvrewrite.evict_by_score.default: (torch.ops.kvrewrite_export.evict_by_score.default,
+                                                 (0, 1, 2, 3, 4, 6)),
+    torch.ops.kvrewrite.accumulate_attention.default: (torch.ops.kvrewrite_export.accumulate_attention.default, (5,)),
 }
 
 
@@ -138,18 +173,21 @@ def functionalize(gm: fx.GraphModule, n_inputs: int = 4, opaque_attention: bool 
         if opaque_attention and node.target == torch.ops.kvrewrite.clustered_attention.default:
             node.target = torch.ops.kvrewrite_export.clustered_attention.default
             continue
-        fn = FUNCTIONAL.get(node.target)
-        if fn is None:
+        if node.target not in FUNCTIONAL:
             continue
+        fn, written = FUNCTIONAL[node.target]
         args = all_args(node)
         if node.target == torch.ops.kvrewrite.chelsea_compress.default:
             args[-1] = outlier_mask(args[-1])
         with graph.inserting_after(node):
             new = graph.call_function(fn, tuple(args))
-        with graph.inserting_after(new):
-            for i in reversed(range(len(MUTATED))):
-                item = graph.call_function(operator.getitem, (new, i))
-                latest[_origin(args[i], latest)] = item
+        if len(written) == 1:  # a single Tensor return
+            latest[_origin(args[written[0]], latest)] = new
+        else:
+            with graph.inserting_after(new):
+                for i in reversed(range(len(written))):
+                    item = graph.call_function(operator.getitem, (new, i))
+                    latest[_origin(args[written[i]], latest)] = item
         graph.erase_node(node)
     out = next(n for n in graph.nodes if n.op == "output")
     out.args = ((out.args[0], *[latest.get(p, p) for p in state]),)
@@ -176,6 +214,8 @@ def _origin(node, latest):
     return node
 
 
-def state_names(layers) -> list:
-    """Names of the state inputs/outputs: l<i>_<field>, in the graphs' order."""
-    return [f"l{info.index}_{f}" for info in layers for f in STATE_FIELDS]
+def state_names(layers, state_specs=None) -> list:
+    """Names of the state inputs/outputs: l<i>_<field>, in the graphs' order (per layer the base fields, then the
+    method's own, `state_specs[k]` for the k-th layer: KVRewrittenModel.state_specs)."""
+    specs = state_specs or [{}] * len(layers)
+    return [f"l{info.index}_{f}" for info, extra in zip(layers, specs) for f in (*STATE_FIELDS, *extra)]

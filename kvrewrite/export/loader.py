@@ -2,7 +2,8 @@
 machinery: `kvrewrite.export.loader.load(path).generate(input_ids, attention_mask, ...)`.
 
 The loader reads kvrewrite_export.json, rebuilds the method from its name and options (for the
-per-generation budgets and thresholds), allocates the layer state at the recorded capacities, and
+per-generation budgets and thresholds), allocates the layer state at the recorded capacities (the
+method's own state fields, e.g. H2O's scores, as the JSON's "method_state" records them), and
 drives the exported step graphs with kvrewrite.host.HostGeneration, the prefill / decode_step /
 generate that KVRewrittenModel runs: left-padding to whole prefill chunks, the HostSchedule that
 picks the decode variant with or without compression, and the token loop. Greedy and sampled
@@ -24,7 +25,7 @@ from kvrewrite.context import LayerInfo
 from kvrewrite.export.common import read_metadata
 from kvrewrite.host import HostGeneration
 from kvrewrite.methods import make_method
-from kvrewrite.state import STATE_FIELDS, allocate_layer_state
+from kvrewrite.state import STATE_FIELDS, StateField, allocate_layer_state
 
 
 class _Generation:
@@ -55,15 +56,20 @@ class ExportedModel(HostGeneration):
             self.method.bind(self.layers)
         self.device = torch.device(meta["device"])
         dtype = getattr(torch, meta["dtype"])
-        self.state = []
-        for info, cap in zip(self.layers, self.capacities):
-            s = allocate_layer_state(self.batch_size, info.num_kv_heads, cap, info.head_dim, dtype, self.device)
-            self.state += [s[f] for f in STATE_FIELDS]
+        # the method's own fields per layer, at the shapes recorded (exports without the key have none)
+        self.state_specs = [{name: StateField(tuple(d["shape"]), getattr(torch, d["dtype"]), d["reset"])
+                             for name, d in fields.items()}
+                            for fields in meta.get("method_state", [{}] * len(self.layers))]
+        self.state, self._layer_state = [], {}
+        for info, cap, specs in zip(self.layers, self.capacities, self.state_specs):
+            s = allocate_layer_state(self.batch_size, info.num_kv_heads, cap, info.head_dim, dtype, self.device,
+                                     specs)
+            self._layer_state[info.index] = s
+            self.state += [s[f] for f in (*STATE_FIELDS, *specs)]  # the graphs' input order
         self.generation_config = _Generation(**meta["generation"])
 
     def layer_state(self, i: int) -> dict:
-        k = len(STATE_FIELDS)
-        return dict(zip(STATE_FIELDS, self.state[i * k:(i + 1) * k]))
+        return self._layer_state[i]
 
     def _state_device(self):
         return self.device

@@ -67,7 +67,7 @@ def export_graph(rw, name: str):
             f"no ONNX function yet (see kvrewrite/export/onnx_export.py); graphs without them: "
             f"{[g for g in GRAPHS if not unsupported_ops(graph_of(rw, g))]}")
     sgm = symbolic_graph(gemv_as_linear(functionalize(gm, n_inputs=len(INPUT_NAMES)))).eval()
-    names = state_names(rw.layers)
+    names = state_names(rw.layers, rw.state_specs)
     with torch.no_grad():
         program = torch.onnx.export(
             sgm, example_inputs(rw, name), dynamo=True, opset_version=OPSET,

@@ -36,6 +36,8 @@ PLUGIN_OPS = (
     "kvrewrite_export::clustered_attention",
     "kvrewrite_export::evict_to_budget",
     "kvrewrite_export::chelsea_compress",
+    "kvrewrite_export::evict_by_score",
+    "kvrewrite_export::accumulate_attention",
 )
 _ALLOWED_NON_TENSOR = (int, float, bool, str)  # what generate_plugin maps to plugin attributes
 _registered = set()

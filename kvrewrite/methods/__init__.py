@@ -2,9 +2,11 @@
 from kvrewrite.methods.base import Method
 from kvrewrite.methods.chelsea import ChelseaMethod
 from kvrewrite.methods.full import FullMethod
+from kvrewrite.methods.h2o import H2OMethod
+from kvrewrite.methods.snapkv import SnapKVMethod
 from kvrewrite.methods.streamingllm import StreamingLLMMethod
 
-METHODS = {m.name: m for m in (FullMethod, StreamingLLMMethod, ChelseaMethod)}
+METHODS = {m.name: m for m in (FullMethod, StreamingLLMMethod, ChelseaMethod, H2OMethod, SnapKVMethod)}
 
 
 def make_method(method, budget=None, **kwargs) -> Method:

@@ -1,19 +1,44 @@
 """Method: a compression policy. It decides what to keep; passes and ops decide how it runs.
 
-A method says (1) which op the rewrite inserts after each full-attention layer's attention
-(`compression_call`), (2) how many slots a layer needs (`capacity`, static, fixed at apply time)
-and (3) the per-generation target and threshold (`targets`), written into each layer's `budget`
-state so that one captured graph serves every prompt length.
+A method says
+  (1) which op the rewrite inserts after each full-attention layer's attention, at the end of the
+      step, to compress its state (`compression_call`);
+  (2) what state it owns besides the base state (`state_fields`, e.g. H2O's accumulated scores);
+  (3) which op, if any, observes the layer's queries right after its attention to update that state
+      (`observe_call`, e.g. attention column sums);
+  (4) how many slots a layer needs (`capacity`, static, fixed at apply time);
+  (5) the per-generation target and threshold (`targets`), written into each layer's `budget` state
+      so that one captured graph serves every prompt length.
+docs/methods.md describes the interface and what a new method touches.
 
-Budget convention (all methods, after Chelsea Alg. 1): B = round(budget * (n + Γ)) slots per KV
-head, n the longest prompt of the batch and Γ = max_new_tokens; a row is compressed back to B once
-it holds B + g slots, so between compressions it holds at most B + g - 1.
+Budget convention (all methods): B slots per KV head of every full-attention layer, everything the
+method keeps counted (sinks, recent window, observation window, merged slots). `budget` is either
+  - an int >= 1: B = budget slots, whatever the prompt length; or
+  - a float in (0, 1]: a fraction of n + Γ, B = max(1, round(budget * (n + Γ))), n the longest
+    prompt of the batch and Γ = max_new_tokens (Chelsea Alg. 1's convention).
+A row is compressed back to B once it holds B + g slots (g = `interval`), so between compressions
+it holds at most B + g - 1. Sliding-window layers keep their window and ignore the budget.
 """
 import math
+import numbers
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
 from kvrewrite.state import NO_LIMIT
+
+
+def check_budget(owner: str, budget) -> None:
+    """ValueError naming the field unless `budget` is a float in (0, 1] (a fraction) or an int >= 1 (slots)."""
+    if isinstance(budget, bool):
+        raise ValueError(f"{owner}.budget must be a number, not a bool, got {budget!r}")
+    ok = isinstance(budget, numbers.Real) and (budget >= 1 if isinstance(budget, numbers.Integral) else 0 < budget <= 1)
+    if not ok:
+        hint = ""
+        if isinstance(budget, numbers.Real) and not isinstance(budget, numbers.Integral) and budget > 1 \
+                and budget == int(budget):
+            hint = f"; for {int(budget)} slots pass the int {int(budget)}"
+        raise ValueError(f"{owner}.budget must be a float in (0, 1] (a fraction of n + max_new_tokens) or an int >= 1 "
+                         f"(slots per KV head), got {budget!r}{hint}")
 
 
 @dataclass
@@ -21,26 +46,51 @@ class Method:
     """Base class. Subclasses are dataclasses with their paper's defaults as fields."""
 
     name: ClassVar[str] = ""
-    budget: float = 1.0
+    budget: float | int = 1.0  # int: slots per KV head; float in (0, 1]: fraction of n + Γ
     interval: int = 32  # g: compress every g appended tokens (amortises the compression)
 
     def __post_init__(self):
-        # bool is an int subclass: budget=True would pass as 1.0, n_sink=True as 1 (every subclass's fields)
+        # bool is an int subclass: budget=True would pass as 1 slot, n_sink=True as 1 (every subclass's fields)
         for f in fields(self):
             kind = {int: "an int", "int": "an int", float: "a number", "float": "a number"}.get(f.type)
             if kind and f.init and isinstance(getattr(self, f.name), bool):
                 raise ValueError(f"{type(self).__name__}.{f.name} must be {kind}, not a bool, "
                                  f"got {getattr(self, f.name)!r}")
-        if not (isinstance(self.budget, (int, float)) and 0 < self.budget <= 1):
-            raise ValueError(f"{type(self).__name__}.budget must be in (0, 1], got {self.budget!r}")
+        check_budget(type(self).__name__, self.budget)
+        if isinstance(self.budget, numbers.Integral):
+            self.budget = int(self.budget)
         if not (isinstance(self.interval, int) and self.interval >= 1):
             raise ValueError(f"{type(self).__name__}.interval must be an int >= 1, got {self.interval!r}")
 
+    @property
+    def budget_in_slots(self) -> bool:
+        """True when `budget` counts slots (an int), False when it is a fraction of n + Γ."""
+        return isinstance(self.budget, numbers.Integral)
+
+    # -- the plug-in surface (docs/methods.md) ----------------------------------------------------------
     def compression_call(self, layer):
-        """(op overload, kwargs) to insert after the layer's attention, or None for no compression."""
+        """(op overload, kwargs) to insert at the end of the step for a full-attention layer, or None for no
+        compression. The op is called with the layer's base state (keys, values, bias, slot_pos, fill, budget),
+        then its method state fields in `state_fields` order, then the kwargs; it must only touch rows whose
+        fill reached the threshold budget[1] and leave them with min(valid slots, budget[0]) slots."""
         raise NotImplementedError
 
+    def state_fields(self, layer) -> dict:
+        """{name: kvrewrite.state.StateField} of the state this method owns in a full-attention layer (buffers
+        l<i>_<name>), allocated with the base state and reset to each field's reset value at every generation."""
+        return {}
+
+    def observe_call(self, layer):
+        """(op overload, kwargs) to insert right after a full-attention layer's attention in every graph, or None.
+        The op is called with (q, keys, bias, slot_pos, cache_position, *state fields in `state_fields` order),
+        scale=, window= (the attention's) and the kwargs, and updates the method's state in place."""
+        return None
+
+    # -- sizes ------------------------------------------------------------------------------------------
     def target(self, n_prompt: int, max_new_tokens: int) -> int:
+        """B, the slots per KV head kept after a compression, for one generation."""
+        if self.budget_in_slots:
+            return self.budget
         return max(1, round(self.budget * (n_prompt + max_new_tokens)))
 
     def targets(self, layer, n_prompt: int, max_new_tokens: int) -> tuple[int, int]:
@@ -50,12 +100,23 @@ class Method:
         b = self.target(n_prompt, max_new_tokens)
         return b, b + self.interval
 
+    def max_target(self, max_length: int) -> int:
+        """The largest B any generation of at most max_length tokens can ask for."""
+        return self.budget if self.budget_in_slots else math.ceil(self.budget * max_length)
+
     def capacity(self, layer, max_length: int, prefill_chunk: int) -> int:
         """Static slots of a full-attention layer: the most a row can hold at any point."""
         full = max_length + prefill_chunk - 1  # the prompt is left-padded to a whole number of chunks
         if self.compression_call(layer) is None:
             return full
-        return min(full, math.ceil(self.budget * max_length) + self.interval - 1 + prefill_chunk)
+        return min(full, self.max_target(max_length) + self.interval - 1 + prefill_chunk)
+
+    def describe_target(self, n_prompt: int, max_new_tokens: int) -> str:
+        """'budget 0.2 x (n=30 + max_new_tokens=10) = 8 slots' or 'budget 8 slots', for error messages."""
+        b = self.target(n_prompt, max_new_tokens)
+        if self.budget_in_slots:
+            return f"budget {self.budget} slots" + (f" ({b} for the compressed heads)" if b != self.budget else "")
+        return f"budget {self.budget} x (n={n_prompt} + max_new_tokens={max_new_tokens}) = {b} slots"
 
     def check_generation(self, n_prompt: int, max_new_tokens: int) -> None:
         """Raise ValueError if this generation cannot run under the method's settings."""

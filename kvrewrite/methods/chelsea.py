@@ -34,8 +34,12 @@ Decisions where the paper is silent or ambiguous (each tested in tests/methods/t
   the prompt length, kvrewrite does the same).
 - Outlier heads (`outlier_heads={layer: [kv heads]}`) are never compressed; the other heads'
   budget is lowered so the total stays R (R' = (R*H - H_out) / (H - H_out), H counting KV heads of
-  full-attention layers), the paper's "reallocate the budget". A layer holding an outlier head
-  allocates full capacity for all its heads (static shapes): cache_bytes() shows that cost.
+  full-attention layers), the paper's "reallocate the budget". With a budget in slots (an int B) the
+  same total B * H is shared: B' = (B*H - H_out * (n + Γ)) / (H - H_out), the outlier heads holding
+  every token. A layer holding an outlier head allocates full capacity for all its heads (static
+  shapes): cache_bytes() shows that cost.
+- What B counts: every slot of a compressed KV head, sinks and recent window included (merged
+  slots count once whatever their degree).
 """
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -50,7 +54,8 @@ class ChelseaMethod(Method):
     """Chelsea KV-cache clustering.
 
     Args:
-        budget: R, fraction of n + Γ kept per KV head, in (0, 1].
+        budget: B slots per KV head (an int >= 1), or R, the fraction of n + Γ kept per KV head (a float in
+            (0, 1]); sinks, recent window and merged slots all count (each merged slot once).
         n_sink: attention-sink slots never merged (paper: 16).
         n_recent: most recent slots never merged (paper: 64).
         chunk: chunk size c of the soft matching (paper: 256); every round re-chunks the current middle.
@@ -60,7 +65,7 @@ class ChelseaMethod(Method):
     """
 
     name: ClassVar[str] = "chelsea"
-    budget: float = 0.2
+    budget: float | int = 0.2
     n_sink: int = 16
     n_recent: int = 64
     chunk: int = 256
@@ -96,7 +101,7 @@ class ChelseaMethod(Method):
             if bad:
                 raise ValueError(f"ChelseaMethod.outlier_heads: layer {layer} has no KV heads {bad}")
         self._kv_heads_total = sum(l.num_kv_heads for l in full.values())
-        if self.compressed_budget() <= 0:
+        if not self.budget_in_slots and self.compressed_budget() <= 0:
             raise ValueError(f"ChelseaMethod: {self.n_outliers} outlier heads leave no budget at R={self.budget}")
 
     @property
@@ -104,11 +109,14 @@ class ChelseaMethod(Method):
         return sum(len(v) for v in self.outlier_heads.values())
 
     def compressed_budget(self) -> float:
-        """R' of the compressed heads, so that the total over all KV heads stays R."""
+        """R' of the compressed heads (a fractional budget), so that the total over all KV heads stays R."""
         h, o = self._kv_heads_total, self.n_outliers
         return self.budget if not o else (self.budget * h - o) / (h - o)
 
     def target(self, n_prompt, max_new_tokens):
+        h, o = self._kv_heads_total, self.n_outliers
+        if self.budget_in_slots:  # B' of the compressed heads, the total B * H shared with the uncompressed ones
+            return self.budget if not o else max(1, round((self.budget * h - o * (n_prompt + max_new_tokens)) / (h - o)))
         return max(1, round(self.compressed_budget() * (n_prompt + max_new_tokens)))
 
     def capacity(self, layer, max_length, prefill_chunk):
@@ -132,7 +140,6 @@ class ChelseaMethod(Method):
         b = self.target(n_prompt, max_new_tokens)
         if b < self.n_sink + self.n_recent + 2:
             raise ValueError(
-                f"chelsea: budget {self.budget} x (n={n_prompt} + max_new_tokens={max_new_tokens}) = {b} slots cannot "
-                f"hold the {self.n_sink} sink + {self.n_recent} recent tokens plus a compressible middle; raise the "
-                f"budget or lower n_sink / n_recent"
+                f"chelsea: {self.describe_target(n_prompt, max_new_tokens)} cannot hold the {self.n_sink} sink + "
+                f"{self.n_recent} recent tokens plus a compressible middle; raise the budget or lower n_sink / n_recent"
             )

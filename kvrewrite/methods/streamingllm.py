@@ -17,13 +17,14 @@ class StreamingLLMMethod(Method):
     behaves like "window attention with sinks" at the original positions.
 
     Args:
-        budget: fraction of n + Γ kept per KV head, in (0, 1].
+        budget: B slots per KV head (an int >= 1), or a fraction of n + Γ (a float in (0, 1]); the n_sink
+            sinks count in B, the recent window is the other B - n_sink slots.
         n_sink: initial "attention sink" tokens that are always kept (the paper's 4).
         interval: evict every g appended tokens (the paper evicts every step, g = 1).
     """
 
     name: ClassVar[str] = "streamingllm"
-    budget: float = 0.2
+    budget: float | int = 0.2
     n_sink: int = 4
 
     def __post_init__(self):
@@ -38,6 +39,6 @@ class StreamingLLMMethod(Method):
         b = self.target(n_prompt, max_new_tokens)
         if b <= self.n_sink:
             raise ValueError(
-                f"streamingllm: budget {self.budget} x (n={n_prompt} + max_new_tokens={max_new_tokens}) = {b} slots "
-                f"cannot hold the {self.n_sink} sink tokens and a recent window; raise the budget"
+                f"streamingllm: {self.describe_target(n_prompt, max_new_tokens)} cannot hold the {self.n_sink} sink "
+                f"tokens and a recent window; raise the budget"
             )

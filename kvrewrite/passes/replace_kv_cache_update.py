@@ -2,7 +2,8 @@
 
 Matches:  the two aten.index_copy_ nodes of every located site (key and value cache writes).
 Emits:    graph inputs `token_valid` [B, T] bool and, per layer, the state inputs
-          l<i>_keys, l<i>_values, l<i>_bias, l<i>_slot_pos, l<i>_fill, l<i>_budget; one
+          l<i>_keys, l<i>_values, l<i>_bias, l<i>_slot_pos, l<i>_fill, l<i>_budget, then the method's
+          own fields l<i>_<name> (Method.state_fields; none for sliding-window layers); one
           kvrewrite.cache_append(l<i>_keys, ..., l<i>_fill, k_new, v_new, cache_position, token_valid)
           per layer, where the value write was. Readers of the old writes now read the dense buffer
           itself (dead once the attention is replaced).
@@ -17,6 +18,7 @@ from torch import fx
 from kvrewrite.context import RewriteContext
 from kvrewrite.passes.utils import clean_up
 from kvrewrite.errors import RewriteError
+from kvrewrite.host import layer_state_fields
 from kvrewrite.state import STATE_FIELDS
 
 logger = logging.getLogger(__name__)
@@ -34,7 +36,7 @@ def replace_kv_cache_update(gm: fx.GraphModule, ctx: RewriteContext) -> fx.Graph
     last = token_valid
     for layer in sorted(ctx.sites):
         site = ctx.sites[layer]
-        for field in STATE_FIELDS:
+        for field in (*STATE_FIELDS, *layer_state_fields(ctx.layers[layer], ctx.method)):
             with graph.inserting_after(last):
                 last = site.state[field] = graph.placeholder(f"l{layer}_{field}")
     count = 0

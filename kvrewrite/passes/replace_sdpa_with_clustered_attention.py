@@ -9,7 +9,15 @@ Emits:    kvrewrite.clustered_attention(q, l<i>_keys, l<i>_values, l<i>_bias, l<
           compression keeps slot_pos = the max of the merged tokens', so no used slot lies after the
           query, and the CUDA kernel need not read slot_pos. Prefill chunks attend causally within the
           chunk (they need the positions); windowed layers read them for the window test anyway.
-Skips:    nothing; sliding-window layers get window = their config window (exact, not compressed).
+          When the method observes the queries (Method.observe_call, e.g. H2O's and SnapKV's attention
+          scores), its op follows each full-attention layer's attention, called with (q, l<i>_keys,
+          l<i>_bias, l<i>_slot_pos, cache_position, *the method's state fields, scale=, window=,
+          **the method's options), in every graph (prefill, both decode variants): it updates the
+          method's state, which only the compression op at the end of the step reads.
+Skips:    nothing; sliding-window layers get window = their config window (exact, not compressed, not
+          observed).
+Errors:   an observing method on a layer with a logit soft cap (Gemma-2): the statistics ops compute the
+          uncapped softmax, so they would rank slots by the wrong probabilities.
 Requires: replace_kv_cache_update (state inputs exist).
 """
 import logging
@@ -18,6 +26,8 @@ import torch
 from torch import fx
 
 from kvrewrite.context import RewriteContext
+from kvrewrite.errors import RewriteError
+from kvrewrite.host import layer_state_fields
 from kvrewrite.passes.utils import clean_up
 
 logger = logging.getLogger(__name__)
@@ -44,7 +54,28 @@ def replace_sdpa_with_clustered_attention(gm: fx.GraphModule, ctx: RewriteContex
         sdpa.replace_all_uses_with(attn)
         graph.erase_node(sdpa)
         site.attention = site.output = attn
+        _insert_observation(graph, ctx, layer, site, cache_position)
         count += 1
     ctx.counters["replace_sdpa_with_clustered_attention"] += count
     logger.debug("replace_sdpa_with_clustered_attention: replaced %d attention nodes", count)
     return clean_up(gm)
+
+
+def _insert_observation(graph, ctx: RewriteContext, layer: int, site, cache_position) -> None:
+    """The method's observation op right after the layer's attention (none for windowed layers)."""
+    info = ctx.layers[layer]
+    call = None if info.window else ctx.method.observe_call(info)
+    if call is None:
+        return
+    if site.softcap:
+        raise RewriteError(f"{ctx.where(layer, site.attention)}: method {ctx.method.name!r} observes the attention "
+                           f"probabilities, but this layer caps its logits (softcap={site.softcap}), which the "
+                           f"statistics ops do not model")
+    op, kwargs = call
+    s, attn = site.state, site.attention
+    fields = [s[name] for name in layer_state_fields(info, ctx.method)]
+    with graph.inserting_after(attn):
+        node = graph.call_function(op, (attn.args[0], s["keys"], s["bias"], s["slot_pos"], cache_position, *fields),
+                                   {"scale": site.scale, "window": info.window, **kwargs})
+    node.meta["kvrewrite"] = {"layer": layer, "role": "observe"}
+    node.meta["nn_module_stack"] = attn.meta.get("nn_module_stack", {})

@@ -30,8 +30,20 @@ def prepared(rw):
     return te.prepare(rw)
 
 
+@pytest.fixture(scope="module")
+def rw_snapkv():
+    # gemma3 with snapkv: the score ops (and the method's score state) on the full layer, evict_to_budget on the others
+    m = tiny_model("gemma3")
+    m.generation_config.eos_token_id = None
+    return kvrewrite.apply(m, "snapkv", max_length=40, batch_size=2, prefill_chunk=16, budget=0.8, window=4, kernel=3,
+                           interval=4)
+
+
+SCORE_OPS = {"kvrewrite_export::evict_by_score", "kvrewrite_export::accumulate_attention"}
+
+
 def test_op_set_is_aten_plus_plugin_ops(prepared):
-    every = set(te.PLUGIN_OPS)
+    every = set(te.PLUGIN_OPS) - SCORE_OPS
     assert te.check_op_set(prepared["prefill"][0]) == sorted(every)
     assert te.check_op_set(prepared["decode_compress"][0]) == sorted(every)
     assert te.check_op_set(prepared["decode"][0]) == ["kvrewrite_export::cache_append",
@@ -44,13 +56,27 @@ def test_op_set_is_aten_plus_plugin_ops(prepared):
 
 def test_plugin_descriptions(prepared):
     _, descs = prepared["prefill"]
-    assert sorted(descs) == sorted(te.PLUGIN_OPS)
+    assert sorted(descs) == sorted(set(te.PLUGIN_OPS) - SCORE_OPS)
     for op, d in descs.items():
         if op.endswith("clustered_attention"):
             assert d["outputs"] == d["inputs"][:1]  # [B, Hq, T, D] of q
         else:  # the five state tensors come back with their own shapes
             assert d["outputs"] == d["inputs"][:5]
         assert all(not isinstance(e, int) or e > 0 for shape in d["outputs"] for e in shape)
+
+
+def test_score_ops_plugin_descriptions(rw_snapkv):
+    """SnapKV's graphs: accumulate_attention in every graph (it returns the score), evict_by_score in the
+    compressing ones (the five state tensors and the score come back with their own shapes)."""
+    prepared = te.prepare(rw_snapkv)
+    base = ["kvrewrite_export::cache_append", "kvrewrite_export::clustered_attention"]
+    assert te.check_op_set(prepared["decode"][0]) == sorted([*base, "kvrewrite_export::accumulate_attention"])
+    assert te.check_op_set(prepared["prefill"][0]) == sorted(set(te.PLUGIN_OPS) - {"kvrewrite_export::chelsea_compress"})
+    descs = prepared["decode_compress"][1]
+    ins = descs["kvrewrite_export::evict_by_score"]["inputs"]
+    assert descs["kvrewrite_export::evict_by_score"]["outputs"] == ins[:5] + [ins[6]]
+    ins = descs["kvrewrite_export::accumulate_attention"]["inputs"]
+    assert descs["kvrewrite_export::accumulate_attention"]["outputs"] == [ins[5]]
 
 
 def test_attention_plugin_gets_past_only_in_decode(prepared):
@@ -78,7 +104,9 @@ def test_check_op_set_names_foreign_ops(rw):
 
 @torch.no_grad()
 @pytest.mark.parametrize("name", ["prefill", "decode_compress"])
-def test_functional_graph_computes_the_in_place_graph(rw, name):
+@pytest.mark.parametrize("which", ["rw", "rw_snapkv"])
+def test_functional_graph_computes_the_in_place_graph(request, which, name):
+    rw = request.getfixturevalue(which)
     ids = torch.randint(3, 128, (2, 24))
     rw.prefill(ids, max_new_tokens=8)  # a state with compressed rows, near the thresholds
     args = list(example_inputs(rw, name))
@@ -86,17 +114,20 @@ def test_functional_graph_computes_the_in_place_graph(rw, name):
     args[1] = args[1] + 24
     args[2] = args[2] + 24
     state = [t.clone() for t in rw.state_tensors()]
+    starts = [0]  # where each layer's fields begin in the state list (the method's own fields follow the base six)
+    for k in range(len(rw.layers)):
+        starts.append(starts[-1] + len(rw.layer_fields(k)))
     for i in range(len(rw.layers)):  # every layer due at this step: compression runs in both graphs
-        fill, budget = state[6 * i + 4], state[6 * i + 5]
+        fill, budget = state[starts[i] + 4], state[starts[i] + 5]
         budget.copy_(torch.tensor([int(fill.min()) - 4, int(fill.min()) + args[0].shape[1]]))
-    before = [state[6 * i + 4].clone() for i in range(len(rw.layers))]
+    before = [state[starts[i] + 4].clone() for i in range(len(rw.layers))]
     saved = [t.clone() for t in state]
     logits, *new_state = te.trt_graph(rw, name)(*args[:4], *state)
     assert all(torch.equal(a, b) for a, b in zip(state, saved)), "the functional graph wrote its inputs"
     ref = graph_of(rw, name)(*args[:4], *state)  # in place, on the clones
     assert torch.equal(logits, ref)
     assert all(torch.equal(a, b) for a, b in zip(new_state, state))
-    after = [new_state[6 * i + 4] for i in range(len(rw.layers))]
+    after = [new_state[starts[i] + 4] for i in range(len(rw.layers))]
     assert all(bool((a < b + args[0].shape[1]).any()) for a, b in zip(after, before)), "no compression ran"
 
 

@@ -6,7 +6,7 @@ import torch
 
 import kvrewrite
 from tests.families import tiny_model
-from tests.methods_matrix import METHODS_MATRIX
+from tests.methods_matrix import METHODS_MATRIX, budget_fraction
 
 N_PROMPT, MAX_NEW = 26, 8  # 26: the prompt is left-padded to 4 chunks of 8
 
@@ -21,7 +21,7 @@ def llama():
 def test_matrix_is_ordered_and_covers_every_method():
     assert {e["name"] for e in METHODS_MATRIX} == set(kvrewrite.METHODS)
     assert METHODS_MATRIX[0]["name"] == "full"
-    budgets = [e["kwargs"].get("budget", 1.0) for e in METHODS_MATRIX]
+    budgets = [budget_fraction(e) for e in METHODS_MATRIX]
     assert budgets == sorted(budgets, reverse=True)  # mild to aggressive
 
 
