@@ -19,9 +19,18 @@ are the functional forms (kvrewrite.export.functional): they return the updated
                                 n_sink, n_recent, chunk, r_steps, outlier_mask) -> (keys, ..., fill)
         rates: float64 [r_init, r_alpha, r_min, 1e-9] (ONNX float attributes are float32, the merge
         count floor(r * M + 1e-9) needs the reference's doubles); outlier_mask: bit h = KV head h.
+    kvrewrite::accumulate_attention(q, keys, bias, slot_pos, cache_position, score; scale, window, window_mode,
+                                    last) -> score
+        window_mode 0: mode "all" (score += column sums over every query and the group); 1: mode "window"
+        (the last `last` queries, averaged over the group; set when T > 1, added when T = 1).
+    kvrewrite::evict_by_score(keys, values, bias, slot_pos, fill, budget, score, ratio;
+                              n_recent, pool, reset_score) -> (keys, ..., fill, score)
+        ratio: float64 [recent_ratio] (the recent count floor(recent_ratio * B) needs the reference's double).
 
-Numerics: attention computes in fp32 (MatMul instead of the reference's einsum: rounding only);
-cache_append and evict_to_budget are scatters and gathers, exact. chelsea_compress follows the
+Numerics: attention computes in fp32 (MatMul instead of the reference's einsum: rounding only), and so
+does accumulate_attention (exp(l - max) / sum instead of exp(l - lse): rounding only); cache_append,
+evict_to_budget and evict_by_score are scatters, gathers and ranks, exact (TopK breaks ties toward the
+lower index, the reference's stable sort does the same). chelsea_compress follows the
 reference step by step, all rows at once: the valid slots are packed, then a Loop runs CSM rounds
 while some due row is above its target, each row with its own length and merge count (masks replace
 the reference's grouping of rows by length); the edge ranking is TopK (ties to the earlier edge, as
@@ -262,8 +271,113 @@ def chelsea_compress(keys: TFloat, values: TFloat, bias: FLOAT, slot_pos: INT64,
 
 
 
+@script(kv, default_opset=op)
+def accumulate_attention(q: TFloat, keys: TFloat, bias: FLOAT, slot_pos: INT64, cache_position: INT64, score: FLOAT,
+                         scale: float, window: int, window_mode: int, last: int) -> FLOAT:
+    neg_inf = op.Constant(value_float=float("-inf"))
+    fzero = op.Constant(value_float=0.0)
+    B = op.Shape(q, start=0, end=1)
+    Hq = op.Shape(q, start=1, end=2)
+    T = op.Shape(q, start=2, end=3)
+    D = op.Shape(q, start=3, end=4)
+    Hkv = op.Shape(keys, start=1, end=2)
+    G = op.Div(Hq, Hkv)
+    qf = op.Reshape(op.Cast(q, to=FLOAT.dtype), op.Concat(B, Hkv, op.Mul(G, T), D, axis=0))  # row g*T + t
+    kf = op.Cast(keys, to=FLOAT.dtype)
+    sc = op.Constant(value_float=scale)
+    raw = op.Add(op.Mul(op.MatMul(qf, op.Transpose(kf, perm=[0, 1, 3, 2])), sc), op.Unsqueeze(bias, [2]))
+    qp = op.Reshape(op.Tile(cache_position, G), op.Constant(value_ints=[1, 1, -1, 1]))
+    sp = op.Unsqueeze(slot_pos, [2])
+    w = op.Constant(value_int=window)
+    zero = op.Constant(value_int=0)
+    one = op.Constant(value_int=1)
+    in_window = op.Or(op.LessOrEqual(w, zero), op.Greater(sp, op.Sub(qp, w)))
+    logits = op.Where(op.And(op.LessOrEqual(sp, qp), in_window), raw, neg_inf)
+    top = op.ReduceMax(logits, op.Constant(value_ints=[-1]), keepdims=1)
+    row_max = op.Where(op.IsInf(top), fzero, top)
+    e = op.Exp(op.Sub(logits, row_max))
+    denom = op.ReduceSum(e, op.Constant(value_ints=[-1]), keepdims=1)
+    p = op.Div(e, op.Max(denom, op.Constant(value_float=1.1754943508222875e-38)))  # a row seeing nothing: 0
+    # weight of row g*T + t: 1 (mode all) or [t >= T - last] / G (mode window)
+    t = op.Range(zero, op.Squeeze(op.Mul(G, T)), one)
+    t = op.Mod(t, T)
+    windowed = op.Constant(value_int=window_mode)
+    in_last = op.Cast(op.GreaterOrEqual(t, op.Sub(T, op.Constant(value_int=last))), to=FLOAT.dtype)
+    weight = op.Where(op.Greater(windowed, zero), op.Div(in_last, op.Cast(G, to=FLOAT.dtype)),
+                      op.Constant(value_float=1.0))
+    stat = op.ReduceSum(op.Mul(p, op.Unsqueeze(weight, [1])), op.Constant(value_ints=[2]), keepdims=0)  # [B, Hkv, C]
+    replace = op.And(op.Greater(windowed, zero), op.Greater(T, one))
+    return op.Where(replace, stat, op.Add(score, stat))
+
+
+@script(kv, default_opset=op)
+def evict_by_score(keys: TFloat, values: TFloat, bias: FLOAT, slot_pos: INT64, fill: INT64, budget: INT64,
+                   score: FLOAT, ratio: DOUBLE, n_recent: int, pool: int,
+                   reset_score: int) -> tuple[TFloat, TFloat, FLOAT, INT64, INT64, FLOAT]:
+    zero = op.Constant(value_int=0)
+    one = op.Constant(value_int=1)
+    two = op.Constant(value_int=2)
+    neg_inf = op.Constant(value_float=float("-inf"))
+    fzero = op.Constant(value_float=0.0)
+    C = op.Shape(keys, start=2, end=3)
+    ar = op.Range(zero, op.Squeeze(C), one)  # [C]
+    rows = op.Shape(fill)  # [B, H]
+    RC = op.Concat(rows, C, axis=0)
+    CC = op.Concat(rows, op.Add(C, C), axis=0)
+    ar_rows = op.Expand(ar, RC)
+    fill3 = op.Unsqueeze(fill, [2])
+    target = op.Gather(budget, zero)
+    threshold = op.Gather(budget, one)
+    due = op.GreaterOrEqual(fill3, threshold)  # [B, H, 1]
+    valid = op.And(op.Less(ar, fill3), op.Greater(bias, neg_inf))
+    vi = op.Cast(valid, to=INT64.dtype)
+    rank = op.Sub(op.CumSum(vi, two), one)  # temporal rank among the valid slots
+    L = op.ReduceSum(vi, op.Constant(value_ints=[2]), keepdims=1)
+    scaled = op.Mul(op.Gather(ratio, zero), op.Cast(target, to=DOUBLE.dtype))
+    recent = op.Min(op.Add(op.Constant(value_int=n_recent), op.Cast(op.Floor(scaled), to=INT64.dtype)), target)
+    n_old = op.Max(op.Sub(L, recent), zero)
+    old = op.And(valid, op.Less(rank, n_old))
+    s = op.Where(old, score, neg_inf)
+    # max-pool the older slots' scores in temporal order: pack them, take the max over `pool` neighbours
+    # (a [C, pool] index window, out-of-range neighbours -inf), read each slot's pooled score back
+    dest = op.Where(old, rank, op.Add(ar, C))
+    packed = op.Slice(op.ScatterElements(op.Expand(neg_inf, CC), dest, s, axis=2), op.Constant(value_ints=[0]), C,
+                      op.Constant(value_ints=[2]))
+    k = op.Constant(value_int=pool)
+    offs = op.Sub(op.Range(zero, k, one), op.Div(k, two))  # [pool]
+    nb = op.Add(op.Unsqueeze(ar, [1]), op.Unsqueeze(offs, [0]))  # [C, pool]
+    inside = op.And(op.GreaterOrEqual(nb, zero), op.Less(nb, C))
+    window = op.Gather(packed, op.Clip(nb, zero, op.Squeeze(op.Sub(C, one))), axis=2)  # [B, H, C, pool]
+    pooled = op.ReduceMax(op.Where(inside, window, neg_inf), op.Constant(value_ints=[3]), keepdims=0)
+    s = op.Where(old, op.GatherElements(pooled, op.Max(rank, zero), axis=2), neg_inf)
+    _, order = op.TopK(s, C, axis=2, largest=1, sorted=1)  # ties: the lower index (the earlier slot) first
+    place = op.ScatterElements(ar_rows, order, ar_rows, axis=2)
+    keep = op.And(valid, op.Or(op.GreaterOrEqual(rank, n_old), op.Less(place, op.Sub(target, recent))))
+    over = op.Greater(L, target)  # (no Where on bools: onnxruntime has no bool kernel for it)
+    keep = op.And(op.Or(op.And(over, keep), op.And(op.Not(over), valid)), due)
+    ki = op.Cast(keep, to=INT64.dtype)
+    L_new = op.ReduceSum(ki, op.Constant(value_ints=[2]), keepdims=1)
+    dest = op.Where(keep, op.Sub(op.CumSum(ki, two), one), op.Add(ar, C))
+    base = op.Expand(op.Concat(ar, ar, axis=0), CC)
+    src = op.Slice(op.ScatterElements(base, dest, ar_rows, axis=2), op.Constant(value_ints=[0]), C,
+                   op.Constant(value_ints=[2]))
+    src = op.Where(due, src, ar)
+    src4 = op.Expand(op.Unsqueeze(src, [3]), op.Shape(keys))
+    freed = op.And(due, op.GreaterOrEqual(ar, L_new))
+    keys2 = op.GatherElements(keys, src4, axis=2)
+    values2 = op.GatherElements(values, src4, axis=2)
+    slot_pos2 = op.GatherElements(slot_pos, src, axis=2)
+    bias2 = op.Where(freed, neg_inf, op.GatherElements(bias, src, axis=2))
+    moved = op.Where(freed, fzero, op.GatherElements(score, src, axis=2))
+    restart = op.And(due, op.Greater(op.Constant(value_int=reset_score), zero))
+    score2 = op.Where(restart, fzero, moved)
+    fill2 = op.Where(op.Squeeze(due, [2]), op.Squeeze(L_new, [2]), fill)
+    return keys2, values2, bias2, slot_pos2, fill2, score2
+
+
 FUNCTIONS = {"clustered_attention": clustered_attention, "cache_append": cache_append,
-             "evict_to_budget": evict_to_budget, "chelsea_compress": chelsea_compress}
+             "evict_to_budget": evict_to_budget, "chelsea_compress": chelsea_compress,
+             "accumulate_attention": accumulate_attention, "evict_by_score": evict_by_score}
 
 
 def fixed_proto(fn):
@@ -328,7 +442,25 @@ def sym_chelsea_compress(keys, values, bias, slot_pos, fill, budget, n_sink, n_r
          "outlier_mask": int(outlier_mask)}, **_state_like(keys, values, bias, slot_pos, fill)))
 
 
+def sym_accumulate_attention(q, keys, bias, slot_pos, cache_position, score, scale, window, mode, last=0):
+    attrs = {"scale": float(scale), "window": int(window), "window_mode": int(mode == "window"), "last": int(last)}
+    return torch.onnx.ops.symbolic(f"{DOMAIN}::accumulate_attention", [q, keys, bias, slot_pos, cache_position, score],
+                                   attrs, dtype=score.dtype, shape=score.shape, version=1)
+
+
+def sym_evict_by_score(keys, values, bias, slot_pos, fill, budget, score, n_recent, recent_ratio=0.0, pool=1,
+                       reset_score=False):
+    # the ratio travels as a float64 tensor: floor(recent_ratio * B) must see the reference's double
+    ratio = torch.tensor([recent_ratio], dtype=torch.float64, device=keys.device)
+    return tuple(torch.onnx.ops.symbolic_multi_out(
+        f"{DOMAIN}::evict_by_score", [keys, values, bias, slot_pos, fill, budget, score, ratio],
+        {"n_recent": int(n_recent), "pool": int(pool), "reset_score": int(reset_score)},
+        **_state_like(keys, values, bias, slot_pos, fill, score)))
+
+
 SYMBOLIC = {
+    torch.ops.kvrewrite_export.accumulate_attention.default: sym_accumulate_attention,
+    torch.ops.kvrewrite_export.evict_by_score.default: sym_evict_by_score,
     torch.ops.kvrewrite.clustered_attention.default: sym_clustered_attention,
     torch.ops.kvrewrite_export.cache_append.default: sym_cache_append,
     torch.ops.kvrewrite_export.evict_to_budget.default: sym_evict_to_budget,

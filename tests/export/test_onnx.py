@@ -21,6 +21,7 @@ from kvrewrite.export import loader  # noqa: E402
 from kvrewrite.kernels.cache_append import reference_cache_append  # noqa: E402
 from kvrewrite.kernels.chelsea_compress import pinned_ties, reference_chelsea_compress  # noqa: E402
 from kvrewrite.kernels.clustered_attention import reference_clustered_attention  # noqa: E402
+from kvrewrite.kernels.evict_by_score import reference_evict_by_score  # noqa: E402
 from kvrewrite.kernels.evict_to_budget import reference_evict_to_budget  # noqa: E402
 from tests.families import tiny_model  # noqa: E402
 
@@ -157,6 +158,54 @@ def test_evict_to_budget_function(B, H, C, D, target, n_sink):
         assert torch.equal(o, ref[name]), f"evict_to_budget: {name} differs\n{o}\n{ref[name]}"
 
 
+@pytest.mark.parametrize("B,H,C,D,target,n_recent,ratio,pool,reset", [
+    (1, 1, 10, 4, 4, 2, 0.0, 3, True), (2, 3, 24, 8, 7, 0, 0.5, 1, False), (2, 2, 30, 16, 12, 4, 0.0, 7, True),
+    (1, 2, 16, 8, 20, 1, 0.25, 5, False), (2, 2, 20, 4, 6, 9, 0.0, 3, False),
+])
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+def test_evict_by_score_function(B, H, C, D, target, n_recent, ratio, pool, reset, ties):
+    g = torch.Generator().manual_seed(C * 7 + target)
+    threshold = min(target + 4, C)
+    fill = torch.randint(0, C + 1, (B, H), generator=g)
+    fill[0, 0] = threshold  # at least one due row
+    if B * H > 1:
+        fill.view(-1)[-1] = max(threshold - 1, 0)  # and one that is not due
+    st = _state(B, H, C, D, fill, g)
+    score = torch.randint(0, 3, (B, H, C), generator=g).float() if ties else torch.rand(B, H, C, generator=g)
+    budget = torch.tensor([target, threshold])
+    ref = {k: v.clone() for k, v in {**st, "score": score}.items()}
+    reference_evict_by_score(*[ref[k] for k in STATE], budget, ref["score"], n_recent, ratio, pool, reset)
+    assert int(ref["fill"][0, 0]) < threshold, "the due row was not compressed: the case tests nothing"
+    out = _run_function("evict_by_score", {**st, "budget": budget, "score": score,
+                                           "ratio": torch.tensor([ratio], dtype=torch.float64)},
+                        [ref[k] for k in (*STATE, "score")], n_recent=n_recent, pool=pool, reset_score=int(reset))
+    for name, o in zip((*STATE, "score"), out):
+        assert torch.equal(o, ref[name]), f"evict_by_score: {name} differs\n{o}\n{ref[name]}"
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,T,C,window,mode,last", [
+    (1, 2, 2, 1, 7, 0, "all", 0), (2, 4, 2, 5, 19, 0, "all", 0), (2, 4, 1, 6, 23, 4, "all", 0),
+    (2, 4, 2, 5, 19, 0, "window", 3), (1, 6, 2, 1, 11, 0, "window", 3), (2, 2, 2, 4, 9, 0, "window", 10),
+])
+def test_accumulate_attention_function(B, Hq, Hkv, T, C, window, mode, last):
+    from kvrewrite.kernels.accumulate_attention import reference_accumulate_attention
+
+    g = torch.Generator().manual_seed(B * 100 + C + T)
+    q = torch.randn(B, Hq, T, 16, generator=g)
+    st = _state(B, Hkv, C, 16, torch.full((B, Hkv), C), g)
+    st["slot_pos"] = torch.randint(0, 30, (B, Hkv, C), generator=g)
+    cpos = torch.arange(25, 25 + T)
+    score = torch.rand(B, Hkv, C, generator=g)
+    ref = score.clone()
+    reference_accumulate_attention(q, st["keys"], st["bias"], st["slot_pos"], cpos, ref, 0.25, window, mode, last)
+    (out,) = _run_function("accumulate_attention", {"q": q, "keys": st["keys"], "bias": st["bias"],
+                                                    "slot_pos": st["slot_pos"], "cache_position": cpos,
+                                                    "score": score}, [ref], scale=0.25, window=window,
+                           window_mode=int(mode == "window"), last=last)
+    # fp32 softmax as exp(l - max) / sum in place of exp(l - lse), summed over <= 12 rows: rounding only
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("seed,B,H,C,D,target,g_,n_sink,n_recent,chunk,outliers", [
     (0, 1, 1, 24, 4, 10, 4, 2, 3, 4, []),
     (1, 2, 3, 40, 8, 12, 6, 2, 4, 8, [1]),      # an outlier head, rows of different lengths (padding)
@@ -216,6 +265,8 @@ CASES = {  # family, method, options: full-attention eviction (llama), sliding-w
     # chelsea with an outlier head next to sliding-window layers: compression in prefill and on decode steps
     "gemma3-chelsea": ("gemma3", "chelsea", dict(budget=0.8, n_sink=2, n_recent=4, chunk=8, interval=4,
                                                  outlier_heads={2: [1]})),
+    # the score ops and the method's own state (l<i>_score inputs and outputs)
+    "llama-snapkv": ("llama", "snapkv", dict(budget=0.5, window=4, kernel=3, interval=4)),
 }
 
 
@@ -245,7 +296,8 @@ def test_models_check_and_carry_kvrewrite_functions(exported):
         functions = {f.name for f in model.functions if f.domain == "kvrewrite"}
         assert nodes == functions, f"{name}: kvrewrite nodes {nodes} vs functions {functions}"
         if rw.method.name != "full" and name != "decode":
-            assert {"streamingllm": "evict_to_budget", "chelsea": "chelsea_compress"}[rw.method.name] in nodes
+            assert {"streamingllm": "evict_to_budget", "chelsea": "chelsea_compress",
+                    "snapkv": "evict_by_score"}[rw.method.name] in nodes
         other = {n.domain for n in model.graph.node} - {"", "kvrewrite"}
         assert not other, f"{name}: nodes of other domains {other}"
 

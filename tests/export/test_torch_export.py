@@ -122,3 +122,20 @@ def test_bad_paths_and_graph_names(tmp_path, chelsea):
     path = kvrewrite.export.torch_export(rw, tmp_path / "d", graphs=("decode",))
     with pytest.raises(ValueError, match="graph 'prefill' was not exported"):
         loader.load(path).generate(*_inputs(), max_new_tokens=2)
+
+
+@torch.no_grad()
+def test_method_state_travels_with_the_export(tmp_path):
+    """H2O's own state (a score per slot) is recorded in the metadata, allocated by the loader after each layer's
+    base fields, and updated by the exported observation and compression ops exactly as in the runtime."""
+    rw = kvrewrite.apply(_model("llama"), "h2o", max_length=40, batch_size=2, prefill_chunk=16, budget=12, interval=4)
+    path = kvrewrite.export.torch_export(rw, tmp_path)
+    meta = read_metadata(path)
+    C = rw.capacities[0]
+    assert meta["method_state"] == [{"score": {"shape": [2, 2, C], "dtype": "float32", "reset": 0.0}}] * 2
+    m = loader.load(path)
+    assert [tuple(t.shape) for t in m.state] == [tuple(t.shape) for t in rw.state_tensors()]
+    ids, mask = _inputs()
+    assert torch.equal(m.generate(ids, mask, max_new_tokens=NEW), rw.generate(ids, mask, max_new_tokens=NEW))
+    assert all(torch.equal(a, b) for a, b in zip(m.state, rw.state_tensors())), "final state (scores too) differs"
+    assert float(m.layer_state(1)["score"].max()) > 0
