@@ -31,6 +31,13 @@ def essay_ids(smollm2):
     return ids[:, :1024], ids[:, 1024 : 1024 + 64]
 
 
+@pytest.fixture(scope="module")
+def full_nll(smollm2, essay_ids):
+    """The full cache's continuation NLL, the reference of every method's."""
+    rw = kvrewrite.apply(smollm2[0], "full", max_length=1024 + 64)
+    return continuation_nll(rw, *essay_ids)
+
+
 def test_chelsea_generates_text(smollm2):
     model, tok = smollm2
     from kvrewrite.assets import load_text
@@ -49,12 +56,28 @@ def test_chelsea_generates_text(smollm2):
     assert max(fills) < target + rw.method.interval, f"cache not compressed: fills {fills}, target {target}"
 
 
-def test_chelsea_nll_close_to_full(smollm2, essay_ids):
+def test_chelsea_nll_close_to_full(smollm2, essay_ids, full_nll):
     model, _ = smollm2
     context, target = essay_ids
-    nll = {}
-    for method, opts in (("full", {}), ("chelsea", {"budget": 0.5})):
-        rw = kvrewrite.apply(model, method, max_length=1024 + 64, **opts)
-        nll[method] = continuation_nll(rw, context, target)
+    rw = kvrewrite.apply(model, "chelsea", max_length=1024 + 64, budget=0.5)
+    nll = {"full": full_nll, "chelsea": continuation_nll(rw, context, target)}
     assert nll["chelsea"] - nll["full"] <= NLL_BOUND, f"NLL full={nll['full']:.4f} chelsea={nll['chelsea']:.4f}"
     print(f"continuation NLL: full {nll['full']:.4f}, chelsea@0.5 {nll['chelsea']:.4f}")
+
+
+# Measured on this setup (NLL full 2.890): h2o@0.5 +0.019, snapkv@0.5 +0.110 (SnapKV ranks by the last 32 queries
+# of each chunk, then by the decode queries since its last compression: the least suited of the two to continuation
+# of an essay). With the ranking inverted (the least attended older slots kept) the deltas are +0.73 and +1.23.
+SCORE_BOUNDS = {"h2o": 0.10, "snapkv": 0.20}
+
+
+@pytest.mark.parametrize("method", list(SCORE_BOUNDS))
+def test_score_methods_nll_close_to_full(smollm2, essay_ids, full_nll, method):
+    model, _ = smollm2
+    context, target = essay_ids
+    rw = kvrewrite.apply(model, method, max_length=1024 + 64, budget=0.5)
+    nll = {"full": full_nll, method: continuation_nll(rw, context, target)}
+    fills = [int(rw.layer_state(i.index)["fill"].max()) for i in rw.layers]
+    assert max(fills) < int(rw.layer_state(0)["budget"][0]) + rw.method.interval, f"not compressed: {fills}"
+    assert nll[method] - nll["full"] <= SCORE_BOUNDS[method], f"NLL full={nll['full']:.4f} {method}={nll[method]:.4f}"
+    print(f"continuation NLL: full {nll['full']:.4f}, {method}@0.5 {nll[method]:.4f}")
