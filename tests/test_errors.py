@@ -93,13 +93,14 @@ def test_sdpa_not_reading_the_cache_names_layer_and_node():
 
 
 # -- bad settings (raised before capture) ----------------------------------------------------------
-@pytest.mark.parametrize("budget", [0, -0.1, 1.5, -3, "0.5", None.__class__], ids=["zero", "negative", "above_one",
-                                                                                   "negative_int", "str", "type"])
+@pytest.mark.parametrize("budget", [0, -0.1, 1.5, -3, "0.5", [16]],
+                         ids=["zero", "negative", "above_one", "negative_int", "str", "list"])
 @pytest.mark.parametrize("method,cls", [("chelsea", "ChelseaMethod"), ("streamingllm", "StreamingLLMMethod"),
                                         ("h2o", "H2OMethod"), ("snapkv", "SnapKVMethod")])
 def test_budget_neither_fraction_nor_slots(llama, method, cls, budget):
-    with pytest.raises(ValueError, match=rf"{cls}\.budget must be a float in \(0, 1\] \(a fraction of n \+ "
-                                         rf"max_new_tokens\) or an int >= 1 \(slots per KV head\), got {re.escape(repr(budget))}"):
+    msg = (rf"{cls}\.budget must be a float in \(0, 1\] \(a fraction of n \+ max_new_tokens\) or an int >= 1 "
+           rf"\(slots per KV head\), got {re.escape(repr(budget))}")
+    with pytest.raises(ValueError, match=msg):
         kvrewrite.apply(llama, method, budget=budget)
 
 

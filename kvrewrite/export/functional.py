@@ -61,7 +61,8 @@ def chelsea_compress(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, bud
 
 @torch.library.custom_op("kvrewrite_export::evict_by_score", mutates_args=())
 def evict_by_score(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, budget: _T, score: _T, n_recent: int,
-                   recent_ratio: float = 0.0, pool: int = 1, reset_score: bool = False) -> tuple[_T, _T, _T, _T, _T, _T]:
+                   recent_ratio: float = 0.0, pool: int = 1,
+                   reset_score: bool = False) -> tuple[_T, _T, _T, _T, _T, _T]:
     """kvrewrite::evict_by_score returning the updated (keys, values, bias, slot_pos, fill, score)."""
     out = _clones(keys, values, bias, slot_pos, fill, score)
     torch.ops.kvrewrite.evict_by_score(*out[:5], budget, out[5], n_recent, recent_ratio, pool, reset_score)

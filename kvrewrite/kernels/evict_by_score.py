@@ -37,7 +37,8 @@ def _check_inputs(keys, bias, score, n_recent, recent_ratio, pool):
     name = "kvrewrite::evict_by_score"
     B, H, C, _ = keys.shape
     if tuple(score.shape) != (B, H, C) or score.dtype != torch.float32:
-        raise ValueError(f"{name}: score must be fp32 [B, Hkv, C] = {(B, H, C)}, got {score.dtype} {tuple(score.shape)}")
+        raise ValueError(f"{name}: score must be fp32 [B, Hkv, C] = {(B, H, C)}, "
+                         f"got {score.dtype} {tuple(score.shape)}")
     if tuple(bias.shape) != (B, H, C):
         raise ValueError(f"{name}: bias must be [B, Hkv, C] = {(B, H, C)}, got {tuple(bias.shape)}")
     if n_recent < 0 or not 0 <= recent_ratio <= 1:

@@ -116,7 +116,9 @@ class ChelseaMethod(Method):
     def target(self, n_prompt, max_new_tokens):
         h, o = self._kv_heads_total, self.n_outliers
         if self.budget_in_slots:  # B' of the compressed heads, the total B * H shared with the uncompressed ones
-            return self.budget if not o else max(1, round((self.budget * h - o * (n_prompt + max_new_tokens)) / (h - o)))
+            if not o:
+                return self.budget
+            return max(1, round((self.budget * h - o * (n_prompt + max_new_tokens)) / (h - o)))
         return max(1, round(self.compressed_budget() * (n_prompt + max_new_tokens)))
 
     def capacity(self, layer, max_length, prefill_chunk):

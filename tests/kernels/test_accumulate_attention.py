@@ -1,4 +1,4 @@
-"""kvrewrite::accumulate_attention against dense float64 softmax column sums (tests/kernels/test_attention_column_stats)."""
+"""kvrewrite::accumulate_attention against dense float64 softmax column sums (test_attention_column_stats's)."""
 import math
 
 import pytest

@@ -86,6 +86,11 @@ def test_scores_are_the_dense_attention_history(llama, captured):
         expected = torch.gather(dense, 2, pos).masked_fill(~valid, 0.0)
         torch.testing.assert_close(st["score"].double(), expected, **TOL)
         assert float(expected.max()) > 1.0  # the attention sink gathers more than one query's worth
+    # the scores are state: counted by cache_bytes, reset by the next generation
+    assert rw.cache_bytes()["kvrewrite"] == sum(t.numel() * t.element_size() for t in rw.state_tensors())
+    assert any(t is rw.l1_score for t in rw.state_tensors())
+    rw.prefill(ids[:, :8], mask[:, :8], max_new_tokens=1)  # each real query adds G = 2 (its 2 heads' softmax)
+    torch.testing.assert_close(rw.l1_score.sum(-1), torch.tensor([[16.0, 16.0], [8.0, 8.0]]), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("budget,B", [(12, 12), (0.4, 12)], ids=["int", "fraction"])
@@ -122,7 +127,8 @@ def test_budget_exact_per_head_recent_half_and_heaviest_rest(llama, captured, bu
             for b in range(2):
                 for h in range(st["fill"].shape[1]):
                     kept = expected_row(before, b, h, B, 0, 0.5, 1)
-                    assert len(kept) == B and st["slot_pos"][b, h, :B].tolist() == before["slot_pos"][b, h, kept].tolist()
+                    assert len(kept) == B
+                    assert st["slot_pos"][b, h, :B].tolist() == before["slot_pos"][b, h, kept].tolist()
                     assert kept[B - R:] == list(range(int(before["fill"][b, h]) - R, int(before["fill"][b, h])))
     assert compressions >= 2
 
