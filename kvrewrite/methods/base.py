@@ -1,8 +1,8 @@
 """Method: a compression policy. It decides what to keep; passes and ops decide how it runs.
 
 A method says
-  (1) which op the rewrite inserts after each full-attention layer's attention, at the end of the
-      step, to compress its state (`compression_call`);
+  (1) which op the rewrite inserts at the end of each step to compress a full-attention layer's
+      state (`compression_call`);
   (2) what state it owns besides the base state (`state_fields`, e.g. H2O's accumulated scores);
   (3) which op, if any, observes the layer's queries right after its attention to update that state
       (`observe_call`, e.g. attention column sums);
@@ -34,8 +34,8 @@ def check_budget(owner: str, budget) -> None:
     ok = isinstance(budget, numbers.Real) and (budget >= 1 if isinstance(budget, numbers.Integral) else 0 < budget <= 1)
     if not ok:
         hint = ""
-        if isinstance(budget, numbers.Real) and not isinstance(budget, numbers.Integral) and budget > 1 \
-                and budget == int(budget):
+        if isinstance(budget, numbers.Real) and not isinstance(budget, numbers.Integral) and math.isfinite(budget) \
+                and budget > 1 and budget == int(budget):
             hint = f"; for {int(budget)} slots pass the int {int(budget)}"
         raise ValueError(f"{owner}.budget must be a float in (0, 1] (a fraction of n + max_new_tokens) or an int >= 1 "
                          f"(slots per KV head), got {budget!r}{hint}")
