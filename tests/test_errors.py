@@ -74,6 +74,14 @@ AttentionInterface.register("kvrewrite_test_sigmoid", _sigmoid_attention)
 AttentionInterface.register("kvrewrite_test_normalized_keys", _sdpa_on_normalized_keys)
 
 
+def test_attention_statistics_under_a_logit_soft_cap_are_refused():
+    """H2O/SnapKV observe the softmax; Gemma-2's capped logits would make their scores wrong: refused by name."""
+    model = tiny_model("gemma2-softcap-alternating")
+    with pytest.raises(RewriteError, match=r"gemma2-3l .*layer 1: .*method 'h2o' observes the attention "
+                                           r"probabilities, but this layer caps its logits \(softcap=5\.0\)"):
+        kvrewrite.apply(model, "h2o", max_length=32, prefill_chunk=CHUNK)
+
+
 def test_attention_without_sdpa_is_refused():
     model = tiny_model("llama", attn="kvrewrite_test_sigmoid")
     with pytest.raises(RewriteError) as e:
