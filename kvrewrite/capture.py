@@ -6,9 +6,9 @@ tensors are registered as buffers of a thin wrapper, so every layer shows up as
     index_copy_(hf_cache_<i>_keys, 2, pos, k_rot); index_copy_(hf_cache_<i>_values, 2, pos, v)
     scaled_dot_product_attention(q, <view of hf_cache_<i>_keys>, <view of ..._values>, mask, scale=...)
 
-(or the eager matmul-softmax-matmul form). The passes then replace those nodes. Sliding-window cache
-layers are captured as plain static layers (their window is read from the config and enforced by the
-rewritten attention), as transformers' own executorch wrapper does.
+(or the eager matmul-softmax-matmul form). The passes then replace those nodes. Every cache layer is
+captured as a plain static layer (sliding-window ones too: their window, read off HF's mask, is enforced
+by the rewritten attention), as transformers' own executorch wrapper does.
 
 Per-layer facts come from the model as it runs, never from config attribute names (Falcon, GPT-2 and
 others spell them differently): KV heads and head dim from the keys a one-token eager forward caches,
@@ -31,7 +31,7 @@ from kvrewrite.rope import original_frequencies
 logger = logging.getLogger(__name__)
 
 # Model types the family matrix of tests/families.py checks against HF (tests/test_verify.py keeps the two equal);
-# apply verifies any other type on a reduced copy first (kvrewrite/verify.py)
+# apply verifies any other type on a reduced copy first (kvrewrite/verification.py)
 SUPPORTED_MODELS = frozenset({
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi3", "phi", "starcoder2", "gemma",
     "gemma2", "gemma3_text", "olmo", "olmo2", "granite", "stablelm", "cohere", "gpt_neox", "glm4", "smollm3",

@@ -24,10 +24,17 @@ import torch
 SEQ_LEN_DEPENDENT = ("dynamic", "longrope")
 
 
-def _types(module) -> dict:
-    """{prefix: rope type} of a rotary module ('' for one set of frequencies, '<layer_type>_' per layer type)."""
-    rt = module.rope_type
-    return {"": rt} if isinstance(rt, str) else {f"{k}_": v for k, v in rt.items()}
+def _dependent(model):
+    """(name, module, {prefix: rope type}) of every rotary module with a seq-len-dependent frequency set; the
+    prefix is '' for one set of frequencies, '<layer_type>_' per layer type (Gemma-3's per-type rotaries)."""
+    for name, module in model.named_modules():
+        rt = getattr(module, "rope_type", None)
+        if not isinstance(rt, (str, dict)):
+            continue
+        sets = {"": rt} if isinstance(rt, str) else {f"{k}_": v for k, v in rt.items()}
+        dependent = {p: t for p, t in sets.items() if any(k in t for k in SEQ_LEN_DEPENDENT) and hasattr(module, f"{p}inv_freq")}
+        if dependent:
+            yield name or "<model>", module, dependent
 
 
 def _threshold(module, prefix: str, rope_type: str) -> int:
@@ -42,15 +49,8 @@ def _threshold(module, prefix: str, rope_type: str) -> int:
 def seq_len_dependent_ropes(model) -> list:
     """[(module name, rope type, threshold)] for every rotary module of `model` whose frequencies depend on
     the sequence length."""
-    out = []
-    for name, module in model.named_modules():
-        if not isinstance(getattr(module, "rope_type", None), (str, dict)) or not hasattr(module, "inv_freq") and \
-                not any(hasattr(module, f"{p}inv_freq") for p in _types(module)):
-            continue
-        for prefix, rt in _types(module).items():
-            if any(k in rt for k in SEQ_LEN_DEPENDENT):
-                out.append((name or "<model>", rt, _threshold(module, prefix, rt)))
-    return out
+    return [(name, rt, _threshold(module, prefix, rt))
+            for name, module, dependent in _dependent(model) for prefix, rt in dependent.items()]
 
 
 def check_max_length(model, max_length: int, model_tag: str) -> None:
@@ -71,13 +71,7 @@ def original_frequencies(model):
     """Trace every seq-len-dependent rotary module without its frequency update, on the original frequencies
     (an instance attribute shadows the decorated forward while the block runs; the class is untouched)."""
     patched = []
-    for _, module in model.named_modules():
-        rt = getattr(module, "rope_type", None)
-        if not isinstance(rt, (str, dict)):
-            continue
-        dependent = [p for p, t in _types(module).items() if any(k in t for k in SEQ_LEN_DEPENDENT)]
-        if not dependent:
-            continue
+    for _, module, dependent in _dependent(model):
         forward = type(module).forward
         undecorated = inspect.unwrap(forward)  # past no_grad and dynamic_rope_update (both functools.wraps)
         if undecorated is forward:
