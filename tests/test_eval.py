@@ -282,7 +282,7 @@ def test_quick_preset_smollm2(tmp_path):
     assert "### fidelity" in write_report(cfg.out_dir, tmp_path / "results.md").read_text()
 
 
-def test_resume_keeps_whole_contexts_and_reruns_the_rest(tmp_path, monkeypatch):
+def test_resume_keeps_measured_cells_and_runs_the_rest(tmp_path, monkeypatch):
     cfg = tiny_config(tmp_path, tasks=("nll",), context_lengths=(80, 112))
     model, tok = tiny_model("llama"), CharTokenizer()
     path = run_grid(cfg, model=model, tokenizer=tok, text_loader=synthetic_text)[0]
@@ -294,18 +294,51 @@ def test_resume_keeps_whole_contexts_and_reruns_the_rest(tmp_path, monkeypatch):
     seen = []
     real_run = grid_mod.Grid._run_context
     monkeypatch.setattr(grid_mod.Grid, "_run_context",
-                        lambda self, task, ctx, *a: (seen.append(ctx.length), real_run(self, task, ctx, *a))[1])
+                        lambda self, task, ctx, *a, **k: (seen.append(ctx.length),
+                                                          real_run(self, task, ctx, *a, **k))[1])
     run_grid(dataclasses.replace(cfg, resume=True), model=model, tokenizer=tok, text_loader=synthetic_text)
     second = json.loads(path.read_text())
-    assert seen == [112]  # n=80 copied, n=112 measured again in full
+    assert seen == [112]  # n=80 copied; n=112 prefilled again, its 2 cells kept and the others measured
     assert second["complete"] and [r["started"] for r in second["resumed_from"]] == [first["started"]]
     assert [c.get("resumed", False) for c in second["contexts"]] == [True, False]
-    assert f"1 context(s) resumed from earlier runs: {first['started']}" in \
-        write_report(cfg.out_dir, tmp_path / "r.md").read_text()
-    k = sum(r["context_length"] == 80 for r in first["runs"])
-    assert second["runs"][:k] == first["runs"][:k]
-    assert [(r["context_length"], r["method"], r["budget"]) for r in second["runs"][k:]] == \
-           [(r["context_length"], r["method"], r["budget"]) for r in first["runs"][k:]]
+    assert second["contexts"][1]["resumed_cells"] == 2 and "reference_differs" not in second["contexts"][1]
+    assert f"1 context(s) resumed and 1 context(s) extended (their cells kept, the missing ones measured here) " \
+           f"from earlier runs: {first['started']}" in write_report(cfg.out_dir, tmp_path / "r.md").read_text()
+    assert second["runs"][:len(cut)] == cut  # the kept cells as they were (timings included)
+    assert [(r["context_length"], r["method"], r["budget"]) for r in second["runs"]] == \
+           [(r["context_length"], r["method"], r["budget"]) for r in first["runs"]]
     with pytest.raises(ValueError, match="nll_tokens: 8 there, 9 now"):  # other settings: refused, never mixed
         run_grid(dataclasses.replace(cfg, resume=True, nll_tokens=9), model=model, tokenizer=tok,
                  text_loader=synthetic_text)
+
+
+def test_resume_adds_methods_and_budgets_without_rerunning_cells(tmp_path):
+    """--resume with other methods / budgets / lengths: the file keeps its cells and gains the new ones."""
+    cfg = tiny_config(tmp_path, tasks=("nll", "fidelity"), methods=("streamingllm",), context_lengths=(80, 112))
+    model, tok = tiny_model("llama"), CharTokenizer()
+    paths = run_grid(cfg, model=model, tokenizer=tok, text_loader=synthetic_text)
+    first = [json.loads(p.read_text()) for p in paths]
+    more = dataclasses.replace(cfg, methods=("h2o",), budgets=(0.5, 0.7), context_lengths=(80,), resume=True)
+    run_grid(more, model=model, tokenizer=tok, text_loader=synthetic_text)
+    for before, path in zip(first, paths):
+        after = json.loads(path.read_text())
+        assert after["complete"] and after["settings"]["methods"] == ["full", "streamingllm", "h2o"]
+        assert after["settings"]["budgets"] == [0.2, 0.5, 0.7] and after["settings"]["context_lengths"] == [80, 112]
+        assert all(r in after["runs"] for r in before["runs"])  # every earlier cell kept, not measured again
+        new = [r for r in after["runs"] if r not in before["runs"]]
+        assert sorted((r["method"], r["budget"], r["context_length"]) for r in new) == \
+               [("h2o", 0.5, 80), ("h2o", 0.7, 80)]  # no second reference, nothing at n=112
+        assert all(r["status"] == "ok" and r["prefill"] == "own" for r in new)
+        ctx = {c["length"]: c for c in after["contexts"]}
+        assert ctx[80]["resumed_cells"] == len([r for r in before["runs"] if r["context_length"] == 80])
+        assert ctx[112]["resumed"] and "reference_differs" not in ctx[80]
+        if after["task"] == "nll":  # the new cells compare against the same reference as the kept ones
+            full = next(r for r in after["runs"] if r["method"] == "full" and r["context_length"] == 80)
+            for r in new:
+                delta = r["metrics"]["nll"] - full["metrics"]["nll"]
+                assert r["metrics"]["nll_delta"] == pytest.approx(delta, abs=1e-6)
+    text = write_report(cfg.out_dir, tmp_path / "r.md").read_text()
+    assert "| h2o | 0.7 |" in text and "| streamingllm | 0.2 |" in text
+    with pytest.raises(ValueError, match="measured h2o with options"):  # a method's cells never mix options
+        run_grid(dataclasses.replace(more, method_options={"h2o": {"recent_ratio": 0.25}}), model=model,
+                 tokenizer=tok, text_loader=synthetic_text)

@@ -20,8 +20,13 @@ What is shared, so that the grid stays affordable on a CPU:
 A task (kvrewrite/eval/{nll,needle,fidelity}.py) builds its contexts and scores one cell; this
 module runs the loops, records every cell (skipped ones with the reason) and writes one JSON file
 per model and task, rewritten after every cell so that an interrupted run keeps what it measured.
-With `resume=True` a rerun with the same settings copies the contexts that file already holds in
-full (every method x budget, and the reference) and measures only the rest.
+With `resume=True` a rerun with the same task settings keeps every cell that file already holds and
+measures only the cells it lacks: a context that holds every method x budget of the run (and the
+reference) is copied; one that lacks some cells (an interrupted context, or methods / budgets /
+context lengths the earlier run did not select) is prefilled and its reference recomputed, and only
+the missing cells run. Cells and contexts of the earlier file outside this run's selection are kept,
+and the file's methods, budgets and context lengths become the union. So methods can be added to an
+existing result file without rerunning what it holds.
 """
 from __future__ import annotations
 
@@ -75,7 +80,7 @@ class EvalConfig:
     prefill_chunk: int | None = None  # None: shared exact prefill; N: every method prefills itself in chunks of N
     out_dir: str = "out/eval"
     progress: bool = True
-    resume: bool = False  # keep the contexts a previous run with the same settings measured in full
+    resume: bool = False  # keep the cells a previous run with the same task settings measured; run the rest
 
     def validate(self) -> None:
         """ValueError naming the setting, with the accepted values."""
@@ -288,6 +293,7 @@ class Grid:
                                                     {"started": old["started"], "finished": old.get("finished"),
                                                      "git_sha": old["versions"].get("git_sha"),
                                                      "git_dirty": old["versions"].get("git_dirty")}]
+                _union_settings(self.files[name]["settings"], old["settings"])
 
         # by prompt (shortest first): one full prefill, then every task that uses that prompt
         order = sorted(((ctx, task) for task in tasks for ctx in contexts[task.name]),
@@ -298,9 +304,15 @@ class Grid:
         snap_key = None
         try:
             for ctx, task in order:
-                done = previous.get(task.name, (None, {}))[1].get(self._coords(ctx))
-                if done is not None:  # measured in full by the previous run: copied, not rerun
-                    context, runs = done
+                old, done = previous.get(task.name, (None, {}))
+                context, runs = done.pop(self._coords(ctx), (None, []))
+                if context is not None and context["prompt_tokens"] != int(ctx.input_ids.shape[1]):
+                    raise ValueError(f"--resume: {task.name} n={ctx.length} {ctx.coords}: the previous file's prompt "
+                                     f"has {context['prompt_tokens']} tokens, {int(ctx.input_ids.shape[1])} now "
+                                     f"(text or tokenizer changed); rerun without --resume or use another --out")
+                have = {(r["method"], r["budget"]): r for r in runs}
+                if context is not None and self._cells(task, old) <= set(have):
+                    # every cell of this run was measured by the previous one: copied, not rerun
                     self.files[task.name]["contexts"].append({**context, "resumed": True})
                     self.files[task.name]["runs"].extend(runs)
                     self._save(task.name)
@@ -312,11 +324,17 @@ class Grid:
                     t0 = time.perf_counter()
                     snap = take_snapshot(self.rws["full"], ctx.input_ids)
                     snap_key, prefill_s = ctx.key, time.perf_counter() - t0
-                self.files[task.name]["contexts"].append(
-                    {"length": ctx.length, **ctx.coords, "prompt_tokens": int(ctx.input_ids.shape[1]),
-                     "full_prefill_s": round(prefill_s, 3), "prefill_counted_here": first})
-                self._run_context(task, ctx, snap, bar)
-            for task in tasks:
+                entry = {"length": ctx.length, **ctx.coords, "prompt_tokens": int(ctx.input_ids.shape[1]),
+                         "full_prefill_s": round(prefill_s, 3), "prefill_counted_here": first}
+                if runs:  # the cells the previous run measured are kept, the missing ones measured below
+                    entry["resumed_cells"] = len(runs)
+                self.files[task.name]["contexts"].append(entry)
+                self.files[task.name]["runs"].extend(runs)
+                self._run_context(task, ctx, snap, bar, have=have, entry=entry)
+            for task in tasks:  # the previous file's contexts outside this run's selection are kept as they were
+                for context, runs in previous.get(task.name, (None, {}))[1].values():
+                    self.files[task.name]["contexts"].append({**context, "resumed": True})
+                    self.files[task.name]["runs"].extend(runs)
                 self.files[task.name]["complete"] = True
                 self._save(task.name)
         finally:
@@ -328,16 +346,24 @@ class Grid:
         return (ctx.length, *sorted(ctx.coords.items()))
 
     def _comparable(self, task) -> dict:
-        """The settings that must match for a previous file's cells to be reused."""
+        """The settings that must match for a previous file's cells to be reused (methods, budgets and
+        context lengths are the selection: they may differ, and each cell is matched on its own)."""
         cfg = self.cfg
-        return {"methods": ["full", *self.methods], "budgets": list(cfg.budgets),
-                "context_lengths": list(cfg.context_lengths),
-                "prefill": "shared" if cfg.prefill_chunk is None else f"own, chunks of {cfg.prefill_chunk}",
+        return {"prefill": "shared" if cfg.prefill_chunk is None else f"own, chunks of {cfg.prefill_chunk}",
                 "text": task.text, **task.settings(cfg)}
 
+    def _cells(self, task, old) -> set:
+        """The (method, budget) cells of this run in one context of `task`, the reference included when
+        the task records one (as the previous file shows; a task without a file records it)."""
+        cells = {(m, b) for m in self.methods for b in self.cfg.budgets}
+        if old is None or any(r["method"] == "full" for r in old["runs"]):
+            cells.add(("full", 1.0))
+        return cells
+
     def _previous(self, task, contexts):
-        """(previous file, {context coords: (context entry, runs)} of the contexts it holds in full), or
-        (None, {}) when there is no file; ValueError when its settings differ from this run's."""
+        """(previous file, {context coords: (context entry, its ok/skipped runs)} of every context it holds),
+        or (None, {}) when there is no file; ValueError when its task settings, or the options of a method
+        this run measures, differ from this run's."""
         path = self.out / f"{task.name}.json"
         if not path.is_file():
             return None, {}
@@ -351,21 +377,24 @@ class Grid:
             what = ", ".join(f"{k}: {have[k]} there, {want[k]} now" for k in diff) or "schema or model"
             raise ValueError(f"--resume: {path} was measured with other settings ({what}); "
                              f"rerun without --resume (it replaces the file) or use another --out")
+        for r in old["runs"]:  # a method measured again must keep its options, or its cells would mix
+            if r["method"] in self.methods and r["budget"] in self.cfg.budgets:
+                opts = self.cfg.method_options.get(r["method"], {})
+                now = method_options(make_method(r["method"], r["budget"], **opts))
+                now = json.loads(json.dumps(now, default=_json_default))
+                if r["options"] != now:
+                    raise ValueError(f"--resume: {path} measured {r['method']} with options {r['options']}, this run "
+                                     f"with {now}; rerun without --resume (it replaces the file) or use another --out")
         names = {k for c in contexts for k in c.coords}
-        expected = {(m, b) for m in self.methods for b in self.cfg.budgets}
-        if any(r["method"] == "full" for r in old["runs"]):  # the task records its reference
-            expected.add(("full", 1.0))
-        by_ctx = {}
+        entries = {(c["length"], *sorted((k, c[k]) for k in names if k in c)): c for c in old["contexts"]}
+        done = {key: (c, []) for key, c in entries.items()}
         for r in old["runs"]:
             key = (r["context_length"], *sorted((k, r[k]) for k in names if k in r))
-            by_ctx.setdefault(key, []).append(r)
-        entries = {(c["length"], *sorted((k, c[k]) for k in names if k in c)): c for c in old["contexts"]}
-        done = {}
-        for key, runs in by_ctx.items():
-            cells = {(r["method"], r["budget"]) for r in runs if r["status"] in ("ok", "skipped")}
-            if key in entries and expected <= cells:
-                done[key] = (entries[key], runs)
-        logger.info("%s: resuming, %d of its contexts were measured in full", path, len(done))
+            if key in done and r["status"] in ("ok", "skipped"):
+                done[key][1].append(r)
+        cells = self._cells(task, old)
+        full = sum(cells <= {(r["method"], r["budget"]) for r in runs} for _, runs in done.values())
+        logger.info("%s: resuming, %d of its %d contexts hold every cell of this run", path, full, len(done))
         return old, done
 
     def _max_length(self, tasks, contexts) -> int:
@@ -378,19 +407,30 @@ class Grid:
                              f"beyond the model's window of {window}; use shorter --context-lengths")
         return min(-(-need // 64) * 64, window or need)
 
-    def _run_context(self, task, ctx, snap, bar) -> None:
-        """The full reference, then every method x budget, of one task on one prompt."""
-        cfg, full_rw = self.cfg, self.rws["full"]
+    def _run_context(self, task, ctx, snap, bar, have=None, entry=None) -> None:
+        """The full reference, then every method x budget, of one task on one prompt; the cells in `have`
+        ({(method, budget): run}, kept from a previous run) are not measured again. The reference always
+        is (the cells compare against it); if `have` holds it, it is checked against the kept one and
+        a difference is written into the context `entry`."""
+        cfg, full_rw, have = self.cfg, self.rws["full"], have or {}
         timing = {}
         start = functools.partial(self._start, ctx=ctx, snap=snap, timing=timing)
         bar.set_postfix_str(f"{task.name} n={ctx.length} full")
         t0 = time.perf_counter()
         ref_metrics, ref = task.reference(full_rw, ctx, start, cfg)
-        if ref_metrics is not None:
+        kept = have.get(("full", 1.0))
+        if kept is not None and ref_metrics is not None and not _same_metrics(kept["metrics"], ref_metrics):
+            logger.warning("%s n=%d %s: the reference differs from the kept one: %s then, %s now", task.name,
+                           ctx.length, ctx.coords, kept["metrics"], ref_metrics)
+            entry["reference_differs"] = {"kept": kept["metrics"], "now": ref_metrics}
+        elif ref_metrics is not None and kept is None:
             self._record(task, ctx, full_rw.method, 1.0, "ok", ref_metrics, timing, time.perf_counter() - t0)
         bar.update(1)
         for method in self.methods:
             for budget in cfg.budgets:
+                if (method, budget) in have:
+                    bar.update(1)
+                    continue
                 bar.set_postfix_str(f"{task.name} n={ctx.length} {method}@{budget}")
                 rw = self.rewritten(method, budget)
                 timing.clear()
@@ -462,6 +502,28 @@ class Grid:
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(data, indent=1, default=_json_default) + "\n")
         tmp.replace(path)
+
+
+def _union_settings(settings: dict, old: dict) -> None:
+    """A resumed file's selection: its methods, budgets and context lengths and those of the previous file."""
+    before = old.get("methods", [])
+    settings["methods"] = [*before, *(m for m in settings["methods"] if m not in before)]
+    for key in ("budgets", "context_lengths"):
+        settings[key] = sorted({*old.get(key, []), *settings[key]})
+
+
+def _same_metrics(a: dict, b: dict, rel: float = 1e-4) -> bool:
+    """Equal metric dicts, numbers to a relative `rel` (a recomputed reference vs the kept one)."""
+    if set(a) != set(b):
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, (int, float)) and isinstance(y, (int, float)):
+            if abs(x - y) > rel * max(1.0, abs(x), abs(y)):
+                return False
+        elif x != y:
+            return False
+    return True
 
 
 def _json_default(x):

@@ -311,11 +311,15 @@ def _resumed(data) -> str:
     earlier = data.get("resumed_from") or []
     earlier = earlier if isinstance(earlier, list) else [earlier]
     resumed = sum(1 for c in data["contexts"] if c.get("resumed"))
-    if not earlier or not resumed:
+    extended = sum(1 for c in data["contexts"] if c.get("resumed_cells"))
+    if not earlier or not (resumed or extended):
         return ""
     runs = ", ".join(f"{r['started']} ({(r.get('git_sha') or '')[:10]}{'+dirty' if r.get('git_dirty') else ''})"
                      for r in earlier)
-    return f"; {resumed} context(s) resumed from earlier runs: {runs}"
+    what = [f"{resumed} context(s) resumed"] if resumed else []
+    if extended:
+        what.append(f"{extended} context(s) extended (their cells kept, the missing ones measured here)")
+    return f"; {' and '.join(what)} from earlier runs: {runs}"
 
 
 def _table(data, metric_fmt, lengths, title_fmt="n={}"):
