@@ -312,13 +312,24 @@ def test_resume_keeps_measured_cells_and_runs_the_rest(tmp_path, monkeypatch):
                  text_loader=synthetic_text)
 
 
-def test_resume_adds_methods_and_budgets_without_rerunning_cells(tmp_path):
+def test_resume_adds_methods_and_budgets_without_rerunning_cells(tmp_path, monkeypatch):
     """--resume with other methods / budgets / lengths: the file keeps its cells and gains the new ones."""
     cfg = tiny_config(tmp_path, tasks=("nll", "fidelity"), methods=("streamingllm",), context_lengths=(80, 112))
     model, tok = tiny_model("llama"), CharTokenizer()
     paths = run_grid(cfg, model=model, tokenizer=tok, text_loader=synthetic_text)
     first = [json.loads(p.read_text()) for p in paths]
     more = dataclasses.replace(cfg, methods=("h2o",), budgets=(0.5, 0.7), context_lengths=(80,), resume=True)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(grid_mod.Grid, "_run_context", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_grid(more, model=model, tokenizer=tok, text_loader=synthetic_text)
+    for before, path in zip(first, paths):  # interrupted before its first cell: it lost none of the file's cells
+        after = json.loads(path.read_text())
+        assert not after["complete"] and after["runs"] == before["runs"]
+    monkeypatch.undo()
     run_grid(more, model=model, tokenizer=tok, text_loader=synthetic_text)
     for before, path in zip(first, paths):
         after = json.loads(path.read_text())

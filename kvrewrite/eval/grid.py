@@ -286,6 +286,7 @@ class Grid:
         previous = {t.name: self._previous(t, contexts[t.name]) for t in tasks} if cfg.resume else {}
         self._build(self._max_length(tasks, contexts))
         self.files = {t.name: self._header(t) for t in tasks}
+        kept = {}  # (task, context coords): index of its entry in the file's contexts
         for name, (old, _) in previous.items():
             if old is not None:
                 earlier = old.get("resumed_from", [])  # the runs that file itself resumed from
@@ -294,6 +295,13 @@ class Grid:
                                                      "git_sha": old["versions"].get("git_sha"),
                                                      "git_dirty": old["versions"].get("git_dirty")}]
                 _union_settings(self.files[name]["settings"], old["settings"])
+            # every kept cell is in the file from the start, so that an interrupted run loses none of them;
+            # the entry of a context that gets cells added is replaced when it is measured
+            for key, (context, runs) in previous[name][1].items():
+                kept[name, key] = len(self.files[name]["contexts"])
+                self.files[name]["contexts"].append({**context, "resumed": True})
+                self.files[name]["runs"].extend(runs)
+            self._save(name)
 
         # by prompt (shortest first): one full prefill, then every task that uses that prompt
         order = sorted(((ctx, task) for task in tasks for ctx in contexts[task.name]),
@@ -305,17 +313,14 @@ class Grid:
         try:
             for ctx, task in order:
                 old, done = previous.get(task.name, (None, {}))
-                context, runs = done.pop(self._coords(ctx), (None, []))
+                context, runs = done.get(self._coords(ctx), (None, []))
                 if context is not None and context["prompt_tokens"] != int(ctx.input_ids.shape[1]):
                     raise ValueError(f"--resume: {task.name} n={ctx.length} {ctx.coords}: the previous file's prompt "
                                      f"has {context['prompt_tokens']} tokens, {int(ctx.input_ids.shape[1])} now "
                                      f"(text or tokenizer changed); rerun without --resume or use another --out")
                 have = {(r["method"], r["budget"]): r for r in runs}
                 if context is not None and self._cells(task, old) <= set(have):
-                    # every cell of this run was measured by the previous one: copied, not rerun
-                    self.files[task.name]["contexts"].append({**context, "resumed": True})
-                    self.files[task.name]["runs"].extend(runs)
-                    self._save(task.name)
+                    # every cell of this run was measured by the previous one: kept (in the file already)
                     bar.update(1 + len(self.methods) * len(cfg.budgets))
                     continue
                 first = ctx.key != snap_key
@@ -326,15 +331,13 @@ class Grid:
                     snap_key, prefill_s = ctx.key, time.perf_counter() - t0
                 entry = {"length": ctx.length, **ctx.coords, "prompt_tokens": int(ctx.input_ids.shape[1]),
                          "full_prefill_s": round(prefill_s, 3), "prefill_counted_here": first}
-                if runs:  # the cells the previous run measured are kept, the missing ones measured below
+                if context is not None:  # its kept cells are in the file; the missing ones are measured below
                     entry["resumed_cells"] = len(runs)
-                self.files[task.name]["contexts"].append(entry)
-                self.files[task.name]["runs"].extend(runs)
+                    self.files[task.name]["contexts"][kept[task.name, self._coords(ctx)]] = entry
+                else:
+                    self.files[task.name]["contexts"].append(entry)
                 self._run_context(task, ctx, snap, bar, have=have, entry=entry)
-            for task in tasks:  # the previous file's contexts outside this run's selection are kept as they were
-                for context, runs in previous.get(task.name, (None, {}))[1].values():
-                    self.files[task.name]["contexts"].append({**context, "resumed": True})
-                    self.files[task.name]["runs"].extend(runs)
+            for task in tasks:
                 self.files[task.name]["complete"] = True
                 self._save(task.name)
         finally:
