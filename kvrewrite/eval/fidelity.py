@@ -3,7 +3,8 @@
 Same contexts as the nll task (the n Shakespeare tokens before a fixed target). After the prefill
 (compressed to B = round(budget * (n + fidelity_steps)) slots), `full` and the method are fed the
 same `fidelity_steps` target tokens. Each decode graph runs under a torch.fx.Interpreter that sees
-every kvrewrite.clustered_attention node (node.meta["kvrewrite"]["role"] == "attention") with its
+every attention node (role "attention": kvrewrite.clustered_attention; or "observed_attention": the
+same attention fused with a method's statistics, whose first eight arguments are the attention's) with its
 inputs: the query, the layer's state after this step's append (before any re-compression) and
 its output. Per layer and step, with o_full the full cache's output for the full model's query q:
 
@@ -43,9 +44,9 @@ class _AttentionRecorder(fx.Interpreter):
     def run_node(self, n):
         out = super().run_node(n)
         meta = n.meta.get("kvrewrite") or {}
-        if meta.get("role") == "attention":
+        if meta.get("role") in ("attention", "observed_attention"):
             args, _ = self.fetch_args_kwargs_from_env(n)
-            self.on_attention(meta["layer"], args, out)
+            self.on_attention(meta["layer"], args[:8], out)
         return out
 
 

@@ -10,7 +10,8 @@ the tensors it would write instead of mutating them: (keys, values, bias, slot_p
 three, those plus the score for evict_by_score, the score for accumulate_attention (FUNCTIONAL lists the
 mutated argument positions). Their eager and CUDA kernels are the in-place ops applied to clones, so the
 functional graph computes exactly what the in-place one does. clustered_attention and
-attention_column_stats mutate nothing and stay.
+attention_column_stats mutate nothing and stay; observed_attention (the fused pair, a CUDA kernel choice)
+is split back into clustered_attention and accumulate_attention first.
 
 Importing this module registers the ``kvrewrite_export::`` ops.
 """
@@ -133,6 +134,29 @@ FUNCTIONAL = {
 }
 
 
+def unfuse_observed_attention(gm: fx.GraphModule) -> fx.GraphModule:
+    """gm with every kvrewrite::observed_attention (passes/fuse_attention_observation.py) split back into the
+    kvrewrite::clustered_attention and kvrewrite::accumulate_attention it fuses, in place (functionalize runs it
+    on its copy): the ONNX functions and TensorRT plugin descriptions describe those two, exactly the same
+    function; fusing them is a CUDA kernel choice, and a backend with native kernels makes its own."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target != torch.ops.kvrewrite.observed_attention.default:
+            continue
+        q, keys, values, bias, slot_pos, cache_position, scale, window, score, mode, last, past_only = all_args(node)
+        with gm.graph.inserting_before(node):
+            attn = gm.graph.call_function(torch.ops.kvrewrite.clustered_attention.default,
+                                          (q, keys, values, bias, slot_pos, cache_position, scale, window),
+                                          {"past_only": True} if past_only else {})
+            gm.graph.call_function(torch.ops.kvrewrite.accumulate_attention.default,
+                                   (q, keys, bias, slot_pos, cache_position, score),
+                                   {"scale": scale, "window": window, "mode": mode, "last": last})
+        attn.meta.update(node.meta)
+        node.replace_all_uses_with(attn)
+        gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
+
+
 def gemv_as_linear(gm: fx.GraphModule) -> fx.GraphModule:
     """gm with every kvrewrite::gemv (apply(gemv=True)) turned back into the aten.linear it computes, in place:
     for the targets that bring their own matrix kernels (ONNX Runtime, TensorRT) instead of running kvrewrite's
@@ -153,7 +177,7 @@ def functionalize(gm: fx.GraphModule, n_inputs: int = 4, opaque_attention: bool 
     before an update would read the old value in the functional graph, silently)."""
     from kvrewrite.capture import copy_graph_module
 
-    gm = copy_graph_module(gm)
+    gm = unfuse_observed_attention(copy_graph_module(gm))
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     state = placeholders[n_inputs:]

@@ -15,4 +15,5 @@ from kvrewrite.kernels import (  # noqa: F401
     evict_by_score,
     evict_to_budget,
     gemv,
+    observed_attention,
 )

@@ -173,6 +173,8 @@ def _clustered_attention_fwd_kernel(
     Q, K, V, BIAS, POS, CPOS,
     OUT,  # [B, Hq, T, D] q's dtype (SPLIT False), or fp32 partial acc [B * Hq * T, NUM_SPLITS, D]
     M_PART, L_PART,  # fp32 [B * Hq * T, NUM_SPLITS], log2-domain running max and sum (SPLIT only)
+    LOGITS,  # fp32 [B * Hq * T, C]: every row's masked log2-domain score of every slot (WRITE_LOGITS only)
+    LSE,  # fp32 [B * Hq * T]: each row's natural-log log-sum-exp, -inf for a row that saw nothing (WRITE_LSE only)
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kc, stride_kd,
     stride_vb, stride_vh, stride_vc, stride_vd,
@@ -191,6 +193,8 @@ def _clustered_attention_fwd_kernel(
     HAS_WINDOW: tl.constexpr,  # window > 0 (only with LOAD_POS)
     CAUSAL_SKIP: tl.constexpr,  # test causality per element only in tiles holding a slot after the block's first query
     SOFTCAP: tl.constexpr,  # soft-cap the scores: softcap * tanh(scale * q·k / softcap), before the bias and masks
+    WRITE_LOGITS: tl.constexpr,  # store s (kvrewrite::observed_attention's decode statistics)
+    WRITE_LSE: tl.constexpr,  # store the log-sum-exp in the epilogue (without SPLIT; the combine does it with SPLIT)
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     pid_s = tl.program_id(0)
@@ -228,6 +232,9 @@ def _clustered_attention_fwd_kernel(
     v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
     bias_base = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
     pos_base = POS + b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph
+
+    # output row (b, hq, t) of the contiguous [B, Hq, T, *] outputs
+    out_row = (b.to(tl.int64) * Hq + hq) * T + t
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -284,6 +291,8 @@ def _clustered_attention_fwd_kernel(
                 s = tl.where(p_rel[None, :] <= q_rel[:, None], s, float("-inf"))
             if HAS_WINDOW:
                 s = tl.where(p_rel[None, :] > q_rel[:, None] - window, s, float("-inf"))
+        if WRITE_LOGITS:  # the final score of every (row, slot): -inf where invisible, empty or unneeded
+            tl.store(LOGITS + out_row[:, None] * C + offs_n[None, :], s, mask=row_ok[:, None] & n_ok[None, :])
 
         # -- online softmax (base 2); a row that has seen nothing yet keeps m = -inf, l = 0 --------
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -302,7 +311,6 @@ def _clustered_attention_fwd_kernel(
         m_i = m_new
 
     # -- epilogue: output row (b, hq, t), contiguous [B, Hq, T, D] --------------------------------------
-    out_row = (b.to(tl.int64) * Hq + hq) * T + t
     if SPLIT:
         tl.store(OUT + (out_row[:, None] * NUM_SPLITS + pid_s) * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(M_PART + out_row * NUM_SPLITS + pid_s, m_i, mask=row_ok)
@@ -310,16 +318,15 @@ def _clustered_attention_fwd_kernel(
     else:
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row that saw nothing: acc == 0, o == 0
         tl.store(OUT + out_row[:, None] * HEAD_DIM + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        if WRITE_LSE:
+            lse = tl.where(l_i > 0.0, (m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))) / LOG2E, float("-inf"))
+            tl.store(LSE + out_row, lse, mask=row_ok)
 
 
-@triton_jit(do_not_specialize=["NUM_SPLITS"])
-def _clustered_attention_combine_kernel(
-    ACC, M_PART, L_PART, OUT,  # partials as written by the fwd kernel; OUT [B * Hq * T, D]
-    NUM_SPLITS,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
+@triton_jit()
+def combine_row(ACC, M_PART, L_PART, OUT, row, NUM_SPLITS, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Merge one output row's split partials into OUT[row]; returns the row's natural-log log-sum-exp (-inf for
+    a row that saw nothing). Shared by the combine kernel and kvrewrite::observed_attention's."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     s_ok = offs_s < NUM_SPLITS
@@ -327,12 +334,30 @@ def _clustered_attention_combine_kernel(
     m = tl.load(M_PART + row * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
     l = tl.load(L_PART + row * NUM_SPLITS + offs_s, mask=s_ok, other=0.0)
     m_max = tl.max(m, axis=0)
-    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    m_base = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_base)
     den = tl.sum(w * l, axis=0)
     acc_ptrs = ACC + (row * NUM_SPLITS + offs_s[:, None]) * HEAD_DIM + offs_d[None, :]
     acc = tl.load(acc_ptrs, mask=s_ok[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
     tl.store(OUT + row * HEAD_DIM + offs_d, o.to(OUT.dtype.element_ty))
+    return tl.where(den > 0.0, (m_base + tl.log2(tl.where(den > 0.0, den, 1.0))) * 0.6931471805599453,
+                    float("-inf"))
+
+
+@triton_jit(do_not_specialize=["NUM_SPLITS"])
+def _clustered_attention_combine_kernel(
+    ACC, M_PART, L_PART, OUT,  # partials as written by the fwd kernel; OUT [B * Hq * T, D]
+    LSE,  # fp32 [B * Hq * T], natural log (WRITE_LSE only)
+    NUM_SPLITS,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    lse = combine_row(ACC, M_PART, L_PART, OUT, row, NUM_SPLITS, HEAD_DIM, BLOCK_S)
+    if WRITE_LSE:
+        tl.store(LSE + row, lse)
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -438,7 +463,7 @@ def triton_clustered_attention(q, keys, values, bias, slot_pos, cache_position, 
 
 
 def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False, softcap=0.0,
-            causal_skip=True, **overrides):
+            causal_skip=True, lse=None, **overrides):
     """Allocate the output (and the split partials) and launch. No checks: Triton's interpreter
     (TRITON_INTERPRET=1) runs it on CPU tensors, which is how the kernel can be debugged without a GPU.
 
@@ -447,7 +472,27 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past
     the positions are read anyway (the window test needs them), and the causal test costs nothing more.
 
     softcap > 0 compiles the SOFTCAP variant (a constexpr: softcap == 0 runs the kernel without the cap, and
-    its float argument is passed but never read)."""
+    its float argument is passed but never read).
+
+    lse: an fp32 [B, Hq, T] tensor to receive each query's natural-log log-sum-exp (-inf where it saw nothing),
+    or None (kvrewrite::observed_attention's prefill statistics read it)."""
+    out, part, m_part, l_part, S = launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, window,
+                                                  past_only, softcap, causal_skip, lse=lse, **overrides)
+    if part is not None:
+        wrap_triton(_clustered_attention_combine_kernel)[(out.numel() // out.shape[-1],)](
+            part, m_part, l_part, out, out if lse is None else lse, S, HEAD_DIM=out.shape[-1],
+            BLOCK_S=max(triton.next_power_of_2(S), 2), WRITE_LSE=lse is not None, num_warps=4,
+        )
+    return out
+
+
+def launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False, softcap=0.0,
+                   causal_skip=True, lse=None, logits=None, **overrides):
+    """Launch the slot-loop kernel; returns (out, part, m_part, l_part, S): the split partials (None without
+    splits: then `out` is final) for the caller to combine. With `logits` (fp32 [B * Hq * T, C]) every row's
+    masked log2-domain score is stored there, and the partials are always written (even with one split): the
+    caller needs each row's log-sum-exp, which the combine computes. `lse` as in _launch (without splits the
+    kernel's epilogue writes it; with splits the caller's combine must)."""
     # int(): the launch depends on the shapes, so a dynamic-shape trace specialises on them (a guard)
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, C = int(keys.shape[1]), int(keys.shape[2])
@@ -455,13 +500,14 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past
     num_sms = _num_sms(q.device) if q.is_cuda else 8  # 8: Triton's interpreter on CPU tensors
     cfg = _launch_config(B, Hkv, G, T, C, D, num_sms, q.element_size(), **overrides)
     S = cfg["num_splits"]
+    split = S > 1 or logits is not None
     load_pos = not (past_only and window == 0)
     if softcap > 0:  # the cap in natural units, then the base-2 domain (kernel signature)
         qk_scale, softcap_log2 = scale / softcap, softcap * 1.4426950408889634
     else:
         qk_scale, softcap_log2 = scale * 1.4426950408889634, 0.0
     out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
-    if S > 1:
+    if split:
         part = torch.empty((B * Hq * T, S, D), dtype=torch.float32, device=q.device)
         m_part = torch.empty((B * Hq * T, S), dtype=torch.float32, device=q.device)
         l_part = torch.empty((B * Hq * T, S), dtype=torch.float32, device=q.device)
@@ -469,17 +515,17 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past
         part = m_part = l_part = out  # M_PART and L_PART are never touched without splits
     wrap_triton(_clustered_attention_fwd_kernel)[(S, B * Hkv, cfg["m_blocks"])](
         q, keys, values, bias, slot_pos, cache_position, part, m_part, l_part,
+        out if logits is None else logits, out if lse is None else lse,
         *q.stride(), *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(),
         Hkv, G, T, C, window, cfg["slots_per_split"], qk_scale, softcap_log2, S,
-        HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], SPLIT=S > 1, SKIP_UNSEEN=cfg["skip_unseen"],
+        HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], SPLIT=split, SKIP_UNSEEN=cfg["skip_unseen"],
         LOAD_POS=load_pos, HAS_WINDOW=window > 0, CAUSAL_SKIP=causal_skip, SOFTCAP=softcap > 0,
+        WRITE_LOGITS=logits is not None, WRITE_LSE=lse is not None and not split,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if S > 1:
-        wrap_triton(_clustered_attention_combine_kernel)[(B * Hq * T,)](
-            part, m_part, l_part, out, S, HEAD_DIM=D, BLOCK_S=max(triton.next_power_of_2(S), 2), num_warps=4,
-        )
-    return out
+    if not split:
+        return out, None, None, None, S
+    return out, part, m_part, l_part, S
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import os
 from torch import fx
 
 from kvrewrite.context import RewriteContext
+from kvrewrite.passes.fuse_attention_observation import fuse_attention_observation
 from kvrewrite.passes.fuse_projections import fuse_projections
 from kvrewrite.passes.insert_cache_compression import insert_cache_compression
 from kvrewrite.passes.locate_attention_sites import locate_attention_sites
@@ -28,6 +29,7 @@ PASSES = [
     replace_sdpa_with_clustered_attention,
     insert_cache_compression,
     remove_dead_cache_buffers,
+    fuse_attention_observation,
     fuse_projections,  # opt-in (ctx.fuse_projections)
     replace_linear_with_gemv,  # opt-in (ctx.gemv), decode graphs only
 ]

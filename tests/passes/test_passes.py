@@ -45,6 +45,8 @@ CHELSEA = "kvrewrite.chelsea_compress.default"
 EVICT = "kvrewrite.evict_to_budget.default"
 LINEAR = "aten.linear.default"
 GEMV = "kvrewrite.gemv.default"
+OBSERVED = "kvrewrite.observed_attention.default"
+ACCUMULATE = "kvrewrite.accumulate_attention.default"
 
 
 @dataclass
@@ -149,6 +151,8 @@ def _expected(run, name):
     if name == "remove_dead_cache_buffers":
         gone = {INDEX_COPY, "aten.copy_.default", "aten.add_.Tensor"}  # HF's cache writes and bookkeeping
         return len(run.captured.cache_buffers), {ATTENTION: n, CACHE_APPEND: n}, gone
+    if name == "fuse_attention_observation":  # chelsea and full observe nothing (h2o/snapkv: test_fuse_attention_observation)
+        return 0, {ATTENTION: n, CACHE_APPEND: n}, {OBSERVED, ACCUMULATE}
     if name == "fuse_projections":  # q/k/v and gate/up fused (Phi-3 ships them fused): o, down and lm_head stay
         groups = 0 if "phi3" in run.ctx.model_tag.lower() else 2 * n
         return groups, {LINEAR: 4 * n + 1, ATTENTION: n, CACHE_APPEND: n}, set()

@@ -1,0 +1,68 @@
+"""Fuse each layer's attention and the method's attention statistics into one kvrewrite::observed_attention.
+
+Matches:  a kvrewrite.accumulate_attention node (role "observe", H2O's and SnapKV's statistics) and the
+          kvrewrite.clustered_attention node of the same layer, when they read the same q, keys, bias,
+          slot_pos, cache_position, scale and window, and the attention has no soft cap.
+Emits:    kvrewrite.observed_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, score,
+          mode, last, past_only) where the attention was (role "observed_attention"); both nodes go. The
+          same function: off CUDA the op calls the two ops in turn. On CUDA the statistics come from the
+          attention kernel's own scores, one pass over the keys instead of three (docs/methods.md has the
+          measurement that decided it).
+Skips:    observe ops other than accumulate_attention (a method's own statistics op stays where it is).
+Errors:   an accumulate_attention node with no matching attention node (a pass broke the pairing).
+Requires: replace_sdpa_with_clustered_attention.
+"""
+import logging
+
+import torch
+from torch import fx
+
+from kvrewrite.context import RewriteContext
+from kvrewrite.errors import RewriteError
+
+logger = logging.getLogger(__name__)
+
+ATTENTION = torch.ops.kvrewrite.clustered_attention.default
+OBSERVE = torch.ops.kvrewrite.accumulate_attention.default
+FUSED = torch.ops.kvrewrite.observed_attention.default
+
+
+def _args(node: fx.Node) -> dict:
+    """The call's arguments by schema name, defaults filled in."""
+    schema = node.target._schema
+    out = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    out.update({a.name: v for a, v in zip(schema.arguments, node.args)})
+    out.update(node.kwargs)
+    return out
+
+
+def fuse_attention_observation(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
+    graph = gm.graph
+    attention = {n.meta["kvrewrite"]["layer"]: n for n in graph.nodes
+                 if n.op == "call_function" and n.target == ATTENTION}
+    count = 0
+    for obs in [n for n in graph.nodes if n.op == "call_function" and n.target == OBSERVE]:
+        layer = obs.meta["kvrewrite"]["layer"]
+        attn = attention.get(layer)
+        o, a = _args(obs), _args(attn) if attn is not None else {}
+        shared = ("q", "keys", "bias", "slot_pos", "cache_position", "scale", "window")
+        if attn is None or a["softcap"] or any(o[k] is not a[k] and o[k] != a[k] for k in shared):
+            raise RewriteError(f"{ctx.where(layer, obs)}: the statistics op reads no attention of its layer "
+                               f"(fuse_attention_observation expects the pairing replace_sdpa_with_clustered_attention "
+                               f"makes)")
+        with graph.inserting_before(attn):
+            fused = graph.call_function(FUSED, (
+                a["q"], a["keys"], a["values"], a["bias"], a["slot_pos"], a["cache_position"], a["scale"],
+                a["window"], o["score"], o["mode"], o["last"], a["past_only"]))
+        fused.meta.update({k: v for k, v in attn.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+        fused.meta["kvrewrite"] = {"layer": layer, "role": "observed_attention"}
+        attn.replace_all_uses_with(fused)
+        graph.erase_node(obs)
+        graph.erase_node(attn)
+        site = ctx.sites.get(layer)
+        if site is not None:
+            site.attention = site.output = fused
+        count += 1
+    ctx.counters["fuse_attention_observation"] += count
+    logger.debug("fuse_attention_observation: fused %d attention + statistics pairs", count)
+    return gm
