@@ -19,6 +19,7 @@ from torch import fx
 
 from kvrewrite.context import RewriteContext
 from kvrewrite.errors import RewriteError
+from kvrewrite.passes.utils import clean_up
 
 logger = logging.getLogger(__name__)
 
@@ -65,4 +66,4 @@ def fuse_attention_observation(gm: fx.GraphModule, ctx: RewriteContext) -> fx.Gr
         count += 1
     ctx.counters["fuse_attention_observation"] += count
     logger.debug("fuse_attention_observation: fused %d attention + statistics pairs", count)
-    return gm
+    return clean_up(gm)

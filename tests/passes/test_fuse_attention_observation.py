@@ -39,6 +39,8 @@ def test_every_full_layer_fused(captured, family, method):
         assert _count(gm, ATTENTION) == len(rw.layers) - full
         roles = [n.meta["kvrewrite"]["role"] for n in gm.graph.nodes if n.target == FUSED]
         assert roles == ["observed_attention"] * full
+        # the module's code is regenerated: it runs the fused op, not the pair the graph held before
+        assert gm.code.count("kvrewrite.observed_attention.default(") == full and "accumulate_attention" not in gm.code
 
 
 def test_split_back_computes_the_same(captured):
