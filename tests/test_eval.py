@@ -350,6 +350,7 @@ def test_resume_adds_methods_and_budgets_without_rerunning_cells(tmp_path, monke
                 assert r["metrics"]["nll_delta"] == pytest.approx(delta, abs=1e-6)
     text = write_report(cfg.out_dir, tmp_path / "r.md").read_text()
     assert "| h2o | 0.7 |" in text and "| streamingllm | 0.2 |" in text
+    assert "to start 8 method cells from them" in text  # the shared-prefill cost counts streamingllm's 8, not h2o's
     with pytest.raises(ValueError, match="measured h2o with options"):  # a method's cells never mix options
         run_grid(dataclasses.replace(more, method_options={"h2o": {"recent_ratio": 0.25}}), model=model,
                  tokenizer=tok, text_loader=synthetic_text)

@@ -170,7 +170,7 @@ def plot_needle(model, data, path: Path) -> Path | None:
                 ax.set_ylabel("depth", fontsize=7)
             if i == len(methods) - 1:
                 ax.set_xlabel("context tokens", fontsize=7)
-    fig.suptitle(f"{model}: needle found (1) or not (0); – skipped", fontsize=9)
+    fig.suptitle(f"{model}: needle found (1) or not (0); – not run or skipped", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -186,13 +186,14 @@ def plot_layers(model, data, path: Path) -> Path | None:
     n = max(r["context_length"] for r in runs)
     methods = [m for m in data["settings"]["methods"] if m != "full"]
     fig, axes = plt.subplots(1, len(methods), figsize=(4.4 * len(methods), 3.4), squeeze=False, sharey=True)
+    colors = _colors(sorted({r["budget"] for r in runs}))  # one color per budget in every panel
     for ax, m in zip(axes[0], methods):
         for b in sorted({r["budget"] for r in runs if r["method"] == m}):
             sel = [r["metrics"]["per_layer"]["attn_rel_err"] for r in runs
                    if r["method"] == m and r["budget"] == b and r["context_length"] == n]
             if sel:
                 per = [_mean(vals) for vals in zip(*sel)]
-                ax.plot(range(len(per)), per, marker=".", label=f"budget {b:g}")
+                ax.plot(range(len(per)), per, marker=".", color=colors[b], label=f"budget {b:g}")
         ax.set_title(f"{m}, n={n}", fontsize=9)
         ax.set_xlabel("layer")
         ax.grid(alpha=0.3)
@@ -262,8 +263,8 @@ def _cost(tasks: dict) -> str:
         for r in _ok(data["runs"]):
             if r["method"] == "full" or r.get("start_s") is None:
                 continue
-            cells += 1
-            if r.get("prefill") == "shared":
+            if r.get("prefill") == "shared":  # a method that prefills itself (h2o, snapkv) shares nothing
+                cells += 1
                 shared_starts += r["start_s"]
                 own += by_ctx.get((r["context_length"], r.get("sample"), r.get("depth")), 0.0) + r["start_s"]
     if not cells or not shared_starts:
