@@ -271,8 +271,8 @@ def main(argv=None) -> int:
     ev.add_argument("--out", help="where the JSON goes (default out/eval, or out/eval-quick with --quick)")
     ev.add_argument("--docs", help="results page to write (default docs/results.md, or OUT/results.md with --quick)")
     ev.add_argument("--resume", action="store_true",
-                    help="keep the contexts that OUT/<model>/<task>.json already holds in full (same settings only) "
-                    "and measure the rest, e.g. after an interrupted run")
+                    help="keep the cells OUT/<model>/<task>.json already holds (same task settings only) and measure "
+                    "only the missing ones: after an interrupted run, or to add methods, budgets or context lengths")
     ev.add_argument("--no-report", dest="report", action="store_false", help="write the JSON only")
     ev.add_argument("--report-only", action="store_true", help="run nothing: redraw plots and the page from OUT")
     ev.add_argument("--no-progress", action="store_true", help="no progress bars")
