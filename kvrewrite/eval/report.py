@@ -197,7 +197,10 @@ def plot_layers(model, data, path: Path) -> Path | None:
         ax.set_title(f"{m}, n={n}", fontsize=9)
         ax.set_xlabel("layer")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_lines():
+            ax.legend(fontsize=7)
+        else:  # the method has no cell at this length (e.g. a resumed run that added it at shorter ones)
+            ax.text(0.5, 0.5, f"not run at n={n}", ha="center", va="center", transform=ax.transAxes, fontsize=8)
     axes[0][0].set_ylabel("attention rel. error (same query)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
