@@ -21,6 +21,7 @@ import torch
 from torch import fx
 
 import kvrewrite.kernels  # noqa: F401  (registers kvrewrite::)
+from kvrewrite.passes.utils import all_args  # noqa: F401  (also imported from here by the exporters)
 from kvrewrite.state import STATE_FIELDS
 
 MUTATED = ("keys", "values", "bias", "slot_pos", "fill")  # what the in-place ops write, in this order
@@ -218,17 +219,6 @@ def functionalize(gm: fx.GraphModule, n_inputs: int = 4, opaque_attention: bool 
     out.args = ((out.args[0], *[latest.get(p, p) for p in state]),)
     graph.lint()
     return fx.GraphModule(gm, graph, class_name="FunctionalStepGraph")
-
-
-def all_args(node) -> list:
-    """A call's arguments in schema order, positional (kwargs folded in, omitted ones at their defaults)."""
-    schema = node.target._schema
-    out = list(node.args)
-    for a in schema.arguments[len(node.args):]:
-        if a.name not in node.kwargs and not a.has_default_value():
-            raise ValueError(f"node '{node.name}' ({node.target}) lacks its argument '{a.name}'")
-        out.append(node.kwargs[a.name] if a.name in node.kwargs else a.default_value)
-    return out
 
 
 def _origin(node, latest):

@@ -67,15 +67,22 @@ def column_sums(q, keys, bias, slot_pos, cache_position, scale, window, last):
 
 def reference_accumulate_attention(q, keys, bias, slot_pos, cache_position, score, scale, window, mode, last=0):
     """The op on any device (the CPU path): column sums, reduced over the group, added or set."""
-    B, Hq, T, _ = q.shape
-    Hkv, C = keys.shape[1], keys.shape[2]
     total, recent = column_sums(q, keys, bias, slot_pos, cache_position, scale, window, last if mode == "window" else 0)
+    fold_into_score(score, total, recent, mode, q.shape[2])
+
+
+def fold_into_score(score, total, recent, mode, T):
+    """The update of `score` [B, Hkv, C] from the per-query-head column sums `total` and `recent` [B, Hq, C]
+    (module docstring): mode "all" adds total summed over the group; mode "window" sets recent averaged over
+    it after a prefill chunk (T > 1), adds total averaged over it after a decode step."""
+    B, Hkv, C = score.shape
+    G = total.shape[1] // Hkv
     if mode == "all":
-        score.add_(total.view(B, Hkv, Hq // Hkv, C).sum(dim=2))
+        score.add_(total.view(B, Hkv, G, C).sum(dim=2))
     elif T > 1:
-        score.copy_(recent.view(B, Hkv, Hq // Hkv, C).mean(dim=2))
+        score.copy_(recent.view(B, Hkv, G, C).mean(dim=2))
     else:
-        score.add_(total.view(B, Hkv, Hq // Hkv, C).mean(dim=2))
+        score.add_(total.view(B, Hkv, G, C).mean(dim=2))
 
 
 def accumulate_attention(

@@ -134,10 +134,7 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, scor
         out = ca._launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only, lse=lse)
         total, recent = acs._launch(q, keys, bias, slot_pos, cache_position, lse, scale, window,
                                     last if mode == "window" else 0)
-        if mode == "all":
-            score.add_(total.view(B, Hkv, G, C).sum(dim=2))
-        else:
-            score.copy_(recent.view(B, Hkv, G, C).mean(dim=2))
+        aa.fold_into_score(score, total, recent, mode, T)
         return out
     logits = torch.empty((B * Hq, C), dtype=torch.float32, device=q.device)
     out, part, m_part, l_part, S = ca.launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, window,

@@ -19,7 +19,7 @@ from torch import fx
 
 from kvrewrite.context import RewriteContext
 from kvrewrite.errors import RewriteError
-from kvrewrite.passes.utils import clean_up
+from kvrewrite.passes.utils import all_args, clean_up
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +30,7 @@ FUSED = torch.ops.kvrewrite.observed_attention.default
 
 def _args(node: fx.Node) -> dict:
     """The call's arguments by schema name, defaults filled in."""
-    schema = node.target._schema
-    out = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
-    out.update({a.name: v for a, v in zip(schema.arguments, node.args)})
-    out.update(node.kwargs)
-    return out
+    return {a.name: v for a, v in zip(node.target._schema.arguments, all_args(node))}
 
 
 def fuse_attention_observation(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:

@@ -48,3 +48,14 @@ def clean_up(gm: fx.GraphModule) -> fx.GraphModule:
 def val_shape(node) -> tuple:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return tuple(val.shape) if val is not None else ()
+
+
+def all_args(node) -> list:
+    """A call's arguments in schema order, positional (kwargs folded in, omitted ones at their defaults)."""
+    schema = node.target._schema
+    out = list(node.args)
+    for a in schema.arguments[len(node.args):]:
+        if a.name not in node.kwargs and not a.has_default_value():
+            raise ValueError(f"node '{node.name}' ({node.target}) lacks its argument '{a.name}'")
+        out.append(node.kwargs[a.name] if a.name in node.kwargs else a.default_value)
+    return out
