@@ -170,7 +170,8 @@ def test_compiled_decode_updates_state_in_place(model, method):
     for compress in (True, False):
         _, codes = run_and_get_code(lambda: compiled(*step, compress=compress))
         code = "\n".join(codes)
-        assert "clustered_attention" in code, "no compiled decode graph in the captured output code"
+        assert "clustered_attention" in code or "observed_attention" in code, \
+            "no compiled decode graph in the captured output code"
         copies = _state_sized_buffers(code, numels)
         assert not copies, f"{method} compress={compress}: state-sized buffers (copies of the state) {copies}"
         op = COMPRESSION_OPS[method]

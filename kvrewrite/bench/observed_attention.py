@@ -2,12 +2,15 @@
 
 What the statistics cost (issue: at most 3% of the attention time): per config, CUDA-graph time per call of
   - attention:  kvrewrite::clustered_attention (past_only, as the decode graphs call it)
-  - fused:      kvrewrite::observed_attention, mode "all" (H2O) and "window" (SnapKV; the same kernels)
+  - deferred:   kvrewrite::observed_attention, defer=True, mode "all" (H2O's plain decode step: the previous
+                query's statistics folded in the attention kernel's free tile rows, this one's left pending)
+  - folded:     the same with defer=False, mode "all" and "window" (SnapKV; the same kernels): the decode step
+                that compresses (scores stored by the attention kernel, one combine + fold kernel)
   - two ops:    clustered_attention then accumulate_attention (the graph before fuse_attention_observation)
 Llama-3.1-8B layout (Hq 32, Hkv 8, D 128, bf16), T = 1, every slot used and visible (as kvrewrite.bench.attention,
-whose timing this reuses: N calls in one CUDA graph over input sets rotated past the L2). The fused op's extra
-traffic is the score rows (G * 4 bytes per slot and KV head, written and read back) and the score state
-(4 bytes read, 4 written), against 4 * D bytes of keys and values.
+whose timing this reuses: N calls in one CUDA graph over input sets rotated past the L2); the kernels do the
+same work whether a query is pending or not. Extra traffic per slot and KV head, next to the 4 * D bytes of keys and values: deferred, the score
+state's read and write (8 bytes); folded, also the G score rows' write and read (8 * G bytes).
 
 Run:  python -m kvrewrite.bench.observed_attention --out observed_attention.json
 """
@@ -24,35 +27,41 @@ CONFIGS = [(1, 4096), (1, 6656), (1, 16384), (1, 32768), (1, 131072), (8, 6656),
 
 def run(B: int, C: int) -> dict:
     cfg = Config(B=B, C=C)
-    sets = [(*s, torch.zeros(B, cfg.Hkv, C, device="cuda")) for s in _make_sets(cfg)]  # + a score state
+    G = cfg.Hq // cfg.Hkv
+
+    def method_state():  # score, a pending query (finite lse: something to fold), fill
+        return (torch.zeros(B, cfg.Hkv, C, device="cuda"), torch.randn(B, cfg.Hkv, G, cfg.D, device="cuda"),
+                torch.full((B, cfg.Hkv, G), 30.0, device="cuda"), torch.full((B, cfg.Hkv), C, device="cuda"))
+
+    sets = [(*s, *method_state()) for s in _make_sets(cfg)]
     scale = cfg.D**-0.5
     ops = torch.ops.kvrewrite
 
-    def attention(q, k, v, bias, pos, cp, score):
+    def attention(q, k, v, bias, pos, cp, *state):
         return ops.clustered_attention(q, k, v, bias, pos, cp, scale, 0, past_only=True)
 
-    def fused(mode):
-        return lambda q, k, v, bias, pos, cp, score: ops.observed_attention(q, k, v, bias, pos, cp, scale, 0, score,
-                                                                            mode, 32, True)
+    def fused(mode, defer):
+        def call(q, k, v, bias, pos, cp, score, pq, plse, fill):  # (the work does not depend on the data)
+            return ops.observed_attention(q, k, v, bias, pos, cp, scale, 0, score, pq, plse, fill, mode, 32, True,
+                                          defer)
+        return call
 
-    def two_ops(q, k, v, bias, pos, cp, score):
+    def two_ops(q, k, v, bias, pos, cp, score, *state):
         out = ops.clustered_attention(q, k, v, bias, pos, cp, scale, 0, past_only=True)
         ops.accumulate_attention(q, k, bias, pos, cp, score, scale, 0, "all")
         return out
 
     us = {name: _graph_us(fn, sets) for name, fn in
-          (("attention", attention), ("fused_all", fused("all")), ("fused_window", fused("window")),
-           ("two_ops", two_ops))}
+          (("attention", attention), ("deferred", fused("all", True)), ("folded_all", fused("all", False)),
+           ("folded_window", fused("window", False)), ("two_ops", two_ops))}
     del sets
     torch.cuda.empty_cache()
-    row = dict(B=B, C=C, Hq=cfg.Hq, Hkv=cfg.Hkv, D=cfg.D, dtype=cfg.dtype, us=us,
-               fused_overhead=us["fused_all"] / us["attention"] - 1,
-               fused_window_overhead=us["fused_window"] / us["attention"] - 1,
-               two_ops_overhead=us["two_ops"] / us["attention"] - 1)
-    print(f"B={B:<2} C={C:<7} attention {us['attention']:7.1f} us | fused all {us['fused_all']:7.1f} "
-          f"(+{100 * row['fused_overhead']:.1f}%) window {us['fused_window']:7.1f} "
-          f"(+{100 * row['fused_window_overhead']:.1f}%) | two ops {us['two_ops']:8.1f} "
-          f"(+{100 * row['two_ops_overhead']:.0f}%)", flush=True)
+    over = {k: us[k] / us["attention"] - 1 for k in us if k != "attention"}
+    row = dict(B=B, C=C, Hq=cfg.Hq, Hkv=cfg.Hkv, D=cfg.D, dtype=cfg.dtype, us=us, overhead=over)
+    print(f"B={B:<2} C={C:<7} attention {us['attention']:7.1f} us | deferred {us['deferred']:7.1f} "
+          f"(+{100 * over['deferred']:.1f}%) | folded all {us['folded_all']:7.1f} (+{100 * over['folded_all']:.1f}%) "
+          f"window {us['folded_window']:7.1f} (+{100 * over['folded_window']:.1f}%) | two ops {us['two_ops']:8.1f} "
+          f"(+{100 * over['two_ops']:.0f}%)", flush=True)
     return row
 
 

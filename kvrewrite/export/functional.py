@@ -138,12 +138,15 @@ FUNCTIONAL = {
 def unfuse_observed_attention(gm: fx.GraphModule) -> fx.GraphModule:
     """gm with every kvrewrite::observed_attention (passes/fuse_attention_observation.py) split back into the
     kvrewrite::clustered_attention and kvrewrite::accumulate_attention it fuses, in place (functionalize runs it
-    on its copy): the ONNX functions and TensorRT plugin descriptions describe those two, exactly the same
-    function; fusing them is a CUDA kernel choice, and a backend with native kernels makes its own."""
+    on its copy): the ONNX functions and TensorRT plugin descriptions describe those two. The statistics are then
+    folded at every step, never deferred (the pending query stays empty, its state inputs unread): the same
+    output, and the same score at every compression; fusing and deferring are a CUDA kernel choice, and a backend
+    with native kernels makes its own."""
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target != torch.ops.kvrewrite.observed_attention.default:
             continue
-        q, keys, values, bias, slot_pos, cache_position, scale, window, score, mode, last, past_only = all_args(node)
+        q, keys, values, bias, slot_pos, cache_position, scale, window, score, _, _, _, mode, last, past_only, _ = \
+            all_args(node)
         with gm.graph.inserting_before(node):
             attn = gm.graph.call_function(torch.ops.kvrewrite.clustered_attention.default,
                                           (q, keys, values, bias, slot_pos, cache_position, scale, window),

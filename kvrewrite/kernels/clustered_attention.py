@@ -168,22 +168,30 @@ def cpu_clustered_attention(q, keys, values, bias, slot_pos, cache_position, sca
 
 # Shape ints that only bound loops and masks are not specialised on (value 1, multiple of 16): one
 # compiled kernel then serves every C, T, G and window of a dtype and head dim.
-@triton_jit(do_not_specialize=["Hkv", "G", "T", "C", "window", "NUM_SPLITS"])
+@triton_jit(do_not_specialize=["Hkv", "G", "T", "C", "window", "NUM_SPLITS", "pend_scale"])
 def _clustered_attention_fwd_kernel(
     Q, K, V, BIAS, POS, CPOS,
     OUT,  # [B, Hq, T, D] q's dtype (SPLIT False), or fp32 partial acc [B * Hq * T, NUM_SPLITS, D]
     M_PART, L_PART,  # fp32 [B * Hq * T, NUM_SPLITS], log2-domain running max and sum (SPLIT only)
     LOGITS,  # fp32 [B * Hq * T, C]: every row's masked log2-domain score of every slot (WRITE_LOGITS only)
     LSE,  # fp32 [B * Hq * T]: each row's natural-log log-sum-exp, -inf for a row that saw nothing (WRITE_LSE only)
+    # kvrewrite::observed_attention's deferred statistics (PENDING: T == 1, the tile's rows [G, 2G) are free):
+    PEND_Q,  # fp32 [B * Hq, D]: the previous step's query (PENDING); SAVE_Q: receives this step's
+    PEND_LSE,  # fp32 [B * Hq]: its natural-log lse; +inf (nothing pending) or -inf (it saw nothing) add 0
+    SCORE,  # fp32 [B, Hkv, C], mutated (PENDING): += pend_scale * sum over the G heads of 2^(s - lse2)
+    FILL,  # int64 [B, Hkv] (PENDING without LOAD_POS): the pending query saw slots [0, fill - 1)
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kc, stride_kd,
     stride_vb, stride_vh, stride_vc, stride_vd,
     stride_bb, stride_bh, stride_bc,
     stride_pb, stride_ph, stride_pc,
+    stride_sb, stride_sh, stride_sc,
+    stride_fb, stride_fh,
     # qk_scale = scale * log2(e); with SOFTCAP, qk_scale = scale / softcap and softcap_log2 = softcap * log2(e)
     # (unused without SOFTCAP)
     Hkv, G, T, C, window, slots_per_split, qk_scale, softcap_log2,
     NUM_SPLITS,
+    pend_scale,  # 1 (sum over the group) or 1 / G (mean) (PENDING)
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -195,6 +203,8 @@ def _clustered_attention_fwd_kernel(
     SOFTCAP: tl.constexpr,  # soft-cap the scores: softcap * tanh(scale * q·k / softcap), before the bias and masks
     WRITE_LOGITS: tl.constexpr,  # store s (kvrewrite::observed_attention's decode statistics)
     WRITE_LSE: tl.constexpr,  # store the log-sum-exp in the epilogue (without SPLIT; the combine does it with SPLIT)
+    PENDING: tl.constexpr,  # fold the pending query's attention into SCORE on the way (rows [G, 2G) of the tile)
+    SAVE_Q: tl.constexpr,  # store q into PEND_Q in the epilogue (without SPLIT; the combine does it with SPLIT)
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     pid_s = tl.program_id(0)
@@ -223,6 +233,20 @@ def _clustered_attention_fwd_kernel(
     # [-(window + 1), 2**30], which keeps every causal and window test's outcome (slots before the clamp
     # are older than every row's window, slots after it newer than every row)
     q_rel = tl.where(row_ok, qpos - qpos_min, 0).to(tl.int32)
+    if PENDING:
+        # rows [G, 2G): the previous step's query (its G heads), at position qpos_min - 1 (q_rel -1): it saw
+        # every slot this step's query sees but this step's own token; its probability 2^(s - lse2) of every
+        # slot goes into SCORE (rows that are not pending get lse2 = +inf: 0)
+        pend = (rows >= G) & (rows < 2 * G)
+        prow = b.to(tl.int64) * Hq + h * G + rows - G
+        pq = tl.load(PEND_Q + prow[:, None] * HEAD_DIM + offs_d[None, :], mask=pend[:, None], other=0.0)
+        q = tl.where(pend[:, None], pq.to(Q.dtype.element_ty), q)
+        plse = tl.load(PEND_LSE + prow, mask=pend, other=float("inf"))
+        plse2 = tl.where(plse == float("-inf"), float("inf"), plse * LOG2E)
+        q_rel = tl.where(pend, -1, q_rel)
+        score_base = SCORE + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
+        if not LOAD_POS:  # past_only: this step's token is the slot cache_append just wrote, fill - 1
+            n_seen = tl.load(FILL + b.to(tl.int64) * stride_fb + h.to(tl.int64) * stride_fh) - 1
     if HAS_WINDOW:
         lo = -1 - window
     else:
@@ -248,6 +272,8 @@ def _clustered_attention_fwd_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_end
         bias = tl.load(bias_base + offs_n * stride_bc, mask=n_ok, other=float("-inf"))
+        if PENDING:  # loaded early: its latency hides behind the keys' (no dependence on them)
+            old_score = tl.load(score_base + offs_n * stride_sc, mask=n_ok, other=0.0)
         if LOAD_POS:
             pos = tl.load(pos_base + offs_n * stride_pc, mask=n_ok, other=0)
             p_rel = tl.minimum(tl.maximum(pos - qpos_min, lo), 2**30).to(tl.int32)
@@ -284,8 +310,9 @@ def _clustered_attention_fwd_kernel(
             s = (qk * qk_scale).to(tl.float32) + bias2[None, :]
         if LOAD_POS:
             if CAUSAL_SKIP:
-                # a tile whose slots all lie at or before the block's first query is visible to every row
-                if tl.max(tl.where(need, p_rel, -1), axis=0) > 0:
+                # a tile whose slots all lie at or before the block's first query is visible to every row (with
+                # PENDING: before it, the pending rows' position)
+                if tl.max(tl.where(need, p_rel, -1), axis=0) > (-1 if PENDING else 0):
                     s = tl.where(p_rel[None, :] <= q_rel[:, None], s, float("-inf"))
             else:
                 s = tl.where(p_rel[None, :] <= q_rel[:, None], s, float("-inf"))
@@ -293,12 +320,23 @@ def _clustered_attention_fwd_kernel(
                 s = tl.where(p_rel[None, :] > q_rel[:, None] - window, s, float("-inf"))
         if WRITE_LOGITS:  # the final score of every (row, slot): -inf where invisible, empty or unneeded
             tl.store(LOGITS + out_row[:, None] * C + offs_n[None, :], s, mask=row_ok[:, None] & n_ok[None, :])
+        if PENDING and not LOAD_POS:
+            s = tl.where(pend[:, None] & (offs_n[None, :] >= n_seen), float("-inf"), s)
 
         # -- online softmax (base 2); a row that has seen nothing yet keeps m = -inf, l = 0 --------
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_base)
+        if PENDING:
+            # the pending rows subtract their known lse instead of a running max, so the same exp2 gives their
+            # probabilities (their m, l and acc are never stored); each slot belongs to one program: a plain
+            # read-modify-write of its score, deterministic
+            m_base = tl.where(pend, plse2, m_base)
+            alpha = tl.where(pend, 1.0, alpha)
         p = tl.exp2(s - m_base[:, None])
+        if PENDING:
+            col = tl.sum(tl.where(pend[:, None], p, 0.0), axis=0) * pend_scale
+            tl.store(score_base + offs_n * stride_sc, old_score + col, mask=n_ok)
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
         # -- accumulate p @ v -------------------------------------------------------------------------
@@ -321,6 +359,8 @@ def _clustered_attention_fwd_kernel(
         if WRITE_LSE:
             lse = tl.where(l_i > 0.0, (m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))) / LOG2E, float("-inf"))
             tl.store(LSE + out_row, lse, mask=row_ok)
+        if SAVE_Q:  # (after PENDING's read of PEND_Q: without SPLIT this program is the only one of its rows)
+            tl.store(PEND_Q + out_row[:, None] * HEAD_DIM + offs_d[None, :], q.to(tl.float32), mask=row_ok[:, None])
 
 
 @triton_jit()
@@ -345,16 +385,23 @@ def combine_row(ACC, M_PART, L_PART, OUT, row, NUM_SPLITS, HEAD_DIM: tl.constexp
                     float("-inf"))
 
 
-@triton_jit(do_not_specialize=["NUM_SPLITS"])
+@triton_jit(do_not_specialize=["NUM_SPLITS", "Hq"])
 def _clustered_attention_combine_kernel(
     ACC, M_PART, L_PART, OUT,  # partials as written by the fwd kernel; OUT [B * Hq * T, D]
     LSE,  # fp32 [B * Hq * T], natural log (WRITE_LSE only)
-    NUM_SPLITS,
+    Q, PEND_Q,  # q [B, Hq, 1, D] and fp32 [B * Hq, D], its copy (SAVE_Q only: T == 1)
+    stride_qb, stride_qh, stride_qd,
+    NUM_SPLITS, Hq,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    SAVE_Q: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if SAVE_Q:  # loaded first: its latency overlaps the partials'
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + (row // Hq) * stride_qb + (row % Hq) * stride_qh + offs_d * stride_qd)
+        tl.store(PEND_Q + row * HEAD_DIM + offs_d, q.to(tl.float32))
     lse = combine_row(ACC, M_PART, L_PART, OUT, row, NUM_SPLITS, HEAD_DIM, BLOCK_S)
     if WRITE_LSE:
         tl.store(LSE + row, lse)
@@ -463,7 +510,7 @@ def triton_clustered_attention(q, keys, values, bias, slot_pos, cache_position, 
 
 
 def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False, softcap=0.0,
-            causal_skip=True, lse=None, **overrides):
+            causal_skip=True, lse=None, pending=None, save_q=None, **overrides):
     """Allocate the output (and the split partials) and launch. No checks: Triton's interpreter
     (TRITON_INTERPRET=1) runs it on CPU tensors, which is how the kernel can be debugged without a GPU.
 
@@ -475,29 +522,49 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past
     its float argument is passed but never read).
 
     lse: an fp32 [B, Hq, T] tensor to receive each query's natural-log log-sum-exp (-inf where it saw nothing),
-    or None (kvrewrite::observed_attention's prefill statistics read it)."""
+    or None (kvrewrite::observed_attention's prefill statistics read it).
+
+    pending, save_q: kvrewrite::observed_attention's deferred decode statistics (T == 1): `pending` as in
+    launch_forward; save_q, an fp32 [B * Hq, D] tensor to receive q (with `lse`: the next step's pending query)."""
     out, part, m_part, l_part, S = launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, window,
-                                                  past_only, softcap, causal_skip, lse=lse, **overrides)
+                                                  past_only, softcap, causal_skip, lse=lse, pending=pending,
+                                                  save_q=save_q, **overrides)
     if part is not None:
         wrap_triton(_clustered_attention_combine_kernel)[(out.numel() // out.shape[-1],)](
-            part, m_part, l_part, out, out if lse is None else lse, S, HEAD_DIM=out.shape[-1],
-            BLOCK_S=max(triton.next_power_of_2(S), 2), WRITE_LSE=lse is not None, num_warps=4,
+            part, m_part, l_part, out, out if lse is None else lse, q, out if save_q is None else save_q,
+            q.stride(0), q.stride(1), q.stride(3), S, q.shape[1], HEAD_DIM=out.shape[-1],
+            BLOCK_S=max(triton.next_power_of_2(S), 2), WRITE_LSE=lse is not None, SAVE_Q=save_q is not None,
+            num_warps=4,
         )
     return out
 
 
 def launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=False, softcap=0.0,
-                   causal_skip=True, lse=None, logits=None, **overrides):
+                   causal_skip=True, lse=None, logits=None, pending=None, save_q=None, **overrides):
     """Launch the slot-loop kernel; returns (out, part, m_part, l_part, S): the split partials (None without
     splits: then `out` is final) for the caller to combine. With `logits` (fp32 [B * Hq * T, C]) every row's
     masked log2-domain score is stored there, and the partials are always written (even with one split): the
     caller needs each row's log-sum-exp, which the combine computes. `lse` as in _launch (without splits the
-    kernel's epilogue writes it; with splits the caller's combine must)."""
+    kernel's epilogue writes it; with splits the caller's combine must).
+
+    pending (T == 1 only): a dict of kvrewrite::observed_attention's deferred statistics, q and lse (fp32
+    [B * Hq, D] and [B * Hq]: the previous step's query and its natural-log lse), score (fp32 [B, Hkv, C]),
+    fill ([B, Hkv]) and scale (1: sum over the group, 1 / G: mean). The previous query rides in the tile's
+    rows [G, 2G) (its slots are this step's but the newest: slot_pos < cache_position[0], or without slot_pos
+    reads (past_only, window 0) slots before fill - 1) and its probabilities are added to score on the way.
+    save_q: an fp32 [B * Hq, D] tensor that receives q (the kernel's epilogue without splits, else the
+    caller's combine: after every program has read `pending`)."""
     # int(): the launch depends on the shapes, so a dynamic-shape trace specialises on them (a guard)
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, C = int(keys.shape[1]), int(keys.shape[2])
     G = Hq // Hkv
     num_sms = _num_sms(q.device) if q.is_cuda else 8  # 8: Triton's interpreter on CPU tensors
+    if pending is not None:
+        if save_q is not None and save_q is not pending["q"]:
+            raise ValueError("launch_forward: save_q must be pending's q (the kernel reads it, then writes it)")
+        if T != 1:
+            raise ValueError(f"launch_forward: the pending query rides along decode steps only (T = 1), got T = {T}")
+        overrides.setdefault("block_m", max(16, triton.next_power_of_2(2 * G)))  # rows [G, 2G) for it
     cfg = _launch_config(B, Hkv, G, T, C, D, num_sms, q.element_size(), **overrides)
     S = cfg["num_splits"]
     split = S > 1 or logits is not None
@@ -513,14 +580,22 @@ def launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, windo
         l_part = torch.empty((B * Hq * T, S), dtype=torch.float32, device=q.device)
     else:
         part = m_part = l_part = out  # M_PART and L_PART are never touched without splits
+    if pending is None:  # unused pointers and strides: any tensor of the launch
+        pq = plse = score = fill = out
+        score_strides, fill_strides, pend_scale = (0, 0, 0), (0, 0), 1.0
+    else:
+        pq, plse, score, fill = pending["q"], pending["lse"], pending["score"], pending["fill"]
+        score_strides, fill_strides, pend_scale = score.stride(), fill.stride(), float(pending["scale"])
     wrap_triton(_clustered_attention_fwd_kernel)[(S, B * Hkv, cfg["m_blocks"])](
         q, keys, values, bias, slot_pos, cache_position, part, m_part, l_part,
         out if logits is None else logits, out if lse is None else lse,
-        *q.stride(), *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(),
-        Hkv, G, T, C, window, cfg["slots_per_split"], qk_scale, softcap_log2, S,
+        pq if save_q is None else save_q, plse, score, fill,
+        *q.stride(), *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(), *score_strides,
+        *fill_strides, Hkv, G, T, C, window, cfg["slots_per_split"], qk_scale, softcap_log2, S, pend_scale,
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], SPLIT=split, SKIP_UNSEEN=cfg["skip_unseen"],
         LOAD_POS=load_pos, HAS_WINDOW=window > 0, CAUSAL_SKIP=causal_skip, SOFTCAP=softcap > 0,
         WRITE_LOGITS=logits is not None, WRITE_LSE=lse is not None and not split,
+        PENDING=pending is not None, SAVE_Q=save_q is not None and not split,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not split:

@@ -1,32 +1,43 @@
-"""kvrewrite::observed_attention — clustered_attention and accumulate_attention in one op, one pass over the keys.
+"""kvrewrite::observed_attention — clustered_attention and accumulate_attention in one op, one pass over the keys,
+with the statistics of a decode step's query deferred to the next step (the pending query).
 
     out = clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only)
-    accumulate_attention(q, keys, bias, slot_pos, cache_position, score, scale, window, mode, last)
 
-exactly (same function, same in-place update of `score`: see those two modules for the formulas); the pass
-fuse_attention_observation puts it where a method's statistics op follows its attention (H2O, SnapKV).
-Why an op of its own: the statistics need every query's probability of every slot, p = exp(z - lse),
-and lse is known only once the attention has seen every slot. Computed apart, they are a second pass
-over the keys after the attention's (and a third for lse): on the H100 that cost h2o 8 ms of a 14.5 ms
-decode step (docs/bench/e2e_h100_h2o_second_pass.json). Here the attention computes them on the way:
+and the statistics of accumulate_attention(q, keys, bias, slot_pos, cache_position, score, scale, window, mode,
+last), with one difference of timing. The step first folds the PENDING query (the previous step's, kept in
+`pending_q` with its log-sum-exp in `pending_lse`) into `score`: its softmax over the slots it saw, which are
+this step's slots before cache_position[0] (the previous step's slots: nothing else changes between two decode
+steps), summed (mode "all") or averaged (mode "window") over the G query heads of a KV head, exactly what
+accumulate_attention added for it. Then:
+  - defer=True (the decode graph that does not compress; T must be 1): this step's query becomes the pending
+    one (its q and lse are stored), its statistics wait for the next step;
+  - defer=False (prefill chunks, and the decode step that compresses): this step's statistics are folded now,
+    as accumulate_attention folds them, and nothing stays pending (pending_lse = +inf).
+So whenever a compression reads `score`, it is exactly accumulate_attention's (the pass defers only in graphs
+without compression ops), and between steps score + the pending query's fold is. The pass
+fuse_attention_observation puts the op where a method's statistics op follows its attention (H2O, SnapKV).
 
-- decode (T = 1, the step that repeats): the attention kernel also stores each row's masked log2-domain
-  score s of every slot (fp32 [B * Hq, C]: G * 4 bytes per slot and KV head, next to the 4 * D bytes of
-  keys and values it reads) and always leaves split partials; then one kernel (grid B * Hkv x slot
-  blocks) combines the partials into the output rows and each row's log-sum-exp, and folds
-  p = 2^(s - lse2) of the G query heads of a KV head into `score` (sum or mean over the group, as the
-  mode says; each slot's score is written by one program: no atomics, deterministic). The keys are read
-  once; the extra traffic is the scores' write and read and the score state's read and write: +9-14%
-  over the attention alone on an H100 (docs/bench/observed_attention_h100.json; docs/methods.md).
-- T > 1 (a prefill chunk, compute-bound): the attention kernel writes each query's lse; then
-  attention_column_stats' single pass with that lse (its lse pass is skipped) and the group reduction.
+Why: the statistics need every query's probability of every slot, p = exp(z - lse), and lse is known only
+once the attention has seen every slot: computed apart they are a second pass over the keys (and a third
+for lse): on the H100 that cost h2o 8 ms of a 14.5 ms decode step (docs/bench/e2e_h100_h2o_second_pass.json).
+The previous query's lse IS known, so its G heads ride in the attention tile's free rows (a decode tile has
+16 rows for G = 4 heads, tl.dot's minimum): the same q·k products, plus a read and write of the score per
+slot (8 bytes next to the 4 * D bytes of keys and values) and no extra kernel. The decode step that
+compresses keeps the earlier scheme (the attention kernel stores the scores, one kernel combines the output
+and folds them: docs/methods.md), and a prefill chunk (compute-bound) runs attention_column_stats' single
+pass with the attention's lse. docs/methods.md has the measurements.
 
-Args: those of clustered_attention (softcap excluded: observing methods are refused on soft-capped
-layers) and of accumulate_attention: score [B, Hkv, C] fp32 (mutated), mode "all" or "window", last.
+Args: those of clustered_attention (softcap excluded: observing methods are refused on soft-capped layers),
+score [B, Hkv, C] fp32 (mutated), pending_q fp32 [B, Hkv, G, D] and pending_lse fp32 [B, Hkv, G] (mutated; the
+pending query's q and natural-log lse; lse +inf: nothing pending, -inf: it saw no slot, both add 0), fill
+[B, Hkv] (the layer's), mode "all" or "window", last (accumulate_attention's), past_only, defer.
+With past_only and window 0 the CUDA kernel does not read slot_pos, so it takes the slots the pending query
+saw as those before fill - 1 (this step's token is the one cache_append just wrote there): the op's
+promise, which the CPU path checks (ValueError when broken).
 Returns: the attention output [B, Hq, T, D] in q's dtype, contiguous.
 
-Backends: CUDA with Triton runs the fused kernels (the dtypes and head dims of clustered_attention's);
-everywhere else the op is the two ops called in turn (the CPU path), so it is exactly them. A
+Backends: CUDA with Triton runs the fused kernels (the dtypes and head dims of clustered_attention's); other
+devices run the same steps with the two ops and the reference fold (the CPU path). A
 `torch.library.triton_op` (Inductor sees the launches), no host sync: CUDA graphs capture it.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
@@ -114,47 +125,173 @@ def _fold_config(B, Hkv, G, C, num_sms) -> dict:
     return dict(block_g=block_g, block_c=block_c, slots_per_prog=per_prog, c_progs=triton.cdiv(C, per_prog))
 
 
-def triton_observed_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, score, mode, last=0,
-                              past_only=False):
+def _check_inputs(q, keys, bias, score, pending_q, pending_lse, fill, defer):
+    name = "kvrewrite::observed_attention"
+    B, Hq, T, D = q.shape
+    Hkv, C = keys.shape[1], keys.shape[2]
+    G = Hq // Hkv if Hkv else 0
+    if tuple(pending_q.shape) != (B, Hkv, G, D) or pending_q.dtype != torch.float32:
+        raise ValueError(f"{name}: pending_q must be fp32 [B, Hkv, G, D] = {(B, Hkv, G, D)}, got {pending_q.dtype} "
+                         f"{tuple(pending_q.shape)}")
+    if tuple(pending_lse.shape) != (B, Hkv, G) or pending_lse.dtype != torch.float32:
+        raise ValueError(f"{name}: pending_lse must be fp32 [B, Hkv, G] = {(B, Hkv, G)}, got {pending_lse.dtype} "
+                         f"{tuple(pending_lse.shape)}")
+    if tuple(fill.shape) != (B, Hkv):
+        raise ValueError(f"{name}: fill must be [B, Hkv] = {(B, Hkv)}, got {tuple(fill.shape)}")
+    if defer and T != 1:
+        raise ValueError(f"{name}: defer=True keeps one decode query pending: T must be 1, got T = {T}")
+    if not (pending_q.is_contiguous() and pending_lse.is_contiguous()):
+        raise ValueError(f"{name}: pending_q and pending_lse must be contiguous (state tensors are)")
+
+
+def check_pending_promise(bias, slot_pos, fill, cache_position, pending_lse):
+    """ValueError unless, in every row with a query pending, the used slots before cache_position[0] are exactly
+    those before fill - T (the promise the CUDA kernel relies on with past_only and window 0). Reads the data: the
+    CPU path and the reference."""
+    if slot_pos.device.type == "meta" or cache_position.numel() == 0:
+        return
+    ar = torch.arange(bias.shape[-1], device=bias.device)
+    used = (bias > float("-inf")) & torch.isfinite(pending_lse).any(dim=-1, keepdim=True)
+    by_pos = slot_pos < cache_position[0]
+    by_index = ar < (fill - cache_position.numel())[..., None]
+    broken = used & (by_pos != by_index)
+    if bool(broken.any()):
+        b, h, c = (int(i) for i in broken.nonzero()[0])
+        raise ValueError(f"kvrewrite::observed_attention: past_only=True, but used slot {c} of batch row {b}, KV head "
+                         f"{h} (position {int(slot_pos[b, h, c])}, fill {int(fill[b, h])}) breaks the promise that the "
+                         f"slots before position {int(cache_position[0])} are those before fill - T; pass "
+                         f"past_only=False when the step's tokens are not the last ones appended")
+
+
+def fold_pending(keys, bias, slot_pos, cache_position, score, pending_q, pending_lse, scale, window, mode):
+    """score += the pending query's attention over the slots before cache_position[0], summed (mode "all") or
+    averaged (mode "window") over the G heads of a KV head (reference; CUDA: the T > 1 path's launch)."""
+    B, Hkv, G, D = pending_q.shape
+    q = pending_q.view(B, Hkv * G, 1, D).to(keys.dtype)  # exact: it was stored from a query of this dtype
+    lse = pending_lse.view(B, Hkv * G, 1)
+    position = cache_position[:1] - 1
+    if keys.is_cuda and acs.triton is not None:
+        total, _ = acs._launch(q, keys, bias, slot_pos, position, lse, scale, window, 0)
+    else:
+        total, _ = acs.reference_attention_column_stats(q, keys, bias, slot_pos, position, lse, scale, window, 0)
+    aa.fold_into_score(score, total, total, mode, 1)
+
+
+def triton_observed_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, score, pending_q,
+                              pending_lse, fill, mode, last=0, past_only=False, defer=False):
     """The op on CUDA through Triton (module docstring); validates its inputs."""
     if triton is None:
         raise NotImplementedError("triton_observed_attention needs Triton (pip install triton); "
                                   "kvrewrite::observed_attention itself runs without it")
     ca._check_inputs(q, keys, values, bias, slot_pos, cache_position, window)
     aa._check_inputs(q, keys, bias, slot_pos, cache_position, score, window, mode, last)
-    return _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, score, mode, last, past_only)
+    _check_inputs(q, keys, bias, score, pending_q, pending_lse, fill, defer)
+    return _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, score, pending_q, pending_lse, fill,
+                   mode, last, past_only, defer)
 
 
-def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, score, mode, last, past_only):
+def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, score, pending_q, pending_lse, fill, mode,
+            last, past_only, defer):
+    """The CUDA steps, unchecked (Triton's interpreter runs them on CPU tensors)."""
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, C = int(keys.shape[1]), int(keys.shape[2])
     G = Hq // Hkv
-    if T > 1:  # prefill chunk: the attention's lse saves the statistics' own pass
+    group_scale = 1.0 if mode == "all" else 1.0 / G
+    if T > 1:  # prefill chunk: fold the pending query apart, then the attention's lse saves the statistics' pass
+        fold_pending(keys, bias, slot_pos, cache_position, score, pending_q, pending_lse, scale, window, mode)
         lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
         out = ca._launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only, lse=lse)
         total, recent = acs._launch(q, keys, bias, slot_pos, cache_position, lse, scale, window,
                                     last if mode == "window" else 0)
         aa.fold_into_score(score, total, recent, mode, T)
+        pending_lse.fill_(float("inf"))
         return out
+    # the state tensors themselves, not views (the kernels index them flat: contiguous, [B * Hq] rows); a view of a
+    # mutated input would make the traced op copy it in and out
+    pending = dict(q=pending_q, lse=pending_lse, score=score, fill=fill, scale=group_scale)
+    if defer:  # fold the pending query on the way, then this one is pending: q and lse saved
+        return ca._launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only,
+                          lse=pending["lse"], pending=pending, save_q=pending["q"])
     logits = torch.empty((B * Hq, C), dtype=torch.float32, device=q.device)
     out, part, m_part, l_part, S = ca.launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, window,
-                                                     past_only, logits=logits)
-    cfg = _fold_config(B, Hkv, G, C, ca._num_sms(q.device))
+                                                     past_only, logits=logits, pending=pending)
+    cfg = _fold_config(B, Hkv, G, C, ca._num_sms(q.device) if q.is_cuda else 8)
     wrap_triton(_observe_combine_kernel)[(B * Hkv, cfg["c_progs"])](
         part, m_part, l_part, out, logits, score, *score.stride(),
-        Hkv, G, C, S, cfg["slots_per_prog"], 1.0 if mode == "all" else 1.0 / G,
+        Hkv, G, C, S, cfg["slots_per_prog"], group_scale,
         HEAD_DIM=D, BLOCK_G=cfg["block_g"], BLOCK_S=max(triton.next_power_of_2(S), 2), BLOCK_C=cfg["block_c"],
         num_warps=4,
     )
+    pending_lse.fill_(float("inf"))
     return out
 
 
-def reference_observed_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, score, mode, last=0,
-                                 past_only=False):
-    """The two ops' references in turn (the ground truth of the tests)."""
+def reference_observed_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, score, pending_q,
+                                 pending_lse, fill, mode, last=0, past_only=False, defer=False):
+    """The module docstring's steps with the references (the ground truth of the tests; also the CPU path)."""
+    _check_inputs(q, keys, bias, score, pending_q, pending_lse, fill, defer)
+    if past_only and window == 0 and q.shape[2] == 1:
+        check_pending_promise(bias, slot_pos, fill, cache_position, pending_lse)
+    fold_pending(keys, bias, slot_pos, cache_position, score, pending_q, pending_lse, scale, window, mode)
     out = ca.reference_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only)
-    aa.reference_accumulate_attention(q, keys, bias, slot_pos, cache_position, score, scale, window, mode, last)
+    _observe_or_defer(q, keys, bias, slot_pos, cache_position, score, pending_q, pending_lse, scale, window, mode, last,
+                      defer, aa.reference_accumulate_attention)
     return out.contiguous()
+
+
+def _observe_or_defer(q, keys, bias, slot_pos, cache_position, score, pending_q, pending_lse, scale, window, mode, last,
+                      defer, accumulate):
+    """After the attention: save q and its lse as the pending query (defer), or fold its statistics now."""
+    if defer:
+        B, Hq, _, D = q.shape
+        lse = acs._visible_logits(q, keys, bias, slot_pos, cache_position, scale, window).logsumexp(dim=-1)
+        pending_q.copy_(q.view(pending_q.shape))
+        pending_lse.copy_(lse.view(pending_lse.shape))
+    else:
+        accumulate(q, keys, bias, slot_pos, cache_position, score, scale, window, mode, last)
+        pending_lse.fill_(float("inf"))
+
+
+@torch.library.custom_op("kvrewrite::observed_attention_eager", mutates_args=("score", "pending_q", "pending_lse"))
+def observed_attention_eager(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor,
+    slot_pos: torch.Tensor,
+    cache_position: torch.Tensor,
+    scale: float,
+    window: int,
+    score: torch.Tensor,
+    pending_q: torch.Tensor,
+    pending_lse: torch.Tensor,
+    fill: torch.Tensor,
+    stats_mode: str,
+    last: int = 0,
+    past_only: bool = False,
+    defer: bool = False,
+) -> torch.Tensor:
+    """The op off CUDA, an opaque op of its own (its checks read the data, which an inlined body cannot): the
+    reference fold of the pending query, kvrewrite::clustered_attention, then kvrewrite::accumulate_attention or
+    the pending query's save. (`stats_mode` is the op's `mode`: an argument named "mode" collides with torch's
+    fake-tensor dispatch of a custom op.)"""
+    mode = stats_mode
+    aa._check_inputs(q, keys, bias, slot_pos, cache_position, score, window, mode, last)
+    _check_inputs(q, keys, bias, score, pending_q, pending_lse, fill, defer)
+    if past_only and window == 0 and q.shape[2] == 1:
+        check_pending_promise(bias, slot_pos, fill, cache_position, pending_lse)
+    fold_pending(keys, bias, slot_pos, cache_position, score, pending_q, pending_lse, scale, window, mode)
+    out = torch.ops.kvrewrite.clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window,
+                                                  past_only)
+    _observe_or_defer(q, keys, bias, slot_pos, cache_position, score, pending_q, pending_lse, scale, window, mode, last,
+                      defer, torch.ops.kvrewrite.accumulate_attention)
+    return out
+
+
+@observed_attention_eager.register_fake
+def _(q, keys, values, bias, slot_pos, cache_position, scale, window, score, pending_q, pending_lse, fill, stats_mode,
+      last=0, past_only=False, defer=False):
+    return q.new_empty(q.shape)
 
 
 def observed_attention(
@@ -167,22 +304,26 @@ def observed_attention(
     scale: float,
     window: int,
     score: torch.Tensor,
+    pending_q: torch.Tensor,
+    pending_lse: torch.Tensor,
+    fill: torch.Tensor,
     mode: str,
     last: int = 0,
     past_only: bool = False,
+    defer: bool = False,
 ) -> torch.Tensor:
-    """The attention output, with the step's attention statistics folded into `score` (module docstring).
+    """The attention output; the pending query's statistics folded into `score`, this step's folded too or
+    left pending (module docstring).
 
-    The op's kernel, fake and what Inductor inlines: CUDA launches the fused Triton kernels; other devices
-    call kvrewrite::clustered_attention and kvrewrite::accumulate_attention."""
+    The op's kernel, fake and what Inductor inlines: CUDA launches the fused Triton kernels; other devices call
+    kvrewrite::clustered_attention and kvrewrite::accumulate_attention around the reference fold."""
     if q.is_cuda and triton is not None:
-        return triton_observed_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, score, mode,
-                                         last, past_only)
-    out = torch.ops.kvrewrite.clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window,
-                                                  past_only)
-    torch.ops.kvrewrite.accumulate_attention(q, keys, bias, slot_pos, cache_position, score, scale, window, mode, last)
-    return out
+        return triton_observed_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, score,
+                                         pending_q, pending_lse, fill, mode, last, past_only, defer)
+    return torch.ops.kvrewrite.observed_attention_eager(q, keys, values, bias, slot_pos, cache_position, scale,
+                                                        window, score, pending_q, pending_lse, fill, mode, last,
+                                                        past_only, defer)
 
 
-observed_attention = register_triton_op("kvrewrite::observed_attention", observed_attention, ("score",),
-                                        triton is not None)
+observed_attention = register_triton_op("kvrewrite::observed_attention", observed_attention,
+                                        ("score", "pending_q", "pending_lse"), triton is not None)

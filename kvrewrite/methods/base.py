@@ -24,7 +24,9 @@ import numbers
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
-from kvrewrite.state import NO_LIMIT
+import torch
+
+from kvrewrite.state import NO_LIMIT, StateField
 
 
 def check_budget(owner: str, budget) -> None:
@@ -71,7 +73,7 @@ class Method:
     def compression_call(self, layer):
         """(op overload, kwargs) to insert at the end of the step for a full-attention layer, or None for no
         compression. The op is called with the layer's base state (keys, values, bias, slot_pos, fill, budget),
-        then its method state fields in `state_fields` order, then the kwargs; it must only touch rows whose
+        then the method state fields its schema names (in `state_fields` order), then the kwargs; it must only touch rows whose
         fill reached the threshold budget[1] and leave them with min(valid slots, budget[0]) slots."""
         raise NotImplementedError
 
@@ -82,8 +84,9 @@ class Method:
 
     def observe_call(self, layer):
         """(op overload, kwargs) to insert right after a full-attention layer's attention in every graph, or None.
-        The op is called with (q, keys, bias, slot_pos, cache_position, *state fields in `state_fields` order),
-        scale=, window= (the attention's) and the kwargs, and updates the method's state in place."""
+        The op is called with (q, keys, bias, slot_pos, cache_position, *the state fields its schema names, in
+        `state_fields` order), scale=, window= (the attention's) and the kwargs, and updates the method's state in
+        place."""
         return None
 
     # -- sizes ------------------------------------------------------------------------------------------
@@ -120,3 +123,17 @@ class Method:
 
     def check_generation(self, n_prompt: int, max_new_tokens: int) -> None:
         """Raise ValueError if this generation cannot run under the method's settings."""
+
+
+def observed_state_fields(layer) -> dict:
+    """The state of a method whose statistics op is kvrewrite::accumulate_attention (H2O, SnapKV): `score` [B, Hkv, C]
+    fp32, what it accumulates, and the pending query of the fused op's deferred decode statistics
+    (kvrewrite::observed_attention: `pending_q` fp32 [B, Hkv, G, D] and `pending_lse` fp32 [B, Hkv, G], +inf when
+    nothing is pending), which only that op reads. The pending query is 2 * G * (D + 1) * 4 bytes per row and KV
+    head, next to the score's 4 bytes per slot."""
+    G = layer.num_heads // layer.num_kv_heads
+    return {
+        "score": StateField(("B", "Hkv", "C"), torch.float32, 0.0),
+        "pending_q": StateField(("B", "Hkv", G, "D"), torch.float32, 0.0),
+        "pending_lse": StateField(("B", "Hkv", G), torch.float32, float("inf")),
+    }

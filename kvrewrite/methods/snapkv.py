@@ -1,6 +1,7 @@
 """SnapKV: the observation window picks what to keep. Based on https://arxiv.org/abs/2404.14469.
 
-State: `score` [B, Hkv, C] fp32 per full-attention layer. Observation (kvrewrite::accumulate_attention,
+State: `score` [B, Hkv, C] fp32 per full-attention layer (plus the pending query of the fused op's deferred
+decode statistics: methods.base.observed_state_fields). Observation (kvrewrite::accumulate_attention,
 mode "window", right after the attention): a prefill chunk SETS score_j to the attention slot j receives
 from the chunk's last w queries; a decode step ADDS its query's; both averaged over the G query heads of
 the KV head. Compression (kvrewrite::evict_by_score, at the end of the step on rows at B + g slots):
@@ -39,8 +40,7 @@ from typing import ClassVar
 
 import torch
 
-from kvrewrite.methods.base import Method
-from kvrewrite.state import StateField
+from kvrewrite.methods.base import Method, observed_state_fields
 
 
 @dataclass
@@ -68,7 +68,7 @@ class SnapKVMethod(Method):
             raise ValueError(f"SnapKVMethod.kernel must be an odd int >= 1 (1: no pooling), got {self.kernel!r}")
 
     def state_fields(self, layer):
-        return {"score": StateField(("B", "Hkv", "C"), torch.float32, 0.0)}
+        return observed_state_fields(layer)
 
     def observe_call(self, layer):
         return torch.ops.kvrewrite.accumulate_attention.default, {"mode": "window", "last": self.window}

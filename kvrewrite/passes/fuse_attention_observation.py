@@ -4,12 +4,15 @@ Matches:  a kvrewrite.accumulate_attention node (role "observe", H2O's and SnapK
           kvrewrite.clustered_attention node of the same layer, when they read the same q, keys, bias,
           slot_pos, cache_position, scale and window, and the attention has no soft cap.
 Emits:    kvrewrite.observed_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, score,
-          mode, last, past_only) where the attention was (role "observed_attention"); both nodes go. The
-          same function: off CUDA the op calls the two ops in turn. On CUDA the statistics come from the
-          attention kernel's own scores, one pass over the keys instead of three (docs/methods.md has the
-          measurement that decided it).
+          pending_q, pending_lse, fill, mode, last, past_only, defer) where the attention was (role
+          "observed_attention"); both nodes go. defer=True in the decode graph without compression ops: there
+          each step's statistics wait for the next step (the pending query, folded on the way by the next
+          step's attention kernel); every graph that compresses folds them at once, so each compression reads
+          the score accumulate_attention would have left. On CUDA the statistics come from the attention
+          kernel itself, one pass over the keys instead of three (docs/methods.md has the measurements).
 Skips:    observe ops other than accumulate_attention (a method's own statistics op stays where it is).
-Errors:   an accumulate_attention node with no matching attention node (a pass broke the pairing).
+Errors:   an accumulate_attention node with no matching attention node (a pass broke the pairing), or a
+          layer whose state lacks the pending query (methods.base.observed_state_fields declares it).
 Requires: replace_sdpa_with_clustered_attention.
 """
 import logging
@@ -47,10 +50,17 @@ def fuse_attention_observation(gm: fx.GraphModule, ctx: RewriteContext) -> fx.Gr
             raise RewriteError(f"{ctx.where(layer, obs)}: the statistics op reads no attention of its layer "
                                f"(fuse_attention_observation expects the pairing replace_sdpa_with_clustered_attention "
                                f"makes)")
+        state = ctx.sites[layer].state if layer in ctx.sites else {}
+        if "pending_q" not in state or "pending_lse" not in state:
+            raise RewriteError(f"{ctx.where(layer, obs)}: method {ctx.method.name!r} observes with accumulate_attention "
+                               f"but its state has no pending_q / pending_lse (declare them with "
+                               f"kvrewrite.methods.base.observed_state_fields)")
+        defer = ctx.graph_kind == "decode" and not ctx.compress
         with graph.inserting_before(attn):
             fused = graph.call_function(FUSED, (
                 a["q"], a["keys"], a["values"], a["bias"], a["slot_pos"], a["cache_position"], a["scale"],
-                a["window"], o["score"], o["mode"], o["last"], a["past_only"]))
+                a["window"], o["score"], state["pending_q"], state["pending_lse"], state["fill"], o["mode"],
+                o["last"], a["past_only"], defer))
         fused.meta.update({k: v for k, v in attn.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
         fused.meta["kvrewrite"] = {"layer": layer, "role": "observed_attention"}
         attn.replace_all_uses_with(fused)

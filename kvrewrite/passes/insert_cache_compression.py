@@ -3,8 +3,8 @@
 Matches:  the clustered_attention node of every site.
 Emits:    what the method asks for (Method.compression_call), e.g. kvrewrite.chelsea_compress on the
           layer's base state (keys, values, bias, slot_pos, fill, budget) followed by the method's own
-          state fields (Method.state_fields, e.g. evict_by_score's score); for sliding-window layers,
-          kvrewrite.evict_to_budget(n_sink=0), which keeps exactly the window. The ops mutate the state and run only on rows whose fill reached the
+          state fields that the op's schema names (Method.state_fields, e.g. evict_by_score's score); for
+          sliding-window layers, kvrewrite.evict_to_budget(n_sink=0), which keeps exactly the window. The ops mutate the state and run only on rows whose fill reached the
           threshold in l<i>_budget, so the same graph serves every step (no host sync).
 Skips:    full-attention layers of the `full` method (no op is emitted); every layer when
           ctx.compress is False: the plain decode-step variant, which the runtime runs on steps where
@@ -28,7 +28,7 @@ from torch import fx
 
 from kvrewrite.context import RewriteContext
 from kvrewrite.host import layer_state_fields
-from kvrewrite.passes.utils import clean_up
+from kvrewrite.passes.utils import clean_up, named_fields
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def insert_cache_compression(gm: fx.GraphModule, ctx: RewriteContext) -> fx.Grap
             continue
         op, kwargs = call
         s = site.state
-        fields = [s[name] for name in layer_state_fields(info, ctx.method)]
+        fields = named_fields(op, {name: s[name] for name in layer_state_fields(info, ctx.method)})
         with graph.inserting_before(output):
             node = graph.call_function(
                 op, (s["keys"], s["values"], s["bias"], s["slot_pos"], s["fill"], s["budget"], *fields), kwargs

@@ -28,7 +28,7 @@ from torch import fx
 from kvrewrite.context import RewriteContext
 from kvrewrite.errors import RewriteError
 from kvrewrite.host import layer_state_fields
-from kvrewrite.passes.utils import clean_up
+from kvrewrite.passes.utils import clean_up, named_fields
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def _insert_observation(graph, ctx: RewriteContext, layer: int, site, cache_posi
                            f"statistics ops do not model")
     op, kwargs = call
     s, attn = site.state, site.attention
-    fields = [s[name] for name in layer_state_fields(info, ctx.method)]
+    fields = named_fields(op, {name: s[name] for name in layer_state_fields(info, ctx.method)})
     with graph.inserting_after(attn):
         node = graph.call_function(op, (attn.args[0], s["keys"], s["bias"], s["slot_pos"], cache_position, *fields),
                                    {"scale": site.scale, "window": info.window, **kwargs})

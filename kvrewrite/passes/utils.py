@@ -50,6 +50,14 @@ def val_shape(node) -> tuple:
     return tuple(val.shape) if val is not None else ()
 
 
+def named_fields(op, fields: dict) -> list:
+    """The values of `fields` ({name: node}, a method's state) whose names the op's schema has, in their order: the
+    method state an op receives (an op takes what it names, e.g. evict_by_score the score and not the pending
+    query only kvrewrite::observed_attention reads)."""
+    names = {a.name for a in op._schema.arguments}
+    return [v for k, v in fields.items() if k in names]
+
+
 def all_args(node) -> list:
     """A call's arguments in schema order, positional (kwargs folded in, omitted ones at their defaults)."""
     schema = node.target._schema

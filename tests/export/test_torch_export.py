@@ -2,6 +2,7 @@
 rw.generate token for token, greedy and sampled, for chelsea (compression in prefill and on the
 decode steps the host schedule picks) and for sliding-window layers (gemma3, streamingllm)."""
 import json
+import math
 import re
 
 import pytest
@@ -132,7 +133,9 @@ def test_method_state_travels_with_the_export(tmp_path):
     path = kvrewrite.export.torch_export(rw, tmp_path)
     meta = read_metadata(path)
     C = rw.capacities[0]
-    assert meta["method_state"] == [{"score": {"shape": [2, 2, C], "dtype": "float32", "reset": 0.0}}] * 2
+    assert meta["method_state"] == [{"score": {"shape": [2, 2, C], "dtype": "float32", "reset": 0.0},
+                                     "pending_q": {"shape": [2, 2, 2, 16], "dtype": "float32", "reset": 0.0},
+                                     "pending_lse": {"shape": [2, 2, 2], "dtype": "float32", "reset": math.inf}}] * 2
     m = loader.load(path)
     assert [tuple(t.shape) for t in m.state] == [tuple(t.shape) for t in rw.state_tensors()]
     ids, mask = _inputs()

@@ -5,7 +5,9 @@ chunks, windows, empty slots), fp32/fp16/bf16, in memory filled with NaN first (
 or internal score row fails). Tolerances: the output's are clustered_attention's GPU table; the score is a
 sum of fp32 probabilities computed from the same lse as the attention's, against the float64 softmax of
 the same (rounded) inputs: ~1e-6 relative per term, so atol 5e-5 / rtol 5e-5 over <= 130 queries, ~1e2
-below what a wrong group, mask or set/add moves (>= 1/C). Also: a CUDA graph replay without host sync.
+below what a wrong group, mask or set/add moves (>= 1/C). Decode sequences (tests/kernels/decode_sequence.py) whose
+statistics are deferred step to step (the pending query in the attention tile's free rows) against the two ops on
+the CPU. Also: a CUDA graph replay without host sync, deferring.
 On a GPU machine: `python -m pytest -m gpu -q tests/kernels/test_observed_attention_gpu.py`.
 """
 import pytest
@@ -13,6 +15,7 @@ import torch
 
 import kvrewrite  # noqa: F401  (registers the ops)
 from kvrewrite.kernels import observed_attention as oa
+from tests.kernels import decode_sequence as ds
 from tests.kernels.poisoned import poisoned
 from tests.kernels.test_attention_column_stats import dense_probs
 from tests.kernels.test_clustered_attention import make_state, naive_attention
@@ -57,6 +60,13 @@ def _expected(q, keys, values, bias, slot_pos, cp, score, scale, window, mode, l
     return out, (before + observed if T == 1 else observed)
 
 
+def _nothing_pending(q, keys):
+    B, Hq, _, D = q.shape
+    Hkv, C = keys.shape[1], keys.shape[2]
+    return (torch.zeros(B, Hkv, Hq // Hkv, D, device="cuda"), torch.full((B, Hkv, Hq // Hkv), float("inf"), device="cuda"),
+            torch.full((B, Hkv), C, dtype=torch.int64, device="cuda"))
+
+
 def _run(shape, D, dtype, mode, last, seed, past_only=False):
     B, Hq, Hkv, T, C, window = shape
     q, keys, values, bias, slot_pos, cp, score = _inputs(B, Hq, Hkv, T, C, D, dtype, seed)
@@ -65,7 +75,7 @@ def _run(shape, D, dtype, mode, last, seed, past_only=False):
 
     def step():
         s = score.clone()
-        out = OP(q, keys, values, bias, slot_pos, cp, scale, window, s, mode, last, past_only)
+        out = OP(q, keys, values, bias, slot_pos, cp, scale, window, s, *_nothing_pending(q, keys), mode, last, past_only)
         return out, s
 
     nbytes = B * Hq * T * (D * 4 + 64 * (D + 2) * 4) + B * Hq * C * 4 + B * Hkv * C * 4
@@ -95,7 +105,7 @@ def test_queries_that_see_nothing_add_nothing():
     for T in (1, 7):
         q, keys, values, bias, slot_pos, cp, score = _inputs(2, 8, 2, T, 300, 64, torch.bfloat16, seed=T)
         s = score.clone()
-        out = OP(q, keys, values, bias, slot_pos, cp - 10_000, 0.125, 0, s, "all", 0)
+        out = OP(q, keys, values, bias, slot_pos, cp - 10_000, 0.125, 0, s, *_nothing_pending(q, keys), "all", 0)
         assert torch.equal(s, score) and not out.any()
 
 
@@ -105,7 +115,12 @@ def test_cuda_graph_replay_without_host_sync():
     shape = (1, 32, 8, 1, 2049, 0)
     a = _inputs(*shape[:5], 128, torch.bfloat16, seed=1)
     b = _inputs(*shape[:5], 128, torch.bfloat16, seed=2)
-    call = lambda x: OP(x[0], x[1], x[2], x[3], x[4], x[5], 0.088, 0, x[6], "all", 0, True)  # noqa: E731
+    G = shape[1] // shape[2]
+    a = [*a, torch.randn(1, 8, G, 128, device="cuda"), torch.full((1, 8, G), 9.0, device="cuda"),
+         torch.full((1, 8), 2049, device="cuda")]
+    b = [*b, torch.randn(1, 8, G, 128, device="cuda"), torch.full((1, 8, G), 11.0, device="cuda"),
+         torch.full((1, 8), 2049, device="cuda")]
+    call = lambda x: OP(*x[:6], 0.088, 0, *x[6:10], "all", 0, True, True)  # noqa: E731  (deferring)
     call(a)  # compile first (compilation may sync)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -127,4 +142,52 @@ def test_cuda_graph_replay_without_host_sync():
     graph.replay()
     eager = [t.clone() for t in b]
     want = call(eager)
-    assert torch.equal(out, want) and torch.equal(static[6], eager[6])
+    assert torch.equal(out, want) and all(torch.equal(s, e) for s, e in zip(static[6:9], eager[6:9]))
+
+
+# (B, Hq, Hkv, C, D, prompt): unsplit and split decode, G = 3, 4, 7, 8 (the pending rows fill the 16-row tile)
+SEQUENCES = [(2, 6, 2, 64, 64, 20), (1, 32, 8, 4100, 128, 3000), (3, 14, 2, 1500, 64, 999), (1, 8, 1, 700, 128, 600)]
+SEQ_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+           torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("past_only", [True, False])
+@pytest.mark.parametrize("seq", SEQUENCES, ids=lambda s: "B{}-Hq{}Hkv{}-C{}-D{}-n{}".format(*s))
+def test_deferred_decode_sequence(seq, past_only, dtype):
+    """6 decode steps, statistics deferred at steps 0, 1, 3, 4 and folded at 2 and 5 (compressing steps): every output and the score after each folding step equal the two ops' on the CPU (in
+    fp32 from the same rounded inputs); the score tolerance is fp32's whatever the dtype (the probabilities
+    are fp32 from fp32 scores of the same rounded keys; the output's is the dtype's)."""
+    B, Hq, Hkv, C, D, n = seq
+    steps, folds = 6, (2, 5)
+    gpu, _ = ds.prompt_state(B, Hq, Hkv, C, D, n, dtype, seed=C, device="cuda")
+    cpu = {k: v.cpu().float() if v.dtype == dtype else v.cpu() for k, v in gpu.items()}
+    args = (n, Hq, dtype, D**-0.5, "all", 0, past_only)
+    got = ds.run(gpu, torch.Generator().manual_seed(3), steps, *args, lambda step: step not in folds, True)
+    cpu_args = (n, Hq, torch.float32, D**-0.5, "all", 0, past_only)
+    # the CPU run draws the same numbers, rounded to dtype first (ds.append / the queries: .to(dtype))
+    want = _run_rounded(cpu, steps, cpu_args, dtype)
+    for step, (x, y) in enumerate(zip(got, want)):
+        torch.testing.assert_close(x.float().cpu(), y, **SEQ_TOL[dtype], msg=lambda m: f"step {step}: out {m}")
+    torch.testing.assert_close(gpu["score"].cpu(), cpu["score"], atol=5e-5, rtol=5e-5)
+    assert torch.isinf(gpu["pending_lse"]).all()
+
+
+def _run_rounded(state, steps, args, dtype):
+    """ds.run's two-op path on fp32 state, with every new key, value and query rounded to `dtype` first."""
+    n, Hq, _, scale, mode, last, past_only = args
+    g = torch.Generator().manual_seed(3)
+    B, Hkv, _, D = state["keys"].shape
+    outs = []
+    for step in range(steps):
+        k, v = torch.randn(2, B, Hkv, 1, D, generator=g).to(dtype).float()
+        cp = torch.tensor([n + step])
+        torch.ops.kvrewrite.cache_append(state["keys"], state["values"], state["bias"], state["slot_pos"],
+                                         state["fill"], k, v, cp, torch.ones(B, 1, dtype=torch.bool))
+        q = torch.randn(B, Hq, 1, D, generator=g).to(dtype).float()
+        s = state
+        outs.append(torch.ops.kvrewrite.clustered_attention(q, s["keys"], s["values"], s["bias"], s["slot_pos"], cp,
+                                                            scale, 0, past_only))
+        torch.ops.kvrewrite.accumulate_attention(q, s["keys"], s["bias"], s["slot_pos"], cp, s["score"], scale, 0,
+                                                 mode, last)
+    return outs
