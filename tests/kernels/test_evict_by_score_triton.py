@@ -1,0 +1,104 @@
+"""evict_by_score's Triton kernels on the CPU, through Triton's interpreter, against reference_evict_by_score bit for
+bit (every state field, NaN payloads included).
+
+Runs only under the interpreter: `TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_evict_by_score_triton.py`
+(with Triton installed; it is skipped otherwise, e.g. on the CPU CI). The tuning knobs are set small in some cases
+(chunks of 8 slots, moves of 4-slot blocks) so that a few dozen slots cross every chunk and block boundary: the
+select kernel's chunked passes and carries, halos longer than a block. The GPU test (test_score_ops_gpu.py) runs the
+same kernels compiled.
+"""
+import math
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("runs Triton's interpreter on the CPU: set TRITON_INTERPRET=1 (and install Triton)",
+                allow_module_level=True)
+pytest.importorskip("triton")
+
+from kvrewrite.kernels.evict_by_score import reference_evict_by_score, triton_evict_by_score  # noqa: E402
+from tests.kernels.test_evict_by_score import FIELDS, scored_state  # noqa: E402
+
+SMALL = dict(select_chunk=8, move_slots=4, move_columns=32)  # many chunks and blocks on a few dozen slots
+
+
+def same(a, b) -> bool:
+    """Bit equality (NaN == NaN of the same bits, -0.0 != 0.0)."""
+    if a.dtype.is_floating_point:
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        a, b = a.view(bits), b.view(bits)
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def check(s, settings, **knobs):
+    want = {f: t.clone() for f, t in s.items()}
+    got = {f: t.clone() for f, t in s.items()}
+    reference_evict_by_score(*(want[f] for f in FIELDS[:5]), want["budget"], want["score"], *settings)
+    triton_evict_by_score(*(got[f] for f in FIELDS[:5]), got["budget"], got["score"], *settings, **knobs)
+    bad = [f for f in FIELDS if not same(got[f], want[f])]
+    assert not bad, f"{bad} differ from the reference (fill {s['fill'].tolist()} -> {want['fill'].tolist()})"
+
+
+CASES = [  # B, H, C, D, fills, target, threshold, pads, dtype
+    (2, 3, 37, 16, [[37, 30, 9], [33, 37, 29]], 17, 29, [0, 3], torch.bfloat16),  # odd C, rows due and not
+    (1, 2, 64, 64, [[64, 50]], 20, 40, [5], torch.float16),
+    (2, 1, 45, 128, [[45], [41]], 12, 40, [0, 2], torch.float32),
+    (1, 2, 16, 16, [[16, 16]], 12, 16, [9], torch.float32),  # 7 valid <= target: only the padding goes
+]
+SETTINGS = [  # n_recent, recent_ratio, pool, reset_score: snapkv-like, h2o-like, mixed, all recent (no older kept)
+    (3, 0.0, 7, True), (0, 0.5, 1, False), (2, 0.25, 3, False), (50, 0.0, 1, True),
+]
+
+
+@pytest.mark.parametrize("knobs", [{}, SMALL], ids=["default", "small"])
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda v: str(v))
+@pytest.mark.parametrize("B,H,C,D,fills,target,threshold,pads,dtype", CASES, ids=lambda v: str(v))
+def test_matches_reference(B, H, C, D, fills, target, threshold, pads, dtype, settings, knobs):
+    s = scored_state(B, H, C, D, fills, target, threshold, pads=pads, seed=C + D, dtype=dtype)
+    check(s, settings, **knobs)
+
+
+@pytest.mark.parametrize("settings", [(0, 0.5, 1, False), (1, 0.0, 3, True), (0, 0.0, 7, False)],
+                         ids=lambda v: str(v))
+def test_ties_and_padding_inside_rows(settings):
+    """Integer scores (many ties at the threshold, to the earlier slot) and padding slots scattered in the rows."""
+    s = scored_state(2, 2, 50, 16, [[50, 47], [44, 50]], 20, 44, seed=7, ties=True)
+    g = torch.Generator().manual_seed(8)
+    s["bias"].masked_fill_(torch.rand(2, 2, 50, generator=g) < 0.2, -math.inf)
+    check(s, settings, **SMALL)
+
+
+@pytest.mark.parametrize("kind", ["special", "mostly_minus_inf", "all_minus_inf"])
+def test_special_scores(kind):
+    """NaN, +-inf, -0.0 in the scores. With fewer than B - R older scores above -inf the threshold is -inf, and the
+    reference's sort then ranks the row's other slots (recent, padding, past the fill) among the -inf ones."""
+    s = scored_state(2, 2, 40, 16, [[40, 38], [36, 40]], 16, 36, pads=[0, 3], seed=9)
+    g = torch.Generator().manual_seed(10)
+    if kind == "special":
+        values = torch.tensor([0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, math.nan, -math.nan, 2.5])
+        s["score"] = values[torch.randint(0, len(values), (2, 2, 40), generator=g)]
+    else:
+        share = 0.85 if kind == "mostly_minus_inf" else 1.0
+        s["score"] = s["score"].masked_fill(torch.rand(2, 2, 40, generator=g) < share, -math.inf)
+    s["bias"][0, 0, 7] = -math.inf  # a padding slot among the older ones
+    for settings in [(0, 0.5, 1, False), (2, 0.0, 3, False)]:
+        check(s, settings, **SMALL)
+
+
+def test_large_shift_and_not_due_limit():
+    """Most of a row is padding (sources far past their block: halos of whole blocks), and a state whose budget
+    is the NO_LIMIT default (never due)."""
+    s = scored_state(1, 2, 60, 16, [[60, 60]], 10, 50, seed=11)
+    s["bias"][0, 0, 3:45] = -math.inf
+    check(s, (2, 0.0, 3, False), **SMALL)
+    s["budget"].copy_(torch.tensor([2**62, 2**62]))
+    check(s, (2, 0.5, 1, True), **SMALL)
+
+
+def test_ratio_rounding_uses_float64():
+    """R = floor(recent_ratio * B) from the float64 product, as the reference computes it: 0.7 * 10 rounds to 7.0
+    (exact: 6.99999...; Triton would pass 0.7 as fp32, 0.69999999 * 10 -> 6)."""
+    s = scored_state(1, 1, 24, 16, [[24]], 10, 20, seed=12)
+    check(s, (0, 0.7, 1, False))
