@@ -228,14 +228,23 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, scor
 
 def reference_observed_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, score, pending_q,
                                  pending_lse, fill, mode, last=0, past_only=False, defer=False):
-    """The module docstring's steps with the references (the ground truth of the tests; also the CPU path)."""
+    """The module docstring's steps with the references (the ground truth of the tests)."""
+    return _steps(q, keys, values, bias, slot_pos, cache_position, scale, window, score, pending_q, pending_lse, fill,
+                  mode, last, past_only, defer, ca.reference_clustered_attention, aa.reference_accumulate_attention)
+
+
+def _steps(q, keys, values, bias, slot_pos, cache_position, scale, window, score, pending_q, pending_lse, fill, mode,
+           last, past_only, defer, attend, accumulate):
+    """The op off CUDA, with `attend` and `accumulate` as the attention and statistics (the references or the ops):
+    checks, the pending query's fold, the attention, then this step's statistics or its save as pending."""
+    aa._check_inputs(q, keys, bias, slot_pos, cache_position, score, window, mode, last)
     _check_inputs(q, keys, bias, score, pending_q, pending_lse, fill, defer)
     if past_only and window == 0 and q.shape[2] == 1:
         check_pending_promise(bias, slot_pos, fill, cache_position, pending_lse)
     fold_pending(keys, bias, slot_pos, cache_position, score, pending_q, pending_lse, scale, window, mode)
-    out = ca.reference_clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only)
+    out = attend(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only)
     _observe_or_defer(q, keys, bias, slot_pos, cache_position, score, pending_q, pending_lse, scale, window, mode, last,
-                      defer, aa.reference_accumulate_attention)
+                      defer, accumulate)
     return out.contiguous()
 
 
@@ -243,7 +252,6 @@ def _observe_or_defer(q, keys, bias, slot_pos, cache_position, score, pending_q,
                       defer, accumulate):
     """After the attention: save q and its lse as the pending query (defer), or fold its statistics now."""
     if defer:
-        B, Hq, _, D = q.shape
         lse = acs._visible_logits(q, keys, bias, slot_pos, cache_position, scale, window).logsumexp(dim=-1)
         pending_q.copy_(q.view(pending_q.shape))
         pending_lse.copy_(lse.view(pending_lse.shape))
@@ -275,17 +283,9 @@ def observed_attention_eager(
     reference fold of the pending query, kvrewrite::clustered_attention, then kvrewrite::accumulate_attention or
     the pending query's save. (`stats_mode` is the op's `mode`: an argument named "mode" collides with torch's
     fake-tensor dispatch of a custom op.)"""
-    mode = stats_mode
-    aa._check_inputs(q, keys, bias, slot_pos, cache_position, score, window, mode, last)
-    _check_inputs(q, keys, bias, score, pending_q, pending_lse, fill, defer)
-    if past_only and window == 0 and q.shape[2] == 1:
-        check_pending_promise(bias, slot_pos, fill, cache_position, pending_lse)
-    fold_pending(keys, bias, slot_pos, cache_position, score, pending_q, pending_lse, scale, window, mode)
-    out = torch.ops.kvrewrite.clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window,
-                                                  past_only)
-    _observe_or_defer(q, keys, bias, slot_pos, cache_position, score, pending_q, pending_lse, scale, window, mode, last,
-                      defer, torch.ops.kvrewrite.accumulate_attention)
-    return out
+    return _steps(q, keys, values, bias, slot_pos, cache_position, scale, window, score, pending_q, pending_lse, fill,
+                  stats_mode, last, past_only, defer, torch.ops.kvrewrite.clustered_attention,
+                  torch.ops.kvrewrite.accumulate_attention)
 
 
 @observed_attention_eager.register_fake
