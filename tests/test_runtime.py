@@ -131,3 +131,17 @@ def test_decode_variants_differ_only_by_compression_ops(llama):
     assert full.count("kvrewrite.chelsea_compress.default") == 2
     assert [t for t in full if t != "kvrewrite.chelsea_compress.default"] == plain
     assert targets(rw.prefill_graph).count("kvrewrite.chelsea_compress.default") == 2
+
+
+@pytest.mark.parametrize("V", [128256, 151936, 997, 12])  # Llama-3's and Qwen2's vocabularies, a prime, a tiny one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_is_argmax(V, dtype):
+    """The two-reduction argmax of greedy decoding picks argmax's token, ties (the lowest index) and NaN included."""
+    from kvrewrite.host import greedy_tokens
+
+    x = torch.randn(4, V, generator=torch.Generator().manual_seed(V)).to(dtype)
+    x[1] = 0.0  # one tie over the whole row
+    x[2, V // 3] = x[2, V // 2] = 9.0  # a tie across chunks
+    x[3, V - 1] = x[3, V // 2] = float("nan")
+    got = greedy_tokens(x)
+    assert torch.equal(got, x.argmax(dim=-1)) and got[1] == 0 and got[2] == V // 3 and got[3] == V // 2

@@ -59,6 +59,8 @@ from pathlib import Path
 
 import torch
 
+from kvrewrite.host import greedy_tokens
+
 HF_SYSTEMS = ("hf-eager", "hf-compiled")
 MODELS = {
     "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -273,7 +275,7 @@ class KVDecoder:
         if self.mode == "inductor":
             torch.compiler.cudagraph_mark_step_begin()
         logits = self.rw(self.tok, self.pos, self.cpos, self.valid, compress)
-        self.tok.copy_(logits[:, -1].argmax(dim=-1, keepdim=True))
+        self.tok.copy_(greedy_tokens(logits[:, -1]).unsqueeze(-1))
         self.pos.add_(1)
         self.cpos.add_(1)
 
@@ -364,7 +366,7 @@ def hf_decode(model, cache, B: int, n: int, compiled: bool, cfg: BenchConfig) ->
 
     def step(tok, pos, cpos):
         out = model(input_ids=tok, position_ids=pos, cache_position=cpos, past_key_values=cache, use_cache=True)
-        return out.logits[:, -1].argmax(dim=-1, keepdim=True)
+        return greedy_tokens(out.logits[:, -1]).unsqueeze(-1)
 
     fn = torch.compile(step, mode="reduce-overhead", fullgraph=True) if compiled else step
     state = dict(tok=torch.randint(1, model.config.vocab_size, (B, 1), device=dev),

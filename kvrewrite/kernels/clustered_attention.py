@@ -175,11 +175,13 @@ def _clustered_attention_fwd_kernel(
     M_PART, L_PART,  # fp32 [B * Hq * T, NUM_SPLITS], log2-domain running max and sum (SPLIT only)
     LOGITS,  # fp32 [B * Hq * T, C]: every row's masked log2-domain score of every slot (WRITE_LOGITS only)
     LSE,  # fp32 [B * Hq * T]: each row's natural-log log-sum-exp, -inf for a row that saw nothing (WRITE_LSE only)
-    # kvrewrite::observed_attention's deferred statistics (PENDING: T == 1, the tile's rows [G, 2G) are free):
-    PEND_Q,  # fp32 [B * Hq, D]: the previous step's query (PENDING); SAVE_Q: receives this step's
-    PEND_LSE,  # fp32 [B * Hq]: its natural-log lse; +inf (nothing pending) or -inf (it saw nothing) add 0
-    SCORE,  # fp32 [B, Hkv, C], mutated (PENDING): += pend_scale * sum over the G heads of 2^(s - lse2)
-    FILL,  # int64 [B, Hkv] (PENDING without LOAD_POS): the pending query saw slots [0, fill - 1)
+    # kvrewrite::observed_attention's deferred statistics (PENDING: T == 1, the tile's rows [G, (NPEND + 1) G) are
+    # free): NPEND entries of earlier steps' queries; entry e of a step at position c saw k_e = ((c - e - 1) mod
+    # NPEND) + 1 steps ago (pending_steps_ago in observed_attention.py)
+    PEND_Q,  # fp32 [B * Hkv * NPEND * G, D]: the entries' queries (PENDING); SAVE_Q: receives this step's
+    PEND_LSE,  # fp32 [B * Hkv * NPEND * G]: their natural-log lse; +inf (empty) or -inf (it saw nothing) add 0
+    SCORE,  # fp32 [B, Hkv, C], mutated (PENDING): += pend_scale * sum over the entries' rows of 2^(s - lse2)
+    FILL,  # int64 [B, Hkv] (PENDING without LOAD_POS): the entry of k steps ago saw slots [0, fill - k)
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kc, stride_kd,
     stride_vb, stride_vh, stride_vc, stride_vd,
@@ -203,8 +205,10 @@ def _clustered_attention_fwd_kernel(
     SOFTCAP: tl.constexpr,  # soft-cap the scores: softcap * tanh(scale * q·k / softcap), before the bias and masks
     WRITE_LOGITS: tl.constexpr,  # store s (kvrewrite::observed_attention's decode statistics)
     WRITE_LSE: tl.constexpr,  # store the log-sum-exp in the epilogue (without SPLIT; the combine does it with SPLIT)
-    PENDING: tl.constexpr,  # fold the pending query's attention into SCORE on the way (rows [G, 2G) of the tile)
-    SAVE_Q: tl.constexpr,  # store q into PEND_Q in the epilogue (without SPLIT; the combine does it with SPLIT)
+    PENDING: tl.constexpr,  # fold the pending entries' attention into SCORE on the way (rows [G, (NPEND + 1) G))
+    NPEND: tl.constexpr,  # pending entries (PENDING; 1 otherwise)
+    DEFER: tl.constexpr,  # fold only at a step with c mod NPEND == 0 (else every entry: the empty ones add 0)
+    SAVE_Q: tl.constexpr,  # store q and its lse as entry c mod NPEND, emptying the others after a fold (no SPLIT)
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     pid_s = tl.program_id(0)
@@ -233,24 +237,31 @@ def _clustered_attention_fwd_kernel(
     # [-(window + 1), 2**30], which keeps every causal and window test's outcome (slots before the clamp
     # are older than every row's window, slots after it newer than every row)
     q_rel = tl.where(row_ok, qpos - qpos_min, 0).to(tl.int32)
+    lo = -1
     if PENDING:
-        # rows [G, 2G): the previous step's query (its G heads), at position qpos_min - 1 (q_rel -1): it saw
-        # every slot this step's query sees but this step's own token; its probability 2^(s - lse2) of every
-        # slot goes into SCORE (rows that are not pending get lse2 = +inf: 0)
-        pend = (rows >= G) & (rows < 2 * G)
-        prow = b.to(tl.int64) * Hq + h * G + rows - G
+        # rows [G, (NPEND + 1) G): the NPEND pending entries (G heads each) of earlier decode steps; entry e is at
+        # position qpos_min - k_e (q_rel -k_e): it saw every slot this step's query sees but the k_e newest. Its
+        # probability 2^(s - lse2) of every slot goes into SCORE (rows not folded get lse2 = +inf: 0)
+        r = qpos_min % NPEND
+        if DEFER:
+            fold = r == 0
+        else:
+            fold = r >= 0
+        e = (rows - G) // G
+        pend = (rows >= G) & (rows < (NPEND + 1) * G) & fold
+        k_ago = tl.where(e < r, r - e, r - e + NPEND).to(tl.int32)
+        prow = (b.to(tl.int64) * Hkv + h) * (NPEND * G) + rows - G
         pq = tl.load(PEND_Q + prow[:, None] * HEAD_DIM + offs_d[None, :], mask=pend[:, None], other=0.0)
         q = tl.where(pend[:, None], pq.to(Q.dtype.element_ty), q)
         plse = tl.load(PEND_LSE + prow, mask=pend, other=float("inf"))
         plse2 = tl.where(plse == float("-inf"), float("inf"), plse * LOG2E)
-        q_rel = tl.where(pend, -1, q_rel)
+        q_rel = tl.where(pend, -k_ago, q_rel)
+        lo = -NPEND
         score_base = SCORE + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
         if not LOAD_POS:  # past_only: this step's token is the slot cache_append just wrote, fill - 1
-            n_seen = tl.load(FILL + b.to(tl.int64) * stride_fb + h.to(tl.int64) * stride_fh) - 1
+            n_seen = tl.load(FILL + b.to(tl.int64) * stride_fb + h.to(tl.int64) * stride_fh) - k_ago
     if HAS_WINDOW:
-        lo = -1 - window
-    else:
-        lo = -1
+        lo = lo - window
 
     k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
@@ -273,7 +284,7 @@ def _clustered_attention_fwd_kernel(
         n_ok = offs_n < n_end
         bias = tl.load(bias_base + offs_n * stride_bc, mask=n_ok, other=float("-inf"))
         if PENDING:  # loaded early: its latency hides behind the keys' (no dependence on them)
-            old_score = tl.load(score_base + offs_n * stride_sc, mask=n_ok, other=0.0)
+            old_score = tl.load(score_base + offs_n * stride_sc, mask=n_ok & fold, other=0.0)
         if LOAD_POS:
             pos = tl.load(pos_base + offs_n * stride_pc, mask=n_ok, other=0)
             p_rel = tl.minimum(tl.maximum(pos - qpos_min, lo), 2**30).to(tl.int32)
@@ -311,8 +322,8 @@ def _clustered_attention_fwd_kernel(
         if LOAD_POS:
             if CAUSAL_SKIP:
                 # a tile whose slots all lie at or before the block's first query is visible to every row (with
-                # PENDING: before it, the pending rows' position)
-                if tl.max(tl.where(need, p_rel, -1), axis=0) > (-1 if PENDING else 0):
+                # PENDING: at or before the oldest entry's position)
+                if tl.max(tl.where(need, p_rel, -NPEND - 1), axis=0) > (-NPEND if PENDING else 0):
                     s = tl.where(p_rel[None, :] <= q_rel[:, None], s, float("-inf"))
             else:
                 s = tl.where(p_rel[None, :] <= q_rel[:, None], s, float("-inf"))
@@ -321,7 +332,7 @@ def _clustered_attention_fwd_kernel(
         if WRITE_LOGITS:  # the final score of every (row, slot): -inf where invisible, empty or unneeded
             tl.store(LOGITS + out_row[:, None] * C + offs_n[None, :], s, mask=row_ok[:, None] & n_ok[None, :])
         if PENDING and not LOAD_POS:
-            s = tl.where(pend[:, None] & (offs_n[None, :] >= n_seen), float("-inf"), s)
+            s = tl.where(pend[:, None] & (offs_n[None, :] >= n_seen[:, None]), float("-inf"), s)
 
         # -- online softmax (base 2); a row that has seen nothing yet keeps m = -inf, l = 0 --------
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -336,7 +347,7 @@ def _clustered_attention_fwd_kernel(
         p = tl.exp2(s - m_base[:, None])
         if PENDING:
             col = tl.sum(tl.where(pend[:, None], p, 0.0), axis=0) * pend_scale
-            tl.store(score_base + offs_n * stride_sc, old_score + col, mask=n_ok)
+            tl.store(score_base + offs_n * stride_sc, old_score + col, mask=n_ok & fold)
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
         # -- accumulate p @ v -------------------------------------------------------------------------
@@ -356,11 +367,15 @@ def _clustered_attention_fwd_kernel(
     else:
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row that saw nothing: acc == 0, o == 0
         tl.store(OUT + out_row[:, None] * HEAD_DIM + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-        if WRITE_LSE:
-            lse = tl.where(l_i > 0.0, (m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))) / LOG2E, float("-inf"))
+        lse = tl.where(l_i > 0.0, (m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))) / LOG2E, float("-inf"))
+        if SAVE_Q:  # entry r (after PENDING's reads: without SPLIT this program is the only one of its rows);
+            # after a fold the other entries are emptied (the rows that held them, pend & e >= 1)
+            srow = (b.to(tl.int64) * Hkv + h) * (NPEND * G) + r * G + rows
+            tl.store(PEND_Q + srow[:, None] * HEAD_DIM + offs_d[None, :], q.to(tl.float32), mask=row_ok[:, None])
+            tl.store(PEND_LSE + srow, lse, mask=row_ok)
+            tl.store(PEND_LSE + prow, float("inf"), mask=pend & (e >= 1))
+        elif WRITE_LSE:
             tl.store(LSE + out_row, lse, mask=row_ok)
-        if SAVE_Q:  # (after PENDING's read of PEND_Q: without SPLIT this program is the only one of its rows)
-            tl.store(PEND_Q + out_row[:, None] * HEAD_DIM + offs_d[None, :], q.to(tl.float32), mask=row_ok[:, None])
 
 
 @triton_jit()
@@ -385,25 +400,32 @@ def combine_row(ACC, M_PART, L_PART, OUT, row, NUM_SPLITS, HEAD_DIM: tl.constexp
                     float("-inf"))
 
 
-@triton_jit(do_not_specialize=["NUM_SPLITS", "Hq"])
+@triton_jit(do_not_specialize=["NUM_SPLITS", "Hq", "G"])
 def _clustered_attention_combine_kernel(
     ACC, M_PART, L_PART, OUT,  # partials as written by the fwd kernel; OUT [B * Hq * T, D]
-    LSE,  # fp32 [B * Hq * T], natural log (WRITE_LSE only)
-    Q, PEND_Q,  # q [B, Hq, 1, D] and fp32 [B * Hq, D], its copy (SAVE_Q only: T == 1)
+    LSE,  # fp32 [B * Hq * T], natural log (WRITE_LSE only); with SAVE_Q: PEND_LSE
+    Q, PEND_Q, CPOS,  # q [B, Hq, 1, D], the pending entries (SAVE_Q only, T == 1: the fwd kernel's PEND_Q)
     stride_qb, stride_qh, stride_qd,
-    NUM_SPLITS, Hq,
+    NUM_SPLITS, Hq, G,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     WRITE_LSE: tl.constexpr,
-    SAVE_Q: tl.constexpr,
+    SAVE_Q: tl.constexpr,  # q and lse into entry c mod NPEND; the other entries emptied at c mod NPEND == 0
+    NPEND: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    if SAVE_Q:  # loaded first: its latency overlaps the partials'
+    if SAVE_Q:  # loaded first, stored last: their latency overlaps the partials'
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + (row // Hq) * stride_qb + (row % Hq) * stride_qh + offs_d * stride_qd)
-        tl.store(PEND_Q + row * HEAD_DIM + offs_d, q.to(tl.float32))
+        r = tl.load(CPOS) % NPEND
     lse = combine_row(ACC, M_PART, L_PART, OUT, row, NUM_SPLITS, HEAD_DIM, BLOCK_S)
-    if WRITE_LSE:
+    if SAVE_Q:
+        entry0 = (row // G) * (NPEND * G) + row % G  # entry 0 of this row's head (b, h, g)
+        tl.store(PEND_Q + (entry0 + r * G) * HEAD_DIM + offs_d, q.to(tl.float32))
+        tl.store(LSE + entry0 + r * G, lse)
+        for e in tl.static_range(1, NPEND):
+            tl.store(LSE + entry0 + e * G, float("inf"), mask=r == 0)
+    elif WRITE_LSE:
         tl.store(LSE + row, lse)
 
 
@@ -525,16 +547,16 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past
     or None (kvrewrite::observed_attention's prefill statistics read it).
 
     pending, save_q: kvrewrite::observed_attention's deferred decode statistics (T == 1): `pending` as in
-    launch_forward; save_q, an fp32 [B * Hq, D] tensor to receive q (with `lse`: the next step's pending query)."""
+    launch_forward; save_q, its `q` (with `lse` its `lse`): this step's q and lse go into entry c mod NPEND."""
     out, part, m_part, l_part, S = launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, window,
                                                   past_only, softcap, causal_skip, lse=lse, pending=pending,
                                                   save_q=save_q, **overrides)
     if part is not None:
         wrap_triton(_clustered_attention_combine_kernel)[(out.numel() // out.shape[-1],)](
             part, m_part, l_part, out, out if lse is None else lse, q, out if save_q is None else save_q,
-            q.stride(0), q.stride(1), q.stride(3), S, q.shape[1], HEAD_DIM=out.shape[-1],
-            BLOCK_S=max(triton.next_power_of_2(S), 2), WRITE_LSE=lse is not None, SAVE_Q=save_q is not None,
-            num_warps=4,
+            cache_position, q.stride(0), q.stride(1), q.stride(3), S, q.shape[1], q.shape[1] // keys.shape[1],
+            HEAD_DIM=out.shape[-1], BLOCK_S=max(triton.next_power_of_2(S), 2), WRITE_LSE=lse is not None,
+            SAVE_Q=save_q is not None, NPEND=1 if save_q is None else int(save_q.shape[2]), num_warps=4,
         )
     return out
 
@@ -548,12 +570,15 @@ def launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, windo
     kernel's epilogue writes it; with splits the caller's combine must).
 
     pending (T == 1 only): a dict of kvrewrite::observed_attention's deferred statistics, q and lse (fp32
-    [B * Hq, D] and [B * Hq]: the previous step's query and its natural-log lse), score (fp32 [B, Hkv, C]),
-    fill ([B, Hkv]) and scale (1: sum over the group, 1 / G: mean). The previous query rides in the tile's
-    rows [G, 2G) (its slots are this step's but the newest: slot_pos < cache_position[0], or without slot_pos
-    reads (past_only, window 0) slots before fill - 1) and its probabilities are added to score on the way.
-    save_q: an fp32 [B * Hq, D] tensor that receives q (the kernel's epilogue without splits, else the
-    caller's combine: after every program has read `pending`)."""
+    [B, Hkv, P, G, D] and [B, Hkv, P, G], contiguous: P entries of earlier steps' queries and their natural-log
+    lse), score (fp32 [B, Hkv, C]), fill ([B, Hkv]) and scale (1: sum over the group, 1 / G: mean). The entries
+    ride in the tile's rows [G, (P + 1) G) (entry e saw this step's slots but the k_e newest:
+    slot_pos <= cache_position[0] - k_e, or without slot_pos reads (past_only, window 0) slots before fill - k_e;
+    observed_attention.pending_steps_ago) and their probabilities are added to score on the way: at every step
+    without save_q, at steps with c mod P == 0 with it (deferring).
+    save_q: pending's q (deferring): this step's q and lse go into entry c mod P (the kernel's epilogue without
+    splits, else the caller's combine: after every program has read `pending`), the others are emptied after
+    a fold."""
     # int(): the launch depends on the shapes, so a dynamic-shape trace specialises on them (a guard)
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, C = int(keys.shape[1]), int(keys.shape[2])
@@ -564,7 +589,11 @@ def launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, windo
             raise ValueError("launch_forward: save_q must be pending's q (the kernel reads it, then writes it)")
         if T != 1:
             raise ValueError(f"launch_forward: the pending query rides along decode steps only (T = 1), got T = {T}")
-        overrides.setdefault("block_m", max(16, triton.next_power_of_2(2 * G)))  # rows [G, 2G) for it
+        npend = int(pending["q"].shape[2])
+        overrides.setdefault("block_m", max(16, triton.next_power_of_2(2 * G)))  # rows [G, (P + 1) G) for them
+        if (npend + 1) * G > overrides["block_m"]:
+            raise ValueError(f"launch_forward: {npend} pending entries of {G} heads do not fit a "
+                             f"{overrides['block_m']}-row tile next to the step's own {G} rows")
     cfg = _launch_config(B, Hkv, G, T, C, D, num_sms, q.element_size(), **overrides)
     S = cfg["num_splits"]
     split = S > 1 or logits is not None
@@ -595,7 +624,8 @@ def launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, windo
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], SPLIT=split, SKIP_UNSEEN=cfg["skip_unseen"],
         LOAD_POS=load_pos, HAS_WINDOW=window > 0, CAUSAL_SKIP=causal_skip, SOFTCAP=softcap > 0,
         WRITE_LOGITS=logits is not None, WRITE_LSE=lse is not None and not split,
-        PENDING=pending is not None, SAVE_Q=save_q is not None and not split,
+        PENDING=pending is not None, NPEND=1 if pending is None else npend, DEFER=save_q is not None,
+        SAVE_Q=save_q is not None and not split,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not split:

@@ -1,39 +1,43 @@
 """kvrewrite::observed_attention — clustered_attention and accumulate_attention in one op, one pass over the keys,
-with the statistics of a decode step's query deferred to the next step (the pending query).
+with the statistics of decode steps' queries deferred to a later step (the pending queries).
 
     out = clustered_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only)
 
 and the statistics of accumulate_attention(q, keys, bias, slot_pos, cache_position, score, scale, window, mode,
-last), with one difference of timing. The step first folds the PENDING query (the previous step's, kept in
-`pending_q` with its log-sum-exp in `pending_lse`) into `score`: its softmax over the slots it saw, which are
-this step's slots before cache_position[0] (the previous step's slots: nothing else changes between two decode
-steps), summed (mode "all") or averaged (mode "window") over the G query heads of a KV head, exactly what
-accumulate_attention added for it. Then:
-  - defer=True (the decode graph that does not compress; T must be 1): this step's query becomes the pending
-    one (its q and lse are stored), its statistics wait for the next step;
-  - defer=False (prefill chunks, and the decode step that compresses): this step's statistics are folded now,
-    as accumulate_attention folds them, and nothing stays pending (pending_lse = +inf).
+last), with one difference of timing. Up to P = pending_entries(G) decode queries wait in `pending_q` (with
+their log-sum-exps in `pending_lse`; P = 3 for G = 4), entry e holding the query of k_e steps before the current
+one (pending_steps_ago). Folding an entry adds to `score` its softmax over the slots it saw, which are this step's
+slots up to position c - k_e (c = cache_position[0]; nothing else changes between decode steps), summed (mode
+"all") or averaged (mode "window") over the G query heads of a KV head: exactly what accumulate_attention added
+for it. A step:
+  - defer=True (the decode graph that does not compress; T must be 1): at c mod P == 0 it first folds every
+    entry and empties them; then its own q and lse become entry c mod P, their statistics wait;
+  - defer=False (prefill chunks, and the decode step that compresses): it folds every entry, then its own
+    statistics, as accumulate_attention folds them; nothing stays pending (pending_lse = +inf).
 So whenever a compression reads `score`, it is exactly accumulate_attention's (the pass defers only in graphs
-without compression ops), and between steps score + the pending query's fold is. The pass
-fuse_attention_observation puts the op where a method's statistics op follows its attention (H2O, SnapKV).
+without compression ops), and between steps score + fold_pending's fold is. The pass fuse_attention_observation
+puts the op where a method's statistics op follows its attention (H2O, SnapKV).
 
 Why: the statistics need every query's probability of every slot, p = exp(z - lse), and lse is known only
 once the attention has seen every slot: computed apart they are a second pass over the keys (and a third
 for lse): on the H100 that cost h2o 8 ms of a 14.5 ms decode step (docs/bench/e2e_h100_h2o_second_pass.json).
-The previous query's lse IS known, so its G heads ride in the attention tile's free rows (a decode tile has
-16 rows for G = 4 heads, tl.dot's minimum): the same q·k products, plus a read and write of the score per
-slot (8 bytes next to the 4 * D bytes of keys and values) and no extra kernel. The decode step that
+An earlier query's lse IS known, so its G heads ride in the attention tile's free rows (a decode tile has
+16 rows for G = 4 heads, tl.dot's minimum: room for P = 3 earlier queries): the same q·k products, plus a read
+and write of the score per slot (8 bytes next to the 4 * D bytes of keys and values) at one step in P, and no
+extra kernel. The decode step that
 compresses keeps the earlier scheme (the attention kernel stores the scores, one kernel combines the output
 and folds them: docs/methods.md), and a prefill chunk (compute-bound) runs attention_column_stats' single
 pass with the attention's lse. docs/methods.md has the measurements.
 
 Args: those of clustered_attention (softcap excluded: observing methods are refused on soft-capped layers),
-score [B, Hkv, C] fp32 (mutated), pending_q fp32 [B, Hkv, G, D] and pending_lse fp32 [B, Hkv, G] (mutated; the
-pending query's q and natural-log lse; lse +inf: nothing pending, -inf: it saw no slot, both add 0), fill
+score [B, Hkv, C] fp32 (mutated), pending_q fp32 [B, Hkv, P, G, D] and pending_lse fp32 [B, Hkv, P, G] (mutated;
+the pending queries and their natural-log lse; lse +inf: empty, -inf: it saw no slot, both add 0), fill
 [B, Hkv] (the layer's), mode "all" or "window", last (accumulate_attention's), past_only, defer.
-With past_only and window 0 the CUDA kernel does not read slot_pos, so it takes the slots the pending query
-saw as those before fill - 1 (this step's token is the one cache_append just wrote there): the op's
-promise, which the CPU path checks (ValueError when broken).
+The entries' positions follow from c alone because decode steps advance cache_position by one and append one
+slot per row (cache_append writes a slot for every row, valid or not). With past_only and window 0 the CUDA kernel
+does not read slot_pos, so it takes the slots an entry of k steps ago saw as those before fill - k (this step's
+token is the one cache_append just wrote at fill - 1): the op's promise, which the CPU path checks (ValueError
+when broken).
 Returns: the attention output [B, Hq, T, D] in q's dtype, contiguous.
 
 Backends: CUDA with Triton runs the fused kernels (the dtypes and head dims of clustered_attention's); other
@@ -130,46 +134,69 @@ def _check_inputs(q, keys, bias, score, pending_q, pending_lse, fill, defer):
     B, Hq, T, D = q.shape
     Hkv, C = keys.shape[1], keys.shape[2]
     G = Hq // Hkv if Hkv else 0
-    if tuple(pending_q.shape) != (B, Hkv, G, D) or pending_q.dtype != torch.float32:
-        raise ValueError(f"{name}: pending_q must be fp32 [B, Hkv, G, D] = {(B, Hkv, G, D)}, got {pending_q.dtype} "
-                         f"{tuple(pending_q.shape)}")
-    if tuple(pending_lse.shape) != (B, Hkv, G) or pending_lse.dtype != torch.float32:
-        raise ValueError(f"{name}: pending_lse must be fp32 [B, Hkv, G] = {(B, Hkv, G)}, got {pending_lse.dtype} "
-                         f"{tuple(pending_lse.shape)}")
+    P = pending_entries(G) if G else 1
+    if tuple(pending_q.shape) != (B, Hkv, P, G, D) or pending_q.dtype != torch.float32:
+        raise ValueError(f"{name}: pending_q must be fp32 [B, Hkv, P, G, D] = {(B, Hkv, P, G, D)} (P = "
+                         f"pending_entries(G)), got {pending_q.dtype} {tuple(pending_q.shape)}")
+    if tuple(pending_lse.shape) != (B, Hkv, P, G) or pending_lse.dtype != torch.float32:
+        raise ValueError(f"{name}: pending_lse must be fp32 [B, Hkv, P, G] = {(B, Hkv, P, G)}, got "
+                         f"{pending_lse.dtype} {tuple(pending_lse.shape)}")
     if tuple(fill.shape) != (B, Hkv):
         raise ValueError(f"{name}: fill must be [B, Hkv] = {(B, Hkv)}, got {tuple(fill.shape)}")
     if defer and T != 1:
-        raise ValueError(f"{name}: defer=True keeps one decode query pending: T must be 1, got T = {T}")
+        raise ValueError(f"{name}: defer=True keeps decode queries pending, one per step: T must be 1, got T = {T}")
     if not (pending_q.is_contiguous() and pending_lse.is_contiguous()):
         raise ValueError(f"{name}: pending_q and pending_lse must be contiguous (state tensors are)")
 
 
+def pending_entries(G: int) -> int:
+    """How many decode queries stay pending (P): as many groups of G heads as fit next to the step's own G in the
+    attention kernel's decode tile of max(16, next_pow2(2G)) rows (16 // G - 1 for G <= 8: 3 at G = 4)."""
+    rows = max(16, 1 << (2 * G - 1).bit_length())
+    return max(1, rows // G - 1)
+
+
+def pending_steps_ago(cache_position, P: int):
+    """k [P] (int64, cache_position's device): entry e of the pending queries at a step at position
+    c = cache_position[0] holds the query of k_e steps before it, k_e = ((c - e - 1) mod P) + 1: the deferring steps
+    write entry c mod P and fold every entry at c mod P == 0 (module docstring). Empty entries (lse +inf) get a
+    k too; they add nothing."""
+    e = torch.arange(P, device=cache_position.device)
+    return torch.remainder(cache_position[:1] - e - 1, P) + 1
+
+
 def check_pending_promise(bias, slot_pos, fill, cache_position, pending_lse):
-    """ValueError unless, in every row with a query pending, the used slots before cache_position[0] are exactly
-    those before fill - T (the promise the CUDA kernel relies on with past_only and window 0). Reads the data: the
-    CPU path and the reference."""
+    """ValueError unless, in every row with a query pending, the used slots up to each pending entry's position
+    c - k are exactly those before fill - T - k + 1 (c = cache_position[0]; the promise the CUDA kernel relies on
+    with past_only and window 0). Reads the data: the CPU path and the reference."""
     if slot_pos.device.type == "meta" or cache_position.numel() == 0:
         return
     ar = torch.arange(bias.shape[-1], device=bias.device)
-    used = (bias > float("-inf")) & torch.isfinite(pending_lse).any(dim=-1, keepdim=True)
-    by_pos = slot_pos < cache_position[0]
-    by_index = ar < (fill - cache_position.numel())[..., None]
-    broken = used & (by_pos != by_index)
-    if bool(broken.any()):
-        b, h, c = (int(i) for i in broken.nonzero()[0])
-        raise ValueError(f"kvrewrite::observed_attention: past_only=True, but used slot {c} of batch row {b}, KV head "
-                         f"{h} (position {int(slot_pos[b, h, c])}, fill {int(fill[b, h])}) breaks the promise that the "
-                         f"slots before position {int(cache_position[0])} are those before fill - T; pass "
-                         f"past_only=False when the step's tokens are not the last ones appended")
+    ks = pending_steps_ago(cache_position, pending_lse.shape[2])
+    for e in range(pending_lse.shape[2]):
+        k = int(ks[e])
+        used = (bias > float("-inf")) & torch.isfinite(pending_lse[:, :, e]).any(dim=-1, keepdim=True)
+        by_pos = slot_pos <= cache_position[0] - k
+        by_index = ar < (fill - cache_position.numel() - k + 1)[..., None]
+        broken = used & (by_pos != by_index)
+        if bool(broken.any()):
+            b, h, c = (int(i) for i in broken.nonzero()[0])
+            raise ValueError(f"kvrewrite::observed_attention: past_only=True, but used slot {c} of batch row {b}, KV "
+                             f"head {h} (position {int(slot_pos[b, h, c])}, fill {int(fill[b, h])}) breaks the promise "
+                             f"that the slots up to position {int(cache_position[0]) - k} (a query pending since {k} "
+                             f"step(s)) are those before fill - T - {k - 1}; pass past_only=False when the steps' "
+                             f"tokens are not the last ones appended")
 
 
 def fold_pending(keys, bias, slot_pos, cache_position, score, pending_q, pending_lse, scale, window, mode):
-    """score += the pending query's attention over the slots before cache_position[0], summed (mode "all") or
-    averaged (mode "window") over the G heads of a KV head (reference; CUDA: the T > 1 path's launch)."""
-    B, Hkv, G, D = pending_q.shape
-    q = pending_q.view(B, Hkv * G, 1, D).to(keys.dtype)  # exact: it was stored from a query of this dtype
-    lse = pending_lse.view(B, Hkv * G, 1)
-    position = cache_position[:1] - 1
+    """score += every pending entry's attention over the slots it saw (those up to its position c - k_e,
+    pending_steps_ago), summed (mode "all") or averaged (mode "window") over the G heads of a KV head; the entries
+    are left as they are (reference; CUDA: the T > 1 path's launch)."""
+    B, Hkv, P, G, D = pending_q.shape
+    # the entries as P queries of each head: [B, Hq, P, D] (exact: they were stored from queries of this dtype)
+    q = pending_q.permute(0, 1, 3, 2, 4).reshape(B, Hkv * G, P, D).to(keys.dtype)
+    lse = pending_lse.permute(0, 1, 3, 2).reshape(B, Hkv * G, P)
+    position = cache_position[:1] - pending_steps_ago(cache_position, P)
     if keys.is_cuda and acs.triton is not None:
         total, _ = acs._launch(q, keys, bias, slot_pos, position, lse, scale, window, 0)
     else:
@@ -241,23 +268,19 @@ def _steps(q, keys, values, bias, slot_pos, cache_position, scale, window, score
     _check_inputs(q, keys, bias, score, pending_q, pending_lse, fill, defer)
     if past_only and window == 0 and q.shape[2] == 1:
         check_pending_promise(bias, slot_pos, fill, cache_position, pending_lse)
-    fold_pending(keys, bias, slot_pos, cache_position, score, pending_q, pending_lse, scale, window, mode)
+    entry = int(cache_position[0]) % pending_q.shape[2] if defer else 0  # the entry this step's query takes
+    if entry == 0:  # every step that does not defer, and the deferring ones at c mod P == 0
+        fold_pending(keys, bias, slot_pos, cache_position, score, pending_q, pending_lse, scale, window, mode)
+        pending_lse.fill_(float("inf"))
     out = attend(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only)
-    _observe_or_defer(q, keys, bias, slot_pos, cache_position, score, pending_q, pending_lse, scale, window, mode, last,
-                      defer, accumulate)
-    return out.contiguous()
-
-
-def _observe_or_defer(q, keys, bias, slot_pos, cache_position, score, pending_q, pending_lse, scale, window, mode, last,
-                      defer, accumulate):
-    """After the attention: save q and its lse as the pending query (defer), or fold its statistics now."""
-    if defer:
+    if defer:  # this step's q and lse become entry c mod P
         lse = acs._visible_logits(q, keys, bias, slot_pos, cache_position, scale, window).logsumexp(dim=-1)
-        pending_q.copy_(q.view(pending_q.shape))
-        pending_lse.copy_(lse.view(pending_lse.shape))
+        B, Hkv, _, G, D = pending_q.shape
+        pending_q[:, :, entry].copy_(q.view(B, Hkv, G, D))
+        pending_lse[:, :, entry].copy_(lse.view(B, Hkv, G))
     else:
         accumulate(q, keys, bias, slot_pos, cache_position, score, scale, window, mode, last)
-        pending_lse.fill_(float("inf"))
+    return out.contiguous()
 
 
 @torch.library.custom_op("kvrewrite::observed_attention_eager", mutates_args=("score", "pending_q", "pending_lse"))

@@ -127,13 +127,16 @@ class Method:
 
 def observed_state_fields(layer) -> dict:
     """The state of a method whose statistics op is kvrewrite::accumulate_attention (H2O, SnapKV): `score` [B, Hkv, C]
-    fp32, what it accumulates, and the pending query of the fused op's deferred decode statistics
-    (kvrewrite::observed_attention: `pending_q` fp32 [B, Hkv, G, D] and `pending_lse` fp32 [B, Hkv, G], +inf when
-    nothing is pending), which only that op reads. The pending query is 2 * G * (D + 1) * 4 bytes per row and KV
-    head, next to the score's 4 bytes per slot."""
+    fp32, what it accumulates, and the pending queries of the fused op's deferred decode statistics
+    (kvrewrite::observed_attention: `pending_q` fp32 [B, Hkv, P, G, D] and `pending_lse` fp32 [B, Hkv, P, G], +inf
+    when empty; P = pending_entries(G), 3 for G = 4), which only that op reads. They are P * G * (D + 1) * 4 bytes
+    per row and KV head, next to the score's 4 bytes per slot."""
+    from kvrewrite.kernels.observed_attention import pending_entries
+
     G = layer.num_heads // layer.num_kv_heads
+    P = pending_entries(G)
     return {
         "score": StateField(("B", "Hkv", "C"), torch.float32, 0.0),
-        "pending_q": StateField(("B", "Hkv", G, "D"), torch.float32, 0.0),
-        "pending_lse": StateField(("B", "Hkv", G), torch.float32, float("inf")),
+        "pending_q": StateField(("B", "Hkv", P, G, "D"), torch.float32, 0.0),
+        "pending_lse": StateField(("B", "Hkv", P, G), torch.float32, float("inf")),
     }

@@ -134,8 +134,8 @@ def test_method_state_travels_with_the_export(tmp_path):
     meta = read_metadata(path)
     C = rw.capacities[0]
     assert meta["method_state"] == [{"score": {"shape": [2, 2, C], "dtype": "float32", "reset": 0.0},
-                                     "pending_q": {"shape": [2, 2, 2, 16], "dtype": "float32", "reset": 0.0},
-                                     "pending_lse": {"shape": [2, 2, 2], "dtype": "float32", "reset": math.inf}}] * 2
+                                     "pending_q": {"shape": [2, 2, 7, 2, 16], "dtype": "float32", "reset": 0.0},
+                                     "pending_lse": {"shape": [2, 2, 7, 2], "dtype": "float32", "reset": math.inf}}] * 2
     m = loader.load(path)
     assert [tuple(t.shape) for t in m.state] == [tuple(t.shape) for t in rw.state_tensors()]
     ids, mask = _inputs()

@@ -1,12 +1,14 @@
 """A decode sequence over a slot state, for kvrewrite::observed_attention's deferred statistics: the state holds a
 prompt's tokens (some padding, some merged slots), then each step appends one token as cache_append does and
 attends. The same steps run through observed_attention (statistics deferred except where told) and through
-clustered_attention + accumulate_attention (folded at every step); at every step that folds, both scores agree."""
+clustered_attention + accumulate_attention (folded at every step); after every step that does not defer, both
+scores agree."""
 import math
 
 import torch
 
 import kvrewrite  # noqa: F401  (registers the ops)
+from kvrewrite.kernels.observed_attention import pending_entries
 
 
 def prompt_state(B, Hq, Hkv, C, D, n_prompt, dtype, seed, device="cpu"):
@@ -14,6 +16,7 @@ def prompt_state(B, Hq, Hkv, C, D, n_prompt, dtype, seed, device="cpu"):
     -inf, degrees 1..3), the rest are empty; score random >= 0 (what earlier steps left); nothing pending."""
     g = torch.Generator().manual_seed(seed)
     G = Hq // Hkv
+    P = pending_entries(G)
     keys = torch.zeros(B, Hkv, C, D)
     keys[:, :, :n_prompt] = torch.randn(B, Hkv, n_prompt, D, generator=g)
     values = torch.zeros(B, Hkv, C, D)
@@ -26,7 +29,7 @@ def prompt_state(B, Hq, Hkv, C, D, n_prompt, dtype, seed, device="cpu"):
     state = dict(keys=keys.to(dtype), values=values.to(dtype), bias=bias, slot_pos=slot_pos,
                  fill=torch.full((B, Hkv), n_prompt, dtype=torch.int64),
                  score=torch.rand(B, Hkv, C, generator=g) * (bias > -math.inf),
-                 pending_q=torch.zeros(B, Hkv, G, D), pending_lse=torch.full((B, Hkv, G), math.inf))
+                 pending_q=torch.zeros(B, Hkv, P, G, D), pending_lse=torch.full((B, Hkv, P, G), math.inf))
     return {k: v.to(device) for k, v in state.items()}, g
 
 

@@ -29,7 +29,9 @@ def nothing_pending(q, keys):
     """(pending_q, pending_lse, fill) of a state with nothing pending whose last slot is the step's token."""
     B, Hq, _, D = q.shape
     Hkv, C = keys.shape[1], keys.shape[2]
-    return (torch.zeros(B, Hkv, Hq // Hkv, D), torch.full((B, Hkv, Hq // Hkv), math.inf),
+    G = Hq // Hkv
+    P = oa.pending_entries(G)
+    return (torch.zeros(B, Hkv, P, G, D), torch.full((B, Hkv, P, G), math.inf),
             torch.full((B, Hkv), C, dtype=torch.int64))
 
 
@@ -54,50 +56,68 @@ def test_matches_float64(T, mode, last):
     torch.testing.assert_close(score, ref_score, atol=1e-6, rtol=1e-6)
 
 
-STEPS = 5
+STEPS = 6
 
 
-def _sequence(B, Hq, Hkv, C, D, n, mode, last, past_only, defer_at, launch=None, dtype=torch.float32):
-    """(fused outputs, fused state, two-op outputs, two-op state) after STEPS decode steps from one prompt state."""
+def _sequence(B, Hq, Hkv, C, D, n, mode, last, past_only, defer_at, launch=None, dtype=torch.float32, steps=STEPS):
+    """(fused outputs, fused state, two-op outputs, two-op state) after `steps` decode steps from one prompt state."""
     fused, _ = ds.prompt_state(B, Hq, Hkv, C, D, n, dtype, seed=n)
     apart = {k: v.clone() for k, v in fused.items()}
-    args = (STEPS, n, Hq, dtype, D**-0.5, mode, last, past_only)
+    args = (steps, n, Hq, dtype, D**-0.5, mode, last, past_only)
     a = ds.run(fused, torch.Generator().manual_seed(7), *args, defer_at, True, launch)
     b = ds.run(apart, torch.Generator().manual_seed(7), *args, None, False)
     return a, fused, b, apart
 
 
-SEQUENCES = [(2, 6, 2, 64, 16, 20), (1, 8, 2, 300, 32, 200), (1, 7, 1, 90, 16, 41)]  # B, Hq, Hkv, C, D, prompt
+# B, Hq, Hkv, C, D, prompt: G = 3 (P = 4 entries; the steps at positions 20-25 fold at 20 and 24), G = 4 (P = 3;
+# positions 200-205 fold at 201 and 204), G = 7 (P = 1: every step folds the previous one)
+SEQUENCES = [(2, 6, 2, 64, 16, 20), (1, 8, 2, 300, 32, 200), (1, 7, 1, 90, 16, 41)]
+
+
+def test_pending_entries_fill_the_decode_tile():
+    assert [oa.pending_entries(G) for G in (1, 2, 3, 4, 5, 7, 8, 12, 16)] == [15, 7, 4, 3, 2, 1, 1, 1, 1]
+    # entry e at position c holds the query of ((c - e - 1) mod P) + 1 steps before
+    assert oa.pending_steps_ago(torch.tensor([203]), 3).tolist() == [2, 1, 3]  # 201, 202 (entry 2: 200, emptied)
+    assert oa.pending_steps_ago(torch.tensor([204]), 3).tolist() == [3, 2, 1]  # 201, 202, 203
 
 
 @pytest.mark.parametrize("past_only", [True, False])
 @pytest.mark.parametrize("mode,last", [("all", 0), ("window", 4)])
 @pytest.mark.parametrize("seq", SEQUENCES, ids=lambda s: "B{}-Hq{}Hkv{}-C{}-D{}-n{}".format(*s))
 def test_deferred_statistics_equal_the_two_ops_when_folded(seq, mode, last, past_only):
-    """Steps 0-3 defer, step 4 folds (a compressing step): same outputs at every step, same score after step 4,
-    nothing pending; while deferred the score lags by exactly the pending query's fold."""
+    """Steps 0-4 defer, step 5 folds (a compressing step): same outputs at every step, same score after step 5,
+    nothing pending; while deferred the score lags by exactly the pending queries' fold, and the entries hold the
+    queries since the last step at c mod P == 0."""
     a, fused, b, apart = _sequence(*seq, mode, last, past_only, lambda step: step < STEPS - 1)
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(fused["score"], apart["score"], atol=1e-5, rtol=1e-6)
     assert torch.isinf(fused["pending_lse"]).all() and (fused["pending_lse"] > 0).all()
 
-    _, lagging, _, apart = _sequence(*seq, mode, last, past_only, lambda step: True)
-    assert (lagging["score"] - apart["score"]).abs().max() > 1e-3  # the last query is pending
-    cp = torch.tensor([seq[-1] + STEPS])  # the next step's position
-    oa.fold_pending(lagging["keys"], lagging["bias"], lagging["slot_pos"], cp, lagging["score"], lagging["pending_q"],
-                    lagging["pending_lse"], seq[-2] ** -0.5, 0, mode)
-    torch.testing.assert_close(lagging["score"], apart["score"], atol=1e-5, rtol=1e-6)
+    B, Hq, Hkv, C, D, n = seq
+    P = oa.pending_entries(Hq // Hkv)
+    for steps in range(1, STEPS + 1):
+        _, lagging, _, apart = _sequence(*seq, mode, last, past_only, lambda step: True, steps=steps)
+        c = n + steps  # the next step's position
+        last_fold = max(p for p in range(n, c) if p % P == 0) if any(p % P == 0 for p in range(n, c)) else n
+        held = [p % P for p in range(last_fold, c)]  # the entries written since (and by) the last folding step
+        finite = torch.isfinite(lagging["pending_lse"]).all(dim=(0, 1, 3))
+        assert finite.tolist() == [e in held for e in range(P)], steps
+        assert (lagging["score"] - apart["score"]).abs().max() > 1e-3  # the pending queries are not in it yet
+        oa.fold_pending(lagging["keys"], lagging["bias"], lagging["slot_pos"], torch.tensor([c]), lagging["score"],
+                        lagging["pending_q"], lagging["pending_lse"], D**-0.5, 0, mode)
+        torch.testing.assert_close(lagging["score"], apart["score"], atol=1e-5, rtol=1e-6)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CUDA steps on the CPU need TRITON_INTERPRET=1")
 @pytest.mark.parametrize("past_only", [True, False])
-@pytest.mark.parametrize("seq", SEQUENCES, ids=lambda s: "B{}-Hq{}Hkv{}-C{}-D{}-n{}".format(*s))
+@pytest.mark.parametrize("seq", SEQUENCES + [(1, 4, 1, 600, 16, 500)],  # the last: 2 splits (interpreter: 8 "SMs")
+                         ids=lambda s: "B{}-Hq{}Hkv{}-C{}-D{}-n{}".format(*s))
 def test_cuda_steps_under_triton_interpreter(seq, past_only):
     """The CUDA path's launches (pending rows in the attention tile, split and unsplit, the compressing step's
     combine + fold) through Triton's interpreter, against the two ops."""
     pytest.importorskip("triton")
-    a, fused, b, apart = _sequence(*seq, "all", 0, past_only, lambda step: step not in (2, STEPS - 1), oa._launch)
+    a, fused, b, apart = _sequence(*seq, "all", 0, past_only, lambda step: step not in (3, STEPS - 1), oa._launch)
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused["score"], apart["score"], atol=1e-5, rtol=1e-5)
@@ -110,28 +130,37 @@ def test_bad_arguments_are_named():
         OP(q, keys, values, bias, slot_pos, cp, 0.25, 0, score, *pending, "sum", 0)
     with pytest.raises(ValueError, match=r"score must be fp32 \[B, Hkv, C\]"):
         OP(q, keys, values, bias, slot_pos, cp, 0.25, 0, score[:, :, :5], *pending, "all", 0)
-    with pytest.raises(ValueError, match=r"pending_q must be fp32 \[B, Hkv, G, D\]"):
+    with pytest.raises(ValueError, match=r"pending_q must be fp32 \[B, Hkv, P, G, D\] = \(1, 1, 7, 2, 16\)"):
         OP(q, keys, values, bias, slot_pos, cp, 0.25, 0, score, pending[0][..., :3], *pending[1:], "all", 0)
-    with pytest.raises(ValueError, match="defer=True keeps one decode query pending: T must be 1"):
+    with pytest.raises(ValueError, match=r"pending_lse must be fp32 \[B, Hkv, P, G\]"):
+        OP(q, keys, values, bias, slot_pos, cp, 0.25, 0, score, pending[0], pending[1][:, :, :1], pending[2], "all", 0)
+    with pytest.raises(ValueError, match="defer=True keeps decode queries pending, one per step: T must be 1"):
         OP(q, keys, values, bias, slot_pos, cp, 0.25, 0, score, *pending, "all", 0, False, True)
 
 
 def test_broken_fill_promise_is_refused():
-    """past_only: the slots a pending query saw must be those before fill - 1 (the CUDA kernel reads no slot_pos);
-    with nothing pending there is no promise to keep."""
+    """past_only: the slots a query pending since k steps saw must be those before fill - k (the CUDA kernel reads
+    no slot_pos); with nothing pending there is no promise to keep."""
     q, keys, values, bias, slot_pos, cp, score = _inputs(1, 2, 1, 1, 10, seed=0)
     pq, plse, fill = nothing_pending(q, keys)
     bias[:] = 0.0
+    slot_pos[:] = torch.arange(10)  # one slot per decode step, as cache_append writes them
+    cp = torch.tensor([9])
     OP(q, keys, values, bias, slot_pos, cp, 0.25, 0, score, pq, plse, fill - 1, "all", 0, True, False)  # none pending
-    plse[0, 0, 1] = 2.0
-    with pytest.raises(ValueError, match="breaks the promise that the slots before position"):
+    k = oa.pending_steps_ago(cp, 7)
+    assert int(k[0]) == 2
+    plse[0, 0, 0, 1] = 2.0  # entry 0: pending since k[0] steps
+    OP(q, keys, values, bias, slot_pos, cp, 0.25, 0, score, pq, plse.clone(), fill, "all", 0, True, True)
+    with pytest.raises(ValueError, match=f"the slots up to position {int(cp[0]) - int(k[0])} .*pending since "
+                                         f"{int(k[0])} step"):
         OP(q, keys, values, bias, slot_pos, cp, 0.25, 0, score, pq, plse, fill - 1, "all", 0, True, True)
 
 
 def test_opcheck():
     q, keys, values, bias, slot_pos, cp, score = _inputs(2, 4, 2, 1, 12, seed=1)
     pq, plse, fill = nothing_pending(q, keys)
-    plse[0] = 1.5  # something pending in row 0
+    P = plse.shape[2]
+    plse[0, :, (int(cp[0]) - 1) % P] = 1.5  # row 0: the previous step's query is pending (the entry of k = 1)
     pq.normal_()
     for defer in (False, True):
         torch.library.opcheck(OP, (q, keys, values, bias, slot_pos, cp, 0.25, 0, score, pq.clone(), plse.clone(), fill,

@@ -15,6 +15,7 @@ import torch
 
 import kvrewrite  # noqa: F401  (registers the ops)
 from kvrewrite.kernels import observed_attention as oa
+from kvrewrite.kernels.observed_attention import pending_entries
 from tests.kernels import decode_sequence as ds
 from tests.kernels.poisoned import poisoned
 from tests.kernels.test_attention_column_stats import dense_probs
@@ -63,7 +64,9 @@ def _expected(q, keys, values, bias, slot_pos, cp, score, scale, window, mode, l
 def _nothing_pending(q, keys):
     B, Hq, _, D = q.shape
     Hkv, C = keys.shape[1], keys.shape[2]
-    return (torch.zeros(B, Hkv, Hq // Hkv, D, device="cuda"), torch.full((B, Hkv, Hq // Hkv), float("inf"), device="cuda"),
+    G = Hq // Hkv
+    P = pending_entries(G)
+    return (torch.zeros(B, Hkv, P, G, D, device="cuda"), torch.full((B, Hkv, P, G), float("inf"), device="cuda"),
             torch.full((B, Hkv), C, dtype=torch.int64, device="cuda"))
 
 
@@ -116,9 +119,10 @@ def test_cuda_graph_replay_without_host_sync():
     a = _inputs(*shape[:5], 128, torch.bfloat16, seed=1)
     b = _inputs(*shape[:5], 128, torch.bfloat16, seed=2)
     G = shape[1] // shape[2]
-    a = [*a, torch.randn(1, 8, G, 128, device="cuda"), torch.full((1, 8, G), 9.0, device="cuda"),
+    P = pending_entries(G)
+    a = [*a, torch.randn(1, 8, P, G, 128, device="cuda"), torch.full((1, 8, P, G), 9.0, device="cuda"),
          torch.full((1, 8), 2049, device="cuda")]
-    b = [*b, torch.randn(1, 8, G, 128, device="cuda"), torch.full((1, 8, G), 11.0, device="cuda"),
+    b = [*b, torch.randn(1, 8, P, G, 128, device="cuda"), torch.full((1, 8, P, G), 11.0, device="cuda"),
          torch.full((1, 8), 2049, device="cuda")]
     call = lambda x: OP(*x[:6], 0.088, 0, *x[6:10], "all", 0, True, True)  # noqa: E731  (deferring)
     call(a)  # compile first (compilation may sync)
@@ -145,7 +149,8 @@ def test_cuda_graph_replay_without_host_sync():
     assert torch.equal(out, want) and all(torch.equal(s, e) for s, e in zip(static[6:9], eager[6:9]))
 
 
-# (B, Hq, Hkv, C, D, prompt): unsplit and split decode, G = 3, 4, 7, 8 (the pending rows fill the 16-row tile)
+# (B, Hq, Hkv, C, D, prompt): unsplit and split decode, G = 3, 4, 7, 8 (P = 4, 3, 1, 1 pending entries fill the
+# 16-row tile; at G = 4 the steps at positions 3000-3007 fold a full set of 3 entries at 3003)
 SEQUENCES = [(2, 6, 2, 64, 64, 20), (1, 32, 8, 4100, 128, 3000), (3, 14, 2, 1500, 64, 999), (1, 8, 1, 700, 128, 600)]
 SEQ_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
            torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
@@ -155,11 +160,12 @@ SEQ_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2
 @pytest.mark.parametrize("past_only", [True, False])
 @pytest.mark.parametrize("seq", SEQUENCES, ids=lambda s: "B{}-Hq{}Hkv{}-C{}-D{}-n{}".format(*s))
 def test_deferred_decode_sequence(seq, past_only, dtype):
-    """6 decode steps, statistics deferred at steps 0, 1, 3, 4 and folded at 2 and 5 (compressing steps): every output and the score after each folding step equal the two ops' on the CPU (in
+    """8 decode steps, statistics deferred but at steps 4 and 7 (compressing steps, which fold every entry and their
+    own query): every output and the score after the last step equal the two ops' on the CPU (in
     fp32 from the same rounded inputs); the score tolerance is fp32's whatever the dtype (the probabilities
     are fp32 from fp32 scores of the same rounded keys; the output's is the dtype's)."""
     B, Hq, Hkv, C, D, n = seq
-    steps, folds = 6, (2, 5)
+    steps, folds = 8, (4, 7)
     gpu, _ = ds.prompt_state(B, Hq, Hkv, C, D, n, dtype, seed=C, device="cuda")
     cpu = {k: v.cpu().float() if v.dtype == dtype else v.cpu() for k, v in gpu.items()}
     args = (n, Hq, dtype, D**-0.5, "all", 0, past_only)

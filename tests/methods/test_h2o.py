@@ -85,11 +85,13 @@ def test_scores_are_the_dense_attention_history(llama, captured):
         assert torch.equal(valid.sum(-1), full_mask.sum(-1)[:, None].expand_as(valid.sum(-1)))
         pos = st["slot_pos"].clamp(min=0)
         expected = torch.gather(dense, 2, pos).masked_fill(~valid, 0.0)
-        # the decode graph defers each step's statistics to the next step: the last query is still pending
-        assert torch.isfinite(st["pending_lse"]).all()
+        # the decode graph defers each step's statistics to a later step: the last query (entry c - 1 mod P) is
+        # pending, with those since the last step at c mod P == 0 (c: the next step's cache position)
+        c = rw._next_cache_position.reshape(1)
+        assert torch.isfinite(st["pending_lse"][:, :, int(c - 1) % st["pending_lse"].shape[2]]).all()
         score = st["score"].clone()
-        fold_pending(st["keys"], st["bias"], st["slot_pos"], torch.tensor([24 + 6]), score, st["pending_q"],
-                     st["pending_lse"], info.head_dim**-0.5, 0, "all")
+        fold_pending(st["keys"], st["bias"], st["slot_pos"], c, score, st["pending_q"], st["pending_lse"],
+                     info.head_dim**-0.5, 0, "all")
         torch.testing.assert_close(score.double(), expected, **TOL)
         assert float(expected.max()) > 1.0  # the attention sink gathers more than one query's worth
     # the scores are state: counted by cache_bytes, reset by the next generation
