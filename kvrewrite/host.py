@@ -8,6 +8,7 @@ mirror of every layer's fill that picks the decode variant (HostSchedule), the t
 generate methods built on them. KVRewrittenModel and kvrewrite.export.loader.ExportedModel both
 inherit HostGeneration, so an exported model generates exactly what `rw.generate` does.
 """
+import functools
 import math
 import numbers
 import time
@@ -200,13 +201,19 @@ def token_loop(logits, decode_step, *, max_new_tokens: int, eos, pad_token_id: i
     return out
 
 
+@functools.cache
+def _argmax_chunks(V: int) -> int:
+    """greedy_tokens' chunk count for a vocabulary of V: its largest divisor <= 256 (chunks of V // n tokens)."""
+    return max(d for d in range(1, min(V, 256) + 1) if V % d == 0)
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1) for [..., V], in two reductions: the max of each of up to 256 equal chunks of the
     vocabulary, then the first chunk holding the overall max (ties go to the lowest index, as argmax's; NaN counts
     as the max, as there). ATen reduces one long row with a single block: a 128256-token bf16 row took 27 us on an
     H100 alone (38 us in a decode step's profile, docs/bench.md), 12 us in two reductions."""
     V = logits.shape[-1]
-    n = max(d for d in range(1, min(V, 256) + 1) if V % d == 0)  # chunks of V // n tokens
+    n = _argmax_chunks(V)
     if n == 1:
         return logits.argmax(dim=-1)
     best, where = logits.unflatten(-1, (n, V // n)).max(dim=-1)

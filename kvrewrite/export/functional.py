@@ -139,7 +139,7 @@ def unfuse_observed_attention(gm: fx.GraphModule) -> fx.GraphModule:
     """gm with every kvrewrite::observed_attention (passes/fuse_attention_observation.py) split back into the
     kvrewrite::clustered_attention and kvrewrite::accumulate_attention it fuses, in place (functionalize runs it
     on its copy): the ONNX functions and TensorRT plugin descriptions describe those two. The statistics are then
-    folded at every step, never deferred (the pending query stays empty, its state inputs unread): the same
+    folded at every step, never deferred (the pending entries stay empty, their state inputs unread): the same
     output, and the same score at every compression; fusing and deferring are a CUDA kernel choice, and a backend
     with native kernels makes its own."""
     for node in list(gm.graph.nodes):

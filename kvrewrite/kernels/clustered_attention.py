@@ -588,7 +588,7 @@ def launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, windo
         if save_q is not None and save_q is not pending["q"]:
             raise ValueError("launch_forward: save_q must be pending's q (the kernel reads it, then writes it)")
         if T != 1:
-            raise ValueError(f"launch_forward: the pending query rides along decode steps only (T = 1), got T = {T}")
+            raise ValueError(f"launch_forward: the pending queries ride along decode steps only (T = 1), got T = {T}")
         npend = int(pending["q"].shape[2])
         overrides.setdefault("block_m", max(16, triton.next_power_of_2(2 * G)))  # rows [G, (P + 1) G) for them
         if (npend + 1) * G > overrides["block_m"]:

@@ -224,7 +224,7 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, scor
     Hkv, C = int(keys.shape[1]), int(keys.shape[2])
     G = Hq // Hkv
     group_scale = 1.0 if mode == "all" else 1.0 / G
-    if T > 1:  # prefill chunk: fold the pending query apart, then the attention's lse saves the statistics' pass
+    if T > 1:  # prefill chunk: fold the pending entries apart, then the attention's lse saves the statistics' pass
         fold_pending(keys, bias, slot_pos, cache_position, score, pending_q, pending_lse, scale, window, mode)
         lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
         out = ca._launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only, lse=lse)
@@ -233,10 +233,10 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, scor
         aa.fold_into_score(score, total, recent, mode, T)
         pending_lse.fill_(float("inf"))
         return out
-    # the state tensors themselves, not views (the kernels index them flat: contiguous, [B * Hq] rows); a view of a
+    # the state tensors themselves, not views (the kernels index them flat: contiguous rows); a view of a
     # mutated input would make the traced op copy it in and out
     pending = dict(q=pending_q, lse=pending_lse, score=score, fill=fill, scale=group_scale)
-    if defer:  # fold the pending query on the way, then this one is pending: q and lse saved
+    if defer:  # at c mod P == 0 fold the entries on the way; this step's q and lse become entry c mod P
         return ca._launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only,
                           lse=pending["lse"], pending=pending, save_q=pending["q"])
     logits = torch.empty((B * Hq, C), dtype=torch.float32, device=q.device)
@@ -263,7 +263,8 @@ def reference_observed_attention(q, keys, values, bias, slot_pos, cache_position
 def _steps(q, keys, values, bias, slot_pos, cache_position, scale, window, score, pending_q, pending_lse, fill, mode,
            last, past_only, defer, attend, accumulate):
     """The op off CUDA, with `attend` and `accumulate` as the attention and statistics (the references or the ops):
-    checks, the pending query's fold, the attention, then this step's statistics or its save as pending."""
+    checks, the pending entries' fold (deferring: at c mod P == 0 only), the attention, then this step's statistics
+    or its save as entry c mod P."""
     aa._check_inputs(q, keys, bias, slot_pos, cache_position, score, window, mode, last)
     _check_inputs(q, keys, bias, score, pending_q, pending_lse, fill, defer)
     if past_only and window == 0 and q.shape[2] == 1:
@@ -303,8 +304,8 @@ def observed_attention_eager(
     defer: bool = False,
 ) -> torch.Tensor:
     """The op off CUDA, an opaque op of its own (its checks read the data, which an inlined body cannot): the
-    reference fold of the pending query, kvrewrite::clustered_attention, then kvrewrite::accumulate_attention or
-    the pending query's save. (`stats_mode` is the op's `mode`: an argument named "mode" collides with torch's
+    reference fold of the pending entries, kvrewrite::clustered_attention, then kvrewrite::accumulate_attention or
+    this step's save as a pending entry. (`stats_mode` is the op's `mode`: an argument named "mode" collides with torch's
     fake-tensor dispatch of a custom op.)"""
     return _steps(q, keys, values, bias, slot_pos, cache_position, scale, window, score, pending_q, pending_lse, fill,
                   stats_mode, last, past_only, defer, torch.ops.kvrewrite.clustered_attention,
@@ -335,8 +336,8 @@ def observed_attention(
     past_only: bool = False,
     defer: bool = False,
 ) -> torch.Tensor:
-    """The attention output; the pending query's statistics folded into `score`, this step's folded too or
-    left pending (module docstring).
+    """The attention output; the pending entries' statistics folded into `score` (deferring: at c mod P == 0),
+    this step's folded too or left pending (module docstring).
 
     The op's kernel, fake and what Inductor inlines: CUDA launches the fused Triton kernels; other devices call
     kvrewrite::clustered_attention and kvrewrite::accumulate_attention around the reference fold."""

@@ -1,7 +1,7 @@
 """H2O: heavy hitters by accumulated attention + a recent window. Based on https://arxiv.org/abs/2306.14048.
 
 State: `score` [B, Hkv, C] fp32 per full-attention layer, the attention each slot has received (plus the
-pending query of the fused op's deferred decode statistics: methods.base.observed_state_fields).
+pending queries of the fused op's deferred decode statistics: methods.base.observed_state_fields).
 Observation (kvrewrite::accumulate_attention, mode "all", right after the attention of every prefill
 chunk and decode step): score_j += sum over the step's queries and the G query heads of the KV head of
 their softmax probability on slot j. Compression (kvrewrite::evict_by_score, at the end of the step

@@ -1,6 +1,6 @@
 """SnapKV: the observation window picks what to keep. Based on https://arxiv.org/abs/2404.14469.
 
-State: `score` [B, Hkv, C] fp32 per full-attention layer (plus the pending query of the fused op's deferred
+State: `score` [B, Hkv, C] fp32 per full-attention layer (plus the pending queries of the fused op's deferred
 decode statistics: methods.base.observed_state_fields). Observation (kvrewrite::accumulate_attention,
 mode "window", right after the attention): a prefill chunk SETS score_j to the attention slot j receives
 from the chunk's last w queries; a decode step ADDS its query's; both averaged over the G query heads of

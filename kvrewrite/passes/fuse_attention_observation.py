@@ -6,13 +6,13 @@ Matches:  a kvrewrite.accumulate_attention node (role "observe", H2O's and SnapK
 Emits:    kvrewrite.observed_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, score,
           pending_q, pending_lse, fill, mode, last, past_only, defer) where the attention was (role
           "observed_attention"); both nodes go. defer=True in the decode graph without compression ops: there
-          each step's statistics wait for the next step (the pending query, folded on the way by the next
-          step's attention kernel); every graph that compresses folds them at once, so each compression reads
+          each step's statistics wait for a later step (the pending queries, up to pending_entries(G) of them,
+          folded together on the way by a later step's attention kernel); every graph that compresses folds them at once, so each compression reads
           the score accumulate_attention would have left. On CUDA the statistics come from the attention
           kernel itself, one pass over the keys instead of three (docs/methods.md has the measurements).
 Skips:    observe ops other than accumulate_attention (a method's own statistics op stays where it is).
 Errors:   an accumulate_attention node with no matching attention node (a pass broke the pairing), or a
-          layer whose state lacks the pending query (methods.base.observed_state_fields declares it).
+          layer whose state lacks the pending queries (methods.base.observed_state_fields declares it).
 Requires: replace_sdpa_with_clustered_attention.
 """
 import logging

@@ -1,5 +1,5 @@
 """kvrewrite::observed_attention on the CPU: clustered_attention then accumulate_attention (it calls them) around the
-pending query's fold, so here: the output and score against the float64 formulas, decode sequences whose deferred
+pending queries' fold, so here: the output and score against the float64 formulas, decode sequences whose deferred
 statistics equal the two ops' at every step that folds, the argument checks, opcheck. The same sequences through
 the CUDA steps under Triton's interpreter (TRITON_INTERPRET=1, with triton installed); the fused CUDA kernels:
 test_observed_attention_gpu.py."""

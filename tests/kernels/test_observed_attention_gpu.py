@@ -6,7 +6,7 @@ or internal score row fails). Tolerances: the output's are clustered_attention's
 sum of fp32 probabilities computed from the same lse as the attention's, against the float64 softmax of
 the same (rounded) inputs: ~1e-6 relative per term, so atol 5e-5 / rtol 5e-5 over <= 130 queries, ~1e2
 below what a wrong group, mask or set/add moves (>= 1/C). Decode sequences (tests/kernels/decode_sequence.py) whose
-statistics are deferred step to step (the pending query in the attention tile's free rows) against the two ops on
+statistics are deferred step to step (the pending queries in the attention tile's free rows) against the two ops on
 the CPU. Also: a CUDA graph replay without host sync, deferring.
 On a GPU machine: `python -m pytest -m gpu -q tests/kernels/test_observed_attention_gpu.py`.
 """
