@@ -133,6 +133,8 @@ def reference_indexed_attention(q, keys, values, bias, index, scale, softcap=0.0
     name = "reference_indexed_attention"
     B, Hq, T, D, Hkv, C, Hsel, S = check_inputs(name, q, keys, values, bias, index, softcap)
     check_index(index, C, name)
+    if S == 0:  # no entry: zeros (amax below would reduce an empty dim)
+        return q.new_zeros(q.shape)
     G = Hq // Hkv
     per = Hsel // Hkv  # lists per KV head: 1 (shared by the group) or G (one per query head)
     sel = index.view(B, Hkv, per, S)
