@@ -170,3 +170,23 @@ def test_s_zero_gives_zeros():
     q, keys, values, bias, index = make_inputs(1, 4, 2, 1, 10, 16, 3, torch.bfloat16, "per_kv", seed=6)
     out = ia._launch(q, keys, values, bias, index[..., :0], 0.25)
     assert out.shape == q.shape and (out == 0).all()
+
+
+@pytest.mark.parametrize("B", (1, 2, 8, 16))
+@pytest.mark.parametrize("Hq,Hkv", [(32, 8), (28, 4), (9, 3)])
+@pytest.mark.parametrize("kind", ("per_kv", "per_q"))
+@pytest.mark.parametrize("S", (1344, 100, 5000))
+def test_decode_launch_config(B, Hq, Hkv, kind, S):
+    """The decode split rule on an H100 (132 SMs; pure Python, no launch): the grid stays within two programs per
+    SM unless one split per selection row already exceeds that, no split is empty, and the room is used (one
+    split more would break the rule, or the tiles run out)."""
+    sms, Hsel = 132, (Hkv if kind == "per_kv" else Hq)
+    cfg = ia._launch_config(B, Hsel, Hq // Hsel, 1, S, 128, sms)
+    n, tiles = cfg["num_splits"], math.ceil(S / cfg["block_n"])
+    assert cfg["m_blocks"] == 1 and cfg["block_m"] == 16
+    assert B * Hsel * n <= max(2 * sms, B * Hsel), cfg
+    assert (n - 1) * cfg["entries_per_split"] < S <= n * cfg["entries_per_split"], cfg
+    more = ia._launch_config(B, Hsel, Hq // Hsel, 1, S, 128, sms, num_splits=n + 1)["num_splits"]
+    assert B * Hsel * (n + 1) > 2 * sms or more == n or n == tiles, (cfg, more)
+    if (B, Hq, Hkv, S) == (1, 32, 8, 1344):  # Llama-3.1-8B, ClusterKV's S: 21 tiles of 64
+        assert (n, cfg["entries_per_split"]) == ((21, 64) if kind == "per_kv" else (7, 192)), cfg
