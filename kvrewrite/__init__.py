@@ -88,7 +88,7 @@ def _rewrite(model, m, captured, max_length: int, fuse_projections: bool = False
     for name, (kind, compress) in variants.items():
         ctx = RewriteContext(captured.model_tag, m, captured.layers, graph_kind=kind, compress=compress,
                              cache_buffers=captured.cache_buffers, fuse_projections=fuse_projections,
-                             fused_weights=captured.fused_weights, gemv=gemv)
+                             fused_weights=captured.fused_weights, gemv=gemv, max_length=max_length)
         graphs[name] = run_passes(copy_graph_module(captured.graphs[kind]), ctx)
     rw = KVRewrittenModel(captured, graphs, m, max_length, config=model.config)
     rw.generation_config = model.generation_config

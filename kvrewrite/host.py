@@ -20,24 +20,35 @@ from kvrewrite.state import STATE_FIELDS, reset_layer_state
 WINDOW_INTERVAL = 32  # sliding-window layers evict every 32 tokens (exact at any interval)
 
 
+def shrink_to_target(fill: int, valid: int, target: int, threshold: int) -> tuple[int, int, int]:
+    """The host mirror of a compression op run on a due row: (fill, valid, threshold) after it. The default
+    rule (Method.after_compression's): the row keeps min(valid tokens, target) slots; the threshold stays."""
+    kept = min(valid, target)
+    return kept, kept, threshold
+
+
 class HostSchedule:
     """Host mirror of every layer's fill per batch row, kept from what the host already knows (the
     tokens appended, the padding mask, each layer's target and threshold), never from the device.
 
-    A compression op shrinks a due row to min(valid tokens, target) slots, so the mirror is exact
-    for every compressible head (outlier heads never compress and are not tracked). The runtime runs
-    the decode variant with compression ops only on steps where `due()` says some layer reaches its
+    A compression op runs on a row once its fill reaches the threshold and leaves it as the layer's
+    rule says (Method.after_compression; by default min(valid tokens, target) slots, the threshold
+    unchanged; ClusterKV keeps every slot and moves the threshold on by its interval), so the mirror is
+    exact for every compressible head (outlier heads never compress and are not tracked). The runtime
+    runs the decode variant with compression ops only on steps where `due()` says some layer reaches its
     threshold: no host sync, and no compression kernels launched on the other steps.
     """
 
-    def __init__(self, budgets: list, batch_size: int):
+    def __init__(self, budgets: list, batch_size: int, rules: list | None = None):
         self.budgets = budgets  # per layer (target, threshold); threshold NO_LIMIT: never compressed
+        self.rules = rules or [shrink_to_target] * len(budgets)  # per layer (fill, valid, target, thr) -> (...)
         self.fill = [[0] * batch_size for _ in budgets]
         self.valid = [[0] * batch_size for _ in budgets]
+        self.threshold = [[thr] * batch_size for _, thr in budgets]
 
     def due(self, T: int) -> bool:
         """Would appending T tokens bring some row of some layer to its threshold?"""
-        return any(f + T >= thr for (_, thr), fills in zip(self.budgets, self.fill) for f in fills)
+        return any(f + T >= thr for fills, thrs in zip(self.fill, self.threshold) for f, thr in zip(fills, thrs))
 
     def overflow(self, T: int, capacities: list):
         """(layer position, fill, capacity) of the first layer where appending T tokens would pass the
@@ -50,12 +61,13 @@ class HostSchedule:
 
     def step(self, valid_new: list, T: int, compress: bool) -> None:
         """Mirror one step: T tokens appended (valid_new[b] of them real), then compression if run."""
-        for (target, thr), fills, valids in zip(self.budgets, self.fill, self.valid):
+        for (target, _), rule, fills, valids, thrs in zip(self.budgets, self.rules, self.fill, self.valid,
+                                                           self.threshold):
             for b in range(len(fills)):
                 fills[b] += T
                 valids[b] += valid_new[b]
-                if compress and fills[b] >= thr:
-                    fills[b] = valids[b] = min(valids[b], target)
+                if compress and fills[b] >= thrs[b]:
+                    fills[b], valids[b], thrs[b] = rule(fills[b], valids[b], target, thrs[b])
 
 
 def layer_capacity(info, method, max_length: int, prefill_chunk: int) -> int:
@@ -77,15 +89,22 @@ def layer_state_fields(info, method) -> dict:
     return fields
 
 
-def layer_budgets(method, layers, n_prompt: int, max_new_tokens: int) -> list:
-    """(target, threshold) per layer for one generation, as written into each layer's `budget` state."""
+def layer_budgets(method, layers, n_prompt: int, max_new_tokens: int, prompt_slots: int) -> list:
+    """(target, threshold) per layer for one generation, as written into each layer's `budget` state;
+    prompt_slots: the slots the prompt fills (its length padded to whole prefill chunks)."""
     budgets = []
     for info in layers:
         if info.window:
             budgets.append((info.window - 1, info.window - 1 + WINDOW_INTERVAL))
         else:
-            budgets.append(method.targets(info, n_prompt, max_new_tokens))
+            budgets.append(method.targets(info, n_prompt, max_new_tokens, prompt_slots))
     return budgets
+
+
+def layer_rules(method, layers) -> list:
+    """Per layer, the host mirror's rule for a compression (HostSchedule): the method's after_compression
+    for a full-attention layer, the default shrink for a sliding-window one."""
+    return [shrink_to_target if info.window else method.after_compression for info in layers]
 
 
 def check_count(model_tag: str, name: str, value, minimum: int) -> None:
@@ -264,12 +283,15 @@ class HostGeneration:
             raise ValueError(f"{self.model_tag}: {self.BATCH_FIXED_BY} for batch size {self.batch_size}, "
                              f"got input of batch {b}")
 
-    def reset(self, n_prompt: int, max_new_tokens: int) -> None:
-        """Empty every layer's state and set this generation's targets (B, B + g)."""
-        budgets = layer_budgets(self.method, self.layers, n_prompt, max_new_tokens)
+    def reset(self, n_prompt: int, max_new_tokens: int, prompt_slots: int | None = None) -> None:
+        """Empty every layer's state and set this generation's targets (B, B + g). prompt_slots: the slots the
+        prompt will fill (its padded length; default n_prompt rounded up to whole prefill chunks)."""
+        if prompt_slots is None:
+            prompt_slots = math.ceil(n_prompt / self.prefill_chunk) * self.prefill_chunk
+        budgets = layer_budgets(self.method, self.layers, n_prompt, max_new_tokens, prompt_slots)
         for info, specs, (target, threshold) in zip(self.layers, self.state_specs, budgets):
             reset_layer_state(self.layer_state(info.index), target, threshold, specs)
-        self.schedule = HostSchedule(budgets, self.batch_size)
+        self.schedule = HostSchedule(budgets, self.batch_size, layer_rules(self.method, self.layers))
         # decode_step runs at most max_new_tokens steps; the caller sets the positions once the state is filled
         self._decode_steps, self._decode_limit = 0, max_new_tokens
         self._next_position = self._next_cache_position = None
@@ -315,7 +337,7 @@ class HostGeneration:
             capacities=self.capacities, max_length=self.max_length, prefill_chunk=self.prefill_chunk,
             max_new_tokens=max_new_tokens, device=device)
         self._check_batch(ids.shape[0])
-        self.reset(n_real, max_new_tokens)
+        self.reset(n_real, max_new_tokens, prompt_slots=ids.shape[1])
         logits = None
         valid_host = valid.cpu()  # the mask is the caller's: one copy per generation, not per step
         # chunk c of each [B, n] input as a [B, T] view with the strides (T, 1) whatever n is: the compiled step

@@ -29,12 +29,12 @@ class StateField:
     Args:
         shape: a tuple of dimension names ("B", "Hkv", "C", "D": batch, KV heads, slots, head dim) and
             ints, e.g. ("B", "Hkv", "C") for one value per slot; or a callable (B, Hkv, C, D) -> tuple.
-        dtype: its dtype (fp32 for scores).
+        dtype: its dtype (fp32 for scores), or None for the model's (the keys' dtype: e.g. ClusterKV's centroids).
         reset: the value every element takes when a generation starts (and the state is allocated).
     """
 
     shape: object
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype | None = torch.float32
     reset: float = 0.0
 
     def size(self, B: int, Hkv: int, C: int, D: int) -> tuple:
@@ -60,7 +60,7 @@ def allocate_layer_state(B: int, Hkv: int, C: int, D: int, dtype, device, extra:
     for name, spec in (extra or {}).items():
         if name in state:
             raise ValueError(f"method state field {name!r} clashes with the base state {STATE_FIELDS}")
-        state[name] = torch.full(spec.size(B, Hkv, C, D), spec.reset, dtype=spec.dtype, device=device)
+        state[name] = torch.full(spec.size(B, Hkv, C, D), spec.reset, dtype=spec.dtype or dtype, device=device)
     return state
 
 

@@ -16,6 +16,8 @@ METHODS_MATRIX = [
     {"name": "h2o", "kwargs": {"budget": 12, "interval": 4}},
     {"name": "chelsea", "kwargs": {"budget": 0.3, "n_sink": 2, "n_recent": 4, "chunk": 4, "interval": 2,
                                    "r_init": 0.5, "r_alpha": 0.1, "r_steps": 2, "r_min": 0.25}},
+    {"name": "clusterkv", "kwargs": {"budget": 10, "n_sink": 2, "interval": 4, "tokens_per_cluster": 4,
+                                     "window_clusters": 2, "iters": 3, "dense_layers": 1}},
     {"name": "snapkv", "kwargs": {"budget": 8, "window": 2, "kernel": 7, "interval": 2}},
     {"name": "streamingllm", "kwargs": {"budget": 0.2, "n_sink": 2, "interval": 2}},
     {"name": "h2o", "kwargs": {"budget": 0.2, "recent_ratio": 0.25, "interval": 1}},

@@ -26,7 +26,10 @@ CHELSEA = dict(budget=0.5, n_sink=2, n_recent=4, chunk=8, interval=4)
 # the score methods: their observation op runs in every compiled step, their compression on steps 4, 8, 12
 H2O = dict(budget=0.5, interval=4)
 SNAPKV = dict(budget=18, window=4, kernel=7, interval=4)
-METHODS = {"full": {}, "chelsea": CHELSEA, "h2o": H2O, "snapkv": SNAPKV}
+# ClusterKV: layer 1 selects (its select op and indexed attention in every compiled decode step), and clusters
+# the 4 newest tokens into 2 clusters at steps 4, 8, 12 (kmeans_cluster in the compressing variant)
+CLUSTERKV = dict(budget=10, n_sink=2, interval=4, tokens_per_cluster=4, window_clusters=2, iters=3, dense_layers=1)
+METHODS = {"full": {}, "chelsea": CHELSEA, "h2o": H2O, "snapkv": SNAPKV, "clusterkv": CLUSTERKV}
 STREAMINGLLM = dict(budget=0.5, n_sink=2, interval=4)
 COMPRESSION_OPS = {"chelsea": "chelsea_compress", "streamingllm": "evict_to_budget", "h2o": "evict_by_score"}
 BIG_FIELDS = ("keys", "values", "bias", "slot_pos")  # fill [B, Hkv] and budget [2] are tiny
@@ -90,7 +93,9 @@ def test_compiled_decode_step_matches_eager(model, method):
     compiled = torch.compile(rw, fullgraph=True)  # raises on any graph break
     ours, our_fills = _decode(compiled, rw, tokens)
 
-    if method != "full":  # compression really ran inside the compiled steps
+    if method == "clusterkv":  # the window clusterings ran inside the compiled steps
+        assert int(rw.l1_n_clusters.min()) == 5 + 3 * 2, rw.l1_n_clusters
+    elif method != "full":  # compression really ran inside the compiled steps
         l0 = [int(f[0].max()) for f in our_fills]
         assert l0.count(18) >= 2 and max(l0) == 21, f"layer-0 fill per step {l0}: expected compressions back to 18"
     for info, specs in zip(rw.layers, rw.state_specs):  # the method's own state (scores) too

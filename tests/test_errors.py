@@ -156,7 +156,7 @@ def test_method_instance_and_options_are_exclusive(llama):
 
 
 def test_unknown_method_lists_the_known_ones(llama):
-    with pytest.raises(ValueError, match=r"unknown method 'pyramidkv'; known methods: chelsea, full, h2o, snapkv, "
+    with pytest.raises(ValueError, match=r"unknown method 'pyramidkv'; known methods: chelsea, clusterkv, full, h2o, snapkv, "
                                          r"streamingllm"):
         kvrewrite.apply(llama, "pyramidkv")
 

@@ -23,7 +23,8 @@ from kvrewrite.eval.report import write_report
 from tests.families import tiny_model
 
 # Chelsea's defaults (16 sink + 64 recent slots) need B >= 82 slots: tiny contexts use small ones.
-TINY_OPTIONS = {"chelsea": {"n_sink": 4, "n_recent": 8, "chunk": 16}, "snapkv": {"window": 8}}
+TINY_OPTIONS = {"chelsea": {"n_sink": 4, "n_recent": 8, "chunk": 16}, "snapkv": {"window": 8},
+                "clusterkv": {"n_sink": 4, "dense_layers": 1, "tokens_per_cluster": 8, "interval": 4, "iters": 3}}
 SHARED = ("streamingllm", "chelsea")  # methods that start from the shared prefill (h2o, snapkv observe their own)
 
 
@@ -58,7 +59,7 @@ def test_quick_grid_tiny(tmp_path):
     cfg = tiny_config(tmp_path, context_lengths=(80, 112))
     paths = run_grid(cfg, model=tiny_model("llama"), tokenizer=CharTokenizer(), text_loader=synthetic_text)
     assert [p.name for p in paths] == ["nll.json", "needle.json", "fidelity.json"]
-    cells = {(m, b) for m in ("streamingllm", "chelsea", "h2o", "snapkv") for b in cfg.budgets}
+    cells = {(m, b) for m in ("streamingllm", "chelsea", "h2o", "snapkv", "clusterkv") for b in cfg.budgets}
     for path in paths:
         data = json.loads(path.read_text())
         assert data["complete"] and data["model"] == "tiny-llama" and data["settings"]["prefill"] == "shared"
@@ -74,7 +75,10 @@ def test_quick_grid_tiny(tmp_path):
                 make_method(r["method"], budget, **TINY_OPTIONS.get(r["method"], {})))
             if r["method"] != "full":
                 assert r["prefill"] == ("shared" if r["method"] in SHARED else "own")
-                assert r["kv_slots"] <= round(r["budget"] * (r["prompt_tokens"] + 16)) + 1
+                if r["method"] == "clusterkv":  # keeps every token (it selects per step, evicts nothing)
+                    assert r["kv_slots"] >= r["prompt_tokens"]
+                else:
+                    assert r["kv_slots"] <= round(r["budget"] * (r["prompt_tokens"] + 16)) + 1
         if data["task"] == "nll":
             assert all(0 < r["metrics"]["nll"] < 10 for r in runs)
             assert all(("nll_delta" in r["metrics"]) == (r["method"] != "full") for r in runs)
@@ -221,7 +225,7 @@ def test_exact_match():
 
 @pytest.mark.parametrize("argv,message", [
     (["--model", "no-such-model"], "unknown model 'no-such-model'"),
-    (["--methods", "full,snapkvv"], "unknown method(s) 'snapkvv'; known methods: full, streamingllm, chelsea, h2o, snapkv"),
+    (["--methods", "full,snapkvv"], "unknown method(s) 'snapkvv'; known methods: full, streamingllm, chelsea, h2o, snapkv, clusterkv"),
     (["--task", "nll,ppl"], "unknown task(s) 'ppl'; known tasks: nll, needle, fidelity"),
     (["--budgets", "0.2,1.5"], "budgets are fractions of the tokens kept, in (0, 1]"),
     (["--option", "chelsea.n_sinks=3"], "bad option for method 'chelsea'"),

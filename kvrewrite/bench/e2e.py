@@ -10,7 +10,7 @@ Every row holds one context n; "max" in --batches is the largest batch that fits
 system (computed from the measured free memory and the row's bytes per sequence; see `max_batch`).
 
 Decisions (what exactly is timed):
-- Decode: after warm-up, `--intervals` x g (= 32) steps are timed with CUDA events around every step; the
+- Decode: after warm-up, `--intervals` x g steps (g = the method's interval: 32, ClusterKV's 320) are timed with CUDA events around every step; the
   reported ms/token is the mean over whole intervals (so every periodic re-compression of the compressing
   methods is inside it), median over `--reps` repetitions; the median plain step and the mean compressing
   step are reported apart. Each step feeds back the argmax token of its own logits (greedy decoding).
@@ -40,7 +40,8 @@ Decisions (what exactly is timed):
   copy bandwidth is measured in the same run (1 GiB device-to-device copy, bytes read + written); weights
   read = every parameter but the input embedding (only B rows of it are read); KV read = keys + values of
   the slots in use (kvrewrite: the mean fill over the timed steps, plus 12 bytes of bias/position per used
-  slot; full and HF: the n + step tokens in the cache). ratio = measured ms / floor ms.
+  slot; full and HF: the n + step tokens in the cache; ClusterKV: what its step reads, clusterkv_read_bytes).
+  ratio = measured ms / floor ms.
 - Rows run in order and the JSON is rewritten after each one, so a run cut by a timeout keeps what it has;
   `--time-budget` skips the rows not started once that many seconds have passed. A row that fails (out of
   memory, say) is recorded with its error and the run goes on.
@@ -77,9 +78,25 @@ GRIDS = {  # --grid presets; explicit flags override them
 }
 
 
-def warmup_steps(kv_compile: str) -> int:
-    """Bound of the kvrewrite decode warm-up (KVDecoder.warm_up): two compressing steps (g = 32), three under Inductor."""
-    return (3 if kv_compile == "inductor" else 2) * 32 + 2
+def warmup_steps(kv_compile: str, interval: int = 32) -> int:
+    """Bound of the kvrewrite decode warm-up (KVDecoder.warm_up): two compressing steps (every g = interval steps),
+    three under Inductor."""
+    return (3 if kv_compile == "inductor" else 2) * interval + 2
+
+
+def method_interval(system: str, budget) -> int:
+    """g of a system: the method's interval (its compression or clustering period); 32 for the HF rows."""
+    if system in HF_SYSTEMS:
+        return 32
+    from kvrewrite.methods import make_method
+
+    return make_method(system, None if system == "full" else budget).interval
+
+
+def parse_budget(text: str):
+    """--budget: an int (slots per KV head, e.g. 1024) or a fraction in (0, 1] of n + new tokens."""
+    v = float(text)
+    return int(v) if "." not in text and "e" not in text.lower() and v == int(v) else v
 
 
 @dataclasses.dataclass
@@ -88,8 +105,8 @@ class BenchConfig:
     systems: tuple = ("hf-eager", "hf-compiled", "full", "streamingllm", "chelsea")
     contexts: tuple = (16384, 32768, 65536)
     batches: tuple = ("1", "16")  # ints, or "max"
-    budget: float = 0.2
-    new_tokens: int = 320
+    budget: float | int = 0.2  # fraction in (0, 1], or an int: slots per KV head
+    new_tokens: int | None = None  # None: the fewest that cover every system's warm-up and timed steps (>= 320)
     prefill_chunk: int = 1024
     intervals: int = 2
     reps: int = 3
@@ -119,16 +136,22 @@ class BenchConfig:
         for b in self.batches:
             if b != "max" and not (str(b).isdigit() and int(b) >= 1):
                 raise ValueError(f"bench: batches must be ints >= 1 or 'max', got {b!r}")
-        if not 0 < self.budget <= 1:
-            raise ValueError(f"bench: budget must be in (0, 1], got {self.budget!r}")
+        if isinstance(self.budget, bool) or not (isinstance(self.budget, int) and self.budget >= 1
+                                                 or isinstance(self.budget, float) and 0 < self.budget <= 1):
+            raise ValueError(f"bench: budget must be a fraction in (0, 1] or an int >= 1 (slots), got {self.budget!r}")
         if self.kv_compile not in ("graph", "inductor", "eager"):
             raise ValueError(f"bench: kv_compile must be graph, inductor or eager, got {self.kv_compile!r}")
         if self.intervals < 1 or self.reps < 1:
             raise ValueError("bench: intervals and reps must be >= 1")
-        need = warmup_steps(self.kv_compile) + self.intervals * 32 * self.reps
-        if self.new_tokens < need:
-            raise ValueError(f"bench: new_tokens={self.new_tokens} is too few for warm-up + {self.reps} reps x "
-                             f"{self.intervals} intervals of 32 steps; give at least {need}")
+        needs = {s: warmup_steps(self.kv_compile, method_interval(s, self.budget))
+                 + self.intervals * method_interval(s, self.budget) * self.reps for s in self.systems}
+        if self.new_tokens is None:
+            self.new_tokens = max(320, *needs.values())
+        for s, need in needs.items():
+            g = method_interval(s, self.budget)
+            if self.new_tokens < need:
+                raise ValueError(f"bench: new_tokens={self.new_tokens} is too few for {s}'s warm-up + {self.reps} reps "
+                                 f"x {self.intervals} intervals of {g} steps; give at least {need}")
         if self.prefill_chunk < 2:
             raise ValueError(f"bench: prefill_chunk must be >= 2, got {self.prefill_chunk}")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -322,14 +345,18 @@ class KVDecoder:
 
 
 def synthetic_fill(rw, n: int, new_tokens: int) -> None:
-    """State as a real prefill of n tokens leaves it (see the module docstring), without running one."""
-    from kvrewrite.state import NO_LIMIT
+    """State as a real prefill of n tokens leaves it (see the module docstring), without running one: every layer
+    holds the slots the host schedule says a prefill leaves (its compression rule applied once to n tokens), with
+    random keys and values, then the prefill graph's compression ops run on it (they act where due: ClusterKV
+    clusters the prompt; the others' rows are already at their target)."""
+    from kvrewrite.eval.prefill import compression_nodes
 
     B = rw.batch_size
-    rw.reset(n, new_tokens)
+    rw.reset(n, new_tokens, prompt_slots=n)
+    rw.schedule.step([n] * B, n, compress=True)
     g = torch.Generator(device=rw.l0_fill.device).manual_seed(1)
-    for info, (target, thr), fills, valids in zip(rw.layers, rw.schedule.budgets, rw.schedule.fill, rw.schedule.valid):
-        f = n if thr >= NO_LIMIT else min(n, target)
+    for info, fills in zip(rw.layers, rw.schedule.fill):
+        f = fills[0]
         st = rw.layer_state(info.index)
         st["keys"][:, :, :f].normal_(generator=g)
         st["values"][:, :, :f].normal_(generator=g)
@@ -338,10 +365,39 @@ def synthetic_fill(rw, n: int, new_tokens: int) -> None:
             torch.arange(n, device=st["slot_pos"].device)
         st["slot_pos"][:, :, :f] = pos
         st["fill"].fill_(f)
-        fills[:] = [f] * B
-        valids[:] = [f] * B
+    for node in compression_nodes(rw.prefill_graph):
+        st = rw.layer_state(node.meta["kvrewrite"]["layer"])
+        node.target(*(st[a.name.split("_", 1)[1]] for a in node.args), **node.kwargs)
     rw._next_position = torch.full((B,), n, dtype=torch.long, device=rw.l0_fill.device)
     rw._next_cache_position = torch.tensor([n], device=rw.l0_fill.device)
+
+
+def clusterkv_read_bytes(rw, B: int) -> float:
+    """Bytes a ClusterKV decode step must read, all layers (its roofline floor's KV part), from the state after the
+    timed steps: a dense layer's used slots as for the other methods (K, V, 4-byte bias; slot_pos is not read by a
+    decode step); a clustered layer per KV head: the centroids in use (D values each) with their size and start,
+    and per selection list (one per KV head, or per query head with select_per="query_head": each is a separate
+    gather, counted G times) the selected tokens (min(B - sinks, clustered), the sinks, and the window at its mean
+    over a clustering period, (m + 1) / 2) as K, V, bias and a 4-byte member id, plus the index written and read
+    (4 + 4 bytes per entry)."""
+    m = rw.method
+    total = 0.0
+    for info in rw.layers:
+        st = rw.layer_state(info.index)
+        kv = 2 * info.head_dim * st["keys"].element_size() + 4
+        fill = float(st["fill"].float().mean())
+        if info.window or not m.compressed(info):
+            total += B * info.num_kv_heads * min(fill, info.window or fill) * kv
+            continue
+        target = int(st["budget"][0])
+        clustered = float(st["cluster_size"].sum(-1).float().mean())
+        n_clusters = float(st["n_clusters"].float().mean())
+        lists = info.num_heads if m.select_per == "query_head" else info.num_kv_heads
+        tokens = min(target - m.n_sink, clustered) + m.n_sink + (m.interval + 1) / 2
+        S = target + m.interval
+        total += B * info.num_kv_heads * n_clusters * (info.head_dim * st["centroids"].element_size() + 8)
+        total += B * lists * (tokens * (kv + 4) + 8 * S)
+    return total
 
 
 def hf_cache(model, B: int, length: int):
@@ -514,20 +570,24 @@ class Bench:
         fill_after_prefill = statistics.mean(f for fills in rw.schedule.fill for f in fills)
         dec = KVDecoder(rw, cfg.kv_compile)
         t0 = time.perf_counter()
-        res["warmup_steps"] = dec.warm_up(warmup_steps(cfg.kv_compile))
+        res["warmup_steps"] = dec.warm_up(warmup_steps(cfg.kv_compile, rw.method.interval))
         _sync(self.dev)
         res["warmup_s"] = time.perf_counter() - t0
-        steps = cfg.intervals * 32
+        interval = rw.method.interval
+        steps = cfg.intervals * interval
         fills = []
         reps = []
         for _ in range(cfg.reps):
             fills.append(dec.mean_fill())
             reps.append(_time_steps(self.dev, steps, dec.step))
         fills.append(dec.mean_fill())
-        res.update(_summarise(reps, 32))
+        res.update(_summarise(reps, interval))
         res["fill_after_prefill"] = fill_after_prefill
         res["mean_fill"] = statistics.mean(fills)
-        res["kv_read_bytes"] = res["mean_fill"] * self.mcfg.num_hidden_layers * self.slot_bytes() * B
+        if rw.method.name == "clusterkv":
+            res["kv_read_bytes"] = clusterkv_read_bytes(rw, B)
+        else:
+            res["kv_read_bytes"] = res["mean_fill"] * self.mcfg.num_hidden_layers * self.slot_bytes() * B
         del dec, rw
         return res
 
@@ -677,10 +737,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", type=_csv(int), help="context lengths n (default 16384,32768,65536)")
     p.add_argument("--batches", type=_csv(str), help="batch sizes; 'max' = the largest that fits per system and "
                    "context (default 1,16)")
-    p.add_argument("--budget", type=float, default=0.2, help="budget of the compressing methods (default 0.2)")
-    p.add_argument("--new-tokens", type=int, default=320, help="max_new_tokens the state is sized for (default 320)")
+    p.add_argument("--budget", type=parse_budget, default=0.2, help="budget of the compressing methods: a fraction "
+                   "in (0, 1] of n + new tokens, or an int, slots per KV head (default 0.2)")
+    p.add_argument("--new-tokens", type=int, default=None, help="max_new_tokens the state is sized for (default: the "
+                   "fewest that cover every system's warm-up and timed steps, at least 320)")
     p.add_argument("--prefill-chunk", type=int, default=1024, help="kvrewrite prefill chunk (default 1024)")
-    p.add_argument("--intervals", type=int, default=2, help="timed intervals of g=32 steps per rep (default 2)")
+    p.add_argument("--intervals", type=int, default=2, help="timed intervals of g steps per rep, g the method's "
+                   "interval: 32, ClusterKV's 320 (default 2)")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions (default 3)")
     p.add_argument("--kv-compile", default="graph", choices=("graph", "inductor", "eager"),
                    help="kvrewrite decode: CUDA graphs of the eager graphs (default), rw.compile(reduce-overhead), "

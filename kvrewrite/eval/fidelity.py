@@ -19,7 +19,10 @@ its output. Per layer and step, with o_full the full cache's output for the full
   the latest of its tokens (kvrewrite keeps max position of a merge), not the other n - 1 tokens it
   absorbed, whose identity the state does not keep. So for merging methods this is a lower bound
   of "represented", and topk_recall_exact (slots of degree 1 only) says how many top tokens are
-  still kept verbatim. For eviction methods both equal ClusterKV's metric.
+  still kept verbatim. For eviction methods both equal ClusterKV's metric. ClusterKV itself keeps
+  every token and attends to a selection (an indexed attention): there k is the query head's selected
+  slots, held the selection (the paper's metric exactly), and attn_rel_err attends the full model's query
+  over the slots the method's own query selected.
 
 Each number is averaged over steps (and query heads); the cell's summary averages the layers that
 compress (sliding-window layers are exact and left out; their per-layer values are recorded).
@@ -44,9 +47,12 @@ class _AttentionRecorder(fx.Interpreter):
     def run_node(self, n):
         out = super().run_node(n)
         meta = n.meta.get("kvrewrite") or {}
-        if meta.get("role") in ("attention", "observed_attention"):
-            args, _ = self.fetch_args_kwargs_from_env(n)
-            self.on_attention(meta["layer"], args[:8], out)
+        if meta.get("role") in ("attention", "observed_attention", "selected_attention"):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            if meta["role"] == "selected_attention":  # (q, keys, values, bias, index, scale), softcap=
+                self.on_attention(meta["layer"], (*args[:6], kwargs.get("softcap", 0.0)), out)
+            else:
+                self.on_attention(meta["layer"], args[:8], out)
         return out
 
 
@@ -64,7 +70,8 @@ class _Recording(nn.Module):
 def recording(rw, on_attention):
     """Within the block, rw's decode steps call on_attention(layer, (q, keys, values, bias, slot_pos,
     cache_position, scale, window), out) at each attention node, while the step runs (so before the
-    layer's compression op changes the state)."""
+    layer's compression op changes the state); at an indexed attention (ClusterKV's selected slots) the
+    arguments are (q, keys, values, bias, index, scale, softcap)."""
     saved = rw.decode_graph, rw.decode_compress_graph
     rw.decode_graph, rw.decode_compress_graph = _Recording(saved[0], on_attention), _Recording(saved[1], on_attention)
     try:
@@ -111,6 +118,20 @@ def _recall(order, bias, slot_pos, G) -> tuple[float, float]:
     return hits / count, exact_hits / count
 
 
+def _recall_selected(order, index, slot_pos, G) -> float:
+    """topk_recall of an indexed attention (ClusterKV): per query head, with k its selected slots, the fraction of
+    the k tokens of largest true weight among them (every slot holds one token: both recalls are this one)."""
+    hits = 0.0
+    Hsel = index.shape[1]
+    for hq in range(order.shape[0]):
+        kv = hq // G
+        idx = index[0, hq if Hsel == order.shape[0] else kv].long()
+        idx = idx[idx >= 0]
+        held = slot_pos[0, kv][idx]
+        hits += float(torch.isin(order[hq, :idx.numel()].long(), held).float().mean())
+    return hits / order.shape[0]
+
+
 def _mean(xs):
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -136,7 +157,8 @@ class FidelityTask:
 
         def on_attention(layer, args, out):
             q, keys, _, bias, slot_pos, cpos, scale, window = args
-            steps[-1][layer] = {"q": q.clone(), "out": out.clone(),
+            # slot_pos: the full cache's positions; ClusterKV keeps every slot where full does, so its index reads them
+            steps[-1][layer] = {"q": q.clone(), "out": out.clone(), "slot_pos": slot_pos.clone(),
                                 "order": attention_order(q, keys, bias, slot_pos, cpos, scale, window)}
 
         self._decode(full_rw, ctx, start, cfg, steps, on_attention)
@@ -150,12 +172,19 @@ class FidelityTask:
         steps = []
 
         def on_attention(layer, args, out):
-            q, keys, values, bias, slot_pos, cpos, scale, window = args
             r = ref[len(steps) - 1][layer]
-            iso = torch.ops.kvrewrite.clustered_attention(r["q"], keys, values, bias, slot_pos, cpos, scale, window)
+            if len(args) == 7:  # ClusterKV: the slots its selection indexed (chosen with the method's own query)
+                q, keys, values, bias, index, scale, softcap = args
+                iso = torch.ops.kvrewrite.indexed_attention(r["q"], keys, values, bias, index, scale, softcap)
+                slot_pos = r["slot_pos"]
+                recall = exact = _recall_selected(r["order"], index, slot_pos, q.shape[1] // keys.shape[1])
+            else:
+                q, keys, values, bias, slot_pos, cpos, scale, window = args
+                iso = torch.ops.kvrewrite.clustered_attention(r["q"], keys, values, bias, slot_pos, cpos, scale,
+                                                              window)
+                recall, exact = _recall(r["order"], bias, slot_pos, q.shape[1] // keys.shape[1])
             per[layer]["attn_rel_err"].append(_rel_err(iso, r["out"]))
             per[layer]["attn_rel_err_e2e"].append(_rel_err(out, r["out"]))
-            recall, exact = _recall(r["order"], bias, slot_pos, q.shape[1] // keys.shape[1])
             per[layer]["topk_recall"].append(recall)
             per[layer]["topk_recall_exact"].append(exact)
 

@@ -63,7 +63,8 @@ def method_state(rw) -> list:
     out = []
     for info, specs in zip(rw.layers, rw.state_specs):
         out.append({name: {"shape": list(getattr(rw, f"l{info.index}_{name}").shape),
-                           "dtype": str(spec.dtype).removeprefix("torch."), "reset": spec.reset}
+                           "dtype": str(getattr(rw, f"l{info.index}_{name}").dtype).removeprefix("torch."),
+                           "reset": spec.reset}
                     for name, spec in specs.items()})
     return out
 

@@ -15,5 +15,8 @@ from kvrewrite.kernels import (  # noqa: F401
     evict_by_score,
     evict_to_budget,
     gemv,
+    indexed_attention,
+    kmeans_cluster,
     observed_attention,
+    select_clusters,
 )

@@ -1,12 +1,14 @@
 """Compression methods, one per file. METHODS maps each registry name to its class."""
 from kvrewrite.methods.base import Method
 from kvrewrite.methods.chelsea import ChelseaMethod
+from kvrewrite.methods.clusterkv import ClusterKVMethod
 from kvrewrite.methods.full import FullMethod
 from kvrewrite.methods.h2o import H2OMethod
 from kvrewrite.methods.snapkv import SnapKVMethod
 from kvrewrite.methods.streamingllm import StreamingLLMMethod
 
-METHODS = {m.name: m for m in (FullMethod, StreamingLLMMethod, ChelseaMethod, H2OMethod, SnapKVMethod)}
+METHODS = {m.name: m for m in (FullMethod, StreamingLLMMethod, ChelseaMethod, H2OMethod, SnapKVMethod,
+                               ClusterKVMethod)}
 
 
 def make_method(method, budget=None, **kwargs) -> Method:

@@ -26,6 +26,7 @@ from typing import ClassVar
 
 import torch
 
+from kvrewrite.host import shrink_to_target
 from kvrewrite.state import NO_LIMIT, StateField
 
 
@@ -89,6 +90,20 @@ class Method:
         place."""
         return None
 
+    def select_call(self, layer, max_length: int):
+        """(op overload, kwargs) of a selection op that runs before a full-attention layer's attention in the
+        decode graphs of a model sized for max_length tokens, or None (the default: attention over every slot). The op is called with (q, fill, budget,
+        *the state fields its schema names, in `state_fields` order) and the kwargs and returns an int32 index
+        [B, Hkv or Hq, S] of slots (-1: none); the layer's attention then becomes kvrewrite::indexed_attention
+        over those slots (ClusterKV). Prefill chunks keep the attention over every slot."""
+        return None
+
+    def after_compression(self, fill: int, valid: int, target: int, threshold: int) -> tuple[int, int, int]:
+        """The host mirror of the compression op on a due row (kvrewrite.host.HostSchedule): (fill, valid,
+        threshold) after it. Default: min(valid, target) slots kept, the threshold unchanged; a method whose op
+        keeps every slot and is due again later (ClusterKV) overrides it."""
+        return shrink_to_target(fill, valid, target, threshold)
+
     # -- sizes ------------------------------------------------------------------------------------------
     def target(self, n_prompt: int, max_new_tokens: int) -> int:
         """B, the slots per KV head kept after a compression, for one generation."""
@@ -96,8 +111,9 @@ class Method:
             return self.budget
         return max(1, round(self.budget * (n_prompt + max_new_tokens)))
 
-    def targets(self, layer, n_prompt: int, max_new_tokens: int) -> tuple[int, int]:
-        """(target, threshold) of a full-attention layer for one generation."""
+    def targets(self, layer, n_prompt: int, max_new_tokens: int, prompt_slots: int = 0) -> tuple[int, int]:
+        """(target, threshold) of a full-attention layer for one generation; prompt_slots: the slots the prompt
+        fills (its length padded to whole prefill chunks; ClusterKV's threshold)."""
         if self.compression_call(layer) is None:
             return NO_LIMIT, NO_LIMIT
         b = self.target(n_prompt, max_new_tokens)

@@ -14,6 +14,11 @@ Emits:    kvrewrite.clustered_attention(q, l<i>_keys, l<i>_values, l<i>_bias, l<
           l<i>_bias, l<i>_slot_pos, cache_position, *the method's state fields, scale=, window=,
           **the method's options), in every graph (prefill, both decode variants): it updates the
           method's state, which only the compression op at the end of the step reads.
+          When the method selects slots per query (Method.select_call, ClusterKV), a decode graph's
+          full-attention layer gets instead index = <select op>(q, l<i>_fill, l<i>_budget, *the method's
+          state fields its schema names, **options) and kvrewrite.indexed_attention(q, l<i>_keys, l<i>_values,
+          l<i>_bias, index, scale[, softcap]): attention over the selected slots only (every indexed slot
+          is in the query's past, so no position test). Prefill chunks attend over every slot.
 Skips:    nothing; sliding-window layers get window = their config window (exact, not compressed, not
           observed).
 Errors:   an observing method on a layer with a logit soft cap (Gemma-2): the statistics ops compute the
@@ -39,18 +44,25 @@ def replace_sdpa_with_clustered_attention(gm: fx.GraphModule, ctx: RewriteContex
     count = 0
     for layer, site in sorted(ctx.sites.items()):
         sdpa, s = site.attention, site.state
-        window = ctx.layers[layer].window
+        info = ctx.layers[layer]
+        window = info.window
+        select = ctx.method.select_call(info, ctx.max_length) if ctx.graph_kind == "decode" and window == 0 else None
         kwargs = {"past_only": True} if ctx.graph_kind == "decode" and window == 0 else {}
         if site.softcap:
             kwargs["softcap"] = site.softcap
         with graph.inserting_before(sdpa):
-            attn = graph.call_function(
-                torch.ops.kvrewrite.clustered_attention.default,
-                (sdpa.args[0], s["keys"], s["values"], s["bias"], s["slot_pos"], cache_position, site.scale, window),
-                kwargs,
-            )
+            if select is None:
+                attn = graph.call_function(
+                    torch.ops.kvrewrite.clustered_attention.default,
+                    (sdpa.args[0], s["keys"], s["values"], s["bias"], s["slot_pos"], cache_position, site.scale,
+                     window),
+                    kwargs,
+                )
+            else:
+                attn = _selected_attention(graph, ctx, layer, site, select)
         attn.meta.update({k: v for k, v in sdpa.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
-        attn.meta["kvrewrite"] = {"layer": layer, "role": "attention"}
+        # indexed attention reads other arguments than clustered_attention's (eval/fidelity.py reads those)
+        attn.meta["kvrewrite"] = {"layer": layer, "role": "attention" if select is None else "selected_attention"}
         sdpa.replace_all_uses_with(attn)
         graph.erase_node(sdpa)
         site.attention = site.output = attn
@@ -59,6 +71,19 @@ def replace_sdpa_with_clustered_attention(gm: fx.GraphModule, ctx: RewriteContex
     ctx.counters["replace_sdpa_with_clustered_attention"] += count
     logger.debug("replace_sdpa_with_clustered_attention: replaced %d attention nodes", count)
     return clean_up(gm)
+
+
+def _selected_attention(graph, ctx: RewriteContext, layer: int, site, select) -> fx.Node:
+    """index = the method's selection op, then kvrewrite.indexed_attention over the indexed slots."""
+    op, kwargs = select
+    s, q = site.state, site.attention.args[0]
+    fields = named_fields(op, {name: s[name] for name in layer_state_fields(ctx.layers[layer], ctx.method)})
+    index = graph.call_function(op, (q, s["fill"], s["budget"], *fields), kwargs)
+    index.meta["kvrewrite"] = {"layer": layer, "role": "select"}
+    index.meta["nn_module_stack"] = site.attention.meta.get("nn_module_stack", {})
+    softcap = {"softcap": site.softcap} if site.softcap else {}
+    return graph.call_function(torch.ops.kvrewrite.indexed_attention.default,
+                               (q, s["keys"], s["values"], s["bias"], index, site.scale), softcap)
 
 
 def _insert_observation(graph, ctx: RewriteContext, layer: int, site, cache_position) -> None:

@@ -1,0 +1,107 @@
+"""ClusterKV's attention step against dense attention, one layer of a decode step on the GPU.
+
+The step: kvrewrite::select_clusters (score every centroid, take clusters until the budget, write the index)
+then kvrewrite::indexed_attention over the indexed slots; against kvrewrite::clustered_attention over every
+slot (past_only, as the decode graph calls it). Llama-3.1-8B layout (Hq 32, Hkv 8, D 128, bf16), contexts 32k
+and 128k, budget 1024 tokens (16 sinks included), m = 320 (the window at its worst, full), C0 = n / 80 prompt
+clusters, random keys; both GQA selection modes. Each op is timed as the replay of a CUDA graph of `calls`
+calls (a decode step's launches are latency-bound: graph replays are what the runtime does), median over reps.
+
+    python -m kvrewrite.bench.clusterkv_attention --out docs/bench/clusterkv_attention_h100.json
+"""
+import argparse
+import json
+import math
+import statistics
+
+import torch
+
+import kvrewrite.kernels  # noqa: F401  (registers the ops)
+from kvrewrite.bench.e2e import env_info
+
+
+def _graph_us(fn, calls: int, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def case(n: int, B: int, budget: int, per_query_head: bool, calls: int, reps: int, m: int = 320, n_sink: int = 16):
+    Hq, Hkv, D, dt, dev = 32, 8, 128, torch.bfloat16, "cuda"
+    C = n + m
+    g = torch.Generator(device=dev).manual_seed(0)
+    keys = torch.randn(B, Hkv, C, D, device=dev, dtype=dt, generator=g)
+    values = torch.randn(B, Hkv, C, D, device=dev, dtype=dt, generator=g)
+    bias = torch.zeros(B, Hkv, C, device=dev)
+    slot_pos = torch.arange(C, device=dev).expand(B, Hkv, C).contiguous()
+    fill = torch.full((B, Hkv), C, device=dev, dtype=torch.int64)
+    q = torch.randn(B, Hq, 1, D, device=dev, dtype=dt, generator=g)
+    cpos = torch.tensor([C], device=dev)
+    K0 = math.ceil((n - n_sink) / 80)
+    K = K0 * 2
+    centroids = torch.randn(B, Hkv, K, D, device=dev, dtype=dt, generator=g)
+    sizes = torch.zeros(B, Hkv, K, dtype=torch.int32, device=dev)
+    base, extra = divmod(n - n_sink, K0)
+    sizes[..., :K0] = base
+    sizes[..., :extra] += 1
+    starts = torch.zeros_like(sizes)
+    starts[..., :K0] = (n_sink + sizes[..., :K0].cumsum(-1) - sizes[..., :K0]).int()
+    members = torch.full((B, Hkv, C), -1, dtype=torch.int32, device=dev)
+    members[..., :n] = torch.stack([torch.randperm(n, device=dev, generator=g) for _ in range(B * Hkv)]).view(
+        B, Hkv, n).int()
+    members[..., :n_sink] = torch.arange(n_sink, device=dev, dtype=torch.int32)
+    n_clusters = torch.full((B, Hkv), K0, dtype=torch.int32, device=dev)
+    cluster_end = torch.full((B, Hkv), n, dtype=torch.int64, device=dev)
+    budget_t = torch.tensor([budget, n], device=dev)
+    kw = dict(n_sink=n_sink, max_selected=budget - n_sink, window=m, per_query_head=per_query_head)
+    sel = torch.ops.kvrewrite.select_clusters
+    att = torch.ops.kvrewrite.indexed_attention
+    dense = torch.ops.kvrewrite.clustered_attention
+    index = sel(q, fill, budget_t, centroids, sizes, starts, members, n_clusters, cluster_end, **kw)
+    scale = D ** -0.5
+    us_sel = _graph_us(lambda: sel(q, fill, budget_t, centroids, sizes, starts, members, n_clusters, cluster_end,
+                                   **kw), calls, reps)
+    us_att = _graph_us(lambda: att(q, keys, values, bias, index, scale), calls, reps)
+    us_step = _graph_us(lambda: att(q, keys, values, bias, sel(q, fill, budget_t, centroids, sizes, starts, members,
+                                                               n_clusters, cluster_end, **kw), scale), calls, reps)
+    us_dense = _graph_us(lambda: dense(q, keys, values, bias, slot_pos, cpos, scale, 0, past_only=True), calls, reps)
+    return dict(context=n, batch=B, budget=budget, per_query_head=per_query_head, clusters=K0, index_len=index.shape[-1],
+                select_us=us_sel, indexed_attention_us=us_att, step_us=us_step, dense_us=us_dense,
+                speedup=us_dense / us_step)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="clusterkv_attention.json")
+    p.add_argument("--contexts", default="32768,131072")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--budget", type=int, default=1024)
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--reps", type=int, default=15)
+    a = p.parse_args(argv)
+    rows = []
+    for n in map(int, a.contexts.split(",")):
+        for B in map(int, a.batches.split(",")):
+            for pqh in (True, False):
+                r = case(n, B, a.budget, pqh, a.calls, a.reps)
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+                torch.cuda.empty_cache()
+    with open(a.out, "w") as f:
+        json.dump({"env": env_info("cuda"), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""ClusterKV: recallable selection by semantic clusters. Based on https://arxiv.org/abs/2412.03213.
+
+Nothing is evicted: every token's keys and values stay in the layer's state. After the prompt, each KV head's
+keys (post-RoPE, as the cache holds them) are clustered by k-means; at every decode step each selection head
+scores the cluster centroids against its query (inner product), takes clusters in descending score until the
+budget, trims the last one, and attends only to the sinks, the selected tokens and the tokens generated since
+the last clustering. Every `interval` (m) decode tokens those tokens are clustered alone and appended.
+
+State per compressed layer (methods/clusterkv.py's state_fields; docs/methods.md has the layout): `centroids`
+[B, Hkv, K, D] (the model's dtype), `cluster_size` and `cluster_start` [B, Hkv, K] int32, `members` [B, Hkv, C]
+int32 (the sinks, then every clustered slot grouped by cluster: the paper's sorted indices), `n_clusters` [B, Hkv]
+int32 and `cluster_end` [B, Hkv] int64 (slots from there on are not clustered yet). K = max_clusters(C).
+Ops: kvrewrite::kmeans_cluster at the end of the step (the "compression" op: due after the prompt's last chunk
+and every m decode tokens; it never drops a slot), kvrewrite::select_clusters before the attention of a decode
+step, and kvrewrite::indexed_attention over the selected slots (prefill chunks attend densely, as the paper).
+
+Decisions where the paper leaves room (docs/methods.md, "ClusterKV", gives the reasons at more length):
+- Budget: B counts the sinks and the cluster-selected tokens (B - n_sink of them), like the authors'
+  accuracy path (the one the paper's LongBench numbers come from); the tokens generated since the last
+  clustering (at most m) are attended in full on top, as both of the authors' paths do. So a step attends
+  to at most B + m tokens; B >= every token of the row is exactly full attention.
+- Clusters: C0 = ceil(L / 80) for the L prompt tokens past the sinks of a row (the paper's L / 80: 400 at 32k),
+  C+ = 4 every m = 320 generated tokens (the paper; the authors' code uses 8), fixed at 20 iterations (the
+  authors' cap; a converged k-means is a fixed point, so the cap only matters when it has not converged).
+- Initialisation: one key per stratum of the sequence (stratum k of L / C, a seeded hash picks the point), so
+  the sample has no repeats (the authors' randint with replacement repeats keys and leaves clusters empty) and
+  differs per KV head; reproducible for a seed and independent of the batch row's padding.
+- Empty clusters keep their centroid (the authors' code); they have size 0 and are never selected.
+- Trimming keeps the last cluster's leading members in slot order (the authors' kernel).
+- GQA (the paper has MHA only): clusters per KV head; `select_per="query_head"` ranks the centroids per query
+  head, as the authors' code (each query head its own slot list); `"kv_head"` ranks them once per KV head by the
+  group's summed query (the authors' "qavg" option) and the group shares one gather.
+- Layers 0 and 1 attend to everything (`dense_layers`, the paper follows Quest); they own no cluster state.
+- Batch rows are clustered independently; with left padding a row's sinks are its first n_sink real tokens.
+- Memory is not what the budget saves: cache_bytes() counts the full KV plus the index (centroids, 3 ints per
+  cluster, one int32 per slot). The paper's CPU offload of the full KV is not built yet.
+
+What B counts: tokens attended per step and KV head (or query head), the n_sink sinks included and the at most m
+not-yet-clustered recent tokens not.
+"""
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvrewrite.methods.base import Method
+from kvrewrite.state import StateField
+
+SELECT_PER = ("query_head", "kv_head")
+
+
+@dataclass
+class ClusterKVMethod(Method):
+    """Attend, at each decode step, to the clusters of keys whose centroids best match the query; keep every token.
+
+    Args:
+        budget: B tokens attended per step and head from the clustered history, the sinks included (an int > n_sink),
+            or a fraction of n + Γ (a float in (0, 1]); the recent unclustered tokens (<= interval) come on top.
+        interval: m, the generated tokens clustered together (every m decode steps).
+        n_sink: first tokens of each row, never clustered, always attended.
+        tokens_per_cluster: the prompt gets ceil(L / tokens_per_cluster) clusters (L its tokens past the sinks).
+        window_clusters: C+, clusters of each m generated tokens.
+        iters: k-means iterations (assignment + update), then one last assignment.
+        dense_layers: the first layers (by model layer index) that attend to every token.
+        select_per: "query_head" (each query head ranks the clusters of its KV head) or "kv_head" (the group's
+            summed query ranks them once; one slot list per KV head).
+        seed: the k-means initialisation's seed.
+    """
+
+    name: ClassVar[str] = "clusterkv"
+    budget: float | int = 1024
+    interval: int = 320
+    n_sink: int = 16
+    tokens_per_cluster: int = 80
+    window_clusters: int = 4
+    iters: int = 20
+    dense_layers: int = 2
+    select_per: str = "query_head"
+    seed: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name, low in (("n_sink", 0), ("tokens_per_cluster", 1), ("window_clusters", 1), ("iters", 1),
+                          ("dense_layers", 0), ("seed", 0)):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= low):
+                raise ValueError(f"ClusterKVMethod.{name} must be an int >= {low}, got {v!r}")
+        if self.select_per not in SELECT_PER:
+            raise ValueError(f"ClusterKVMethod.select_per must be one of {SELECT_PER}, got {self.select_per!r}")
+        if self.budget_in_slots and self.budget <= self.n_sink:
+            raise ValueError(f"ClusterKVMethod.budget ({self.budget} tokens) must exceed n_sink={self.n_sink}: the "
+                             f"sinks count inside the budget")
+
+    def compressed(self, layer) -> bool:
+        """Does this (full-attention) layer select by clusters? The first dense_layers attend to everything."""
+        return layer.index >= self.dense_layers
+
+    def max_clusters(self, C: int) -> int:
+        """K, the static cluster capacity of a row of C slots: the prompt's clusters plus C+ per m generated tokens."""
+        return max(1, math.ceil(C / self.tokens_per_cluster) + self.window_clusters * (C // self.interval))
+
+    def state_fields(self, layer):
+        if not self.compressed(layer):
+            return {}
+        K = self.max_clusters
+        return {
+            "centroids": StateField(lambda B, H, C, D: (B, H, K(C), D), None, 0.0),
+            "cluster_size": StateField(lambda B, H, C, D: (B, H, K(C)), torch.int32, 0),
+            "cluster_start": StateField(lambda B, H, C, D: (B, H, K(C)), torch.int32, 0),
+            "members": StateField(("B", "Hkv", "C"), torch.int32, -1),
+            "n_clusters": StateField(("B", "Hkv"), torch.int32, 0),
+            "cluster_end": StateField(("B", "Hkv"), torch.int64, 0),
+        }
+
+    def compression_call(self, layer):
+        if not self.compressed(layer):
+            return None
+        return torch.ops.kvrewrite.kmeans_cluster.default, {
+            "n_sink": self.n_sink, "tokens_per_cluster": self.tokens_per_cluster, "window": self.interval,
+            "window_clusters": self.window_clusters, "iters": self.iters, "seed": self.seed,
+        }
+
+    def select_call(self, layer, max_length: int):
+        if not self.compressed(layer):
+            return None
+        return torch.ops.kvrewrite.select_clusters.default, {
+            "n_sink": self.n_sink, "max_selected": max(0, self.max_target(max_length) - self.n_sink),
+            "window": self.interval, "per_query_head": self.select_per == "query_head",
+        }
+
+    def targets(self, layer, n_prompt: int, max_new_tokens: int, prompt_slots: int = 0):
+        """(B, the prompt's slots): the selection budget, and the fill at which the prompt is clustered (the end
+        of the last prefill chunk); the op then clusters every m generated tokens (after_compression)."""
+        if not self.compressed(layer):
+            return super().targets(layer, n_prompt, max_new_tokens, prompt_slots)
+        return self.target(n_prompt, max_new_tokens), prompt_slots
+
+    def after_compression(self, fill: int, valid: int, target: int, threshold: int):
+        """Clustering keeps every slot; the next one is due m tokens later."""
+        return fill, valid, fill + self.interval
+
+    def capacity(self, layer, max_length: int, prefill_chunk: int) -> int:
+        return max_length + prefill_chunk - 1  # every token stays (the prompt is left-padded to whole chunks)
+
+    def check_generation(self, n_prompt: int, max_new_tokens: int) -> None:
+        b = self.target(n_prompt, max_new_tokens)
+        if b <= self.n_sink:
+            raise ValueError(f"clusterkv: {self.describe_target(n_prompt, max_new_tokens)} leaves nothing to select "
+                             f"past the n_sink={self.n_sink} sinks (the budget counts them); raise the budget or "
+                             f"lower n_sink")
