@@ -1,0 +1,660 @@
+"""kvrewrite::kmeans_cluster — ClusterKV's clustering: k-means of a row's keys, written as a CSR index.
+
+ClusterKV (https://arxiv.org/abs/2412.03213) clusters the post-RoPE keys of the prompt per KV head with
+cosine k-means (C0 = L / 80 clusters, the first n_sink tokens left out), then every `window` (m = 320)
+decode tokens the m newest keys alone into C+ = 4 more clusters; a decode step scores the centroids
+against the query and attends the members of the best clusters (kvrewrite::select_clusters). This op is
+the method's compression op: the whole contract is "Op 1" of the ClusterKV spec (docs / the lead's
+clusterkv_spec.md); in short, per row (b, kv-head):
+
+- due: fill >= budget[1] and either cluster_end == 0 (prefill clustering: the valid slots of [0, fill),
+  the first n_sink of them the sinks, written to members[0:n_sink], the others clustered into
+  ceil(L / tokens_per_cluster) clusters) or fill - cluster_end >= window (window clustering: the valid
+  slots of [cluster_end, fill) into min(window_clusters, L)). Rows not due are untouched, bit for bit;
+- initialisation: centroid k = point (k L + r_k) // C_new, r_k = a seeded hash of (seed, head, points
+  clustered before, k) mod L (init_points): one point per stratum of the sequence, reproducible;
+- `iters` rounds of assignment (argmax_k x . c_k / (|c_k| + 1e-8), ties to the lower k, fp32) and update
+  (fp32 mean of the raw keys of each cluster, rounded to the centroids' dtype; an empty cluster keeps its
+  centroid), then a final assignment;
+- write: centroids, cluster_size, cluster_start (the append offset + exclusive cumsum), members (each
+  cluster's slots in slot order, clusters in id order: CSR sorted indices), n_clusters += C_new,
+  cluster_end = fill. More clusters than K: the reference raises ValueError, the kernel clamps.
+
+State (mutated): centroids [B, Hkv, K, D] keys' dtype; cluster_size, cluster_start [B, Hkv, K] int32;
+members [B, Hkv, C] int32; n_clusters [B, Hkv] int32; cluster_end [B, Hkv] int64. Read: keys, bias, fill,
+budget (values and slot_pos are passed by the rewrite's convention and not read).
+
+Backends. The reference (a Python loop over the due rows, tensor code inside a row, host reads) is the
+CPU path and the ground truth. CUDA runs the Triton kernel below (supports_triton; otherwise the
+reference, with a warning). The kernel reads nothing on the host, its launches depend on shapes only (CUDA
+graphs capture it), and it is deterministic: every sum has a fixed order (no float atomics).
+
+Triton kernel. The work is phases with a global dependency between each and the next:
+  prep (rows)                  due rule, the row's points (slot of each point, by a chunked cumsum of the
+                               valid flags), sinks, L, C_new, append offsets, initial centroids + 1/|c|;
+  iters x [ assign (point blocks x rows)
+                               each block of BLOCK_P points against all centroids: tensor-core dots
+                               [BLOCK_P, D] x [D, BLOCK_C], scaled by 1/|c|, running max/argmax -> labels;
+            update (cluster blocks x splits x rows)
+                               one-hot [BLOCK_C, BLOCK_P] x keys [BLOCK_P, D] on tensor cores over the
+                               split's points -> fp32 partial sums and counts per (split, cluster);
+            reduce (cluster blocks x rows)
+                               partials summed over the splits in split order, / count, rounded to the
+                               dtype; the new centroid and its 1/|c| (empty clusters keep theirs) ]
+  assign (final); count (update's counts only); finalize (rows: sizes, starts, each (split, cluster)'s
+  first member offset); scatter (splits x rows: members by a stable counting sort, ranks inside a block
+  of points from a [BLOCK, BLOCK] label comparison, a per-(split, cluster) cursor advanced block by block).
+By default all 3 iters + 5 phases run in ONE persistent launch (plus the memset of its barrier counter):
+one program per SM loops over each phase's work items and the programs meet at a grid barrier (an atomic
+counter, acquire/release; all programs are resident since there is one per SM) between phases. So a call
+where no row is due costs two launches: every program reads the due rule of all rows and returns. The
+same kernel can run one launch per phase instead (persistent=False: no barrier, any grid), how the
+interpreter tests it with several programs and a fallback if a device misbehaves with the barrier.
+Every phase walks only the work of due rows (its item count comes from the largest L and C_new of the
+call), so a window clustering (L = 320) touches a few hundred points per phase.
+
+Why a one-hot update on tensor cores rather than a counting sort per iteration: the one-hot product costs
+what the assignment costs (2 L C D flops), which on tensor cores is cheap next to the data movement and
+the launches a sort needs each iteration (histogram, scan over blocks, scatter, gather-sum: 4 phases with
+their barriers instead of 2, and a serial per-cluster gather for large clusters). Llama-3.1-8B layer at
+a 32k prompt (8 rows, L ~ 32k, C_new = 410, D = 128): 8 * 2 * 32k * 448 * 128 = 30 GFLOP per assignment
+and per update, ~40-60 us each on an H100 at 50-70% of the bf16 peak plus their elementwise epilogues;
+21 assignments + 20 updates + reduces + barriers ~ 2-3 ms per due call (the target is <= 4 ms). The
+counting sort is used once, for the final members.
+
+Numerics: dots of 16-bit keys and centroids are exact products accumulated in fp32 (fp32 keys: IEEE
+dots); scores are multiplied by 1/(|c| + 1e-8) where the reference divides, and sums run in another order,
+so scores differ from the reference's by a few ulp and the centroids by rounding: near-ties (top-2 scores
+within ~1e-5 relative) may be assigned differently, everything else is identical.
+"""
+from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
+
+import logging
+import math
+import os
+
+import torch
+
+from kvrewrite.kernels._triton_op import triton_jit
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the op runs the reference; only triton_kmeans_cluster raises
+    triton = tl = None
+
+logger = logging.getLogger(__name__)
+
+NAME = "kvrewrite::kmeans_cluster"
+MASK32 = 0xFFFFFFFF
+EPS = 1e-8  # added to the centroid norms of the cosine scores
+
+
+# -- reference -----------------------------------------------------------------------------------------
+def mix32(x: int) -> int:
+    """The spec's 32-bit mixer (uint32 arithmetic)."""
+    x &= MASK32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & MASK32
+    x ^= x >> 16
+    return x
+
+
+def init_points(L: int, n: int, seed: int, h: int, offset: int) -> list[int]:
+    """Indices (among the L points) of the n initial centroids of KV head h, `offset` points clustered before:
+    i_k = (k L + r_k) // n, r_k = mix32(mix32(mix32(mix32(seed mod 2^32) ^ h) ^ offset) ^ k) mod L."""
+    base = mix32(mix32(mix32(seed & MASK32) ^ h) ^ offset)
+    return [(k * L + mix32(base ^ k) % L) // n for k in range(n)]
+
+
+def _check_inputs(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members,
+                  n_clusters, cluster_end, n_sink, tokens_per_cluster, window, window_clusters, iters):
+    """ValueError naming the op and the field unless the shapes and dtypes are the spec's."""
+    if keys.dim() != 4 or not keys.dtype.is_floating_point:
+        raise ValueError(f"{NAME}: keys must be a floating [B, Hkv, C, D] tensor, got {keys.dtype} {list(keys.shape)}")
+    B, H, C, D = keys.shape
+    K = centroids.shape[2] if centroids.dim() == 4 else -1
+    expect = {
+        "values": (values, (B, H, C, D), None), "bias": (bias, (B, H, C), torch.float32),
+        "slot_pos": (slot_pos, (B, H, C), None), "fill": (fill, (B, H), torch.int64),
+        "budget": (budget, (2,), torch.int64), "centroids": (centroids, (B, H, K, D), keys.dtype),
+        "cluster_size": (cluster_size, (B, H, K), torch.int32), "cluster_start": (cluster_start, (B, H, K), torch.int32),
+        "members": (members, (B, H, C), torch.int32), "n_clusters": (n_clusters, (B, H), torch.int32),
+        "cluster_end": (cluster_end, (B, H), torch.int64),
+    }
+    for field, (t, shape, dtype) in expect.items():
+        if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
+            want = f"{dtype} {list(shape)}" if dtype is not None else f"{list(shape)}"
+            if field == "centroids":
+                want = f"{keys.dtype} [B, Hkv, K, D] = [{B}, {H}, K, {D}]"
+            raise ValueError(f"{NAME}: {field} must be {want} (keys {list(keys.shape)}), got {t.dtype} {list(t.shape)}")
+    devices = {t.device for t, _, _ in expect.values()} | {keys.device}
+    if len(devices) != 1:
+        raise ValueError(f"{NAME}: all tensors must be on one device, got {sorted(map(str, devices))}")
+    if n_sink < 0 or tokens_per_cluster < 1 or window < 1 or window_clusters < 1 or iters < 0:
+        raise ValueError(f"{NAME}: expected n_sink >= 0, tokens_per_cluster >= 1, window >= 1, window_clusters >= 1,"
+                         f" iters >= 0, got {n_sink}, {tokens_per_cluster}, {window}, {window_clusters}, {iters}")
+
+
+def _assign(x, cent):
+    """Labels of the points x [L, D] fp32: argmax_k x . c_k / (|c_k| + 1e-8) (first max on ties)."""
+    c = cent.float()
+    return ((x @ c.T) / (torch.linalg.vector_norm(c, dim=-1) + EPS)).argmax(dim=1)
+
+
+def reference_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start,
+                             members, n_clusters, cluster_end, n_sink, tokens_per_cluster, window, window_clusters,
+                             iters, seed, clamp: bool = False) -> None:
+    """The CPU path and the ground truth (module docstring), row by row. clamp=True clamps the cluster count to
+    the free ids as the kernel does (for its tests) instead of raising."""
+    B, H, C, D = keys.shape
+    K = centroids.shape[2]
+    threshold = int(budget[1])
+    for b in range(B):
+        for h in range(H):
+            f, ce, nc = int(fill[b, h]), int(cluster_end[b, h]), int(n_clusters[b, h])
+            prefill = ce == 0
+            if f < threshold or not (prefill or f - ce >= window):
+                continue
+            lo, hi = (0 if prefill else min(ce, C)), min(f, C)
+            slots = lo + torch.nonzero(bias[b, h, lo:hi] > -math.inf).flatten()
+            if prefill:
+                sinks = slots[:n_sink]
+                members[b, h, :n_sink] = -1
+                members[b, h, :len(sinks)] = sinks.to(torch.int32)
+                slots = slots[n_sink:]
+            L = len(slots)
+            n = -(-L // tokens_per_cluster) if prefill else min(window_clusters, L)
+            if nc + n > K:
+                if not clamp:
+                    raise ValueError(f"{NAME}: row (b={b}, h={h}) needs {nc} + {n} clusters, more than K = {K}")
+                n = max(K - nc, 0)
+            offset = int(cluster_size[b, h, :nc].sum())
+            if n > 0:
+                x = keys[b, h, slots].float()  # [L, D]
+                cent = keys[b, h, slots[init_points(L, n, seed, h, offset)]]  # [n, D], the state's dtype
+                for _ in range(iters):
+                    label = _assign(x, cent)
+                    sums = torch.zeros(n, D, dtype=torch.float32, device=keys.device).index_add_(0, label, x)
+                    count = torch.bincount(label, minlength=n)
+                    mean = (sums / count.clamp_min(1)[:, None]).to(cent.dtype)
+                    cent = torch.where((count > 0)[:, None], mean, cent)
+                label = _assign(x, cent)
+                size = torch.bincount(label, minlength=n)
+                start = n_sink + offset + size.cumsum(0) - size
+                centroids[b, h, nc:nc + n] = cent
+                cluster_size[b, h, nc:nc + n] = size.to(torch.int32)
+                cluster_start[b, h, nc:nc + n] = start.to(torch.int32)
+                ordered = slots[torch.argsort(label, stable=True)].to(torch.int32)
+                m0 = n_sink + offset
+                m = max(0, min(L, C - m0))  # a row whose sinks were short can reach past C by that much
+                members[b, h, m0:m0 + m] = ordered[:m]
+            n_clusters[b, h] = nc + n
+            cluster_end[b, h] = f
+
+
+# -- Triton kernel -------------------------------------------------------------------------------------
+# Triton's interpreter (TRITON_INTERPRET=1, how the kernel is tested on a CPU) computes 16-bit dots wrongly (on
+# the raw bits): there the operands go up to fp32 first (exact: the products of 16-bit values are exact in fp32)
+_INTERPRET = None if triton is None else tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+INFO_W = 8  # per-row info words: due, L, C_new, first cluster id, first member offset, split size, splits used
+BLOCK_P = 128  # assign: points per block
+BLOCK_C = 64  # assign: centroids per dot
+UPDATE_C = 64  # update: clusters per program
+UPDATE_P = 128  # update: points per dot (and the split size's granularity)
+REDUCE_C = 16  # reduce: clusters per program
+FINAL_C = 256  # finalize: clusters per step
+SCATTER_P = 128  # scatter: points per step
+PREP_CHUNK = 1024  # prep: slots per step of the row scan
+INIT_K = 32  # prep: initial centroids per step
+SPLIT_POINTS = 2048  # points per split of the update (at most MAX_SPLITS splits)
+MAX_SPLITS = 16
+PARTIAL_BYTES = 256 << 20  # cap of the update's fp32 partial sums (fewer splits beyond)
+
+
+@triton_jit()
+def _mul32(x, c: tl.constexpr):
+    """(x * c) mod 2^32 for int64 lanes x < 2^32 without int64 overflow (c split in 16-bit halves)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+@triton_jit()
+def _mix32(x):
+    """mix32 on int64 lanes holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+@triton_jit()
+def _dot(a, b, acc, PREC: tl.constexpr):
+    """acc + a @ b in fp32 (PREC: fp32 operands' input precision)."""
+    if _INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton_jit()
+def _grid_sync(BAR, target):
+    """All programs of the grid reach here before any goes on (BAR counts arrivals; target = epoch * grid)."""
+    tl.debug_barrier()  # the CTA's stores of the phase are issued before its arrival (release)
+    tl.atomic_add(BAR, 1, sem="acq_rel", scope="gpu")
+    while tl.atomic_add(BAR, 0, sem="acquire", scope="gpu") < target:
+        pass
+    tl.debug_barrier()
+
+
+@triton_jit()
+def _prep_row(row, KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, MEMBERS, NCL, CEND, INFO, PTS, INVN,
+              C, K, D, H, NS, n_sink, tpc, window, wc, seed_hi, seed_lo,
+              DP: tl.constexpr, CH: tl.constexpr, BK: tl.constexpr, ALIGN: tl.constexpr):
+    """Phase 0 for one row: due rule, points (PTS[row, i] = slot of point i), sinks, initial centroids and their
+    reciprocal norms (INVN), INFO[row] = [due, L, C_new, first id, first member offset, split size, splits]."""
+    row64 = tl.cast(row, tl.int64)
+    fill = tl.load(FILL + row)
+    ce = tl.load(CEND + row)
+    nc = tl.load(NCL + row)
+    ready = fill >= tl.load(BUDGET + 1)
+    pre = ready & (ce == 0)
+    due = pre | (ready & (ce > 0) & (fill - ce >= window))
+    L = tl.zeros([], tl.int32)
+    n = tl.zeros([], tl.int32)
+    mbase = tl.zeros([], tl.int32)
+    chunk = tl.zeros([], tl.int32)
+    if due:
+        hi = tl.minimum(fill, C).to(tl.int32)
+        lo = tl.where(pre, 0, tl.minimum(ce, C)).to(tl.int32)
+        nsk = tl.where(pre, n_sink, 0)
+        total = tl.zeros([], tl.int32)
+        for c0 in range(lo, hi, CH):  # rank the valid slots: the first nsk are sinks, the rest points
+            s = c0 + tl.arange(0, CH)
+            valid = tl.load(BIAS + row64 * C + s, mask=s < hi, other=float("-inf")) > float("-inf")
+            vi = valid.to(tl.int32)
+            rank = total + tl.cumsum(vi, axis=0) - vi
+            tl.store(MEMBERS + row64 * C + rank, s, mask=valid & (rank < nsk))
+            tl.store(PTS + row64 * C + rank - nsk, s, mask=valid & (rank >= nsk))
+            total += tl.sum(vi, axis=0)
+        if pre:  # sink entries the row lacks
+            for j0 in range(0, n_sink, CH):
+                j = j0 + tl.arange(0, CH)
+                tl.store(MEMBERS + row64 * C + j, tl.full([CH], -1, tl.int32), mask=(j >= total) & (j < n_sink) & (j < C))
+        L = tl.maximum(total - nsk, 0)
+        offset = tl.zeros([], tl.int32)  # points clustered before: the sizes of the row's clusters
+        for k0 in range(0, nc, CH):
+            k = k0 + tl.arange(0, CH)
+            offset += tl.sum(tl.load(CSIZE + row64 * K + k, mask=k < nc, other=0), axis=0)
+        n = tl.where(pre, tl.cdiv(L, tpc), tl.minimum(L, wc))
+        n = tl.maximum(tl.minimum(n, K - nc), 0)
+        mbase = n_sink + offset
+        chunk = tl.cdiv(tl.cdiv(L, NS), ALIGN) * ALIGN
+        # -- initial centroids: point (k L + r_k) // n, r_k a hash of (seed, head, offset, k) mod L
+        tl.debug_barrier()  # PTS written above by other threads of the program
+        seed = (seed_hi.to(tl.int64) << 16) | seed_lo
+        base = _mix32(_mix32(seed ^ (row % H)) ^ offset)
+        d = tl.arange(0, DP)
+        dm = d < D
+        for k0 in range(0, n, BK):
+            k = k0 + tl.arange(0, BK)
+            km = k < n
+            r = _mix32(base ^ k.to(tl.int64)) % L
+            ik = (k.to(tl.int64) * L + r) // n
+            slot = tl.load(PTS + row64 * C + ik, mask=km, other=0)
+            m2 = km[:, None] & dm[None, :]
+            x = tl.load(KEYS + (row64 * C + slot)[:, None] * D + d[None, :], mask=m2, other=0.0)
+            tl.store(CENT + (row64 * K + nc + k)[:, None] * D + d[None, :], x, mask=m2)
+            xf = x.to(tl.float32)
+            norm = tl.sqrt_rn(tl.sum(xf * xf, axis=1))
+            tl.store(INVN + row64 * K + k, tl.math.div_rn(tl.full([BK], 1.0, tl.float32), norm + 1e-8), mask=km)
+    at = INFO + row64 * 8
+    tl.store(at, due.to(tl.int32))
+    tl.store(at + 1, L)
+    tl.store(at + 2, n)
+    tl.store(at + 3, nc)
+    tl.store(at + 4, mbase)
+    tl.store(at + 5, chunk)
+    tl.store(at + 6, tl.where(chunk > 0, tl.cdiv(L, tl.maximum(chunk, 1)), 0))
+
+
+@triton_jit()
+def _assign_block(row64, blk, KEYS, CENT, INVN, PTS, LAB, L, n, nc, C, K, D,
+                  DP: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """Labels of points [blk * BP, +BP) of a row: argmax over the n centroids of x . c * (1 / (|c| + eps))."""
+    p = blk * BP + tl.arange(0, BP)
+    pm = p < L
+    d = tl.arange(0, DP)
+    dm = d < D
+    slot = tl.load(PTS + row64 * C + p, mask=pm, other=0, cache_modifier=".cg")
+    x = tl.load(KEYS + (row64 * C + slot)[:, None] * D + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
+    best = tl.full([BP], float("-inf"), tl.float32)
+    label = tl.zeros([BP], tl.int32)
+    for c0 in range(0, n, BC):
+        c = c0 + tl.arange(0, BC)
+        cm = c < n
+        cent = tl.load(CENT + (row64 * K + nc + c)[:, None] * D + d[None, :], mask=cm[:, None] & dm[None, :],
+                       other=0.0, cache_modifier=".cg")
+        inv = tl.load(INVN + row64 * K + c, mask=cm, other=0.0, cache_modifier=".cg")
+        s = _dot(x, tl.trans(cent), None, PREC) * inv[None, :]  # [BP, BC] fp32
+        s = tl.where(cm[None, :], s, float("-inf"))
+        m, i = tl.max(s, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        better = m > best  # strict: ties keep the earlier block's (lower) id
+        best = tl.where(better, m, best)
+        label = tl.where(better, c0 + i, label)
+    tl.store(LAB + row64 * C + p, label, mask=pm)
+
+
+@triton_jit()
+def _update_item(row64, s, cb, KEYS, PTS, LAB, PART, PCNT, L, n, chunk, C, K, D, NS,
+                 DP: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr, COUNT_ONLY: tl.constexpr):
+    """Clusters [cb * BC, +BC) over split s's points: PCNT = member counts, PART = fp32 key sums (one-hot dots)."""
+    p_lo = s * chunk
+    p_hi = tl.minimum(p_lo + chunk, L)
+    c = cb * BC + tl.arange(0, BC)
+    cm = c < n
+    d = tl.arange(0, DP)
+    dm = d < D
+    acc = tl.zeros([BC, DP], tl.float32)
+    count = tl.zeros([BC], tl.int32)
+    for p0 in range(p_lo, p_hi, BP):
+        p = p0 + tl.arange(0, BP)
+        pm = p < p_hi
+        label = tl.load(LAB + row64 * C + p, mask=pm, other=-1, cache_modifier=".cg")
+        hot = c[:, None] == label[None, :]  # [BC, BP]
+        count += tl.sum(hot.to(tl.int32), axis=1)
+        if not COUNT_ONLY:
+            slot = tl.load(PTS + row64 * C + p, mask=pm, other=0, cache_modifier=".cg")
+            x = tl.load(KEYS + (row64 * C + slot)[:, None] * D + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
+            if _INTERPRET:  # (its bool -> bf16 conversion is wrong too)
+                acc = _dot(hot.to(tl.float32), x, acc, PREC)
+            else:
+                acc = _dot(hot.to(x.dtype), x, acc, PREC)
+    at = (row64 * NS + s) * K + c
+    tl.store(PCNT + at, count, mask=cm)
+    if not COUNT_ONLY:
+        tl.store(PART + at[:, None] * DP + d[None, :], acc, mask=cm[:, None])
+
+
+@triton_jit()
+def _reduce_item(row64, cb, CENT, INVN, PART, PCNT, n, nc, nsu, K, D, NS,
+                 DP: tl.constexpr, BC: tl.constexpr):
+    """New centroids [cb * BC, +BC): the splits' partial sums in split order / the count, in the state's dtype."""
+    c = cb * BC + tl.arange(0, BC)
+    cm = c < n
+    d = tl.arange(0, DP)
+    acc = tl.zeros([BC, DP], tl.float32)
+    count = tl.zeros([BC], tl.int32)
+    for s in range(0, nsu):
+        at = (row64 * NS + s) * K + c
+        acc += tl.load(PART + at[:, None] * DP + d[None, :], mask=cm[:, None], other=0.0, cache_modifier=".cg")
+        count += tl.load(PCNT + at, mask=cm, other=0, cache_modifier=".cg")
+    new = tl.math.div_rn(acc, tl.maximum(count, 1).to(tl.float32)[:, None]).to(CENT.dtype.element_ty)
+    keep = cm & (count > 0)  # an empty cluster keeps its centroid (and norm)
+    tl.store(CENT + (row64 * K + nc + c)[:, None] * D + d[None, :], new, mask=keep[:, None] & (d < D)[None, :])
+    nf = new.to(tl.float32)
+    norm = tl.sqrt_rn(tl.sum(nf * nf, axis=1))
+    tl.store(INVN + row64 * K + c, tl.math.div_rn(tl.full([BC], 1.0, tl.float32), norm + 1e-8), mask=keep)
+
+
+@triton_jit()
+def _finalize_row(row, FILL, CSIZE, CSTART, NCL, CEND, PCNT, n, nc, mbase, nsu, K, NS, BC: tl.constexpr):
+    """Sizes and starts of the row's new clusters; PCNT[s, k] becomes the member offset of split s's first point
+    of cluster k (the scatter's cursor); n_clusters, cluster_end."""
+    row64 = tl.cast(row, tl.int64)
+    carry = mbase
+    for c0 in range(0, n, BC):
+        c = c0 + tl.arange(0, BC)
+        cm = c < n
+        size = tl.zeros([BC], tl.int32)
+        for s in range(0, nsu):
+            size += tl.load(PCNT + (row64 * NS + s) * K + c, mask=cm, other=0, cache_modifier=".cg")
+        start = carry + tl.cumsum(size, axis=0) - size
+        tl.store(CSIZE + row64 * K + nc + c, size, mask=cm)
+        tl.store(CSTART + row64 * K + nc + c, start, mask=cm)
+        cursor = start
+        for s in range(0, nsu):
+            at = PCNT + (row64 * NS + s) * K + c
+            v = tl.load(at, mask=cm, other=0, cache_modifier=".cg")
+            tl.store(at, cursor, mask=cm)
+            cursor += v
+        carry += tl.sum(size, axis=0)
+    tl.store(NCL + row, nc + n)
+    tl.store(CEND + row, tl.load(FILL + row))
+
+
+@triton_jit()
+def _scatter_item(row64, s, PTS, LAB, MEMBERS, CURSOR, L, chunk, C, K, NS, BP: tl.constexpr):
+    """members[cursor[label] + rank] = slot for split s's points, BP at a time in point order (stable)."""
+    p_lo = s * chunk
+    p_hi = tl.minimum(p_lo + chunk, L)
+    i = tl.arange(0, BP)
+    for p0 in range(p_lo, p_hi, BP):
+        p = p0 + i
+        pm = p < p_hi
+        label = tl.load(LAB + row64 * C + p, mask=pm, other=-1, cache_modifier=".cg")
+        slot = tl.load(PTS + row64 * C + p, mask=pm, other=0, cache_modifier=".cg")
+        same = (label[:, None] == label[None, :]) & pm[None, :]  # [BP, BP]
+        rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)  # earlier points of its cluster
+        n_same = tl.sum(same.to(tl.int32), axis=1)
+        at = CURSOR + (row64 * NS + s) * K + label
+        pos = tl.load(at, mask=pm, other=0, cache_modifier=".cg") + rank
+        tl.store(MEMBERS + row64 * C + pos, slot, mask=pm & (pos < C))
+        tl.debug_barrier()  # every cursor read before the block's last point of each cluster advances it
+        tl.store(at, pos + 1, mask=pm & (rank == n_same - 1))
+        tl.debug_barrier()
+
+
+@triton_jit()
+def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, CEND,
+                   INFO, PTS, LAB, INVN, PART, PCNT, BAR,
+                   R, H, C, K, D, NS, n_sink, tpc, window, wc, seed_hi, seed_lo, iters, p_begin, p_end,
+                   RP: tl.constexpr, DP: tl.constexpr, PREC: tl.constexpr, GRID_SYNC: tl.constexpr,
+                   CH: tl.constexpr, BK: tl.constexpr, BPA: tl.constexpr, BCA: tl.constexpr, BCU: tl.constexpr,
+                   BPU: tl.constexpr, BCR: tl.constexpr, BCF: tl.constexpr, BPS: tl.constexpr):
+    """Phases [p_begin, p_end) (module docstring), each program taking work items pid, pid + grid, ...; with
+    GRID_SYNC a grid barrier between phases (the persistent launch, p_begin = 0)."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    r = tl.arange(0, RP)
+    rm = r < R
+    if p_begin == 0:  # any row due? (later launches read it from INFO: the state changes at the end)
+        fill = tl.load(FILL + r, mask=rm, other=0)
+        ce = tl.load(CEND + r, mask=rm, other=0)
+        ready = rm & (fill >= tl.load(BUDGET + 1))
+        active = ready & ((ce == 0) | (fill - ce >= window))
+    else:
+        active = tl.load(INFO + r * 8, mask=rm, other=0, cache_modifier=".cg") != 0
+    if tl.max(active.to(tl.int32), axis=0) > 0:
+        final = 3 * iters + 1
+        for p in range(p_begin, p_end):
+            if p == 0:
+                for row in range(pid, R, G):
+                    _prep_row(row, KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, MEMBERS, NCL, CEND, INFO, PTS, INVN,
+                              C, K, D, H, NS, n_sink, tpc, window, wc, seed_hi, seed_lo, DP, CH, BK, BPU)
+            else:
+                Lmax = tl.max(tl.load(INFO + r * 8 + 1, mask=rm, other=0, cache_modifier=".cg"), axis=0)
+                nmax = tl.max(tl.load(INFO + r * 8 + 2, mask=rm, other=0, cache_modifier=".cg"), axis=0)
+                kind = tl.where(p <= final, (p - 1) % 3, p - final + 2)  # 0 assign 1 update 2 reduce 3 count 4 fin 5 scatter
+                if kind == 0:
+                    for item in range(pid, tl.cdiv(Lmax, BPA) * R, G):
+                        blk = item // R
+                        row64 = tl.cast(item % R, tl.int64)
+                        L = tl.load(INFO + row64 * 8 + 1, cache_modifier=".cg")
+                        n = tl.load(INFO + row64 * 8 + 2, cache_modifier=".cg")
+                        if (blk * BPA < L) & (n > 0):
+                            nc = tl.load(INFO + row64 * 8 + 3, cache_modifier=".cg")
+                            _assign_block(row64, blk, KEYS, CENT, INVN, PTS, LAB, L, n, nc, C, K, D, DP, BPA, BCA, PREC)
+                elif (kind == 1) | (kind == 3):
+                    ncb = tl.cdiv(nmax, BCU)
+                    for item in range(pid, ncb * NS * R, G):
+                        cb = item % ncb  # the cluster blocks of one (split, row) are neighbours: its keys stay in L2
+                        s = item // ncb // R
+                        row64 = tl.cast(item // ncb % R, tl.int64)
+                        L = tl.load(INFO + row64 * 8 + 1, cache_modifier=".cg")
+                        n = tl.load(INFO + row64 * 8 + 2, cache_modifier=".cg")
+                        chunk = tl.load(INFO + row64 * 8 + 5, cache_modifier=".cg")
+                        if (s * chunk < L) & (cb * BCU < n):
+                            if kind == 1:
+                                _update_item(row64, s, cb, KEYS, PTS, LAB, PART, PCNT, L, n, chunk, C, K, D, NS,
+                                             DP, BCU, BPU, PREC, False)
+                            else:
+                                _update_item(row64, s, cb, KEYS, PTS, LAB, PART, PCNT, L, n, chunk, C, K, D, NS,
+                                             DP, BCU, BPU, PREC, True)
+                elif kind == 2:
+                    for item in range(pid, tl.cdiv(nmax, BCR) * R, G):
+                        cb = item // R
+                        row64 = tl.cast(item % R, tl.int64)
+                        n = tl.load(INFO + row64 * 8 + 2, cache_modifier=".cg")
+                        if cb * BCR < n:
+                            nc = tl.load(INFO + row64 * 8 + 3, cache_modifier=".cg")
+                            nsu = tl.load(INFO + row64 * 8 + 6, cache_modifier=".cg")
+                            _reduce_item(row64, cb, CENT, INVN, PART, PCNT, n, nc, nsu, K, D, NS, DP, BCR)
+                elif kind == 4:
+                    for row in range(pid, R, G):
+                        at = INFO + tl.cast(row, tl.int64) * 8
+                        if tl.load(at, cache_modifier=".cg") != 0:
+                            _finalize_row(row, FILL, CSIZE, CSTART, NCL, CEND, PCNT,
+                                          tl.load(at + 2, cache_modifier=".cg"), tl.load(at + 3, cache_modifier=".cg"),
+                                          tl.load(at + 4, cache_modifier=".cg"), tl.load(at + 6, cache_modifier=".cg"),
+                                          K, NS, BCF)
+                else:
+                    for item in range(pid, NS * R, G):
+                        s = item // R
+                        row64 = tl.cast(item % R, tl.int64)
+                        L = tl.load(INFO + row64 * 8 + 1, cache_modifier=".cg")
+                        n = tl.load(INFO + row64 * 8 + 2, cache_modifier=".cg")
+                        chunk = tl.load(INFO + row64 * 8 + 5, cache_modifier=".cg")
+                        if (s * chunk < L) & (n > 0):
+                            _scatter_item(row64, s, PTS, LAB, MEMBERS, PCNT, L, chunk, C, K, NS, BPS)
+            if GRID_SYNC:
+                if p + 1 < p_end:
+                    _grid_sync(BAR, (p + 1) * G)
+
+
+# -- launcher ------------------------------------------------------------------------------------------
+def supports_triton(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members,
+                    n_clusters, cluster_end) -> bool:
+    """Whether the CUDA path runs triton_kmeans_cluster: Triton installed, 16/32-bit float keys, D <= 256, the
+    state contiguous (shapes and dtypes are checked by the op)."""
+    return (triton is not None and keys.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and keys.shape[3] <= 256 and keys.shape[2] < 2**30
+            and all(t.is_contiguous() for t in (keys, bias, fill, centroids, cluster_size, cluster_start, members,
+                                                   n_clusters, cluster_end)))
+
+
+def _splits(R: int, C: int, K: int, DP: int) -> int:
+    ns = max(1, min(MAX_SPLITS, -(-C // SPLIT_POINTS)))
+    return max(1, min(ns, PARTIAL_BYTES // max(1, R * K * DP * 4)))
+
+
+def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members,
+                          n_clusters, cluster_end, n_sink: int, tokens_per_cluster: int, window: int,
+                          window_clusters: int, iters: int, seed: int, *, persistent: bool = True,
+                          programs: int | None = None, splits: int | None = None, block_p: int = BLOCK_P,
+                          block_c: int = BLOCK_C, update_c: int = UPDATE_C, update_p: int = UPDATE_P,
+                          reduce_c: int = REDUCE_C, final_c: int = FINAL_C, scatter_p: int = SCATTER_P,
+                          prep_chunk: int = PREP_CHUNK, init_k: int = INIT_K, num_warps: int = 8) -> None:
+    """Launch the kernel (module docstring). persistent: one launch with grid barriers (programs: one per SM
+    on CUDA, 1 elsewhere: the interpreter runs programs one after the other) or one launch per phase (programs:
+    4 per SM, 3 elsewhere). The other keywords tune it (powers of two >= 16, except splits, any >= 1); every
+    value gives the same result up to the summation order of the splits (splits) and none the host reads.
+    Under TRITON_INTERPRET=1 it runs on CPU tensors, which is how the kernel is tested without a GPU."""
+    if triton is None:
+        raise NotImplementedError("triton_kmeans_cluster needs Triton (pip install triton)")
+    _check_inputs(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members,
+                  n_clusters, cluster_end, n_sink, tokens_per_cluster, window, window_clusters, iters)
+    B, H, C, D = keys.shape
+    K = centroids.shape[2]
+    R = B * H
+    if R == 0 or C == 0:
+        return
+    dev = keys.device
+    DP = max(16, triton.next_power_of_2(D))
+    NS = splits or _splits(R, C, K, DP)
+    if dev.type == "cuda":
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        G = programs or (sms if persistent else 4 * sms)
+    else:
+        G = programs or (1 if persistent else 3)
+    info = torch.empty(R, INFO_W, dtype=torch.int32, device=dev)
+    pts = torch.empty(R, C, dtype=torch.int32, device=dev)
+    lab = torch.empty(R, C, dtype=torch.int32, device=dev)
+    kk = max(K, 1)
+    invn = torch.empty(R, kk, dtype=torch.float32, device=dev)
+    part = torch.empty(R, NS, kk, DP, dtype=torch.float32, device=dev)
+    pcnt = torch.empty(R, NS, kk, dtype=torch.int32, device=dev)
+    bar = torch.zeros(1, dtype=torch.int32, device=dev)
+    seed_mix = mix32(seed & MASK32)
+    prec = "tf32x3" if keys.dtype == torch.float32 else "tf32"  # fp32: ~fp32 accuracy on tensor cores
+    n_phases = 3 * iters + 5
+    args = (keys, bias, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end,
+            info, pts, lab, invn, part, pcnt, bar, R, H, C, K, D, NS, n_sink, tokens_per_cluster, window,
+            window_clusters, seed_mix >> 16, seed_mix & 0xFFFF, iters)
+    meta = dict(RP=triton.next_power_of_2(R), DP=DP, PREC=prec, CH=prep_chunk, BK=init_k, BPA=block_p, BCA=block_c,
+                BCU=update_c, BPU=update_p, BCR=reduce_c, BCF=final_c, BPS=scatter_p, num_warps=num_warps)
+    if persistent:
+        _kmeans_kernel[(G,)](*args, 0, n_phases, GRID_SYNC=True, **meta)
+    else:
+        for p in range(n_phases):
+            _kmeans_kernel[(G,)](*args, p, p + 1, GRID_SYNC=False, **meta)
+
+
+# -- op registration -----------------------------------------------------------------------------------
+_WARNED = set()
+
+
+@torch.library.custom_op("kvrewrite::kmeans_cluster",
+                         mutates_args=("centroids", "cluster_size", "cluster_start", "members", "n_clusters",
+                                       "cluster_end"))
+def kmeans_cluster(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor,
+    slot_pos: torch.Tensor,
+    fill: torch.Tensor,
+    budget: torch.Tensor,
+    centroids: torch.Tensor,
+    cluster_size: torch.Tensor,
+    cluster_start: torch.Tensor,
+    members: torch.Tensor,
+    n_clusters: torch.Tensor,
+    cluster_end: torch.Tensor,
+    *,
+    n_sink: int,
+    tokens_per_cluster: int,
+    window: int,
+    window_clusters: int,
+    iters: int,
+    seed: int,
+) -> None:
+    """ClusterKV's k-means of the due rows, appended to the CSR cluster index (module docstring)."""
+    args = (keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members,
+            n_clusters, cluster_end, n_sink, tokens_per_cluster, window, window_clusters, iters)
+    _check_inputs(*args)
+    reference_kmeans_cluster(*args, seed)
+
+
+@kmeans_cluster.register_kernel("cuda")
+def _(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters,
+      cluster_end, *, n_sink, tokens_per_cluster, window, window_clusters, iters, seed):
+    args = (keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members,
+            n_clusters, cluster_end, n_sink, tokens_per_cluster, window, window_clusters, iters)
+    _check_inputs(*args)
+    if supports_triton(*args[:12]):
+        triton_kmeans_cluster(*args, seed)
+        return
+    key = (keys.dtype, keys.shape[3])
+    if triton is not None and key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning("kmeans_cluster: no Triton kernel for this state (%s, D=%d, or its layout); running the "
+                       "tensor code (host syncs)", keys.dtype, keys.shape[3])
+    reference_kmeans_cluster(*args, seed)
+
+
+@kmeans_cluster.register_fake
+def _(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters,
+      cluster_end, *, n_sink, tokens_per_cluster, window, window_clusters, iters, seed):
+    return None

@@ -1,0 +1,510 @@
+"""kvrewrite::select_clusters — ClusterKV's per-step selection: which slots a decode query attends.
+
+ClusterKV (notes/002-clusterkv.md §1.5-1.8; the contract is clusterkv_spec.md, "Op 2") keeps every token and
+groups the older ones of each (batch row, KV head) into clusters by k-means (kvrewrite::kmeans_cluster). At each
+decode step, per selection head, the clusters are ranked by q . centroid and taken whole in that order until the
+selection budget, the last one trimmed; attention (kvrewrite::indexed_attention) then runs over the sinks, the
+selected members and the unclustered recent window, listed here in one slot index per head.
+
+    select_clusters(q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end, *,
+                    n_sink, max_selected, window, per_query_head) -> index [B, Hsel, S] int32
+
+    q               [B, Hq, 1, D]  model dtype (decode: T = 1)
+    fill            [B, Hkv]       int64, slots in use
+    budget          [2]            int64, budget[0] = sinks + selected tokens (the method's budget)
+    centroids       [B, Hkv, K, D] float (the keys' dtype)
+    cluster_size    [B, Hkv, K]    int32, members of cluster k (0 for unused ids)
+    cluster_start   [B, Hkv, K]    int32, offset of cluster k's first member in `members`
+    members         [B, Hkv, C]    int32, [0, n_sink): the sink slots (-1 where absent); then slot ids by cluster
+    n_clusters      [B, Hkv]       int32, cluster ids in use
+    cluster_end     [B, Hkv]       int64, slots [cluster_end, fill) are the unclustered window
+
+Rule, per selection row (b, s), Hsel = Hq (per_query_head: KV head h = s // G, query q[b, s]) or Hkv (h = s, the
+query is the fp32 sum of the group's G queries: the mean query's ranking, the authors' "qavg"):
+- score_k = qvec . centroid_k in fp32 for the valid clusters k < n_clusters with cluster_size > 0;
+- B_sel = clamp(budget[0] - n_sink, 0, max_selected); clusters in descending score (ties: the lower id first)
+  take take_k = min(size_k, B_sel - the members taken before it in that order): whole clusters, the last trimmed
+  to its first take_k members in `members` order (as the authors' kernel);
+- index[b, s] = [sinks: members[b, h, :n_sink]] + [the taken members cluster by cluster IN CLUSTER-ID ORDER, each
+  cluster's first take_k, then -1 up to max_selected] + [the window cluster_end .. fill - 1 ascending, then -1
+  up to `window`]. S = n_sink + max_selected + window. With B_sel >= every clustered token the index lists every
+  valid slot once (attention over it is full attention).
+Scores are assumed finite. Mutates nothing.
+
+Backends. The reference (static-shape tensor code: a stable sort of the scores, cumsums, searchsorted and
+gathers) is the CPU path (an opaque CPU op: it checks fill - cluster_end <= window, a host read) and the ground
+truth. CUDA runs the Triton kernels below: no host sync, launches from the shapes only, every entry of the index
+written (-1 where unused), so CUDA graphs capture it and no stale value survives. The op is a
+`torch.library.triton_op` (as kvrewrite::clustered_attention): Inductor sees the kernels.
+
+Triton design. Sorting the clusters is not needed: only the cumulative sizes in score order matter. With
+int32 keys that order like the fp32 scores (-0.0 as +0.0), the cluster where the running size reaches B_sel has
+the key t* = max{t : sum of sizes with key >= t >= B_sel}; clusters with key > t* are taken whole, those with key
+== t* in id order (a cumsum of their sizes) until B_sel, the others not at all. t* comes from a bisection over
+key values, one reduction per step (size-weighted count, the smallest key >= mid, the largest key < mid), the
+bracket snapped to present keys each step and stopping when the count hits B_sel exactly: ~log2 of the key
+range around t* steps (15-25 on random scores, at most 32), each a register reduction over next_pow2(K) lanes.
+The layout then needs no sort either: an id-order cumsum of the takes gives each cluster's output offset; each
+taken cluster writes a marker (offset << 32 | cluster_start) at its offset in a per-row scratch (-1 elsewhere),
+and a running max (associative scan) over the output positions finds every position's cluster and member.
+
+Launches: a row's selection is one program (grid B * Hsel: 32 programs for Llama-3.1-8B per query head, 8 per
+KV head). The scores need the used centroids read (n_clusters * D * 2 bytes per KV head: 105 KB at 32k context,
+420 KB at 128k), which one program per row can only pull at one SM's bandwidth (~4 us at 128k). So by default a
+first kernel computes the scores spread over (K / BLOCK_K blocks, B * Hkv) programs (each block's centroids read
+once for the group's G query heads) into an int32 key scratch [B * Hsel, K], and the selection kernel reads the
+keys from there (L2). With `fused=True` the selection kernel scores its own row first (one launch; the choice by
+K is in _launch_config). Keys are held in registers while K <= MAX_KEYS (16384, 512k-token contexts at the
+notes' 80 tokens per cluster); a larger K runs the same bisection chunk by chunk from the scratch (slower, same
+result).
+Cost (H100, Llama-3.1-8B decode: B 1, Hq 32, Hkv 8, D 128, bf16, max_selected 1008, n_sink 16, window 320):
+measured by kvrewrite.bench.select_clusters (its JSON; figures in the report of the branch that adds it).
+"""
+from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
+
+import torch
+from torch.library import wrap_triton
+
+from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the op runs the reference; only triton_select_clusters raises
+    triton = tl = None
+
+NAME = "kvrewrite::select_clusters"
+MAX_KEYS = 16384  # clusters whose keys one program holds in registers (a power of two); more: chunked passes
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# -- checks and reference ----------------------------------------------------------------------------------
+def check_inputs(q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end,
+                 n_sink, max_selected, window, name=NAME) -> tuple:
+    """ValueError naming the op and the bad input unless the shapes and dtypes are the contract's (module
+    docstring); returns (B, Hq, D, Hkv, K, C, G). Reads no data."""
+    if q.dim() != 4 or q.shape[2] != 1:
+        raise ValueError(f"{name}: q must be [B, Hq, 1, D] (decode, T = 1), got {tuple(q.shape)}")
+    B, Hq, _, D = q.shape
+    if centroids.dim() != 4 or centroids.shape[0] != B or centroids.shape[3] != D:
+        raise ValueError(f"{name}: centroids must be [B={B}, Hkv, K, D={D}], got {tuple(centroids.shape)}")
+    Hkv, K = centroids.shape[1], centroids.shape[2]
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"{name}: Hq must be a multiple of Hkv >= 1 (GQA), got Hq={Hq}, Hkv={Hkv}")
+    if q.dtype not in _FLOAT or centroids.dtype not in _FLOAT:
+        raise ValueError(f"{name}: q and centroids must be fp16/bf16/fp32, got {q.dtype}, {centroids.dtype}")
+    for field, t in (("cluster_size", cluster_size), ("cluster_start", cluster_start)):
+        if tuple(t.shape) != (B, Hkv, K) or t.dtype != torch.int32:
+            raise ValueError(f"{name}: {field} must be int32 [B, Hkv, K] = {(B, Hkv, K)}, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    if members.dim() != 3 or tuple(members.shape[:2]) != (B, Hkv) or members.dtype != torch.int32:
+        raise ValueError(f"{name}: members must be int32 [B, Hkv, C] = {(B, Hkv)} + (C,), "
+                         f"got {members.dtype} {tuple(members.shape)}")
+    C = members.shape[2]
+    if C == 0:
+        raise ValueError(f"{name}: members has no slots (C = 0)")
+    for field, t, dtype in (("n_clusters", n_clusters, torch.int32), ("fill", fill, torch.int64),
+                            ("cluster_end", cluster_end, torch.int64)):
+        if tuple(t.shape) != (B, Hkv) or t.dtype != dtype:
+            raise ValueError(f"{name}: {field} must be {str(dtype).replace('torch.', '')} [B, Hkv] = {(B, Hkv)}, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    if tuple(budget.shape) != (2,) or budget.dtype != torch.int64:
+        raise ValueError(f"{name}: budget must be int64 [2], got {budget.dtype} {tuple(budget.shape)}")
+    if not 0 <= n_sink <= C:
+        raise ValueError(f"{name}: n_sink must be in [0, C={C}], got {n_sink}")
+    if max_selected < 0 or window < 0:
+        raise ValueError(f"{name}: max_selected and window must be >= 0, got {max_selected}, {window}")
+    return B, Hq, D, Hkv, K, C, Hq // Hkv
+
+
+def reference_select_clusters(q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters,
+                              cluster_end, *, n_sink: int, max_selected: int, window: int, per_query_head: bool):
+    """The CPU path and the ground truth (module docstring). Raises ValueError when a row's window holds more
+    than `window` slots (fill - cluster_end > window: a host read), which the kernel cannot report."""
+    name = "reference_select_clusters"
+    B, Hq, D, Hkv, K, C, G = check_inputs(q, fill, budget, centroids, cluster_size, cluster_start, members,
+                                          n_clusters, cluster_end, n_sink, max_selected, window, name)
+    over = fill - cluster_end > window
+    if bool(over.any()):
+        b, h = (int(i) for i in over.nonzero()[0])
+        raise ValueError(f"{name}: batch row {b}, KV head {h} has {int(fill[b, h] - cluster_end[b, h])} unclustered "
+                         f"slots (fill - cluster_end), more than window = {window}")
+    dev = q.device
+    qf = q[:, :, 0].float()
+    if per_query_head:
+        qvec, head = qf, torch.arange(Hq, device=dev) // G
+    else:
+        qvec, head = qf.view(B, Hkv, G, D).sum(2), torch.arange(Hkv, device=dev)
+    Hsel = head.numel()
+    score = torch.einsum("bsd,bskd->bsk", qvec, centroids[:, head].float())  # [B, Hsel, K]
+    size = cluster_size[:, head].long()
+    ids = torch.arange(K, device=dev)
+    w = torch.where((ids < n_clusters[:, head, None]) & (size > 0), size, 0)  # invalid clusters weigh nothing
+    b_sel = (budget[0] - n_sink).clamp(0, max_selected)
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices  # ties: the lower id first
+    ws = w.gather(-1, order)
+    take_sorted = torch.minimum(ws, (b_sel - (ws.cumsum(-1) - ws)).clamp_min(0))
+    take = torch.zeros_like(w).scatter(-1, order, take_sorted)  # back in id order
+    sinks = members[:, head, :n_sink]
+    p = torch.arange(max_selected, device=dev).expand(B, Hsel, max_selected)
+    if K > 0:
+        incl = take.cumsum(-1)  # id-order output offsets
+        owner = torch.searchsorted(incl, p.contiguous(), right=True).clamp_max(K - 1)  # the cluster holding p
+        src = cluster_start[:, head].long().gather(-1, owner) + p - (incl - take).gather(-1, owner)
+        used = p < incl[..., -1:]
+        middle = torch.where(used, members[:, head].long().gather(-1, torch.where(used, src, 0)), -1)
+    else:
+        middle = torch.full_like(p, -1)
+    slot = cluster_end[:, head, None] + torch.arange(window, device=dev)
+    win = torch.where(slot < fill[:, head, None], slot, -1)
+    return torch.cat([sinks, middle.int(), win.int()], dim=-1)
+
+
+# -- Triton kernels ------------------------------------------------------------------------------------------
+@triton_jit()
+def _score_key(x):
+    """int32 key of fp32 x in the order of a descending torch.sort: -0.0 as +0.0, NaN as one value above +inf."""
+    bits = x.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    bits = tl.where(mag == 0, 0, bits)
+    bits = tl.where(mag > 0x7F800000, 0x7FC00000, bits)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton_jit()
+def _sum_min_max(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, tl.minimum(a1, b1), tl.maximum(a2, b2)
+
+
+@triton_jit()
+def _max_i64(a, b):
+    return tl.maximum(a, b)
+
+
+@triton_jit()
+def _query(Q, b, s, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, PER_HEAD: tl.constexpr):
+    """Row (b, s)'s query in fp32: q[b, s] (PER_HEAD) or the sum of q[b, h * G + g] over g, in order."""
+    base = Q + b * stride_qb + offs_d * stride_qd
+    if PER_HEAD:
+        qv = tl.load(base + s * stride_qh, mask=d_ok, other=0.0).to(tl.float32)
+    else:
+        qv = tl.zeros(offs_d.shape, tl.float32)
+        for g in range(G):
+            qv += tl.load(base + (h * G + g) * stride_qh, mask=d_ok, other=0.0).to(tl.float32)
+    return qv
+
+
+@triton_jit()
+def _chunk(KEYS_ROW, SIZE_BH, c0, n_cl, KB: tl.constexpr):
+    """Keys and weights of clusters [c0, c0 + KB): weight = size for a valid cluster (k < n_cl, size > 0), else 0
+    with the key -2**31 (below every score's key)."""
+    k = c0 + tl.arange(0, KB)
+    live = k < n_cl
+    size = tl.load(SIZE_BH + k, mask=live, other=0)
+    valid = live & (size > 0)
+    key = tl.load(KEYS_ROW + k, mask=valid, other=-2147483648)
+    return tl.where(valid, key, -2147483648), tl.where(valid, size, 0)
+
+
+@triton_jit()
+def _count(key, w, mid):
+    """(sum of w over key >= mid, the smallest such key, the largest valid key < mid); w > 0 marks valid."""
+    ge = key >= mid
+    return tl.reduce((tl.where(ge, w, 0), tl.where(ge & (w > 0), key, 2147483647),
+                      tl.where((~ge) & (w > 0), key, -2147483648)), 0, _sum_min_max)
+
+
+@triton_jit()
+def _takes(key, w, thr, room, tie_carry):
+    """take_k in a chunk: w above thr, the tied ones (key == thr) in id order until `room` (B_sel less the members
+    above thr) is used, tie_carry of it used by earlier chunks' ties; returns (take, tied weight of the chunk)."""
+    tie = (key == thr) & (w > 0)
+    tw = tl.where(tie, w, 0)
+    before = tie_carry + tl.cumsum(tw, axis=0) - tw
+    take = tl.where(key > thr, w, tl.where(tie, tl.minimum(tl.maximum(room - before, 0), w), 0))
+    return take, tl.sum(tw, axis=0)
+
+
+@triton_jit()
+def _block_scores(CEN_BH, k, n_cl, qv, offs_d, d_ok, stride_ck, stride_cd):
+    """fp32 q . centroid_k over a block of cluster ids k (< n_cl; others 0)."""
+    c = tl.load(CEN_BH + k[:, None] * stride_ck + offs_d[None, :] * stride_cd,
+                mask=(k < n_cl)[:, None] & d_ok[None, :], other=0.0)
+    return tl.sum(c.to(tl.float32) * qv[None, :], axis=1)
+
+
+@triton_jit(do_not_specialize=["Hsel", "Hkv", "G", "K", "D"])
+def _cluster_scores_kernel(
+    Q, CEN, NCL, KEYS,  # KEYS: int32 [B * Hsel, K], row (b, s)'s key of cluster k (written for k < n_clusters)
+    stride_qb, stride_qh, stride_qd, stride_cb, stride_ch, stride_ck, stride_cd,
+    Hsel, Hkv, G, K, D,
+    PER_HEAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Scores, grid (cluster blocks, B * Hkv): the block's centroids read once, scored for the KV head's selection
+    rows (its G query heads, or their summed query)."""
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // Hkv
+    h = bh % Hkv
+    n_cl = tl.minimum(tl.load(NCL + bh), K)
+    k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    if tl.program_id(0) * BLOCK_K < n_cl:
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        cen = CEN + b * stride_cb + h * stride_ch
+        if PER_HEAD:
+            for g in range(G):
+                s = h * G + g
+                qv = _query(Q, b, s, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, True)
+                sc = _block_scores(cen, k, n_cl, qv, offs_d, d_ok, stride_ck, stride_cd)
+                tl.store(KEYS + (b * Hsel + s) * K + k, _score_key(sc), mask=k < n_cl)
+        else:
+            qv = _query(Q, b, h, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, False)
+            sc = _block_scores(cen, k, n_cl, qv, offs_d, d_ok, stride_ck, stride_cd)
+            tl.store(KEYS + (b * Hsel + h) * K + k, _score_key(sc), mask=k < n_cl)
+
+
+@triton_jit(do_not_specialize=["Hsel", "Hkv", "G", "K", "C", "D", "n_sink", "max_selected", "window", "S"])
+def _select_clusters_kernel(
+    Q, CEN, SIZE, START, MEMBERS, NCL, FILL, CEND, BUDGET,
+    KEYS,  # int32 [B * Hsel, K]: the scores' keys (written here first with FUSED, else by _cluster_scores_kernel)
+    MARK,  # int64 [B * Hsel, M] scratch, M = max(max_selected, 1): per output position a marker or -1
+    OUT,  # int32 [B * Hsel, S]
+    stride_qb, stride_qh, stride_qd, stride_cb, stride_ch, stride_ck, stride_cd,
+    Hsel, Hkv, G, K, C, D, n_sink, max_selected, window, S,
+    PER_HEAD: tl.constexpr, FUSED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    KB: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Selection, grid (B * Hsel,): one program per selection row (module docstring)."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // Hsel
+    s = row % Hsel
+    if PER_HEAD:
+        h = s // G
+    else:
+        h = s
+    bh = b * Hkv + h
+    n_cl = tl.minimum(tl.maximum(tl.load(NCL + bh), 0), K)
+    b_sel = tl.minimum(tl.maximum(tl.load(BUDGET) - n_sink, 0), max_selected).to(tl.int32)
+    M = tl.maximum(max_selected, 1)
+    mark_row = MARK + row * M
+    keys_row = KEYS + row * K
+    size_bh = SIZE + bh * K
+    offs_s = tl.arange(0, BLOCK_S)
+    for p0 in range(0, max_selected, BLOCK_S):  # no marker yet (ordered before the scatter by the barriers below)
+        tl.store(mark_row + p0 + offs_s, tl.full([BLOCK_S], -1, tl.int64), mask=p0 + offs_s < max_selected)
+
+    if FUSED:  # -- scores of this row's clusters
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        qv = _query(Q, b, s, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, PER_HEAD)
+        cen = CEN + b * stride_cb + h * stride_ch
+        for k0 in range(0, n_cl, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            sc = _block_scores(cen, k, n_cl, qv, offs_d, d_ok, stride_ck, stride_cd)
+            tl.store(keys_row + k, _score_key(sc), mask=k < n_cl)
+    tl.debug_barrier()
+
+    # -- t*, the key of the cluster where the running size in score order reaches B_sel (bisection)
+    if ONE_CHUNK:
+        key, w = _chunk(keys_row, size_bh, 0, n_cl, KB)
+        total, kmin, kmax = tl.reduce((w, tl.where(w > 0, key, 2147483647), tl.where(w > 0, key, -2147483648)), 0,
+                                      _sum_min_max)
+    else:
+        total = tl.zeros([], tl.int32)
+        kmin = tl.full([], 2147483647, tl.int32)
+        kmax = tl.full([], -2147483648, tl.int32)
+        for c0 in range(0, n_cl, KB):
+            key, w = _chunk(keys_row, size_bh, c0, n_cl, KB)
+            t_c, mn_c, mx_c = tl.reduce((w, tl.where(w > 0, key, 2147483647), tl.where(w > 0, key, -2147483648)),
+                                        0, _sum_min_max)
+            total, kmin, kmax = _sum_min_max(total, kmin, kmax, t_c, mn_c, mx_c)
+    thr = tl.full([], -2147483648, tl.int32)  # every valid cluster whole (total <= B_sel)
+    if b_sel == 0:
+        thr = tl.full([], 2147483647, tl.int32)  # none
+    elif total > b_sel:
+        # invariant: sum(w[key >= lo]) >= B_sel > sum(w[key > hi]), lo and hi keys of valid clusters
+        lo = kmin.to(tl.int64)
+        hi = kmax.to(tl.int64)
+        while lo < hi:
+            mid = (lo + (hi - lo + 1) // 2).to(tl.int32)
+            if ONE_CHUNK:
+                cnt, mn, mx = _count(key, w, mid)
+            else:
+                cnt = tl.zeros([], tl.int32)
+                mn = tl.full([], 2147483647, tl.int32)
+                mx = tl.full([], -2147483648, tl.int32)
+                for c0 in range(0, n_cl, KB):
+                    key_c, w_c = _chunk(keys_row, size_bh, c0, n_cl, KB)
+                    cnt_c, mn_c, mx_c = _count(key_c, w_c, mid)
+                    cnt, mn, mx = _sum_min_max(cnt, mn, mx, cnt_c, mn_c, mx_c)
+            if cnt >= b_sel:
+                lo = mn.to(tl.int64)  # sum(w[key >= mn]) = cnt
+                if cnt == b_sel:
+                    hi = lo  # the clusters >= mn fill B_sel exactly: t* = mn
+            else:
+                hi = mx.to(tl.int64)
+        thr = lo.to(tl.int32)
+
+    # -- takes in id order, output offsets by cumsum, one marker per taken cluster at its offset
+    tl.debug_barrier()
+    if ONE_CHUNK:
+        room = b_sel - tl.sum(tl.where(key > thr, w, 0), axis=0)
+        take, _ = _takes(key, w, thr, room, 0)
+        kk = tl.arange(0, KB)
+        off = tl.cumsum(take, axis=0) - take
+        start = tl.load(START + bh * K + kk, mask=take > 0, other=0)
+        tl.store(mark_row + off, (off.to(tl.int64) << 32) | start.to(tl.int64), mask=take > 0)
+        n_taken = tl.sum(take, axis=0)
+    else:
+        above = tl.zeros([], tl.int32)
+        for c0 in range(0, n_cl, KB):
+            key_c, w_c = _chunk(keys_row, size_bh, c0, n_cl, KB)
+            above += tl.sum(tl.where(key_c > thr, w_c, 0), axis=0)
+        room = b_sel - above
+        tie_carry = tl.zeros([], tl.int32)
+        n_taken = tl.zeros([], tl.int32)
+        for c0 in range(0, n_cl, KB):
+            key_c, w_c = _chunk(keys_row, size_bh, c0, n_cl, KB)
+            take, tied = _takes(key_c, w_c, thr, room, tie_carry)
+            tie_carry += tied
+            kk = c0 + tl.arange(0, KB)
+            off = n_taken + tl.cumsum(take, axis=0) - take
+            start = tl.load(START + bh * K + kk, mask=take > 0, other=0)
+            tl.store(mark_row + off, (off.to(tl.int64) << 32) | start.to(tl.int64), mask=take > 0)
+            n_taken += tl.sum(take, axis=0)
+    tl.debug_barrier()
+
+    # -- the index row: sinks, taken members (each position's cluster: the running max of the markers), window
+    mem_bh = MEMBERS + bh * C
+    cend = tl.load(CEND + bh)
+    fill = tl.load(FILL + bh)
+    carry = tl.full([], -1, tl.int64)
+    out_row = OUT + row * S
+    for p0 in range(0, S, BLOCK_S):
+        p = p0 + offs_s
+        j = p - n_sink  # position among the selected
+        used = (j >= 0) & (j < n_taken)
+        mark = tl.load(mark_row + j, mask=used, other=-1)
+        run = tl.maximum(tl.associative_scan(mark, 0, _max_i64), carry)
+        carry = tl.maximum(carry, tl.max(mark, axis=0))
+        owner_off = run >> 32  # the owning cluster's output offset, then its cluster_start in the low bits
+        src = (run - (owner_off << 32)) + (j - owner_off)
+        val = tl.load(mem_bh + src, mask=used, other=-1)
+        val = tl.where(p < n_sink, tl.load(mem_bh + p, mask=p < n_sink, other=-1), val)
+        slot = cend + (j - max_selected)
+        in_win = (j >= max_selected) & (slot < fill)
+        val = tl.where(in_win, slot.to(tl.int32), val)
+        tl.store(out_row + p, val, mask=p < S)
+
+
+# -- launcher ------------------------------------------------------------------------------------------------
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _launch_config(K, S, D, fused=None, block_k=None, key_chunk=None, block_s=None, num_warps=None,
+                   score_warps=None) -> dict:
+    """The kernels' shape-based choices (keyword overrides for the tests and the benchmark's sweep)."""
+    kb = min(_pow2(max(K, 1)), key_chunk or MAX_KEYS)
+    if fused is None:
+        fused = K <= 512  # few clusters: one launch; more: spread the centroid reads over the GPU
+    if num_warps is None:
+        num_warps = 4 if kb <= 1024 else 8 if kb <= 4096 else 16
+    return dict(fused=bool(fused), block_k=block_k or 64, kb=kb, one_chunk=kb >= K,
+                block_s=block_s or min(_pow2(max(S, 1)), 1024), block_d=_pow2(max(D, 1)), num_warps=num_warps,
+                score_warps=score_warps or 4)
+
+
+def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end, n_sink,
+            max_selected, window, per_query_head, **overrides):
+    """Allocate the index and scratch, launch. No checks and no data reads: Triton's interpreter
+    (TRITON_INTERPRET=1) runs it on CPU tensors, which is how the kernels are tested without a GPU."""
+    B, Hq, _, D = (int(n) for n in q.shape)
+    Hkv, K = int(centroids.shape[1]), int(centroids.shape[2])
+    C = int(members.shape[2])
+    G = Hq // Hkv
+    Hsel = Hq if per_query_head else Hkv
+    S = n_sink + max_selected + window
+    out = torch.empty((B, Hsel, S), dtype=torch.int32, device=q.device)
+    rows = B * Hsel
+    if rows == 0 or S == 0:
+        return out
+    cfg = _launch_config(K, S, D, **overrides)
+    keys = torch.empty((rows, max(K, 1)), dtype=torch.int32, device=q.device)
+    mark = torch.empty((rows, max(max_selected, 1)), dtype=torch.int64, device=q.device)
+    size, start, mem, ncl = (t.contiguous() for t in (cluster_size, cluster_start, members, n_clusters))
+    fill, cend = fill.contiguous(), cluster_end.contiguous()
+    strides = (q.stride(0), q.stride(1), q.stride(3), *centroids.stride())
+    if not cfg["fused"] and K > 0:
+        wrap_triton(_cluster_scores_kernel)[(triton.cdiv(K, cfg["block_k"]), B * Hkv)](
+            q, centroids, ncl, keys, *strides, Hsel, Hkv, G, K, D,
+            PER_HEAD=bool(per_query_head), BLOCK_K=cfg["block_k"], BLOCK_D=cfg["block_d"],
+            num_warps=cfg["score_warps"],
+        )
+    wrap_triton(_select_clusters_kernel)[(rows,)](
+        q, centroids, size, start, mem, ncl, fill, cend, budget, keys, mark, out, *strides,
+        Hsel, Hkv, G, K, C, D, n_sink, max_selected, window, S,
+        PER_HEAD=bool(per_query_head), FUSED=cfg["fused"], BLOCK_K=cfg["block_k"], BLOCK_D=cfg["block_d"],
+        KB=cfg["kb"], ONE_CHUNK=cfg["one_chunk"], BLOCK_S=cfg["block_s"], num_warps=cfg["num_warps"],
+    )
+    return out
+
+
+def triton_select_clusters(q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters,
+                           cluster_end, *, n_sink: int, max_selected: int, window: int, per_query_head: bool,
+                           **tuning):
+    """The op on CUDA through Triton; validates shapes, dtypes and devices (reads no data). ``tuning`` overrides
+    the launch choices (_launch_config's keywords: fused, block_k, key_chunk, block_s, num_warps, score_warps); it
+    is for the tests and the benchmark, the op never passes it. Every setting gives the same index."""
+    if triton is None:
+        raise NotImplementedError("triton_select_clusters needs Triton (pip install triton); "
+                                  "kvrewrite::select_clusters itself runs without it")
+    args = (q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end)
+    check_inputs(*args, n_sink, max_selected, window, "triton_select_clusters")
+    check_one_cuda_device("triton_select_clusters", args)
+    return _launch(*args, n_sink, max_selected, window, per_query_head, **tuning)
+
+
+# -- the op --------------------------------------------------------------------------------------------------
+@torch.library.custom_op("kvrewrite::select_clusters_cpu", mutates_args=(), device_types="cpu")
+def select_clusters_cpu(q: torch.Tensor, fill: torch.Tensor, budget: torch.Tensor, centroids: torch.Tensor,
+                        cluster_size: torch.Tensor, cluster_start: torch.Tensor, members: torch.Tensor,
+                        n_clusters: torch.Tensor, cluster_end: torch.Tensor, *, n_sink: int, max_selected: int,
+                        window: int, per_query_head: bool) -> torch.Tensor:
+    """The CPU path of kvrewrite::select_clusters, an opaque op of its own (the reference checks the window's
+    length, a host read that cannot be traced)."""
+    return reference_select_clusters(q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters,
+                                     cluster_end, n_sink=n_sink, max_selected=max_selected, window=window,
+                                     per_query_head=per_query_head)
+
+
+def _empty_index(q, centroids, n_sink, max_selected, window, per_query_head):
+    Hsel = q.shape[1] if per_query_head else centroids.shape[1]
+    return q.new_empty((q.shape[0], Hsel, n_sink + max_selected + window), dtype=torch.int32)
+
+
+@select_clusters_cpu.register_fake
+def _(q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end, *, n_sink,
+      max_selected, window, per_query_head):
+    return _empty_index(q, centroids, n_sink, max_selected, window, per_query_head)
+
+
+def select_clusters(q: torch.Tensor, fill: torch.Tensor, budget: torch.Tensor, centroids: torch.Tensor,
+                    cluster_size: torch.Tensor, cluster_start: torch.Tensor, members: torch.Tensor,
+                    n_clusters: torch.Tensor, cluster_end: torch.Tensor, *, n_sink: int, max_selected: int,
+                    window: int, per_query_head: bool) -> torch.Tensor:
+    """ClusterKV's slot index for one decode step (module docstring).
+
+    This body is the op's kernel, its fake and, under torch.compile, what Inductor inlines: it stays free of
+    data-dependent Python. CPU calls the opaque kvrewrite::select_clusters_cpu; CUDA launches Triton."""
+    args = (q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end)
+    kw = dict(n_sink=n_sink, max_selected=max_selected, window=window, per_query_head=per_query_head)
+    if q.is_cuda and triton is not None:
+        return triton_select_clusters(*args, **kw)
+    if q.device.type == "cpu":
+        check_inputs(*args, n_sink, max_selected, window)
+        return torch.ops.kvrewrite.select_clusters_cpu(*args, **kw)
+    return reference_select_clusters(*args, **kw)
+
+
+select_clusters = register_triton_op(NAME, select_clusters, (), triton is not None)
