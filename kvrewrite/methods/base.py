@@ -92,8 +92,9 @@ class Method:
 
     def select_call(self, layer, max_length: int):
         """(op overload, kwargs) of a selection op that runs before a full-attention layer's attention in the
-        decode graphs of a model sized for max_length tokens, or None (the default: attention over every slot). The op is called with (q, fill, budget,
-        *the state fields its schema names, in `state_fields` order) and the kwargs and returns an int32 index
+        decode graphs of a model sized for max_length tokens, or None (the default: attention over every slot).
+        The op is called with (q, fill, budget, *the state fields its schema names, in `state_fields` order) and
+        the kwargs and returns an int32 index
         [B, Hkv or Hq, S] of slots (-1: none); the layer's attention then becomes kvrewrite::indexed_attention
         over those slots (ClusterKV). Prefill chunks keep the attention over every slot."""
         return None
