@@ -191,7 +191,7 @@ def run(cfg: Config) -> dict:
     for name, tuning in [("op", None), *VARIANTS.items()]:
         got = _call(cfg, tuning)(q, st)
         assert torch.equal(got.cpu(), want), f"{cfg}: {name} differs from the reference"
-    res.launch = sc._launch_config(cfg.K, cfg.n_sink + cfg.max_selected + cfg.window, cfg.D)
+    res.launch = sc._launch_config(cfg.K, cfg.D, cfg.n_sink, cfg.max_selected, cfg.window)
     res.us = _graph_us(_call(cfg), sets)
     res.hot_us = _graph_us(_call(cfg), [sets[0]] * n)
     res.variants_us = {name: _graph_us(_call(cfg, tuning), sets) for name, tuning in VARIANTS.items()}

@@ -215,22 +215,32 @@ def _count(key, w, mid):
 
 
 @triton_jit()
-def _takes(key, w, thr, room, tie_carry):
-    """take_k in a chunk: w above thr, the tied ones (key == thr) in id order until `room` (B_sel less the members
-    above thr) is used, tie_carry of it used by earlier chunks' ties; returns (take, tied weight of the chunk)."""
-    tie = (key == thr) & (w > 0)
-    tw = tl.where(tie, w, 0)
-    before = tie_carry + tl.cumsum(tw, axis=0) - tw
-    take = tl.where(key > thr, w, tl.where(tie, tl.minimum(tl.maximum(room - before, 0), w), 0))
-    return take, tl.sum(tw, axis=0)
+def _takes(key, w, thr, room, start, MARK_ROW, carry):
+    """A chunk of clusters in id order: cluster k takes w_k above thr, at thr min(w_k, room - the tied weight before
+    it) (clamped at 0), else nothing; its output offset is the weight above thr before it plus min(the tied weight
+    before it, room). Writes the markers of the taken clusters; carry: the packed sums of earlier chunks (int64:
+    weight above thr << 32 | tied weight). Returns the carry with this chunk's."""
+    v = (tl.where(key > thr, w, 0).to(tl.int64) << 32) | tl.where((key == thr) & (w > 0), w, 0).to(tl.int64)
+    before = carry + tl.cumsum(v, axis=0) - v
+    above_before = before >> 32
+    tie_before = (before - (above_before << 32)).to(tl.int32)
+    take = tl.where(key > thr, w, tl.where((key == thr) & (w > 0), tl.minimum(tl.maximum(room - tie_before, 0), w), 0))
+    off = above_before + tl.minimum(tie_before, room).to(tl.int64)
+    tl.store(MARK_ROW + off, (off << 32) | start.to(tl.int64), mask=take > 0)
+    return carry + tl.sum(v, axis=0)
 
 
 @triton_jit()
-def _block_scores(CEN_BH, k, n_cl, qv, offs_d, d_ok, stride_ck, stride_cd):
-    """fp32 q . centroid_k over a block of cluster ids k (< n_cl; others 0)."""
-    c = tl.load(CEN_BH + k[:, None] * stride_ck + offs_d[None, :] * stride_cd,
-                mask=(k < n_cl)[:, None] & d_ok[None, :], other=0.0)
-    return tl.sum(c.to(tl.float32) * qv[None, :], axis=1)
+def _centroid_tile(CEN_BH, k, n_cl, offs_d, d_ok, stride_ck, stride_cd):
+    """Centroids of cluster ids k (< n_cl; others 0), [len(k), BLOCK_D]."""
+    return tl.load(CEN_BH + k[:, None] * stride_ck + offs_d[None, :] * stride_cd,
+                   mask=(k < n_cl)[:, None] & d_ok[None, :], other=0.0)
+
+
+@triton_jit()
+def _tile_keys(c, qv):
+    """Score keys of a centroid tile: fp32 q . centroid, then _score_key."""
+    return _score_key(tl.sum(c.to(tl.float32) * qv[None, :], axis=1))
 
 
 @triton_jit(do_not_specialize=["Hsel", "Hkv", "G", "K", "D"])
@@ -238,10 +248,10 @@ def _cluster_scores_kernel(
     Q, CEN, NCL, KEYS,  # KEYS: int32 [B * Hsel, K], row (b, s)'s key of cluster k (written for k < n_clusters)
     stride_qb, stride_qh, stride_qd, stride_cb, stride_ch, stride_ck, stride_cd,
     Hsel, Hkv, G, K, D,
-    PER_HEAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    PER_HEAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE_DOT: tl.constexpr,
 ):
     """Scores, grid (cluster blocks, B * Hkv): the block's centroids read once, scored for the KV head's selection
-    rows (its G query heads, or their summed query)."""
+    rows (its G query heads, or their summed query). BLOCK_K and BLOCK_D >= 16 with PER_HEAD (tl.dot)."""
     bh = tl.program_id(1).to(tl.int64)
     b = bh // Hkv
     h = bh % Hkv
@@ -250,17 +260,22 @@ def _cluster_scores_kernel(
     if tl.program_id(0) * BLOCK_K < n_cl:
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        cen = CEN + b * stride_cb + h * stride_ch
-        if PER_HEAD:
-            for g in range(G):
-                s = h * G + g
-                qv = _query(Q, b, s, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, True)
-                sc = _block_scores(cen, k, n_cl, qv, offs_d, d_ok, stride_ck, stride_cd)
-                tl.store(KEYS + (b * Hsel + s) * K + k, _score_key(sc), mask=k < n_cl)
+        c = _centroid_tile(CEN + b * stride_cb + h * stride_ch, k, n_cl, offs_d, d_ok, stride_ck, stride_cd)
+        if PER_HEAD:  # the G heads' scores of the tile by tl.dot, 16 heads at a time (fp32: IEEE products, no TF32)
+            offs_g = tl.arange(0, 16)
+            for g0 in range(0, G, 16):
+                s = h * G + g0 + offs_g
+                qt = tl.load(Q + b * stride_qb + s[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                             mask=(g0 + offs_g < G)[:, None] & d_ok[None, :], other=0.0)
+                if NATIVE_DOT:
+                    sc = tl.dot(c, tl.trans(qt))
+                else:
+                    sc = tl.dot(c.to(tl.float32), tl.trans(qt.to(tl.float32)), input_precision="ieee")
+                tl.store(KEYS + (b * Hsel + s[None, :]) * K + k[:, None], _score_key(sc),
+                         mask=(k < n_cl)[:, None] & (g0 + offs_g < G)[None, :])
         else:
             qv = _query(Q, b, h, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, False)
-            sc = _block_scores(cen, k, n_cl, qv, offs_d, d_ok, stride_ck, stride_cd)
-            tl.store(KEYS + (b * Hsel + h) * K + k, _score_key(sc), mask=k < n_cl)
+            tl.store(KEYS + (b * Hsel + h) * K + k, _tile_keys(c, qv), mask=k < n_cl)
 
 
 @triton_jit(do_not_specialize=["Hsel", "Hkv", "G", "K", "C", "D", "n_sink", "max_selected", "window", "S"])
@@ -272,9 +287,11 @@ def _select_clusters_kernel(
     stride_qb, stride_qh, stride_qd, stride_cb, stride_ch, stride_ck, stride_cd,
     Hsel, Hkv, G, K, C, D, n_sink, max_selected, window, S,
     PER_HEAD: tl.constexpr, FUSED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    KB: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
+    KB: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, ONE_M: tl.constexpr,
 ):
-    """Selection, grid (B * Hsel,): one program per selection row (module docstring)."""
+    """Selection, grid (B * Hsel,): one program per selection row (module docstring). Latency-bound: every load
+    that does not depend on the selection is issued first, so the chain is loads -> bisection -> marker scatter ->
+    marker load -> member gather."""
     row = tl.program_id(0).to(tl.int64)
     b = row // Hsel
     s = row % Hsel
@@ -283,48 +300,78 @@ def _select_clusters_kernel(
     else:
         h = s
     bh = b * Hkv + h
-    n_cl = tl.minimum(tl.maximum(tl.load(NCL + bh), 0), K)
-    b_sel = tl.minimum(tl.maximum(tl.load(BUDGET) - n_sink, 0), max_selected).to(tl.int32)
-    M = tl.maximum(max_selected, 1)
-    mark_row = MARK + row * M
+    n_cl = tl.load(NCL + bh)
+    budget = tl.load(BUDGET)
+    cend = tl.load(CEND + bh)
+    fill = tl.load(FILL + bh)
+    mark_row = MARK + row * tl.maximum(max_selected, 1)
     keys_row = KEYS + row * K
     size_bh = SIZE + bh * K
-    offs_s = tl.arange(0, BLOCK_S)
-    for p0 in range(0, max_selected, BLOCK_S):  # no marker yet (ordered before the scatter by the barriers below)
-        tl.store(mark_row + p0 + offs_s, tl.full([BLOCK_S], -1, tl.int64), mask=p0 + offs_s < max_selected)
+    mem_bh = MEMBERS + bh * C
+    out_row = OUT + row * S
+    if ONE_CHUNK:  # the row's cluster metadata, whatever n_clusters (masked below)
+        kk = tl.arange(0, KB)
+        size = tl.load(size_bh + kk, mask=kk < K, other=0)
+        start = tl.load(START + bh * K + kk, mask=kk < K, other=0)
+        if not FUSED:
+            key = tl.load(keys_row + kk, mask=kk < K, other=0)
+    # -- sinks and window (independent of the selection); no marker anywhere yet
+    offs_e = tl.arange(0, BLOCK_E)
+    for p0 in range(0, n_sink, BLOCK_E):
+        p = p0 + offs_e
+        tl.store(out_row + p, tl.load(mem_bh + p, mask=p < n_sink, other=-1), mask=p < n_sink)
+    for j0 in range(0, window, BLOCK_E):
+        slot = cend + j0 + offs_e
+        tl.store(out_row + n_sink + max_selected + j0 + offs_e, tl.where(slot < fill, slot, -1).to(tl.int32),
+                 mask=j0 + offs_e < window)
+    offs_m = tl.arange(0, BLOCK_M)
+    for p0 in range(0, max_selected, BLOCK_M):  # ordered before the scatter by the barrier below
+        tl.store(mark_row + p0 + offs_m, tl.full([BLOCK_M], -1, tl.int64), mask=p0 + offs_m < max_selected)
+    n_cl = tl.minimum(tl.maximum(n_cl, 0), K)
+    b_sel = tl.minimum(tl.maximum(budget - n_sink, 0), max_selected).to(tl.int32)
 
-    if FUSED:  # -- scores of this row's clusters
+    if FUSED:  # -- this row's scores; the next tile's loads go out before the current tile's math
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
         qv = _query(Q, b, s, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, PER_HEAD)
         cen = CEN + b * stride_cb + h * stride_ch
+        kb0 = tl.arange(0, BLOCK_K)
+        c_next = _centroid_tile(cen, kb0, n_cl, offs_d, d_ok, stride_ck, stride_cd)
         for k0 in range(0, n_cl, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            sc = _block_scores(cen, k, n_cl, qv, offs_d, d_ok, stride_ck, stride_cd)
-            tl.store(keys_row + k, _score_key(sc), mask=k < n_cl)
-    tl.debug_barrier()
+            c = c_next
+            c_next = _centroid_tile(cen, k0 + BLOCK_K + kb0, n_cl, offs_d, d_ok, stride_ck, stride_cd)
+            tl.store(keys_row + k0 + kb0, _tile_keys(c, qv), mask=k0 + kb0 < n_cl)
+        tl.debug_barrier()
+        if ONE_CHUNK:
+            key = tl.load(keys_row + kk, mask=kk < n_cl, other=0)
 
     # -- t*, the key of the cluster where the running size in score order reaches B_sel (bisection)
     if ONE_CHUNK:
-        key, w = _chunk(keys_row, size_bh, 0, n_cl, KB)
-        total, kmin, kmax = tl.reduce((w, tl.where(w > 0, key, 2147483647), tl.where(w > 0, key, -2147483648)), 0,
-                                      _sum_min_max)
+        valid = (kk < n_cl) & (size > 0)
+        key = tl.where(valid, key, -2147483648)
+        w = tl.where(valid, size, 0)
+        total, kmin, kmax = tl.reduce((w, tl.where(valid, key, 2147483647), key), 0, _sum_min_max)
     else:
         total = tl.zeros([], tl.int32)
         kmin = tl.full([], 2147483647, tl.int32)
         kmax = tl.full([], -2147483648, tl.int32)
         for c0 in range(0, n_cl, KB):
-            key, w = _chunk(keys_row, size_bh, c0, n_cl, KB)
-            t_c, mn_c, mx_c = tl.reduce((w, tl.where(w > 0, key, 2147483647), tl.where(w > 0, key, -2147483648)),
-                                        0, _sum_min_max)
+            key_c, w_c = _chunk(keys_row, size_bh, c0, n_cl, KB)
+            t_c, mn_c, mx_c = tl.reduce((w_c, tl.where(w_c > 0, key_c, 2147483647), key_c), 0, _sum_min_max)
             total, kmin, kmax = _sum_min_max(total, kmin, kmax, t_c, mn_c, mx_c)
+    # thr = t*; room = B_sel less the members above t* (the share of the clusters at t*, in id order); exact: the
+    # clusters >= t* fill B_sel exactly (room is then no limit)
     thr = tl.full([], -2147483648, tl.int32)  # every valid cluster whole (total <= B_sel)
+    room = tl.full([], 2147483647, tl.int32)
     if b_sel == 0:
         thr = tl.full([], 2147483647, tl.int32)  # none
     elif total > b_sel:
-        # invariant: sum(w[key >= lo]) >= B_sel > sum(w[key > hi]), lo and hi keys of valid clusters
+        # invariant: F(lo) >= B_sel > G(hi), F(t) = sum(w[key >= t]), G(t) = sum(w[key > t]) = g_hi at t = hi;
+        # lo and hi keys of valid clusters
         lo = kmin.to(tl.int64)
         hi = kmax.to(tl.int64)
+        g_hi = tl.zeros([], tl.int32)
+        exact = tl.zeros([], tl.int32)
         while lo < hi:
             mid = (lo + (hi - lo + 1) // 2).to(tl.int32)
             if ONE_CHUNK:
@@ -338,63 +385,43 @@ def _select_clusters_kernel(
                     cnt_c, mn_c, mx_c = _count(key_c, w_c, mid)
                     cnt, mn, mx = _sum_min_max(cnt, mn, mx, cnt_c, mn_c, mx_c)
             if cnt >= b_sel:
-                lo = mn.to(tl.int64)  # sum(w[key >= mn]) = cnt
+                lo = mn.to(tl.int64)  # F(mn) = cnt: no key in [mid, mn)
                 if cnt == b_sel:
-                    hi = lo  # the clusters >= mn fill B_sel exactly: t* = mn
+                    hi = lo
+                    exact = 1
             else:
-                hi = mx.to(tl.int64)
+                hi = mx.to(tl.int64)  # G(mx) = F(mid) = cnt: no key in (mx, mid)
+                g_hi = cnt
         thr = lo.to(tl.int32)
+        if exact == 0:
+            room = b_sel - g_hi
 
-    # -- takes in id order, output offsets by cumsum, one marker per taken cluster at its offset
+    # -- takes in id order: the output offset of cluster k is (w above t* before k) + min(w at t* before k, room),
+    # one scan of both sums packed in an int64; a marker (offset << 32 | cluster_start) per taken cluster
     tl.debug_barrier()
+    n_taken = tl.minimum(total, b_sel)
     if ONE_CHUNK:
-        room = b_sel - tl.sum(tl.where(key > thr, w, 0), axis=0)
-        take, _ = _takes(key, w, thr, room, 0)
-        kk = tl.arange(0, KB)
-        off = tl.cumsum(take, axis=0) - take
-        start = tl.load(START + bh * K + kk, mask=take > 0, other=0)
-        tl.store(mark_row + off, (off.to(tl.int64) << 32) | start.to(tl.int64), mask=take > 0)
-        n_taken = tl.sum(take, axis=0)
+        _takes(key, w, thr, room, start, mark_row, 0)
     else:
-        above = tl.zeros([], tl.int32)
+        carry = tl.zeros([], tl.int64)
         for c0 in range(0, n_cl, KB):
             key_c, w_c = _chunk(keys_row, size_bh, c0, n_cl, KB)
-            above += tl.sum(tl.where(key_c > thr, w_c, 0), axis=0)
-        room = b_sel - above
-        tie_carry = tl.zeros([], tl.int32)
-        n_taken = tl.zeros([], tl.int32)
-        for c0 in range(0, n_cl, KB):
-            key_c, w_c = _chunk(keys_row, size_bh, c0, n_cl, KB)
-            take, tied = _takes(key_c, w_c, thr, room, tie_carry)
-            tie_carry += tied
-            kk = c0 + tl.arange(0, KB)
-            off = n_taken + tl.cumsum(take, axis=0) - take
-            start = tl.load(START + bh * K + kk, mask=take > 0, other=0)
-            tl.store(mark_row + off, (off.to(tl.int64) << 32) | start.to(tl.int64), mask=take > 0)
-            n_taken += tl.sum(take, axis=0)
+            start_c = tl.load(START + bh * K + c0 + tl.arange(0, KB), mask=w_c > 0, other=0)
+            carry = _takes(key_c, w_c, thr, room, start_c, mark_row, carry)
     tl.debug_barrier()
 
-    # -- the index row: sinks, taken members (each position's cluster: the running max of the markers), window
-    mem_bh = MEMBERS + bh * C
-    cend = tl.load(CEND + bh)
-    fill = tl.load(FILL + bh)
+    # -- the taken members: each position's cluster is the running max of the markers
     carry = tl.full([], -1, tl.int64)
-    out_row = OUT + row * S
-    for p0 in range(0, S, BLOCK_S):
-        p = p0 + offs_s
-        j = p - n_sink  # position among the selected
-        used = (j >= 0) & (j < n_taken)
+    for p0 in range(0, max_selected, BLOCK_M):
+        j = p0 + offs_m
+        used = j < n_taken
         mark = tl.load(mark_row + j, mask=used, other=-1)
         run = tl.maximum(tl.associative_scan(mark, 0, _max_i64), carry)
-        carry = tl.maximum(carry, tl.max(mark, axis=0))
+        if not ONE_M:
+            carry = tl.maximum(carry, tl.max(mark, axis=0))
         owner_off = run >> 32  # the owning cluster's output offset, then its cluster_start in the low bits
         src = (run - (owner_off << 32)) + (j - owner_off)
-        val = tl.load(mem_bh + src, mask=used, other=-1)
-        val = tl.where(p < n_sink, tl.load(mem_bh + p, mask=p < n_sink, other=-1), val)
-        slot = cend + (j - max_selected)
-        in_win = (j >= max_selected) & (slot < fill)
-        val = tl.where(in_win, slot.to(tl.int32), val)
-        tl.store(out_row + p, val, mask=p < S)
+        tl.store(out_row + n_sink + j, tl.load(mem_bh + src, mask=used, other=-1), mask=j < max_selected)
 
 
 # -- launcher ------------------------------------------------------------------------------------------------
@@ -402,8 +429,8 @@ def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def _launch_config(K, S, D, fused=None, block_k=None, key_chunk=None, block_s=None, num_warps=None,
-                   score_warps=None) -> dict:
+def _launch_config(K, D, n_sink, max_selected, window, fused=None, block_k=None, key_chunk=None, block_e=None,
+                   block_m=None, num_warps=None, score_warps=None) -> dict:
     """The kernels' shape-based choices (keyword overrides for the tests and the benchmark's sweep)."""
     kb = min(_pow2(max(K, 1)), key_chunk or MAX_KEYS)
     if fused is None:
@@ -411,8 +438,9 @@ def _launch_config(K, S, D, fused=None, block_k=None, key_chunk=None, block_s=No
     if num_warps is None:
         num_warps = 4 if kb <= 1024 else 8 if kb <= 4096 else 16
     return dict(fused=bool(fused), block_k=block_k or 64, kb=kb, one_chunk=kb >= K,
-                block_s=block_s or min(_pow2(max(S, 1)), 1024), block_d=_pow2(max(D, 1)), num_warps=num_warps,
-                score_warps=score_warps or 4)
+                block_e=block_e or min(_pow2(max(n_sink, window, 1)), 1024),
+                block_m=block_m or min(_pow2(max(max_selected, 1)), 4096), block_d=max(_pow2(D), 16),
+                num_warps=num_warps, score_warps=score_warps or 4)
 
 
 def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end, n_sink,
@@ -429,23 +457,28 @@ def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_
     rows = B * Hsel
     if rows == 0 or S == 0:
         return out
-    cfg = _launch_config(K, S, D, **overrides)
+    cfg = _launch_config(K, D, n_sink, max_selected, window, **overrides)
     keys = torch.empty((rows, max(K, 1)), dtype=torch.int32, device=q.device)
     mark = torch.empty((rows, max(max_selected, 1)), dtype=torch.int64, device=q.device)
     size, start, mem, ncl = (t.contiguous() for t in (cluster_size, cluster_start, members, n_clusters))
     fill, cend = fill.contiguous(), cluster_end.contiguous()
     strides = (q.stride(0), q.stride(1), q.stride(3), *centroids.stride())
     if not cfg["fused"] and K > 0:
-        wrap_triton(_cluster_scores_kernel)[(triton.cdiv(K, cfg["block_k"]), B * Hkv)](
+        block_k = max(cfg["block_k"], 16)  # tl.dot's minimum
+        wrap_triton(_cluster_scores_kernel)[(triton.cdiv(K, block_k), B * Hkv)](
             q, centroids, ncl, keys, *strides, Hsel, Hkv, G, K, D,
-            PER_HEAD=bool(per_query_head), BLOCK_K=cfg["block_k"], BLOCK_D=cfg["block_d"],
+            PER_HEAD=bool(per_query_head), BLOCK_K=block_k, BLOCK_D=cfg["block_d"],
+            # fp16/bf16 products on the tensor cores (exact in fp32); Triton's interpreter (CPU tensors) gets the fp32
+            # dot, its fp16/bf16 dot being wrong
+            NATIVE_DOT=q.is_cuda and q.dtype == centroids.dtype and q.dtype != torch.float32,
             num_warps=cfg["score_warps"],
         )
     wrap_triton(_select_clusters_kernel)[(rows,)](
         q, centroids, size, start, mem, ncl, fill, cend, budget, keys, mark, out, *strides,
         Hsel, Hkv, G, K, C, D, n_sink, max_selected, window, S,
         PER_HEAD=bool(per_query_head), FUSED=cfg["fused"], BLOCK_K=cfg["block_k"], BLOCK_D=cfg["block_d"],
-        KB=cfg["kb"], ONE_CHUNK=cfg["one_chunk"], BLOCK_S=cfg["block_s"], num_warps=cfg["num_warps"],
+        KB=cfg["kb"], ONE_CHUNK=cfg["one_chunk"], BLOCK_E=cfg["block_e"], BLOCK_M=cfg["block_m"],
+        ONE_M=cfg["block_m"] >= max_selected, num_warps=cfg["num_warps"],
     )
     return out
 
@@ -454,7 +487,8 @@ def triton_select_clusters(q, fill, budget, centroids, cluster_size, cluster_sta
                            cluster_end, *, n_sink: int, max_selected: int, window: int, per_query_head: bool,
                            **tuning):
     """The op on CUDA through Triton; validates shapes, dtypes and devices (reads no data). ``tuning`` overrides
-    the launch choices (_launch_config's keywords: fused, block_k, key_chunk, block_s, num_warps, score_warps); it
+    the launch choices (_launch_config's keywords: fused, block_k, key_chunk, block_e, block_m, num_warps,
+    score_warps); it
     is for the tests and the benchmark, the op never passes it. Every setting gives the same index."""
     if triton is None:
         raise NotImplementedError("triton_select_clusters needs Triton (pip install triton); "

@@ -72,7 +72,7 @@ def test_matches_reference(shape, dtype, per_query_head):
 
 
 @pytest.mark.parametrize("tuning", [dict(fused=True), dict(fused=False), dict(key_chunk=512), dict(num_warps=4),
-                                    dict(fused=True, block_k=32, key_chunk=1024, block_s=128),
+                                    dict(fused=True, block_k=32, key_chunk=1024, block_e=32, block_m=128),
                                     dict(fused=False, block_k=128, num_warps=16, score_warps=8)],
                          ids=lambda t: "-".join(f"{k}{v}" for k, v in t.items()))
 def test_launch_variants_agree(tuning):
