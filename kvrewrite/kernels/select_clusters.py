@@ -182,19 +182,6 @@ def _max_i64(a, b):
 
 
 @triton_jit()
-def _query(Q, b, s, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, PER_HEAD: tl.constexpr):
-    """Row (b, s)'s query in fp32: q[b, s] (PER_HEAD) or the sum of q[b, h * G + g] over g, in order."""
-    base = Q + b * stride_qb + offs_d * stride_qd
-    if PER_HEAD:
-        qv = tl.load(base + s * stride_qh, mask=d_ok, other=0.0).to(tl.float32)
-    else:
-        qv = tl.zeros(offs_d.shape, tl.float32)
-        for g in range(G):
-            qv += tl.load(base + (h * G + g) * stride_qh, mask=d_ok, other=0.0).to(tl.float32)
-    return qv
-
-
-@triton_jit()
 def _chunk(KEYS_ROW, SIZE_BH, c0, n_cl, KB: tl.constexpr):
     """Keys and weights of clusters [c0, c0 + KB): weight = size for a valid cluster (k < n_cl, size > 0), else 0
     with the key -2**31 (below every score's key)."""
@@ -207,11 +194,18 @@ def _chunk(KEYS_ROW, SIZE_BH, c0, n_cl, KB: tl.constexpr):
 
 
 @triton_jit()
-def _count(key, w, mid):
-    """(sum of w over key >= mid, the smallest such key, the largest valid key < mid); w > 0 marks valid."""
-    ge = key >= mid
-    return tl.reduce((tl.where(ge, w, 0), tl.where(ge & (w > 0), key, 2147483647),
-                      tl.where((~ge) & (w > 0), key, -2147483648)), 0, _sum_min_max)
+def _count(key, w, cand):
+    """Per candidate threshold m of cand [NC]: (F(m) = sum of w over key >= m, the smallest such key, the largest
+    valid key < m), each [NC]; w > 0 marks the valid clusters."""
+    ge = key[None, :] >= cand[:, None]
+    ok = (w > 0)[None, :]
+    return tl.reduce((tl.where(ge, w[None, :], 0), tl.where(ge & ok, key[None, :], 2147483647),
+                      tl.where((~ge) & ok, key[None, :], -2147483648)), 1, _sum_min_max)
+
+
+@triton_jit()
+def _max_min_min_max(a0, a1, a2, a3, b0, b1, b2, b3):
+    return tl.maximum(a0, b0), tl.minimum(a1, b1), tl.minimum(a2, b2), tl.maximum(a3, b3)
 
 
 @triton_jit()
@@ -238,9 +232,21 @@ def _centroid_tile(CEN_BH, k, n_cl, offs_d, d_ok, stride_ck, stride_cd):
 
 
 @triton_jit()
-def _tile_keys(c, qv):
-    """Score keys of a centroid tile: fp32 q . centroid, then _score_key."""
-    return _score_key(tl.sum(c.to(tl.float32) * qv[None, :], axis=1))
+def _group_queries(Q, b, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, GB: tl.constexpr):
+    """The G queries of KV head h, [GB, BLOCK_D] (rows >= G: 0)."""
+    offs_g = tl.arange(0, GB)
+    return tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                   mask=(offs_g < G)[:, None] & d_ok[None, :], other=0.0)
+
+
+@triton_jit()
+def _tile_dots(c, qg, NATIVE_DOT: tl.constexpr):
+    """fp32 [BLOCK_K, GB]: centroid tile . each query. NATIVE_DOT: fp16/bf16 products on the tensor cores (exact in
+    fp32, fp32 sums); else fp32 IEEE products (no TF32)."""
+    if NATIVE_DOT:
+        return tl.dot(c, tl.trans(qg))
+    else:
+        return tl.dot(c.to(tl.float32), tl.trans(qg.to(tl.float32)), input_precision="ieee")
 
 
 @triton_jit(do_not_specialize=["Hsel", "Hkv", "G", "K", "D"])
@@ -248,10 +254,10 @@ def _cluster_scores_kernel(
     Q, CEN, NCL, KEYS,  # KEYS: int32 [B * Hsel, K], row (b, s)'s key of cluster k (written for k < n_clusters)
     stride_qb, stride_qh, stride_qd, stride_cb, stride_ch, stride_ck, stride_cd,
     Hsel, Hkv, G, K, D,
-    PER_HEAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    PER_HEAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, GB: tl.constexpr, NATIVE_DOT: tl.constexpr,
 ):
-    """Scores, grid (cluster blocks, B * Hkv): the block's centroids read once, scored for the KV head's selection
-    rows (its G query heads, or their summed query). BLOCK_K and BLOCK_D >= 16 with PER_HEAD (tl.dot)."""
+    """Scores, grid (cluster blocks, B * Hkv): the block's centroids read once, times the KV head's G queries (one
+    tl.dot); per query head each column, shared their sum (the summed query's score)."""
     bh = tl.program_id(1).to(tl.int64)
     b = bh // Hkv
     h = bh % Hkv
@@ -260,22 +266,15 @@ def _cluster_scores_kernel(
     if tl.program_id(0) * BLOCK_K < n_cl:
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
+        offs_g = tl.arange(0, GB)
+        qg = _group_queries(Q, b, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, GB)
         c = _centroid_tile(CEN + b * stride_cb + h * stride_ch, k, n_cl, offs_d, d_ok, stride_ck, stride_cd)
-        if PER_HEAD:  # the G heads' scores of the tile by tl.dot, 16 heads at a time (fp32: IEEE products, no TF32)
-            offs_g = tl.arange(0, 16)
-            for g0 in range(0, G, 16):
-                s = h * G + g0 + offs_g
-                qt = tl.load(Q + b * stride_qb + s[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                             mask=(g0 + offs_g < G)[:, None] & d_ok[None, :], other=0.0)
-                if NATIVE_DOT:
-                    sc = tl.dot(c, tl.trans(qt))
-                else:
-                    sc = tl.dot(c.to(tl.float32), tl.trans(qt.to(tl.float32)), input_precision="ieee")
-                tl.store(KEYS + (b * Hsel + s[None, :]) * K + k[:, None], _score_key(sc),
-                         mask=(k < n_cl)[:, None] & (g0 + offs_g < G)[None, :])
+        sc = _tile_dots(c, qg, NATIVE_DOT)
+        if PER_HEAD:
+            tl.store(KEYS + (b * Hsel + h * G + offs_g[None, :]) * K + k[:, None], _score_key(sc),
+                     mask=(k < n_cl)[:, None] & (offs_g < G)[None, :])
         else:
-            qv = _query(Q, b, h, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, False)
-            tl.store(KEYS + (b * Hsel + h) * K + k, _tile_keys(c, qv), mask=k < n_cl)
+            tl.store(KEYS + (b * Hsel + h) * K + k, _score_key(tl.sum(sc, axis=1)), mask=k < n_cl)
 
 
 @triton_jit(do_not_specialize=["Hsel", "Hkv", "G", "K", "C", "D", "n_sink", "max_selected", "window", "S"])
@@ -286,8 +285,8 @@ def _select_clusters_kernel(
     OUT,  # int32 [B * Hsel, S]
     stride_qb, stride_qh, stride_qd, stride_cb, stride_ch, stride_ck, stride_cd,
     Hsel, Hkv, G, K, C, D, n_sink, max_selected, window, S,
-    PER_HEAD: tl.constexpr, FUSED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    KB: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, ONE_M: tl.constexpr,
+    PER_HEAD: tl.constexpr, FUSED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, GB: tl.constexpr,
+    NATIVE_DOT: tl.constexpr, KB: tl.constexpr, NC: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, ONE_M: tl.constexpr,
 ):
     """Selection, grid (B * Hsel,): one program per selection row (module docstring). Latency-bound: every load
     that does not depend on the selection is issued first, so the chain is loads -> bisection -> marker scatter ->
@@ -330,17 +329,20 @@ def _select_clusters_kernel(
     n_cl = tl.minimum(tl.maximum(n_cl, 0), K)
     b_sel = tl.minimum(tl.maximum(budget - n_sink, 0), max_selected).to(tl.int32)
 
-    if FUSED:  # -- this row's scores; the next tile's loads go out before the current tile's math
+    if FUSED:  # -- this row's scores (the loads of the tiles are software-pipelined: they feed tl.dot)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        qv = _query(Q, b, s, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, PER_HEAD)
+        offs_g = tl.arange(0, GB)
+        qg = _group_queries(Q, b, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, GB)
+        if PER_HEAD:
+            pick = offs_g == s - h * G
+        else:
+            pick = offs_g < G
         cen = CEN + b * stride_cb + h * stride_ch
-        kb0 = tl.arange(0, BLOCK_K)
-        c_next = _centroid_tile(cen, kb0, n_cl, offs_d, d_ok, stride_ck, stride_cd)
         for k0 in range(0, n_cl, BLOCK_K):
-            c = c_next
-            c_next = _centroid_tile(cen, k0 + BLOCK_K + kb0, n_cl, offs_d, d_ok, stride_ck, stride_cd)
-            tl.store(keys_row + k0 + kb0, _tile_keys(c, qv), mask=k0 + kb0 < n_cl)
+            k = k0 + tl.arange(0, BLOCK_K)
+            sc = _tile_dots(_centroid_tile(cen, k, n_cl, offs_d, d_ok, stride_ck, stride_cd), qg, NATIVE_DOT)
+            tl.store(keys_row + k, _score_key(tl.sum(tl.where(pick[None, :], sc, 0.0), axis=1)), mask=k < n_cl)
         tl.debug_barrier()
         if ONE_CHUNK:
             key = tl.load(keys_row + kk, mask=kk < n_cl, other=0)
@@ -372,26 +374,35 @@ def _select_clusters_kernel(
         hi = kmax.to(tl.int64)
         g_hi = tl.zeros([], tl.int32)
         exact = tl.zeros([], tl.int32)
+        ci = tl.arange(0, NC)
         while lo < hi:
-            mid = (lo + (hi - lo + 1) // 2).to(tl.int32)
+            # NC thresholds spread over (lo, hi]: the bracket shrinks to one gap between them, snapped to keys
+            cand = (lo + 1 + ((hi - lo - 1) * (ci + 1)) // (NC + 1)).to(tl.int32)
             if ONE_CHUNK:
-                cnt, mn, mx = _count(key, w, mid)
+                cnt, mn, mx = _count(key, w, cand)
             else:
-                cnt = tl.zeros([], tl.int32)
-                mn = tl.full([], 2147483647, tl.int32)
-                mx = tl.full([], -2147483648, tl.int32)
+                cnt = tl.zeros([NC], tl.int32)
+                mn = tl.full([NC], 2147483647, tl.int32)
+                mx = tl.full([NC], -2147483648, tl.int32)
                 for c0 in range(0, n_cl, KB):
                     key_c, w_c = _chunk(keys_row, size_bh, c0, n_cl, KB)
-                    cnt_c, mn_c, mx_c = _count(key_c, w_c, mid)
+                    cnt_c, mn_c, mx_c = _count(key_c, w_c, cand)
                     cnt, mn, mx = _sum_min_max(cnt, mn, mx, cnt_c, mn_c, mx_c)
-            if cnt >= b_sel:
-                lo = mn.to(tl.int64)  # F(mn) = cnt: no key in [mid, mn)
-                if cnt == b_sel:
-                    hi = lo
+            # F falls with m: the last candidate with F >= B_sel gives lo (F(mn) = F(m): no key in [m, mn)), the next
+            # one hi (G(mx) = F(m): no key in (mx, m)); mn and mx grow with m
+            keep = cnt >= b_sel
+            new_lo, f_lo, new_hi, g_new = tl.reduce(
+                (tl.where(keep, mn, -2147483648), tl.where(keep, cnt, 2147483647), tl.where(keep, 2147483647, mx),
+                 tl.where(keep, -1, cnt)), 0, _max_min_min_max)
+            if new_lo != -2147483648:
+                lo = new_lo.to(tl.int64)
+                if f_lo == b_sel:
                     exact = 1
-            else:
-                hi = mx.to(tl.int64)  # G(mx) = F(mid) = cnt: no key in (mx, mid)
-                g_hi = cnt
+            if new_hi != 2147483647:
+                hi = new_hi.to(tl.int64)
+                g_hi = g_new
+            if exact == 1:
+                hi = lo  # the clusters >= lo fill B_sel exactly: t* = lo
         thr = lo.to(tl.int32)
         if exact == 0:
             room = b_sel - g_hi
@@ -430,7 +441,7 @@ def _pow2(n: int) -> int:
 
 
 def _launch_config(K, D, n_sink, max_selected, window, fused=None, block_k=None, key_chunk=None, block_e=None,
-                   block_m=None, num_warps=None, score_warps=None) -> dict:
+                   block_m=None, num_warps=None, score_warps=None, num_stages=None, candidates=None) -> dict:
     """The kernels' shape-based choices (keyword overrides for the tests and the benchmark's sweep)."""
     kb = min(_pow2(max(K, 1)), key_chunk or MAX_KEYS)
     if fused is None:
@@ -440,7 +451,8 @@ def _launch_config(K, D, n_sink, max_selected, window, fused=None, block_k=None,
     return dict(fused=bool(fused), block_k=block_k or 64, kb=kb, one_chunk=kb >= K,
                 block_e=block_e or min(_pow2(max(n_sink, window, 1)), 1024),
                 block_m=block_m or min(_pow2(max(max_selected, 1)), 4096), block_d=max(_pow2(D), 16),
-                num_warps=num_warps, score_warps=score_warps or 4)
+                num_warps=num_warps, score_warps=score_warps or 4, num_stages=num_stages or 3,
+                candidates=candidates or 4)
 
 
 def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end, n_sink,
@@ -463,22 +475,23 @@ def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_
     size, start, mem, ncl = (t.contiguous() for t in (cluster_size, cluster_start, members, n_clusters))
     fill, cend = fill.contiguous(), cluster_end.contiguous()
     strides = (q.stride(0), q.stride(1), q.stride(3), *centroids.stride())
+    # fp16/bf16 products on the tensor cores; Triton's interpreter (CPU tensors) gets the fp32 dot, its fp16/bf16 dot
+    # being wrong
+    native = q.is_cuda and q.dtype == centroids.dtype and q.dtype != torch.float32
+    gb = max(_pow2(G), 16)  # tl.dot's minimum
+    block_k = max(cfg["block_k"], 16)
     if not cfg["fused"] and K > 0:
-        block_k = max(cfg["block_k"], 16)  # tl.dot's minimum
         wrap_triton(_cluster_scores_kernel)[(triton.cdiv(K, block_k), B * Hkv)](
             q, centroids, ncl, keys, *strides, Hsel, Hkv, G, K, D,
-            PER_HEAD=bool(per_query_head), BLOCK_K=block_k, BLOCK_D=cfg["block_d"],
-            # fp16/bf16 products on the tensor cores (exact in fp32); Triton's interpreter (CPU tensors) gets the fp32
-            # dot, its fp16/bf16 dot being wrong
-            NATIVE_DOT=q.is_cuda and q.dtype == centroids.dtype and q.dtype != torch.float32,
+            PER_HEAD=bool(per_query_head), BLOCK_K=block_k, BLOCK_D=cfg["block_d"], GB=gb, NATIVE_DOT=native,
             num_warps=cfg["score_warps"],
         )
     wrap_triton(_select_clusters_kernel)[(rows,)](
         q, centroids, size, start, mem, ncl, fill, cend, budget, keys, mark, out, *strides,
         Hsel, Hkv, G, K, C, D, n_sink, max_selected, window, S,
-        PER_HEAD=bool(per_query_head), FUSED=cfg["fused"], BLOCK_K=cfg["block_k"], BLOCK_D=cfg["block_d"],
-        KB=cfg["kb"], ONE_CHUNK=cfg["one_chunk"], BLOCK_E=cfg["block_e"], BLOCK_M=cfg["block_m"],
-        ONE_M=cfg["block_m"] >= max_selected, num_warps=cfg["num_warps"],
+        PER_HEAD=bool(per_query_head), FUSED=cfg["fused"], BLOCK_K=block_k, BLOCK_D=cfg["block_d"], GB=gb,
+        NATIVE_DOT=native, KB=cfg["kb"], NC=cfg["candidates"], ONE_CHUNK=cfg["one_chunk"], BLOCK_E=cfg["block_e"], BLOCK_M=cfg["block_m"],
+        ONE_M=cfg["block_m"] >= max_selected, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 

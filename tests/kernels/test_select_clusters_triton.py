@@ -22,8 +22,8 @@ pytest.importorskip("triton")
 from kvrewrite.kernels import select_clusters as sc  # noqa: E402
 from tests.kernels.test_select_clusters import ARGS, make_q, make_state  # noqa: E402
 
-SMALL = [dict(fused=False, block_k=16, key_chunk=16, block_e=4, block_m=8),
-         dict(fused=True, block_k=4, key_chunk=8, block_e=8, block_m=16)]
+SMALL = [dict(fused=False, block_k=16, key_chunk=16, block_e=4, block_m=8, candidates=1),
+         dict(fused=True, block_k=4, key_chunk=8, block_e=8, block_m=16, candidates=8)]
 DEFAULT = [dict(fused=False), dict(fused=True)]
 
 
@@ -82,7 +82,8 @@ def test_many_clusters_and_ties(per_query_head):
     st["centroids"] = torch.where(st["centroids"].isnan(), st["centroids"].float(), cen).bfloat16()
     q = torch.ones(1, 4, 1, 16, dtype=torch.bfloat16)
     q[0, 1:3, 0, :8] = -1.0  # the per-head rankings differ
-    knobs = [dict(fused=False, block_k=32, key_chunk=64, block_m=64), dict(fused=True, block_k=32, key_chunk=64)]
+    knobs = [dict(fused=False, block_k=32, key_chunk=64, block_m=64, candidates=2),
+             dict(fused=True, block_k=32, key_chunk=64, candidates=16), dict(fused=False, candidates=1)]
     for budget in (150, 2 + 299):
         st["budget"][0] = budget
         check(q, st, 2, 300, 3, per_query_head, knobs)
