@@ -30,9 +30,8 @@ from kvrewrite.kernels import select_clusters as sc
 
 ARGS = ("fill", "budget", "centroids", "cluster_size", "cluster_start", "members", "n_clusters", "cluster_end")
 VARIANTS = {  # launch overrides timed besides the default (triton_select_clusters' tuning keywords)
-    "fused": dict(fused=True), "split": dict(fused=False), "split_w4": dict(fused=False, num_warps=4),
-    "split_w16": dict(fused=False, num_warps=16), "split_bk32": dict(fused=False, block_k=32),
-    "split_bk128": dict(fused=False, block_k=128),
+    "tiers_off": dict(tiers=False), "w4": dict(num_warps=4), "w16": dict(num_warps=16), "bk32": dict(block_k=32),
+    "bk128": dict(block_k=128),
 }
 
 

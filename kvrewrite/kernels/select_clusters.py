@@ -37,28 +37,31 @@ truth. CUDA runs the Triton kernels below: no host sync, launches from the shape
 written (-1 where unused), so CUDA graphs capture it and no stale value survives. The op is a
 `torch.library.triton_op` (as kvrewrite::clustered_attention): Inductor sees the kernels.
 
-Triton design. Sorting the clusters is not needed: only the cumulative sizes in score order matter. With
-int32 keys that order like the fp32 scores (-0.0 as +0.0), the cluster where the running size reaches B_sel has
-the key t* = max{t : sum of sizes with key >= t >= B_sel}; clusters with key > t* are taken whole, those with key
-== t* in id order (a cumsum of their sizes) until B_sel, the others not at all. t* comes from a bisection over
-key values, one reduction per step (size-weighted count, the smallest key >= mid, the largest key < mid), the
-bracket snapped to present keys each step and stopping when the count hits B_sel exactly: ~log2 of the key
-range around t* steps (15-25 on random scores, at most 32), each a register reduction over next_pow2(K) lanes.
-The layout then needs no sort either: an id-order cumsum of the takes gives each cluster's output offset; each
-taken cluster writes a marker (offset << 32 | cluster_start) at its offset in a per-row scratch (-1 elsewhere),
-and a running max (associative scan) over the output positions finds every position's cluster and member.
+Triton design. Sorting the clusters is not needed: only the cumulative sizes in score order matter. With int32 keys
+that order like the fp32 scores (-0.0 as +0.0), the cluster where the running size reaches B_sel has the key
+t* = max{t : sum of sizes with key >= t >= B_sel}; clusters with key > t* are taken whole, those at t* in id order
+until B_sel, the others not at all. t* comes from a bisection over key values, one reduction per step (weighted
+count, the smallest key >= mid, the largest key < mid) that snaps the bracket to present keys, stopping when the
+count hits B_sel exactly: ~log2(clusters) steps (9-13 for 410-1640 clusters), each a register reduction. The layout
+needs no sort either: one id-order scan (the sizes above t* and at t*, packed in an int64) gives each cluster's take
+and output offset; each taken cluster writes a marker (offset << 32 | cluster_start) at its offset in a per-row
+scratch (-1 elsewhere), and a running max (associative scan) over the output positions gives every position's
+cluster and member.
 
-Launches: a row's selection is one program (grid B * Hsel: 32 programs for Llama-3.1-8B per query head, 8 per
-KV head). The scores need the used centroids read (n_clusters * D * 2 bytes per KV head: 105 KB at 32k context,
-420 KB at 128k), which one program per row can only pull at one SM's bandwidth (~4 us at 128k). So by default a
-first kernel computes the scores spread over (K / BLOCK_K blocks, B * Hkv) programs (each block's centroids read
-once for the group's G query heads) into an int32 key scratch [B * Hsel, K], and the selection kernel reads the
-keys from there (L2). With `fused=True` the selection kernel scores its own row first (one launch; the choice by
-K is in _launch_config). Keys are held in registers while K <= MAX_KEYS (16384, 512k-token contexts at the
-notes' 80 tokens per cluster); a larger K runs the same bisection chunk by chunk from the scratch (slower, same
-result).
-Cost (H100, Llama-3.1-8B decode: B 1, Hq 32, Hkv 8, D 128, bf16, max_selected 1008, n_sink 16, window 320):
-measured by kvrewrite.bench.select_clusters (its JSON; figures in the report of the branch that adds it).
+Two launches. (1) _cluster_scores_kernel, grid (K / BLOCK_K, B * Hkv): a block of centroids times the KV head's G
+queries (one tl.dot; per query head each column, else their sum: the summed query's score), keys to an int32 scratch
+[B * Hsel, K]. (2) _select_clusters_kernel, grid (B * Hsel,), one program per selection row (32 for Llama-3.1-8B per
+query head, 8 per KV head): the bisection, the takes, the index row. One launch was tried (each row's program
+scoring its own clusters first): the scores need the used centroids read (n_clusters * D * 2 bytes per KV head:
+105 KB at 32k context, 420 KB at 128k), which one program can only pull at one SM's pace: H100, 15 us against 11 at
+32k, 34 against 20 at 128k. The selection holds the keys in L lanes, the fewest of K' / 8, K' / 2, K' (K' =
+next_pow2(K) up to MAX_KEYS = 16384: 512k-token contexts at 80 tokens per cluster) that hold n_clusters, so a state
+sized for a long context costs what its clusters in use cost; past MAX_KEYS it reads them chunk by chunk from the
+scratch (slower, the same result). A k-ary search (3-15 thresholds per step) was slower: each step's work grows
+with the thresholds, and the steps are not latency-bound enough to pay for it.
+Cost (H100, Llama-3.1-8B decode: B 1, Hq 32, Hkv 8, D 128, bf16, max_selected 1008, n_sink 16, window 320, CUDA
+graph): see kvrewrite.bench.select_clusters (its JSON); the selection kernel is latency-bound (~1 us launch, 3
+dependent memory round trips, the bisection's reductions ~0.3-0.6 us each, two scans).
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
@@ -188,24 +191,110 @@ def _chunk(KEYS_ROW, SIZE_BH, c0, n_cl, KB: tl.constexpr):
     k = c0 + tl.arange(0, KB)
     live = k < n_cl
     size = tl.load(SIZE_BH + k, mask=live, other=0)
+    key = tl.load(KEYS_ROW + k, mask=live, other=0)  # with the sizes: one round trip
     valid = live & (size > 0)
-    key = tl.load(KEYS_ROW + k, mask=valid, other=-2147483648)
     return tl.where(valid, key, -2147483648), tl.where(valid, size, 0)
 
 
 @triton_jit()
-def _count(key, w, cand):
-    """Per candidate threshold m of cand [NC]: (F(m) = sum of w over key >= m, the smallest such key, the largest
-    valid key < m), each [NC]; w > 0 marks the valid clusters."""
-    ge = key[None, :] >= cand[:, None]
-    ok = (w > 0)[None, :]
-    return tl.reduce((tl.where(ge, w[None, :], 0), tl.where(ge & ok, key[None, :], 2147483647),
-                      tl.where((~ge) & ok, key[None, :], -2147483648)), 1, _sum_min_max)
+def _count(key, w, mid):
+    """(sum of w over key >= mid, the smallest such key, the largest valid key < mid); w > 0 marks valid."""
+    ge = key >= mid
+    return tl.reduce((tl.where(ge, w, 0), tl.where(ge & (w > 0), key, 2147483647),
+                      tl.where((~ge) & (w > 0), key, -2147483648)), 0, _sum_min_max)
 
 
 @triton_jit()
-def _max_min_min_max(a0, a1, a2, a3, b0, b1, b2, b3):
-    return tl.maximum(a0, b0), tl.minimum(a1, b1), tl.minimum(a2, b2), tl.maximum(a3, b3)
+def _bisect_step(lo, hi, g_hi, exact, cnt, mn, mx, b_sel):
+    """One step of the search for t* (_select_in_registers) from the counts at mid."""
+    if cnt >= b_sel:
+        lo = mn.to(tl.int64)  # F(mn) = cnt: no key in [mid, mn)
+        if cnt == b_sel:
+            hi = lo  # the clusters >= mn fill B_sel exactly: t* = mn
+            exact = 1
+    else:
+        hi = mx.to(tl.int64)  # G(mx) = F(mid) = cnt: no key in (mx, mid)
+        g_hi = cnt
+    return lo, hi, g_hi, exact
+
+
+@triton_jit()
+def _select_in_registers(KEYS_ROW, SIZE_BH, START_BH, MARK_ROW, n_cl, b_sel, L: tl.constexpr):
+    """The selection of a row of n_cl <= L clusters, its keys, sizes and starts in registers (L lanes): t* by
+    bisection, then the takes and their markers (_takes). Returns the members taken, min(B_sel, valid members).
+
+    t* = max{t : F(t) >= B_sel}, F(t) = sum(w[key >= t]). The bracket [lo, hi] keeps F(lo) >= B_sel > G(hi), G(t) =
+    sum(w[key > t]) (g_hi), lo and hi keys of valid clusters: each step (one reduction: F(mid), the smallest key
+    >= mid, the largest < mid) snaps it to keys. room = B_sel - G(t*) is what the clusters at t* share, in id order;
+    exact: they fit whole."""
+    kk = tl.arange(0, L)
+    live = kk < n_cl
+    size = tl.load(SIZE_BH + kk, mask=live, other=0)
+    key = tl.load(KEYS_ROW + kk, mask=live, other=0)
+    start = tl.load(START_BH + kk, mask=live, other=0)
+    valid = live & (size > 0)
+    key = tl.where(valid, key, -2147483648)
+    w = tl.where(valid, size, 0)
+    total, kmin, kmax = tl.reduce((w, tl.where(valid, key, 2147483647), key), 0, _sum_min_max)
+    thr = tl.full([], -2147483648, tl.int32)  # every valid cluster whole (total <= B_sel)
+    room = tl.full([], 2147483647, tl.int32)
+    if b_sel == 0:
+        thr = tl.full([], 2147483647, tl.int32)  # none
+    elif total > b_sel:
+        lo = kmin.to(tl.int64)
+        hi = kmax.to(tl.int64)
+        g_hi = tl.zeros([], tl.int32)
+        exact = tl.zeros([], tl.int32)
+        while lo < hi:
+            cnt, mn, mx = _count(key, w, (lo + (hi - lo + 1) // 2).to(tl.int32))
+            lo, hi, g_hi, exact = _bisect_step(lo, hi, g_hi, exact, cnt, mn, mx, b_sel)
+        thr = lo.to(tl.int32)
+        if exact == 0:
+            room = b_sel - g_hi
+    tl.debug_barrier()  # the markers' -1 (written by any thread) before the scatter
+    _takes(key, w, thr, room, start, MARK_ROW, 0)
+    return tl.minimum(total, b_sel)
+
+
+@triton_jit()
+def _select_in_chunks(KEYS_ROW, SIZE_BH, START_BH, MARK_ROW, n_cl, b_sel, KB: tl.constexpr):
+    """_select_in_registers for any n_cl: every pass reads the keys and sizes chunk by chunk (KB lanes) from memory."""
+    total = tl.zeros([], tl.int32)
+    kmin = tl.full([], 2147483647, tl.int32)
+    kmax = tl.full([], -2147483648, tl.int32)
+    for c0 in range(0, n_cl, KB):
+        key, w = _chunk(KEYS_ROW, SIZE_BH, c0, n_cl, KB)
+        t_c, mn_c, mx_c = tl.reduce((w, tl.where(w > 0, key, 2147483647), key), 0, _sum_min_max)
+        total, kmin, kmax = _sum_min_max(total, kmin, kmax, t_c, mn_c, mx_c)
+    thr = tl.full([], -2147483648, tl.int32)
+    room = tl.full([], 2147483647, tl.int32)
+    if b_sel == 0:
+        thr = tl.full([], 2147483647, tl.int32)
+    elif total > b_sel:
+        lo = kmin.to(tl.int64)
+        hi = kmax.to(tl.int64)
+        g_hi = tl.zeros([], tl.int32)
+        exact = tl.zeros([], tl.int32)
+        while lo < hi:
+            mid = (lo + (hi - lo + 1) // 2).to(tl.int32)
+            cnt = tl.zeros([], tl.int32)
+            mn = tl.full([], 2147483647, tl.int32)
+            mx = tl.full([], -2147483648, tl.int32)
+            for c0 in range(0, n_cl, KB):
+                key, w = _chunk(KEYS_ROW, SIZE_BH, c0, n_cl, KB)
+                cnt_c, mn_c, mx_c = _count(key, w, mid)
+                cnt, mn, mx = _sum_min_max(cnt, mn, mx, cnt_c, mn_c, mx_c)
+            lo, hi, g_hi, exact = _bisect_step(lo, hi, g_hi, exact, cnt, mn, mx, b_sel)
+        thr = lo.to(tl.int32)
+        if exact == 0:
+            room = b_sel - g_hi
+    tl.debug_barrier()
+    carry = tl.zeros([], tl.int64)
+    for c0 in range(0, n_cl, KB):
+        key, w = _chunk(KEYS_ROW, SIZE_BH, c0, n_cl, KB)
+        start = tl.load(START_BH + c0 + tl.arange(0, KB), mask=w > 0, other=0)
+        carry = _takes(key, w, thr, room, start, MARK_ROW, carry)
+    return tl.minimum(total, b_sel)
 
 
 @triton_jit()
@@ -277,20 +366,20 @@ def _cluster_scores_kernel(
             tl.store(KEYS + (b * Hsel + h) * K + k, _score_key(tl.sum(sc, axis=1)), mask=k < n_cl)
 
 
-@triton_jit(do_not_specialize=["Hsel", "Hkv", "G", "K", "C", "D", "n_sink", "max_selected", "window", "S"])
+@triton_jit(do_not_specialize=["Hsel", "Hkv", "G", "K", "C", "n_sink", "max_selected", "window", "S"])
 def _select_clusters_kernel(
-    Q, CEN, SIZE, START, MEMBERS, NCL, FILL, CEND, BUDGET,
-    KEYS,  # int32 [B * Hsel, K]: the scores' keys (written here first with FUSED, else by _cluster_scores_kernel)
+    SIZE, START, MEMBERS, NCL, FILL, CEND, BUDGET,
+    KEYS,  # int32 [B * Hsel, K]: the scores' keys (_cluster_scores_kernel)
     MARK,  # int64 [B * Hsel, M] scratch, M = max(max_selected, 1): per output position a marker or -1
     OUT,  # int32 [B * Hsel, S]
-    stride_qb, stride_qh, stride_qd, stride_cb, stride_ch, stride_ck, stride_cd,
-    Hsel, Hkv, G, K, C, D, n_sink, max_selected, window, S,
-    PER_HEAD: tl.constexpr, FUSED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, GB: tl.constexpr,
-    NATIVE_DOT: tl.constexpr, KB: tl.constexpr, NC: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, ONE_M: tl.constexpr,
+    Hsel, Hkv, G, K, C, n_sink, max_selected, window, S,
+    PER_HEAD: tl.constexpr, KB: tl.constexpr, TIERS: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, ONE_M: tl.constexpr,
 ):
-    """Selection, grid (B * Hsel,): one program per selection row (module docstring). Latency-bound: every load
-    that does not depend on the selection is issued first, so the chain is loads -> bisection -> marker scatter ->
-    marker load -> member gather."""
+    """Selection, grid (B * Hsel,): one program per selection row (module docstring). Latency-bound: what does not
+    depend on the selection is issued first; the chain is keys -> bisection -> marker scatter -> marker load ->
+    member gather. The keys are held in the fewest lanes of KB / 8, KB / 2, KB (TIERS) that hold n_clusters; past
+    KB (K > KB), chunk by chunk from memory."""
     row = tl.program_id(0).to(tl.int64)
     b = row // Hsel
     s = row % Hsel
@@ -306,14 +395,9 @@ def _select_clusters_kernel(
     mark_row = MARK + row * tl.maximum(max_selected, 1)
     keys_row = KEYS + row * K
     size_bh = SIZE + bh * K
+    start_bh = START + bh * K
     mem_bh = MEMBERS + bh * C
     out_row = OUT + row * S
-    if ONE_CHUNK:  # the row's cluster metadata, whatever n_clusters (masked below)
-        kk = tl.arange(0, KB)
-        size = tl.load(size_bh + kk, mask=kk < K, other=0)
-        start = tl.load(START + bh * K + kk, mask=kk < K, other=0)
-        if not FUSED:
-            key = tl.load(keys_row + kk, mask=kk < K, other=0)
     # -- sinks and window (independent of the selection); no marker anywhere yet
     offs_e = tl.arange(0, BLOCK_E)
     for p0 in range(0, n_sink, BLOCK_E):
@@ -324,101 +408,29 @@ def _select_clusters_kernel(
         tl.store(out_row + n_sink + max_selected + j0 + offs_e, tl.where(slot < fill, slot, -1).to(tl.int32),
                  mask=j0 + offs_e < window)
     offs_m = tl.arange(0, BLOCK_M)
-    for p0 in range(0, max_selected, BLOCK_M):  # ordered before the scatter by the barrier below
+    for p0 in range(0, max_selected, BLOCK_M):  # ordered before the scatter by the selection's barrier
         tl.store(mark_row + p0 + offs_m, tl.full([BLOCK_M], -1, tl.int64), mask=p0 + offs_m < max_selected)
     n_cl = tl.minimum(tl.maximum(n_cl, 0), K)
     b_sel = tl.minimum(tl.maximum(budget - n_sink, 0), max_selected).to(tl.int32)
 
-    if FUSED:  # -- this row's scores (the loads of the tiles are software-pipelined: they feed tl.dot)
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
-        offs_g = tl.arange(0, GB)
-        qg = _group_queries(Q, b, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, GB)
-        if PER_HEAD:
-            pick = offs_g == s - h * G
+    # -- the selection: t*, the takes, a marker per taken cluster
+    if TIERS:
+        if n_cl <= KB // 8:
+            n_taken = _select_in_registers(keys_row, size_bh, start_bh, mark_row, n_cl, b_sel, KB // 8)
+        elif n_cl <= KB // 2:
+            n_taken = _select_in_registers(keys_row, size_bh, start_bh, mark_row, n_cl, b_sel, KB // 2)
+        elif ONE_CHUNK:
+            n_taken = _select_in_registers(keys_row, size_bh, start_bh, mark_row, n_cl, b_sel, KB)
+        elif n_cl <= KB:
+            n_taken = _select_in_registers(keys_row, size_bh, start_bh, mark_row, n_cl, b_sel, KB)
         else:
-            pick = offs_g < G
-        cen = CEN + b * stride_cb + h * stride_ch
-        for k0 in range(0, n_cl, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            sc = _tile_dots(_centroid_tile(cen, k, n_cl, offs_d, d_ok, stride_ck, stride_cd), qg, NATIVE_DOT)
-            tl.store(keys_row + k, _score_key(tl.sum(tl.where(pick[None, :], sc, 0.0), axis=1)), mask=k < n_cl)
-        tl.debug_barrier()
-        if ONE_CHUNK:
-            key = tl.load(keys_row + kk, mask=kk < n_cl, other=0)
-
-    # -- t*, the key of the cluster where the running size in score order reaches B_sel (bisection)
-    if ONE_CHUNK:
-        valid = (kk < n_cl) & (size > 0)
-        key = tl.where(valid, key, -2147483648)
-        w = tl.where(valid, size, 0)
-        total, kmin, kmax = tl.reduce((w, tl.where(valid, key, 2147483647), key), 0, _sum_min_max)
+            n_taken = _select_in_chunks(keys_row, size_bh, start_bh, mark_row, n_cl, b_sel, KB)
+    elif ONE_CHUNK:
+        n_taken = _select_in_registers(keys_row, size_bh, start_bh, mark_row, n_cl, b_sel, KB)
+    elif n_cl <= KB:
+        n_taken = _select_in_registers(keys_row, size_bh, start_bh, mark_row, n_cl, b_sel, KB)
     else:
-        total = tl.zeros([], tl.int32)
-        kmin = tl.full([], 2147483647, tl.int32)
-        kmax = tl.full([], -2147483648, tl.int32)
-        for c0 in range(0, n_cl, KB):
-            key_c, w_c = _chunk(keys_row, size_bh, c0, n_cl, KB)
-            t_c, mn_c, mx_c = tl.reduce((w_c, tl.where(w_c > 0, key_c, 2147483647), key_c), 0, _sum_min_max)
-            total, kmin, kmax = _sum_min_max(total, kmin, kmax, t_c, mn_c, mx_c)
-    # thr = t*; room = B_sel less the members above t* (the share of the clusters at t*, in id order); exact: the
-    # clusters >= t* fill B_sel exactly (room is then no limit)
-    thr = tl.full([], -2147483648, tl.int32)  # every valid cluster whole (total <= B_sel)
-    room = tl.full([], 2147483647, tl.int32)
-    if b_sel == 0:
-        thr = tl.full([], 2147483647, tl.int32)  # none
-    elif total > b_sel:
-        # invariant: F(lo) >= B_sel > G(hi), F(t) = sum(w[key >= t]), G(t) = sum(w[key > t]) = g_hi at t = hi;
-        # lo and hi keys of valid clusters
-        lo = kmin.to(tl.int64)
-        hi = kmax.to(tl.int64)
-        g_hi = tl.zeros([], tl.int32)
-        exact = tl.zeros([], tl.int32)
-        ci = tl.arange(0, NC)
-        while lo < hi:
-            # NC thresholds spread over (lo, hi]: the bracket shrinks to one gap between them, snapped to keys
-            cand = (lo + 1 + ((hi - lo - 1) * (ci + 1)) // (NC + 1)).to(tl.int32)
-            if ONE_CHUNK:
-                cnt, mn, mx = _count(key, w, cand)
-            else:
-                cnt = tl.zeros([NC], tl.int32)
-                mn = tl.full([NC], 2147483647, tl.int32)
-                mx = tl.full([NC], -2147483648, tl.int32)
-                for c0 in range(0, n_cl, KB):
-                    key_c, w_c = _chunk(keys_row, size_bh, c0, n_cl, KB)
-                    cnt_c, mn_c, mx_c = _count(key_c, w_c, cand)
-                    cnt, mn, mx = _sum_min_max(cnt, mn, mx, cnt_c, mn_c, mx_c)
-            # F falls with m: the last candidate with F >= B_sel gives lo (F(mn) = F(m): no key in [m, mn)), the next
-            # one hi (G(mx) = F(m): no key in (mx, m)); mn and mx grow with m
-            keep = cnt >= b_sel
-            new_lo, f_lo, new_hi, g_new = tl.reduce(
-                (tl.where(keep, mn, -2147483648), tl.where(keep, cnt, 2147483647), tl.where(keep, 2147483647, mx),
-                 tl.where(keep, -1, cnt)), 0, _max_min_min_max)
-            if new_lo != -2147483648:
-                lo = new_lo.to(tl.int64)
-                if f_lo == b_sel:
-                    exact = 1
-            if new_hi != 2147483647:
-                hi = new_hi.to(tl.int64)
-                g_hi = g_new
-            if exact == 1:
-                hi = lo  # the clusters >= lo fill B_sel exactly: t* = lo
-        thr = lo.to(tl.int32)
-        if exact == 0:
-            room = b_sel - g_hi
-
-    # -- takes in id order: the output offset of cluster k is (w above t* before k) + min(w at t* before k, room),
-    # one scan of both sums packed in an int64; a marker (offset << 32 | cluster_start) per taken cluster
-    tl.debug_barrier()
-    n_taken = tl.minimum(total, b_sel)
-    if ONE_CHUNK:
-        _takes(key, w, thr, room, start, mark_row, 0)
-    else:
-        carry = tl.zeros([], tl.int64)
-        for c0 in range(0, n_cl, KB):
-            key_c, w_c = _chunk(keys_row, size_bh, c0, n_cl, KB)
-            start_c = tl.load(START + bh * K + c0 + tl.arange(0, KB), mask=w_c > 0, other=0)
-            carry = _takes(key_c, w_c, thr, room, start_c, mark_row, carry)
+        n_taken = _select_in_chunks(keys_row, size_bh, start_bh, mark_row, n_cl, b_sel, KB)
     tl.debug_barrier()
 
     # -- the taken members: each position's cluster is the running max of the markers
@@ -440,19 +452,16 @@ def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def _launch_config(K, D, n_sink, max_selected, window, fused=None, block_k=None, key_chunk=None, block_e=None,
-                   block_m=None, num_warps=None, score_warps=None, num_stages=None, candidates=None) -> dict:
+def _launch_config(K, D, n_sink, max_selected, window, block_k=None, key_chunk=None, block_e=None, block_m=None,
+                   num_warps=None, score_warps=None, tiers=None) -> dict:
     """The kernels' shape-based choices (keyword overrides for the tests and the benchmark's sweep)."""
     kb = min(_pow2(max(K, 1)), key_chunk or MAX_KEYS)
-    if fused is None:
-        fused = K <= 512  # few clusters: one launch; more: spread the centroid reads over the GPU
     if num_warps is None:
         num_warps = 4 if kb <= 1024 else 8 if kb <= 4096 else 16
-    return dict(fused=bool(fused), block_k=block_k or 64, kb=kb, one_chunk=kb >= K,
+    return dict(block_k=max(block_k or 64, 16), kb=kb, one_chunk=kb >= K, tiers=kb >= 64 if tiers is None else tiers,
                 block_e=block_e or min(_pow2(max(n_sink, window, 1)), 1024),
                 block_m=block_m or min(_pow2(max(max_selected, 1)), 4096), block_d=max(_pow2(D), 16),
-                num_warps=num_warps, score_warps=score_warps or 4, num_stages=num_stages or 3,
-                candidates=candidates or 4)
+                num_warps=num_warps, score_warps=score_warps or 4)
 
 
 def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end, n_sink,
@@ -474,24 +483,21 @@ def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_
     mark = torch.empty((rows, max(max_selected, 1)), dtype=torch.int64, device=q.device)
     size, start, mem, ncl = (t.contiguous() for t in (cluster_size, cluster_start, members, n_clusters))
     fill, cend = fill.contiguous(), cluster_end.contiguous()
-    strides = (q.stride(0), q.stride(1), q.stride(3), *centroids.stride())
-    # fp16/bf16 products on the tensor cores; Triton's interpreter (CPU tensors) gets the fp32 dot, its fp16/bf16 dot
-    # being wrong
-    native = q.is_cuda and q.dtype == centroids.dtype and q.dtype != torch.float32
-    gb = max(_pow2(G), 16)  # tl.dot's minimum
-    block_k = max(cfg["block_k"], 16)
-    if not cfg["fused"] and K > 0:
-        wrap_triton(_cluster_scores_kernel)[(triton.cdiv(K, block_k), B * Hkv)](
-            q, centroids, ncl, keys, *strides, Hsel, Hkv, G, K, D,
-            PER_HEAD=bool(per_query_head), BLOCK_K=block_k, BLOCK_D=cfg["block_d"], GB=gb, NATIVE_DOT=native,
+    if K > 0:
+        wrap_triton(_cluster_scores_kernel)[(triton.cdiv(K, cfg["block_k"]), B * Hkv)](
+            q, centroids, ncl, keys, q.stride(0), q.stride(1), q.stride(3), *centroids.stride(), Hsel, Hkv, G, K, D,
+            PER_HEAD=bool(per_query_head), BLOCK_K=cfg["block_k"], BLOCK_D=cfg["block_d"],
+            GB=max(_pow2(G), 16),  # tl.dot's minimum
+            # fp16/bf16 products on the tensor cores; Triton's interpreter (CPU tensors) gets the fp32 dot, its
+            # fp16/bf16 dot being wrong
+            NATIVE_DOT=q.is_cuda and q.dtype == centroids.dtype and q.dtype != torch.float32,
             num_warps=cfg["score_warps"],
         )
     wrap_triton(_select_clusters_kernel)[(rows,)](
-        q, centroids, size, start, mem, ncl, fill, cend, budget, keys, mark, out, *strides,
-        Hsel, Hkv, G, K, C, D, n_sink, max_selected, window, S,
-        PER_HEAD=bool(per_query_head), FUSED=cfg["fused"], BLOCK_K=block_k, BLOCK_D=cfg["block_d"], GB=gb,
-        NATIVE_DOT=native, KB=cfg["kb"], NC=cfg["candidates"], ONE_CHUNK=cfg["one_chunk"], BLOCK_E=cfg["block_e"], BLOCK_M=cfg["block_m"],
-        ONE_M=cfg["block_m"] >= max_selected, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        size, start, mem, ncl, fill, cend, budget, keys, mark, out, Hsel, Hkv, G, K, C, n_sink, max_selected, window, S,
+        PER_HEAD=bool(per_query_head), KB=cfg["kb"], TIERS=cfg["tiers"], ONE_CHUNK=cfg["one_chunk"],
+        BLOCK_E=cfg["block_e"], BLOCK_M=cfg["block_m"], ONE_M=cfg["block_m"] >= max_selected,
+        num_warps=cfg["num_warps"],
     )
     return out
 
@@ -500,8 +506,8 @@ def triton_select_clusters(q, fill, budget, centroids, cluster_size, cluster_sta
                            cluster_end, *, n_sink: int, max_selected: int, window: int, per_query_head: bool,
                            **tuning):
     """The op on CUDA through Triton; validates shapes, dtypes and devices (reads no data). ``tuning`` overrides
-    the launch choices (_launch_config's keywords: fused, block_k, key_chunk, block_e, block_m, num_warps,
-    score_warps); it
+    the launch choices (_launch_config's keywords: block_k, key_chunk, block_e, block_m, num_warps, score_warps,
+    tiers); it
     is for the tests and the benchmark, the op never passes it. Every setting gives the same index."""
     if triton is None:
         raise NotImplementedError("triton_select_clusters needs Triton (pip install triton); "
