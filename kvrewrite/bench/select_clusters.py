@@ -7,8 +7,8 @@ clusters in use of K = 820) and 128k (1640 of 3280), the notes' 80 tokens per cl
 
 Timing (as kvrewrite.bench.attention): N calls inside one CUDA graph, over N states rotated so that the state data
 per replay is >= 4x the L2 (a decode step meets each layer's centroids cold), median replay time (do_bench) / N;
-`hot_us` times N calls on one state (from the L2). Also the launch forms (fused: one kernel; split: scores
-kernel + selection kernel) and warps, and for scale the attention the selection serves: kvrewrite::clustered_attention
+`hot_us` times N calls on one state (from the L2). Also tuning variants (register tiers off, warps, score blocks), a
+state sized for 128k used at 32k, and for scale the attention the selection serves: kvrewrite::clustered_attention
 (past_only, as decode graphs call it) over the whole context (dense_us) and over S = 1344 slots (attend_s_us: a
 floor for attention over the selected slots). The index is checked against the reference before timing (exact:
 the inputs are dyadic, every fp32 dot product is exact, so the CPU reference's ranking is the kernel's).
@@ -63,8 +63,10 @@ class Result:
 
 
 def get_configs() -> list[Config]:
+    """32k and 128k, each state sized for its context (K = 2 x the clusters in use), and a state sized for 128k at a
+    32k context (the register tiers: the cost follows the clusters in use)."""
     return [Config(ctx, pqh, K, used) for ctx, K, used in ((32768, 820, 410), (131072, 3280, 1640))
-            for pqh in (True, False)]
+            for pqh in (True, False)] + [Config(32768, True, 3280, 410)]
 
 
 def dyadic(shape, gen, dtype, device):
