@@ -49,8 +49,10 @@ scratch (-1 elsewhere), and a running max (associative scan) over the output pos
 cluster and member.
 
 Two launches. (1) _cluster_scores_kernel, grid (K / BLOCK_K, B * Hkv): a block of centroids times the KV head's G
-queries (one tl.dot; per query head each column, else their sum: the summed query's score), keys to an int32 scratch
-[B * Hsel, K]. (2) _select_clusters_kernel, grid (B * Hsel,), one program per selection row (32 for Llama-3.1-8B per
+queries (one tl.dot; per query head each column, else their sum: the summed query's score, equal to the reference's
+qvec . centroid up to fp32 rounding order, as every fp32 dot product here), keys to an int32 scratch [B * Hsel, K].
+The index equals the reference's bit for bit wherever the scores do (the tests use exact dyadic inputs); on real
+data two clusters whose scores differ by an fp32 rounding may trade places at the budget's edge. (2) _select_clusters_kernel, grid (B * Hsel,), one program per selection row (32 for Llama-3.1-8B per
 query head, 8 per KV head): the bisection, the takes, the index row. One launch was tried (each row's program
 scoring its own clusters first): the scores need the used centroids read (n_clusters * D * 2 bytes per KV head:
 105 KB at 32k context, 420 KB at 128k), which one program can only pull at one SM's pace: H100, 15 us against 11 at
@@ -59,9 +61,11 @@ next_pow2(K) up to MAX_KEYS = 16384: 512k-token contexts at 80 tokens per cluste
 sized for a long context costs what its clusters in use cost; past MAX_KEYS it reads them chunk by chunk from the
 scratch (slower, the same result). A k-ary search (3-15 thresholds per step) was slower: each step's work grows
 with the thresholds, and the steps are not latency-bound enough to pay for it.
-Cost (H100, Llama-3.1-8B decode: B 1, Hq 32, Hkv 8, D 128, bf16, max_selected 1008, n_sink 16, window 320, CUDA
-graph): see kvrewrite.bench.select_clusters (its JSON); the selection kernel is latency-bound (~1 us launch, 3
-dependent memory round trips, the bisection's reductions ~0.3-0.6 us each, two scans).
+Cost (H100, kvrewrite.bench.select_clusters: Llama-3.1-8B decode, B 1, Hq 32, Hkv 8, D 128, bf16, max_selected
+1008, n_sink 16, window 320; CUDA graph, centroids cold in L2): 12.5-12.9 us per call at 32k (410 clusters), 17.4-17.8
+at 128k (1640), either per_query_head; 13.0 at 32k in a state sized for 128k. Scores ~3-5 us; the selection is
+latency-bound: ~1 us launch, 3 dependent memory round trips, ~10 bisection steps of one reduction each (~0.3 us over
+512-1024 lanes, ~0.45 over 2048), two scans.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 

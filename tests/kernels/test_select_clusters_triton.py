@@ -81,7 +81,7 @@ def test_many_clusters_and_ties(per_query_head):
     st["centroids"] = torch.where(st["centroids"].isnan(), st["centroids"].float(), cen).bfloat16()
     q = torch.ones(1, 4, 1, 16, dtype=torch.bfloat16)
     q[0, 1:3, 0, :8] = -1.0  # the per-head rankings differ
-    knobs = [dict(block_k=32, key_chunk=64, block_m=64), dict(key_chunk=256, tiers=True), dict()]
+    knobs = [dict(block_k=32, key_chunk=64, block_m=64), dict(key_chunk=256, tiers=True)]
     for budget in (150, 2 + 299):
         st["budget"][0] = budget
         check(q, st, 2, 300, 3, per_query_head, knobs)
