@@ -7,8 +7,8 @@ clusters in use of K = 820) and 128k (1640 of 3280), the notes' 80 tokens per cl
 
 Timing (as kvrewrite.bench.attention): N calls inside one CUDA graph, over N states rotated so that the state data
 per replay is >= 4x the L2 (a decode step meets each layer's centroids cold), median replay time (do_bench) / N;
-`hot_us` times N calls on one state (from the L2). Also the launch forms (fused: one kernel; split: scores
-kernel + selection kernel) and warps, and for scale the attention the selection serves: kvrewrite::clustered_attention
+`hot_us` times N calls on one state (from the L2). Also tuning variants (register tiers off, warps, score blocks), a
+state sized for 128k used at 32k, and for scale the attention the selection serves: kvrewrite::clustered_attention
 (past_only, as decode graphs call it) over the whole context (dense_us) and over S = 1344 slots (attend_s_us: a
 floor for attention over the selected slots). The index is checked against the reference before timing (exact:
 the inputs are dyadic, every fp32 dot product is exact, so the CPU reference's ranking is the kernel's).
@@ -30,9 +30,8 @@ from kvrewrite.kernels import select_clusters as sc
 
 ARGS = ("fill", "budget", "centroids", "cluster_size", "cluster_start", "members", "n_clusters", "cluster_end")
 VARIANTS = {  # launch overrides timed besides the default (triton_select_clusters' tuning keywords)
-    "fused": dict(fused=True), "split": dict(fused=False), "split_w4": dict(fused=False, num_warps=4),
-    "split_w16": dict(fused=False, num_warps=16), "split_bk32": dict(fused=False, block_k=32),
-    "split_bk128": dict(fused=False, block_k=128),
+    "tiers_off": dict(tiers=False), "w4": dict(num_warps=4), "w16": dict(num_warps=16), "bk32": dict(block_k=32),
+    "bk128": dict(block_k=128),
 }
 
 
@@ -64,8 +63,10 @@ class Result:
 
 
 def get_configs() -> list[Config]:
+    """32k and 128k, each state sized for its context (K = 2 x the clusters in use), and a state sized for 128k at a
+    32k context (the register tiers: the cost follows the clusters in use)."""
     return [Config(ctx, pqh, K, used) for ctx, K, used in ((32768, 820, 410), (131072, 3280, 1640))
-            for pqh in (True, False)]
+            for pqh in (True, False)] + [Config(32768, True, 3280, 410)]
 
 
 def dyadic(shape, gen, dtype, device):
@@ -191,7 +192,7 @@ def run(cfg: Config) -> dict:
     for name, tuning in [("op", None), *VARIANTS.items()]:
         got = _call(cfg, tuning)(q, st)
         assert torch.equal(got.cpu(), want), f"{cfg}: {name} differs from the reference"
-    res.launch = sc._launch_config(cfg.K, cfg.n_sink + cfg.max_selected + cfg.window, cfg.D)
+    res.launch = sc._launch_config(cfg.K, cfg.D, cfg.n_sink, cfg.max_selected, cfg.window)
     res.us = _graph_us(_call(cfg), sets)
     res.hot_us = _graph_us(_call(cfg), [sets[0]] * n)
     res.variants_us = {name: _graph_us(_call(cfg, tuning), sets) for name, tuning in VARIANTS.items()}

@@ -37,28 +37,35 @@ truth. CUDA runs the Triton kernels below: no host sync, launches from the shape
 written (-1 where unused), so CUDA graphs capture it and no stale value survives. The op is a
 `torch.library.triton_op` (as kvrewrite::clustered_attention): Inductor sees the kernels.
 
-Triton design. Sorting the clusters is not needed: only the cumulative sizes in score order matter. With
-int32 keys that order like the fp32 scores (-0.0 as +0.0), the cluster where the running size reaches B_sel has
-the key t* = max{t : sum of sizes with key >= t >= B_sel}; clusters with key > t* are taken whole, those with key
-== t* in id order (a cumsum of their sizes) until B_sel, the others not at all. t* comes from a bisection over
-key values, one reduction per step (size-weighted count, the smallest key >= mid, the largest key < mid), the
-bracket snapped to present keys each step and stopping when the count hits B_sel exactly: ~log2 of the key
-range around t* steps (15-25 on random scores, at most 32), each a register reduction over next_pow2(K) lanes.
-The layout then needs no sort either: an id-order cumsum of the takes gives each cluster's output offset; each
-taken cluster writes a marker (offset << 32 | cluster_start) at its offset in a per-row scratch (-1 elsewhere),
-and a running max (associative scan) over the output positions finds every position's cluster and member.
+Triton design. Sorting the clusters is not needed: only the cumulative sizes in score order matter. With int32 keys
+that order like the fp32 scores (-0.0 as +0.0), the cluster where the running size reaches B_sel has the key
+t* = max{t : sum of sizes with key >= t >= B_sel}; clusters with key > t* are taken whole, those at t* in id order
+until B_sel, the others not at all. t* comes from a bisection over key values, one reduction per step (weighted
+count, the smallest key >= mid, the largest key < mid) that snaps the bracket to present keys, stopping when the
+count hits B_sel exactly: ~log2(clusters) steps (9-13 for 410-1640 clusters), each a register reduction. The layout
+needs no sort either: one id-order scan (the sizes above t* and at t*, packed in an int64) gives each cluster's take
+and output offset; each taken cluster writes a marker (offset << 32 | cluster_start) at its offset in a per-row
+scratch (-1 elsewhere), and a running max (associative scan) over the output positions gives every position's
+cluster and member.
 
-Launches: a row's selection is one program (grid B * Hsel: 32 programs for Llama-3.1-8B per query head, 8 per
-KV head). The scores need the used centroids read (n_clusters * D * 2 bytes per KV head: 105 KB at 32k context,
-420 KB at 128k), which one program per row can only pull at one SM's bandwidth (~4 us at 128k). So by default a
-first kernel computes the scores spread over (K / BLOCK_K blocks, B * Hkv) programs (each block's centroids read
-once for the group's G query heads) into an int32 key scratch [B * Hsel, K], and the selection kernel reads the
-keys from there (L2). With `fused=True` the selection kernel scores its own row first (one launch; the choice by
-K is in _launch_config). Keys are held in registers while K <= MAX_KEYS (16384, 512k-token contexts at the
-notes' 80 tokens per cluster); a larger K runs the same bisection chunk by chunk from the scratch (slower, same
-result).
-Cost (H100, Llama-3.1-8B decode: B 1, Hq 32, Hkv 8, D 128, bf16, max_selected 1008, n_sink 16, window 320):
-measured by kvrewrite.bench.select_clusters (its JSON; figures in the report of the branch that adds it).
+Two launches. (1) _cluster_scores_kernel, grid (K / BLOCK_K, B * Hkv): a block of centroids times the KV head's G
+queries (one tl.dot; per query head each column, else their sum: the summed query's score, equal to the reference's
+qvec . centroid up to fp32 rounding order, as every fp32 dot product here), keys to an int32 scratch [B * Hsel, K].
+The index equals the reference's bit for bit wherever the scores do (the tests use exact dyadic inputs); on real
+data two clusters whose scores differ by an fp32 rounding may trade places at the budget's edge. (2) _select_clusters_kernel, grid (B * Hsel,), one program per selection row (32 for Llama-3.1-8B per
+query head, 8 per KV head): the bisection, the takes, the index row. One launch was tried (each row's program
+scoring its own clusters first): the scores need the used centroids read (n_clusters * D * 2 bytes per KV head:
+105 KB at 32k context, 420 KB at 128k), which one program can only pull at one SM's pace: H100, 15 us against 11 at
+32k, 34 against 20 at 128k. The selection holds the keys in L lanes, the fewest of K' / 8, K' / 2, K' (K' =
+next_pow2(K) up to MAX_KEYS = 16384: 512k-token contexts at 80 tokens per cluster) that hold n_clusters, so a state
+sized for a long context costs what its clusters in use cost; past MAX_KEYS it reads them chunk by chunk from the
+scratch (slower, the same result). A k-ary search (3-15 thresholds per step) was slower: each step's work grows
+with the thresholds, and the steps are not latency-bound enough to pay for it.
+Cost (H100, kvrewrite.bench.select_clusters: Llama-3.1-8B decode, B 1, Hq 32, Hkv 8, D 128, bf16, max_selected
+1008, n_sink 16, window 320; CUDA graph, centroids cold in L2): 12.5-12.9 us per call at 32k (410 clusters), 17.4-17.8
+at 128k (1640), either per_query_head; 13.0 at 32k in a state sized for 128k. Scores ~3-5 us; the selection is
+latency-bound: ~1 us launch, 3 dependent memory round trips, ~10 bisection steps of one reduction each (~0.3 us over
+512-1024 lanes, ~0.45 over 2048), two scans.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
@@ -182,27 +189,14 @@ def _max_i64(a, b):
 
 
 @triton_jit()
-def _query(Q, b, s, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, PER_HEAD: tl.constexpr):
-    """Row (b, s)'s query in fp32: q[b, s] (PER_HEAD) or the sum of q[b, h * G + g] over g, in order."""
-    base = Q + b * stride_qb + offs_d * stride_qd
-    if PER_HEAD:
-        qv = tl.load(base + s * stride_qh, mask=d_ok, other=0.0).to(tl.float32)
-    else:
-        qv = tl.zeros(offs_d.shape, tl.float32)
-        for g in range(G):
-            qv += tl.load(base + (h * G + g) * stride_qh, mask=d_ok, other=0.0).to(tl.float32)
-    return qv
-
-
-@triton_jit()
 def _chunk(KEYS_ROW, SIZE_BH, c0, n_cl, KB: tl.constexpr):
     """Keys and weights of clusters [c0, c0 + KB): weight = size for a valid cluster (k < n_cl, size > 0), else 0
     with the key -2**31 (below every score's key)."""
     k = c0 + tl.arange(0, KB)
     live = k < n_cl
     size = tl.load(SIZE_BH + k, mask=live, other=0)
+    key = tl.load(KEYS_ROW + k, mask=live, other=0)  # with the sizes: one round trip
     valid = live & (size > 0)
-    key = tl.load(KEYS_ROW + k, mask=valid, other=-2147483648)
     return tl.where(valid, key, -2147483648), tl.where(valid, size, 0)
 
 
@@ -215,22 +209,137 @@ def _count(key, w, mid):
 
 
 @triton_jit()
-def _takes(key, w, thr, room, tie_carry):
-    """take_k in a chunk: w above thr, the tied ones (key == thr) in id order until `room` (B_sel less the members
-    above thr) is used, tie_carry of it used by earlier chunks' ties; returns (take, tied weight of the chunk)."""
-    tie = (key == thr) & (w > 0)
-    tw = tl.where(tie, w, 0)
-    before = tie_carry + tl.cumsum(tw, axis=0) - tw
-    take = tl.where(key > thr, w, tl.where(tie, tl.minimum(tl.maximum(room - before, 0), w), 0))
-    return take, tl.sum(tw, axis=0)
+def _bisect_step(lo, hi, g_hi, exact, cnt, mn, mx, b_sel):
+    """One step of the search for t* (_select_in_registers) from the counts at mid."""
+    if cnt >= b_sel:
+        lo = mn.to(tl.int64)  # F(mn) = cnt: no key in [mid, mn)
+        if cnt == b_sel:
+            hi = lo  # the clusters >= mn fill B_sel exactly: t* = mn
+            exact = 1
+    else:
+        hi = mx.to(tl.int64)  # G(mx) = F(mid) = cnt: no key in (mx, mid)
+        g_hi = cnt
+    return lo, hi, g_hi, exact
 
 
 @triton_jit()
-def _block_scores(CEN_BH, k, n_cl, qv, offs_d, d_ok, stride_ck, stride_cd):
-    """fp32 q . centroid_k over a block of cluster ids k (< n_cl; others 0)."""
-    c = tl.load(CEN_BH + k[:, None] * stride_ck + offs_d[None, :] * stride_cd,
-                mask=(k < n_cl)[:, None] & d_ok[None, :], other=0.0)
-    return tl.sum(c.to(tl.float32) * qv[None, :], axis=1)
+def _select_in_registers(KEYS_ROW, SIZE_BH, START_BH, MARK_ROW, n_cl, b_sel, L: tl.constexpr):
+    """The selection of a row of n_cl <= L clusters, its keys, sizes and starts in registers (L lanes): t* by
+    bisection, then the takes and their markers (_takes). Returns the members taken, min(B_sel, valid members).
+
+    t* = max{t : F(t) >= B_sel}, F(t) = sum(w[key >= t]). The bracket [lo, hi] keeps F(lo) >= B_sel > G(hi), G(t) =
+    sum(w[key > t]) (g_hi), lo and hi keys of valid clusters: each step (one reduction: F(mid), the smallest key
+    >= mid, the largest < mid) snaps it to keys. room = B_sel - G(t*) is what the clusters at t* share, in id order;
+    exact: they fit whole."""
+    kk = tl.arange(0, L)
+    live = kk < n_cl
+    size = tl.load(SIZE_BH + kk, mask=live, other=0)
+    key = tl.load(KEYS_ROW + kk, mask=live, other=0)
+    start = tl.load(START_BH + kk, mask=live, other=0)
+    valid = live & (size > 0)
+    key = tl.where(valid, key, -2147483648)
+    w = tl.where(valid, size, 0)
+    total, kmin, kmax = tl.reduce((w, tl.where(valid, key, 2147483647), key), 0, _sum_min_max)
+    thr = tl.full([], -2147483648, tl.int32)  # every valid cluster whole (total <= B_sel)
+    room = tl.full([], 2147483647, tl.int32)
+    if b_sel == 0:
+        thr = tl.full([], 2147483647, tl.int32)  # none
+    elif total > b_sel:
+        lo = kmin.to(tl.int64)
+        hi = kmax.to(tl.int64)
+        g_hi = tl.zeros([], tl.int32)
+        exact = tl.zeros([], tl.int32)
+        while lo < hi:
+            cnt, mn, mx = _count(key, w, (lo + (hi - lo + 1) // 2).to(tl.int32))
+            lo, hi, g_hi, exact = _bisect_step(lo, hi, g_hi, exact, cnt, mn, mx, b_sel)
+        thr = lo.to(tl.int32)
+        if exact == 0:
+            room = b_sel - g_hi
+    tl.debug_barrier()  # the markers' -1 (written by any thread) before the scatter
+    _takes(key, w, thr, room, start, MARK_ROW, 0)
+    return tl.minimum(total, b_sel)
+
+
+@triton_jit()
+def _select_in_chunks(KEYS_ROW, SIZE_BH, START_BH, MARK_ROW, n_cl, b_sel, KB: tl.constexpr):
+    """_select_in_registers for any n_cl: every pass reads the keys and sizes chunk by chunk (KB lanes) from memory."""
+    total = tl.zeros([], tl.int32)
+    kmin = tl.full([], 2147483647, tl.int32)
+    kmax = tl.full([], -2147483648, tl.int32)
+    for c0 in range(0, n_cl, KB):
+        key, w = _chunk(KEYS_ROW, SIZE_BH, c0, n_cl, KB)
+        t_c, mn_c, mx_c = tl.reduce((w, tl.where(w > 0, key, 2147483647), key), 0, _sum_min_max)
+        total, kmin, kmax = _sum_min_max(total, kmin, kmax, t_c, mn_c, mx_c)
+    thr = tl.full([], -2147483648, tl.int32)
+    room = tl.full([], 2147483647, tl.int32)
+    if b_sel == 0:
+        thr = tl.full([], 2147483647, tl.int32)
+    elif total > b_sel:
+        lo = kmin.to(tl.int64)
+        hi = kmax.to(tl.int64)
+        g_hi = tl.zeros([], tl.int32)
+        exact = tl.zeros([], tl.int32)
+        while lo < hi:
+            mid = (lo + (hi - lo + 1) // 2).to(tl.int32)
+            cnt = tl.zeros([], tl.int32)
+            mn = tl.full([], 2147483647, tl.int32)
+            mx = tl.full([], -2147483648, tl.int32)
+            for c0 in range(0, n_cl, KB):
+                key, w = _chunk(KEYS_ROW, SIZE_BH, c0, n_cl, KB)
+                cnt_c, mn_c, mx_c = _count(key, w, mid)
+                cnt, mn, mx = _sum_min_max(cnt, mn, mx, cnt_c, mn_c, mx_c)
+            lo, hi, g_hi, exact = _bisect_step(lo, hi, g_hi, exact, cnt, mn, mx, b_sel)
+        thr = lo.to(tl.int32)
+        if exact == 0:
+            room = b_sel - g_hi
+    tl.debug_barrier()
+    carry = tl.zeros([], tl.int64)
+    for c0 in range(0, n_cl, KB):
+        key, w = _chunk(KEYS_ROW, SIZE_BH, c0, n_cl, KB)
+        start = tl.load(START_BH + c0 + tl.arange(0, KB), mask=w > 0, other=0)
+        carry = _takes(key, w, thr, room, start, MARK_ROW, carry)
+    return tl.minimum(total, b_sel)
+
+
+@triton_jit()
+def _takes(key, w, thr, room, start, MARK_ROW, carry):
+    """A chunk of clusters in id order: cluster k takes w_k above thr, at thr min(w_k, room - the tied weight before
+    it) (clamped at 0), else nothing; its output offset is the weight above thr before it plus min(the tied weight
+    before it, room). Writes the markers of the taken clusters; carry: the packed sums of earlier chunks (int64:
+    weight above thr << 32 | tied weight). Returns the carry with this chunk's."""
+    v = (tl.where(key > thr, w, 0).to(tl.int64) << 32) | tl.where((key == thr) & (w > 0), w, 0).to(tl.int64)
+    before = carry + tl.cumsum(v, axis=0) - v
+    above_before = before >> 32
+    tie_before = (before - (above_before << 32)).to(tl.int32)
+    take = tl.where(key > thr, w, tl.where((key == thr) & (w > 0), tl.minimum(tl.maximum(room - tie_before, 0), w), 0))
+    off = above_before + tl.minimum(tie_before, room).to(tl.int64)
+    tl.store(MARK_ROW + off, (off << 32) | start.to(tl.int64), mask=take > 0)
+    return carry + tl.sum(v, axis=0)
+
+
+@triton_jit()
+def _centroid_tile(CEN_BH, k, n_cl, offs_d, d_ok, stride_ck, stride_cd):
+    """Centroids of cluster ids k (< n_cl; others 0), [len(k), BLOCK_D]."""
+    return tl.load(CEN_BH + k[:, None] * stride_ck + offs_d[None, :] * stride_cd,
+                   mask=(k < n_cl)[:, None] & d_ok[None, :], other=0.0)
+
+
+@triton_jit()
+def _group_queries(Q, b, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, GB: tl.constexpr):
+    """The G queries of KV head h, [GB, BLOCK_D] (rows >= G: 0)."""
+    offs_g = tl.arange(0, GB)
+    return tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                   mask=(offs_g < G)[:, None] & d_ok[None, :], other=0.0)
+
+
+@triton_jit()
+def _tile_dots(c, qg, NATIVE_DOT: tl.constexpr):
+    """fp32 [BLOCK_K, GB]: centroid tile . each query. NATIVE_DOT: fp16/bf16 products on the tensor cores (exact in
+    fp32, fp32 sums); else fp32 IEEE products (no TF32)."""
+    if NATIVE_DOT:
+        return tl.dot(c, tl.trans(qg))
+    else:
+        return tl.dot(c.to(tl.float32), tl.trans(qg.to(tl.float32)), input_precision="ieee")
 
 
 @triton_jit(do_not_specialize=["Hsel", "Hkv", "G", "K", "D"])
@@ -238,10 +347,10 @@ def _cluster_scores_kernel(
     Q, CEN, NCL, KEYS,  # KEYS: int32 [B * Hsel, K], row (b, s)'s key of cluster k (written for k < n_clusters)
     stride_qb, stride_qh, stride_qd, stride_cb, stride_ch, stride_ck, stride_cd,
     Hsel, Hkv, G, K, D,
-    PER_HEAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    PER_HEAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, GB: tl.constexpr, NATIVE_DOT: tl.constexpr,
 ):
-    """Scores, grid (cluster blocks, B * Hkv): the block's centroids read once, scored for the KV head's selection
-    rows (its G query heads, or their summed query)."""
+    """Scores, grid (cluster blocks, B * Hkv): the block's centroids read once, times the KV head's G queries (one
+    tl.dot); per query head each column, shared their sum (the summed query's score)."""
     bh = tl.program_id(1).to(tl.int64)
     b = bh // Hkv
     h = bh % Hkv
@@ -250,31 +359,31 @@ def _cluster_scores_kernel(
     if tl.program_id(0) * BLOCK_K < n_cl:
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        cen = CEN + b * stride_cb + h * stride_ch
+        offs_g = tl.arange(0, GB)
+        qg = _group_queries(Q, b, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, GB)
+        c = _centroid_tile(CEN + b * stride_cb + h * stride_ch, k, n_cl, offs_d, d_ok, stride_ck, stride_cd)
+        sc = _tile_dots(c, qg, NATIVE_DOT)
         if PER_HEAD:
-            for g in range(G):
-                s = h * G + g
-                qv = _query(Q, b, s, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, True)
-                sc = _block_scores(cen, k, n_cl, qv, offs_d, d_ok, stride_ck, stride_cd)
-                tl.store(KEYS + (b * Hsel + s) * K + k, _score_key(sc), mask=k < n_cl)
+            tl.store(KEYS + (b * Hsel + h * G + offs_g[None, :]) * K + k[:, None], _score_key(sc),
+                     mask=(k < n_cl)[:, None] & (offs_g < G)[None, :])
         else:
-            qv = _query(Q, b, h, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, False)
-            sc = _block_scores(cen, k, n_cl, qv, offs_d, d_ok, stride_ck, stride_cd)
-            tl.store(KEYS + (b * Hsel + h) * K + k, _score_key(sc), mask=k < n_cl)
+            tl.store(KEYS + (b * Hsel + h) * K + k, _score_key(tl.sum(sc, axis=1)), mask=k < n_cl)
 
 
-@triton_jit(do_not_specialize=["Hsel", "Hkv", "G", "K", "C", "D", "n_sink", "max_selected", "window", "S"])
+@triton_jit(do_not_specialize=["Hsel", "Hkv", "G", "K", "C", "n_sink", "max_selected", "window", "S"])
 def _select_clusters_kernel(
-    Q, CEN, SIZE, START, MEMBERS, NCL, FILL, CEND, BUDGET,
-    KEYS,  # int32 [B * Hsel, K]: the scores' keys (written here first with FUSED, else by _cluster_scores_kernel)
+    SIZE, START, MEMBERS, NCL, FILL, CEND, BUDGET,
+    KEYS,  # int32 [B * Hsel, K]: the scores' keys (_cluster_scores_kernel)
     MARK,  # int64 [B * Hsel, M] scratch, M = max(max_selected, 1): per output position a marker or -1
     OUT,  # int32 [B * Hsel, S]
-    stride_qb, stride_qh, stride_qd, stride_cb, stride_ch, stride_ck, stride_cd,
-    Hsel, Hkv, G, K, C, D, n_sink, max_selected, window, S,
-    PER_HEAD: tl.constexpr, FUSED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    KB: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
+    Hsel, Hkv, G, K, C, n_sink, max_selected, window, S,
+    PER_HEAD: tl.constexpr, KB: tl.constexpr, TIERS: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, ONE_M: tl.constexpr,
 ):
-    """Selection, grid (B * Hsel,): one program per selection row (module docstring)."""
+    """Selection, grid (B * Hsel,): one program per selection row (module docstring). Latency-bound: what does not
+    depend on the selection is issued first; the chain is keys -> bisection -> marker scatter -> marker load ->
+    member gather. The keys are held in the fewest lanes of KB / 8, KB / 2, KB (TIERS) that hold n_clusters; past
+    KB (K > KB), chunk by chunk from memory."""
     row = tl.program_id(0).to(tl.int64)
     b = row // Hsel
     s = row % Hsel
@@ -283,118 +392,63 @@ def _select_clusters_kernel(
     else:
         h = s
     bh = b * Hkv + h
-    n_cl = tl.minimum(tl.maximum(tl.load(NCL + bh), 0), K)
-    b_sel = tl.minimum(tl.maximum(tl.load(BUDGET) - n_sink, 0), max_selected).to(tl.int32)
-    M = tl.maximum(max_selected, 1)
-    mark_row = MARK + row * M
-    keys_row = KEYS + row * K
-    size_bh = SIZE + bh * K
-    offs_s = tl.arange(0, BLOCK_S)
-    for p0 in range(0, max_selected, BLOCK_S):  # no marker yet (ordered before the scatter by the barriers below)
-        tl.store(mark_row + p0 + offs_s, tl.full([BLOCK_S], -1, tl.int64), mask=p0 + offs_s < max_selected)
-
-    if FUSED:  # -- scores of this row's clusters
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
-        qv = _query(Q, b, s, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, PER_HEAD)
-        cen = CEN + b * stride_cb + h * stride_ch
-        for k0 in range(0, n_cl, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            sc = _block_scores(cen, k, n_cl, qv, offs_d, d_ok, stride_ck, stride_cd)
-            tl.store(keys_row + k, _score_key(sc), mask=k < n_cl)
-    tl.debug_barrier()
-
-    # -- t*, the key of the cluster where the running size in score order reaches B_sel (bisection)
-    if ONE_CHUNK:
-        key, w = _chunk(keys_row, size_bh, 0, n_cl, KB)
-        total, kmin, kmax = tl.reduce((w, tl.where(w > 0, key, 2147483647), tl.where(w > 0, key, -2147483648)), 0,
-                                      _sum_min_max)
-    else:
-        total = tl.zeros([], tl.int32)
-        kmin = tl.full([], 2147483647, tl.int32)
-        kmax = tl.full([], -2147483648, tl.int32)
-        for c0 in range(0, n_cl, KB):
-            key, w = _chunk(keys_row, size_bh, c0, n_cl, KB)
-            t_c, mn_c, mx_c = tl.reduce((w, tl.where(w > 0, key, 2147483647), tl.where(w > 0, key, -2147483648)),
-                                        0, _sum_min_max)
-            total, kmin, kmax = _sum_min_max(total, kmin, kmax, t_c, mn_c, mx_c)
-    thr = tl.full([], -2147483648, tl.int32)  # every valid cluster whole (total <= B_sel)
-    if b_sel == 0:
-        thr = tl.full([], 2147483647, tl.int32)  # none
-    elif total > b_sel:
-        # invariant: sum(w[key >= lo]) >= B_sel > sum(w[key > hi]), lo and hi keys of valid clusters
-        lo = kmin.to(tl.int64)
-        hi = kmax.to(tl.int64)
-        while lo < hi:
-            mid = (lo + (hi - lo + 1) // 2).to(tl.int32)
-            if ONE_CHUNK:
-                cnt, mn, mx = _count(key, w, mid)
-            else:
-                cnt = tl.zeros([], tl.int32)
-                mn = tl.full([], 2147483647, tl.int32)
-                mx = tl.full([], -2147483648, tl.int32)
-                for c0 in range(0, n_cl, KB):
-                    key_c, w_c = _chunk(keys_row, size_bh, c0, n_cl, KB)
-                    cnt_c, mn_c, mx_c = _count(key_c, w_c, mid)
-                    cnt, mn, mx = _sum_min_max(cnt, mn, mx, cnt_c, mn_c, mx_c)
-            if cnt >= b_sel:
-                lo = mn.to(tl.int64)  # sum(w[key >= mn]) = cnt
-                if cnt == b_sel:
-                    hi = lo  # the clusters >= mn fill B_sel exactly: t* = mn
-            else:
-                hi = mx.to(tl.int64)
-        thr = lo.to(tl.int32)
-
-    # -- takes in id order, output offsets by cumsum, one marker per taken cluster at its offset
-    tl.debug_barrier()
-    if ONE_CHUNK:
-        room = b_sel - tl.sum(tl.where(key > thr, w, 0), axis=0)
-        take, _ = _takes(key, w, thr, room, 0)
-        kk = tl.arange(0, KB)
-        off = tl.cumsum(take, axis=0) - take
-        start = tl.load(START + bh * K + kk, mask=take > 0, other=0)
-        tl.store(mark_row + off, (off.to(tl.int64) << 32) | start.to(tl.int64), mask=take > 0)
-        n_taken = tl.sum(take, axis=0)
-    else:
-        above = tl.zeros([], tl.int32)
-        for c0 in range(0, n_cl, KB):
-            key_c, w_c = _chunk(keys_row, size_bh, c0, n_cl, KB)
-            above += tl.sum(tl.where(key_c > thr, w_c, 0), axis=0)
-        room = b_sel - above
-        tie_carry = tl.zeros([], tl.int32)
-        n_taken = tl.zeros([], tl.int32)
-        for c0 in range(0, n_cl, KB):
-            key_c, w_c = _chunk(keys_row, size_bh, c0, n_cl, KB)
-            take, tied = _takes(key_c, w_c, thr, room, tie_carry)
-            tie_carry += tied
-            kk = c0 + tl.arange(0, KB)
-            off = n_taken + tl.cumsum(take, axis=0) - take
-            start = tl.load(START + bh * K + kk, mask=take > 0, other=0)
-            tl.store(mark_row + off, (off.to(tl.int64) << 32) | start.to(tl.int64), mask=take > 0)
-            n_taken += tl.sum(take, axis=0)
-    tl.debug_barrier()
-
-    # -- the index row: sinks, taken members (each position's cluster: the running max of the markers), window
-    mem_bh = MEMBERS + bh * C
+    n_cl = tl.load(NCL + bh)
+    budget = tl.load(BUDGET)
     cend = tl.load(CEND + bh)
     fill = tl.load(FILL + bh)
-    carry = tl.full([], -1, tl.int64)
+    mark_row = MARK + row * tl.maximum(max_selected, 1)
+    keys_row = KEYS + row * K
+    size_bh = SIZE + bh * K
+    start_bh = START + bh * K
+    mem_bh = MEMBERS + bh * C
     out_row = OUT + row * S
-    for p0 in range(0, S, BLOCK_S):
-        p = p0 + offs_s
-        j = p - n_sink  # position among the selected
-        used = (j >= 0) & (j < n_taken)
+    # -- sinks and window (independent of the selection); no marker anywhere yet
+    offs_e = tl.arange(0, BLOCK_E)
+    for p0 in range(0, n_sink, BLOCK_E):
+        p = p0 + offs_e
+        tl.store(out_row + p, tl.load(mem_bh + p, mask=p < n_sink, other=-1), mask=p < n_sink)
+    for j0 in range(0, window, BLOCK_E):
+        slot = cend + j0 + offs_e
+        tl.store(out_row + n_sink + max_selected + j0 + offs_e, tl.where(slot < fill, slot, -1).to(tl.int32),
+                 mask=j0 + offs_e < window)
+    offs_m = tl.arange(0, BLOCK_M)
+    for p0 in range(0, max_selected, BLOCK_M):  # ordered before the scatter by the selection's barrier
+        tl.store(mark_row + p0 + offs_m, tl.full([BLOCK_M], -1, tl.int64), mask=p0 + offs_m < max_selected)
+    n_cl = tl.minimum(tl.maximum(n_cl, 0), K)
+    b_sel = tl.minimum(tl.maximum(budget - n_sink, 0), max_selected).to(tl.int32)
+
+    # -- the selection: t*, the takes, a marker per taken cluster
+    if TIERS:
+        if n_cl <= KB // 8:
+            n_taken = _select_in_registers(keys_row, size_bh, start_bh, mark_row, n_cl, b_sel, KB // 8)
+        elif n_cl <= KB // 2:
+            n_taken = _select_in_registers(keys_row, size_bh, start_bh, mark_row, n_cl, b_sel, KB // 2)
+        elif ONE_CHUNK:
+            n_taken = _select_in_registers(keys_row, size_bh, start_bh, mark_row, n_cl, b_sel, KB)
+        elif n_cl <= KB:
+            n_taken = _select_in_registers(keys_row, size_bh, start_bh, mark_row, n_cl, b_sel, KB)
+        else:
+            n_taken = _select_in_chunks(keys_row, size_bh, start_bh, mark_row, n_cl, b_sel, KB)
+    elif ONE_CHUNK:
+        n_taken = _select_in_registers(keys_row, size_bh, start_bh, mark_row, n_cl, b_sel, KB)
+    elif n_cl <= KB:
+        n_taken = _select_in_registers(keys_row, size_bh, start_bh, mark_row, n_cl, b_sel, KB)
+    else:
+        n_taken = _select_in_chunks(keys_row, size_bh, start_bh, mark_row, n_cl, b_sel, KB)
+    tl.debug_barrier()
+
+    # -- the taken members: each position's cluster is the running max of the markers
+    carry = tl.full([], -1, tl.int64)
+    for p0 in range(0, max_selected, BLOCK_M):
+        j = p0 + offs_m
+        used = j < n_taken
         mark = tl.load(mark_row + j, mask=used, other=-1)
         run = tl.maximum(tl.associative_scan(mark, 0, _max_i64), carry)
-        carry = tl.maximum(carry, tl.max(mark, axis=0))
+        if not ONE_M:
+            carry = tl.maximum(carry, tl.max(mark, axis=0))
         owner_off = run >> 32  # the owning cluster's output offset, then its cluster_start in the low bits
         src = (run - (owner_off << 32)) + (j - owner_off)
-        val = tl.load(mem_bh + src, mask=used, other=-1)
-        val = tl.where(p < n_sink, tl.load(mem_bh + p, mask=p < n_sink, other=-1), val)
-        slot = cend + (j - max_selected)
-        in_win = (j >= max_selected) & (slot < fill)
-        val = tl.where(in_win, slot.to(tl.int32), val)
-        tl.store(out_row + p, val, mask=p < S)
+        tl.store(out_row + n_sink + j, tl.load(mem_bh + src, mask=used, other=-1), mask=j < max_selected)
 
 
 # -- launcher ------------------------------------------------------------------------------------------------
@@ -402,17 +456,16 @@ def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def _launch_config(K, S, D, fused=None, block_k=None, key_chunk=None, block_s=None, num_warps=None,
-                   score_warps=None) -> dict:
+def _launch_config(K, D, n_sink, max_selected, window, block_k=None, key_chunk=None, block_e=None, block_m=None,
+                   num_warps=None, score_warps=None, tiers=None) -> dict:
     """The kernels' shape-based choices (keyword overrides for the tests and the benchmark's sweep)."""
     kb = min(_pow2(max(K, 1)), key_chunk or MAX_KEYS)
-    if fused is None:
-        fused = K <= 512  # few clusters: one launch; more: spread the centroid reads over the GPU
     if num_warps is None:
         num_warps = 4 if kb <= 1024 else 8 if kb <= 4096 else 16
-    return dict(fused=bool(fused), block_k=block_k or 64, kb=kb, one_chunk=kb >= K,
-                block_s=block_s or min(_pow2(max(S, 1)), 1024), block_d=_pow2(max(D, 1)), num_warps=num_warps,
-                score_warps=score_warps or 4)
+    return dict(block_k=max(block_k or 64, 16), kb=kb, one_chunk=kb >= K, tiers=kb >= 64 if tiers is None else tiers,
+                block_e=block_e or min(_pow2(max(n_sink, window, 1)), 1024),
+                block_m=block_m or min(_pow2(max(max_selected, 1)), 4096), block_d=max(_pow2(D), 16),
+                num_warps=num_warps, score_warps=score_warps or 4)
 
 
 def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end, n_sink,
@@ -429,23 +482,26 @@ def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_
     rows = B * Hsel
     if rows == 0 or S == 0:
         return out
-    cfg = _launch_config(K, S, D, **overrides)
+    cfg = _launch_config(K, D, n_sink, max_selected, window, **overrides)
     keys = torch.empty((rows, max(K, 1)), dtype=torch.int32, device=q.device)
     mark = torch.empty((rows, max(max_selected, 1)), dtype=torch.int64, device=q.device)
     size, start, mem, ncl = (t.contiguous() for t in (cluster_size, cluster_start, members, n_clusters))
     fill, cend = fill.contiguous(), cluster_end.contiguous()
-    strides = (q.stride(0), q.stride(1), q.stride(3), *centroids.stride())
-    if not cfg["fused"] and K > 0:
+    if K > 0:
         wrap_triton(_cluster_scores_kernel)[(triton.cdiv(K, cfg["block_k"]), B * Hkv)](
-            q, centroids, ncl, keys, *strides, Hsel, Hkv, G, K, D,
+            q, centroids, ncl, keys, q.stride(0), q.stride(1), q.stride(3), *centroids.stride(), Hsel, Hkv, G, K, D,
             PER_HEAD=bool(per_query_head), BLOCK_K=cfg["block_k"], BLOCK_D=cfg["block_d"],
+            GB=max(_pow2(G), 16),  # tl.dot's minimum
+            # fp16/bf16 products on the tensor cores; Triton's interpreter (CPU tensors) gets the fp32 dot, its
+            # fp16/bf16 dot being wrong
+            NATIVE_DOT=q.is_cuda and q.dtype == centroids.dtype and q.dtype != torch.float32,
             num_warps=cfg["score_warps"],
         )
     wrap_triton(_select_clusters_kernel)[(rows,)](
-        q, centroids, size, start, mem, ncl, fill, cend, budget, keys, mark, out, *strides,
-        Hsel, Hkv, G, K, C, D, n_sink, max_selected, window, S,
-        PER_HEAD=bool(per_query_head), FUSED=cfg["fused"], BLOCK_K=cfg["block_k"], BLOCK_D=cfg["block_d"],
-        KB=cfg["kb"], ONE_CHUNK=cfg["one_chunk"], BLOCK_S=cfg["block_s"], num_warps=cfg["num_warps"],
+        size, start, mem, ncl, fill, cend, budget, keys, mark, out, Hsel, Hkv, G, K, C, n_sink, max_selected, window, S,
+        PER_HEAD=bool(per_query_head), KB=cfg["kb"], TIERS=cfg["tiers"], ONE_CHUNK=cfg["one_chunk"],
+        BLOCK_E=cfg["block_e"], BLOCK_M=cfg["block_m"], ONE_M=cfg["block_m"] >= max_selected,
+        num_warps=cfg["num_warps"],
     )
     return out
 
@@ -454,7 +510,8 @@ def triton_select_clusters(q, fill, budget, centroids, cluster_size, cluster_sta
                            cluster_end, *, n_sink: int, max_selected: int, window: int, per_query_head: bool,
                            **tuning):
     """The op on CUDA through Triton; validates shapes, dtypes and devices (reads no data). ``tuning`` overrides
-    the launch choices (_launch_config's keywords: fused, block_k, key_chunk, block_s, num_warps, score_warps); it
+    the launch choices (_launch_config's keywords: block_k, key_chunk, block_e, block_m, num_warps, score_warps,
+    tiers); it
     is for the tests and the benchmark, the op never passes it. Every setting gives the same index."""
     if triton is None:
         raise NotImplementedError("triton_select_clusters needs Triton (pip install triton); "

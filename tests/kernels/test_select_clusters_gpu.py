@@ -71,12 +71,13 @@ def test_matches_reference(shape, dtype, per_query_head):
     _compare(q, st, n_sink, max_selected, window, per_query_head, _shape_id(shape))
 
 
-@pytest.mark.parametrize("tuning", [dict(fused=True), dict(fused=False), dict(key_chunk=512), dict(num_warps=4),
-                                    dict(fused=True, block_k=32, key_chunk=1024, block_s=128),
-                                    dict(fused=False, block_k=128, num_warps=16, score_warps=8)],
+@pytest.mark.parametrize("tuning", [dict(tiers=False), dict(key_chunk=512), dict(key_chunk=2048), dict(num_warps=4),
+                                    dict(block_k=32, block_e=32, block_m=128),
+                                    dict(block_k=128, num_warps=16, score_warps=8)],
                          ids=lambda t: "-".join(f"{k}{v}" for k, v in t.items()))
 def test_launch_variants_agree(tuning):
-    """Both launch forms, the chunked bisection (K > key_chunk), other block sizes and warps: the same index."""
+    """Register tiers off, the chunked passes (n_clusters > key_chunk), other tiers, block sizes and warps: the same
+    index."""
     for per_query_head, budget in [(True, 1024), (False, 300)]:
         shape = LLAMA_128K[:-1] + (budget,)
         q, st = _state(*shape, torch.bfloat16, seed=budget)

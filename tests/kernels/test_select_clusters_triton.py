@@ -2,12 +2,11 @@
 bit (the int32 index).
 
 Runs only under the interpreter: `TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_select_clusters_triton.py`
-(with Triton installed; skipped otherwise, e.g. on the CPU CI). Both launch forms run (fused: one kernel scores and
-selects; split: a score kernel, then the selection), and the tuning knobs are set small in some cases (4-8 cluster
-blocks, 8-16 keys per chunk, 8-position output blocks) so that a few dozen clusters cross every block loop: the
-scores' blocks, the chunked bisection and take passes with their carries, the output blocks' running max. Every
-scratch and output buffer is allocated filled with a poison value, so an entry the kernel forgets to write (or a
-marker it reads before writing) shows up. The GPU test (test_select_clusters_gpu.py) runs the kernels compiled.
+(with Triton installed; skipped otherwise, e.g. on the CPU CI). The tuning knobs are set small in some cases (16-64
+key lanes, register tiers of 8 / 32 / 64 lanes, 4-16 position blocks) so that a few dozen clusters cross every path:
+each register tier, the chunked passes past the lanes with their carries, the output blocks' running max. Every
+scratch and output buffer is allocated filled with a poison value, so an entry the kernels forget to write (or a
+marker read before it is written) shows up. The GPU test (test_select_clusters_gpu.py) runs the kernels compiled.
 """
 import os
 
@@ -22,8 +21,9 @@ pytest.importorskip("triton")
 from kvrewrite.kernels import select_clusters as sc  # noqa: E402
 from tests.kernels.test_select_clusters import ARGS, make_q, make_state  # noqa: E402
 
-SMALL = [dict(fused=False, block_k=8, key_chunk=16, block_s=8), dict(fused=True, block_k=4, key_chunk=8, block_s=16)]
-DEFAULT = [dict(fused=False), dict(fused=True)]
+# 16 key lanes (chunked passes past 16 clusters), 4-8 position blocks; tiers of 8 / 32 / 64 lanes, chunked past 64
+SMALL = [dict(key_chunk=16, block_e=4, block_m=8), dict(key_chunk=64, block_e=8, block_m=16, tiers=True)]
+DEFAULT = [dict(), dict(tiers=False, num_warps=2)]
 
 
 @pytest.fixture(autouse=True)
@@ -81,7 +81,7 @@ def test_many_clusters_and_ties(per_query_head):
     st["centroids"] = torch.where(st["centroids"].isnan(), st["centroids"].float(), cen).bfloat16()
     q = torch.ones(1, 4, 1, 16, dtype=torch.bfloat16)
     q[0, 1:3, 0, :8] = -1.0  # the per-head rankings differ
-    knobs = [dict(fused=False, block_k=32, key_chunk=64, block_s=64), dict(fused=True, block_k=32, key_chunk=64)]
+    knobs = [dict(block_k=32, key_chunk=64, block_m=64), dict(key_chunk=256, tiers=True)]
     for budget in (150, 2 + 299):
         st["budget"][0] = budget
         check(q, st, 2, 300, 3, per_query_head, knobs)
