@@ -200,14 +200,13 @@ def reference_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroi
 # the raw bits): there the operands go up to fp32 first (exact: the products of 16-bit values are exact in fp32)
 _INTERPRET = None if triton is None else tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 INFO_W = 8  # per-row info words: due, L, C_new, first cluster id, first member offset, split size, splits used
-BLOCK_P = 128  # assign: points per block
+BLOCK_P = 128  # assign / pack: points per block
 BLOCK_C = 64  # assign: centroids per dot
-UPDATE_C = 64  # update: clusters per program
+UPDATE_C = 64  # update: clusters per program (and per reduce)
 UPDATE_P = 128  # update: points per dot (and the split size's granularity)
-REDUCE_C = 16  # reduce: clusters per program
 FINAL_C = 256  # finalize: clusters per step
-SCATTER_P = 128  # scatter: points per step
-PREP_CHUNK = 1024  # prep: slots per step of the row scan
+SCATTER_P = 64  # scatter: points per step (its rank is a [SCATTER_P, SCATTER_P] comparison)
+PREP_CHUNK = 2048  # prep: slots per step of the row scan
 INIT_K = 32  # prep: initial centroids per step
 SPLIT_POINTS = 2048  # points per split of the update (at most MAX_SPLITS splits)
 MAX_SPLITS = 16
@@ -294,7 +293,7 @@ def _prep_row(row, KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, MEMBERS, NCL, CEND, IN
         chunk = tl.cdiv(tl.cdiv(L, NS), ALIGN) * ALIGN
         # -- initial centroids: point (k L + r_k) // n, r_k a hash of (seed, head, offset, k) mod L
         tl.debug_barrier()  # PTS written above by other threads of the program
-        seed = (seed_hi.to(tl.int64) << 16) | seed_lo
+        seed = (tl.cast(seed_hi, tl.int64) << 16) | seed_lo
         base = _mix32(_mix32(seed ^ (row % H)) ^ offset)
         d = tl.arange(0, DP)
         dm = d < D
@@ -321,21 +320,32 @@ def _prep_row(row, KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, MEMBERS, NCL, CEND, IN
 
 
 @triton_jit()
-def _assign_block(row64, blk, KEYS, CENT, INVN, PTS, LAB, L, n, nc, C, K, D,
-                  DP: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-    """Labels of points [blk * BP, +BP) of a row: argmax over the n centroids of x . c * (1 / (|c| + eps))."""
+def _pack_block(row64, blk, KEYS, PTS, XP, L, C, D, DP: tl.constexpr, BP: tl.constexpr):
+    """XP[row, i] = the keys of point i, for the points [blk * BP, +BP) (later phases read them contiguous)."""
     p = blk * BP + tl.arange(0, BP)
     pm = p < L
     d = tl.arange(0, DP)
-    dm = d < D
-    slot = tl.load(PTS + row64 * C + p, mask=pm, other=0, cache_modifier=".cg")
-    x = tl.load(KEYS + (row64 * C + slot)[:, None] * D + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
+    m2 = pm[:, None] & (d < D)[None, :]
+    slot = tl.load(PTS + row64 * C + p, mask=pm, other=0)
+    x = tl.load(KEYS + (row64 * C + slot)[:, None] * D + d[None, :], mask=m2)
+    tl.store(XP + (row64 * C + p)[:, None] * D + d[None, :], x, mask=m2)
+
+
+@triton_jit()
+def _assign_block(row64, blk, XP, CENT, INVN, LAB, FCNT, L, n, nc, chunk, C, K, D, NS, final,
+                  DP: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """Labels of points [blk * BP, +BP) of a row: argmax over the n centroids of x . c * (1 / (|c| + eps)). The final
+    assignment also counts them per (split, cluster) in FCNT (integer atomics: the same totals in any order)."""
+    p = blk * BP + tl.arange(0, BP)
+    pm = p < L
+    d = tl.arange(0, DP)
+    x = tl.load(XP + (row64 * C + p)[:, None] * D + d[None, :], mask=pm[:, None] & (d < D)[None, :], other=0.0)
     best = tl.full([BP], float("-inf"), tl.float32)
     label = tl.zeros([BP], tl.int32)
     for c0 in range(0, n, BC):
         c = c0 + tl.arange(0, BC)
         cm = c < n
-        cent = tl.load(CENT + (row64 * K + nc + c)[:, None] * D + d[None, :], mask=cm[:, None] & dm[None, :],
+        cent = tl.load(CENT + (row64 * K + nc + c)[:, None] * D + d[None, :], mask=cm[:, None] & (d < D)[None, :],
                        other=0.0, cache_modifier=".cg")
         inv = tl.load(INVN + row64 * K + c, mask=cm, other=0.0, cache_modifier=".cg")
         s = _dot(x, tl.trans(cent), None, PREC) * inv[None, :]  # [BP, BC] fp32
@@ -345,12 +355,16 @@ def _assign_block(row64, blk, KEYS, CENT, INVN, PTS, LAB, L, n, nc, C, K, D,
         best = tl.where(better, m, best)
         label = tl.where(better, c0 + i, label)
     tl.store(LAB + row64 * C + p, label, mask=pm)
+    if final:
+        tl.atomic_add(FCNT + (row64 * NS + p // chunk) * K + label, 1, mask=pm, sem="relaxed")
 
 
 @triton_jit()
-def _update_item(row64, s, cb, KEYS, PTS, LAB, PART, PCNT, L, n, chunk, C, K, D, NS,
-                 DP: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr, COUNT_ONLY: tl.constexpr):
-    """Clusters [cb * BC, +BC) over split s's points: PCNT = member counts, PART = fp32 key sums (one-hot dots)."""
+def _update_item(row64, s, cb, XP, CENT, INVN, LAB, PART, PCNT, UCNT, L, n, nc, chunk, nsu, epoch, C, K, D, NS, NCB,
+                 DP: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
+    """Clusters [cb * BC, +BC) over split s's points: PCNT = member counts, PART = fp32 key sums (one-hot dots).
+    The last of the row's nsu splits to finish this block (UCNT counts them) reduces it: the partials in split
+    order / the count, in the state's dtype, and the new 1/|c| (an empty cluster keeps both)."""
     p_lo = s * chunk
     p_hi = tl.minimum(p_lo + chunk, L)
     c = cb * BC + tl.arange(0, BC)
@@ -358,50 +372,40 @@ def _update_item(row64, s, cb, KEYS, PTS, LAB, PART, PCNT, L, n, chunk, C, K, D,
     d = tl.arange(0, DP)
     dm = d < D
     acc = tl.zeros([BC, DP], tl.float32)
-    count = tl.zeros([BC], tl.int32)
+    hits = tl.zeros([BC, BP], tl.int32)
     for p0 in range(p_lo, p_hi, BP):
         p = p0 + tl.arange(0, BP)
         pm = p < p_hi
         label = tl.load(LAB + row64 * C + p, mask=pm, other=-1, cache_modifier=".cg")
+        x = tl.load(XP + (row64 * C + p)[:, None] * D + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
         hot = c[:, None] == label[None, :]  # [BC, BP]
-        count += tl.sum(hot.to(tl.int32), axis=1)
-        if not COUNT_ONLY:
-            slot = tl.load(PTS + row64 * C + p, mask=pm, other=0, cache_modifier=".cg")
-            x = tl.load(KEYS + (row64 * C + slot)[:, None] * D + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
-            if _INTERPRET:  # (its bool -> bf16 conversion is wrong too)
-                acc = _dot(hot.to(tl.float32), x, acc, PREC)
-            else:
-                acc = _dot(hot.to(x.dtype), x, acc, PREC)
+        hits += hot.to(tl.int32)
+        if _INTERPRET:  # (its bool -> bf16 conversion is wrong too)
+            acc = _dot(hot.to(tl.float32), x, acc, PREC)
+        else:
+            acc = _dot(hot.to(x.dtype), x, acc, PREC)
     at = (row64 * NS + s) * K + c
-    tl.store(PCNT + at, count, mask=cm)
-    if not COUNT_ONLY:
-        tl.store(PART + at[:, None] * DP + d[None, :], acc, mask=cm[:, None])
+    tl.store(PCNT + at, tl.sum(hits, axis=1), mask=cm)
+    tl.store(PART + at[:, None] * DP + d[None, :], acc, mask=cm[:, None])
+    tl.debug_barrier()  # the block's partials are stored before its arrival (release)
+    if tl.atomic_add(UCNT + row64 * NCB + cb, 1, sem="acq_rel", scope="gpu") == epoch * nsu - 1:
+        acc = tl.zeros([BC, DP], tl.float32)
+        count = tl.zeros([BC], tl.int32)
+        for s2 in range(0, nsu):
+            at = (row64 * NS + s2) * K + c
+            acc += tl.load(PART + at[:, None] * DP + d[None, :], mask=cm[:, None], other=0.0, cache_modifier=".cg")
+            count += tl.load(PCNT + at, mask=cm, other=0, cache_modifier=".cg")
+        new = tl.math.div_rn(acc, tl.maximum(count, 1).to(tl.float32)[:, None]).to(CENT.dtype.element_ty)
+        keep = cm & (count > 0)
+        tl.store(CENT + (row64 * K + nc + c)[:, None] * D + d[None, :], new, mask=keep[:, None] & dm[None, :])
+        nf = new.to(tl.float32)
+        norm = tl.sqrt_rn(tl.sum(nf * nf, axis=1))
+        tl.store(INVN + row64 * K + c, tl.math.div_rn(tl.full([BC], 1.0, tl.float32), norm + 1e-8), mask=keep)
 
 
 @triton_jit()
-def _reduce_item(row64, cb, CENT, INVN, PART, PCNT, n, nc, nsu, K, D, NS,
-                 DP: tl.constexpr, BC: tl.constexpr):
-    """New centroids [cb * BC, +BC): the splits' partial sums in split order / the count, in the state's dtype."""
-    c = cb * BC + tl.arange(0, BC)
-    cm = c < n
-    d = tl.arange(0, DP)
-    acc = tl.zeros([BC, DP], tl.float32)
-    count = tl.zeros([BC], tl.int32)
-    for s in range(0, nsu):
-        at = (row64 * NS + s) * K + c
-        acc += tl.load(PART + at[:, None] * DP + d[None, :], mask=cm[:, None], other=0.0, cache_modifier=".cg")
-        count += tl.load(PCNT + at, mask=cm, other=0, cache_modifier=".cg")
-    new = tl.math.div_rn(acc, tl.maximum(count, 1).to(tl.float32)[:, None]).to(CENT.dtype.element_ty)
-    keep = cm & (count > 0)  # an empty cluster keeps its centroid (and norm)
-    tl.store(CENT + (row64 * K + nc + c)[:, None] * D + d[None, :], new, mask=keep[:, None] & (d < D)[None, :])
-    nf = new.to(tl.float32)
-    norm = tl.sqrt_rn(tl.sum(nf * nf, axis=1))
-    tl.store(INVN + row64 * K + c, tl.math.div_rn(tl.full([BC], 1.0, tl.float32), norm + 1e-8), mask=keep)
-
-
-@triton_jit()
-def _finalize_row(row, FILL, CSIZE, CSTART, NCL, CEND, PCNT, n, nc, mbase, nsu, K, NS, BC: tl.constexpr):
-    """Sizes and starts of the row's new clusters; PCNT[s, k] becomes the member offset of split s's first point
+def _finalize_row(row, FILL, CSIZE, CSTART, NCL, CEND, FCNT, n, nc, mbase, nsu, K, NS, BC: tl.constexpr):
+    """Sizes and starts of the row's new clusters; FCNT[s, k] becomes the member offset of split s's first point
     of cluster k (the scatter's cursor); n_clusters, cluster_end."""
     row64 = tl.cast(row, tl.int64)
     carry = mbase
@@ -410,13 +414,13 @@ def _finalize_row(row, FILL, CSIZE, CSTART, NCL, CEND, PCNT, n, nc, mbase, nsu, 
         cm = c < n
         size = tl.zeros([BC], tl.int32)
         for s in range(0, nsu):
-            size += tl.load(PCNT + (row64 * NS + s) * K + c, mask=cm, other=0, cache_modifier=".cg")
+            size += tl.load(FCNT + (row64 * NS + s) * K + c, mask=cm, other=0, cache_modifier=".cg")
         start = carry + tl.cumsum(size, axis=0) - size
         tl.store(CSIZE + row64 * K + nc + c, size, mask=cm)
         tl.store(CSTART + row64 * K + nc + c, start, mask=cm)
         cursor = start
         for s in range(0, nsu):
-            at = PCNT + (row64 * NS + s) * K + c
+            at = FCNT + (row64 * NS + s) * K + c
             v = tl.load(at, mask=cm, other=0, cache_modifier=".cg")
             tl.store(at, cursor, mask=cm)
             cursor += v
@@ -435,7 +439,7 @@ def _scatter_item(row64, s, PTS, LAB, MEMBERS, CURSOR, L, chunk, C, K, NS, BP: t
         p = p0 + i
         pm = p < p_hi
         label = tl.load(LAB + row64 * C + p, mask=pm, other=-1, cache_modifier=".cg")
-        slot = tl.load(PTS + row64 * C + p, mask=pm, other=0, cache_modifier=".cg")
+        slot = tl.load(PTS + row64 * C + p, mask=pm, other=0)
         same = (label[:, None] == label[None, :]) & pm[None, :]  # [BP, BP]
         rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)  # earlier points of its cluster
         n_same = tl.sum(same.to(tl.int32), axis=1)
@@ -449,13 +453,14 @@ def _scatter_item(row64, s, PTS, LAB, MEMBERS, CURSOR, L, chunk, C, K, NS, BP: t
 
 @triton_jit()
 def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, CEND,
-                   INFO, PTS, LAB, INVN, PART, PCNT, BAR,
-                   R, H, C, K, D, NS, n_sink, tpc, window, wc, seed_hi, seed_lo, iters, p_begin, p_end,
+                   INFO, PTS, XP, LAB, INVN, PART, PCNT, FCNT, UCNT, BAR,
+                   R, H, C, K, D, NS, NCB, n_sink, tpc, window, wc, seed_hi, seed_lo, iters, p_begin, p_end,
                    RP: tl.constexpr, DP: tl.constexpr, PREC: tl.constexpr, GRID_SYNC: tl.constexpr,
                    CH: tl.constexpr, BK: tl.constexpr, BPA: tl.constexpr, BCA: tl.constexpr, BCU: tl.constexpr,
-                   BPU: tl.constexpr, BCR: tl.constexpr, BCF: tl.constexpr, BPS: tl.constexpr):
+                   BPU: tl.constexpr, BCF: tl.constexpr, BPS: tl.constexpr):
     """Phases [p_begin, p_end) (module docstring), each program taking work items pid, pid + grid, ...; with
-    GRID_SYNC a grid barrier between phases (the persistent launch, p_begin = 0)."""
+    GRID_SYNC a grid barrier between phases (the persistent launch, p_begin = 0). Phases: 0 prep, 1 pack, then
+    (assign, update) x iters, the final assign, finalize, scatter."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     r = tl.arange(0, RP)
@@ -468,7 +473,6 @@ def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, 
     else:
         active = tl.load(INFO + r * 8, mask=rm, other=0, cache_modifier=".cg") != 0
     if tl.max(active.to(tl.int32), axis=0) > 0:
-        final = 3 * iters + 1
         for p in range(p_begin, p_end):
             if p == 0:
                 for row in range(pid, R, G):
@@ -477,17 +481,24 @@ def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, 
             else:
                 Lmax = tl.max(tl.load(INFO + r * 8 + 1, mask=rm, other=0, cache_modifier=".cg"), axis=0)
                 nmax = tl.max(tl.load(INFO + r * 8 + 2, mask=rm, other=0, cache_modifier=".cg"), axis=0)
-                kind = tl.where(p <= final, (p - 1) % 3, p - final + 2)  # 0 assign 1 update 2 reduce 3 count 4 fin 5 scatter
-                if kind == 0:
+                q = p - 2
+                # 0 assign, 1 update, 2 finalize, 3 scatter, 4 pack
+                kind = tl.where(p == 1, 4, tl.where(q <= 2 * iters, q % 2, q - 2 * iters + 1))
+                if (kind == 0) | (kind == 4):
                     for item in range(pid, tl.cdiv(Lmax, BPA) * R, G):
                         blk = item // R
                         row64 = tl.cast(item % R, tl.int64)
                         L = tl.load(INFO + row64 * 8 + 1, cache_modifier=".cg")
                         n = tl.load(INFO + row64 * 8 + 2, cache_modifier=".cg")
                         if (blk * BPA < L) & (n > 0):
-                            nc = tl.load(INFO + row64 * 8 + 3, cache_modifier=".cg")
-                            _assign_block(row64, blk, KEYS, CENT, INVN, PTS, LAB, L, n, nc, C, K, D, DP, BPA, BCA, PREC)
-                elif (kind == 1) | (kind == 3):
+                            if kind == 4:
+                                _pack_block(row64, blk, KEYS, PTS, XP, L, C, D, DP, BPA)
+                            else:
+                                nc = tl.load(INFO + row64 * 8 + 3, cache_modifier=".cg")
+                                chunk = tl.load(INFO + row64 * 8 + 5, cache_modifier=".cg")
+                                _assign_block(row64, blk, XP, CENT, INVN, LAB, FCNT, L, n, nc, chunk, C, K, D, NS,
+                                              q == 2 * iters, DP, BPA, BCA, PREC)
+                elif kind == 1:
                     ncb = tl.cdiv(nmax, BCU)
                     for item in range(pid, ncb * NS * R, G):
                         cb = item % ncb  # the cluster blocks of one (split, row) are neighbours: its keys stay in L2
@@ -497,26 +508,15 @@ def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, 
                         n = tl.load(INFO + row64 * 8 + 2, cache_modifier=".cg")
                         chunk = tl.load(INFO + row64 * 8 + 5, cache_modifier=".cg")
                         if (s * chunk < L) & (cb * BCU < n):
-                            if kind == 1:
-                                _update_item(row64, s, cb, KEYS, PTS, LAB, PART, PCNT, L, n, chunk, C, K, D, NS,
-                                             DP, BCU, BPU, PREC, False)
-                            else:
-                                _update_item(row64, s, cb, KEYS, PTS, LAB, PART, PCNT, L, n, chunk, C, K, D, NS,
-                                             DP, BCU, BPU, PREC, True)
-                elif kind == 2:
-                    for item in range(pid, tl.cdiv(nmax, BCR) * R, G):
-                        cb = item // R
-                        row64 = tl.cast(item % R, tl.int64)
-                        n = tl.load(INFO + row64 * 8 + 2, cache_modifier=".cg")
-                        if cb * BCR < n:
                             nc = tl.load(INFO + row64 * 8 + 3, cache_modifier=".cg")
                             nsu = tl.load(INFO + row64 * 8 + 6, cache_modifier=".cg")
-                            _reduce_item(row64, cb, CENT, INVN, PART, PCNT, n, nc, nsu, K, D, NS, DP, BCR)
-                elif kind == 4:
+                            _update_item(row64, s, cb, XP, CENT, INVN, LAB, PART, PCNT, UCNT, L, n, nc, chunk, nsu,
+                                         q // 2 + 1, C, K, D, NS, NCB, DP, BCU, BPU, PREC)
+                elif kind == 2:
                     for row in range(pid, R, G):
                         at = INFO + tl.cast(row, tl.int64) * 8
                         if tl.load(at, cache_modifier=".cg") != 0:
-                            _finalize_row(row, FILL, CSIZE, CSTART, NCL, CEND, PCNT,
+                            _finalize_row(row, FILL, CSIZE, CSTART, NCL, CEND, FCNT,
                                           tl.load(at + 2, cache_modifier=".cg"), tl.load(at + 3, cache_modifier=".cg"),
                                           tl.load(at + 4, cache_modifier=".cg"), tl.load(at + 6, cache_modifier=".cg"),
                                           K, NS, BCF)
@@ -528,7 +528,7 @@ def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, 
                         n = tl.load(INFO + row64 * 8 + 2, cache_modifier=".cg")
                         chunk = tl.load(INFO + row64 * 8 + 5, cache_modifier=".cg")
                         if (s * chunk < L) & (n > 0):
-                            _scatter_item(row64, s, PTS, LAB, MEMBERS, PCNT, L, chunk, C, K, NS, BPS)
+                            _scatter_item(row64, s, PTS, LAB, MEMBERS, FCNT, L, chunk, C, K, NS, BPS)
             if GRID_SYNC:
                 if p + 1 < p_end:
                     _grid_sync(BAR, (p + 1) * G)
@@ -553,15 +553,19 @@ def _splits(R: int, C: int, K: int, DP: int) -> int:
 def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members,
                           n_clusters, cluster_end, n_sink: int, tokens_per_cluster: int, window: int,
                           window_clusters: int, iters: int, seed: int, *, persistent: bool = True,
-                          programs: int | None = None, splits: int | None = None, block_p: int = BLOCK_P,
-                          block_c: int = BLOCK_C, update_c: int = UPDATE_C, update_p: int = UPDATE_P,
-                          reduce_c: int = REDUCE_C, final_c: int = FINAL_C, scatter_p: int = SCATTER_P,
-                          prep_chunk: int = PREP_CHUNK, init_k: int = INIT_K, num_warps: int = 8) -> None:
+                          programs: int | None = None, splits: int | None = None, block_p: int | None = None,
+                          block_c: int | None = None, update_c: int = UPDATE_C, update_p: int | None = None,
+                          final_c: int = FINAL_C, scatter_p: int = SCATTER_P, prep_chunk: int = PREP_CHUNK,
+                          init_k: int = INIT_K, num_warps: int = 8, num_stages: int | None = None,
+                          on_launch=None) -> None:
     """Launch the kernel (module docstring). persistent: one launch with grid barriers (programs: one per SM
     on CUDA, 1 elsewhere: the interpreter runs programs one after the other) or one launch per phase (programs:
-    4 per SM, 3 elsewhere). The other keywords tune it (powers of two >= 16, except splits, any >= 1); every
-    value gives the same result up to the summation order of the splits (splits) and none the host reads.
-    Under TRITON_INTERPRET=1 it runs on CPU tensors, which is how the kernel is tested without a GPU."""
+    4 per SM, 3 elsewhere). The other keywords tune it (block sizes: powers of two >= 16; splits >= 1); the
+    defaults halve the point and centroid blocks (and pipeline 2 stages) for rows of more than 256 bytes (fp32
+    keys of D 128, 16-bit of D 256) to stay within the shared memory. Every value gives the same labels, the
+    centroids up to the summation order. on_launch(phase, compiled kernel) is called after each launch (profiling;
+    phase None for the persistent launch). Under TRITON_INTERPRET=1 it runs on CPU tensors, which is how the
+    kernel is tested without a GPU."""
     if triton is None:
         raise NotImplementedError("triton_kmeans_cluster needs Triton (pip install triton)")
     _check_inputs(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members,
@@ -574,32 +578,44 @@ def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids,
     dev = keys.device
     DP = max(16, triton.next_power_of_2(D))
     NS = splits or _splits(R, C, K, DP)
+    shrink = max(1, DP * keys.element_size() // 256)  # rows of more than 256 bytes: smaller tiles
+    block_p = block_p or max(16, BLOCK_P // shrink)
+    block_c = block_c or max(16, BLOCK_C // shrink)
+    update_p = update_p or max(16, UPDATE_P // shrink)
+    num_stages = num_stages or (3 if shrink == 1 else 2)
     if dev.type == "cuda":
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         G = programs or (sms if persistent else 4 * sms)
     else:
         G = programs or (1 if persistent else 3)
+    kk = max(K, 1)
+    NCB = triton.cdiv(kk, update_c)
     info = torch.empty(R, INFO_W, dtype=torch.int32, device=dev)
     pts = torch.empty(R, C, dtype=torch.int32, device=dev)
     lab = torch.empty(R, C, dtype=torch.int32, device=dev)
-    kk = max(K, 1)
+    xp = torch.empty(R, C, D, dtype=keys.dtype, device=dev)
     invn = torch.empty(R, kk, dtype=torch.float32, device=dev)
     part = torch.empty(R, NS, kk, DP, dtype=torch.float32, device=dev)
     pcnt = torch.empty(R, NS, kk, dtype=torch.int32, device=dev)
-    bar = torch.zeros(1, dtype=torch.int32, device=dev)
+    counters = torch.zeros(1 + R * NCB + R * NS * kk, dtype=torch.int32, device=dev)  # one memset
+    bar, ucnt, fcnt = counters[:1], counters[1:1 + R * NCB], counters[1 + R * NCB:]
     seed_mix = mix32(seed & MASK32)
     prec = "tf32x3" if keys.dtype == torch.float32 else "tf32"  # fp32: ~fp32 accuracy on tensor cores
-    n_phases = 3 * iters + 5
+    n_phases = 2 * iters + 5
     args = (keys, bias, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end,
-            info, pts, lab, invn, part, pcnt, bar, R, H, C, K, D, NS, n_sink, tokens_per_cluster, window,
-            window_clusters, seed_mix >> 16, seed_mix & 0xFFFF, iters)
+            info, pts, xp, lab, invn, part, pcnt, fcnt, ucnt, bar, R, H, C, K, D, NS, NCB, n_sink, tokens_per_cluster,
+            window, window_clusters, seed_mix >> 16, seed_mix & 0xFFFF, iters)
     meta = dict(RP=triton.next_power_of_2(R), DP=DP, PREC=prec, CH=prep_chunk, BK=init_k, BPA=block_p, BCA=block_c,
-                BCU=update_c, BPU=update_p, BCR=reduce_c, BCF=final_c, BPS=scatter_p, num_warps=num_warps)
+                BCU=update_c, BPU=update_p, BCF=final_c, BPS=scatter_p, num_warps=num_warps, num_stages=num_stages)
     if persistent:
-        _kmeans_kernel[(G,)](*args, 0, n_phases, GRID_SYNC=True, **meta)
+        kernel = _kmeans_kernel[(G,)](*args, 0, n_phases, GRID_SYNC=True, **meta)
+        if on_launch is not None:
+            on_launch(None, kernel)
     else:
         for p in range(n_phases):
-            _kmeans_kernel[(G,)](*args, p, p + 1, GRID_SYNC=False, **meta)
+            kernel = _kmeans_kernel[(G,)](*args, p, p + 1, GRID_SYNC=False, **meta)
+            if on_launch is not None:
+                on_launch(p, kernel)
 
 
 # -- op registration -----------------------------------------------------------------------------------

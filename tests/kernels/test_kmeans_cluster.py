@@ -108,8 +108,12 @@ def plant(s, a: Args, seed=1, noise=0.02, clamp=False) -> Args:
     g = torch.Generator().manual_seed(seed)
     D = s["keys"].shape[3]
     rows = plan(s, a, clamp)
-    while any(len(set(naive_init(len(p), n, a.seed, h, off))) < n for (_, h), (_, _, p, n, off) in rows.items()):
+    for _ in range(1000):
+        if all(len(set(naive_init(len(p), n, a.seed, h, off))) == n for (_, h), (_, _, p, n, off) in rows.items()):
+            break
         a = replace(a, seed=a.seed + 1)
+    else:
+        raise AssertionError("test shape: no seed keeps the initial points apart (make n divide L)")
     for (b, h), (_, _, points, n, offset) in rows.items():
         if n == 0:
             continue

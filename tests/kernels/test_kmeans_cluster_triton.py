@@ -23,7 +23,7 @@ from kvrewrite.kernels.kmeans_cluster import reference_kmeans_cluster, triton_km
 from tests.kernels.test_kmeans_cluster import (  # noqa: E402
     FIELDS, Args, append_tokens, assert_state, clone, make_state, plant)
 
-SMALL = dict(block_p=16, block_c=16, update_c=16, update_p=16, reduce_c=16, final_c=16, scatter_p=16, prep_chunk=16,
+SMALL = dict(block_p=16, block_c=16, update_c=16, update_p=16, final_c=16, scatter_p=16, prep_chunk=16,
              init_k=16, splits=3)
 MODES = {"persistent": dict(persistent=True), "launches": dict(persistent=False, programs=3)}
 
