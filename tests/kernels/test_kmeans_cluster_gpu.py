@@ -100,7 +100,7 @@ def test_prefill_then_windows_match_cpu(triton_path):
 
 
 @pytest.mark.parametrize("knobs", [
-    dict(persistent=False),
+    dict(persistent=False, stop_when_converged=False),
     dict(block_p=64, block_c=32, update_c=32, update_p=64, final_c=64, scatter_p=32, splits=5),
     dict(block_c=128, update_c=128, update_p=64, num_warps=4, splits=1),
     dict(programs=7),
