@@ -5,7 +5,7 @@ cluster ids; ClusterKV's settings (n_sink 16, 80 tokens per cluster, window 320 
 Keys: a mixture (one random direction per 80 tokens, random norms, noise), so the k-means has structure. Calls:
 - prefill: every row due (fill = prompt, cluster_end 0): L = prompt - 16 points into ceil(L / 80) clusters (410 at
   32k); a row stops iterating once its labels stop changing (exact: the rest would change nothing), so this depends on
-  the keys; prefill_all_iters: every iteration runs (the worst case); iters = 0: prep, final assignment and the index
+  the keys; prefill_all_iters: every iteration runs (the worst case); iters = 0: count, write, final assignment, index
   (the fixed cost); per_iter_us = (all iterations - iters 0) / 20;
 - window: after the prefill clustering, 320 new tokens per row: 4 clusters each;
 - not_due: 100 new tokens (no row due: what a decode step that compresses pays, two launches that return at once).

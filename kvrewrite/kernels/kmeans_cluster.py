@@ -27,45 +27,57 @@ budget (values and slot_pos are passed by the rewrite's convention and not read)
 Backends. The reference (a Python loop over the due rows, tensor code inside a row, host reads) is the
 CPU path and the ground truth. CUDA runs the Triton kernel below (supports_triton; otherwise the
 reference, with a warning). The kernel reads nothing on the host, its launches depend on shapes only (CUDA
-graphs capture it), and it is deterministic: every sum has a fixed order (no float atomics).
+graphs capture it), and it is deterministic: every float sum has a fixed order (integer atomics only).
 
-Triton kernel. The work is phases with a global dependency between each and the next:
-  prep (rows)                  due rule, the row's points (slot of each point, by a chunked cumsum of the
-                               valid flags), sinks, L, C_new, append offsets, initial centroids + 1/|c|;
-  iters x [ assign (point blocks x rows)
-                               each block of BLOCK_P points against all centroids: tensor-core dots
-                               [BLOCK_P, D] x [D, BLOCK_C], scaled by 1/|c|, running max/argmax -> labels;
-            update (cluster blocks x splits x rows)
-                               one-hot [BLOCK_C, BLOCK_P] x keys [BLOCK_P, D] on tensor cores over the
-                               split's points -> fp32 partial sums and counts per (split, cluster);
-            reduce (cluster blocks x rows)
-                               partials summed over the splits in split order, / count, rounded to the
-                               dtype; the new centroid and its 1/|c| (empty clusters keep theirs) ]
-  assign (final); count (update's counts only); finalize (rows: sizes, starts, each (split, cluster)'s
-  first member offset); scatter (splits x rows: members by a stable counting sort, ranks inside a block
-  of points from a [BLOCK, BLOCK] label comparison, a per-(split, cluster) cursor advanced block by block).
-By default all 3 iters + 5 phases run in ONE persistent launch (plus the memset of its barrier counter):
-one program per SM loops over each phase's work items and the programs meet at a grid barrier (an atomic
-counter, acquire/release; all programs are resident since there is one per SM) between phases. So a call
-where no row is due costs two launches: every program reads the due rule of all rows and returns. The
-same kernel can run one launch per phase instead (persistent=False: no barrier, any grid), how the
-interpreter tests it with several programs and a fallback if a device misbehaves with the barrier.
-Every phase walks only the work of due rows (its item count comes from the largest L and C_new of the
-call), so a window clustering (L = 320) touches a few hundred points per phase.
+Triton kernel: one kernel, its work in phases, each depending on the whole previous one:
+  0 count   (rows x 512-slot chunks)  due rule; valid slots per chunk of the scan range;
+  1 write   (rows x chunks)           ranks from the chunk counts: sinks -> members, point i -> its slot (PTS) and
+                                      its keys packed contiguous (XP); the initial centroids that fall in the
+                                      chunk and their 1/(|c| + eps); per-row INFO (L, C_new, offsets, split size);
+  iters x [ assign (rows x 256-point blocks)
+                                      tensor-core dots [256, D] x [D, 64 centroids], scaled by 1/(|c| + eps),
+                                      running first-max -> labels; changed labels counted per row (CHG);
+            update (rows x splits x 64-cluster blocks)
+                                      one-hot [64, 128 points] x keys [128, D] (and x ones: the counts) over the
+                                      split's points -> fp32 partials per (split, cluster); the last program to
+                                      finish a cluster block (an int counter) sums its partials in split order,
+                                      / count, rounds to the dtype: new centroids and 1/|c| ]
+  final assign (+ per-(split, cluster) counts by integer atomics); finalize (rows: sizes, starts, the cursor of
+  each (split, cluster)); scatter (rows x splits: a stable counting sort, ranks inside 64-point steps from a
+  [64, 64] label comparison) -> members.
+A row whose labels did not change in an iteration has converged: every later iteration would recompute the
+same centroids and labels bit for bit, so its later work is skipped (exact; stop_when_converged=False runs it).
+By default all 2 iters + 5 phases run in ONE persistent launch (plus one memset of its counters): every program
+loops over a phase's work items (only those of due rows: counts come from the largest L and C_new of the call)
+and all meet at a grid barrier (an atomic counter, release/acquire: the acquire also makes the L1-cached loads
+of the next phase see the other SMs' stores) between phases. All programs must be resident at once: the grid
+is SMs x the CTAs per SM that the compiled kernel's registers and shared memory allow (_persistent_programs;
+1 per SM at 8 warps and 255 registers). A call where no row is due is that memset and a launch whose programs
+read the due rule of every row and return. persistent=False launches one kernel per phase (no barrier, any
+grid): how the interpreter runs it with several programs, and a fallback should a device not keep the whole
+grid resident (e.g. an MPS SM limit).
 
-Why a one-hot update on tensor cores rather than a counting sort per iteration: the one-hot product costs
-what the assignment costs (2 L C D flops), which on tensor cores is cheap next to the data movement and
-the launches a sort needs each iteration (histogram, scan over blocks, scatter, gather-sum: 4 phases with
-their barriers instead of 2, and a serial per-cluster gather for large clusters). Llama-3.1-8B layer at
-a 32k prompt (8 rows, L ~ 32k, C_new = 410, D = 128): 8 * 2 * 32k * 448 * 128 = 30 GFLOP per assignment
-and per update, ~40-60 us each on an H100 at 50-70% of the bf16 peak plus their elementwise epilogues;
-21 assignments + 20 updates + reduces + barriers ~ 2-3 ms per due call (the target is <= 4 ms). The
-counting sort is used once, for the final members.
+Why a one-hot update on tensor cores rather than a counting sort per iteration: it costs what an assignment
+costs (2 L C D flops), on the same units, in one phase; a sort-based mean needs a count, a scan, a scatter and
+a gather-sum per iteration (4 phases with their barriers, a tail for large clusters), which saves the update's
+flops but not the assignment's. The sort runs once, for the final members.
 
-Numerics: dots of 16-bit keys and centroids are exact products accumulated in fp32 (fp32 keys: IEEE
-dots); scores are multiplied by 1/(|c| + 1e-8) where the reference divides, and sums run in another order,
-so scores differ from the reference's by a few ulp and the centroids by rounding: near-ties (top-2 scores
-within ~1e-5 relative) may be assigned differently, everything else is identical.
+Measured (H100, torch 2.11, triton 3.6; kvrewrite.bench.kmeans_cluster; Llama-3.1-8B layer: 8 rows, D 128,
+bf16, 20 iterations, keys a mixture of directions that does not converge in 20): a due prefill call costs
+1.0 ms at 8k (103 clusters; 46 us per iteration + 95 us), 8.2-8.4 ms at 32k (410 clusters; 390 us per
+iteration + 370 us), 98 ms at 128k (1639 clusters); a window clustering (320 points into 4) 0.31-0.39 ms, ~45
+phases of a few us each; a call with no row due 4-5 us in a CUDA graph (0.3-0.5 ms eager: Python and launch).
+Above the 4 ms target at 32k: at 1 CTA per SM (the update phase takes 255 registers) the assign and update
+phases run at ~100-150 TFLOP/s, half what the same code reaches in kernels of their own (~110 us each at 32k,
+2-3 CTAs per SM); both scale with L x C_new, i.e. ~L^2. On keys whose clusters settle, rows stop early.
+
+Numerics: dots of 16-bit keys and centroids are exact products accumulated in fp32 (fp32 keys: 3xTF32); scores
+are multiplied by 1/(|c| + 1e-8) where the reference divides, and sums run in another order, so scores differ
+from the reference's by a few ulp and the centroids by rounding: near-ties (top-2 scores within ~1e-5 relative)
+may be assigned differently, everything else is identical.
+
+Memory per call (transient): the packed keys (XP, the keys' size), point slots and labels (8 bytes per slot),
+fp32 partials [rows, splits, K, D] (capped at 256 MB by fewer splits; 54 MB at 32k), counters.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
@@ -120,7 +132,8 @@ def _check_inputs(keys, values, bias, slot_pos, fill, budget, centroids, cluster
         "values": (values, (B, H, C, D), None), "bias": (bias, (B, H, C), torch.float32),
         "slot_pos": (slot_pos, (B, H, C), None), "fill": (fill, (B, H), torch.int64),
         "budget": (budget, (2,), torch.int64), "centroids": (centroids, (B, H, K, D), keys.dtype),
-        "cluster_size": (cluster_size, (B, H, K), torch.int32), "cluster_start": (cluster_start, (B, H, K), torch.int32),
+        "cluster_size": (cluster_size, (B, H, K), torch.int32),
+        "cluster_start": (cluster_start, (B, H, K), torch.int32),
         "members": (members, (B, H, C), torch.int32), "n_clusters": (n_clusters, (B, H), torch.int32),
         "cluster_end": (cluster_end, (B, H), torch.int64),
     }
@@ -199,7 +212,7 @@ def reference_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroi
 # Triton's interpreter (TRITON_INTERPRET=1, how the kernel is tested on a CPU) computes 16-bit dots wrongly (on
 # the raw bits): there the operands go up to fp32 first (exact: the products of 16-bit values are exact in fp32)
 _INTERPRET = None if triton is None else tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
-INFO_W = 8  # per-row info words: due, L, C_new, first cluster id, first member offset, split size, splits used
+INFO_W = 8  # per-row words: due, L, C_new, first id, first member offset, split size, splits used, offset
 BLOCK_P = 256  # assign: points per block
 BLOCK_C = 64  # assign: centroids per dot
 UPDATE_C = 64  # update: clusters per program (and per reduce)
@@ -644,9 +657,9 @@ def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids,
     >= 1); the defaults halve the point and centroid blocks (and pipeline 2 stages) for rows of more than 256 bytes
     (fp32 keys of D 128, 16-bit of D 256) to stay within the shared memory. Every value gives the same labels, the
     centroids up to the summation order. stop_when_converged=False runs every iteration of a row whose labels no
-    longer change (the worst case's time; the same result). on_launch(phase, compiled kernel) is called after each launch (profiling;
-    phase None for the persistent launch). Under TRITON_INTERPRET=1 it runs on CPU tensors, which is how the
-    kernel is tested without a GPU."""
+    longer change (the worst case's time; the same result). on_launch(phase, compiled kernel) is called after each
+    launch (profiling; phase None for the persistent launch). Under TRITON_INTERPRET=1 it runs on CPU tensors,
+    which is how the kernel is tested without a GPU."""
     if triton is None:
         raise NotImplementedError("triton_kmeans_cluster needs Triton (pip install triton)")
     _check_inputs(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members,

@@ -3,7 +3,7 @@ memory, with no host sync, in a CUDA graph.
 
 Keys are planted (test_kmeans_cluster.plant: no near-ties), so labels, sizes, starts, members, n_clusters and
 cluster_end must equal the CPU's and centroids agree within the dtype's rounding (the kernel sums in another order).
-Skipped without CUDA (and Triton). Written without a GPU at hand: on a GPU machine,
+Skipped without CUDA (and Triton). On a GPU machine (they pass on an H100, torch 2.11, triton 3.6; ~1.5 min),
 `python -m pytest -m gpu -q tests/kernels/test_kmeans_cluster_gpu.py`.
 """
 import math
