@@ -27,45 +27,57 @@ budget (values and slot_pos are passed by the rewrite's convention and not read)
 Backends. The reference (a Python loop over the due rows, tensor code inside a row, host reads) is the
 CPU path and the ground truth. CUDA runs the Triton kernel below (supports_triton; otherwise the
 reference, with a warning). The kernel reads nothing on the host, its launches depend on shapes only (CUDA
-graphs capture it), and it is deterministic: every sum has a fixed order (no float atomics).
+graphs capture it), and it is deterministic: every float sum has a fixed order (integer atomics only).
 
-Triton kernel. The work is phases with a global dependency between each and the next:
-  prep (rows)                  due rule, the row's points (slot of each point, by a chunked cumsum of the
-                               valid flags), sinks, L, C_new, append offsets, initial centroids + 1/|c|;
-  iters x [ assign (point blocks x rows)
-                               each block of BLOCK_P points against all centroids: tensor-core dots
-                               [BLOCK_P, D] x [D, BLOCK_C], scaled by 1/|c|, running max/argmax -> labels;
-            update (cluster blocks x splits x rows)
-                               one-hot [BLOCK_C, BLOCK_P] x keys [BLOCK_P, D] on tensor cores over the
-                               split's points -> fp32 partial sums and counts per (split, cluster);
-            reduce (cluster blocks x rows)
-                               partials summed over the splits in split order, / count, rounded to the
-                               dtype; the new centroid and its 1/|c| (empty clusters keep theirs) ]
-  assign (final); count (update's counts only); finalize (rows: sizes, starts, each (split, cluster)'s
-  first member offset); scatter (splits x rows: members by a stable counting sort, ranks inside a block
-  of points from a [BLOCK, BLOCK] label comparison, a per-(split, cluster) cursor advanced block by block).
-By default all 3 iters + 5 phases run in ONE persistent launch (plus the memset of its barrier counter):
-one program per SM loops over each phase's work items and the programs meet at a grid barrier (an atomic
-counter, acquire/release; all programs are resident since there is one per SM) between phases. So a call
-where no row is due costs two launches: every program reads the due rule of all rows and returns. The
-same kernel can run one launch per phase instead (persistent=False: no barrier, any grid), how the
-interpreter tests it with several programs and a fallback if a device misbehaves with the barrier.
-Every phase walks only the work of due rows (its item count comes from the largest L and C_new of the
-call), so a window clustering (L = 320) touches a few hundred points per phase.
+Triton kernel: one kernel, its work in phases, each depending on the whole previous one:
+  0 count   (rows x 512-slot chunks)  due rule; valid slots per chunk of the scan range;
+  1 write   (rows x chunks)           ranks from the chunk counts: sinks -> members, point i -> its slot (PTS) and
+                                      its keys packed contiguous (XP); the initial centroids that fall in the
+                                      chunk and their 1/(|c| + eps); per-row INFO (L, C_new, offsets, split size);
+  iters x [ assign (rows x 256-point blocks)
+                                      tensor-core dots [256, D] x [D, 64 centroids], scaled by 1/(|c| + eps),
+                                      running first-max -> labels; changed labels counted per row (CHG);
+            update (rows x splits x 64-cluster blocks)
+                                      one-hot [64, 128 points] x keys [128, D] (and x ones: the counts) over the
+                                      split's points -> fp32 partials per (split, cluster); the last program to
+                                      finish a cluster block (an int counter) sums its partials in split order,
+                                      / count, rounds to the dtype: new centroids and 1/|c| ]
+  final assign (+ per-(split, cluster) counts by integer atomics); finalize (rows: sizes, starts, the cursor of
+  each (split, cluster)); scatter (rows x splits: a stable counting sort, ranks inside 64-point steps from a
+  [64, 64] label comparison) -> members.
+A row whose labels did not change in an iteration has converged: every later iteration would recompute the
+same centroids and labels bit for bit, so its later work is skipped (exact; stop_when_converged=False runs it).
+By default all 2 iters + 5 phases run in ONE persistent launch (plus one memset of its counters): every program
+loops over a phase's work items (only those of due rows: counts come from the largest L and C_new of the call)
+and all meet at a grid barrier (an atomic counter, release/acquire: the acquire also makes the L1-cached loads
+of the next phase see the other SMs' stores) between phases. All programs must be resident at once: the grid
+is SMs x the CTAs per SM that the compiled kernel's registers and shared memory allow (_persistent_programs;
+1 per SM at 8 warps and 255 registers). A call where no row is due is that memset and a launch whose programs
+read the due rule of every row and return. persistent=False launches one kernel per phase (no barrier, any
+grid): how the interpreter runs it with several programs, and a fallback should a device not keep the whole
+grid resident (e.g. an MPS SM limit).
 
-Why a one-hot update on tensor cores rather than a counting sort per iteration: the one-hot product costs
-what the assignment costs (2 L C D flops), which on tensor cores is cheap next to the data movement and
-the launches a sort needs each iteration (histogram, scan over blocks, scatter, gather-sum: 4 phases with
-their barriers instead of 2, and a serial per-cluster gather for large clusters). Llama-3.1-8B layer at
-a 32k prompt (8 rows, L ~ 32k, C_new = 410, D = 128): 8 * 2 * 32k * 448 * 128 = 30 GFLOP per assignment
-and per update, ~40-60 us each on an H100 at 50-70% of the bf16 peak plus their elementwise epilogues;
-21 assignments + 20 updates + reduces + barriers ~ 2-3 ms per due call (the target is <= 4 ms). The
-counting sort is used once, for the final members.
+Why a one-hot update on tensor cores rather than a counting sort per iteration: it costs what an assignment
+costs (2 L C D flops), on the same units, in one phase; a sort-based mean needs a count, a scan, a scatter and
+a gather-sum per iteration (4 phases with their barriers, a tail for large clusters), which saves the update's
+flops but not the assignment's. The sort runs once, for the final members.
 
-Numerics: dots of 16-bit keys and centroids are exact products accumulated in fp32 (fp32 keys: IEEE
-dots); scores are multiplied by 1/(|c| + 1e-8) where the reference divides, and sums run in another order,
-so scores differ from the reference's by a few ulp and the centroids by rounding: near-ties (top-2 scores
-within ~1e-5 relative) may be assigned differently, everything else is identical.
+Measured (H100, torch 2.11, triton 3.6; kvrewrite.bench.kmeans_cluster; Llama-3.1-8B layer: 8 rows, D 128,
+bf16, 20 iterations, keys a mixture of directions that does not converge in 20): a due prefill call costs
+1.0 ms at 8k (103 clusters; 46 us per iteration + 95 us), 8.2-8.4 ms at 32k (410 clusters; 390 us per
+iteration + 370 us), 98 ms at 128k (1639 clusters); a window clustering (320 points into 4) 0.31-0.39 ms, ~45
+phases of a few us each; a call with no row due 4-5 us in a CUDA graph (0.3-0.5 ms eager: Python and launch).
+Above the 4 ms target at 32k: at 1 CTA per SM (the update phase takes 255 registers) the assign and update
+phases run at ~100-150 TFLOP/s, half what the same code reaches in kernels of their own (~110 us each at 32k,
+2-3 CTAs per SM); both scale with L x C_new, i.e. ~L^2. On keys whose clusters settle, rows stop early.
+
+Numerics: dots of 16-bit keys and centroids are exact products accumulated in fp32 (fp32 keys: 3xTF32); scores
+are multiplied by 1/(|c| + 1e-8) where the reference divides, and sums run in another order, so scores differ
+from the reference's by a few ulp and the centroids by rounding: near-ties (top-2 scores within ~1e-5 relative)
+may be assigned differently, everything else is identical.
+
+Memory per call (transient): the packed keys (XP, the keys' size), point slots and labels (8 bytes per slot),
+fp32 partials [rows, splits, K, D] (capped at 256 MB by fewer splits; 54 MB at 32k), counters.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
@@ -120,7 +132,8 @@ def _check_inputs(keys, values, bias, slot_pos, fill, budget, centroids, cluster
         "values": (values, (B, H, C, D), None), "bias": (bias, (B, H, C), torch.float32),
         "slot_pos": (slot_pos, (B, H, C), None), "fill": (fill, (B, H), torch.int64),
         "budget": (budget, (2,), torch.int64), "centroids": (centroids, (B, H, K, D), keys.dtype),
-        "cluster_size": (cluster_size, (B, H, K), torch.int32), "cluster_start": (cluster_start, (B, H, K), torch.int32),
+        "cluster_size": (cluster_size, (B, H, K), torch.int32),
+        "cluster_start": (cluster_start, (B, H, K), torch.int32),
         "members": (members, (B, H, C), torch.int32), "n_clusters": (n_clusters, (B, H), torch.int32),
         "cluster_end": (cluster_end, (B, H), torch.int64),
     }
@@ -199,16 +212,17 @@ def reference_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroi
 # Triton's interpreter (TRITON_INTERPRET=1, how the kernel is tested on a CPU) computes 16-bit dots wrongly (on
 # the raw bits): there the operands go up to fp32 first (exact: the products of 16-bit values are exact in fp32)
 _INTERPRET = None if triton is None else tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
-INFO_W = 8  # per-row info words: due, L, C_new, first cluster id, first member offset, split size, splits used
-BLOCK_P = 128  # assign: points per block
+INFO_W = 8  # per-row words: due, L, C_new, first id, first member offset, split size, splits used, offset
+BLOCK_P = 256  # assign: points per block
 BLOCK_C = 64  # assign: centroids per dot
-UPDATE_C = 64  # update: clusters per program
+UPDATE_C = 64  # update: clusters per program (and per reduce)
 UPDATE_P = 128  # update: points per dot (and the split size's granularity)
-REDUCE_C = 16  # reduce: clusters per program
 FINAL_C = 256  # finalize: clusters per step
-SCATTER_P = 128  # scatter: points per step
-PREP_CHUNK = 1024  # prep: slots per step of the row scan
-INIT_K = 32  # prep: initial centroids per step
+SCATTER_P = 64  # scatter: points per step (its rank is a [SCATTER_P, SCATTER_P] comparison)
+PREP_CHUNK = 512  # count / write: slots per work item
+WRITE_P = 128  # write: slots per step (a [WRITE_P, D] tile of keys copied to the packed points)
+INIT_K = 32  # write: initial centroids per step
+MAX_CTAS_PER_SM = 2  # persistent programs per SM, where the compiled kernel's registers and shared memory allow
 SPLIT_POINTS = 2048  # points per split of the update (at most MAX_SPLITS splits)
 MAX_SPLITS = 16
 PARTIAL_BYTES = 256 << 20  # cap of the update's fp32 partial sums (fewer splits beyond)
@@ -250,107 +264,170 @@ def _grid_sync(BAR, target):
 
 
 @triton_jit()
-def _prep_row(row, KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, MEMBERS, NCL, CEND, INFO, PTS, INVN,
-              C, K, D, H, NS, n_sink, tpc, window, wc, seed_hi, seed_lo,
-              DP: tl.constexpr, CH: tl.constexpr, BK: tl.constexpr, ALIGN: tl.constexpr):
-    """Phase 0 for one row: due rule, points (PTS[row, i] = slot of point i), sinks, initial centroids and their
-    reciprocal norms (INVN), INFO[row] = [due, L, C_new, first id, first member offset, split size, splits]."""
-    row64 = tl.cast(row, tl.int64)
-    fill = tl.load(FILL + row)
-    ce = tl.load(CEND + row)
-    nc = tl.load(NCL + row)
+def _row_rule(row64, FILL, BUDGET, NCL, CEND, C, window):
+    """The due rule of a row and its scan range [lo, hi) (the state as the call found it)."""
+    fill = tl.load(FILL + row64)
+    ce = tl.load(CEND + row64)
     ready = fill >= tl.load(BUDGET + 1)
     pre = ready & (ce == 0)
     due = pre | (ready & (ce > 0) & (fill - ce >= window))
-    L = tl.zeros([], tl.int32)
-    n = tl.zeros([], tl.int32)
-    mbase = tl.zeros([], tl.int32)
-    chunk = tl.zeros([], tl.int32)
-    if due:
-        hi = tl.minimum(fill, C).to(tl.int32)
-        lo = tl.where(pre, 0, tl.minimum(ce, C)).to(tl.int32)
+    hi = tl.minimum(fill, C).to(tl.int32)
+    lo = tl.where(pre, 0, tl.minimum(ce, C)).to(tl.int32)
+    return due, pre, lo, hi, tl.load(NCL + row64)
+
+
+@triton_jit()
+def _count_chunk(row64, j, FILL, BUDGET, NCL, CEND, BIAS, CSIZE, INFO, VC, C, K, NCH, window, CH: tl.constexpr):
+    """Phase 0, chunk j of a row's scan range: VC[row, j] = its valid slots. Chunk 0 also writes INFO[row, 0] (due)
+    and INFO[row, 7] (points clustered before: the sizes of the row's clusters), and zeros for a row not due."""
+    due, pre, lo, hi, nc = _row_rule(row64, FILL, BUDGET, NCL, CEND, C, window)
+    c0 = lo + j * CH
+    if due & (c0 < hi):
+        s = c0 + tl.arange(0, CH)
+        valid = tl.load(BIAS + row64 * C + s, mask=s < hi, other=float("-inf")) > float("-inf")
+        tl.store(VC + row64 * NCH + j, tl.sum(valid.to(tl.int32), axis=0))
+    if j == 0:
+        at = INFO + row64 * 8
+        tl.store(at, due.to(tl.int32))
+        if due:
+            offset = tl.zeros([], tl.int32)
+            for k0 in range(0, nc, CH):
+                k = k0 + tl.arange(0, CH)
+                offset += tl.sum(tl.load(CSIZE + row64 * K + k, mask=k < nc, other=0), axis=0)
+            tl.store(at + 7, offset)
+        else:
+            for w in tl.static_range(1, 8):
+                tl.store(at + w, 0)
+
+
+@triton_jit()
+def _write_chunk(row64, j, KEYS, FILL, BUDGET, NCL, CEND, BIAS, CENT, MEMBERS, INFO, VC, PTS, XP, INVN,
+                 C, K, D, H, NS, NCH, n_sink, tpc, window, wc, seed_hi, seed_lo,
+                 DP: tl.constexpr, CH: tl.constexpr, NCHP: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr,
+                 ALIGN: tl.constexpr):
+    """Phase 1, chunk j of a due row: its valid slots ranked (the chunks before it counted in phase 0): the first
+    n_sink of the row are sinks (members), the others points: PTS[row, i] = slot of point i, XP[row, i] = its keys;
+    the initial centroids that are points of this chunk (k: point (k L + r_k) // n, r_k a hash of (seed, head,
+    offset, k) mod L) and their reciprocal norms. Chunk 0 writes INFO[row, 1:7] = [L, C_new, first id, first member
+    offset, split size, splits used] and the -1 of sinks the row lacks."""
+    due, pre, lo, hi, nc = _row_rule(row64, FILL, BUDGET, NCL, CEND, C, window)
+    nch = tl.cdiv(hi - lo, CH)
+    if due & ((j < nch) | (j == 0)):
+        jj = tl.arange(0, NCHP)
+        counts = tl.load(VC + row64 * NCH + jj, mask=jj < nch, other=0)
+        total = tl.sum(counts, axis=0)
+        prefix = tl.sum(tl.where(jj < j, counts, 0), axis=0)
         nsk = tl.where(pre, n_sink, 0)
-        total = tl.zeros([], tl.int32)
-        for c0 in range(lo, hi, CH):  # rank the valid slots: the first nsk are sinks, the rest points
-            s = c0 + tl.arange(0, CH)
-            valid = tl.load(BIAS + row64 * C + s, mask=s < hi, other=float("-inf")) > float("-inf")
-            vi = valid.to(tl.int32)
-            rank = total + tl.cumsum(vi, axis=0) - vi
-            tl.store(MEMBERS + row64 * C + rank, s, mask=valid & (rank < nsk))
-            tl.store(PTS + row64 * C + rank - nsk, s, mask=valid & (rank >= nsk))
-            total += tl.sum(vi, axis=0)
-        if pre:  # sink entries the row lacks
-            for j0 in range(0, n_sink, CH):
-                j = j0 + tl.arange(0, CH)
-                tl.store(MEMBERS + row64 * C + j, tl.full([CH], -1, tl.int32), mask=(j >= total) & (j < n_sink) & (j < C))
         L = tl.maximum(total - nsk, 0)
-        offset = tl.zeros([], tl.int32)  # points clustered before: the sizes of the row's clusters
-        for k0 in range(0, nc, CH):
-            k = k0 + tl.arange(0, CH)
-            offset += tl.sum(tl.load(CSIZE + row64 * K + k, mask=k < nc, other=0), axis=0)
+        offset = tl.load(INFO + row64 * 8 + 7)
         n = tl.where(pre, tl.cdiv(L, tpc), tl.minimum(L, wc))
         n = tl.maximum(tl.minimum(n, K - nc), 0)
-        mbase = n_sink + offset
-        chunk = tl.cdiv(tl.cdiv(L, NS), ALIGN) * ALIGN
-        # -- initial centroids: point (k L + r_k) // n, r_k a hash of (seed, head, offset, k) mod L
-        tl.debug_barrier()  # PTS written above by other threads of the program
-        seed = (seed_hi.to(tl.int64) << 16) | seed_lo
-        base = _mix32(_mix32(seed ^ (row % H)) ^ offset)
+        if j == 0:
+            chunk = tl.cdiv(tl.cdiv(L, NS), ALIGN) * ALIGN
+            at = INFO + row64 * 8
+            tl.store(at + 1, L)
+            tl.store(at + 2, n)
+            tl.store(at + 3, nc)
+            tl.store(at + 4, n_sink + offset)
+            tl.store(at + 5, chunk)
+            tl.store(at + 6, tl.where(chunk > 0, tl.cdiv(L, tl.maximum(chunk, 1)), 0))
+            if pre:  # sink entries the row lacks
+                for i0 in range(0, n_sink, BW):
+                    i = i0 + tl.arange(0, BW)
+                    tl.store(MEMBERS + row64 * C + i, tl.full([BW], -1, tl.int32),
+                             mask=(i >= total) & (i < n_sink) & (i < C))
         d = tl.arange(0, DP)
         dm = d < D
-        for k0 in range(0, n, BK):
-            k = k0 + tl.arange(0, BK)
-            km = k < n
-            r = _mix32(base ^ k.to(tl.int64)) % L
-            ik = (k.to(tl.int64) * L + r) // n
-            slot = tl.load(PTS + row64 * C + ik, mask=km, other=0)
-            m2 = km[:, None] & dm[None, :]
-            x = tl.load(KEYS + (row64 * C + slot)[:, None] * D + d[None, :], mask=m2, other=0.0)
-            tl.store(CENT + (row64 * K + nc + k)[:, None] * D + d[None, :], x, mask=m2)
-            xf = x.to(tl.float32)
-            norm = tl.sqrt_rn(tl.sum(xf * xf, axis=1))
-            tl.store(INVN + row64 * K + k, tl.math.div_rn(tl.full([BK], 1.0, tl.float32), norm + 1e-8), mask=km)
-    at = INFO + row64 * 8
-    tl.store(at, due.to(tl.int32))
-    tl.store(at + 1, L)
-    tl.store(at + 2, n)
-    tl.store(at + 3, nc)
-    tl.store(at + 4, mbase)
-    tl.store(at + 5, chunk)
-    tl.store(at + 6, tl.where(chunk > 0, tl.cdiv(L, tl.maximum(chunk, 1)), 0))
+        rank0 = prefix
+        c0 = lo + j * CH
+        for b0 in range(c0, tl.minimum(c0 + CH, hi), BW):
+            s = b0 + tl.arange(0, BW)
+            valid = tl.load(BIAS + row64 * C + s, mask=s < hi, other=float("-inf")) > float("-inf")
+            vi = valid.to(tl.int32)
+            rank = rank0 + tl.cumsum(vi, axis=0) - vi
+            tl.store(MEMBERS + row64 * C + rank, s, mask=valid & (rank < nsk))
+            point = valid & (rank >= nsk)
+            tl.store(PTS + row64 * C + rank - nsk, s, mask=point)
+            m2 = point[:, None] & dm[None, :]
+            x = tl.load(KEYS + (row64 * C + s)[:, None] * D + d[None, :], mask=m2)
+            tl.store(XP + (row64 * C + rank - nsk)[:, None] * D + d[None, :], x, mask=m2)
+            rank0 += tl.sum(vi, axis=0)
+        a = tl.maximum(prefix - nsk, 0)  # this chunk's points: [a, b)
+        b = tl.maximum(rank0 - nsk, 0)
+        if (n > 0) & (a < b):
+            tl.debug_barrier()  # PTS written above by other threads of the program
+            seed = (tl.cast(seed_hi, tl.int64) << 16) | seed_lo
+            base = _mix32(_mix32(seed ^ (row64 % H)) ^ offset)
+            k_lo = tl.maximum(a.to(tl.int64) * n // L - 1, 0).to(tl.int32)  # k of point i: ~ i n / L
+            k_hi = tl.minimum((b.to(tl.int64) - 1) * n // L + 2, n).to(tl.int32)
+            for k0 in range(k_lo, k_hi, BK):
+                k = k0 + tl.arange(0, BK)
+                r = _mix32(base ^ k.to(tl.int64)) % L
+                ik = ((k.to(tl.int64) * L + r) // n).to(tl.int32)
+                mine = (k < k_hi) & (ik >= a) & (ik < b)
+                # (point ik < L is another chunk's where not mine: its slot may be unwritten yet, and is not used)
+                slot = tl.load(PTS + row64 * C + ik, mask=k < k_hi, other=0)
+                m2 = mine[:, None] & dm[None, :]
+                x = tl.load(KEYS + (row64 * C + slot)[:, None] * D + d[None, :], mask=m2, other=0.0)
+                tl.store(CENT + (row64 * K + nc + k)[:, None] * D + d[None, :], x, mask=m2)
+                xf = x.to(tl.float32)
+                norm = tl.sqrt_rn(tl.sum(xf * xf, axis=1))
+                tl.store(INVN + row64 * K + k, tl.math.div_rn(tl.full([BK], 1.0, tl.float32), norm + 1e-8),
+                         mask=mine)
 
 
 @triton_jit()
-def _assign_block(row64, blk, KEYS, CENT, INVN, PTS, LAB, L, n, nc, C, K, D,
-                  DP: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-    """Labels of points [blk * BP, +BP) of a row: argmax over the n centroids of x . c * (1 / (|c| + eps))."""
+def _assign_block(row64, blk, XP, CENT, INVN, LAB, FCNT, CHG, L, n, nc, chunk, C, K, D, NS, R, it, final,
+                  DP: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, STOP: tl.constexpr):
+    """Labels of points [blk * BP, +BP) of a row in iteration `it`: argmax over the n centroids of
+    x . c * (1 / (|c| + eps)); CHG[it, row] counts the labels that changed (integer atomics: the same total in any
+    order). A row whose labels did not change in the iteration before has converged: its centroids and labels stay
+    as they are (what recomputing them gives, bit for bit), so it is skipped (STOP; else every iteration runs). The
+    final assignment also counts the labels per (split, cluster) in FCNT."""
     p = blk * BP + tl.arange(0, BP)
     pm = p < L
-    d = tl.arange(0, DP)
-    dm = d < D
-    slot = tl.load(PTS + row64 * C + p, mask=pm, other=0, cache_modifier=".cg")
-    x = tl.load(KEYS + (row64 * C + slot)[:, None] * D + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
-    best = tl.full([BP], float("-inf"), tl.float32)
-    label = tl.zeros([BP], tl.int32)
-    for c0 in range(0, n, BC):
-        c = c0 + tl.arange(0, BC)
-        cm = c < n
-        cent = tl.load(CENT + (row64 * K + nc + c)[:, None] * D + d[None, :], mask=cm[:, None] & dm[None, :],
-                       other=0.0, cache_modifier=".cg")
-        inv = tl.load(INVN + row64 * K + c, mask=cm, other=0.0, cache_modifier=".cg")
-        s = _dot(x, tl.trans(cent), None, PREC) * inv[None, :]  # [BP, BC] fp32
-        s = tl.where(cm[None, :], s, float("-inf"))
-        m, i = tl.max(s, axis=1, return_indices=True, return_indices_tie_break_left=True)
-        better = m > best  # strict: ties keep the earlier block's (lower) id
-        best = tl.where(better, m, best)
-        label = tl.where(better, c0 + i, label)
-    tl.store(LAB + row64 * C + p, label, mask=pm)
+    converged = False
+    if STOP & (it > 0):
+        converged = tl.load(CHG + (it - 1) * R + row64, cache_modifier=".cg") == 0
+    if converged:
+        label = tl.load(LAB + row64 * C + p, mask=pm, other=0, cache_modifier=".cg")
+    else:
+        d = tl.arange(0, DP)
+        x = tl.load(XP + (row64 * C + p)[:, None] * D + d[None, :], mask=pm[:, None] & (d < D)[None, :], other=0.0)
+        best = tl.full([BP], float("-inf"), tl.float32)
+        label = tl.zeros([BP], tl.int32)
+        for c0 in range(0, n, BC):  # centroids and norms cached: the grid barrier's acquire makes this phase see them
+            c = c0 + tl.arange(0, BC)
+            cm = c < n
+            cent = tl.load(CENT + (row64 * K + nc + c)[:, None] * D + d[None, :], mask=cm[:, None] & (d < D)[None, :],
+                           other=0.0)
+            inv = tl.load(INVN + row64 * K + c, mask=cm, other=0.0)
+            s = _dot(x, tl.trans(cent), None, PREC) * inv[None, :]  # [BP, BC] fp32
+            if c0 + BC > n:
+                s = tl.where(cm[None, :], s, float("-inf"))
+            m = tl.max(s, axis=1)
+            i = tl.min(tl.where(s == m[:, None], c[None, :], 2147483647), axis=1)  # the first max
+            better = m > best  # strict: ties keep the earlier block's (lower) id
+            best = tl.where(better, m, best)
+            label = tl.where(better, i, label)
+        if it == 0:
+            changed = tl.sum(pm.to(tl.int32), axis=0)  # (no labels before)
+        else:
+            old = tl.load(LAB + row64 * C + p, mask=pm, other=0, cache_modifier=".cg")
+            changed = tl.sum(((old != label) & pm).to(tl.int32), axis=0)
+        tl.store(LAB + row64 * C + p, label, mask=pm)
+        if changed > 0:
+            tl.atomic_add(CHG + it * R + row64, changed, sem="relaxed")
+    if final:
+        tl.atomic_add(FCNT + (row64 * NS + p // chunk) * K + label, 1, mask=pm, sem="relaxed")
 
 
 @triton_jit()
-def _update_item(row64, s, cb, KEYS, PTS, LAB, PART, PCNT, L, n, chunk, C, K, D, NS,
-                 DP: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr, COUNT_ONLY: tl.constexpr):
-    """Clusters [cb * BC, +BC) over split s's points: PCNT = member counts, PART = fp32 key sums (one-hot dots)."""
+def _update_item(row64, s, cb, XP, CENT, INVN, LAB, PART, PCNT, UCNT, L, n, nc, chunk, nsu, epoch, C, K, D, NS, NCB,
+                 DP: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
+    """Clusters [cb * BC, +BC) over split s's points: PCNT = member counts, PART = fp32 key sums (one-hot dots).
+    The last of the row's nsu splits to finish this block (UCNT counts them) reduces it: the partials in split
+    order / the count, in the state's dtype, and the new 1/|c| (an empty cluster keeps both)."""
     p_lo = s * chunk
     p_hi = tl.minimum(p_lo + chunk, L)
     c = cb * BC + tl.arange(0, BC)
@@ -358,50 +435,41 @@ def _update_item(row64, s, cb, KEYS, PTS, LAB, PART, PCNT, L, n, chunk, C, K, D,
     d = tl.arange(0, DP)
     dm = d < D
     acc = tl.zeros([BC, DP], tl.float32)
-    count = tl.zeros([BC], tl.int32)
+    hits = tl.zeros([BC, 16], tl.float32)  # every column counts the members (a dot with ones: exact below 2^24)
     for p0 in range(p_lo, p_hi, BP):
         p = p0 + tl.arange(0, BP)
         pm = p < p_hi
-        label = tl.load(LAB + row64 * C + p, mask=pm, other=-1, cache_modifier=".cg")
+        label = tl.load(LAB + row64 * C + p, mask=pm, other=-1)
+        x = tl.load(XP + (row64 * C + p)[:, None] * D + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
         hot = c[:, None] == label[None, :]  # [BC, BP]
-        count += tl.sum(hot.to(tl.int32), axis=1)
-        if not COUNT_ONLY:
-            slot = tl.load(PTS + row64 * C + p, mask=pm, other=0, cache_modifier=".cg")
-            x = tl.load(KEYS + (row64 * C + slot)[:, None] * D + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
-            if _INTERPRET:  # (its bool -> bf16 conversion is wrong too)
-                acc = _dot(hot.to(tl.float32), x, acc, PREC)
-            else:
-                acc = _dot(hot.to(x.dtype), x, acc, PREC)
+        if _INTERPRET:  # (its bool -> bf16 conversion is wrong too)
+            hot = hot.to(tl.float32)
+        else:
+            hot = hot.to(x.dtype)
+        acc = _dot(hot, x, acc, PREC)
+        hits = _dot(hot, tl.full([BP, 16], 1.0, hot.dtype), hits, PREC)
     at = (row64 * NS + s) * K + c
-    tl.store(PCNT + at, count, mask=cm)
-    if not COUNT_ONLY:
-        tl.store(PART + at[:, None] * DP + d[None, :], acc, mask=cm[:, None])
+    tl.store(PCNT + at, tl.max(hits, axis=1).to(tl.int32), mask=cm)
+    tl.store(PART + at[:, None] * DP + d[None, :], acc, mask=cm[:, None])
+    tl.debug_barrier()  # the block's partials are stored before its arrival (release)
+    if tl.atomic_add(UCNT + row64 * NCB + cb, 1, sem="acq_rel", scope="gpu") == epoch * nsu - 1:
+        acc = tl.zeros([BC, DP], tl.float32)
+        count = tl.zeros([BC], tl.int32)
+        for s2 in range(0, nsu):
+            at = (row64 * NS + s2) * K + c
+            acc += tl.load(PART + at[:, None] * DP + d[None, :], mask=cm[:, None], other=0.0, cache_modifier=".cg")
+            count += tl.load(PCNT + at, mask=cm, other=0, cache_modifier=".cg")
+        new = tl.math.div_rn(acc, tl.maximum(count, 1).to(tl.float32)[:, None]).to(CENT.dtype.element_ty)
+        keep = cm & (count > 0)
+        tl.store(CENT + (row64 * K + nc + c)[:, None] * D + d[None, :], new, mask=keep[:, None] & dm[None, :])
+        nf = new.to(tl.float32)
+        norm = tl.sqrt_rn(tl.sum(nf * nf, axis=1))
+        tl.store(INVN + row64 * K + c, tl.math.div_rn(tl.full([BC], 1.0, tl.float32), norm + 1e-8), mask=keep)
 
 
 @triton_jit()
-def _reduce_item(row64, cb, CENT, INVN, PART, PCNT, n, nc, nsu, K, D, NS,
-                 DP: tl.constexpr, BC: tl.constexpr):
-    """New centroids [cb * BC, +BC): the splits' partial sums in split order / the count, in the state's dtype."""
-    c = cb * BC + tl.arange(0, BC)
-    cm = c < n
-    d = tl.arange(0, DP)
-    acc = tl.zeros([BC, DP], tl.float32)
-    count = tl.zeros([BC], tl.int32)
-    for s in range(0, nsu):
-        at = (row64 * NS + s) * K + c
-        acc += tl.load(PART + at[:, None] * DP + d[None, :], mask=cm[:, None], other=0.0, cache_modifier=".cg")
-        count += tl.load(PCNT + at, mask=cm, other=0, cache_modifier=".cg")
-    new = tl.math.div_rn(acc, tl.maximum(count, 1).to(tl.float32)[:, None]).to(CENT.dtype.element_ty)
-    keep = cm & (count > 0)  # an empty cluster keeps its centroid (and norm)
-    tl.store(CENT + (row64 * K + nc + c)[:, None] * D + d[None, :], new, mask=keep[:, None] & (d < D)[None, :])
-    nf = new.to(tl.float32)
-    norm = tl.sqrt_rn(tl.sum(nf * nf, axis=1))
-    tl.store(INVN + row64 * K + c, tl.math.div_rn(tl.full([BC], 1.0, tl.float32), norm + 1e-8), mask=keep)
-
-
-@triton_jit()
-def _finalize_row(row, FILL, CSIZE, CSTART, NCL, CEND, PCNT, n, nc, mbase, nsu, K, NS, BC: tl.constexpr):
-    """Sizes and starts of the row's new clusters; PCNT[s, k] becomes the member offset of split s's first point
+def _finalize_row(row, FILL, CSIZE, CSTART, NCL, CEND, FCNT, n, nc, mbase, nsu, K, NS, BC: tl.constexpr):
+    """Sizes and starts of the row's new clusters; FCNT[s, k] becomes the member offset of split s's first point
     of cluster k (the scatter's cursor); n_clusters, cluster_end."""
     row64 = tl.cast(row, tl.int64)
     carry = mbase
@@ -410,13 +478,13 @@ def _finalize_row(row, FILL, CSIZE, CSTART, NCL, CEND, PCNT, n, nc, mbase, nsu, 
         cm = c < n
         size = tl.zeros([BC], tl.int32)
         for s in range(0, nsu):
-            size += tl.load(PCNT + (row64 * NS + s) * K + c, mask=cm, other=0, cache_modifier=".cg")
+            size += tl.load(FCNT + (row64 * NS + s) * K + c, mask=cm, other=0, cache_modifier=".cg")
         start = carry + tl.cumsum(size, axis=0) - size
         tl.store(CSIZE + row64 * K + nc + c, size, mask=cm)
         tl.store(CSTART + row64 * K + nc + c, start, mask=cm)
         cursor = start
         for s in range(0, nsu):
-            at = PCNT + (row64 * NS + s) * K + c
+            at = FCNT + (row64 * NS + s) * K + c
             v = tl.load(at, mask=cm, other=0, cache_modifier=".cg")
             tl.store(at, cursor, mask=cm)
             cursor += v
@@ -435,7 +503,7 @@ def _scatter_item(row64, s, PTS, LAB, MEMBERS, CURSOR, L, chunk, C, K, NS, BP: t
         p = p0 + i
         pm = p < p_hi
         label = tl.load(LAB + row64 * C + p, mask=pm, other=-1, cache_modifier=".cg")
-        slot = tl.load(PTS + row64 * C + p, mask=pm, other=0, cache_modifier=".cg")
+        slot = tl.load(PTS + row64 * C + p, mask=pm, other=0)
         same = (label[:, None] == label[None, :]) & pm[None, :]  # [BP, BP]
         rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)  # earlier points of its cluster
         n_same = tl.sum(same.to(tl.int32), axis=1)
@@ -449,18 +517,20 @@ def _scatter_item(row64, s, PTS, LAB, MEMBERS, CURSOR, L, chunk, C, K, NS, BP: t
 
 @triton_jit()
 def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, CEND,
-                   INFO, PTS, LAB, INVN, PART, PCNT, BAR,
-                   R, H, C, K, D, NS, n_sink, tpc, window, wc, seed_hi, seed_lo, iters, p_begin, p_end,
+                   INFO, VC, PTS, XP, LAB, INVN, PART, PCNT, FCNT, UCNT, CHG, BAR,
+                   R, H, C, K, D, NS, NCB, NCH, n_sink, tpc, window, wc, seed_hi, seed_lo, iters, p_begin, p_end,
                    RP: tl.constexpr, DP: tl.constexpr, PREC: tl.constexpr, GRID_SYNC: tl.constexpr,
-                   CH: tl.constexpr, BK: tl.constexpr, BPA: tl.constexpr, BCA: tl.constexpr, BCU: tl.constexpr,
-                   BPU: tl.constexpr, BCR: tl.constexpr, BCF: tl.constexpr, BPS: tl.constexpr):
+                   CH: tl.constexpr, NCHP: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BPA: tl.constexpr,
+                   BCA: tl.constexpr, BCU: tl.constexpr, BPU: tl.constexpr, BCF: tl.constexpr, BPS: tl.constexpr,
+                   STOP: tl.constexpr):
     """Phases [p_begin, p_end) (module docstring), each program taking work items pid, pid + grid, ...; with
-    GRID_SYNC a grid barrier between phases (the persistent launch, p_begin = 0)."""
+    GRID_SYNC a grid barrier between phases (the persistent launch, p_begin = 0). Phases: 0 count, 1 write, then
+    (assign, update) x iters, the final assign, finalize, scatter."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     r = tl.arange(0, RP)
     rm = r < R
-    if p_begin == 0:  # any row due? (later launches read it from INFO: the state changes at the end)
+    if p_begin <= 1:  # any row due? (later launches read it from INFO: the state changes at the end)
         fill = tl.load(FILL + r, mask=rm, other=0)
         ce = tl.load(CEND + r, mask=rm, other=0)
         ready = rm & (fill >= tl.load(BUDGET + 1))
@@ -468,16 +538,22 @@ def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, 
     else:
         active = tl.load(INFO + r * 8, mask=rm, other=0, cache_modifier=".cg") != 0
     if tl.max(active.to(tl.int32), axis=0) > 0:
-        final = 3 * iters + 1
         for p in range(p_begin, p_end):
-            if p == 0:
-                for row in range(pid, R, G):
-                    _prep_row(row, KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, MEMBERS, NCL, CEND, INFO, PTS, INVN,
-                              C, K, D, H, NS, n_sink, tpc, window, wc, seed_hi, seed_lo, DP, CH, BK, BPU)
+            if p <= 1:
+                for item in range(pid, NCH * R, G):  # chunk-major: the first chunks of every row first
+                    j = item // R
+                    row64 = tl.cast(item % R, tl.int64)
+                    if p == 0:
+                        _count_chunk(row64, j, FILL, BUDGET, NCL, CEND, BIAS, CSIZE, INFO, VC, C, K, NCH, window, CH)
+                    else:
+                        _write_chunk(row64, j, KEYS, FILL, BUDGET, NCL, CEND, BIAS, CENT, MEMBERS, INFO, VC, PTS, XP,
+                                     INVN, C, K, D, H, NS, NCH, n_sink, tpc, window, wc, seed_hi, seed_lo,
+                                     DP, CH, NCHP, BW, BK, BPU)
             else:
                 Lmax = tl.max(tl.load(INFO + r * 8 + 1, mask=rm, other=0, cache_modifier=".cg"), axis=0)
                 nmax = tl.max(tl.load(INFO + r * 8 + 2, mask=rm, other=0, cache_modifier=".cg"), axis=0)
-                kind = tl.where(p <= final, (p - 1) % 3, p - final + 2)  # 0 assign 1 update 2 reduce 3 count 4 fin 5 scatter
+                q = p - 2
+                kind = tl.where(q <= 2 * iters, q % 2, q - 2 * iters + 1)  # 0 assign, 1 update, 2 finalize, 3 scatter
                 if kind == 0:
                     for item in range(pid, tl.cdiv(Lmax, BPA) * R, G):
                         blk = item // R
@@ -486,8 +562,10 @@ def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, 
                         n = tl.load(INFO + row64 * 8 + 2, cache_modifier=".cg")
                         if (blk * BPA < L) & (n > 0):
                             nc = tl.load(INFO + row64 * 8 + 3, cache_modifier=".cg")
-                            _assign_block(row64, blk, KEYS, CENT, INVN, PTS, LAB, L, n, nc, C, K, D, DP, BPA, BCA, PREC)
-                elif (kind == 1) | (kind == 3):
+                            chunk = tl.load(INFO + row64 * 8 + 5, cache_modifier=".cg")
+                            _assign_block(row64, blk, XP, CENT, INVN, LAB, FCNT, CHG, L, n, nc, chunk, C, K, D, NS, R,
+                                          q // 2, q == 2 * iters, DP, BPA, BCA, PREC, STOP)
+                elif kind == 1:
                     ncb = tl.cdiv(nmax, BCU)
                     for item in range(pid, ncb * NS * R, G):
                         cb = item % ncb  # the cluster blocks of one (split, row) are neighbours: its keys stay in L2
@@ -496,27 +574,19 @@ def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, 
                         L = tl.load(INFO + row64 * 8 + 1, cache_modifier=".cg")
                         n = tl.load(INFO + row64 * 8 + 2, cache_modifier=".cg")
                         chunk = tl.load(INFO + row64 * 8 + 5, cache_modifier=".cg")
-                        if (s * chunk < L) & (cb * BCU < n):
-                            if kind == 1:
-                                _update_item(row64, s, cb, KEYS, PTS, LAB, PART, PCNT, L, n, chunk, C, K, D, NS,
-                                             DP, BCU, BPU, PREC, False)
-                            else:
-                                _update_item(row64, s, cb, KEYS, PTS, LAB, PART, PCNT, L, n, chunk, C, K, D, NS,
-                                             DP, BCU, BPU, PREC, True)
-                elif kind == 2:
-                    for item in range(pid, tl.cdiv(nmax, BCR) * R, G):
-                        cb = item // R
-                        row64 = tl.cast(item % R, tl.int64)
-                        n = tl.load(INFO + row64 * 8 + 2, cache_modifier=".cg")
-                        if cb * BCR < n:
+                        moved = True
+                        if STOP:  # else converged: the centroids stay
+                            moved = tl.load(CHG + (q // 2) * R + row64, cache_modifier=".cg") > 0
+                        if (s * chunk < L) & (cb * BCU < n) & moved:
                             nc = tl.load(INFO + row64 * 8 + 3, cache_modifier=".cg")
                             nsu = tl.load(INFO + row64 * 8 + 6, cache_modifier=".cg")
-                            _reduce_item(row64, cb, CENT, INVN, PART, PCNT, n, nc, nsu, K, D, NS, DP, BCR)
-                elif kind == 4:
+                            _update_item(row64, s, cb, XP, CENT, INVN, LAB, PART, PCNT, UCNT, L, n, nc, chunk, nsu,
+                                         q // 2 + 1, C, K, D, NS, NCB, DP, BCU, BPU, PREC)
+                elif kind == 2:
                     for row in range(pid, R, G):
                         at = INFO + tl.cast(row, tl.int64) * 8
                         if tl.load(at, cache_modifier=".cg") != 0:
-                            _finalize_row(row, FILL, CSIZE, CSTART, NCL, CEND, PCNT,
+                            _finalize_row(row, FILL, CSIZE, CSTART, NCL, CEND, FCNT,
                                           tl.load(at + 2, cache_modifier=".cg"), tl.load(at + 3, cache_modifier=".cg"),
                                           tl.load(at + 4, cache_modifier=".cg"), tl.load(at + 6, cache_modifier=".cg"),
                                           K, NS, BCF)
@@ -528,7 +598,7 @@ def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, 
                         n = tl.load(INFO + row64 * 8 + 2, cache_modifier=".cg")
                         chunk = tl.load(INFO + row64 * 8 + 5, cache_modifier=".cg")
                         if (s * chunk < L) & (n > 0):
-                            _scatter_item(row64, s, PTS, LAB, MEMBERS, PCNT, L, chunk, C, K, NS, BPS)
+                            _scatter_item(row64, s, PTS, LAB, MEMBERS, FCNT, L, chunk, C, K, NS, BPS)
             if GRID_SYNC:
                 if p + 1 < p_end:
                     _grid_sync(BAR, (p + 1) * G)
@@ -550,18 +620,46 @@ def _splits(R: int, C: int, K: int, DP: int) -> int:
     return max(1, min(ns, PARTIAL_BYTES // max(1, R * K * DP * 4)))
 
 
+_GRIDS = {}  # persistent grid size per (device, compiled kernel's specialisation)
+
+
+def _persistent_programs(args, meta, dev) -> int:
+    """Programs of the persistent launch: every one must be resident at once (they wait for each other at the grid
+    barriers), so SMs x the CTAs per SM that the compiled kernel's registers, shared memory and warps allow (at most
+    MAX_CTAS_PER_SM). Compiles the kernel (warmup: no launch) the first time per specialisation."""
+    spec = tuple((a == 1, a % 16 == 0) if isinstance(a, int) else (a.dtype, a.data_ptr() % 16 == 0) for a in args)
+    key = (dev, tuple(sorted(meta.items())), spec)
+    if key not in _GRIDS:
+        kernel = _kmeans_kernel.warmup(*args, grid=(1,), GRID_SYNC=True, **meta)
+        kernel._init_handles()
+        props = torch.cuda.get_device_properties(dev)
+        threads = 32 * meta["num_warps"]
+        regs = -(-max(kernel.n_regs, 1) // 8) * 8 * threads  # allocated per warp in units of 256
+        smem = kernel.metadata.shared + 1024  # + the CTA's reserved shared memory
+        ctas = min(MAX_CTAS_PER_SM, getattr(props, "regs_per_multiprocessor", 65536) // regs,
+                   getattr(props, "max_threads_per_multi_processor", 2048) // threads,
+                   getattr(props, "shared_memory_per_multiprocessor", 233472) // smem)
+        _GRIDS[key] = props.multi_processor_count * max(1, ctas)
+    return _GRIDS[key]
+
+
 def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members,
                           n_clusters, cluster_end, n_sink: int, tokens_per_cluster: int, window: int,
                           window_clusters: int, iters: int, seed: int, *, persistent: bool = True,
-                          programs: int | None = None, splits: int | None = None, block_p: int = BLOCK_P,
-                          block_c: int = BLOCK_C, update_c: int = UPDATE_C, update_p: int = UPDATE_P,
-                          reduce_c: int = REDUCE_C, final_c: int = FINAL_C, scatter_p: int = SCATTER_P,
-                          prep_chunk: int = PREP_CHUNK, init_k: int = INIT_K, num_warps: int = 8) -> None:
-    """Launch the kernel (module docstring). persistent: one launch with grid barriers (programs: one per SM
-    on CUDA, 1 elsewhere: the interpreter runs programs one after the other) or one launch per phase (programs:
-    4 per SM, 3 elsewhere). The other keywords tune it (powers of two >= 16, except splits, any >= 1); every
-    value gives the same result up to the summation order of the splits (splits) and none the host reads.
-    Under TRITON_INTERPRET=1 it runs on CPU tensors, which is how the kernel is tested without a GPU."""
+                          programs: int | None = None, splits: int | None = None, block_p: int | None = None,
+                          block_c: int | None = None, update_c: int = UPDATE_C, update_p: int | None = None,
+                          final_c: int = FINAL_C, scatter_p: int = SCATTER_P, prep_chunk: int = PREP_CHUNK,
+                          write_p: int = WRITE_P, init_k: int = INIT_K, num_warps: int = 8,
+                          num_stages: int | None = None, stop_when_converged: bool = True, on_launch=None) -> None:
+    """Launch the kernel (module docstring). persistent: one launch with grid barriers (programs: all resident,
+    _persistent_programs, on CUDA; 1 elsewhere: the interpreter runs programs one after the other) or one launch per
+    phase (programs: 4 per SM, 3 elsewhere). The other keywords tune it (block sizes: powers of two >= 16; splits
+    >= 1); the defaults halve the point and centroid blocks (and pipeline 2 stages) for rows of more than 256 bytes
+    (fp32 keys of D 128, 16-bit of D 256) to stay within the shared memory. Every value gives the same labels, the
+    centroids up to the summation order. stop_when_converged=False runs every iteration of a row whose labels no
+    longer change (the worst case's time; the same result). on_launch(phase, compiled kernel) is called after each
+    launch (profiling; phase None for the persistent launch). Under TRITON_INTERPRET=1 it runs on CPU tensors,
+    which is how the kernel is tested without a GPU."""
     if triton is None:
         raise NotImplementedError("triton_kmeans_cluster needs Triton (pip install triton)")
     _check_inputs(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members,
@@ -574,32 +672,45 @@ def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids,
     dev = keys.device
     DP = max(16, triton.next_power_of_2(D))
     NS = splits or _splits(R, C, K, DP)
-    if dev.type == "cuda":
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        G = programs or (sms if persistent else 4 * sms)
-    else:
-        G = programs or (1 if persistent else 3)
+    shrink = max(1, DP * keys.element_size() // 256)  # rows of more than 256 bytes: smaller tiles
+    block_p = block_p or max(16, BLOCK_P // shrink)
+    block_c = block_c or max(16, BLOCK_C // shrink)
+    update_p = update_p or max(16, UPDATE_P // shrink)
+    num_stages = num_stages or (3 if shrink == 1 else 2)
+    kk = max(K, 1)
+    NCB = triton.cdiv(kk, update_c)
+    NCH = triton.cdiv(C, prep_chunk)
     info = torch.empty(R, INFO_W, dtype=torch.int32, device=dev)
+    vc = torch.empty(R, NCH, dtype=torch.int32, device=dev)
     pts = torch.empty(R, C, dtype=torch.int32, device=dev)
     lab = torch.empty(R, C, dtype=torch.int32, device=dev)
-    kk = max(K, 1)
+    xp = torch.empty(R, C, D, dtype=keys.dtype, device=dev)
     invn = torch.empty(R, kk, dtype=torch.float32, device=dev)
     part = torch.empty(R, NS, kk, DP, dtype=torch.float32, device=dev)
     pcnt = torch.empty(R, NS, kk, dtype=torch.int32, device=dev)
-    bar = torch.zeros(1, dtype=torch.int32, device=dev)
+    counters = torch.zeros(1 + (iters + 1) * R + R * NCB + R * NS * kk, dtype=torch.int32, device=dev)  # one memset
+    bar, chg, counters = counters[:1], counters[1:1 + (iters + 1) * R], counters[1 + (iters + 1) * R:]
+    ucnt, fcnt = counters[:R * NCB], counters[R * NCB:]
     seed_mix = mix32(seed & MASK32)
     prec = "tf32x3" if keys.dtype == torch.float32 else "tf32"  # fp32: ~fp32 accuracy on tensor cores
-    n_phases = 3 * iters + 5
+    n_phases = 2 * iters + 5
     args = (keys, bias, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end,
-            info, pts, lab, invn, part, pcnt, bar, R, H, C, K, D, NS, n_sink, tokens_per_cluster, window,
-            window_clusters, seed_mix >> 16, seed_mix & 0xFFFF, iters)
-    meta = dict(RP=triton.next_power_of_2(R), DP=DP, PREC=prec, CH=prep_chunk, BK=init_k, BPA=block_p, BCA=block_c,
-                BCU=update_c, BPU=update_p, BCR=reduce_c, BCF=final_c, BPS=scatter_p, num_warps=num_warps)
+            info, vc, pts, xp, lab, invn, part, pcnt, fcnt, ucnt, chg, bar, R, H, C, K, D, NS, NCB, NCH, n_sink,
+            tokens_per_cluster, window, window_clusters, seed_mix >> 16, seed_mix & 0xFFFF, iters)
+    meta = dict(RP=triton.next_power_of_2(R), DP=DP, PREC=prec, CH=prep_chunk, NCHP=triton.next_power_of_2(NCH),
+                BW=write_p, BK=init_k, BPA=block_p, BCA=block_c, BCU=update_c, BPU=update_p, BCF=final_c,
+                BPS=scatter_p, STOP=bool(stop_when_converged), num_warps=num_warps, num_stages=num_stages)
     if persistent:
-        _kmeans_kernel[(G,)](*args, 0, n_phases, GRID_SYNC=True, **meta)
+        G = programs or (_persistent_programs((*args, 0, n_phases), meta, dev) if dev.type == "cuda" else 1)
+        kernel = _kmeans_kernel[(G,)](*args, 0, n_phases, GRID_SYNC=True, **meta)
+        if on_launch is not None:
+            on_launch(None, kernel)
     else:
+        G = programs or (4 * torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 3)
         for p in range(n_phases):
-            _kmeans_kernel[(G,)](*args, p, p + 1, GRID_SYNC=False, **meta)
+            kernel = _kmeans_kernel[(G,)](*args, p, p + 1, GRID_SYNC=False, **meta)
+            if on_launch is not None:
+                on_launch(p, kernel)
 
 
 # -- op registration -----------------------------------------------------------------------------------
