@@ -19,9 +19,9 @@ def triton_jit(**options):
     return lambda fn: fn if triton is None else triton.jit(fn, **options)
 
 
-def check_attention_shapes(name: str, q, keys, bias, slot_pos, cache_position) -> tuple:
-    """ValueError naming the op and the shapes unless q is [B, Hq, T, D], keys [B, Hkv, C, D], bias and slot_pos
-    [B, Hkv, C], cache_position [T], and Hq a multiple of Hkv >= 1 (GQA); returns (B, Hq, T, D, Hkv, C)."""
+def check_query_keys(name: str, q, keys) -> tuple:
+    """ValueError naming the op and the shapes unless q is [B, Hq, T, D], keys [B, Hkv, C, D] and Hq a multiple
+    of Hkv >= 1 (GQA); returns (B, Hq, T, D, Hkv, C)."""
     if q.dim() != 4 or keys.dim() != 4:
         raise ValueError(f"{name}: expected q [B, Hq, T, D] and keys [B, Hkv, C, D], "
                          f"got q {tuple(q.shape)}, keys {tuple(keys.shape)}")
@@ -29,13 +29,19 @@ def check_attention_shapes(name: str, q, keys, bias, slot_pos, cache_position) -
     Hkv, C = keys.shape[1], keys.shape[2]
     if keys.shape[0] != B or keys.shape[3] != D:
         raise ValueError(f"{name}: keys must be [B={B}, Hkv, C, D={D}] like q, got {tuple(keys.shape)}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"{name}: Hq must be a multiple of Hkv >= 1 (GQA), got Hq={Hq}, Hkv={Hkv}")
+    return B, Hq, T, D, Hkv, C
+
+
+def check_attention_shapes(name: str, q, keys, bias, slot_pos, cache_position) -> tuple:
+    """check_query_keys, and bias and slot_pos [B, Hkv, C], cache_position [T]; returns (B, Hq, T, D, Hkv, C)."""
+    B, Hq, T, D, Hkv, C = check_query_keys(name, q, keys)
     if tuple(bias.shape) != (B, Hkv, C) or tuple(slot_pos.shape) != (B, Hkv, C):
         raise ValueError(f"{name}: bias and slot_pos must be [B, Hkv, C] = {(B, Hkv, C)}, "
                          f"got bias {tuple(bias.shape)}, slot_pos {tuple(slot_pos.shape)}")
     if tuple(cache_position.shape) != (T,):
         raise ValueError(f"{name}: cache_position must be [T] = ({T},), got {tuple(cache_position.shape)}")
-    if Hkv == 0 or Hq % Hkv:
-        raise ValueError(f"{name}: Hq must be a multiple of Hkv >= 1 (GQA), got Hq={Hq}, Hkv={Hkv}")
     return B, Hq, T, D, Hkv, C
 
 

@@ -58,7 +58,7 @@ from __future__ import annotations  # the kernels' `tl.constexpr` annotations st
 import torch
 from torch.library import wrap_triton
 
-from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
+from kvrewrite.kernels._triton_op import check_one_cuda_device, check_query_keys, register_triton_op, triton_jit
 from kvrewrite.kernels.clustered_attention import (
     _DTYPES,
     _HEAD_DIMS,
@@ -83,19 +83,11 @@ except ImportError:
 def check_inputs(name, q, keys, values, bias, index, softcap=0.0) -> tuple:
     """ValueError / TypeError naming the op and the bad input unless the shapes and dtypes are the op's (module
     docstring) and softcap is a finite number >= 0. Reads no data. Returns (B, Hq, T, D, Hkv, C, Hsel, S)."""
-    if q.dim() != 4 or keys.dim() != 4:
-        raise ValueError(f"{name}: expected q [B, Hq, T, D] and keys [B, Hkv, C, D], "
-                         f"got q {tuple(q.shape)}, keys {tuple(keys.shape)}")
-    B, Hq, T, D = q.shape
-    Hkv, C = keys.shape[1], keys.shape[2]
-    if keys.shape[0] != B or keys.shape[3] != D:
-        raise ValueError(f"{name}: keys must be [B={B}, Hkv, C, D={D}] like q, got {tuple(keys.shape)}")
+    B, Hq, T, D, Hkv, C = check_query_keys(name, q, keys)
     if values.shape != keys.shape:
         raise ValueError(f"{name}: values must be shaped like keys {tuple(keys.shape)}, got {tuple(values.shape)}")
     if tuple(bias.shape) != (B, Hkv, C):
         raise ValueError(f"{name}: bias must be [B, Hkv, C] = {(B, Hkv, C)}, got {tuple(bias.shape)}")
-    if Hkv == 0 or Hq % Hkv:
-        raise ValueError(f"{name}: Hq must be a multiple of Hkv >= 1 (GQA), got Hq={Hq}, Hkv={Hkv}")
     if C == 0:
         raise ValueError(f"{name}: the state has no slots (C = 0)")
     if index.dim() != 3 or index.shape[0] != B or index.shape[1] not in (Hkv, Hq):

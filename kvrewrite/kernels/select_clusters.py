@@ -73,6 +73,7 @@ import torch
 from torch.library import wrap_triton
 
 from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
+from kvrewrite.kernels.evict_by_score import _add_min_max, _order_key  # fp32 order keys, (sum, min, max) combine
 
 try:
     import triton
@@ -169,21 +170,6 @@ def reference_select_clusters(q, fill, budget, centroids, cluster_size, cluster_
 
 # -- Triton kernels ------------------------------------------------------------------------------------------
 @triton_jit()
-def _score_key(x):
-    """int32 key of fp32 x in the order of a descending torch.sort: -0.0 as +0.0, NaN as one value above +inf."""
-    bits = x.to(tl.int32, bitcast=True)
-    mag = bits & 0x7FFFFFFF
-    bits = tl.where(mag == 0, 0, bits)
-    bits = tl.where(mag > 0x7F800000, 0x7FC00000, bits)
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
-@triton_jit()
-def _sum_min_max(a0, a1, a2, b0, b1, b2):
-    return a0 + b0, tl.minimum(a1, b1), tl.maximum(a2, b2)
-
-
-@triton_jit()
 def _max_i64(a, b):
     return tl.maximum(a, b)
 
@@ -205,7 +191,7 @@ def _count(key, w, mid):
     """(sum of w over key >= mid, the smallest such key, the largest valid key < mid); w > 0 marks valid."""
     ge = key >= mid
     return tl.reduce((tl.where(ge, w, 0), tl.where(ge & (w > 0), key, 2147483647),
-                      tl.where((~ge) & (w > 0), key, -2147483648)), 0, _sum_min_max)
+                      tl.where((~ge) & (w > 0), key, -2147483648)), 0, _add_min_max)
 
 
 @triton_jit()
@@ -239,7 +225,7 @@ def _select_in_registers(KEYS_ROW, SIZE_BH, START_BH, MARK_ROW, n_cl, b_sel, L: 
     valid = live & (size > 0)
     key = tl.where(valid, key, -2147483648)
     w = tl.where(valid, size, 0)
-    total, kmin, kmax = tl.reduce((w, tl.where(valid, key, 2147483647), key), 0, _sum_min_max)
+    total, kmin, kmax = tl.reduce((w, tl.where(valid, key, 2147483647), key), 0, _add_min_max)
     thr = tl.full([], -2147483648, tl.int32)  # every valid cluster whole (total <= B_sel)
     room = tl.full([], 2147483647, tl.int32)
     if b_sel == 0:
@@ -268,8 +254,8 @@ def _select_in_chunks(KEYS_ROW, SIZE_BH, START_BH, MARK_ROW, n_cl, b_sel, KB: tl
     kmax = tl.full([], -2147483648, tl.int32)
     for c0 in range(0, n_cl, KB):
         key, w = _chunk(KEYS_ROW, SIZE_BH, c0, n_cl, KB)
-        t_c, mn_c, mx_c = tl.reduce((w, tl.where(w > 0, key, 2147483647), key), 0, _sum_min_max)
-        total, kmin, kmax = _sum_min_max(total, kmin, kmax, t_c, mn_c, mx_c)
+        t_c, mn_c, mx_c = tl.reduce((w, tl.where(w > 0, key, 2147483647), key), 0, _add_min_max)
+        total, kmin, kmax = _add_min_max(total, kmin, kmax, t_c, mn_c, mx_c)
     thr = tl.full([], -2147483648, tl.int32)
     room = tl.full([], 2147483647, tl.int32)
     if b_sel == 0:
@@ -287,7 +273,7 @@ def _select_in_chunks(KEYS_ROW, SIZE_BH, START_BH, MARK_ROW, n_cl, b_sel, KB: tl
             for c0 in range(0, n_cl, KB):
                 key, w = _chunk(KEYS_ROW, SIZE_BH, c0, n_cl, KB)
                 cnt_c, mn_c, mx_c = _count(key, w, mid)
-                cnt, mn, mx = _sum_min_max(cnt, mn, mx, cnt_c, mn_c, mx_c)
+                cnt, mn, mx = _add_min_max(cnt, mn, mx, cnt_c, mn_c, mx_c)
             lo, hi, g_hi, exact = _bisect_step(lo, hi, g_hi, exact, cnt, mn, mx, b_sel)
         thr = lo.to(tl.int32)
         if exact == 0:
@@ -364,10 +350,10 @@ def _cluster_scores_kernel(
         c = _centroid_tile(CEN + b * stride_cb + h * stride_ch, k, n_cl, offs_d, d_ok, stride_ck, stride_cd)
         sc = _tile_dots(c, qg, NATIVE_DOT)
         if PER_HEAD:
-            tl.store(KEYS + (b * Hsel + h * G + offs_g[None, :]) * K + k[:, None], _score_key(sc),
+            tl.store(KEYS + (b * Hsel + h * G + offs_g[None, :]) * K + k[:, None], _order_key(sc),
                      mask=(k < n_cl)[:, None] & (offs_g < G)[None, :])
         else:
-            tl.store(KEYS + (b * Hsel + h) * K + k, _score_key(tl.sum(sc, axis=1)), mask=k < n_cl)
+            tl.store(KEYS + (b * Hsel + h) * K + k, _order_key(tl.sum(sc, axis=1)), mask=k < n_cl)
 
 
 @triton_jit(do_not_specialize=["Hsel", "Hkv", "G", "K", "C", "n_sink", "max_selected", "window", "S"])
