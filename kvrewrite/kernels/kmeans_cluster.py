@@ -11,8 +11,9 @@ clusterkv_spec.md); in short, per row (b, kv-head):
   the first n_sink of them the sinks, written to members[0:n_sink], the others clustered into
   ceil(L / tokens_per_cluster) clusters) or fill - cluster_end >= window (window clustering: the valid
   slots of [cluster_end, fill) into min(window_clusters, L)). Rows not due are untouched, bit for bit;
-- initialisation: centroid k = point (k L + r_k) // C_new, r_k = a seeded hash of (seed, head, points
-  clustered before, k) mod L (init_points): one point per stratum of the sequence, reproducible;
+- initialisation: centroid k = point floor(k L / C_new) + r_k mod w_k, w_k = floor((k+1) L / C_new) -
+  floor(k L / C_new) the width of stratum k, r_k a seeded hash of (seed, head, points clustered before, k)
+  (init_points): one point in each of C_new disjoint strata of the sequence, so never a repeat; reproducible;
 - `iters` rounds of assignment (argmax_k x . c_k / (|c_k| + 1e-8), ties to the lower k, fp32) and update
   (fp32 mean of the raw keys of each cluster, rounded to the centroids' dtype; an empty cluster keeps its
   centroid), then a final assignment;
@@ -115,10 +116,12 @@ def mix32(x: int) -> int:
 
 
 def init_points(L: int, n: int, seed: int, h: int, offset: int) -> list[int]:
-    """Indices (among the L points) of the n initial centroids of KV head h, `offset` points clustered before:
-    i_k = (k L + r_k) // n, r_k = mix32(mix32(mix32(mix32(seed mod 2^32) ^ h) ^ offset) ^ k) mod L."""
+    """Indices (among the L points) of the n <= L initial centroids of KV head h, `offset` points clustered before:
+    i_k = floor(k L / n) + r_k mod (floor((k+1) L / n) - floor(k L / n)), one point in each of the n disjoint
+    strata (distinct: no two centroids start tied), r_k = mix32(mix32(mix32(mix32(seed mod 2^32) ^ h) ^ offset)
+    ^ k)."""
     base = mix32(mix32(mix32(seed & MASK32) ^ h) ^ offset)
-    return [(k * L + mix32(base ^ k) % L) // n for k in range(n)]
+    return [k * L // n + mix32(base ^ k) % ((k + 1) * L // n - k * L // n) for k in range(n)]
 
 
 def _check_inputs(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members,
@@ -307,8 +310,8 @@ def _write_chunk(row64, j, KEYS, FILL, BUDGET, NCL, CEND, BIAS, CENT, MEMBERS, I
                  ALIGN: tl.constexpr):
     """Phase 1, chunk j of a due row: its valid slots ranked (the chunks before it counted in phase 0): the first
     n_sink of the row are sinks (members), the others points: PTS[row, i] = slot of point i, XP[row, i] = its keys;
-    the initial centroids that are points of this chunk (k: point (k L + r_k) // n, r_k a hash of (seed, head,
-    offset, k) mod L) and their reciprocal norms. Chunk 0 writes INFO[row, 1:7] = [L, C_new, first id, first member
+    the initial centroids that are points of this chunk (k: point floor(k L / n) + r_k mod stratum k's width,
+    r_k a hash of (seed, head, offset, k): init_points) and their reciprocal norms. Chunk 0 writes INFO[row, 1:7] = [L, C_new, first id, first member
     offset, split size, splits used] and the -1 of sinks the row lacks."""
     due, pre, lo, hi, nc = _row_rule(row64, FILL, BUDGET, NCL, CEND, C, window)
     nch = tl.cdiv(hi - lo, CH)
@@ -362,8 +365,10 @@ def _write_chunk(row64, j, KEYS, FILL, BUDGET, NCL, CEND, BIAS, CENT, MEMBERS, I
             k_hi = tl.minimum((b.to(tl.int64) - 1) * n // L + 2, n).to(tl.int32)
             for k0 in range(k_lo, k_hi, BK):
                 k = k0 + tl.arange(0, BK)
-                r = _mix32(base ^ k.to(tl.int64)) % L
-                ik = ((k.to(tl.int64) * L + r) // n).to(tl.int32)
+                k64 = k.to(tl.int64)
+                s_lo = k64 * L // n  # stratum k: points [s_lo, s_hi), s_hi > s_lo as n <= L
+                s_hi = (k64 + 1) * L // n
+                ik = (s_lo + _mix32(base ^ k64) % tl.maximum(s_hi - s_lo, 1)).to(tl.int32)
                 mine = (k < k_hi) & (ik >= a) & (ik < b)
                 # (point ik < L is another chunk's where not mine: its slot may be unwritten yet, and is not used)
                 slot = tl.load(PTS + row64 * C + ik, mask=k < k_hi, other=0)

@@ -22,11 +22,10 @@ Decisions where the paper leaves room (docs/methods.md, "ClusterKV", gives the r
 - Clusters: C0 = ceil(L / 80) for the L prompt tokens past the sinks of a row (the paper's L / 80: 400 at 32k),
   C+ = 4 every m = 320 generated tokens (the paper; the authors' code uses 8), fixed at 20 iterations (the
   authors' cap; a converged k-means is a fixed point, so the cap only matters when it has not converged).
-- Initialisation: one key per stratum of the sequence (stratum k of L / C, a seeded hash picks the point),
-  meant to have no repeats (the authors' randint with replacement repeats keys and leaves clusters empty);
-  differs per KV head; reproducible for a seed and independent of the batch row's padding. Known defect, to fix:
-  the point (k L + r_k) // C can repeat when C does not divide L (two tied centroids, one cluster left empty);
-  floor(k L / C) + r_k mod the stratum's width would not.
+- Initialisation: one key in each of C disjoint strata of the sequence (stratum k = [floor(k L / C),
+  floor((k+1) L / C)), a seeded hash picks the point), so no repeats (the authors' randint with replacement
+  repeats keys and leaves clusters empty); differs per KV head; reproducible for a seed and independent of the
+  batch row's padding.
 - Empty clusters keep their centroid (the authors' code); they have size 0 and are never selected.
 - Trimming keeps the last cluster's leading members in slot order (the authors' kernel).
 - GQA (the paper has MHA only): clusters per KV head; `select_per="query_head"` ranks the centroids per query
