@@ -311,8 +311,8 @@ def _write_chunk(row64, j, KEYS, FILL, BUDGET, NCL, CEND, BIAS, CENT, MEMBERS, I
     """Phase 1, chunk j of a due row: its valid slots ranked (the chunks before it counted in phase 0): the first
     n_sink of the row are sinks (members), the others points: PTS[row, i] = slot of point i, XP[row, i] = its keys;
     the initial centroids that are points of this chunk (k: point floor(k L / n) + r_k mod stratum k's width,
-    r_k a hash of (seed, head, offset, k): init_points) and their reciprocal norms. Chunk 0 writes INFO[row, 1:7] = [L, C_new, first id, first member
-    offset, split size, splits used] and the -1 of sinks the row lacks."""
+    r_k a hash of (seed, head, offset, k): init_points) and their reciprocal norms. Chunk 0 writes INFO[row, 1:7] =
+    [L, C_new, first id, first member offset, split size, splits used] and the -1 of sinks the row lacks."""
     due, pre, lo, hi, nc = _row_rule(row64, FILL, BUDGET, NCL, CEND, C, window)
     nch = tl.cdiv(hi - lo, CH)
     if due & ((j < nch) | (j == 0)):
