@@ -49,6 +49,7 @@ from kvrewrite.methods.base import Method
 from kvrewrite.state import StateField
 
 SELECT_PER = ("query_head", "kv_head")
+OFFLOAD = (None, "cpu")
 
 
 @dataclass
@@ -67,6 +68,8 @@ class ClusterKVMethod(Method):
         select_per: "query_head" (each query head ranks the clusters of its KV head) or "kv_head" (the group's
             summed query ranks them once; one slot list per KV head).
         seed: the k-means initialisation's seed.
+        offload: None (every state tensor on the model's device) or "cpu": the clustered layers' keys and values
+            in pinned host memory that the GPU reads in place (kvrewrite/offload.py; a CUDA model only).
     """
 
     name: ClassVar[str] = "clusterkv"
@@ -79,6 +82,7 @@ class ClusterKVMethod(Method):
     dense_layers: int = 2
     select_per: str = "query_head"
     seed: int = 0
+    offload: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -89,6 +93,9 @@ class ClusterKVMethod(Method):
                 raise ValueError(f"ClusterKVMethod.{name} must be an int >= {low}, got {v!r}")
         if self.select_per not in SELECT_PER:
             raise ValueError(f"ClusterKVMethod.select_per must be one of {SELECT_PER}, got {self.select_per!r}")
+        if self.offload not in OFFLOAD:
+            raise ValueError(f"ClusterKVMethod.offload must be None (keys and values on the model's device) or 'cpu' "
+                             f"(the clustered layers' keys and values in pinned host memory), got {self.offload!r}")
         if self.budget_in_slots and self.budget <= self.n_sink:
             raise ValueError(f"ClusterKVMethod.budget ({self.budget} tokens) must exceed n_sink={self.n_sink}: the "
                              f"sinks count inside the budget")
@@ -96,6 +103,13 @@ class ClusterKVMethod(Method):
     def compressed(self, layer) -> bool:
         """Does this (full-attention) layer select by clusters? The first dense_layers attend to everything."""
         return layer.index >= self.dense_layers
+
+    def host_fields(self, layer) -> tuple:
+        """The base state fields kept in pinned host memory (kvrewrite.offload): with offload="cpu" a clustered
+        layer's keys and values, the full KV its decode steps read a few selected rows of. bias and slot_pos stay
+        on the GPU: 12 bytes per slot next to 4 * D for K and V (2% at D = 128), and a prefill chunk's dense
+        attention and every k-means read them whole. The dense layers read every row each step: on the GPU."""
+        return ("keys", "values") if self.offload == "cpu" and self.compressed(layer) else ()
 
     def max_clusters(self, C: int) -> int:
         """K, the static cluster capacity of a row of C slots: the prompt's clusters plus C+ per m generated tokens."""
