@@ -43,9 +43,9 @@ def _prompt():
 def _generate(rw, steps=STEPS):
     """Greedy prefill + decode; logits of every step [2, steps + 1, V]."""
     ids, mask = _prompt()
-    logits = [rw.prefill(ids, mask, max_new_tokens=steps + 1)]
+    logits = [rw.prefill(ids, mask, max_new_tokens=steps + 1).clone()]  # a CUDA-graph output is reused
     for _ in range(steps):
-        logits.append(rw.decode_step(logits[-1].argmax(-1)))
+        logits.append(rw.decode_step(logits[-1].argmax(-1)).clone())
     return torch.stack(logits, 1)
 
 
