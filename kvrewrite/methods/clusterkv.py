@@ -34,7 +34,19 @@ Decisions where the paper leaves room (docs/methods.md, "ClusterKV", gives the r
 - Layers 0 and 1 attend to everything (`dense_layers`, the paper follows Quest); they own no cluster state.
 - Batch rows are clustered independently; with left padding a row's sinks are its first n_sink real tokens.
 - Memory is not what the budget saves: cache_bytes() counts the full KV plus the index (centroids, 3 ints per
-  cluster, one int32 per slot). The paper's CPU offload of the full KV is not built yet.
+  cluster, one int32 per slot).
+- offload="cpu" (the paper's CPU offload, the authors' zero-copy variant): the clustered layers' keys and values
+  are allocated in page-locked host memory mapped into the GPU (kvrewrite/offload.py) and handed to the graphs as
+  CUDA tensors, so every op, CUDA graph and torch.compile runs unchanged and reads over PCIe only what it touches.
+  Everything else stays on the GPU (dense layers, bias, slot_pos, the index). Inside the step graphs (and their
+  CUDA graphs): the decode gathers of the selected rows, cache_append's writes, k-means' copy of its points, the
+  prefill chunks' dense attention; outside: only the allocation and registration (at apply) and, per generation,
+  the reset's zero-fill of the host keys/values (GPU writes over PCIe). No GPU cache of the last step's rows (the
+  paper's R = 1). H100, Llama-3.1-8B shape, 32k, B = 1, budget 1024: decode 8.4-9.0 -> 23.6-24.1 ms/token with
+  per-query-head selection, 8.8 -> 13.0 with select_per="kv_head"; peak GPU memory 19.7 -> 15.6 GiB (4.0 GiB of
+  KV on the host). Prefill is the weak part: a 1024-token chunk's dense attention reads every slot once per
+  query block over the bus, ~100x its device time (243 vs 2.4 ms per layer at 34k slots): minutes for a 32k
+  prompt (docs/methods.md, "ClusterKV", has the fix to build).
 
 What B counts: tokens attended per step and KV head (or query head), the n_sink sinks included and the at most m
 not-yet-clustered recent tokens not.
