@@ -119,7 +119,7 @@ class ClusterKVMethod(Method):
     def host_fields(self, layer) -> tuple:
         """The base state fields kept in pinned host memory (kvrewrite.offload): with offload="cpu" a clustered
         layer's keys and values, the full KV its decode steps read a few selected rows of. bias and slot_pos stay
-        on the GPU: 12 bytes per slot next to 4 * D for K and V (2% at D = 128), and a prefill chunk's dense
+        on the GPU: 12 bytes per slot next to 4 * D for 16-bit K and V (2% at D = 128), and a prefill chunk's dense
         attention and every k-means read them whole. The dense layers read every row each step: on the GPU."""
         return ("keys", "values") if self.offload == "cpu" and self.compressed(layer) else ()
 
