@@ -12,6 +12,7 @@ import logging
 
 from torch import nn
 
+from kvrewrite import offload
 from kvrewrite.host import (  # noqa: F401  (HostSchedule and WINDOW_INTERVAL are re-exported)
     WINDOW_INTERVAL,
     HostGeneration,
@@ -48,13 +49,16 @@ class KVRewrittenModel(HostGeneration, nn.Module):
         self.config = config
         self.capacities = []
         self.state_specs = []  # per layer, the method's own state fields (Method.state_fields)
-        for info in self.layers:
+        self.host_fields = [offload.host_fields(method, info) for info in self.layers]  # per layer, in host memory
+        if any(self.host_fields):
+            offload.check_offload_device(captured.device, f"{method.name} offload='cpu'")
+        for info, on_host in zip(self.layers, self.host_fields):
             cap = layer_capacity(info, method, max_length, self.prefill_chunk)
             specs = layer_state_fields(info, method)
             self.capacities.append(cap)
             self.state_specs.append(specs)
             state = allocate_layer_state(
-                self.batch_size, info.num_kv_heads, cap, info.head_dim, captured.dtype, captured.device, specs
+                self.batch_size, info.num_kv_heads, cap, info.head_dim, captured.dtype, captured.device, specs, on_host
             )
             for field in (*STATE_FIELDS, *specs):
                 self.register_buffer(f"l{info.index}_{field}", state[field], persistent=False)
@@ -75,17 +79,21 @@ class KVRewrittenModel(HostGeneration, nn.Module):
     def cache_bytes(self, seq_len: int | None = None) -> dict:
         """Bytes of the kvrewrite state (all fields as allocated, the method's own included) vs a dense HF static cache.
 
-        The dense figure is keys + values for `seq_len` tokens (default max_length) per layer
-        (sliding-window layers hold at most their window), at the state's dtype.
+        "kvrewrite" is the whole state, wherever it lives; "host" the part in pinned host memory (ClusterKV's
+        offload="cpu"), "device" the rest (on the model's device). The dense figure is keys + values for
+        `seq_len` tokens (default max_length) per layer (sliding-window layers hold at most their window), at the
+        state's dtype; "ratio" is kvrewrite / dense.
         """
         seq_len = self.max_length if seq_len is None else seq_len
         state = sum(t.numel() * t.element_size() for t in self.state_tensors())
+        host = sum(getattr(self, f"l{info.index}_{f}").numel() * getattr(self, f"l{info.index}_{f}").element_size()
+                   for info, fields in zip(self.layers, self.host_fields) for f in fields)
         dense = 0
         for info in self.layers:
             k = getattr(self, f"l{info.index}_keys")
             tokens = min(seq_len, info.window) if info.window else seq_len
             dense += 2 * self.batch_size * info.num_kv_heads * tokens * info.head_dim * k.element_size()
-        return {"kvrewrite": state, "dense": dense, "ratio": state / dense}
+        return {"kvrewrite": state, "device": state - host, "host": host, "dense": dense, "ratio": state / dense}
 
     # -- one step ------------------------------------------------------------------------------------
     def forward(self, input_ids, position_ids, cache_position, token_valid, compress: bool = True):

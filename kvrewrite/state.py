@@ -12,6 +12,9 @@ Base state (every method, every layer):
 Method state: what a method owns besides (Method.state_fields, e.g. H2O's accumulated scores
 [B, Hkv, C] fp32), one StateField per name, allocated and reset with the base state and placed
 after it, layer by layer: l<i>_keys, ..., l<i>_budget, l<i>_<method field>, ..., then layer i + 1.
+
+Host fields: a method may keep some base fields of a layer in page-locked host memory that the GPU reads in place
+(ClusterKV's offload="cpu": keys and values); they are CUDA tensors all the same (kvrewrite/offload.py).
 """
 from dataclasses import dataclass
 
@@ -47,11 +50,25 @@ class StateField:
         return tuple(dims[d] if isinstance(d, str) else int(d) for d in self.shape)
 
 
-def allocate_layer_state(B: int, Hkv: int, C: int, D: int, dtype, device, extra: dict | None = None) -> dict:
-    """Fresh (empty) state for one layer with capacity C slots; `extra` the method's {name: StateField}."""
+def allocate_layer_state(B: int, Hkv: int, C: int, D: int, dtype, device, extra: dict | None = None,
+                         host_fields: tuple = ()) -> dict:
+    """Fresh (empty) state for one layer with capacity C slots; `extra` the method's {name: StateField};
+    `host_fields` the base fields ("keys", "values") to place in mapped host memory (kvrewrite.offload.host_alias,
+    CUDA devices only), zero-filled like the others."""
+    bad = [f for f in host_fields if f not in ("keys", "values")]
+    if bad:
+        raise ValueError(f"allocate_layer_state: only keys and values can live in host memory, got {bad}")
+
+    def kv(field):
+        if field in host_fields:
+            from kvrewrite.offload import host_alias
+
+            return host_alias((B, Hkv, C, D), dtype, device)
+        return torch.zeros(B, Hkv, C, D, dtype=dtype, device=device)
+
     state = {
-        "keys": torch.zeros(B, Hkv, C, D, dtype=dtype, device=device),
-        "values": torch.zeros(B, Hkv, C, D, dtype=dtype, device=device),
+        "keys": kv("keys"),
+        "values": kv("values"),
         "bias": torch.full((B, Hkv, C), float("-inf"), dtype=torch.float32, device=device),
         "slot_pos": torch.zeros(B, Hkv, C, dtype=torch.int64, device=device),
         "fill": torch.zeros(B, Hkv, dtype=torch.int64, device=device),

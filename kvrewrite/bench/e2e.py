@@ -5,7 +5,8 @@ weights; `--model tiny-llama` is a 2-layer model for CPU tests). Rows are system
   hf-eager, hf-compiled   HF forward per step over a transformers StaticCache (max_cache_len = n + new tokens),
                           SDPA, full cache; eager, or torch.compile(mode="reduce-overhead", fullgraph=True)
   <method>                every kvrewrite method named (full, streamingllm, chelsea, later ones by name),
-                          at --budget for the compressing ones.
+                          at --budget for the compressing ones; "<method>:key=value:..." passes method options
+                          (e.g. clusterkv:offload=cpu), the row keeps that name.
 Every row holds one context n; "max" in --batches is the largest batch that fits at that context for that
 system (computed from the measured free memory and the row's bytes per sequence; see `max_batch`).
 
@@ -84,13 +85,37 @@ def warmup_steps(kv_compile: str, interval: int = 32) -> int:
     return (3 if kv_compile == "inductor" else 2) * interval + 2
 
 
+def split_system(system: str) -> tuple[str, dict]:
+    """'clusterkv:offload=cpu:iters=10' -> ('clusterkv', {'offload': 'cpu', 'iters': 10}): a method name and its
+    options (values: int, else float, else the string)."""
+    name, *opts = system.split(":")
+    out = {}
+    for o in opts:
+        key, eq, text = o.partition("=")
+        if not eq or not key:
+            raise ValueError(f"bench: system {system!r}: method options are key=value, got {o!r}")
+        for kind in (int, float, str):
+            try:
+                out[key] = kind(text)
+                break
+            except ValueError:
+                continue
+    return name, out
+
+
+def make_system_method(system: str, budget):
+    """The Method of a kvrewrite system name (options included), at `budget` unless it is full."""
+    from kvrewrite.methods import make_method
+
+    name, opts = split_system(system)
+    return make_method(name, None if name == "full" else budget, **opts)
+
+
 def method_interval(system: str, budget) -> int:
     """g of a system: the method's interval (its compression or clustering period); 32 for the HF rows."""
     if system in HF_SYSTEMS:
         return 32
-    from kvrewrite.methods import make_method
-
-    return make_method(system, None if system == "full" else budget).interval
+    return make_system_method(system, budget).interval
 
 
 def parse_budget(text: str):
@@ -125,7 +150,7 @@ class BenchConfig:
 
         if self.model not in MODELS:
             raise ValueError(f"bench: unknown model {self.model!r}; known: {', '.join(MODELS)}")
-        bad = [s for s in self.systems if s not in HF_SYSTEMS and s not in METHODS]
+        bad = [s for s in self.systems if s not in HF_SYSTEMS and split_system(s)[0] not in METHODS]
         if bad:
             raise ValueError(f"bench: unknown system(s) {bad}; known: {', '.join(HF_SYSTEMS + tuple(sorted(METHODS)))}")
         if not self.systems:
@@ -499,10 +524,9 @@ class Bench:
         act = 4 * self.mcfg.vocab_size * 4 + 64 * self.mcfg.hidden_size * 2 * 8
         if system in HF_SYSTEMS:
             return L * self.kv_token_bytes() + act
-        from kvrewrite.methods import make_method
         from kvrewrite.capture import layer_infos
 
-        m = make_method(system, None if system == "full" else self.cfg.budget)
+        m = make_system_method(system, self.cfg.budget)
         infos = layer_infos(self.model)
         if hasattr(m, "bind"):
             m.bind(infos)
@@ -539,12 +563,15 @@ class Bench:
 
         cfg = self.cfg
         cap, cap_s = self.captured(B)
-        opts = {} if method == "full" else {"budget": cfg.budget}
+        name, opts = split_system(method)
+        if name != "full":
+            opts["budget"] = cfg.budget
         t0 = time.perf_counter()
-        rw = kvrewrite.apply(self.model, method, max_length=n + cfg.new_tokens, captured=cap,
+        rw = kvrewrite.apply(self.model, name, max_length=n + cfg.new_tokens, captured=cap,
                              fuse_projections=cfg.fuse_projections, gemv=cfg.gemv, **opts)
         apply_s = time.perf_counter() - t0
-        res = dict(capture_s=cap_s, apply_s=apply_s, kv_bytes=rw.cache_bytes()["kvrewrite"],
+        mem = rw.cache_bytes()
+        res = dict(capture_s=cap_s, apply_s=apply_s, kv_bytes=mem["kvrewrite"], kv_host_bytes=mem["host"],
                    prefill_chunk=cfg.prefill_chunk, kv_compile=cfg.kv_compile, fuse_projections=cfg.fuse_projections,
                    gemv=cfg.gemv)
         if B == 1 and cfg.prefill:
@@ -584,7 +611,7 @@ class Bench:
         res.update(_summarise(reps, interval))
         res["fill_after_prefill"] = fill_after_prefill
         res["mean_fill"] = statistics.mean(fills)
-        if rw.method.name == "clusterkv":
+        if rw.method.name == "clusterkv":  # read over PCIe with offload="cpu" (the floor assumes device memory)
             res["kv_read_bytes"] = clusterkv_read_bytes(rw, B)
         else:
             res["kv_read_bytes"] = res["mean_fill"] * self.mcfg.num_hidden_layers * self.slot_bytes() * B
@@ -638,8 +665,9 @@ class Bench:
             if (system, n, B) in done:
                 continue
             done.add((system, n, B))
-            row = dict(system=system, context=n, batch=B, batch_spec=bspec, budget=None if system in ("full",) +
-                       HF_SYSTEMS else self.cfg.budget, model=self.cfg.model, new_tokens=self.cfg.new_tokens)
+            full = split_system(system)[0] in ("full",) + HF_SYSTEMS
+            row = dict(system=system, context=n, batch=B, batch_spec=bspec, budget=None if full else self.cfg.budget,
+                       model=self.cfg.model, new_tokens=self.cfg.new_tokens)
             if time.perf_counter() - t_start > self.cfg.time_budget:
                 row["skipped"] = f"time budget of {self.cfg.time_budget:.0f} s spent"
                 self.add(row, log)
@@ -708,9 +736,10 @@ def format_row(r: dict) -> str:
     if "prefill_vs_dense" in r:
         pre += f" ({r['prefill_vs_dense']:.2f}x dense)"
     peak = f" peak {r['peak_gib']:.1f}GiB" if "peak_gib" in r else ""
+    host = f" ({r['kv_host_bytes'] / 2**30:.2f} on host)" if r.get("kv_host_bytes") else ""
     setup = " ".join(f"{k}={r[k]:.1f}" for k in ("capture_s", "apply_s", "warmup_s", "row_s") if k in r)
     return (f"{head} {r['ms_per_token']:8.2f} ms/tok {r['tok_per_s']:9.1f} tok/s | floor {r['floor_ms']:.2f} ms "
-            f"x{r['ratio_to_floor']:.2f} | KV {r['kv_bytes'] / 2**30:.2f}GiB{peak}{pre} | plain "
+            f"x{r['ratio_to_floor']:.2f} | KV {r['kv_bytes'] / 2**30:.2f}GiB{host}{peak}{pre} | plain "
             f"{r['ms_plain_step_median']:.2f} compress {r['ms_compress_step_mean']:.2f} | {setup}")
 
 
@@ -732,8 +761,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grid", choices=sorted(GRIDS), help="preset: full (16k/32k/64k x batch 1, 16, max) or quick "
                    "(32k, batch 1); explicit flags override it")
     p.add_argument("--model", default="llama-3.1-8b", help=f"model shape with random weights: {', '.join(MODELS)}")
-    p.add_argument("--systems", type=_csv(str), help="hf-eager, hf-compiled and/or kvrewrite method names "
-                   "(default: the two HF baselines and every method)")
+    p.add_argument("--systems", type=_csv(str), help="hf-eager, hf-compiled and/or kvrewrite method names, "
+                   "options after colons (clusterkv:offload=cpu); default: the two HF baselines and every method")
     p.add_argument("--contexts", type=_csv(int), help="context lengths n (default 16384,32768,65536)")
     p.add_argument("--batches", type=_csv(str), help="batch sizes; 'max' = the largest that fits per system and "
                    "context (default 1,16)")

@@ -34,7 +34,19 @@ Decisions where the paper leaves room (docs/methods.md, "ClusterKV", gives the r
 - Layers 0 and 1 attend to everything (`dense_layers`, the paper follows Quest); they own no cluster state.
 - Batch rows are clustered independently; with left padding a row's sinks are its first n_sink real tokens.
 - Memory is not what the budget saves: cache_bytes() counts the full KV plus the index (centroids, 3 ints per
-  cluster, one int32 per slot). The paper's CPU offload of the full KV is not built yet.
+  cluster, one int32 per slot).
+- offload="cpu" (the paper's CPU offload, the authors' zero-copy variant): the clustered layers' keys and values
+  are allocated in page-locked host memory mapped into the GPU (kvrewrite/offload.py) and handed to the graphs as
+  CUDA tensors, so every op, CUDA graph and torch.compile runs unchanged and reads over PCIe only what it touches.
+  Everything else stays on the GPU (dense layers, bias, slot_pos, the index). Inside the step graphs (and their
+  CUDA graphs): the decode gathers of the selected rows, cache_append's writes, k-means' copy of its points, the
+  prefill chunks' dense attention; outside: only the allocation and registration (at apply) and, per generation,
+  the reset's zero-fill of the host keys/values (GPU writes over PCIe). No GPU cache of the last step's rows (the
+  paper's R = 1). H100, Llama-3.1-8B shape, 32k, B = 1, budget 1024: decode 8.4-9.0 -> 23.6-24.1 ms/token with
+  per-query-head selection, 8.8 -> 13.0 with select_per="kv_head"; peak GPU memory 19.7 -> 15.6 GiB (4.0 GiB of
+  KV on the host). Prefill is the weak part: a 1024-token chunk's dense attention reads every slot once per
+  query block over the bus, ~100x its device time (243 vs 2.4 ms per layer at 34k slots): minutes for a 32k
+  prompt (docs/methods.md, "ClusterKV", has the fix to build).
 
 What B counts: tokens attended per step and KV head (or query head), the n_sink sinks included and the at most m
 not-yet-clustered recent tokens not.
@@ -49,6 +61,7 @@ from kvrewrite.methods.base import Method
 from kvrewrite.state import StateField
 
 SELECT_PER = ("query_head", "kv_head")
+OFFLOAD = (None, "cpu")
 
 
 @dataclass
@@ -67,6 +80,8 @@ class ClusterKVMethod(Method):
         select_per: "query_head" (each query head ranks the clusters of its KV head) or "kv_head" (the group's
             summed query ranks them once; one slot list per KV head).
         seed: the k-means initialisation's seed.
+        offload: None (every state tensor on the model's device) or "cpu": the clustered layers' keys and values
+            in pinned host memory that the GPU reads in place (kvrewrite/offload.py; a CUDA model only).
     """
 
     name: ClassVar[str] = "clusterkv"
@@ -79,6 +94,7 @@ class ClusterKVMethod(Method):
     dense_layers: int = 2
     select_per: str = "query_head"
     seed: int = 0
+    offload: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -89,6 +105,9 @@ class ClusterKVMethod(Method):
                 raise ValueError(f"ClusterKVMethod.{name} must be an int >= {low}, got {v!r}")
         if self.select_per not in SELECT_PER:
             raise ValueError(f"ClusterKVMethod.select_per must be one of {SELECT_PER}, got {self.select_per!r}")
+        if self.offload not in OFFLOAD:
+            raise ValueError(f"ClusterKVMethod.offload must be None (keys and values on the model's device) or 'cpu' "
+                             f"(the clustered layers' keys and values in pinned host memory), got {self.offload!r}")
         if self.budget_in_slots and self.budget <= self.n_sink:
             raise ValueError(f"ClusterKVMethod.budget ({self.budget} tokens) must exceed n_sink={self.n_sink}: the "
                              f"sinks count inside the budget")
@@ -96,6 +115,13 @@ class ClusterKVMethod(Method):
     def compressed(self, layer) -> bool:
         """Does this (full-attention) layer select by clusters? The first dense_layers attend to everything."""
         return layer.index >= self.dense_layers
+
+    def host_fields(self, layer) -> tuple:
+        """The base state fields kept in pinned host memory (kvrewrite.offload): with offload="cpu" a clustered
+        layer's keys and values, the full KV its decode steps read a few selected rows of. bias and slot_pos stay
+        on the GPU: 12 bytes per slot next to 4 * D for 16-bit K and V (2% at D = 128), and a prefill chunk's dense
+        attention and every k-means read them whole. The dense layers read every row each step: on the GPU."""
+        return ("keys", "values") if self.offload == "cpu" and self.compressed(layer) else ()
 
     def max_clusters(self, C: int) -> int:
         """K, the static cluster capacity of a row of C slots: the prompt's clusters plus C+ per m generated tokens."""
