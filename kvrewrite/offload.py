@@ -24,12 +24,6 @@ import torch
 _REGISTER_FLAGS = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
-def host_fields(method, layer) -> tuple:
-    """Names of a layer's base state fields the method keeps in host memory (ClusterKVMethod.host_fields), or ()."""
-    fn = getattr(method, "host_fields", None)
-    return tuple(fn(layer)) if fn is not None else ()
-
-
 def check_offload_device(device, owner: str = "offload='cpu'") -> None:
     """ValueError unless `device` is a usable CUDA device: host-resident state is read by CUDA kernels in place."""
     device = torch.device(device)

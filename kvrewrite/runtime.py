@@ -49,7 +49,7 @@ class KVRewrittenModel(HostGeneration, nn.Module):
         self.config = config
         self.capacities = []
         self.state_specs = []  # per layer, the method's own state fields (Method.state_fields)
-        self.host_fields = [offload.host_fields(method, info) for info in self.layers]  # per layer, in host memory
+        self.host_fields = [tuple(method.host_fields(info)) for info in self.layers]  # per layer, in host memory
         if any(self.host_fields):
             offload.check_offload_device(captured.device, f"{method.name} offload='cpu'")
         for info, on_host in zip(self.layers, self.host_fields):

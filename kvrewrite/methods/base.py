@@ -99,6 +99,11 @@ class Method:
         over those slots (ClusterKV). Prefill chunks keep the attention over every slot."""
         return None
 
+    def host_fields(self, layer) -> tuple:
+        """Base state fields ("keys", "values") of a layer kept in page-locked host memory that the kernels read in
+        place (kvrewrite.offload); default none. ClusterKV's offload="cpu" overrides it."""
+        return ()
+
     def after_compression(self, fill: int, valid: int, target: int, threshold: int) -> tuple[int, int, int]:
         """The host mirror of the compression op on a due row (kvrewrite.host.HostSchedule): (fill, valid,
         threshold) after it. Default: min(valid, target) slots kept, the threshold unchanged; a method whose op

@@ -8,7 +8,7 @@ import kvrewrite
 from kvrewrite.bench import e2e
 from kvrewrite.capture import LayerInfo
 from kvrewrite.methods.clusterkv import ClusterKVMethod
-from kvrewrite.offload import check_offload_device, host_fields
+from kvrewrite.offload import check_offload_device
 from kvrewrite.state import allocate_layer_state
 from tests.families import tiny_model
 
@@ -32,10 +32,10 @@ def test_bad_offload_value_names_the_option(bad):
 
 def test_offload_places_the_clustered_layers_keys_and_values_on_the_host():
     m = ClusterKVMethod(offload="cpu", dense_layers=2)
-    assert host_fields(m, _layer(0)) == host_fields(m, _layer(1)) == ()  # dense layers: every row read each step
-    assert host_fields(m, _layer(2)) == ("keys", "values")
-    assert host_fields(ClusterKVMethod(), _layer(2)) == ()
-    assert host_fields(kvrewrite.methods.make_method("h2o"), _layer(2)) == ()  # methods without the hook
+    assert m.host_fields(_layer(0)) == m.host_fields(_layer(1)) == ()  # dense layers: every row read each step
+    assert m.host_fields(_layer(2)) == ("keys", "values")
+    assert ClusterKVMethod().host_fields(_layer(2)) == ()
+    assert kvrewrite.methods.make_method("h2o").host_fields(_layer(2)) == ()  # Method's default
 
 
 def test_other_methods_refuse_offload(llama):
