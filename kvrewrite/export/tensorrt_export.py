@@ -38,6 +38,9 @@ PLUGIN_OPS = (
     "kvrewrite_export::chelsea_compress",
     "kvrewrite_export::evict_by_score",
     "kvrewrite_export::accumulate_attention",
+    "kvrewrite_export::kmeans_cluster",
+    "kvrewrite_export::select_clusters",
+    "kvrewrite_export::indexed_attention",
 )
 _ALLOWED_NON_TENSOR = (int, float, bool, str)  # what generate_plugin maps to plugin attributes
 _registered = set()
