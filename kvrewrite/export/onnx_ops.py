@@ -27,6 +27,8 @@ are the functional forms (kvrewrite.export.functional): they return the updated
                               n_recent, pool, reset_score) -> (keys, ..., fill, score)
         ratio: float64 [recent_ratio] (the recent count floor(recent_ratio * B) needs the reference's double).
 
+    kvrewrite::kmeans_cluster, select_clusters, indexed_attention (ClusterKV): kvrewrite/export/onnx_clusterkv.py.
+
 Numerics: attention computes in fp32 (MatMul instead of the reference's einsum: rounding only), and so
 does accumulate_attention (exp(l - max) / sum instead of exp(l - lse): rounding only); cache_append,
 evict_to_budget and evict_by_score are scatters, gathers and ranks, exact (TopK breaks ties toward the
