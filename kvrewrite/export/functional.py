@@ -108,9 +108,10 @@ def _(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=
 
 
 @torch.library.custom_op("kvrewrite_export::kmeans_cluster", mutates_args=())
-def kmeans_cluster(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, budget: _T, centroids: _T, cluster_size: _T,
-                   cluster_start: _T, members: _T, n_clusters: _T, cluster_end: _T, n_sink: int, tokens_per_cluster: int,
-                   window: int, window_clusters: int, iters: int, seed: int) -> tuple[_T, _T, _T, _T, _T, _T]:
+def kmeans_cluster(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, budget: _T, centroids: _T,
+                   cluster_size: _T, cluster_start: _T, members: _T, n_clusters: _T, cluster_end: _T, n_sink: int,
+                   tokens_per_cluster: int, window: int, window_clusters: int, iters: int,
+                   seed: int) -> tuple[_T, _T, _T, _T, _T, _T]:
     """kvrewrite::kmeans_cluster returning the updated (centroids, cluster_size, cluster_start, members, n_clusters,
     cluster_end); the base state is only read."""
     out = _clones(centroids, cluster_size, cluster_start, members, n_clusters, cluster_end)
@@ -123,7 +124,8 @@ def kmeans_cluster(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, budge
 @kmeans_cluster.register_fake
 def _(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters,
       cluster_end, *args, **kwargs):
-    return tuple(torch.empty_like(t) for t in (centroids, cluster_size, cluster_start, members, n_clusters, cluster_end))
+    index = (centroids, cluster_size, cluster_start, members, n_clusters, cluster_end)
+    return tuple(torch.empty_like(t) for t in index)
 
 
 @torch.library.custom_op("kvrewrite_export::select_clusters", mutates_args=())

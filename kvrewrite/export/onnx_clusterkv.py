@@ -37,10 +37,11 @@ Exactness: integer outputs are exact; the float sums follow the reference's orde
 differently by an ulp, which can only change a label or a selection at a near-tie (two scores within ~1e-6
 relative); on the tests' random inputs every output equals the reference's.
 """
+from typing import TypeVar, Union
+
 from onnxscript import BFLOAT16, FLOAT, FLOAT16, INT32, INT64, script
 from onnxscript import opset18 as op
 from onnxscript.values import Opset
-from typing import TypeVar, Union
 
 kv = Opset("kvrewrite", 1)  # the domain of onnx_ops.py (DOMAIN), version 1
 TFloat = TypeVar("TFloat", bound=Union[FLOAT, FLOAT16, BFLOAT16])

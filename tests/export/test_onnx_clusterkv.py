@@ -1,11 +1,12 @@
 """ClusterKV's ONNX functions (kvrewrite/export/onnx_clusterkv.py) against the ops' references, in onnxruntime, on
 random states of several shapes: kmeans_cluster (prefill and window clusterings, the due rule, padding, sinks, rows
 shorter than n_sink, the seeded initialisation), select_clusters (both GQA modes, budgets that trim and that take
-everything, exact score ties), indexed_attention (both index layouts, -1 entries, duplicates, soft cap).
+everything, exact score ties), indexed_attention (both index layouts, -1 entries, duplicates, soft cap); fp32 and
+fp16 states.
 
 Tolerances: kmeans_cluster and select_clusters equal the reference exactly (the k-means sums run in the reference's
 order; the dots and norms could only differ at near-ties, which random inputs do not have); indexed_attention
-computes in fp32 like the reference (MatMul for einsum): atol 2e-6.
+computes in fp32 like the reference (MatMul for einsum): atol 2e-6 (fp16 outputs: 1e-3, one fp16 step).
 """
 import math
 
@@ -24,16 +25,16 @@ from tests.export.test_onnx import _run_function  # noqa: E402
 INDEX = ("centroids", "cluster_size", "cluster_start", "members", "n_clusters", "cluster_end")
 
 
-def _index_state(B, H, C, D, K):
-    return dict(centroids=torch.zeros(B, H, K, D), cluster_size=torch.zeros(B, H, K, dtype=torch.int32),
+def _index_state(B, H, C, D, K, dtype=torch.float32):
+    return dict(centroids=torch.zeros(B, H, K, D, dtype=dtype), cluster_size=torch.zeros(B, H, K, dtype=torch.int32),
                 cluster_start=torch.zeros(B, H, K, dtype=torch.int32),
                 members=torch.full((B, H, C), -1, dtype=torch.int32),
                 n_clusters=torch.zeros(B, H, dtype=torch.int32), cluster_end=torch.zeros(B, H, dtype=torch.int64))
 
 
-def _base(B, H, C, D, g, pad):
+def _base(B, H, C, D, g, pad, dtype=torch.float32):
     """Keys, values, bias (left padding of pad[b] slots and a few holes: -inf), slot_pos."""
-    keys, values = torch.randn(B, H, C, D, generator=g), torch.randn(B, H, C, D, generator=g)
+    keys, values = (torch.randn(B, H, C, D, generator=g).to(dtype) for _ in range(2))
     bias = torch.zeros(B, H, C)
     for b in range(B):
         bias[b, :, :pad[b]] = -math.inf
@@ -58,17 +59,18 @@ def _assert_index_equal(got, want):
         assert torch.equal(got[name], want[name]), f"kmeans_cluster: {name} differs\n{got[name]}\n{want[name]}"
 
 
-@pytest.mark.parametrize("seed,B,H,C,D,n_sink,tpc,window,wc,iters", [
-    (0, 1, 3, 24, 4, 2, 4, 4, 2, 3),
-    (1, 2, 2, 40, 8, 4, 5, 6, 3, 5),     # B = 2 with padding, GQA-sized heads
-    (2, 2, 3, 57, 16, 1, 7, 8, 4, 8),    # C not a multiple of anything, more iterations than needed
-    (3, 2, 2, 33, 8, 0, 3, 5, 2, 1),     # no sinks, one iteration
+@pytest.mark.parametrize("seed,B,H,C,D,n_sink,tpc,window,wc,iters,dtype", [
+    (0, 1, 3, 24, 4, 2, 4, 4, 2, 3, torch.float32),
+    (1, 2, 2, 40, 8, 4, 5, 6, 3, 5, torch.float32),     # B = 2 with padding, GQA-sized heads
+    (2, 2, 3, 57, 16, 1, 7, 8, 4, 8, torch.float32),    # C not a multiple of anything, more iterations than needed
+    (3, 2, 2, 33, 8, 0, 3, 5, 2, 1, torch.float32),     # no sinks, one iteration
+    (4, 2, 2, 40, 8, 2, 4, 6, 2, 4, torch.float16),     # fp16 keys and centroids: means rounded to fp16
 ])
-def test_kmeans_cluster_function(seed, B, H, C, D, n_sink, tpc, window, wc, iters):
+def test_kmeans_cluster_function(seed, B, H, C, D, n_sink, tpc, window, wc, iters, dtype):
     g = torch.Generator().manual_seed(seed)
     K = math.ceil(C / tpc) + wc * (C // window)
     pad = [int(torch.randint(0, 6, (1,), generator=g)) for _ in range(B)]
-    base = _base(B, H, C, D, g, pad)
+    base = _base(B, H, C, D, g, pad, dtype)
     opts = dict(n_sink=n_sink, tokens_per_cluster=tpc, window=window, window_clusters=wc, iters=iters,
                 seed=1000 + seed)
     # prefill clustering: due rows at different fills, one row below the threshold, one shorter than n_sink
@@ -79,7 +81,7 @@ def test_kmeans_cluster_function(seed, B, H, C, D, n_sink, tpc, window, wc, iter
         base["bias"][0, 0, :] = -math.inf
         base["bias"][0, 0, pad[0] + 1] = 0.0  # a single valid slot: fewer than n_sink, no point
     budget = torch.tensor([5, threshold])
-    ref, out = _kmeans(base, fill, budget, _index_state(B, H, C, D, K), opts)
+    ref, out = _kmeans(base, fill, budget, _index_state(B, H, C, D, K, dtype), opts)
     _assert_index_equal(out, ref)
     assert int((ref["n_clusters"] > 0).sum()) >= B * H - 2, "the prefill clustering clustered too few rows"
     # window clusterings on that state: due rows (>= window new slots), one row short of the window
@@ -133,15 +135,15 @@ def test_kmeans_initialisation_matches_init_points():
             assert torch.equal(ref["centroids"][0, h, 1:3], base["keys"][0, h, first])
 
 
-def _clustered_state(g, B, H, C, D, K, n_sink, window, fill, pad):
-    """A state clustered by the reference (prefill, then one window clustering) and then `fill` slots."""
-    base = _base(B, H, C, D, g, pad)
+def _clustered_state(g, B, H, C, D, K, n_sink, window, pad, dtype=torch.float32):
+    """Keys and an index clustered by the reference: the prompt (C // 2 slots), then one window clustering."""
+    base = _base(B, H, C, D, g, pad, dtype)
     opts = dict(n_sink=n_sink, tokens_per_cluster=3, window=window, window_clusters=2, iters=3, seed=5)
-    index = _index_state(B, H, C, D, K)
+    index = _index_state(B, H, C, D, K, dtype)
     f0 = torch.full((B, H), C // 2)
     reference_kmeans_cluster(*base.values(), f0, torch.tensor([0, 1]), *index.values(), **opts)
     reference_kmeans_cluster(*base.values(), f0 + window, torch.tensor([0, 1]), *index.values(), **opts)
-    return base, index, fill
+    return base, index
 
 
 @pytest.mark.parametrize("per_query_head", [True, False], ids=["per-query-head", "per-kv-head"])
@@ -151,12 +153,13 @@ def _clustered_state(g, B, H, C, D, K, n_sink, window, fill, pad):
     (2, 8, 2, 48, 16, 1, 100, 6),  # a budget above every clustered token: everything selected
     (2, 4, 1, 36, 4, 0, 7, 3),     # MQA, no sinks
 ])
-def test_select_clusters_function(per_query_head, B, Hq, Hkv, C, D, n_sink, budget, window):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_select_clusters_function(per_query_head, B, Hq, Hkv, C, D, n_sink, budget, window, dtype):
     g = torch.Generator().manual_seed(B * 100 + C + budget)
     K = 30
-    base, index, _ = _clustered_state(g, B, Hkv, C, D, K, n_sink, window, None, [0, 4][:B])
+    base, index = _clustered_state(g, B, Hkv, C, D, K, n_sink, window, [0, 4][:B], dtype)
     fill = index["cluster_end"] + torch.randint(0, window + 1, (B, Hkv), generator=g)
-    q = torch.randn(B, Hq, 1, D, generator=g)
+    q = torch.randn(B, Hq, 1, D, generator=g).to(dtype)
     max_selected = 16
     inputs = dict(q=q, fill=fill, budget=torch.tensor([budget, 0]), centroids=index["centroids"],
                   cluster_size=index["cluster_size"], cluster_start=index["cluster_start"], members=index["members"],
@@ -194,14 +197,15 @@ def test_select_clusters_function_ties():
 
 
 @pytest.mark.parametrize("per_query_head", [True, False], ids=["per-query-head", "per-kv-head"])
-@pytest.mark.parametrize("B,Hq,Hkv,T,C,D,S,softcap", [
-    (1, 2, 2, 1, 9, 8, 6, 0.0), (2, 4, 2, 1, 33, 16, 20, 0.0), (2, 8, 2, 3, 40, 16, 25, 0.0),
-    (1, 4, 1, 1, 12, 8, 10, 5.0),
+@pytest.mark.parametrize("B,Hq,Hkv,T,C,D,S,softcap,dtype", [
+    (1, 2, 2, 1, 9, 8, 6, 0.0, torch.float32), (2, 4, 2, 1, 33, 16, 20, 0.0, torch.float32),
+    (2, 8, 2, 3, 40, 16, 25, 0.0, torch.float32), (1, 4, 1, 1, 12, 8, 10, 5.0, torch.float32),
+    (2, 4, 2, 1, 30, 16, 18, 0.0, torch.float16),
 ])
-def test_indexed_attention_function(per_query_head, B, Hq, Hkv, T, C, D, S, softcap):
+def test_indexed_attention_function(per_query_head, B, Hq, Hkv, T, C, D, S, softcap, dtype):
     g = torch.Generator().manual_seed(B * 100 + C + S)
-    q = torch.randn(B, Hq, T, D, generator=g) * (softcap or 1.0)
-    keys, values = torch.randn(B, Hkv, C, D, generator=g), torch.randn(B, Hkv, C, D, generator=g)
+    q = (torch.randn(B, Hq, T, D, generator=g) * (softcap or 1.0)).to(dtype)
+    keys, values = (torch.randn(B, Hkv, C, D, generator=g).to(dtype) for _ in range(2))
     bias = torch.zeros(B, Hkv, C)
     bias[torch.rand(B, Hkv, C, generator=g) < 0.2] = -math.inf
     Hsel = Hq if per_query_head else Hkv
@@ -213,4 +217,6 @@ def test_indexed_attention_function(per_query_head, B, Hq, Hkv, T, C, D, S, soft
     (out,) = _run_function("indexed_attention", dict(q=q, keys=keys, values=values, bias=bias, index=index), [ref],
                            **attrs)
     assert out.shape == ref.shape and out.dtype == ref.dtype
-    torch.testing.assert_close(out, ref, atol=2e-6 * max(1.0, softcap), rtol=0)
+    # fp32 math; fp16: both round the same fp32 result (within 2e-6) to fp16, so at most one fp16 step apart
+    atol = 2e-6 * max(1.0, softcap) if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(out, ref, atol=atol, rtol=0)
