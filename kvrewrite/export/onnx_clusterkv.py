@@ -26,7 +26,7 @@ Each body is the reference computation (kvrewrite/kernels/<op>.py, reference_<op
   n_sink + the points clustered before.
 - select_clusters: the selection query (a query head's, or the fp32 sum of the group's: a ReduceSum over the
   group), scores by MatMul, the stable descending order by TopK (ties to the lower id), takes by CumSum, the
-  owner of each output position by counting the cumulative takes <= it (searchsorted), then the index layout
+  owner of each output position (searchsorted) in O(max_selected + K) by marks and a CumSum, then the index layout
   (sinks, taken members in cluster-id order, -1, the window, -1). A window longer than `window` is cut to its
   first `window` slots (the CUDA kernel's behaviour; the reference raises).
 - indexed_attention: GatherElements of the listed keys, values and biases (-1: masked, its value zeroed), fp32
@@ -211,14 +211,26 @@ def select_clusters(q: TFloat, fill: INT64, budget: INT64, centroids: TFloat, cl
     take_sorted = op.Min(ws, op.Max(op.Sub(b_sel, op.Sub(op.CumSum(ws, two), ws)), zero))
     take = op.ScatterElements(op.Mul(w, zero), order, take_sorted, axis=2)  # back in id order
     incl = op.CumSum(take, two)  # id-order output offsets
-    p = op.Range(zero, op.Constant(value_int=max_selected), one)  # [M]
-    # the cluster holding output position p: how many inclusive offsets are <= p (searchsorted, right)
-    owner = op.ReduceSum(op.Cast(op.LessOrEqual(op.Unsqueeze(incl, [2]), op.Unsqueeze(p, [1])), to=INT64.dtype),
-                         op.Constant(value_ints=[3]), keepdims=0)  # [B, Hsel, M]
-    owner = op.Min(owner, op.Sub(K, one))
+    excl = op.Sub(incl, take)
+    M = op.Constant(value_int=max_selected)
+    p = op.Range(zero, M, one)  # [M]
+    # the cluster holding output position p (searchsorted(incl, p, right=True) for p < the total taken), in
+    # O(M + K): the taken clusters' ids packed in id order; a 1 at each taken cluster's first position (distinct:
+    # takes are > 0), so a CumSum over the positions counts the taken clusters begun by p, i.e. p's owner's rank
+    taken = op.Greater(take, zero)
+    rows = op.Shape(take, start=0, end=2)  # [B, Hsel]
+    K1 = op.Squeeze(K)
+    to_rank = op.Where(taken, op.Sub(op.CumSum(op.Cast(taken, to=INT64.dtype), two), one), op.Add(kr, K))
+    ids = op.Slice(op.ScatterElements(op.Expand(op.Concat(kr, kr, axis=0), op.Concat(rows, op.Add(K, K), axis=0)),
+                                      to_rank, op.Expand(kr, op.Shape(take)), axis=2),
+                   op.Constant(value_ints=[0]), K, op.Constant(value_ints=[2]))  # [B, Hsel, K]: k of rank r
+    M1 = op.Unsqueeze(M, [0])
+    marks = op.ScatterElements(op.Expand(zero, op.Concat(rows, op.Add(M1, K), axis=0)),
+                               op.Where(taken, excl, op.Add(kr, M)), op.Cast(taken, to=INT64.dtype), axis=2)
+    began = op.CumSum(op.Slice(marks, op.Constant(value_ints=[0]), M1, op.Constant(value_ints=[2])), two)
+    owner = op.GatherElements(ids, op.Min(op.Max(op.Sub(began, one), zero), op.Sub(K1, one)), axis=2)  # [B, Hsel, M]
     start = op.Cast(op.Gather(cluster_start, head, axis=1), to=INT64.dtype)
-    src = op.Sub(op.Add(op.GatherElements(start, owner, axis=2), p),
-                 op.GatherElements(op.Sub(incl, take), owner, axis=2))
+    src = op.Sub(op.Add(op.GatherElements(start, owner, axis=2), p), op.GatherElements(excl, owner, axis=2))
     total = op.Slice(incl, op.Sub(K, one), K, op.Constant(value_ints=[2]))  # [B, Hsel, 1]
     used = op.Less(p, total)
     memb = op.Cast(op.Gather(members, head, axis=1), to=INT64.dtype)  # [B, Hsel, C]
