@@ -8,9 +8,10 @@ updates are applied to the caller's tensors, as in the runtime. `kvrewrite.expor
 runs generation from the directory.
 
 What is not compiled into the package: ops that are plain custom ops (evict_to_budget,
-chelsea_compress, and clustered_attention's CPU path) run through AOTInductor's proxy executor, which calls the registered op, i.e. the kvrewrite Python
-implementation (on CUDA its Triton compression kernels). So a package runs in a Python process
-that has done `import kvrewrite`; it is not a C++-only artifact.
+chelsea_compress, evict_by_score, kmeans_cluster, and the CPU paths of the triton_ops clustered_attention,
+select_clusters and indexed_attention) run through AOTInductor's proxy executor, which calls the registered
+op, i.e. the kvrewrite Python implementation (on CUDA its Triton compression kernels). So a package runs
+in a Python process that has done `import kvrewrite`; it is not a C++-only artifact.
 
 Workaround: AOTInductor's proxy executor passes an empty int list argument as None (torch 2.13), so
 chelsea_compress's `outlier_heads=[]` would fail at run time; the graph exported here calls

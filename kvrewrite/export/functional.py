@@ -8,10 +8,13 @@ evict_by_score / accumulate_attention becomes the op of the same name in the nam
 ``kvrewrite_export``, which takes the same arguments (chelsea's outlier heads as a bit mask) and returns
 the tensors it would write instead of mutating them: (keys, values, bias, slot_pos, fill) for the first
 three, those plus the score for evict_by_score, the score for accumulate_attention (FUNCTIONAL lists the
-mutated argument positions). Their eager and CUDA kernels are the in-place ops applied to clones, so the
-functional graph computes exactly what the in-place one does. clustered_attention and
-attention_column_stats mutate nothing and stay; observed_attention (the fused pair, a CUDA kernel choice)
-is split back into clustered_attention and accumulate_attention first.
+mutated argument positions), and kvrewrite::kmeans_cluster (ClusterKV) becomes kvrewrite_export::kmeans_cluster,
+which returns its six index fields (centroids, cluster_size, cluster_start, members, n_clusters, cluster_end).
+Their eager and CUDA kernels are the in-place ops applied to clones, so the functional graph computes exactly
+what the in-place one does. clustered_attention, select_clusters, indexed_attention and
+attention_column_stats mutate nothing and stay (for TensorRT the three triton_ops become plain custom ops of
+the same name in ``kvrewrite_export``, `opaque_attention`); observed_attention (the fused pair, a CUDA kernel
+choice) is split back into clustered_attention and accumulate_attention first.
 
 Importing this module registers the ``kvrewrite_export::`` ops.
 """
@@ -104,6 +107,63 @@ def _(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=
     return q.new_empty(q.shape)
 
 
+@torch.library.custom_op("kvrewrite_export::kmeans_cluster", mutates_args=())
+def kmeans_cluster(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, budget: _T, centroids: _T,
+                   cluster_size: _T, cluster_start: _T, members: _T, n_clusters: _T, cluster_end: _T, n_sink: int,
+                   tokens_per_cluster: int, window: int, window_clusters: int, iters: int,
+                   seed: int) -> tuple[_T, _T, _T, _T, _T, _T]:
+    """kvrewrite::kmeans_cluster returning the updated (centroids, cluster_size, cluster_start, members, n_clusters,
+    cluster_end); the base state is only read."""
+    out = _clones(centroids, cluster_size, cluster_start, members, n_clusters, cluster_end)
+    torch.ops.kvrewrite.kmeans_cluster(keys, values, bias, slot_pos, fill, budget, *out, n_sink=n_sink,
+                                       tokens_per_cluster=tokens_per_cluster, window=window,
+                                       window_clusters=window_clusters, iters=iters, seed=seed)
+    return tuple(out)
+
+
+@kmeans_cluster.register_fake
+def _(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters,
+      cluster_end, *args, **kwargs):
+    index = (centroids, cluster_size, cluster_start, members, n_clusters, cluster_end)
+    return tuple(torch.empty_like(t) for t in index)
+
+
+@torch.library.custom_op("kvrewrite_export::select_clusters", mutates_args=())
+def select_clusters(q: _T, fill: _T, budget: _T, centroids: _T, cluster_size: _T, cluster_start: _T, members: _T,
+                    n_clusters: _T, cluster_end: _T, n_sink: int, max_selected: int, window: int,
+                    per_query_head: bool) -> _T:
+    """kvrewrite::select_clusters as a plain custom op (opaque to decompositions, like clustered_attention here)."""
+    return torch.ops.kvrewrite.select_clusters(q, fill, budget, centroids, cluster_size, cluster_start, members,
+                                               n_clusters, cluster_end, n_sink=n_sink, max_selected=max_selected,
+                                               window=window, per_query_head=per_query_head)
+
+
+@select_clusters.register_fake
+def _(q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end, n_sink, max_selected,
+      window, per_query_head):
+    Hsel = q.shape[1] if per_query_head else centroids.shape[1]
+    return q.new_empty((q.shape[0], Hsel, n_sink + max_selected + window), dtype=torch.int32)
+
+
+@torch.library.custom_op("kvrewrite_export::indexed_attention", mutates_args=())
+def indexed_attention(q: _T, keys: _T, values: _T, bias: _T, index: _T, scale: float, softcap: float = 0.0) -> _T:
+    """kvrewrite::indexed_attention as a plain custom op (opaque to decompositions, like clustered_attention here)."""
+    return torch.ops.kvrewrite.indexed_attention(q, keys, values, bias, index, scale, softcap)
+
+
+@indexed_attention.register_fake
+def _(q, keys, values, bias, index, scale, softcap=0.0):
+    return q.new_empty(q.shape)
+
+
+# pure triton_ops -> their plain custom op in kvrewrite_export (functionalize(opaque_attention=True))
+OPAQUE = {
+    torch.ops.kvrewrite.clustered_attention.default: torch.ops.kvrewrite_export.clustered_attention.default,
+    torch.ops.kvrewrite.select_clusters.default: torch.ops.kvrewrite_export.select_clusters.default,
+    torch.ops.kvrewrite.indexed_attention.default: torch.ops.kvrewrite_export.indexed_attention.default,
+}
+
+
 def outlier_mask(heads) -> int:
     """The bit mask of a list of KV heads (0 <= h < 62)."""
     if any(not 0 <= h < 62 for h in heads):
@@ -132,6 +192,8 @@ FUNCTIONAL = {
     torch.ops.kvrewrite.evict_by_score.default: (torch.ops.kvrewrite_export.evict_by_score.default,
                                                  (0, 1, 2, 3, 4, 6)),
     torch.ops.kvrewrite.accumulate_attention.default: (torch.ops.kvrewrite_export.accumulate_attention.default, (5,)),
+    torch.ops.kvrewrite.kmeans_cluster.default: (torch.ops.kvrewrite_export.kmeans_cluster.default,
+                                                 (6, 7, 8, 9, 10, 11)),
 }
 
 
@@ -175,7 +237,8 @@ def gemv_as_linear(gm: fx.GraphModule) -> fx.GraphModule:
 def functionalize(gm: fx.GraphModule, n_inputs: int = 4, opaque_attention: bool = False) -> fx.GraphModule:
     """A copy of a rewritten graph whose state updates are returned, not applied: output
     (logits, *new_state) in the order of the state inputs (those no op writes come back unchanged).
-    `opaque_attention` also swaps kvrewrite::clustered_attention for kvrewrite_export::clustered_attention.
+    `opaque_attention` also swaps the pure triton_ops (kvrewrite::clustered_attention, select_clusters,
+    indexed_attention) for their plain custom ops in kvrewrite_export (OPAQUE).
 
     Raises ValueError if a state input feeds anything but a kvrewrite op (a view of the state taken
     before an update would read the old value in the functional graph, silently)."""
@@ -199,8 +262,8 @@ def functionalize(gm: fx.GraphModule, n_inputs: int = 4, opaque_attention: bool 
         if node.op != "call_function":
             continue
         node.args, node.kwargs = remap(node.args), remap(node.kwargs)
-        if opaque_attention and node.target == torch.ops.kvrewrite.clustered_attention.default:
-            node.target = torch.ops.kvrewrite_export.clustered_attention.default
+        if opaque_attention and node.target in OPAQUE:
+            node.target = OPAQUE[node.target]
             continue
         if node.target not in FUNCTIONAL:
             continue

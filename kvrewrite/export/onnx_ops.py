@@ -27,6 +27,8 @@ are the functional forms (kvrewrite.export.functional): they return the updated
                               n_recent, pool, reset_score) -> (keys, ..., fill, score)
         ratio: float64 [recent_ratio] (the recent count floor(recent_ratio * B) needs the reference's double).
 
+    kvrewrite::kmeans_cluster, select_clusters, indexed_attention (ClusterKV): kvrewrite/export/onnx_clusterkv.py.
+
 Numerics: attention computes in fp32 (MatMul instead of the reference's einsum: rounding only), and so
 does accumulate_attention (exp(l - max) / sum instead of exp(l - lse): rounding only); cache_append,
 evict_to_budget and evict_by_score are scatters, gathers and ranks, exact (TopK breaks ties toward the
@@ -45,6 +47,7 @@ from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
 import kvrewrite.export.functional  # noqa: F401  (registers kvrewrite_export::)
+from kvrewrite.export import onnx_clusterkv
 
 DOMAIN = "kvrewrite"
 kv = Opset(DOMAIN, 1)
@@ -377,7 +380,8 @@ def evict_by_score(keys: TFloat, values: TFloat, bias: FLOAT, slot_pos: INT64, f
 
 FUNCTIONS = {"clustered_attention": clustered_attention, "cache_append": cache_append,
              "evict_to_budget": evict_to_budget, "chelsea_compress": chelsea_compress,
-             "accumulate_attention": accumulate_attention, "evict_by_score": evict_by_score}
+             "accumulate_attention": accumulate_attention, "evict_by_score": evict_by_score,
+             **onnx_clusterkv.FUNCTIONS}
 
 
 def fixed_proto(fn):
@@ -398,8 +402,11 @@ def fixed_proto(fn):
 
 
 def function_protos(names=None) -> list:
-    """The FunctionProtos the exported models carry (domain "kvrewrite", version 1), all or `names`."""
-    return [fixed_proto(f) for name, f in FUNCTIONS.items() if names is None or name in names]
+    """The FunctionProtos the exported models carry (domain "kvrewrite", version 1), all or `names`, with the
+    helper functions their bodies call (kmeans_cluster's mix32)."""
+    picked = [name for name in FUNCTIONS if names is None or name in names]
+    helpers = sorted({h for name in picked for h in onnx_clusterkv.CALLS.get(name, ())})
+    return [fixed_proto(FUNCTIONS[name]) for name in picked] + [fixed_proto(onnx_clusterkv.HELPERS[h]) for h in helpers]
 
 
 # -- the nodes: torch.onnx.ops.symbolic emits a "kvrewrite::<op>" node during export -------------------
@@ -458,7 +465,39 @@ def sym_evict_by_score(keys, values, bias, slot_pos, fill, budget, score, n_rece
         **_state_like(keys, values, bias, slot_pos, fill, score)))
 
 
+def sym_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members,
+                       n_clusters, cluster_end, n_sink, tokens_per_cluster, window, window_clusters, iters, seed):
+    return tuple(torch.onnx.ops.symbolic_multi_out(
+        f"{DOMAIN}::kmeans_cluster", [keys, values, bias, slot_pos, fill, budget, centroids, cluster_size,
+                                      cluster_start, members, n_clusters, cluster_end],
+        {"n_sink": int(n_sink), "tokens_per_cluster": int(tokens_per_cluster), "window": int(window),
+         "window_clusters": int(window_clusters), "iters": int(iters), "seed": int(seed)},
+        **_state_like(centroids, cluster_size, cluster_start, members, n_clusters, cluster_end)))
+
+
+def sym_select_clusters(q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end,
+                        n_sink, max_selected, window, per_query_head):
+    Hsel = q.shape[1] if per_query_head else centroids.shape[1]
+    return torch.onnx.ops.symbolic(
+        f"{DOMAIN}::select_clusters", [q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters,
+                                       cluster_end],
+        {"n_sink": int(n_sink), "max_selected": int(max_selected), "window": int(window),
+         "per_query_head": int(per_query_head)},
+        dtype=torch.int32, shape=(q.shape[0], Hsel, n_sink + max_selected + window), version=1)
+
+
+def sym_indexed_attention(q, keys, values, bias, index, scale, softcap=0.0):
+    attrs = {"scale": float(scale)}
+    if softcap:  # 0 (no cap) is the function's default
+        attrs["softcap"] = float(softcap)
+    return torch.onnx.ops.symbolic(f"{DOMAIN}::indexed_attention", [q, keys, values, bias, index], attrs,
+                                   dtype=q.dtype, shape=q.shape, version=1)
+
+
 SYMBOLIC = {
+    torch.ops.kvrewrite_export.kmeans_cluster.default: sym_kmeans_cluster,
+    torch.ops.kvrewrite.select_clusters.default: sym_select_clusters,
+    torch.ops.kvrewrite.indexed_attention.default: sym_indexed_attention,
     torch.ops.kvrewrite_export.accumulate_attention.default: sym_accumulate_attention,
     torch.ops.kvrewrite_export.evict_by_score.default: sym_evict_by_score,
     torch.ops.kvrewrite.clustered_attention.default: sym_clustered_attention,

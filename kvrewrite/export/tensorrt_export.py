@@ -2,10 +2,10 @@
 kvrewrite op a TensorRT plugin generated from the op itself (the Quick Deployable Plugin path).
 
 What it does, per graph:
-1. makes the graph functional (kvrewrite.export.functional, with the attention as the opaque
-   kvrewrite_export::clustered_attention): TensorRT plugins return new tensors, they cannot write
-   their inputs; inputs (input_ids, position_ids, cache_position, token_valid, *state), outputs
-   (logits, *new_state);
+1. makes the graph functional (kvrewrite.export.functional, with the triton_ops clustered_attention,
+   select_clusters and indexed_attention as the opaque kvrewrite_export ops of the same names):
+   TensorRT plugins return new tensors, they cannot write their inputs; inputs (input_ids,
+   position_ids, cache_position, token_valid, *state), outputs (logits, *new_state);
 2. torch.export-s it and checks its op set: only ATen ops and the kvrewrite_export ops of
    PLUGIN_OPS, each with a plugin description (output shapes as functions of the input shapes,
    derived from the op's fake the way torch-tensorrt's generate_plugin derives them);
@@ -20,8 +20,9 @@ documented torch-tensorrt API (2.6+, TensorRT >= 10.7 for tensorrt.plugin) and h
 package can be installed on our machines. Without them `tensorrt()` raises ImportError naming what is
 missing. The plugins are JIT plugins (a Python callback into the op at engine run time): an AOT plugin
 (`tensorrt.plugin.aot_impl`, PTX in the engine) needs one Triton kernel with a fixed launch per op, and
-cache_append / the compression ops launch several kernels or run PyTorch code; so the engines need a
-Python process with kvrewrite imported, like the AOTInductor packages.
+cache_append / the compression ops launch several kernels or run PyTorch code (kmeans_cluster, select_clusters:
+several phases or launches); so the engines need a Python process with kvrewrite imported, like the AOTInductor
+packages.
 """
 import operator
 
@@ -38,6 +39,9 @@ PLUGIN_OPS = (
     "kvrewrite_export::chelsea_compress",
     "kvrewrite_export::evict_by_score",
     "kvrewrite_export::accumulate_attention",
+    "kvrewrite_export::kmeans_cluster",
+    "kvrewrite_export::select_clusters",
+    "kvrewrite_export::indexed_attention",
 )
 _ALLOWED_NON_TENSOR = (int, float, bool, str)  # what generate_plugin maps to plugin attributes
 _registered = set()

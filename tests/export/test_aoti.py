@@ -84,3 +84,40 @@ def test_cuda_generate_matches_eager(tmp_path, target):
             names = z.namelist()
         assert any(n.endswith(".cubin") for n in names), names
         assert b"clustered_attention_fwd_kernel" in text, "the clustered attention Triton kernel is not in the package"
+
+
+@torch.no_grad()
+def test_aoti_cpu_clusterkv_step_matches_eager(tmp_path):
+    """ClusterKV's decode step with compression compiled alone (one package: ~20 s of C++ compile, not three): on a
+    state three decode steps past the prompt, where this step's window clustering is due, the package computes the
+    eager graph's logits (1e-4) and the same index (every integer field equal, centroids within 1e-5): kmeans_cluster
+    (six mutated index fields, keyword-only ints), select_clusters and indexed_attention through the proxy executor.
+    The whole generation from three packages was checked by hand (docs/deploy.md)."""
+    from kvrewrite.export.common import example_inputs, graph_of
+
+    m = tiny_model("llama")
+    m.generation_config.eos_token_id = None
+    rw = kvrewrite.apply(m, "clusterkv", max_length=40, batch_size=2, prefill_chunk=16, budget=10, n_sink=2,
+                         interval=4, tokens_per_cluster=4, window_clusters=2, iters=4, dense_layers=1)
+    path = kvrewrite.export.aoti(rw, tmp_path, graphs=("decode_compress",))
+    step = loader.load(path).steps["decode_compress"]
+    ids, mask = _inputs()
+    logits = rw.prefill(ids, mask, max_new_tokens=NEW)
+    for _ in range(3):
+        logits = rw.decode_step(logits.argmax(-1))
+    args = list(example_inputs(rw, "decode_compress"))[:4]
+    args[0] = logits.argmax(-1)[:, None]
+    args[1], args[2] = args[1] + PROMPT + 3, args[2] + 32 + 3  # 24 tokens in two chunks of 16, then 3 steps
+    eager = [t.clone() for t in rw.state_tensors()]
+    compiled = [t.clone() for t in rw.state_tensors()]
+    want = graph_of(rw, "decode_compress")(*args, *eager)
+    got = step(*args, compiled)
+    assert (got - want).abs().max().item() <= 1e-4
+    names = [f"l{info.index}_{f}" for k, info in enumerate(rw.layers) for f in rw.layer_fields(k)]
+    for name, a, b in zip(names, compiled, eager):
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+        else:
+            assert torch.equal(a, b), name
+    n_clusters = rw.layer_state(1)["n_clusters"]
+    assert bool((eager[names.index("l1_n_clusters")] > n_clusters).all()), "the window clustering did not run"

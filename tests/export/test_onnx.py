@@ -1,5 +1,5 @@
 """ONNX export: each kvrewrite function against its PyTorch op (onnxruntime, fresh random inputs), then
-whole models (full, streamingllm, chelsea; sliding-window layers): onnx.checker, custom-domain nodes
+whole models (full, streamingllm, chelsea, snapkv, clusterkv; sliding-window layers): onnx.checker, custom-domain nodes
 with their functions, logits and state after prefill, and greedy generation against the PyTorch runtime.
 
 Tolerances: cache_append and evict_to_budget are scatters/gathers, so their outputs must be equal;
@@ -267,6 +267,10 @@ CASES = {  # family, method, options: full-attention eviction (llama), sliding-w
                                                  outlier_heads={2: [1]})),
     # the score ops and the method's own state (l<i>_score inputs and outputs)
     "llama-snapkv": ("llama", "snapkv", dict(budget=0.5, window=4, kernel=3, interval=4)),
+    # clusterkv: layer 1 selects (10 of ~24 slots; one slot list per KV head, the group's summed query), a window
+    # clustering every 4 decode steps; k-means and selection state (l1_centroids ... l1_cluster_end) in and out
+    "llama-clusterkv": ("llama", "clusterkv", dict(budget=10, n_sink=2, interval=4, tokens_per_cluster=4,
+                                                   window_clusters=2, iters=4, dense_layers=1, select_per="kv_head")),
 }
 
 
@@ -288,16 +292,20 @@ def test_models_check_and_carry_kvrewrite_functions(exported):
         onnx.checker.check_model(model, full_check=True)
         nodes = {n.op_type for n in model.graph.node if n.domain == "kvrewrite"}
         assert {"cache_append", "clustered_attention"} <= nodes, f"{name}: kvrewrite nodes {nodes}"
-        windows = {layer.index: layer.window for layer in rw.layers}
+        # the layers attending densely: all in prefill, in decode graphs those without a selection op (clusterkv)
+        dense = [layer for layer in rw.layers if name == "prefill" or not rw.method.select_call(layer, rw.max_length)]
         attn = [n for n in model.graph.node if n.domain == "kvrewrite" and n.op_type == "clustered_attention"]
         past_only = [next((a.i for a in n.attribute if a.name == "past_only"), None) for n in attn]
-        want = [int(name != "prefill" and w == 0) for w in windows.values()]  # decode graphs, layers without window
+        want = [int(name != "prefill" and layer.window == 0) for layer in dense]  # decode graphs, no window
         assert past_only == want, f"{name}: past_only attributes {past_only}, want {want}"
         functions = {f.name for f in model.functions if f.domain == "kvrewrite"}
-        assert nodes == functions, f"{name}: kvrewrite nodes {nodes} vs functions {functions}"
+        helpers = {"mix32"} if "kmeans_cluster" in nodes else set()  # called by the kmeans_cluster function
+        assert functions == nodes | helpers, f"{name}: kvrewrite nodes {nodes} vs functions {functions}"
         if rw.method.name != "full" and name != "decode":
-            assert {"streamingllm": "evict_to_budget", "chelsea": "chelsea_compress",
-                    "snapkv": "evict_by_score"}[rw.method.name] in nodes
+            assert {"streamingllm": "evict_to_budget", "chelsea": "chelsea_compress", "snapkv": "evict_by_score",
+                    "clusterkv": "kmeans_cluster"}[rw.method.name] in nodes
+        if len(dense) < len(rw.layers):
+            assert {"select_clusters", "indexed_attention"} <= nodes
         other = {n.domain for n in model.graph.node} - {"", "kvrewrite"}
         assert not other, f"{name}: nodes of other domains {other}"
 

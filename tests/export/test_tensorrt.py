@@ -40,10 +40,12 @@ def rw_snapkv():
 
 
 SCORE_OPS = {"kvrewrite_export::evict_by_score", "kvrewrite_export::accumulate_attention"}
+CLUSTERKV_OPS = {"kvrewrite_export::kmeans_cluster", "kvrewrite_export::select_clusters",
+                 "kvrewrite_export::indexed_attention"}
 
 
 def test_op_set_is_aten_plus_plugin_ops(prepared):
-    every = set(te.PLUGIN_OPS) - SCORE_OPS
+    every = set(te.PLUGIN_OPS) - SCORE_OPS - CLUSTERKV_OPS
     assert te.check_op_set(prepared["prefill"][0]) == sorted(every)
     assert te.check_op_set(prepared["decode_compress"][0]) == sorted(every)
     assert te.check_op_set(prepared["decode"][0]) == ["kvrewrite_export::cache_append",
@@ -56,7 +58,7 @@ def test_op_set_is_aten_plus_plugin_ops(prepared):
 
 def test_plugin_descriptions(prepared):
     _, descs = prepared["prefill"]
-    assert sorted(descs) == sorted(set(te.PLUGIN_OPS) - SCORE_OPS)
+    assert sorted(descs) == sorted(set(te.PLUGIN_OPS) - SCORE_OPS - CLUSTERKV_OPS)
     for op, d in descs.items():
         if op.endswith("clustered_attention"):
             assert d["outputs"] == d["inputs"][:1]  # [B, Hq, T, D] of q
@@ -71,7 +73,7 @@ def test_score_ops_plugin_descriptions(rw_snapkv):
     prepared = te.prepare(rw_snapkv)
     base = ["kvrewrite_export::cache_append", "kvrewrite_export::clustered_attention"]
     assert te.check_op_set(prepared["decode"][0]) == sorted([*base, "kvrewrite_export::accumulate_attention"])
-    no_chelsea = set(te.PLUGIN_OPS) - {"kvrewrite_export::chelsea_compress"}
+    no_chelsea = set(te.PLUGIN_OPS) - {"kvrewrite_export::chelsea_compress"} - CLUSTERKV_OPS
     assert te.check_op_set(prepared["prefill"][0]) == sorted(no_chelsea)
     descs = prepared["decode_compress"][1]
     ins = descs["kvrewrite_export::evict_by_score"]["inputs"]
@@ -130,6 +132,68 @@ def test_functional_graph_computes_the_in_place_graph(request, which, name):
     assert all(torch.equal(a, b) for a, b in zip(new_state, state))
     after = [new_state[starts[i] + 4] for i in range(len(rw.layers))]
     assert all(bool((a < b + args[0].shape[1]).any()) for a, b in zip(after, before)), "no compression ran"
+
+
+CLUSTERKV = dict(budget=10, n_sink=2, interval=4, tokens_per_cluster=4, window_clusters=2, iters=4, dense_layers=1)
+
+
+@pytest.fixture(scope="module")
+def rw_clusterkv():
+    # llama with clusterkv: layer 0 dense, layer 1 clustered (one slot list per KV head: the index is [B, Hkv, S])
+    m = tiny_model("llama")
+    m.generation_config.eos_token_id = None
+    return kvrewrite.apply(m, "clusterkv", max_length=40, batch_size=2, prefill_chunk=16, select_per="kv_head",
+                           **CLUSTERKV)
+
+
+def test_clusterkv_op_set_and_plugin_descriptions(rw_clusterkv):
+    """ClusterKV's graphs: kmeans_cluster where the graph compresses (its six index fields come back with their own
+    shapes), select_clusters and indexed_attention in the decode graphs (the index [B, Hkv, n_sink + max_selected +
+    window] int32, the attention q's shape), every triton_op as its opaque kvrewrite_export op."""
+    prepared = te.prepare(rw_clusterkv)
+    base = {"kvrewrite_export::cache_append", "kvrewrite_export::clustered_attention"}
+    select = {"kvrewrite_export::select_clusters", "kvrewrite_export::indexed_attention"}
+    assert te.check_op_set(prepared["prefill"][0]) == sorted(base | {"kvrewrite_export::kmeans_cluster"})
+    assert te.check_op_set(prepared["decode"][0]) == sorted(base | select)
+    assert te.check_op_set(prepared["decode_compress"][0]) == sorted(base | CLUSTERKV_OPS)
+    descs = prepared["decode_compress"][1]
+    ins = descs["kvrewrite_export::kmeans_cluster"]["inputs"]
+    assert descs["kvrewrite_export::kmeans_cluster"]["outputs"] == ins[6:12]
+    ins = descs["kvrewrite_export::select_clusters"]["inputs"]
+    (out,) = descs["kvrewrite_export::select_clusters"]["outputs"]
+    assert out == [ins[0][0], ins[3][1], 2 + 8 + 4]  # [B, Hkv (centroids), n_sink + (budget - n_sink) + interval]
+    ins = descs["kvrewrite_export::indexed_attention"]["inputs"]
+    assert descs["kvrewrite_export::indexed_attention"]["outputs"] == [ins[0]]
+    node = next(n for n in prepared["decode"][0].graph.nodes
+                if n.target == torch.ops.kvrewrite_export.select_clusters.default)
+    assert te._example_values(node)[9:] == [2, 8, 4, False]  # n_sink, max_selected, window, per_query_head
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["prefill", "decode_compress"])
+def test_clusterkv_functional_graph_computes_the_in_place_graph(rw_clusterkv, name):
+    """The prefill graph on a fresh state (its chunk ends where the prompt's clustering is due) and the decode step
+    with compression where a window clustering is due (3 decode steps after the prompt, interval 4): the functional
+    graph returns exactly the state the in-place graph writes, and the clustering ran."""
+    rw = rw_clusterkv
+    if name == "prefill":
+        rw.reset(16, 8, prompt_slots=16)  # a fresh state, the prompt's clustering due at the end of this chunk
+    else:
+        logits = rw.prefill(torch.randint(3, 128, (2, 24)), max_new_tokens=8)
+        for _ in range(3):
+            logits = rw.decode_step(logits.argmax(-1))
+    args = list(example_inputs(rw, name))
+    args[0] = torch.randint(3, 128, args[0].shape)
+    args[1:3] = [args[1] + 27, args[2] + 32 + 3] if name != "prefill" else args[1:3]
+    state = [t.clone() for t in rw.state_tensors()]
+    saved = [t.clone() for t in state]
+    logits, *new_state = te.trt_graph(rw, name)(*args[:4], *state)
+    assert all(torch.equal(a, b) for a, b in zip(state, saved)), "the functional graph wrote its inputs"
+    ref = graph_of(rw, name)(*args[:4], *state)  # in place, on the clones
+    assert torch.equal(logits, ref)
+    assert all(torch.equal(a, b) for a, b in zip(new_state, state))
+    k = rw.layer_fields(0).__len__() + rw.layer_fields(1).index("n_clusters")  # layer 1's n_clusters
+    assert bool((new_state[k] > saved[k]).all()), f"no clustering ran: n_clusters {saved[k]} -> {new_state[k]}"
 
 
 @pytest.mark.skipif(HAS_TRT, reason="torch_tensorrt is installed")

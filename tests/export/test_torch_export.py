@@ -142,3 +142,45 @@ def test_method_state_travels_with_the_export(tmp_path):
     assert torch.equal(m.generate(ids, mask, max_new_tokens=NEW), rw.generate(ids, mask, max_new_tokens=NEW))
     assert all(torch.equal(a, b) for a, b in zip(m.state, rw.state_tensors())), "final state (scores too) differs"
     assert float(m.layer_state(1)["score"].max()) > 0
+
+
+# clusterkv: layer 1 selects 10 of its ~24-36 slots per step (2 sinks + 8 by cluster, per query head), the prompt is
+# clustered after its last chunk and every 4 decode steps the new slots (a window clustering), 4 k-means iterations
+CLUSTERKV = dict(budget=10, n_sink=2, interval=4, tokens_per_cluster=4, window_clusters=2, iters=4, dense_layers=1)
+
+
+@torch.no_grad()
+def test_clusterkv_exports_and_generates(tmp_path):
+    """ClusterKV's index state (centroids ... cluster_end) travels in the metadata; the programs carry its three ops
+    (kvrewrite::indexed_attention itself, not its CPU path, so a program runs on either device); the loader
+    reproduces rw.generate token for token and leaves the very same state, with selection dropping tokens and
+    window clusterings run during the generation."""
+    rw = kvrewrite.apply(_model("llama"), "clusterkv", max_length=40, batch_size=2, prefill_chunk=16, **CLUSTERKV)
+    path = kvrewrite.export.torch_export(rw, tmp_path)
+    meta = read_metadata(path)
+    C = rw.capacities[1]
+    K = rw.method.max_clusters(C)
+    assert meta["method_state"][0] == {}  # the dense layer owns no index
+    assert meta["method_state"][1] == {
+        "centroids": {"shape": [2, 2, K, 16], "dtype": "float32", "reset": 0.0},
+        "cluster_size": {"shape": [2, 2, K], "dtype": "int32", "reset": 0},
+        "cluster_start": {"shape": [2, 2, K], "dtype": "int32", "reset": 0},
+        "members": {"shape": [2, 2, C], "dtype": "int32", "reset": -1},
+        "n_clusters": {"shape": [2, 2], "dtype": "int32", "reset": 0},
+        "cluster_end": {"shape": [2, 2], "dtype": "int64", "reset": 0}}
+    graph = torch.export.load(path / "decode_compress.pt2").graph
+    ops = {str(n.target) for n in graph.nodes if n.op == "call_function"}
+    assert {"kvrewrite.kmeans_cluster.default", "kvrewrite.select_clusters.default",
+            "kvrewrite.indexed_attention.default"} <= ops, ops
+    assert not {"kvrewrite.indexed_attention_cpu.default", "kvrewrite.select_clusters_cpu.default"} & ops
+    m = loader.load(path)
+    ids, mask = _inputs()
+    ref = rw.generate(ids, mask, max_new_tokens=NEW)
+    out = m.generate(ids, mask, max_new_tokens=NEW)
+    assert torch.equal(out, ref), f"loader\n{out[:, PROMPT:]}\n!= rw.generate\n{ref[:, PROMPT:]}"
+    assert all(torch.equal(a, b) for a, b in zip(m.state, rw.state_tensors())), "final state differs"
+    s = m.layer_state(1)
+    prompt_slots = 32  # 24 tokens left-padded to two chunks of 16
+    assert bool((s["cluster_end"] >= prompt_slots + 2 * CLUSTERKV["interval"]).all()), "no window clustering ran"
+    clustered = s["cluster_size"].sum(-1)
+    assert bool((clustered > CLUSTERKV["budget"] - CLUSTERKV["n_sink"]).all()), "the selection dropped nothing"
