@@ -219,12 +219,14 @@ INFO_W = 8  # per-row words: due, L, C_new, first id, first member offset, split
 BLOCK_P = 256  # assign: points per block
 BLOCK_C = 64  # assign: centroids per dot
 UPDATE_C = 64  # update: clusters per program (and per reduce)
-UPDATE_P = 128  # update: points per dot (and the split size's granularity)
+UPDATE_P = 64  # update: compacted points per dot (and the split size's granularity)
+UPDATE_SUB = 1024  # update: labels compacted at a time (the program's scratch)
 FINAL_C = 256  # finalize: clusters per step
 SCATTER_P = 64  # scatter: points per step (its rank is a [SCATTER_P, SCATTER_P] comparison)
 PREP_CHUNK = 512  # count / write: slots per work item
 WRITE_P = 128  # write: slots per step (a [WRITE_P, D] tile of keys copied to the packed points)
 INIT_K = 32  # write: initial centroids per step
+MAXNREG = None  # registers per thread the compiler may use (None: its choice)
 MAX_CTAS_PER_SM = 2  # persistent programs per SM, where the compiled kernel's registers and shared memory allow
 SPLIT_POINTS = 2048  # points per split of the update (at most MAX_SPLITS splits)
 MAX_SPLITS = 16
@@ -428,11 +430,15 @@ def _assign_block(row64, blk, XP, CENT, INVN, LAB, FCNT, CHG, L, n, nc, chunk, C
 
 
 @triton_jit()
-def _update_item(row64, s, cb, XP, CENT, INVN, LAB, PART, PCNT, UCNT, L, n, nc, chunk, nsu, epoch, C, K, D, NS, NCB,
-                 DP: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
-    """Clusters [cb * BC, +BC) over split s's points: PCNT = member counts, PART = fp32 key sums (one-hot dots).
-    The last of the row's nsu splits to finish this block (UCNT counts them) reduces it: the partials in split
-    order / the count, in the state's dtype, and the new 1/|c| (an empty cluster keeps both)."""
+def _update_item(row64, s, cb, pid, XP, CENT, INVN, LAB, PART, PCNT, UCNT, SCR, L, n, nc, chunk, nsu, epoch, C, K, D,
+                 NS, NCB, DP: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr, SUB: tl.constexpr,
+                 PREC: tl.constexpr):
+    """Clusters [cb * BC, +BC) over split s's points: PCNT = member counts, PART = fp32 key sums. SUB labels at a
+    time, the points of this block's clusters are compacted (in point order) into the program's scratch SCR, then
+    their keys summed by one-hot dots [BC, BP] x [BP, D]: ~BC / n of the points, not all of them (the one-hot dot
+    over every point cost what an assignment costs). The last of the row's nsu splits to finish this block (UCNT
+    counts them) reduces it: the partials in split order / the count, in the state's dtype, and the new 1/|c| (an
+    empty cluster keeps both)."""
     p_lo = s * chunk
     p_hi = tl.minimum(p_lo + chunk, L)
     c = cb * BC + tl.arange(0, BC)
@@ -441,18 +447,29 @@ def _update_item(row64, s, cb, XP, CENT, INVN, LAB, PART, PCNT, UCNT, L, n, nc, 
     dm = d < D
     acc = tl.zeros([BC, DP], tl.float32)
     hits = tl.zeros([BC, 16], tl.float32)  # every column counts the members (a dot with ones: exact below 2^24)
-    for p0 in range(p_lo, p_hi, BP):
-        p = p0 + tl.arange(0, BP)
-        pm = p < p_hi
-        label = tl.load(LAB + row64 * C + p, mask=pm, other=-1)
-        x = tl.load(XP + (row64 * C + p)[:, None] * D + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
-        hot = c[:, None] == label[None, :]  # [BC, BP]
-        if _INTERPRET:  # (its bool -> bf16 conversion is wrong too)
-            hot = hot.to(tl.float32)
-        else:
-            hot = hot.to(x.dtype)
-        acc = _dot(hot, x, acc, PREC)
-        hits = _dot(hot, tl.full([BP, 16], 1.0, hot.dtype), hits, PREC)
+    scr = SCR + pid * SUB
+    for q0 in range(p_lo, p_hi, SUB):
+        p = q0 + tl.arange(0, SUB)
+        label = tl.load(LAB + row64 * C + p, mask=p < p_hi, other=-1)
+        mine = (label >= cb * BC) & (label < cb * BC + BC)
+        mi = mine.to(tl.int32)
+        tl.store(scr + tl.cumsum(mi, axis=0) - mi, p, mask=mine)
+        cnt = tl.sum(mi, axis=0)
+        tl.debug_barrier()  # the scratch written by the program's other threads
+        for j0 in range(0, cnt, BP):
+            j = j0 + tl.arange(0, BP)
+            jm = j < cnt
+            pi = tl.load(scr + j, mask=jm, other=0).to(tl.int64)
+            lb = tl.load(LAB + row64 * C + pi, mask=jm, other=-1)
+            x = tl.load(XP + (row64 * C + pi)[:, None] * D + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0)
+            hot = c[:, None] == lb[None, :]  # [BC, BP]
+            if _INTERPRET:  # (its bool -> bf16 conversion is wrong too)
+                hot = hot.to(tl.float32)
+            else:
+                hot = hot.to(x.dtype)
+            acc = _dot(hot, x, acc, PREC)
+            hits = _dot(hot, tl.full([BP, 16], 1.0, hot.dtype), hits, PREC)
+        tl.debug_barrier()  # every read of the scratch done before the next SUB overwrites it
     at = (row64 * NS + s) * K + c
     tl.store(PCNT + at, tl.max(hits, axis=1).to(tl.int32), mask=cm)
     tl.store(PART + at[:, None] * DP + d[None, :], acc, mask=cm[:, None])
@@ -522,12 +539,12 @@ def _scatter_item(row64, s, PTS, LAB, MEMBERS, CURSOR, L, chunk, C, K, NS, BP: t
 
 @triton_jit()
 def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, CEND,
-                   INFO, VC, PTS, XP, LAB, INVN, PART, PCNT, FCNT, UCNT, CHG, BAR,
+                   INFO, VC, PTS, XP, LAB, INVN, PART, PCNT, FCNT, UCNT, CHG, BAR, SCR,
                    R, H, C, K, D, NS, NCB, NCH, n_sink, tpc, window, wc, seed_hi, seed_lo, iters, p_begin, p_end,
                    RP: tl.constexpr, DP: tl.constexpr, PREC: tl.constexpr, GRID_SYNC: tl.constexpr,
                    CH: tl.constexpr, NCHP: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BPA: tl.constexpr,
-                   BCA: tl.constexpr, BCU: tl.constexpr, BPU: tl.constexpr, BCF: tl.constexpr, BPS: tl.constexpr,
-                   STOP: tl.constexpr):
+                   BCA: tl.constexpr, BCU: tl.constexpr, BPU: tl.constexpr, BSU: tl.constexpr, BCF: tl.constexpr,
+                   BPS: tl.constexpr, STOP: tl.constexpr, KINDS: tl.constexpr = 63):
     """Phases [p_begin, p_end) (module docstring), each program taking work items pid, pid + grid, ...; with
     GRID_SYNC a grid barrier between phases (the persistent launch, p_begin = 0). Phases: 0 count, 1 write, then
     (assign, update) x iters, the final assign, finalize, scatter."""
@@ -544,22 +561,26 @@ def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, 
         active = tl.load(INFO + r * 8, mask=rm, other=0, cache_modifier=".cg") != 0
     if tl.max(active.to(tl.int32), axis=0) > 0:
         for p in range(p_begin, p_end):
-            if p <= 1:
-                for item in range(pid, NCH * R, G):  # chunk-major: the first chunks of every row first
-                    j = item // R
-                    row64 = tl.cast(item % R, tl.int64)
-                    if p == 0:
-                        _count_chunk(row64, j, FILL, BUDGET, NCL, CEND, BIAS, CSIZE, INFO, VC, C, K, NCH, window, CH)
-                    else:
-                        _write_chunk(row64, j, KEYS, FILL, BUDGET, NCL, CEND, BIAS, CENT, MEMBERS, INFO, VC, PTS, XP,
-                                     INVN, C, K, D, H, NS, NCH, n_sink, tpc, window, wc, seed_hi, seed_lo,
-                                     DP, CH, NCHP, BW, BK, BPU)
-            else:
-                Lmax = tl.max(tl.load(INFO + r * 8 + 1, mask=rm, other=0, cache_modifier=".cg"), axis=0)
-                nmax = tl.max(tl.load(INFO + r * 8 + 2, mask=rm, other=0, cache_modifier=".cg"), axis=0)
-                q = p - 2
-                kind = tl.where(q <= 2 * iters, q % 2, q - 2 * iters + 1)  # 0 assign, 1 update, 2 finalize, 3 scatter
-                if kind == 0:
+            q = p - 2
+            # 0 count, 1 write, 2 assign, 3 update, 4 finalize, 5 scatter
+            kind = tl.where(p <= 1, p, tl.where(q <= 2 * iters, 2 + q % 2, q - 2 * iters + 3))
+            if (KINDS & 3) != 0:
+                if kind <= 1:
+                    for item in range(pid, NCH * R, G):  # chunk-major: the first chunks of every row first
+                        j = item // R
+                        row64 = tl.cast(item % R, tl.int64)
+                        if (KINDS & 1) != 0:
+                            if kind == 0:
+                                _count_chunk(row64, j, FILL, BUDGET, NCL, CEND, BIAS, CSIZE, INFO, VC, C, K, NCH,
+                                             window, CH)
+                        if (KINDS & 2) != 0:
+                            if kind == 1:
+                                _write_chunk(row64, j, KEYS, FILL, BUDGET, NCL, CEND, BIAS, CENT, MEMBERS, INFO, VC,
+                                             PTS, XP, INVN, C, K, D, H, NS, NCH, n_sink, tpc, window, wc, seed_hi,
+                                             seed_lo, DP, CH, NCHP, BW, BK, BPU)
+            if (KINDS & 4) != 0:
+                if kind == 2:
+                    Lmax = tl.max(tl.load(INFO + r * 8 + 1, mask=rm, other=0, cache_modifier=".cg"), axis=0)
                     for item in range(pid, tl.cdiv(Lmax, BPA) * R, G):
                         blk = item // R
                         row64 = tl.cast(item % R, tl.int64)
@@ -570,7 +591,9 @@ def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, 
                             chunk = tl.load(INFO + row64 * 8 + 5, cache_modifier=".cg")
                             _assign_block(row64, blk, XP, CENT, INVN, LAB, FCNT, CHG, L, n, nc, chunk, C, K, D, NS, R,
                                           q // 2, q == 2 * iters, DP, BPA, BCA, PREC, STOP)
-                elif kind == 1:
+            if (KINDS & 8) != 0:
+                if kind == 3:
+                    nmax = tl.max(tl.load(INFO + r * 8 + 2, mask=rm, other=0, cache_modifier=".cg"), axis=0)
                     ncb = tl.cdiv(nmax, BCU)
                     for item in range(pid, ncb * NS * R, G):
                         cb = item % ncb  # the cluster blocks of one (split, row) are neighbours: its keys stay in L2
@@ -585,9 +608,10 @@ def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, 
                         if (s * chunk < L) & (cb * BCU < n) & moved:
                             nc = tl.load(INFO + row64 * 8 + 3, cache_modifier=".cg")
                             nsu = tl.load(INFO + row64 * 8 + 6, cache_modifier=".cg")
-                            _update_item(row64, s, cb, XP, CENT, INVN, LAB, PART, PCNT, UCNT, L, n, nc, chunk, nsu,
-                                         q // 2 + 1, C, K, D, NS, NCB, DP, BCU, BPU, PREC)
-                elif kind == 2:
+                            _update_item(row64, s, cb, pid, XP, CENT, INVN, LAB, PART, PCNT, UCNT, SCR, L, n, nc,
+                                         chunk, nsu, q // 2 + 1, C, K, D, NS, NCB, DP, BCU, BPU, BSU, PREC)
+            if (KINDS & 16) != 0:
+                if kind == 4:
                     for row in range(pid, R, G):
                         at = INFO + tl.cast(row, tl.int64) * 8
                         if tl.load(at, cache_modifier=".cg") != 0:
@@ -595,7 +619,8 @@ def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, 
                                           tl.load(at + 2, cache_modifier=".cg"), tl.load(at + 3, cache_modifier=".cg"),
                                           tl.load(at + 4, cache_modifier=".cg"), tl.load(at + 6, cache_modifier=".cg"),
                                           K, NS, BCF)
-                else:
+            if (KINDS & 32) != 0:
+                if kind == 5:
                     for item in range(pid, NS * R, G):
                         s = item // R
                         row64 = tl.cast(item % R, tl.int64)
@@ -653,9 +678,9 @@ def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids,
                           window_clusters: int, iters: int, seed: int, *, persistent: bool = True,
                           programs: int | None = None, splits: int | None = None, block_p: int | None = None,
                           block_c: int | None = None, update_c: int = UPDATE_C, update_p: int | None = None,
-                          final_c: int = FINAL_C, scatter_p: int = SCATTER_P, prep_chunk: int = PREP_CHUNK,
+                          update_sub: int = UPDATE_SUB, final_c: int = FINAL_C, scatter_p: int = SCATTER_P, prep_chunk: int = PREP_CHUNK,
                           write_p: int = WRITE_P, init_k: int = INIT_K, num_warps: int = 8,
-                          num_stages: int | None = None, stop_when_converged: bool = True, on_launch=None) -> None:
+                          num_stages: int | None = None, maxnreg: int | None = MAXNREG, stop_when_converged: bool = True, on_launch=None) -> None:
     """Launch the kernel (module docstring). persistent: one launch with grid barriers (programs: all resident,
     _persistent_programs, on CUDA; 1 elsewhere: the interpreter runs programs one after the other) or one launch per
     phase (programs: 4 per SM, 3 elsewhere). The other keywords tune it (block sizes: powers of two >= 16; splits
@@ -693,6 +718,9 @@ def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids,
     invn = torch.empty(R, kk, dtype=torch.float32, device=dev)
     part = torch.empty(R, NS, kk, DP, dtype=torch.float32, device=dev)
     pcnt = torch.empty(R, NS, kk, dtype=torch.int32, device=dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+    cap = programs or (MAX_CTAS_PER_SM * sms if persistent else 4 * sms)  # programs at most
+    scr = torch.empty(cap, update_sub, dtype=torch.int32, device=dev)  # the update's compaction, one row per program
     counters = torch.zeros(1 + (iters + 1) * R + R * NCB + R * NS * kk, dtype=torch.int32, device=dev)  # one memset
     bar, chg, counters = counters[:1], counters[1:1 + (iters + 1) * R], counters[1 + (iters + 1) * R:]
     ucnt, fcnt = counters[:R * NCB], counters[R * NCB:]
@@ -700,20 +728,25 @@ def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids,
     prec = "tf32x3" if keys.dtype == torch.float32 else "tf32"  # fp32: ~fp32 accuracy on tensor cores
     n_phases = 2 * iters + 5
     args = (keys, bias, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end,
-            info, vc, pts, xp, lab, invn, part, pcnt, fcnt, ucnt, chg, bar, R, H, C, K, D, NS, NCB, NCH, n_sink,
+            info, vc, pts, xp, lab, invn, part, pcnt, fcnt, ucnt, chg, bar, scr, R, H, C, K, D, NS, NCB, NCH, n_sink,
             tokens_per_cluster, window, window_clusters, seed_mix >> 16, seed_mix & 0xFFFF, iters)
     meta = dict(RP=triton.next_power_of_2(R), DP=DP, PREC=prec, CH=prep_chunk, NCHP=triton.next_power_of_2(NCH),
-                BW=write_p, BK=init_k, BPA=block_p, BCA=block_c, BCU=update_c, BPU=update_p, BCF=final_c,
+                BW=write_p, BK=init_k, BPA=block_p, BCA=block_c, BCU=update_c, BPU=update_p, BSU=update_sub, BCF=final_c,
                 BPS=scatter_p, STOP=bool(stop_when_converged), num_warps=num_warps, num_stages=num_stages)
+    if maxnreg and dev.type == "cuda":
+        meta["maxnreg"] = maxnreg
     if persistent:
         G = programs or (_persistent_programs((*args, 0, n_phases), meta, dev) if dev.type == "cuda" else 1)
+        assert G <= cap, (G, cap)
         kernel = _kmeans_kernel[(G,)](*args, 0, n_phases, GRID_SYNC=True, **meta)
         if on_launch is not None:
             on_launch(None, kernel)
     else:
-        G = programs or (4 * torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 3)
-        for p in range(n_phases):
-            kernel = _kmeans_kernel[(G,)](*args, p, p + 1, GRID_SYNC=False, **meta)
+        G = programs or (4 * sms if dev.type == "cuda" else 3)
+        for p in range(n_phases):  # each launch compiled for its phase's kind alone (its own registers)
+            q = p - 2
+            kind = p if p <= 1 else 2 + q % 2 if q <= 2 * iters else q - 2 * iters + 3
+            kernel = _kmeans_kernel[(G,)](*args, p, p + 1, GRID_SYNC=False, KINDS=1 << kind, **meta)
             if on_launch is not None:
                 on_launch(p, kernel)
 
