@@ -385,7 +385,8 @@ def _write_chunk(row64, j, KEYS, FILL, BUDGET, NCL, CEND, BIAS, CENT, MEMBERS, I
 
 @triton_jit()
 def _assign_block(row64, blk, XP, CENT, INVN, LAB, FCNT, CHG, L, n, nc, chunk, C, K, D, NS, R, it, final,
-                  DP: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, STOP: tl.constexpr):
+                  DP: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, STOP: tl.constexpr,
+                  ELEM: tl.constexpr):
     """Labels of points [blk * BP, +BP) of a row in iteration `it`: argmax over the n centroids of
     x . c * (1 / (|c| + eps)); CHG[it, row] counts the labels that changed (integer atomics: the same total in any
     order). A row whose labels did not change in the iteration before has converged: its centroids and labels stay
@@ -401,8 +402,12 @@ def _assign_block(row64, blk, XP, CENT, INVN, LAB, FCNT, CHG, L, n, nc, chunk, C
     else:
         d = tl.arange(0, DP)
         x = tl.load(XP + (row64 * C + p)[:, None] * D + d[None, :], mask=pm[:, None] & (d < D)[None, :], other=0.0)
-        best = tl.full([BP], float("-inf"), tl.float32)
-        label = tl.zeros([BP], tl.int32)
+        if ELEM:  # running max per (point, column): no reduction inside the loop, one at the end
+            best2 = tl.full([BP, BC], float("-inf"), tl.float32)
+            idx2 = tl.zeros([BP, BC], tl.int32)
+        else:
+            best = tl.full([BP], float("-inf"), tl.float32)
+            label = tl.zeros([BP], tl.int32)
         for c0 in range(0, n, BC):  # centroids and norms cached: the grid barrier's acquire makes this phase see them
             c = c0 + tl.arange(0, BC)
             cm = c < n
@@ -412,11 +417,19 @@ def _assign_block(row64, blk, XP, CENT, INVN, LAB, FCNT, CHG, L, n, nc, chunk, C
             s = _dot(x, tl.trans(cent), None, PREC) * inv[None, :]  # [BP, BC] fp32
             if c0 + BC > n:
                 s = tl.where(cm[None, :], s, float("-inf"))
-            m = tl.max(s, axis=1)
-            i = tl.min(tl.where(s == m[:, None], c[None, :], 2147483647), axis=1)  # the first max
-            better = m > best  # strict: ties keep the earlier block's (lower) id
-            best = tl.where(better, m, best)
-            label = tl.where(better, i, label)
+            if ELEM:
+                better2 = s > best2  # strict: ties keep the earlier block's (lower) id
+                best2 = tl.where(better2, s, best2)
+                idx2 = tl.where(better2, c[None, :], idx2)
+            else:
+                m = tl.max(s, axis=1)
+                i = tl.min(tl.where(s == m[:, None], c[None, :], 2147483647), axis=1)  # the first max
+                better = m > best  # strict: ties keep the earlier block's (lower) id
+                best = tl.where(better, m, best)
+                label = tl.where(better, i, label)
+        if ELEM:  # the first max: the lowest id among the columns' maxima
+            m = tl.max(best2, axis=1)
+            label = tl.min(tl.where(best2 == m[:, None], idx2, 2147483647), axis=1)
         if it == 0:
             changed = tl.sum(pm.to(tl.int32), axis=0)  # (no labels before)
         else:
@@ -544,7 +557,7 @@ def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, 
                    RP: tl.constexpr, DP: tl.constexpr, PREC: tl.constexpr, GRID_SYNC: tl.constexpr,
                    CH: tl.constexpr, NCHP: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BPA: tl.constexpr,
                    BCA: tl.constexpr, BCU: tl.constexpr, BPU: tl.constexpr, BSU: tl.constexpr, BCF: tl.constexpr,
-                   BPS: tl.constexpr, STOP: tl.constexpr, KINDS: tl.constexpr = 63):
+                   BPS: tl.constexpr, STOP: tl.constexpr, AEL: tl.constexpr = False, KINDS: tl.constexpr = 63):
     """Phases [p_begin, p_end) (module docstring), each program taking work items pid, pid + grid, ...; with
     GRID_SYNC a grid barrier between phases (the persistent launch, p_begin = 0). Phases: 0 count, 1 write, then
     (assign, update) x iters, the final assign, finalize, scatter."""
@@ -590,7 +603,7 @@ def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, 
                             nc = tl.load(INFO + row64 * 8 + 3, cache_modifier=".cg")
                             chunk = tl.load(INFO + row64 * 8 + 5, cache_modifier=".cg")
                             _assign_block(row64, blk, XP, CENT, INVN, LAB, FCNT, CHG, L, n, nc, chunk, C, K, D, NS, R,
-                                          q // 2, q == 2 * iters, DP, BPA, BCA, PREC, STOP)
+                                          q // 2, q == 2 * iters, DP, BPA, BCA, PREC, STOP, AEL)
             if (KINDS & 8) != 0:
                 if kind == 3:
                     nmax = tl.max(tl.load(INFO + r * 8 + 2, mask=rm, other=0, cache_modifier=".cg"), axis=0)
@@ -680,7 +693,7 @@ def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids,
                           block_c: int | None = None, update_c: int = UPDATE_C, update_p: int | None = None,
                           update_sub: int = UPDATE_SUB, final_c: int = FINAL_C, scatter_p: int = SCATTER_P, prep_chunk: int = PREP_CHUNK,
                           write_p: int = WRITE_P, init_k: int = INIT_K, num_warps: int = 8,
-                          num_stages: int | None = None, maxnreg: int | None = MAXNREG, stop_when_converged: bool = True, on_launch=None) -> None:
+                          num_stages: int | None = None, maxnreg: int | None = MAXNREG, assign_elem: bool = False, stop_when_converged: bool = True, on_launch=None) -> None:
     """Launch the kernel (module docstring). persistent: one launch with grid barriers (programs: all resident,
     _persistent_programs, on CUDA; 1 elsewhere: the interpreter runs programs one after the other) or one launch per
     phase (programs: 4 per SM, 3 elsewhere). The other keywords tune it (block sizes: powers of two >= 16; splits
@@ -732,7 +745,7 @@ def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids,
             tokens_per_cluster, window, window_clusters, seed_mix >> 16, seed_mix & 0xFFFF, iters)
     meta = dict(RP=triton.next_power_of_2(R), DP=DP, PREC=prec, CH=prep_chunk, NCHP=triton.next_power_of_2(NCH),
                 BW=write_p, BK=init_k, BPA=block_p, BCA=block_c, BCU=update_c, BPU=update_p, BSU=update_sub, BCF=final_c,
-                BPS=scatter_p, STOP=bool(stop_when_converged), num_warps=num_warps, num_stages=num_stages)
+                BPS=scatter_p, STOP=bool(stop_when_converged), AEL=bool(assign_elem), num_warps=num_warps, num_stages=num_stages)
     if maxnreg and dev.type == "cuda":
         meta["maxnreg"] = maxnreg
     if persistent:
