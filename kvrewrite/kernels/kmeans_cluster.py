@@ -220,7 +220,7 @@ BLOCK_P = 256  # assign: points per block
 BLOCK_C = 64  # assign: centroids per dot
 UPDATE_C = 64  # update: clusters per program (and per reduce)
 UPDATE_P = 64  # update: compacted points per dot (and the split size's granularity)
-UPDATE_SUB = 1024  # update: labels compacted at a time (the program's scratch)
+UPDATE_SUB = 2048  # update: labels compacted at a time (the program's scratch)
 FINAL_C = 256  # finalize: clusters per step
 SCATTER_P = 64  # scatter: points per step (its rank is a [SCATTER_P, SCATTER_P] comparison)
 PREP_CHUNK = 512  # count / write: slots per work item
@@ -408,12 +408,14 @@ def _assign_block(row64, blk, XP, CENT, INVN, LAB, FCNT, CHG, L, n, nc, chunk, C
         else:
             best = tl.full([BP], float("-inf"), tl.float32)
             label = tl.zeros([BP], tl.int32)
+        inv_next = tl.load(INVN + row64 * K + tl.arange(0, BC), mask=tl.arange(0, BC) < n, other=0.0)
         for c0 in range(0, n, BC):  # centroids and norms cached: the grid barrier's acquire makes this phase see them
             c = c0 + tl.arange(0, BC)
             cm = c < n
             cent = tl.load(CENT + (row64 * K + nc + c)[:, None] * D + d[None, :], mask=cm[:, None] & (d < D)[None, :],
                            other=0.0)
-            inv = tl.load(INVN + row64 * K + c, mask=cm, other=0.0)
+            inv = inv_next
+            inv_next = tl.load(INVN + row64 * K + c + BC, mask=c + BC < n, other=0.0)  # the next block's, early
             s = _dot(x, tl.trans(cent), None, PREC) * inv[None, :]  # [BP, BC] fp32
             if c0 + BC > n:
                 s = tl.where(cm[None, :], s, float("-inf"))
@@ -460,20 +462,22 @@ def _update_item(row64, s, cb, pid, XP, CENT, INVN, LAB, PART, PCNT, UCNT, SCR, 
     dm = d < D
     acc = tl.zeros([BC, DP], tl.float32)
     hits = tl.zeros([BC, 16], tl.float32)  # every column counts the members (a dot with ones: exact below 2^24)
-    scr = SCR + pid * SUB
+    scr = SCR + pid * (2 * SUB)  # [point ids | their labels]
     for q0 in range(p_lo, p_hi, SUB):
         p = q0 + tl.arange(0, SUB)
         label = tl.load(LAB + row64 * C + p, mask=p < p_hi, other=-1)
         mine = (label >= cb * BC) & (label < cb * BC + BC)
         mi = mine.to(tl.int32)
-        tl.store(scr + tl.cumsum(mi, axis=0) - mi, p, mask=mine)
+        at = tl.cumsum(mi, axis=0) - mi
+        tl.store(scr + at, p, mask=mine)
+        tl.store(scr + SUB + at, label, mask=mine)
         cnt = tl.sum(mi, axis=0)
         tl.debug_barrier()  # the scratch written by the program's other threads
         for j0 in range(0, cnt, BP):
             j = j0 + tl.arange(0, BP)
             jm = j < cnt
             pi = tl.load(scr + j, mask=jm, other=0).to(tl.int64)
-            lb = tl.load(LAB + row64 * C + pi, mask=jm, other=-1)
+            lb = tl.load(scr + SUB + j, mask=jm, other=-1)
             x = tl.load(XP + (row64 * C + pi)[:, None] * D + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0)
             hot = c[:, None] == lb[None, :]  # [BC, BP]
             if _INTERPRET:  # (its bool -> bf16 conversion is wrong too)
@@ -733,7 +737,7 @@ def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids,
     pcnt = torch.empty(R, NS, kk, dtype=torch.int32, device=dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
     cap = programs or (MAX_CTAS_PER_SM * sms if persistent else 4 * sms)  # programs at most
-    scr = torch.empty(cap, update_sub, dtype=torch.int32, device=dev)  # the update's compaction, one row per program
+    scr = torch.empty(cap, 2 * update_sub, dtype=torch.int32, device=dev)  # the update's compaction, per program
     counters = torch.zeros(1 + (iters + 1) * R + R * NCB + R * NS * kk, dtype=torch.int32, device=dev)  # one memset
     bar, chg, counters = counters[:1], counters[1:1 + (iters + 1) * R], counters[1 + (iters + 1) * R:]
     ucnt, fcnt = counters[:R * NCB], counters[R * NCB:]
