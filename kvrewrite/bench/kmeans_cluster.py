@@ -37,8 +37,8 @@ FIELDS = ("keys", "values", "bias", "slot_pos", "fill", "budget", "centroids", "
           "members", "n_clusters", "cluster_end")
 SWEEP = [  # triton_kmeans_cluster's tuning knobs (the defaults first; `programs` is left alone: the persistent launch
     # needs all of its programs resident at once)
-    {}, dict(maxnreg=128), dict(block_p=128, maxnreg=128), dict(block_p=128), dict(update_c=128),
-    dict(update_sub=2048), dict(num_warps=4), dict(write_p=32, init_k=8, block_p=128, maxnreg=128),
+    {}, dict(splits=4), dict(splits=8), dict(num_warps=4), dict(block_p=128), dict(update_sub=1024),
+    dict(update_c=32), dict(splits=8, num_warps=4), dict(persistent=False),
 ]
 
 

@@ -494,10 +494,16 @@ def _update_item(row64, s, cb, pid, XP, CENT, INVN, LAB, PART, PCNT, UCNT, SCR, 
     if tl.atomic_add(UCNT + row64 * NCB + cb, 1, sem="acq_rel", scope="gpu") == epoch * nsu - 1:
         acc = tl.zeros([BC, DP], tl.float32)
         count = tl.zeros([BC], tl.int32)
-        for s2 in range(0, nsu):
+        for s2 in range(0, nsu, 2):  # two splits' loads in flight, added in split order
             at = (row64 * NS + s2) * K + c
-            acc += tl.load(PART + at[:, None] * DP + d[None, :], mask=cm[:, None], other=0.0, cache_modifier=".cg")
+            two = s2 + 1 < nsu
+            p0 = tl.load(PART + at[:, None] * DP + d[None, :], mask=cm[:, None], other=0.0, cache_modifier=".cg")
+            p1 = tl.load(PART + (at + K)[:, None] * DP + d[None, :], mask=cm[:, None] & two, other=0.0,
+                         cache_modifier=".cg")
             count += tl.load(PCNT + at, mask=cm, other=0, cache_modifier=".cg")
+            count += tl.load(PCNT + at + K, mask=cm & two, other=0, cache_modifier=".cg")
+            acc += p0
+            acc += p1  # (+0.0 where there is no second split: exact, the same sum)
         new = tl.math.div_rn(acc, tl.maximum(count, 1).to(tl.float32)[:, None]).to(CENT.dtype.element_ty)
         keep = cm & (count > 0)
         tl.store(CENT + (row64 * K + nc + c)[:, None] * D + d[None, :], new, mask=keep[:, None] & dm[None, :])
