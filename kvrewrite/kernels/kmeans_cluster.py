@@ -39,10 +39,12 @@ Triton kernel: one kernel, its work in phases, each depending on the whole previ
                                       tensor-core dots [256, D] x [D, 64 centroids], scaled by 1/(|c| + eps),
                                       running first-max -> labels; changed labels counted per row (CHG);
             update (rows x splits x 64-cluster blocks)
-                                      one-hot [64, 128 points] x keys [128, D] (and x ones: the counts) over the
-                                      split's points -> fp32 partials per (split, cluster); the last program to
-                                      finish a cluster block (an int counter) sums its partials in split order,
-                                      / count, rounds to the dtype: new centroids and 1/|c| ]
+                                      2048 labels at a time, the split's points of the block's clusters compacted
+                                      (a cumsum, in point order) into the program's scratch, then one-hot
+                                      [64, 64 points] x their keys [64, D] (and x ones: the counts) -> fp32
+                                      partials per (split, cluster); the last program to finish a cluster block
+                                      (an int counter) sums its partials in split order, / count, rounds to the
+                                      dtype: new centroids and 1/|c| ]
   final assign (+ per-(split, cluster) counts by integer atomics); finalize (rows: sizes, starts, the cursor of
   each (split, cluster)); scatter (rows x splits: a stable counting sort, ranks inside 64-point steps from a
   [64, 64] label comparison) -> members.
@@ -53,15 +55,18 @@ loops over a phase's work items (only those of due rows: counts come from the la
 and all meet at a grid barrier (an atomic counter, release/acquire: the acquire also makes the L1-cached loads
 of the next phase see the other SMs' stores) between phases. All programs must be resident at once: the grid
 is SMs x the CTAs per SM that the compiled kernel's registers and shared memory allow (_persistent_programs;
-1 per SM at 8 warps and 255 registers). A call where no row is due is that memset and a launch whose programs
-read the due rule of every row and return. persistent=False launches one kernel per phase (no barrier, any
-grid): how the interpreter runs it with several programs, and a fallback should a device not keep the whole
-grid resident (e.g. an MPS SM limit).
+1 per SM at 8 warps: the update and the assignment take ~190-255 registers). A call where no row is due is that
+memset and a launch whose programs read the due rule of every row and return. persistent=False launches one
+kernel per phase (no barrier, any grid), each compiled for its phase's kind alone (KINDS: its own registers):
+how the interpreter runs it with several programs, and a fallback should a device not keep the whole grid
+resident (e.g. an MPS SM limit); at 32k it is as fast as the persistent launch, but a call with no row due
+would pay its ~45 launches.
 
-Why a one-hot update on tensor cores rather than a counting sort per iteration: it costs what an assignment
-costs (2 L C D flops), on the same units, in one phase; a sort-based mean needs a count, a scan, a scatter and
-a gather-sum per iteration (4 phases with their barriers, a tail for large clusters), which saves the update's
-flops but not the assignment's. The sort runs once, for the final members.
+Why a compacted one-hot update rather than a counting sort per iteration: one phase (a sort-based mean needs a
+count, a scan, a scatter and a gather-sum per iteration: 4 phases with their barriers, a tail for large
+clusters), fixed-order fp32 sums, and ~64 / C_new of the one-hot flops over every point (2 L x 64 x D instead of
+2 L C_new D, what an assignment costs): the dots see only the block's own points. The sort runs once, for the
+final members.
 
 Measured (H100, torch 2.11, triton 3.6; kvrewrite.bench.kmeans_cluster; Llama-3.1-8B layer: 8 rows, D 128,
 bf16, 20 iterations, keys a mixture of directions that does not converge in 20): a due prefill call costs
@@ -78,7 +83,8 @@ from the reference's by a few ulp and the centroids by rounding: near-ties (top-
 may be assigned differently, everything else is identical.
 
 Memory per call (transient): the packed keys (XP, the keys' size), point slots and labels (8 bytes per slot),
-fp32 partials [rows, splits, K, D] (capped at 256 MB by fewer splits; 54 MB at 32k), counters.
+fp32 partials [rows, splits, K, D] (capped at 256 MB by fewer splits; 28 MB at 32k), the update's scratch
+(16 KB per program), counters.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
@@ -229,7 +235,7 @@ INIT_K = 32  # write: initial centroids per step
 MAXNREG = None  # registers per thread the compiler may use (None: its choice)
 MAX_CTAS_PER_SM = 2  # persistent programs per SM, where the compiled kernel's registers and shared memory allow
 SPLIT_POINTS = 2048  # points per split of the update (at most MAX_SPLITS splits)
-MAX_SPLITS = 16
+MAX_SPLITS = 8
 PARTIAL_BYTES = 256 << 20  # cap of the update's fp32 partial sums (fewer splits beyond)
 
 
@@ -701,16 +707,20 @@ def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids,
                           window_clusters: int, iters: int, seed: int, *, persistent: bool = True,
                           programs: int | None = None, splits: int | None = None, block_p: int | None = None,
                           block_c: int | None = None, update_c: int = UPDATE_C, update_p: int | None = None,
-                          update_sub: int = UPDATE_SUB, final_c: int = FINAL_C, scatter_p: int = SCATTER_P, prep_chunk: int = PREP_CHUNK,
-                          write_p: int = WRITE_P, init_k: int = INIT_K, num_warps: int = 8,
-                          num_stages: int | None = None, maxnreg: int | None = MAXNREG, assign_elem: bool = False, stop_when_converged: bool = True, on_launch=None) -> None:
+                          update_sub: int = UPDATE_SUB, final_c: int = FINAL_C, scatter_p: int = SCATTER_P,
+                          prep_chunk: int = PREP_CHUNK, write_p: int = WRITE_P, init_k: int = INIT_K,
+                          num_warps: int = 8, num_stages: int | None = None, maxnreg: int | None = MAXNREG,
+                          assign_elem: bool = False, stop_when_converged: bool = True, on_launch=None) -> None:
     """Launch the kernel (module docstring). persistent: one launch with grid barriers (programs: all resident,
     _persistent_programs, on CUDA; 1 elsewhere: the interpreter runs programs one after the other) or one launch per
     phase (programs: 4 per SM, 3 elsewhere). The other keywords tune it (block sizes: powers of two >= 16; splits
     >= 1); the defaults halve the point and centroid blocks (and pipeline 2 stages) for rows of more than 256 bytes
     (fp32 keys of D 128, 16-bit of D 256) to stay within the shared memory. Every value gives the same labels, the
     centroids up to the summation order. stop_when_converged=False runs every iteration of a row whose labels no
-    longer change (the worst case's time; the same result). on_launch(phase, compiled kernel) is called after each
+    longer change (the worst case's time; the same result). update_sub: labels compacted at a time by the update
+    (its scratch: 8 bytes each per program). maxnreg caps the registers per thread (CUDA; None: the compiler's
+    choice). assign_elem: the assignment keeps a running max per (point, column) and reduces once at the end
+    (measured no faster on an H100; kept as a knob). on_launch(phase, compiled kernel) is called after each
     launch (profiling; phase None for the persistent launch). Under TRITON_INTERPRET=1 it runs on CPU tensors,
     which is how the kernel is tested without a GPU."""
     if triton is None:
@@ -754,8 +764,9 @@ def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids,
             info, vc, pts, xp, lab, invn, part, pcnt, fcnt, ucnt, chg, bar, scr, R, H, C, K, D, NS, NCB, NCH, n_sink,
             tokens_per_cluster, window, window_clusters, seed_mix >> 16, seed_mix & 0xFFFF, iters)
     meta = dict(RP=triton.next_power_of_2(R), DP=DP, PREC=prec, CH=prep_chunk, NCHP=triton.next_power_of_2(NCH),
-                BW=write_p, BK=init_k, BPA=block_p, BCA=block_c, BCU=update_c, BPU=update_p, BSU=update_sub, BCF=final_c,
-                BPS=scatter_p, STOP=bool(stop_when_converged), AEL=bool(assign_elem), num_warps=num_warps, num_stages=num_stages)
+                BW=write_p, BK=init_k, BPA=block_p, BCA=block_c, BCU=update_c, BPU=update_p, BSU=update_sub,
+                BCF=final_c, BPS=scatter_p, STOP=bool(stop_when_converged), AEL=bool(assign_elem),
+                num_warps=num_warps, num_stages=num_stages)
     if maxnreg and dev.type == "cuda":
         meta["maxnreg"] = maxnreg
     if persistent:
