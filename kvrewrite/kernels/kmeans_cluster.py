@@ -68,14 +68,19 @@ clusters), fixed-order fp32 sums, and ~64 / C_new of the one-hot flops over ever
 2 L C_new D, what an assignment costs): the dots see only the block's own points. The sort runs once, for the
 final members.
 
-Measured (H100, torch 2.11, triton 3.6; kvrewrite.bench.kmeans_cluster; Llama-3.1-8B layer: 8 rows, D 128,
-bf16, 20 iterations, keys a mixture of directions that does not converge in 20): a due prefill call costs
-1.0 ms at 8k (103 clusters; 46 us per iteration + 95 us), 8.2-8.4 ms at 32k (410 clusters; 390 us per
-iteration + 370 us), 98 ms at 128k (1639 clusters); a window clustering (320 points into 4) 0.31-0.39 ms, ~45
-phases of a few us each; a call with no row due 4-5 us in a CUDA graph (0.3-0.5 ms eager: Python and launch).
-Above the 4 ms target at 32k: at 1 CTA per SM (the update phase takes 255 registers) the assign and update
-phases run at ~100-150 TFLOP/s, half what the same code reaches in kernels of their own (~110 us each at 32k,
-2-3 CTAs per SM); both scale with L x C_new, i.e. ~L^2. On keys whose clusters settle, rows stop early.
+Measured (H100 SXM, torch 2.11, triton 3.6; kvrewrite.bench.kmeans_cluster, two runs; Llama-3.1-8B layer: 8
+rows, D 128, bf16, 20 iterations, keys a mixture of directions that does not converge in 20): a due prefill call
+costs 0.92-0.93 ms at 8k (103 clusters; 42 us per iteration + 93 us), 5.47-5.49 ms at 32k (410 clusters; 249 us
+per iteration + 381-383 us; before the compacted update 8.2 ms: 392 us per iteration); 128k not re-measured
+(98 ms before). A window clustering (320 points into 4) 0.30-0.39 ms, ~45 phases of a few us each; a call with
+no row due 3.5-4.4 us in a CUDA graph (0.25-0.6 ms eager: Python and launch). In a real 32k prefill
+(bench.kmeans_cluster.prefill_cost, random-weight Llama-3.1-8B, chunks of 2048, budget 1024): clusterkv's prefill
+minus full's = 175-176 ms (30 compressed layers: ~5.8 ms each), 5.4% of kvrewrite's full prefill (3.26 s) and
+11.8-12.4% of HF's dense prefill (1.41-1.50 s): above the 10% target against HF's. Where the time goes (one
+launch per phase, 32k): an assignment ~145 us (wgmma [256, D] x [D, 64], 1 CTA per SM at ~190 registers; ~130
+TFLOP/s), an update ~100 us (latency-bound: 1 CTA per SM at 255 registers, dependent gathers), both ~L x C_new.
+Smaller tiles, 4 warps, a register cap (maxnreg 128: 2 CTAs per SM, spills) and the elementwise argmax were all
+slower or equal. On keys whose clusters settle, rows stop early.
 
 Numerics: dots of 16-bit keys and centroids are exact products accumulated in fp32 (fp32 keys: 3xTF32); scores
 are multiplied by 1/(|c| + 1e-8) where the reference divides, and sums run in another order, so scores differ
