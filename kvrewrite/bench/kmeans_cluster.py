@@ -19,7 +19,11 @@ reads and the call changes); the op] replayed, minus the graph of the restores a
 slots whose label (cluster id) the kernel and the reference agree on (random data has near-ties: one flip moves a
 centroid and can move others, so this is a sanity figure, not a test; the tests use well-separated keys).
 
+The cost in a real prefill (prefill_cost, --prefill-out): kvrewrite's 32k prefill with `full` and `clusterkv`
+timed alternately, and HF's dense prefill; the clustering = clusterkv - full (30 compressed layers).
+
 Run:  python -m kvrewrite.bench.kmeans_cluster --out kmeans_cluster.json [--sweep]
+      python -m kvrewrite.bench.kmeans_cluster --prefill-out clusterkv_prefill.json
 """
 import argparse
 import json
@@ -37,8 +41,8 @@ FIELDS = ("keys", "values", "bias", "slot_pos", "fill", "budget", "centroids", "
           "members", "n_clusters", "cluster_end")
 SWEEP = [  # triton_kmeans_cluster's tuning knobs (the defaults first; `programs` is left alone: the persistent launch
     # needs all of its programs resident at once)
-    {}, dict(num_warps=4), dict(block_c=128), dict(block_p=128), dict(update_p=64), dict(update_c=128),
-    dict(splits=8), dict(splits=32), dict(num_stages=2),
+    {}, dict(splits=4), dict(splits=8), dict(num_warps=4), dict(block_p=128), dict(update_sub=1024),
+    dict(update_c=32), dict(splits=8, num_warps=4), dict(persistent=False),
 ]
 
 
@@ -212,12 +216,66 @@ def run(cfg: Config, sweep: bool = False) -> dict:
     return dict(config=asdict(cfg), result=asdict(res))
 
 
+def prefill_cost(out: str, n: int = 32768, reps: int = 2, model: str = "llama-3.1-8b", device: str = "cuda") -> dict:
+    """The clustering's share of a real prefill: kvrewrite's chunked prefill of n random tokens with `full` and with
+    `clusterkv` (the settings of `kvrewrite bench --systems full,clusterkv --contexts n --batches 1 --budget 1024
+    --prefill-chunk 2048 --fuse-projections --gemv`; the same graphs but ClusterKV's compression ops), timed `reps`
+    times alternately in one process, and HF's dense prefill (one forward, SDPA) after each pair. clustering_s =
+    clusterkv - full: the kmeans_cluster calls of the compressed layers (and the method's other per-chunk ops)."""
+    import argparse as ap
+
+    import kvrewrite
+    from kvrewrite.bench import e2e
+
+    p = ap.ArgumentParser()
+    e2e.add_arguments(p)
+    cfg = e2e.config_from_args(p.parse_args(
+        f"--systems full,clusterkv --contexts {n} --batches 1 --budget 1024 --prefill-chunk 2048 --fuse-projections "
+        f"--gemv --kv-compile graph --intervals 1 --reps 2 --device {device} --model {model}".split()))
+    cfg.validate()
+    bench = e2e.Bench(cfg)
+    cap, _ = bench.captured(1)
+    ids = torch.randint(1, bench.mcfg.vocab_size, (1, n), device=device,
+                        generator=torch.Generator(device).manual_seed(0))
+    doc = dict(env=bench.env, context=n, budget=cfg.budget, prefill_chunk=cfg.prefill_chunk, new_tokens=cfg.new_tokens,
+               prefill_s={"full": [], "clusterkv": []}, dense_prefill_s=[])
+    rws = {}
+    for method in ("full", "clusterkv"):
+        opts = {} if method == "full" else {"budget": cfg.budget}
+        rws[method] = kvrewrite.apply(bench.model, method, max_length=n + cfg.new_tokens, captured=cap,
+                                      fuse_projections=cfg.fuse_projections, gemv=cfg.gemv, **opts)
+        rws[method].prefill(ids[:, :3 * cfg.prefill_chunk], max_new_tokens=cfg.new_tokens)  # warm-up (compiles)
+    for rep in range(reps):
+        for method in ("full", "clusterkv"):
+            e2e._sync(device)
+            t0 = time.perf_counter()
+            rws[method].prefill(ids, max_new_tokens=cfg.new_tokens)
+            e2e._sync(device)
+            doc["prefill_s"][method].append(time.perf_counter() - t0)
+        doc["dense_prefill_s"].append(e2e.hf_prefill_s(bench.model, n))
+        cost = [c - f for c, f in zip(doc["prefill_s"]["clusterkv"], doc["prefill_s"]["full"])]
+        doc.update(clustering_s=cost, clustering_vs_dense=[c / d for c, d in zip(cost, doc["dense_prefill_s"])],
+                   clustering_vs_full=[c / f for c, f in zip(cost, doc["prefill_s"]["full"])])
+        with open(out, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"prefill of {n}: full {doc['prefill_s']['full'][-1]:.3f} s, clusterkv "
+              f"{doc['prefill_s']['clusterkv'][-1]:.3f} s: clustering {cost[-1] * 1e3:.0f} ms "
+              f"({doc['clustering_vs_dense'][-1]:.1%} of HF's dense prefill {doc['dense_prefill_s'][-1]:.3f} s, "
+              f"{doc['clustering_vs_full'][-1]:.1%} of kvrewrite's full)", flush=True)
+    return doc
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="kmeans_cluster.json")
     parser.add_argument("--sweep", action="store_true", help="also time the prefill call under the SWEEP knobs")
     parser.add_argument("--prompts", default=None, help="comma-separated prompt lengths (default 8192,32768,131072)")
+    parser.add_argument("--prefill-out", default=None,
+                        help="instead: the clustering's share of a real 32k prefill (prefill_cost) into this JSON")
     args = parser.parse_args()
+    if args.prefill_out:
+        prefill_cost(args.prefill_out)
+        return
     env, copy = start_run()
     configs = [Config(int(p)) for p in args.prompts.split(",")] if args.prompts else get_configs()
     rows = [run(cfg, args.sweep) for cfg in configs]

@@ -39,10 +39,12 @@ Triton kernel: one kernel, its work in phases, each depending on the whole previ
                                       tensor-core dots [256, D] x [D, 64 centroids], scaled by 1/(|c| + eps),
                                       running first-max -> labels; changed labels counted per row (CHG);
             update (rows x splits x 64-cluster blocks)
-                                      one-hot [64, 128 points] x keys [128, D] (and x ones: the counts) over the
-                                      split's points -> fp32 partials per (split, cluster); the last program to
-                                      finish a cluster block (an int counter) sums its partials in split order,
-                                      / count, rounds to the dtype: new centroids and 1/|c| ]
+                                      2048 labels at a time, the split's points of the block's clusters compacted
+                                      (a cumsum, in point order) into the program's scratch, then one-hot
+                                      [64, 64 points] x their keys [64, D] (and x ones: the counts) -> fp32
+                                      partials per (split, cluster); the last program to finish a cluster block
+                                      (an int counter) sums its partials in split order, / count, rounds to the
+                                      dtype: new centroids and 1/|c| ]
   final assign (+ per-(split, cluster) counts by integer atomics); finalize (rows: sizes, starts, the cursor of
   each (split, cluster)); scatter (rows x splits: a stable counting sort, ranks inside 64-point steps from a
   [64, 64] label comparison) -> members.
@@ -53,24 +55,32 @@ loops over a phase's work items (only those of due rows: counts come from the la
 and all meet at a grid barrier (an atomic counter, release/acquire: the acquire also makes the L1-cached loads
 of the next phase see the other SMs' stores) between phases. All programs must be resident at once: the grid
 is SMs x the CTAs per SM that the compiled kernel's registers and shared memory allow (_persistent_programs;
-1 per SM at 8 warps and 255 registers). A call where no row is due is that memset and a launch whose programs
-read the due rule of every row and return. persistent=False launches one kernel per phase (no barrier, any
-grid): how the interpreter runs it with several programs, and a fallback should a device not keep the whole
-grid resident (e.g. an MPS SM limit).
+1 per SM at 8 warps: the update and the assignment take ~190-255 registers). A call where no row is due is that
+memset and a launch whose programs read the due rule of every row and return. persistent=False launches one
+kernel per phase (no barrier, any grid), each compiled for its phase's kind alone (KINDS: its own registers):
+how the interpreter runs it with several programs, and a fallback should a device not keep the whole grid
+resident (e.g. an MPS SM limit); at 32k it is as fast as the persistent launch, but a call with no row due
+would pay its ~45 launches.
 
-Why a one-hot update on tensor cores rather than a counting sort per iteration: it costs what an assignment
-costs (2 L C D flops), on the same units, in one phase; a sort-based mean needs a count, a scan, a scatter and
-a gather-sum per iteration (4 phases with their barriers, a tail for large clusters), which saves the update's
-flops but not the assignment's. The sort runs once, for the final members.
+Why a compacted one-hot update rather than a counting sort per iteration: one phase (a sort-based mean needs a
+count, a scan, a scatter and a gather-sum per iteration: 4 phases with their barriers, a tail for large
+clusters), fixed-order fp32 sums, and ~64 / C_new of the one-hot flops over every point (2 L x 64 x D instead of
+2 L C_new D, what an assignment costs): the dots see only the block's own points. The sort runs once, for the
+final members.
 
-Measured (H100, torch 2.11, triton 3.6; kvrewrite.bench.kmeans_cluster; Llama-3.1-8B layer: 8 rows, D 128,
-bf16, 20 iterations, keys a mixture of directions that does not converge in 20): a due prefill call costs
-1.0 ms at 8k (103 clusters; 46 us per iteration + 95 us), 8.2-8.4 ms at 32k (410 clusters; 390 us per
-iteration + 370 us), 98 ms at 128k (1639 clusters); a window clustering (320 points into 4) 0.31-0.39 ms, ~45
-phases of a few us each; a call with no row due 4-5 us in a CUDA graph (0.3-0.5 ms eager: Python and launch).
-Above the 4 ms target at 32k: at 1 CTA per SM (the update phase takes 255 registers) the assign and update
-phases run at ~100-150 TFLOP/s, half what the same code reaches in kernels of their own (~110 us each at 32k,
-2-3 CTAs per SM); both scale with L x C_new, i.e. ~L^2. On keys whose clusters settle, rows stop early.
+Measured (H100 SXM, torch 2.11, triton 3.6; kvrewrite.bench.kmeans_cluster, two runs; Llama-3.1-8B layer: 8
+rows, D 128, bf16, 20 iterations, keys a mixture of directions that does not converge in 20): a due prefill call
+costs 0.92-0.93 ms at 8k (103 clusters; 42 us per iteration + 93 us), 5.47-5.49 ms at 32k (410 clusters; 249 us
+per iteration + 381-383 us; before the compacted update 8.2 ms: 392 us per iteration); 128k not re-measured
+(98 ms before). A window clustering (320 points into 4) 0.30-0.39 ms, ~45 phases of a few us each; a call with
+no row due 3.5-4.4 us in a CUDA graph (0.25-0.6 ms eager: Python and launch). In a real 32k prefill
+(bench.kmeans_cluster.prefill_cost, random-weight Llama-3.1-8B, chunks of 2048, budget 1024): clusterkv's prefill
+minus full's = 175-176 ms (30 compressed layers: ~5.8 ms each), 5.4% of kvrewrite's full prefill (3.26 s) and
+11.8-12.4% of HF's dense prefill (1.41-1.50 s): above the 10% target against HF's. Where the time goes (one
+launch per phase, 32k): an assignment ~145 us (wgmma [256, D] x [D, 64], 1 CTA per SM at ~190 registers; ~130
+TFLOP/s), an update ~100 us (latency-bound: 1 CTA per SM at 255 registers, dependent gathers), both ~L x C_new.
+Smaller tiles, 4 warps, a register cap (maxnreg 128: 2 CTAs per SM, spills) and the elementwise argmax were all
+slower or equal. On keys whose clusters settle, rows stop early.
 
 Numerics: dots of 16-bit keys and centroids are exact products accumulated in fp32 (fp32 keys: 3xTF32); scores
 are multiplied by 1/(|c| + 1e-8) where the reference divides, and sums run in another order, so scores differ
@@ -78,7 +88,8 @@ from the reference's by a few ulp and the centroids by rounding: near-ties (top-
 may be assigned differently, everything else is identical.
 
 Memory per call (transient): the packed keys (XP, the keys' size), point slots and labels (8 bytes per slot),
-fp32 partials [rows, splits, K, D] (capped at 256 MB by fewer splits; 54 MB at 32k), counters.
+fp32 partials [rows, splits, K, D] (capped at 256 MB by fewer splits; 28 MB at 32k), the update's scratch
+(16 KB per program), counters.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
@@ -219,15 +230,17 @@ INFO_W = 8  # per-row words: due, L, C_new, first id, first member offset, split
 BLOCK_P = 256  # assign: points per block
 BLOCK_C = 64  # assign: centroids per dot
 UPDATE_C = 64  # update: clusters per program (and per reduce)
-UPDATE_P = 128  # update: points per dot (and the split size's granularity)
+UPDATE_P = 64  # update: compacted points per dot (and the split size's granularity)
+UPDATE_SUB = 2048  # update: labels compacted at a time (the program's scratch)
 FINAL_C = 256  # finalize: clusters per step
 SCATTER_P = 64  # scatter: points per step (its rank is a [SCATTER_P, SCATTER_P] comparison)
 PREP_CHUNK = 512  # count / write: slots per work item
 WRITE_P = 128  # write: slots per step (a [WRITE_P, D] tile of keys copied to the packed points)
 INIT_K = 32  # write: initial centroids per step
+MAXNREG = None  # registers per thread the compiler may use (None: its choice)
 MAX_CTAS_PER_SM = 2  # persistent programs per SM, where the compiled kernel's registers and shared memory allow
 SPLIT_POINTS = 2048  # points per split of the update (at most MAX_SPLITS splits)
-MAX_SPLITS = 16
+MAX_SPLITS = 8
 PARTIAL_BYTES = 256 << 20  # cap of the update's fp32 partial sums (fewer splits beyond)
 
 
@@ -383,7 +396,8 @@ def _write_chunk(row64, j, KEYS, FILL, BUDGET, NCL, CEND, BIAS, CENT, MEMBERS, I
 
 @triton_jit()
 def _assign_block(row64, blk, XP, CENT, INVN, LAB, FCNT, CHG, L, n, nc, chunk, C, K, D, NS, R, it, final,
-                  DP: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, STOP: tl.constexpr):
+                  DP: tl.constexpr, BP: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, STOP: tl.constexpr,
+                  ELEM: tl.constexpr):
     """Labels of points [blk * BP, +BP) of a row in iteration `it`: argmax over the n centroids of
     x . c * (1 / (|c| + eps)); CHG[it, row] counts the labels that changed (integer atomics: the same total in any
     order). A row whose labels did not change in the iteration before has converged: its centroids and labels stay
@@ -399,22 +413,36 @@ def _assign_block(row64, blk, XP, CENT, INVN, LAB, FCNT, CHG, L, n, nc, chunk, C
     else:
         d = tl.arange(0, DP)
         x = tl.load(XP + (row64 * C + p)[:, None] * D + d[None, :], mask=pm[:, None] & (d < D)[None, :], other=0.0)
-        best = tl.full([BP], float("-inf"), tl.float32)
-        label = tl.zeros([BP], tl.int32)
+        if ELEM:  # running max per (point, column): no reduction inside the loop, one at the end
+            best2 = tl.full([BP, BC], float("-inf"), tl.float32)
+            idx2 = tl.zeros([BP, BC], tl.int32)
+        else:
+            best = tl.full([BP], float("-inf"), tl.float32)
+            label = tl.zeros([BP], tl.int32)
+        inv_next = tl.load(INVN + row64 * K + tl.arange(0, BC), mask=tl.arange(0, BC) < n, other=0.0)
         for c0 in range(0, n, BC):  # centroids and norms cached: the grid barrier's acquire makes this phase see them
             c = c0 + tl.arange(0, BC)
             cm = c < n
             cent = tl.load(CENT + (row64 * K + nc + c)[:, None] * D + d[None, :], mask=cm[:, None] & (d < D)[None, :],
                            other=0.0)
-            inv = tl.load(INVN + row64 * K + c, mask=cm, other=0.0)
+            inv = inv_next
+            inv_next = tl.load(INVN + row64 * K + c + BC, mask=c + BC < n, other=0.0)  # the next block's, early
             s = _dot(x, tl.trans(cent), None, PREC) * inv[None, :]  # [BP, BC] fp32
             if c0 + BC > n:
                 s = tl.where(cm[None, :], s, float("-inf"))
-            m = tl.max(s, axis=1)
-            i = tl.min(tl.where(s == m[:, None], c[None, :], 2147483647), axis=1)  # the first max
-            better = m > best  # strict: ties keep the earlier block's (lower) id
-            best = tl.where(better, m, best)
-            label = tl.where(better, i, label)
+            if ELEM:
+                better2 = s > best2  # strict: ties keep the earlier block's (lower) id
+                best2 = tl.where(better2, s, best2)
+                idx2 = tl.where(better2, c[None, :], idx2)
+            else:
+                m = tl.max(s, axis=1)
+                i = tl.min(tl.where(s == m[:, None], c[None, :], 2147483647), axis=1)  # the first max
+                better = m > best  # strict: ties keep the earlier block's (lower) id
+                best = tl.where(better, m, best)
+                label = tl.where(better, i, label)
+        if ELEM:  # the first max: the lowest id among the columns' maxima
+            m = tl.max(best2, axis=1)
+            label = tl.min(tl.where(best2 == m[:, None], idx2, 2147483647), axis=1)
         if it == 0:
             changed = tl.sum(pm.to(tl.int32), axis=0)  # (no labels before)
         else:
@@ -428,11 +456,15 @@ def _assign_block(row64, blk, XP, CENT, INVN, LAB, FCNT, CHG, L, n, nc, chunk, C
 
 
 @triton_jit()
-def _update_item(row64, s, cb, XP, CENT, INVN, LAB, PART, PCNT, UCNT, L, n, nc, chunk, nsu, epoch, C, K, D, NS, NCB,
-                 DP: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
-    """Clusters [cb * BC, +BC) over split s's points: PCNT = member counts, PART = fp32 key sums (one-hot dots).
-    The last of the row's nsu splits to finish this block (UCNT counts them) reduces it: the partials in split
-    order / the count, in the state's dtype, and the new 1/|c| (an empty cluster keeps both)."""
+def _update_item(row64, s, cb, pid, XP, CENT, INVN, LAB, PART, PCNT, UCNT, SCR, L, n, nc, chunk, nsu, epoch, C, K, D,
+                 NS, NCB, DP: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr, SUB: tl.constexpr,
+                 PREC: tl.constexpr):
+    """Clusters [cb * BC, +BC) over split s's points: PCNT = member counts, PART = fp32 key sums. SUB labels at a
+    time, the points of this block's clusters are compacted (in point order) into the program's scratch SCR, then
+    their keys summed by one-hot dots [BC, BP] x [BP, D]: ~BC / n of the points, not all of them (the one-hot dot
+    over every point cost what an assignment costs). The last of the row's nsu splits to finish this block (UCNT
+    counts them) reduces it: the partials in split order / the count, in the state's dtype, and the new 1/|c| (an
+    empty cluster keeps both)."""
     p_lo = s * chunk
     p_hi = tl.minimum(p_lo + chunk, L)
     c = cb * BC + tl.arange(0, BC)
@@ -441,18 +473,31 @@ def _update_item(row64, s, cb, XP, CENT, INVN, LAB, PART, PCNT, UCNT, L, n, nc, 
     dm = d < D
     acc = tl.zeros([BC, DP], tl.float32)
     hits = tl.zeros([BC, 16], tl.float32)  # every column counts the members (a dot with ones: exact below 2^24)
-    for p0 in range(p_lo, p_hi, BP):
-        p = p0 + tl.arange(0, BP)
-        pm = p < p_hi
-        label = tl.load(LAB + row64 * C + p, mask=pm, other=-1)
-        x = tl.load(XP + (row64 * C + p)[:, None] * D + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
-        hot = c[:, None] == label[None, :]  # [BC, BP]
-        if _INTERPRET:  # (its bool -> bf16 conversion is wrong too)
-            hot = hot.to(tl.float32)
-        else:
-            hot = hot.to(x.dtype)
-        acc = _dot(hot, x, acc, PREC)
-        hits = _dot(hot, tl.full([BP, 16], 1.0, hot.dtype), hits, PREC)
+    scr = SCR + pid * (2 * SUB)  # [point ids | their labels]
+    for q0 in range(p_lo, p_hi, SUB):
+        p = q0 + tl.arange(0, SUB)
+        label = tl.load(LAB + row64 * C + p, mask=p < p_hi, other=-1)
+        mine = (label >= cb * BC) & (label < cb * BC + BC)
+        mi = mine.to(tl.int32)
+        at = tl.cumsum(mi, axis=0) - mi
+        tl.store(scr + at, p, mask=mine)
+        tl.store(scr + SUB + at, label, mask=mine)
+        cnt = tl.sum(mi, axis=0)
+        tl.debug_barrier()  # the scratch written by the program's other threads
+        for j0 in range(0, cnt, BP):
+            j = j0 + tl.arange(0, BP)
+            jm = j < cnt
+            pi = tl.load(scr + j, mask=jm, other=0).to(tl.int64)
+            lb = tl.load(scr + SUB + j, mask=jm, other=-1)
+            x = tl.load(XP + (row64 * C + pi)[:, None] * D + d[None, :], mask=jm[:, None] & dm[None, :], other=0.0)
+            hot = c[:, None] == lb[None, :]  # [BC, BP]
+            if _INTERPRET:  # (its bool -> bf16 conversion is wrong too)
+                hot = hot.to(tl.float32)
+            else:
+                hot = hot.to(x.dtype)
+            acc = _dot(hot, x, acc, PREC)
+            hits = _dot(hot, tl.full([BP, 16], 1.0, hot.dtype), hits, PREC)
+        tl.debug_barrier()  # every read of the scratch done before the next SUB overwrites it
     at = (row64 * NS + s) * K + c
     tl.store(PCNT + at, tl.max(hits, axis=1).to(tl.int32), mask=cm)
     tl.store(PART + at[:, None] * DP + d[None, :], acc, mask=cm[:, None])
@@ -460,10 +505,16 @@ def _update_item(row64, s, cb, XP, CENT, INVN, LAB, PART, PCNT, UCNT, L, n, nc, 
     if tl.atomic_add(UCNT + row64 * NCB + cb, 1, sem="acq_rel", scope="gpu") == epoch * nsu - 1:
         acc = tl.zeros([BC, DP], tl.float32)
         count = tl.zeros([BC], tl.int32)
-        for s2 in range(0, nsu):
+        for s2 in range(0, nsu, 2):  # two splits' loads in flight, added in split order
             at = (row64 * NS + s2) * K + c
-            acc += tl.load(PART + at[:, None] * DP + d[None, :], mask=cm[:, None], other=0.0, cache_modifier=".cg")
+            two = s2 + 1 < nsu
+            p0 = tl.load(PART + at[:, None] * DP + d[None, :], mask=cm[:, None], other=0.0, cache_modifier=".cg")
+            p1 = tl.load(PART + (at + K)[:, None] * DP + d[None, :], mask=cm[:, None] & two, other=0.0,
+                         cache_modifier=".cg")
             count += tl.load(PCNT + at, mask=cm, other=0, cache_modifier=".cg")
+            count += tl.load(PCNT + at + K, mask=cm & two, other=0, cache_modifier=".cg")
+            acc += p0
+            acc += p1  # (+0.0 where there is no second split: exact, the same sum)
         new = tl.math.div_rn(acc, tl.maximum(count, 1).to(tl.float32)[:, None]).to(CENT.dtype.element_ty)
         keep = cm & (count > 0)
         tl.store(CENT + (row64 * K + nc + c)[:, None] * D + d[None, :], new, mask=keep[:, None] & dm[None, :])
@@ -522,12 +573,12 @@ def _scatter_item(row64, s, PTS, LAB, MEMBERS, CURSOR, L, chunk, C, K, NS, BP: t
 
 @triton_jit()
 def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, CEND,
-                   INFO, VC, PTS, XP, LAB, INVN, PART, PCNT, FCNT, UCNT, CHG, BAR,
+                   INFO, VC, PTS, XP, LAB, INVN, PART, PCNT, FCNT, UCNT, CHG, BAR, SCR,
                    R, H, C, K, D, NS, NCB, NCH, n_sink, tpc, window, wc, seed_hi, seed_lo, iters, p_begin, p_end,
                    RP: tl.constexpr, DP: tl.constexpr, PREC: tl.constexpr, GRID_SYNC: tl.constexpr,
                    CH: tl.constexpr, NCHP: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BPA: tl.constexpr,
-                   BCA: tl.constexpr, BCU: tl.constexpr, BPU: tl.constexpr, BCF: tl.constexpr, BPS: tl.constexpr,
-                   STOP: tl.constexpr):
+                   BCA: tl.constexpr, BCU: tl.constexpr, BPU: tl.constexpr, BSU: tl.constexpr, BCF: tl.constexpr,
+                   BPS: tl.constexpr, STOP: tl.constexpr, AEL: tl.constexpr = False, KINDS: tl.constexpr = 63):
     """Phases [p_begin, p_end) (module docstring), each program taking work items pid, pid + grid, ...; with
     GRID_SYNC a grid barrier between phases (the persistent launch, p_begin = 0). Phases: 0 count, 1 write, then
     (assign, update) x iters, the final assign, finalize, scatter."""
@@ -544,22 +595,26 @@ def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, 
         active = tl.load(INFO + r * 8, mask=rm, other=0, cache_modifier=".cg") != 0
     if tl.max(active.to(tl.int32), axis=0) > 0:
         for p in range(p_begin, p_end):
-            if p <= 1:
-                for item in range(pid, NCH * R, G):  # chunk-major: the first chunks of every row first
-                    j = item // R
-                    row64 = tl.cast(item % R, tl.int64)
-                    if p == 0:
-                        _count_chunk(row64, j, FILL, BUDGET, NCL, CEND, BIAS, CSIZE, INFO, VC, C, K, NCH, window, CH)
-                    else:
-                        _write_chunk(row64, j, KEYS, FILL, BUDGET, NCL, CEND, BIAS, CENT, MEMBERS, INFO, VC, PTS, XP,
-                                     INVN, C, K, D, H, NS, NCH, n_sink, tpc, window, wc, seed_hi, seed_lo,
-                                     DP, CH, NCHP, BW, BK, BPU)
-            else:
-                Lmax = tl.max(tl.load(INFO + r * 8 + 1, mask=rm, other=0, cache_modifier=".cg"), axis=0)
-                nmax = tl.max(tl.load(INFO + r * 8 + 2, mask=rm, other=0, cache_modifier=".cg"), axis=0)
-                q = p - 2
-                kind = tl.where(q <= 2 * iters, q % 2, q - 2 * iters + 1)  # 0 assign, 1 update, 2 finalize, 3 scatter
-                if kind == 0:
+            q = p - 2
+            # 0 count, 1 write, 2 assign, 3 update, 4 finalize, 5 scatter
+            kind = tl.where(p <= 1, p, tl.where(q <= 2 * iters, 2 + q % 2, q - 2 * iters + 3))
+            if (KINDS & 3) != 0:
+                if kind <= 1:
+                    for item in range(pid, NCH * R, G):  # chunk-major: the first chunks of every row first
+                        j = item // R
+                        row64 = tl.cast(item % R, tl.int64)
+                        if (KINDS & 1) != 0:
+                            if kind == 0:
+                                _count_chunk(row64, j, FILL, BUDGET, NCL, CEND, BIAS, CSIZE, INFO, VC, C, K, NCH,
+                                             window, CH)
+                        if (KINDS & 2) != 0:
+                            if kind == 1:
+                                _write_chunk(row64, j, KEYS, FILL, BUDGET, NCL, CEND, BIAS, CENT, MEMBERS, INFO, VC,
+                                             PTS, XP, INVN, C, K, D, H, NS, NCH, n_sink, tpc, window, wc, seed_hi,
+                                             seed_lo, DP, CH, NCHP, BW, BK, BPU)
+            if (KINDS & 4) != 0:
+                if kind == 2:
+                    Lmax = tl.max(tl.load(INFO + r * 8 + 1, mask=rm, other=0, cache_modifier=".cg"), axis=0)
                     for item in range(pid, tl.cdiv(Lmax, BPA) * R, G):
                         blk = item // R
                         row64 = tl.cast(item % R, tl.int64)
@@ -569,8 +624,10 @@ def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, 
                             nc = tl.load(INFO + row64 * 8 + 3, cache_modifier=".cg")
                             chunk = tl.load(INFO + row64 * 8 + 5, cache_modifier=".cg")
                             _assign_block(row64, blk, XP, CENT, INVN, LAB, FCNT, CHG, L, n, nc, chunk, C, K, D, NS, R,
-                                          q // 2, q == 2 * iters, DP, BPA, BCA, PREC, STOP)
-                elif kind == 1:
+                                          q // 2, q == 2 * iters, DP, BPA, BCA, PREC, STOP, AEL)
+            if (KINDS & 8) != 0:
+                if kind == 3:
+                    nmax = tl.max(tl.load(INFO + r * 8 + 2, mask=rm, other=0, cache_modifier=".cg"), axis=0)
                     ncb = tl.cdiv(nmax, BCU)
                     for item in range(pid, ncb * NS * R, G):
                         cb = item % ncb  # the cluster blocks of one (split, row) are neighbours: its keys stay in L2
@@ -585,9 +642,10 @@ def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, 
                         if (s * chunk < L) & (cb * BCU < n) & moved:
                             nc = tl.load(INFO + row64 * 8 + 3, cache_modifier=".cg")
                             nsu = tl.load(INFO + row64 * 8 + 6, cache_modifier=".cg")
-                            _update_item(row64, s, cb, XP, CENT, INVN, LAB, PART, PCNT, UCNT, L, n, nc, chunk, nsu,
-                                         q // 2 + 1, C, K, D, NS, NCB, DP, BCU, BPU, PREC)
-                elif kind == 2:
+                            _update_item(row64, s, cb, pid, XP, CENT, INVN, LAB, PART, PCNT, UCNT, SCR, L, n, nc,
+                                         chunk, nsu, q // 2 + 1, C, K, D, NS, NCB, DP, BCU, BPU, BSU, PREC)
+            if (KINDS & 16) != 0:
+                if kind == 4:
                     for row in range(pid, R, G):
                         at = INFO + tl.cast(row, tl.int64) * 8
                         if tl.load(at, cache_modifier=".cg") != 0:
@@ -595,7 +653,8 @@ def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, 
                                           tl.load(at + 2, cache_modifier=".cg"), tl.load(at + 3, cache_modifier=".cg"),
                                           tl.load(at + 4, cache_modifier=".cg"), tl.load(at + 6, cache_modifier=".cg"),
                                           K, NS, BCF)
-                else:
+            if (KINDS & 32) != 0:
+                if kind == 5:
                     for item in range(pid, NS * R, G):
                         s = item // R
                         row64 = tl.cast(item % R, tl.int64)
@@ -653,16 +712,20 @@ def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids,
                           window_clusters: int, iters: int, seed: int, *, persistent: bool = True,
                           programs: int | None = None, splits: int | None = None, block_p: int | None = None,
                           block_c: int | None = None, update_c: int = UPDATE_C, update_p: int | None = None,
-                          final_c: int = FINAL_C, scatter_p: int = SCATTER_P, prep_chunk: int = PREP_CHUNK,
-                          write_p: int = WRITE_P, init_k: int = INIT_K, num_warps: int = 8,
-                          num_stages: int | None = None, stop_when_converged: bool = True, on_launch=None) -> None:
+                          update_sub: int = UPDATE_SUB, final_c: int = FINAL_C, scatter_p: int = SCATTER_P,
+                          prep_chunk: int = PREP_CHUNK, write_p: int = WRITE_P, init_k: int = INIT_K,
+                          num_warps: int = 8, num_stages: int | None = None, maxnreg: int | None = MAXNREG,
+                          assign_elem: bool = False, stop_when_converged: bool = True, on_launch=None) -> None:
     """Launch the kernel (module docstring). persistent: one launch with grid barriers (programs: all resident,
     _persistent_programs, on CUDA; 1 elsewhere: the interpreter runs programs one after the other) or one launch per
     phase (programs: 4 per SM, 3 elsewhere). The other keywords tune it (block sizes: powers of two >= 16; splits
     >= 1); the defaults halve the point and centroid blocks (and pipeline 2 stages) for rows of more than 256 bytes
     (fp32 keys of D 128, 16-bit of D 256) to stay within the shared memory. Every value gives the same labels, the
     centroids up to the summation order. stop_when_converged=False runs every iteration of a row whose labels no
-    longer change (the worst case's time; the same result). on_launch(phase, compiled kernel) is called after each
+    longer change (the worst case's time; the same result). update_sub: labels compacted at a time by the update
+    (its scratch: 8 bytes each per program). maxnreg caps the registers per thread (CUDA; None: the compiler's
+    choice). assign_elem: the assignment keeps a running max per (point, column) and reduces once at the end
+    (measured no faster on an H100; kept as a knob). on_launch(phase, compiled kernel) is called after each
     launch (profiling; phase None for the persistent launch). Under TRITON_INTERPRET=1 it runs on CPU tensors,
     which is how the kernel is tested without a GPU."""
     if triton is None:
@@ -693,6 +756,9 @@ def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids,
     invn = torch.empty(R, kk, dtype=torch.float32, device=dev)
     part = torch.empty(R, NS, kk, DP, dtype=torch.float32, device=dev)
     pcnt = torch.empty(R, NS, kk, dtype=torch.int32, device=dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+    cap = programs or (MAX_CTAS_PER_SM * sms if persistent else 4 * sms)  # programs at most
+    scr = torch.empty(cap, 2 * update_sub, dtype=torch.int32, device=dev)  # the update's compaction, per program
     counters = torch.zeros(1 + (iters + 1) * R + R * NCB + R * NS * kk, dtype=torch.int32, device=dev)  # one memset
     bar, chg, counters = counters[:1], counters[1:1 + (iters + 1) * R], counters[1 + (iters + 1) * R:]
     ucnt, fcnt = counters[:R * NCB], counters[R * NCB:]
@@ -700,20 +766,26 @@ def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids,
     prec = "tf32x3" if keys.dtype == torch.float32 else "tf32"  # fp32: ~fp32 accuracy on tensor cores
     n_phases = 2 * iters + 5
     args = (keys, bias, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end,
-            info, vc, pts, xp, lab, invn, part, pcnt, fcnt, ucnt, chg, bar, R, H, C, K, D, NS, NCB, NCH, n_sink,
+            info, vc, pts, xp, lab, invn, part, pcnt, fcnt, ucnt, chg, bar, scr, R, H, C, K, D, NS, NCB, NCH, n_sink,
             tokens_per_cluster, window, window_clusters, seed_mix >> 16, seed_mix & 0xFFFF, iters)
     meta = dict(RP=triton.next_power_of_2(R), DP=DP, PREC=prec, CH=prep_chunk, NCHP=triton.next_power_of_2(NCH),
-                BW=write_p, BK=init_k, BPA=block_p, BCA=block_c, BCU=update_c, BPU=update_p, BCF=final_c,
-                BPS=scatter_p, STOP=bool(stop_when_converged), num_warps=num_warps, num_stages=num_stages)
+                BW=write_p, BK=init_k, BPA=block_p, BCA=block_c, BCU=update_c, BPU=update_p, BSU=update_sub,
+                BCF=final_c, BPS=scatter_p, STOP=bool(stop_when_converged), AEL=bool(assign_elem),
+                num_warps=num_warps, num_stages=num_stages)
+    if maxnreg and dev.type == "cuda":
+        meta["maxnreg"] = maxnreg
     if persistent:
         G = programs or (_persistent_programs((*args, 0, n_phases), meta, dev) if dev.type == "cuda" else 1)
+        assert G <= cap, (G, cap)
         kernel = _kmeans_kernel[(G,)](*args, 0, n_phases, GRID_SYNC=True, **meta)
         if on_launch is not None:
             on_launch(None, kernel)
     else:
-        G = programs or (4 * torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 3)
-        for p in range(n_phases):
-            kernel = _kmeans_kernel[(G,)](*args, p, p + 1, GRID_SYNC=False, **meta)
+        G = programs or (4 * sms if dev.type == "cuda" else 3)
+        for p in range(n_phases):  # each launch compiled for its phase's kind alone (its own registers)
+            q = p - 2
+            kind = p if p <= 1 else 2 + q % 2 if q <= 2 * iters else q - 2 * iters + 3
+            kernel = _kmeans_kernel[(G,)](*args, p, p + 1, GRID_SYNC=False, KINDS=1 << kind, **meta)
             if on_launch is not None:
                 on_launch(p, kernel)
 

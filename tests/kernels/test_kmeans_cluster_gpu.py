@@ -104,7 +104,11 @@ def test_prefill_then_windows_match_cpu(triton_path):
     dict(block_p=64, block_c=32, update_c=32, update_p=64, final_c=64, scatter_p=32, splits=5),
     dict(block_c=128, update_c=128, update_p=64, num_warps=4, splits=1),
     dict(programs=7),
-], ids=["launches", "small", "large", "7 programs"])
+    dict(update_sub=64, maxnreg=128, block_p=128),
+    dict(persistent=False, update_sub=128, update_p=16),
+    dict(assign_elem=True, block_p=128, splits=3),
+], ids=["launches", "small", "large", "7 programs", "small compaction, 128 registers", "launches, small compaction",
+        "elementwise argmax, 3 splits"])
 def test_knobs_change_nothing_but_rounding(knobs):
     s = make_state(2, 4, 3001, 128, 120, [[3001, 2900, 2999, 1500], [3001] * 4], [0, 37], 2000, torch.bfloat16, seed=6)
     a = plant(s, Args(n_sink=16, tokens_per_cluster=40, iters=10), seed=7)

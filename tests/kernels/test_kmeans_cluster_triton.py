@@ -24,9 +24,10 @@ from tests.kernels.test_kmeans_cluster import (  # noqa: E402
     FIELDS, Args, append_tokens, assert_state, clone, make_state, plant)
 
 SMALL = dict(block_p=16, block_c=16, update_c=16, update_p=16, final_c=16, scatter_p=16, prep_chunk=32, write_p=16,
-             init_k=16, splits=3)
+             init_k=16, splits=3, update_sub=16)
 MODES = {"persistent": dict(persistent=True),  # (launches: also every iteration of a converged row)
-         "launches": dict(persistent=False, programs=3, stop_when_converged=False)}
+         "launches": dict(persistent=False, programs=3, stop_when_converged=False),
+         "elementwise argmax": dict(persistent=True, assign_elem=True)}
 
 
 def check(s, a: Args, clamp=False, what="", **knobs):
