@@ -72,6 +72,7 @@ from __future__ import annotations  # the kernels' `tl.constexpr` annotations st
 import torch
 from torch.library import wrap_triton
 
+from kvrewrite.kernels._semaphores import counters
 from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
 from kvrewrite.kernels.evict_by_score import _add_min_max, _order_key  # fp32 order keys, (sum, min, max) combine
 
@@ -181,7 +182,7 @@ def _chunk(KEYS_ROW, SIZE_BH, c0, n_cl, KB: tl.constexpr):
     k = c0 + tl.arange(0, KB)
     live = k < n_cl
     size = tl.load(SIZE_BH + k, mask=live, other=0)
-    key = tl.load(KEYS_ROW + k, mask=live, other=0)  # with the sizes: one round trip
+    key = tl.load(KEYS_ROW + k, mask=live, other=0, cache_modifier=".cg")  # with the sizes: one round trip
     valid = live & (size > 0)
     return tl.where(valid, key, -2147483648), tl.where(valid, size, 0)
 
@@ -220,7 +221,7 @@ def _select_in_registers(KEYS_ROW, SIZE_BH, START_BH, MARK_ROW, n_cl, b_sel, L: 
     kk = tl.arange(0, L)
     live = kk < n_cl
     size = tl.load(SIZE_BH + kk, mask=live, other=0)
-    key = tl.load(KEYS_ROW + kk, mask=live, other=0)
+    key = tl.load(KEYS_ROW + kk, mask=live, other=0, cache_modifier=".cg")
     start = tl.load(START_BH + kk, mask=live, other=0)
     valid = live & (size > 0)
     key = tl.where(valid, key, -2147483648)
@@ -356,39 +357,13 @@ def _cluster_scores_kernel(
             tl.store(KEYS + (b * Hsel + h) * K + k, _order_key(tl.sum(sc, axis=1)), mask=k < n_cl)
 
 
-@triton_jit(do_not_specialize=["Hsel", "Hkv", "G", "K", "C", "n_sink", "max_selected", "window", "S"])
-def _select_clusters_kernel(
-    SIZE, START, MEMBERS, NCL, FILL, CEND, BUDGET,
-    KEYS,  # int32 [B * Hsel, K]: the scores' keys (_cluster_scores_kernel)
-    MARK,  # int64 [B * Hsel, M] scratch, M = max(max_selected, 1): per output position a marker or -1
-    OUT,  # int32 [B * Hsel, S]
-    Hsel, Hkv, G, K, C, n_sink, max_selected, window, S,
-    PER_HEAD: tl.constexpr, KB: tl.constexpr, TIERS: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_M: tl.constexpr, ONE_M: tl.constexpr,
-):
-    """Selection, grid (B * Hsel,): one program per selection row (module docstring). Latency-bound: what does not
-    depend on the selection is issued first; the chain is keys -> bisection -> marker scatter -> marker load ->
-    member gather. The keys are held in the fewest lanes of KB / 8, KB / 2, KB (TIERS) that hold n_clusters; past
-    KB (K > KB), chunk by chunk from memory."""
-    row = tl.program_id(0).to(tl.int64)
-    b = row // Hsel
-    s = row % Hsel
-    if PER_HEAD:
-        h = s // G
-    else:
-        h = s
-    bh = b * Hkv + h
-    n_cl = tl.load(NCL + bh)
-    budget = tl.load(BUDGET)
-    cend = tl.load(CEND + bh)
-    fill = tl.load(FILL + bh)
-    mark_row = MARK + row * tl.maximum(max_selected, 1)
-    keys_row = KEYS + row * K
-    size_bh = SIZE + bh * K
-    start_bh = START + bh * K
+@triton_jit()
+def _row_prologue(MEMBERS, MARK, OUT, bh, row, cend, fill, C, n_sink, max_selected, window, S,
+                  BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
+    """What does not depend on the selection: the sinks and the window into the index row, -1 into the row's
+    markers (before any marker is scattered)."""
     mem_bh = MEMBERS + bh * C
     out_row = OUT + row * S
-    # -- sinks and window (independent of the selection); no marker anywhere yet
     offs_e = tl.arange(0, BLOCK_E)
     for p0 in range(0, n_sink, BLOCK_E):
         p = p0 + offs_e
@@ -397,13 +372,28 @@ def _select_clusters_kernel(
         slot = cend + j0 + offs_e
         tl.store(out_row + n_sink + max_selected + j0 + offs_e, tl.where(slot < fill, slot, -1).to(tl.int32),
                  mask=j0 + offs_e < window)
+    mark_row = MARK + row * tl.maximum(max_selected, 1)
     offs_m = tl.arange(0, BLOCK_M)
-    for p0 in range(0, max_selected, BLOCK_M):  # ordered before the scatter by the selection's barrier
+    for p0 in range(0, max_selected, BLOCK_M):
         tl.store(mark_row + p0 + offs_m, tl.full([BLOCK_M], -1, tl.int64), mask=p0 + offs_m < max_selected)
+
+
+@triton_jit()
+def _row_selection(SIZE, START, MEMBERS, KEYS, MARK, OUT, bh, row, n_cl, budget, K, C, n_sink, max_selected, S,
+                   KB: tl.constexpr, TIERS: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                   ONE_M: tl.constexpr):
+    """The selection of one row once its keys are written and its markers are -1: t*, the takes, the markers, then
+    the taken members into the index row. The keys are held in the fewest lanes of KB / 8, KB / 2, KB (TIERS)
+    that hold n_clusters; past KB (K > KB), chunk by chunk from memory. The chain is keys -> bisection -> marker
+    scatter -> marker load -> member gather."""
+    mark_row = MARK + row * tl.maximum(max_selected, 1)
+    keys_row = KEYS + row * K
+    size_bh = SIZE + bh * K
+    start_bh = START + bh * K
+    mem_bh = MEMBERS + bh * C
+    out_row = OUT + row * S
     n_cl = tl.minimum(tl.maximum(n_cl, 0), K)
     b_sel = tl.minimum(tl.maximum(budget - n_sink, 0), max_selected).to(tl.int32)
-
-    # -- the selection: t*, the takes, a marker per taken cluster
     if TIERS:
         if n_cl <= KB // 8:
             n_taken = _select_in_registers(keys_row, size_bh, start_bh, mark_row, n_cl, b_sel, KB // 8)
@@ -424,6 +414,7 @@ def _select_clusters_kernel(
     tl.debug_barrier()
 
     # -- the taken members: each position's cluster is the running max of the markers
+    offs_m = tl.arange(0, BLOCK_M)
     carry = tl.full([], -1, tl.int64)
     for p0 in range(0, max_selected, BLOCK_M):
         j = p0 + offs_m
@@ -437,21 +428,102 @@ def _select_clusters_kernel(
         tl.store(out_row + n_sink + j, tl.load(mem_bh + src, mask=used, other=-1), mask=j < max_selected)
 
 
+@triton_jit(do_not_specialize=["Hsel", "Hkv", "G", "K", "C", "n_sink", "max_selected", "window", "S"])
+def _select_clusters_kernel(
+    SIZE, START, MEMBERS, NCL, FILL, CEND, BUDGET,
+    KEYS,  # int32 [B * Hsel, K]: the scores' keys (_cluster_scores_kernel)
+    MARK,  # int64 [B * Hsel, M] scratch, M = max(max_selected, 1): per output position a marker or -1
+    OUT,  # int32 [B * Hsel, S]
+    Hsel, Hkv, G, K, C, n_sink, max_selected, window, S,
+    PER_HEAD: tl.constexpr, KB: tl.constexpr, TIERS: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, ONE_M: tl.constexpr,
+):
+    """Selection (two-launch form, fused=False), grid (B * Hsel,): one program per selection row after
+    _cluster_scores_kernel. Latency-bound: what does not depend on the selection is issued first."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // Hsel
+    s = row % Hsel
+    if PER_HEAD:
+        h = s // G
+    else:
+        h = s
+    bh = b * Hkv + h
+    n_cl = tl.load(NCL + bh)
+    budget = tl.load(BUDGET)
+    _row_prologue(MEMBERS, MARK, OUT, bh, row, tl.load(CEND + bh), tl.load(FILL + bh), C, n_sink, max_selected,
+                  window, S, BLOCK_E, BLOCK_M)  # ordered before the scatter by the selection's barrier
+    _row_selection(SIZE, START, MEMBERS, KEYS, MARK, OUT, bh, row, n_cl, budget, K, C, n_sink, max_selected, S,
+                   KB, TIERS, ONE_CHUNK, BLOCK_M, ONE_M)
+
+
+@triton_jit(do_not_specialize=["Hsel", "Hkv", "G", "K", "D", "C", "n_sink", "max_selected", "window", "S", "NB"])
+def _select_fused_kernel(
+    Q, CEN, SIZE, START, MEMBERS, NCL, FILL, CEND, BUDGET,
+    KEYS,  # int32 [B * Hsel, K] scratch: row (b, s)'s key of cluster k (written for k < n_clusters)
+    MARK,  # int64 [B * Hsel, M] scratch, M = max(max_selected, 1): per output position a marker or -1
+    SEM,  # int32 [>= B * Hsel] counters at 0 (kvrewrite.kernels._semaphores); left at 0
+    OUT,  # int32 [B * Hsel, S]
+    stride_qb, stride_qh, stride_qd, stride_cb, stride_ch, stride_ck, stride_cd,
+    Hsel, Hkv, G, K, D, C, n_sink, max_selected, window, S, NB,
+    PER_HEAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, GB: tl.constexpr,
+    NATIVE_DOT: tl.constexpr, KB: tl.constexpr, TIERS: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, ONE_M: tl.constexpr,
+):
+    """Scores and selection in one launch, grid (NB = cdiv(K, BLOCK_K), B * Hsel): program (i, row) scores
+    clusters [i * BLOCK_K, (i + 1) * BLOCK_K) for its selection row (its query head's query, or the sum of the KV
+    head's G queries: the same tl.dot as _cluster_scores_kernel, the other columns masked to 0) and stores their
+    keys; program 0 also writes the row's sinks, window and -1 markers; then each arrives at the row's counter,
+    and the last to arrive (acquire: it sees every key) resets it to 0 and runs the row's selection."""
+    row = tl.program_id(1).to(tl.int64)
+    b = row // Hsel
+    s = row % Hsel
+    if PER_HEAD:
+        h = s // G
+    else:
+        h = s
+    bh = b * Hkv + h
+    n_cl = tl.load(NCL + bh)
+    n_cl_k = tl.minimum(n_cl, K)
+    k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    if tl.program_id(0) * BLOCK_K < n_cl_k:
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        offs_g = tl.arange(0, GB)
+        if PER_HEAD:
+            g_ok = offs_g == s % G
+        else:
+            g_ok = offs_g < G
+        qg = tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        c = _centroid_tile(CEN + b * stride_cb + h * stride_ch, k, n_cl_k, offs_d, d_ok, stride_ck, stride_cd)
+        sc = _tile_dots(c, qg, NATIVE_DOT)
+        tl.store(KEYS + row * K + k, _order_key(tl.sum(tl.where(g_ok[None, :], sc, 0.0), axis=1)), mask=k < n_cl_k)
+    if tl.program_id(0) == 0:
+        _row_prologue(MEMBERS, MARK, OUT, bh, row, tl.load(CEND + bh), tl.load(FILL + bh), C, n_sink,
+                      max_selected, window, S, BLOCK_E, BLOCK_M)
+    tl.debug_barrier()  # the program's stores before its arrival (released by the atomic)
+    if tl.atomic_add(SEM + row, 1, sem="acq_rel", scope="gpu") == NB - 1:
+        tl.store(SEM + row, 0)  # every program of the row has arrived: ready for the next launch
+        _row_selection(SIZE, START, MEMBERS, KEYS, MARK, OUT, bh, row, n_cl, tl.load(BUDGET), K, C, n_sink,
+                       max_selected, S, KB, TIERS, ONE_CHUNK, BLOCK_M, ONE_M)
+
+
 # -- launcher ------------------------------------------------------------------------------------------------
 def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def _launch_config(K, D, n_sink, max_selected, window, block_k=None, key_chunk=None, block_e=None, block_m=None,
-                   num_warps=None, score_warps=None, tiers=None) -> dict:
-    """The kernels' shape-based choices (keyword overrides for the tests and the benchmark's sweep)."""
+                   num_warps=None, score_warps=None, tiers=None, fused=True) -> dict:
+    """The kernels' shape-based choices (keyword overrides for the tests and the benchmark's sweep). fused: one
+    launch (_select_fused_kernel), else the scores and the selection as two (score_warps: the scores')."""
     kb = min(_pow2(max(K, 1)), key_chunk or MAX_KEYS)
     if num_warps is None:
         num_warps = 4 if kb <= 1024 else 8 if kb <= 4096 else 16
     return dict(block_k=max(block_k or 64, 16), kb=kb, one_chunk=kb >= K, tiers=kb >= 64 if tiers is None else tiers,
                 block_e=block_e or min(_pow2(max(n_sink, window, 1)), 1024),
                 block_m=block_m or min(_pow2(max(max_selected, 1)), 4096), block_d=max(_pow2(D), 16),
-                num_warps=num_warps, score_warps=score_warps or 4)
+                num_warps=num_warps, score_warps=score_warps or 4, fused=fused)
 
 
 def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end, n_sink,
@@ -473,21 +545,33 @@ def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_
     mark = torch.empty((rows, max(max_selected, 1)), dtype=torch.int64, device=q.device)
     size, start, mem, ncl = (t.contiguous() for t in (cluster_size, cluster_start, members, n_clusters))
     fill, cend = fill.contiguous(), cluster_end.contiguous()
+    sel = dict(KB=cfg["kb"], TIERS=cfg["tiers"], ONE_CHUNK=cfg["one_chunk"], BLOCK_E=cfg["block_e"],
+               BLOCK_M=cfg["block_m"], ONE_M=cfg["block_m"] >= max_selected)
+    score = dict(
+        BLOCK_K=cfg["block_k"], BLOCK_D=cfg["block_d"],
+        GB=max(_pow2(G), 16),  # tl.dot's minimum
+        # fp16/bf16 products on the tensor cores; Triton's interpreter (CPU tensors) gets the fp32 dot, its
+        # fp16/bf16 dot being wrong
+        NATIVE_DOT=q.is_cuda and q.dtype == centroids.dtype and q.dtype != torch.float32,
+    )
+    if cfg["fused"]:
+        nb = triton.cdiv(max(K, 1), cfg["block_k"])
+        sem = counters(NAME, q, rows)
+        wrap_triton(_select_fused_kernel)[(nb, rows)](
+            q, centroids, size, start, mem, ncl, fill, cend, budget, keys, mark, sem, out,
+            q.stride(0), q.stride(1), q.stride(3), *centroids.stride(),
+            Hsel, Hkv, G, K, D, C, n_sink, max_selected, window, S, nb,
+            PER_HEAD=bool(per_query_head), **score, **sel, num_warps=cfg["num_warps"],
+        )
+        return out
     if K > 0:
         wrap_triton(_cluster_scores_kernel)[(triton.cdiv(K, cfg["block_k"]), B * Hkv)](
             q, centroids, ncl, keys, q.stride(0), q.stride(1), q.stride(3), *centroids.stride(), Hsel, Hkv, G, K, D,
-            PER_HEAD=bool(per_query_head), BLOCK_K=cfg["block_k"], BLOCK_D=cfg["block_d"],
-            GB=max(_pow2(G), 16),  # tl.dot's minimum
-            # fp16/bf16 products on the tensor cores; Triton's interpreter (CPU tensors) gets the fp32 dot, its
-            # fp16/bf16 dot being wrong
-            NATIVE_DOT=q.is_cuda and q.dtype == centroids.dtype and q.dtype != torch.float32,
-            num_warps=cfg["score_warps"],
+            PER_HEAD=bool(per_query_head), **score, num_warps=cfg["score_warps"],
         )
     wrap_triton(_select_clusters_kernel)[(rows,)](
         size, start, mem, ncl, fill, cend, budget, keys, mark, out, Hsel, Hkv, G, K, C, n_sink, max_selected, window, S,
-        PER_HEAD=bool(per_query_head), KB=cfg["kb"], TIERS=cfg["tiers"], ONE_CHUNK=cfg["one_chunk"],
-        BLOCK_E=cfg["block_e"], BLOCK_M=cfg["block_m"], ONE_M=cfg["block_m"] >= max_selected,
-        num_warps=cfg["num_warps"],
+        PER_HEAD=bool(per_query_head), **sel, num_warps=cfg["num_warps"],
     )
     return out
 
@@ -497,7 +581,7 @@ def triton_select_clusters(q, fill, budget, centroids, cluster_size, cluster_sta
                            **tuning):
     """The op on CUDA through Triton; validates shapes, dtypes and devices (reads no data). ``tuning`` overrides
     the launch choices (_launch_config's keywords: block_k, key_chunk, block_e, block_m, num_warps, score_warps,
-    tiers); it
+    tiers, fused); it
     is for the tests and the benchmark, the op never passes it. Every setting gives the same index."""
     if triton is None:
         raise NotImplementedError("triton_select_clusters needs Triton (pip install triton); "
