@@ -8,6 +8,9 @@ clusters, random keys; both GQA selection modes. Each op is timed as the replay 
 calls (a decode step's launches are latency-bound: graph replays are what the runtime does), median over reps.
 
     python -m kvrewrite.bench.clusterkv_attention --out docs/bench/clusterkv_attention_h100.json
+
+--sweep also times the step under launch variants (triton_select_clusters' and triton_indexed_attention's tuning
+keywords, VARIANTS below) at B = 1, in the same process as the default, into each row's "variants_step_us".
 """
 import argparse
 import json
@@ -18,6 +21,26 @@ import torch
 
 import kvrewrite.kernels  # noqa: F401  (registers the ops)
 from kvrewrite.bench.e2e import env_info
+from kvrewrite.kernels.indexed_attention import triton_indexed_attention
+from kvrewrite.kernels.select_clusters import triton_select_clusters
+
+# name -> (select tuning, attention tuning): the step's launch variants timed by --sweep
+VARIANTS = {
+    "two_launch_select+combine_launch": (dict(fused=False), dict(fuse_combine=False)),  # the previous step
+    "two_launch_select": (dict(fused=False), {}),
+    "combine_launch": ({}, dict(fuse_combine=False)),
+    "pdl": (dict(pdl=True), dict(pdl=True)),
+    "sel_warps1": (dict(num_warps=1), {}),
+    "sel_warps2": (dict(num_warps=2), {}),
+    "sel_warps8": (dict(num_warps=8), {}),
+    "sel_block_k32": (dict(block_k=32), {}),
+    "sel_block_k128": (dict(block_k=128), {}),
+    "att_splits_half": ({}, "half"),
+    "att_splits_double": ({}, "double"),
+    "att_warps2": ({}, dict(num_warps=2)),
+    "att_block_n32": ({}, dict(block_n=32)),
+    "pdl+sel_warps2": (dict(pdl=True, num_warps=2), dict(pdl=True)),
+}
 
 
 def _graph_us(fn, calls: int, reps: int) -> float:
@@ -38,7 +61,8 @@ def _graph_us(fn, calls: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def case(n: int, B: int, budget: int, per_query_head: bool, calls: int, reps: int, m: int = 320, n_sink: int = 16):
+def case(n: int, B: int, budget: int, per_query_head: bool, calls: int, reps: int, m: int = 320, n_sink: int = 16,
+         sweep: bool = False):
     Hq, Hkv, D, dt, dev = 32, 8, 128, torch.bfloat16, "cuda"
     C = n + m
     g = torch.Generator(device=dev).manual_seed(0)
@@ -77,9 +101,40 @@ def case(n: int, B: int, budget: int, per_query_head: bool, calls: int, reps: in
     us_step = _graph_us(lambda: att(q, keys, values, bias, sel(q, fill, budget_t, centroids, sizes, starts, members,
                                                                n_clusters, cluster_end, **kw), scale), calls, reps)
     us_dense = _graph_us(lambda: dense(q, keys, values, bias, slot_pos, cpos, scale, 0, past_only=True), calls, reps)
-    return dict(context=n, batch=B, budget=budget, per_query_head=per_query_head, clusters=K0, index_len=index.shape[-1],
-                select_us=us_sel, indexed_attention_us=us_att, step_us=us_step, dense_us=us_dense,
-                speedup=us_dense / us_step)
+    row = dict(context=n, batch=B, budget=budget, per_query_head=per_query_head, clusters=K0,
+               index_len=index.shape[-1], select_us=us_sel, indexed_attention_us=us_att, step_us=us_step,
+               dense_us=us_dense, speedup=us_dense / us_step)
+    if sweep:
+        want = att(q, keys, values, bias, index, scale)
+        splits = _default_splits(q, index)
+        row["default_attention_splits"] = splits
+        variants = {}
+        for name, (st, at) in VARIANTS.items():
+            if isinstance(at, str):
+                at = dict(num_splits=max(1, splits // 2) if at == "half" else splits * 2)
+
+            def step(st=st, at=at):
+                idx = triton_select_clusters(q, fill, budget_t, centroids, sizes, starts, members, n_clusters,
+                                             cluster_end, **kw, **st)
+                return triton_indexed_attention(q, keys, values, bias, idx, scale, **at)
+
+            got = step()
+            torch.cuda.synchronize()
+            if not torch.equal(triton_select_clusters(q, fill, budget_t, centroids, sizes, starts, members,
+                                                      n_clusters, cluster_end, **kw, **st), index):
+                raise AssertionError(f"variant {name}: the index differs from the op's")
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=f"variant {name}")
+            variants[name] = _graph_us(step, calls, reps)
+        row["variants_step_us"] = variants
+    return row
+
+
+def _default_splits(q, index) -> int:
+    from kvrewrite.kernels import indexed_attention as ia
+
+    B, Hq, T, D = q.shape
+    Hsel, S = index.shape[1], index.shape[2]
+    return ia._launch_config(B, Hsel, Hq // Hsel, T, S, D, ia._num_sms(q.device), q.element_size())["num_splits"]
 
 
 def main(argv=None):
@@ -90,12 +145,13 @@ def main(argv=None):
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--sweep", action="store_true", help="also time the step's launch variants (B = 1 rows)")
     a = p.parse_args(argv)
     rows = []
     for n in map(int, a.contexts.split(",")):
         for B in map(int, a.batches.split(",")):
             for pqh in (True, False):
-                r = case(n, B, a.budget, pqh, a.calls, a.reps)
+                r = case(n, B, a.budget, pqh, a.calls, a.reps, sweep=a.sweep and B == 1)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
                 torch.cuda.empty_cache()

@@ -58,6 +58,7 @@ from __future__ import annotations  # the kernels' `tl.constexpr` annotations st
 import torch
 from torch.library import wrap_triton
 
+from kvrewrite.kernels._semaphores import counters
 from kvrewrite.kernels._triton_op import check_one_cuda_device, check_query_keys, register_triton_op, triton_jit
 from kvrewrite.kernels.clustered_attention import (
     _DTYPES,
@@ -163,11 +164,40 @@ def reference_indexed_attention(q, keys, values, bias, index, scale, softcap=0.0
 
 # Shape ints that only bound loops and masks are not specialised on: one compiled kernel serves every C, S, T,
 # group size and split count of a dtype, head dim and index kind.
+@triton_jit()
+def _combine_tile(OUT, ACC, M_PART, L_PART, b, hsel, row0, row_end, Hq, R, T, NUM_SPLITS,
+                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, RB: tl.constexpr):
+    """The merge of the split partials of tile rows [row0, row_end) (row = t * R + g of selection row hsel) into
+    OUT, RB rows at a time: clustered_attention's combine_row on [RB, splits] maxima and sums and [RB, splits, D]
+    accumulators (loaded .cg: other programs of this launch wrote them), splits in index order."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < NUM_SPLITS
+    for r0 in range(row0, row_end, RB):
+        rr = r0 + tl.arange(0, RB)
+        ok = rr < row_end
+        orow = (b.to(tl.int64) * Hq + hsel * R + rr % R) * T + rr // R
+        ms = ok[:, None] & s_ok[None, :]
+        m = tl.load(M_PART + orow[:, None] * NUM_SPLITS + offs_s[None, :], mask=ms, other=float("-inf"),
+                    cache_modifier=".cg")
+        l = tl.load(L_PART + orow[:, None] * NUM_SPLITS + offs_s[None, :], mask=ms, other=0.0, cache_modifier=".cg")
+        acc = tl.load(ACC + ((orow[:, None] * NUM_SPLITS + offs_s[None, :]) * HEAD_DIM)[:, :, None]
+                      + offs_d[None, None, :], mask=ms[:, :, None], other=0.0, cache_modifier=".cg")
+        m_max = tl.max(m, axis=1)
+        m_base = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.exp2(m - m_base[:, None])
+        den = tl.sum(w * l, axis=1)
+        o = tl.sum(acc * w[:, :, None], axis=1) / tl.where(den > 0.0, den, 1.0)[:, None]
+        tl.store(OUT + orow[:, None] * HEAD_DIM + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=ok[:, None])
+
+
 @triton_jit(do_not_specialize=["Hkv", "Hsel", "R", "T", "C", "S", "entries_per_split", "NUM_SPLITS"])
 def _indexed_attention_fwd_kernel(
     Q, K, V, BIAS, INDEX,
     OUT,  # [B, Hq, T, D] q's dtype (SPLIT False), or fp32 partial acc [B * Hq * T, NUM_SPLITS, D]
     M_PART, L_PART,  # fp32 [B * Hq * T, NUM_SPLITS], log2-domain running max and sum (SPLIT only)
+    FINAL,  # [B, Hq, T, D] q's dtype: the output (SPLIT and FUSE_COMBINE only)
+    SEM,  # int32 [>= B * Hsel * m_blocks] counters at 0, left at 0 (SPLIT and FUSE_COMBINE only)
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kc, stride_kd,
     stride_vb, stride_vh, stride_vc, stride_vd,
@@ -182,8 +212,15 @@ def _indexed_attention_fwd_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     SOFTCAP: tl.constexpr,  # soft-cap the scores: softcap * tanh(scale * q·k / softcap), before the bias
+    FUSE_COMBINE: tl.constexpr,  # the last split of a tile to finish merges the tile's partials (no combine launch)
+    BLOCK_S: tl.constexpr,  # >= NUM_SPLITS, a power of two (FUSE_COMBINE)
+    RB: tl.constexpr,  # rows merged at a time (FUSE_COMBINE)
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch: wait for the previous grid, free the next
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_s = tl.program_id(0)
     pid_sel = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -263,13 +300,21 @@ def _indexed_attention_fwd_kernel(
         tl.store(OUT + (out_row[:, None] * NUM_SPLITS + pid_s) * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(M_PART + out_row * NUM_SPLITS + pid_s, m_i, mask=row_ok)
         tl.store(L_PART + out_row * NUM_SPLITS + pid_s, l_i, mask=row_ok)
+        if FUSE_COMBINE:
+            tl.debug_barrier()  # the program's partials before its arrival (released by the atomic)
+            tile = pid_sel.to(tl.int64) * tl.num_programs(2) + pid_m
+            if tl.atomic_add(SEM + tile, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                tl.store(SEM + tile, 0)  # every split has arrived: ready for the next launch
+                _combine_tile(FINAL, OUT, M_PART, L_PART, b, hsel, pid_m * BLOCK_M,
+                              tl.minimum(pid_m * BLOCK_M + BLOCK_M, R * T), Hq, R, T, NUM_SPLITS, HEAD_DIM, BLOCK_S,
+                              RB)
     else:
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row that saw nothing: acc == 0, o == 0
         tl.store(OUT + out_row[:, None] * HEAD_DIM + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
 
 def _launch_config(B, Hsel, R, T, S, D, num_sms, itemsize=2, block_m=None, block_n=None, num_splits=None,
-                   num_warps=None, num_stages=None):
+                   num_warps=None, num_stages=None, fuse_combine=True, combine_rows=None, pdl=False):
     """Block sizes, split count and launch options from the shapes alone (never the data, so CUDA graphs and
     Inductor see one fixed launch). R: rows per query of a selection row (G per KV head, 1 per query head).
     The keyword overrides are for the tests (small splits) and the benchmark's sweep.
@@ -297,15 +342,20 @@ def _launch_config(B, Hsel, R, T, S, D, num_sms, itemsize=2, block_m=None, block
         num_splits = max(1, 2 * num_sms // (B * Hsel * m_blocks))
     tiles_per_split = triton.cdiv(tiles, min(max(num_splits, 1), tiles))
     num_splits = triton.cdiv(tiles, tiles_per_split)  # no empty split
+    block_s = max(triton.next_power_of_2(num_splits), 2)
+    if combine_rows is None:  # rows merged at a time by the last split: up to 16k fp32 partials in registers
+        combine_rows = max(1, min(triton.next_power_of_2(min(rows, block_m)), 16384 // (block_s * D)))
     return dict(block_m=block_m, m_blocks=m_blocks, block_n=block_n, num_splits=num_splits,
-                entries_per_split=tiles_per_split * block_n, num_warps=num_warps, num_stages=num_stages)
+                entries_per_split=tiles_per_split * block_n, num_warps=num_warps, num_stages=num_stages,
+                fuse_combine=fuse_combine, block_s=block_s, combine_rows=combine_rows, pdl=pdl)
 
 
 def triton_indexed_attention(q, keys, values, bias, index, scale, softcap=0.0, **tuning):
     """The op on CUDA through Triton (shapes and dtypes in the module docstring); validates shapes, dtypes,
     devices and softcap, not the index's entries (a data read: entries outside [0, C) are skipped like -1).
 
-    ``tuning`` overrides the shape-based launch choices (block_m, block_n, num_splits, num_warps, num_stages);
+    ``tuning`` overrides the shape-based launch choices (block_m, block_n, num_splits, num_warps, num_stages,
+    fuse_combine, combine_rows);
     for the tests and the benchmark's sweep, the op never passes it."""
     if triton is None:
         raise NotImplementedError("triton_indexed_attention needs Triton (pip install triton); "
@@ -347,14 +397,17 @@ def _launch(q, keys, values, bias, index, scale, softcap=0.0, **overrides):
         l_part = torch.empty((B * Hq * T, n_splits), dtype=torch.float32, device=q.device)
     else:
         part = m_part = l_part = out  # M_PART and L_PART are never touched without splits
+    fuse = split and cfg["fuse_combine"]
+    sem = counters("kvrewrite::indexed_attention", q, B * Hsel * cfg["m_blocks"]) if fuse else out
     wrap_triton(_indexed_attention_fwd_kernel)[(n_splits, B * Hsel, cfg["m_blocks"])](
-        q, keys, values, bias, index, part, m_part, l_part,
+        q, keys, values, bias, index, part, m_part, l_part, out, sem,
         *q.stride(), *keys.stride(), *values.stride(), *bias.stride(), *index.stride(),
         Hkv, Hsel, R, T, C, S, cfg["entries_per_split"], qk_scale, softcap_log2, n_splits,
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], SPLIT=split, SOFTCAP=softcap > 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        FUSE_COMBINE=fuse, BLOCK_S=cfg["block_s"], RB=cfg["combine_rows"], PDL=cfg["pdl"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if cfg["pdl"] else {}),
     )
-    if split:  # clustered_attention's combine: row = (b, hq, t); no lse, no pending queries (unused pointers: out)
+    if split and not fuse:  # clustered_attention's combine: row = (b, hq, t); no lse, no pending queries (unused pointers: out)
         wrap_triton(_clustered_attention_combine_kernel)[(B * Hq * T,)](
             part, m_part, l_part, out, out, q, out, index, q.stride(0), q.stride(1), q.stride(3), n_splits, Hq,
             Hq // Hkv, HEAD_DIM=D, BLOCK_S=max(triton.next_power_of_2(n_splits), 2), WRITE_LSE=False,

@@ -468,12 +468,16 @@ def _select_fused_kernel(
     PER_HEAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, GB: tl.constexpr,
     NATIVE_DOT: tl.constexpr, KB: tl.constexpr, TIERS: tl.constexpr, ONE_CHUNK: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, ONE_M: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch: wait for the previous grid, free the next
 ):
     """Scores and selection in one launch, grid (NB = cdiv(K, BLOCK_K), B * Hsel): program (i, row) scores
     clusters [i * BLOCK_K, (i + 1) * BLOCK_K) for its selection row (its query head's query, or the sum of the KV
     head's G queries: the same tl.dot as _cluster_scores_kernel, the other columns masked to 0) and stores their
     keys; program 0 also writes the row's sinks, window and -1 markers; then each arrives at the row's counter,
     and the last to arrive (acquire: it sees every key) resets it to 0 and runs the row's selection."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(1).to(tl.int64)
     b = row // Hsel
     s = row % Hsel
@@ -514,16 +518,17 @@ def _pow2(n: int) -> int:
 
 
 def _launch_config(K, D, n_sink, max_selected, window, block_k=None, key_chunk=None, block_e=None, block_m=None,
-                   num_warps=None, score_warps=None, tiers=None, fused=True) -> dict:
+                   num_warps=None, score_warps=None, tiers=None, fused=True, pdl=False) -> dict:
     """The kernels' shape-based choices (keyword overrides for the tests and the benchmark's sweep). fused: one
-    launch (_select_fused_kernel), else the scores and the selection as two (score_warps: the scores')."""
+    launch (_select_fused_kernel), else the scores and the selection as two (score_warps: the scores'). pdl (fused
+    only, an experiment of the benchmark): a programmatic dependent launch (Hopper)."""
     kb = min(_pow2(max(K, 1)), key_chunk or MAX_KEYS)
     if num_warps is None:
         num_warps = 4 if kb <= 1024 else 8 if kb <= 4096 else 16
     return dict(block_k=max(block_k or 64, 16), kb=kb, one_chunk=kb >= K, tiers=kb >= 64 if tiers is None else tiers,
                 block_e=block_e or min(_pow2(max(n_sink, window, 1)), 1024),
                 block_m=block_m or min(_pow2(max(max_selected, 1)), 4096), block_d=max(_pow2(D), 16),
-                num_warps=num_warps, score_warps=score_warps or 4, fused=fused)
+                num_warps=num_warps, score_warps=score_warps or 4, fused=fused, pdl=pdl)
 
 
 def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end, n_sink,
@@ -561,7 +566,8 @@ def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_
             q, centroids, size, start, mem, ncl, fill, cend, budget, keys, mark, sem, out,
             q.stride(0), q.stride(1), q.stride(3), *centroids.stride(),
             Hsel, Hkv, G, K, D, C, n_sink, max_selected, window, S, nb,
-            PER_HEAD=bool(per_query_head), **score, **sel, num_warps=cfg["num_warps"],
+            PER_HEAD=bool(per_query_head), **score, **sel, PDL=cfg["pdl"], num_warps=cfg["num_warps"],
+            **({"launch_pdl": True} if cfg["pdl"] else {}),
         )
         return out
     if K > 0:
