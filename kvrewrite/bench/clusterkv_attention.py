@@ -26,20 +26,22 @@ from kvrewrite.kernels.select_clusters import triton_select_clusters
 
 # name -> (select tuning, attention tuning): the step's launch variants timed by --sweep
 VARIANTS = {
-    "two_launch_select+combine_launch": (dict(fused=False), dict(fuse_combine=False)),  # the previous step
-    "two_launch_select": (dict(fused=False), {}),
-    "combine_launch": ({}, dict(fuse_combine=False)),
-    "pdl": (dict(pdl=True), dict(pdl=True)),
-    "sel_warps1": (dict(num_warps=1), {}),
-    "sel_warps2": (dict(num_warps=2), {}),
-    "sel_warps8": (dict(num_warps=8), {}),
-    "sel_block_k32": (dict(block_k=32), {}),
-    "sel_block_k128": (dict(block_k=128), {}),
-    "att_splits_half": ({}, "half"),
-    "att_splits_double": ({}, "double"),
-    "att_warps2": ({}, dict(num_warps=2)),
-    "att_block_n32": ({}, dict(block_n=32)),
-    "pdl+sel_warps2": (dict(pdl=True, num_warps=2), dict(pdl=True)),
+    "old": (dict(fused=False), dict(fuse_combine=False)),  # the step before this branch
+    "fused_combine": (dict(fused=False), dict(fuse_combine=True)),
+    "fused_select": (dict(fused=True), dict(fuse_combine=False)),
+    "sel_w1": (dict(fused=False, num_warps=1), dict(fuse_combine=False)),
+    "sel_w2": (dict(fused=False, num_warps=2), dict(fuse_combine=False)),
+    "sel_w8": (dict(fused=False, num_warps=8), dict(fuse_combine=False)),
+    "score_w2": (dict(fused=False, score_warps=2), dict(fuse_combine=False)),
+    "score_w8_bk128": (dict(fused=False, score_warps=8, block_k=128), dict(fuse_combine=False)),
+    "score_bk32": (dict(fused=False, block_k=32), dict(fuse_combine=False)),
+    "score_bk128": (dict(fused=False, block_k=128), dict(fuse_combine=False)),
+    "att_w2": (dict(fused=False), dict(fuse_combine=False, num_warps=2)),
+    "att_w8": (dict(fused=False), dict(fuse_combine=False, num_warps=8)),
+    "att_w2_splits_x2": (dict(fused=False), dict(fuse_combine=False, num_warps=2, splits="x2")),
+    "att_w2_splits_x4": (dict(fused=False), dict(fuse_combine=False, num_warps=2, splits="x4")),
+    "att_splits_half": (dict(fused=False), dict(fuse_combine=False, splits="half")),
+    "pdl_fused": (dict(fused=True, pdl=True), dict(pdl=True)),
 }
 
 
@@ -110,8 +112,9 @@ def case(n: int, B: int, budget: int, per_query_head: bool, calls: int, reps: in
         row["default_attention_splits"] = splits
         variants = {}
         for name, (st, at) in VARIANTS.items():
-            if isinstance(at, str):
-                at = dict(num_splits=max(1, splits // 2) if at == "half" else splits * 2)
+            if "splits" in at:
+                at = dict(at)
+                at["num_splits"] = {"half": max(1, splits // 2), "x2": 2 * splits, "x4": 4 * splits}[at.pop("splits")]
 
             def step(st=st, at=at):
                 idx = triton_select_clusters(q, fill, budget_t, centroids, sizes, starts, members, n_clusters,

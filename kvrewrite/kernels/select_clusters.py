@@ -518,7 +518,7 @@ def _pow2(n: int) -> int:
 
 
 def _launch_config(K, D, n_sink, max_selected, window, block_k=None, key_chunk=None, block_e=None, block_m=None,
-                   num_warps=None, score_warps=None, tiers=None, fused=True, pdl=False) -> dict:
+                   num_warps=None, score_warps=None, tiers=None, fused=False, pdl=False) -> dict:
     """The kernels' shape-based choices (keyword overrides for the tests and the benchmark's sweep). fused: one
     launch (_select_fused_kernel), else the scores and the selection as two (score_warps: the scores'). pdl (fused
     only, an experiment of the benchmark): a programmatic dependent launch (Hopper)."""
