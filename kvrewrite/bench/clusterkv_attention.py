@@ -28,20 +28,13 @@ from kvrewrite.kernels.select_clusters import triton_select_clusters
 VARIANTS = {
     "old": (dict(fused=False), dict(fuse_combine=False)),  # the step before this branch
     "fused_combine": (dict(fused=False), dict(fuse_combine=True)),
-    "fused_select": (dict(fused=True), dict(fuse_combine=False)),
-    "sel_w1": (dict(fused=False, num_warps=1), dict(fuse_combine=False)),
     "sel_w2": (dict(fused=False, num_warps=2), dict(fuse_combine=False)),
     "sel_w8": (dict(fused=False, num_warps=8), dict(fuse_combine=False)),
     "score_w2": (dict(fused=False, score_warps=2), dict(fuse_combine=False)),
-    "score_w8_bk128": (dict(fused=False, score_warps=8, block_k=128), dict(fuse_combine=False)),
-    "score_bk32": (dict(fused=False, block_k=32), dict(fuse_combine=False)),
     "score_bk128": (dict(fused=False, block_k=128), dict(fuse_combine=False)),
     "att_w2": (dict(fused=False), dict(fuse_combine=False, num_warps=2)),
-    "att_w8": (dict(fused=False), dict(fuse_combine=False, num_warps=8)),
     "att_w2_splits_x2": (dict(fused=False), dict(fuse_combine=False, num_warps=2, splits="x2")),
-    "att_w2_splits_x4": (dict(fused=False), dict(fuse_combine=False, num_warps=2, splits="x4")),
     "att_splits_half": (dict(fused=False), dict(fuse_combine=False, splits="half")),
-    "pdl_fused": (dict(fused=True, pdl=True), dict(pdl=True)),
 }
 
 

@@ -49,7 +49,12 @@ them so, as clustered_attention requires).
   moves 5.5 MB (per KV head, B = 1), ~2 us at 3 TB/s, so it is latency-bound: the grid spreads the tiles over
   up to two programs per SM, down to one tile per program (B = 1 per KV head: 8 x 21 = 168 programs, each
   with every load in flight at once), and clustered_attention's combine kernel merges the splits' partials
-  (one more launch, ~1-2 us inside a CUDA graph).
+  (one more launch, ~1-2 us inside a CUDA graph). fuse_combine (a tested launch option): the last split of each
+  tile to finish (a per-tile counter, acq_rel atomic, kvrewrite.kernels._semaphores: zeroed once, reset by the
+  kernel) merges the tile's partials, in split order (deterministic), and there is no combine launch. Measured
+  (H100, torch 2.11, triton 3.6, kvrewrite.bench.clusterkv_attention --sweep, B 1) it does not win: the step costs
+  the same per KV head (17.10 against 17.14 us at 32k) and 0.4-0.6 us more per query head (one program merges
+  what 32 combine programs merged); a programmatic dependent launch (pdl=True, an experiment option) was slower.
 - T > 1 works (rows = G * T per KV head, T per query head, in 16..64-row blocks), decode (T = 1) is the case
   the launch is shaped for.
 """

@@ -48,19 +48,28 @@ and output offset; each taken cluster writes a marker (offset << 32 | cluster_st
 scratch (-1 elsewhere), and a running max (associative scan) over the output positions gives every position's
 cluster and member.
 
-Two launches. (1) _cluster_scores_kernel, grid (K / BLOCK_K, B * Hkv): a block of centroids times the KV head's G
+Two launches (the default). (1) _cluster_scores_kernel, grid (K / BLOCK_K, B * Hkv): a block of centroids times the KV head's G
 queries (one tl.dot; per query head each column, else their sum: the summed query's score, equal to the reference's
 qvec . centroid up to fp32 rounding order, as every fp32 dot product here), keys to an int32 scratch [B * Hsel, K].
 The index equals the reference's bit for bit wherever the scores do (the tests use exact dyadic inputs); on real
 data two clusters whose scores differ by an fp32 rounding may trade places at the budget's edge. (2) _select_clusters_kernel, grid (B * Hsel,), one program per selection row (32 for Llama-3.1-8B per
-query head, 8 per KV head): the bisection, the takes, the index row. One launch was tried (each row's program
-scoring its own clusters first): the scores need the used centroids read (n_clusters * D * 2 bytes per KV head:
+query head, 8 per KV head): the bisection, the takes, the index row. One launch with one program per row was tried (each row's
+program scoring its own clusters first): the scores need the used centroids read (n_clusters * D * 2 bytes per KV head:
 105 KB at 32k context, 420 KB at 128k), which one program can only pull at one SM's pace: H100, 15 us against 11 at
 32k, 34 against 20 at 128k. The selection holds the keys in L lanes, the fewest of K' / 8, K' / 2, K' (K' =
 next_pow2(K) up to MAX_KEYS = 16384: 512k-token contexts at 80 tokens per cluster) that hold n_clusters, so a state
 sized for a long context costs what its clusters in use cost; past MAX_KEYS it reads them chunk by chunk from the
 scratch (slower, the same result). A k-ary search (3-15 thresholds per step) was slower: each step's work grows
 with the thresholds, and the steps are not latency-bound enough to pay for it.
+One launch with the scores' grid (fused=True, _select_fused_kernel, kept as a tested option): grid (K / BLOCK_K,
+B * Hsel), each program scores a block for its row and arrives at the row's counter (an acq_rel atomic,
+kvrewrite.kernels._semaphores: zeroed once, reset by the kernel); the last to arrive runs the selection. It saves
+the second launch, but measured slower in the ClusterKV step (H100, torch 2.11, triton 3.6,
+kvrewrite.bench.clusterkv_attention --sweep, B 1): per KV head 17.8 us against 17.1 at 32k; per query head 25.6
+against 22.3 at 32k and 50 against 26 at 128k (per query head its grid re-reads each centroid block G times, and
+all of it runs at the selection's warp count). A programmatic dependent launch (pdl=True, Hopper; an experiment
+option) was slower still (18.8 / 29.0 us at 32k). Inside a CUDA graph the launch boundary costs about what the
+fence and atomic of the last-program hand-off cost: the time is in each kernel's own chain of dependent round trips.
 Cost (H100, kvrewrite.bench.select_clusters: Llama-3.1-8B decode, B 1, Hq 32, Hkv 8, D 128, bf16, max_selected
 1008, n_sink 16, window 320; CUDA graph, centroids cold in L2): 12.5-12.9 us per call at 32k (410 clusters), 17.4-17.8
 at 128k (1640), either per_query_head; 13.0 at 32k in a state sized for 128k. Scores ~3-5 us; the selection is
