@@ -54,7 +54,9 @@ them so, as clustered_attention requires).
   kernel) merges the tile's partials, in split order (deterministic), and there is no combine launch. Measured
   (H100, torch 2.11, triton 3.6, kvrewrite.bench.clusterkv_attention --sweep, B 1) it does not win: the step costs
   the same per KV head (17.10 against 17.14 us at 32k) and 0.4-0.6 us more per query head (one program merges
-  what 32 combine programs merged); a programmatic dependent launch (pdl=True, an experiment option) was slower.
+  what 32 combine programs merged); so it is the default only where a tile has several rows (per KV head). A
+  programmatic dependent launch (pdl=True, an experiment option) was slower. Other sweeps at B 1 (2 or 8 warps,
+  half or twice the splits, 32-entry tiles) moved the step by < 0.5 us or made it slower.
 - T > 1 works (rows = G * T per KV head, T per query head, in 16..64-row blocks), decode (T = 1) is the case
   the launch is shaped for.
 """
@@ -319,7 +321,7 @@ def _indexed_attention_fwd_kernel(
 
 
 def _launch_config(B, Hsel, R, T, S, D, num_sms, itemsize=2, block_m=None, block_n=None, num_splits=None,
-                   num_warps=None, num_stages=None, fuse_combine=True, combine_rows=None, pdl=False):
+                   num_warps=None, num_stages=None, fuse_combine=None, combine_rows=None, pdl=False):
     """Block sizes, split count and launch options from the shapes alone (never the data, so CUDA graphs and
     Inductor see one fixed launch). R: rows per query of a selection row (G per KV head, 1 per query head).
     The keyword overrides are for the tests (small splits) and the benchmark's sweep.
@@ -348,6 +350,8 @@ def _launch_config(B, Hsel, R, T, S, D, num_sms, itemsize=2, block_m=None, block
     tiles_per_split = triton.cdiv(tiles, min(max(num_splits, 1), tiles))
     num_splits = triton.cdiv(tiles, tiles_per_split)  # no empty split
     block_s = max(triton.next_power_of_2(num_splits), 2)
+    if fuse_combine is None:  # the last split merges when a tile has several rows (per KV head): measured -0.3 us
+        fuse_combine = rows > 1  # there, +0.3-0.6 us per query head (one row per tile: the combine launch wins)
     if combine_rows is None:  # rows merged at a time by the last split: up to 16k fp32 partials in registers
         combine_rows = max(1, min(triton.next_power_of_2(min(rows, block_m)), 16384 // (block_s * D)))
     return dict(block_m=block_m, m_blocks=m_blocks, block_n=block_n, num_splits=num_splits,
