@@ -25,16 +25,19 @@ from kvrewrite.kernels.indexed_attention import triton_indexed_attention
 from kvrewrite.kernels.select_clusters import triton_select_clusters
 
 # name -> (select tuning, attention tuning): the step's launch variants timed by --sweep
-VARIANTS = {
-    "old": (dict(fused=False), dict(fuse_combine=False)),  # the step before this branch
-    "fused_combine": (dict(fused=False), dict(fuse_combine=True)),
-    "sel_w2": (dict(fused=False, num_warps=2), dict(fuse_combine=False)),
-    "sel_w8": (dict(fused=False, num_warps=8), dict(fuse_combine=False)),
-    "score_w2": (dict(fused=False, score_warps=2), dict(fuse_combine=False)),
-    "score_bk128": (dict(fused=False, block_k=128), dict(fuse_combine=False)),
-    "att_w2": (dict(fused=False), dict(fuse_combine=False, num_warps=2)),
-    "att_w2_splits_x2": (dict(fused=False), dict(fuse_combine=False, num_warps=2, splits="x2")),
-    "att_splits_half": (dict(fused=False), dict(fuse_combine=False, splits="half")),
+VARIANTS = {  # defaults: selection in two launches, 8 warps; last-split combine per KV head; early value loads
+    "old": (dict(fused=False, num_warps=4), dict(fuse_combine=False, early_v=False)),  # the step before this branch
+    "late_v": ({}, dict(early_v=False)),
+    "fused_combine": ({}, dict(fuse_combine=True)),
+    "combine_launch": ({}, dict(fuse_combine=False)),
+    "fused_select": (dict(fused=True), {}),
+    "score_all": (dict(score_all=True), {}),
+    "score_all_w2": (dict(score_all=True, score_warps=2), {}),
+    "sel_w16": (dict(num_warps=16), {}),
+    "att_w2_splits_x2": ({}, dict(num_warps=2, splits="x2")),
+    "att_w8": ({}, dict(num_warps=8)),
+    "att_block_n32": ({}, dict(block_n=32)),
+    "att_block_n128": ({}, dict(block_n=128)),
 }
 
 
@@ -122,6 +125,9 @@ def case(n: int, B: int, budget: int, per_query_head: bool, calls: int, reps: in
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=f"variant {name}")
             variants[name] = _graph_us(step, calls, reps)
         row["variants_step_us"] = variants
+        b0 = torch.tensor([n_sink, n], device=dev)  # B_sel 0: launches, loads, sinks and window; no selection
+        row["select_bsel0_us"] = _graph_us(lambda: sel(q, fill, b0, centroids, sizes, starts, members, n_clusters,
+                                                       cluster_end, **kw), calls, reps)
     return row
 
 

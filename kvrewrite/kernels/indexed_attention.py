@@ -223,6 +223,7 @@ def _indexed_attention_fwd_kernel(
     BLOCK_S: tl.constexpr,  # >= NUM_SPLITS, a power of two (FUSE_COMBINE)
     RB: tl.constexpr,  # rows merged at a time (FUSE_COMBINE)
     PDL: tl.constexpr,  # launched as a programmatic dependent launch: wait for the previous grid, free the next
+    EARLY_V: tl.constexpr,  # issue the value loads with the key loads (else after the softmax)
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     if PDL:
@@ -271,6 +272,9 @@ def _indexed_attention_fwd_kernel(
         # bias, keys and values all wait on the index only: issued together
         bias = tl.load(bias_base + slot * stride_bc, mask=valid, other=float("-inf"))
         k = tl.load(k_base + slot[:, None] * stride_kc + offs_d[None, :] * stride_kd, mask=valid[:, None], other=0.0)
+        if EARLY_V:  # with the keys: one round trip for both (a short row's tile is all its work)
+            v = tl.load(v_base + slot[:, None] * stride_vc + offs_d[None, :] * stride_vd, mask=valid[:, None],
+                        other=0.0)
 
         # -- scores: scale * q·k (soft-capped) + bias; -inf where the entry is skipped or the slot empty --
         if Q.dtype.element_ty == tl.float32:
@@ -294,7 +298,9 @@ def _indexed_attention_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
         # -- accumulate p @ v -------------------------------------------------------------------------
-        v = tl.load(v_base + slot[:, None] * stride_vc + offs_d[None, :] * stride_vd, mask=valid[:, None], other=0.0)
+        if not EARLY_V:
+            v = tl.load(v_base + slot[:, None] * stride_vc + offs_d[None, :] * stride_vd, mask=valid[:, None],
+                        other=0.0)
         if V.dtype.element_ty == tl.float32:
             pv = tl.dot(p, v, input_precision="ieee")
         else:
@@ -321,7 +327,7 @@ def _indexed_attention_fwd_kernel(
 
 
 def _launch_config(B, Hsel, R, T, S, D, num_sms, itemsize=2, block_m=None, block_n=None, num_splits=None,
-                   num_warps=None, num_stages=None, fuse_combine=None, combine_rows=None, pdl=False):
+                   num_warps=None, num_stages=None, fuse_combine=None, combine_rows=None, pdl=False, early_v=True):
     """Block sizes, split count and launch options from the shapes alone (never the data, so CUDA graphs and
     Inductor see one fixed launch). R: rows per query of a selection row (G per KV head, 1 per query head).
     The keyword overrides are for the tests (small splits) and the benchmark's sweep.
@@ -356,7 +362,7 @@ def _launch_config(B, Hsel, R, T, S, D, num_sms, itemsize=2, block_m=None, block
         combine_rows = max(1, min(triton.next_power_of_2(min(rows, block_m)), 16384 // (block_s * D)))
     return dict(block_m=block_m, m_blocks=m_blocks, block_n=block_n, num_splits=num_splits,
                 entries_per_split=tiles_per_split * block_n, num_warps=num_warps, num_stages=num_stages,
-                fuse_combine=fuse_combine, block_s=block_s, combine_rows=combine_rows, pdl=pdl)
+                fuse_combine=fuse_combine, block_s=block_s, combine_rows=combine_rows, pdl=pdl, early_v=early_v)
 
 
 def triton_indexed_attention(q, keys, values, bias, index, scale, softcap=0.0, **tuning):
@@ -364,7 +370,7 @@ def triton_indexed_attention(q, keys, values, bias, index, scale, softcap=0.0, *
     devices and softcap, not the index's entries (a data read: entries outside [0, C) are skipped like -1).
 
     ``tuning`` overrides the shape-based launch choices (block_m, block_n, num_splits, num_warps, num_stages,
-    fuse_combine, combine_rows);
+    fuse_combine, combine_rows, pdl, early_v);
     for the tests and the benchmark's sweep, the op never passes it."""
     if triton is None:
         raise NotImplementedError("triton_indexed_attention needs Triton (pip install triton); "
@@ -413,7 +419,7 @@ def _launch(q, keys, values, bias, index, scale, softcap=0.0, **overrides):
         *q.stride(), *keys.stride(), *values.stride(), *bias.stride(), *index.stride(),
         Hkv, Hsel, R, T, C, S, cfg["entries_per_split"], qk_scale, softcap_log2, n_splits,
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], SPLIT=split, SOFTCAP=softcap > 0,
-        FUSE_COMBINE=fuse, BLOCK_S=cfg["block_s"], RB=cfg["combine_rows"], PDL=cfg["pdl"],
+        FUSE_COMBINE=fuse, BLOCK_S=cfg["block_s"], RB=cfg["combine_rows"], PDL=cfg["pdl"], EARLY_V=cfg["early_v"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if cfg["pdl"] else {}),
     )
     if split and not fuse:  # clustered_attention's combine: row = (b, hq, t); no lse, no pending queries (unused pointers: out)

@@ -346,37 +346,49 @@ def _cluster_scores_kernel(
     stride_qb, stride_qh, stride_qd, stride_cb, stride_ch, stride_ck, stride_cd,
     Hsel, Hkv, G, K, D,
     PER_HEAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, GB: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    SCORE_ALL: tl.constexpr,
 ):
     """Scores, grid (cluster blocks, B * Hkv): the block's centroids read once, times the KV head's G queries (one
     tl.dot); per query head each column, shared their sum (the summed query's score)."""
     bh = tl.program_id(1).to(tl.int64)
     b = bh // Hkv
     h = bh % Hkv
-    n_cl = tl.minimum(tl.load(NCL + bh), K)
     k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-    if tl.program_id(0) * BLOCK_K < n_cl:
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
-        offs_g = tl.arange(0, GB)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    offs_g = tl.arange(0, GB)
+    if SCORE_ALL:  # the block's centroids read (ids < K) while n_clusters loads: no dependent round trip
         qg = _group_queries(Q, b, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, GB)
-        c = _centroid_tile(CEN + b * stride_cb + h * stride_ch, k, n_cl, offs_d, d_ok, stride_ck, stride_cd)
-        sc = _tile_dots(c, qg, NATIVE_DOT)
+        c = _centroid_tile(CEN + b * stride_cb + h * stride_ch, k, K, offs_d, d_ok, stride_ck, stride_cd)
+        sc = _tile_dots(c, qg, NATIVE_DOT)  # rows of unused ids may be NaN: never stored
+        n_cl = tl.minimum(tl.load(NCL + bh), K)
         if PER_HEAD:
             tl.store(KEYS + (b * Hsel + h * G + offs_g[None, :]) * K + k[:, None], _order_key(sc),
                      mask=(k < n_cl)[:, None] & (offs_g < G)[None, :])
         else:
             tl.store(KEYS + (b * Hsel + h) * K + k, _order_key(tl.sum(sc, axis=1)), mask=k < n_cl)
+    else:
+        n_cl = tl.minimum(tl.load(NCL + bh), K)
+        if tl.program_id(0) * BLOCK_K < n_cl:
+            qg = _group_queries(Q, b, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, GB)
+            c = _centroid_tile(CEN + b * stride_cb + h * stride_ch, k, n_cl, offs_d, d_ok, stride_ck, stride_cd)
+            sc = _tile_dots(c, qg, NATIVE_DOT)
+            if PER_HEAD:
+                tl.store(KEYS + (b * Hsel + h * G + offs_g[None, :]) * K + k[:, None], _order_key(sc),
+                         mask=(k < n_cl)[:, None] & (offs_g < G)[None, :])
+            else:
+                tl.store(KEYS + (b * Hsel + h) * K + k, _order_key(tl.sum(sc, axis=1)), mask=k < n_cl)
 
 
 @triton_jit()
 def _row_prologue(MEMBERS, MARK, OUT, bh, row, cend, fill, C, n_sink, max_selected, window, S,
-                  BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
-    """What does not depend on the selection: the sinks and the window into the index row, -1 into the row's
-    markers (before any marker is scattered)."""
+                  BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, SINKS_FROM: tl.constexpr):
+    """What does not depend on the selection: the sinks from SINKS_FROM on and the window into the index row, -1
+    into the row's markers (before any marker is scattered)."""
     mem_bh = MEMBERS + bh * C
     out_row = OUT + row * S
     offs_e = tl.arange(0, BLOCK_E)
-    for p0 in range(0, n_sink, BLOCK_E):
+    for p0 in range(SINKS_FROM, n_sink, BLOCK_E):
         p = p0 + offs_e
         tl.store(out_row + p, tl.load(mem_bh + p, mask=p < n_sink, other=-1), mask=p < n_sink)
     for j0 in range(0, window, BLOCK_E):
@@ -461,10 +473,14 @@ def _select_clusters_kernel(
     bh = b * Hkv + h
     n_cl = tl.load(NCL + bh)
     budget = tl.load(BUDGET)
+    # the first BLOCK_E sinks: loaded now, stored last (a store waiting on its load would stall the selection)
+    offs_e = tl.arange(0, BLOCK_E)
+    sinks = tl.load(MEMBERS + bh * C + offs_e, mask=offs_e < n_sink, other=-1)
     _row_prologue(MEMBERS, MARK, OUT, bh, row, tl.load(CEND + bh), tl.load(FILL + bh), C, n_sink, max_selected,
-                  window, S, BLOCK_E, BLOCK_M)  # ordered before the scatter by the selection's barrier
+                  window, S, BLOCK_E, BLOCK_M, BLOCK_E)  # ordered before the scatter by the selection's barrier
     _row_selection(SIZE, START, MEMBERS, KEYS, MARK, OUT, bh, row, n_cl, budget, K, C, n_sink, max_selected, S,
                    KB, TIERS, ONE_CHUNK, BLOCK_M, ONE_M)
+    tl.store(OUT + row * S + offs_e, sinks, mask=offs_e < n_sink)
 
 
 @triton_jit(do_not_specialize=["Hsel", "Hkv", "G", "K", "D", "C", "n_sink", "max_selected", "window", "S", "NB"])
@@ -515,7 +531,7 @@ def _select_fused_kernel(
         tl.store(KEYS + row * K + k, _order_key(tl.sum(tl.where(g_ok[None, :], sc, 0.0), axis=1)), mask=k < n_cl_k)
     if tl.program_id(0) == 0:
         _row_prologue(MEMBERS, MARK, OUT, bh, row, tl.load(CEND + bh), tl.load(FILL + bh), C, n_sink,
-                      max_selected, window, S, BLOCK_E, BLOCK_M)
+                      max_selected, window, S, BLOCK_E, BLOCK_M, 0)
     tl.debug_barrier()  # the program's stores before its arrival (released by the atomic)
     if tl.atomic_add(SEM + row, 1, sem="acq_rel", scope="gpu") == NB - 1:
         tl.store(SEM + row, 0)  # every program of the row has arrived: ready for the next launch
@@ -529,17 +545,18 @@ def _pow2(n: int) -> int:
 
 
 def _launch_config(K, D, n_sink, max_selected, window, block_k=None, key_chunk=None, block_e=None, block_m=None,
-                   num_warps=None, score_warps=None, tiers=None, fused=False, pdl=False) -> dict:
+                   num_warps=None, score_warps=None, tiers=None, fused=False, pdl=False, score_all=False) -> dict:
     """The kernels' shape-based choices (keyword overrides for the tests and the benchmark's sweep). fused: one
     launch (_select_fused_kernel), else the scores and the selection as two (score_warps: the scores'). pdl (fused
-    only, an experiment of the benchmark): a programmatic dependent launch (Hopper)."""
+    only, an experiment of the benchmark): a programmatic dependent launch (Hopper). score_all (two launches):
+    every score block reads its centroids without waiting for n_clusters (ids up to K)."""
     kb = min(_pow2(max(K, 1)), key_chunk or MAX_KEYS)
     if num_warps is None:
         num_warps = 8 if kb <= 4096 else 16  # 8 over 4 at kb <= 1024: -0.3 to -0.7 us per step at 32k (H100)
     return dict(block_k=max(block_k or 64, 16), kb=kb, one_chunk=kb >= K, tiers=kb >= 64 if tiers is None else tiers,
                 block_e=block_e or min(_pow2(max(n_sink, window, 1)), 1024),
                 block_m=block_m or min(_pow2(max(max_selected, 1)), 4096), block_d=max(_pow2(D), 16),
-                num_warps=num_warps, score_warps=score_warps or 4, fused=fused, pdl=pdl)
+                num_warps=num_warps, score_warps=score_warps or 4, fused=fused, pdl=pdl, score_all=score_all)
 
 
 def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end, n_sink,
@@ -584,7 +601,7 @@ def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_
     if K > 0:
         wrap_triton(_cluster_scores_kernel)[(triton.cdiv(K, cfg["block_k"]), B * Hkv)](
             q, centroids, ncl, keys, q.stride(0), q.stride(1), q.stride(3), *centroids.stride(), Hsel, Hkv, G, K, D,
-            PER_HEAD=bool(per_query_head), **score, num_warps=cfg["score_warps"],
+            PER_HEAD=bool(per_query_head), **score, SCORE_ALL=cfg["score_all"], num_warps=cfg["score_warps"],
         )
     wrap_triton(_select_clusters_kernel)[(rows,)](
         size, start, mem, ncl, fill, cend, budget, keys, mark, out, Hsel, Hkv, G, K, C, n_sink, max_selected, window, S,
@@ -598,7 +615,7 @@ def triton_select_clusters(q, fill, budget, centroids, cluster_size, cluster_sta
                            **tuning):
     """The op on CUDA through Triton; validates shapes, dtypes and devices (reads no data). ``tuning`` overrides
     the launch choices (_launch_config's keywords: block_k, key_chunk, block_e, block_m, num_warps, score_warps,
-    tiers, fused); it
+    tiers, fused, pdl, score_all); it
     is for the tests and the benchmark, the op never passes it. Every setting gives the same index."""
     if triton is None:
         raise NotImplementedError("triton_select_clusters needs Triton (pip install triton); "

@@ -94,7 +94,8 @@ SHAPES = [
 TUNINGS = {"default": {}, "one-split": dict(block_n=16, num_splits=1), "splits": dict(block_n=16, num_splits=3),
            "combine-launch": dict(block_n=16, num_splits=3, fuse_combine=False),
            "rows1": dict(block_n=16, num_splits=3, combine_rows=1, fuse_combine=True),
-           "rows2": dict(block_n=16, num_splits=4, combine_rows=2, fuse_combine=True)}
+           "rows2": dict(block_n=16, num_splits=4, combine_rows=2, fuse_combine=True),
+           "late-v": dict(block_n=16, num_splits=2, early_v=False)}
 
 
 def _id(shape):
@@ -103,7 +104,7 @@ def _id(shape):
 
 # (dtype, tuning): fp32 and bf16 split and not (fp32 with the launcher's own choice), fp16 split
 RUNS = [("fp32", "default"), ("fp32", "splits"), ("bf16", "splits"), ("bf16", "one-split"), ("fp16", "splits"),
-        ("fp32", "combine-launch"), ("fp32", "rows1"), ("bf16", "rows2")]
+        ("fp32", "combine-launch"), ("fp32", "rows1"), ("bf16", "rows2"), ("fp32", "late-v")]
 
 
 @pytest.mark.parametrize("kind", ("per_kv", "per_q"))

@@ -75,7 +75,9 @@ def test_matches_reference(shape, dtype, per_query_head):
                                     dict(block_k=32, block_e=32, block_m=128),
                                     dict(block_k=128, num_warps=16, score_warps=8), dict(fused=False),
                                     dict(fused=False, num_warps=2, block_k=32), dict(num_warps=1, block_k=32),
-                                    dict(num_warps=2), dict(num_warps=8, block_k=128), dict(pdl=True)],
+                                    dict(num_warps=2), dict(num_warps=8, block_k=128), dict(fused=True, pdl=True),
+                                    dict(fused=True), dict(fused=True, num_warps=4, block_k=32), dict(score_all=True),
+                                    dict(score_all=True, block_k=128, tiers=False)],
                          ids=lambda t: "-".join(f"{k}{v}" for k, v in t.items()))
 def test_launch_variants_agree(tuning):
     """Register tiers off, the chunked passes (n_clusters > key_chunk), other tiers, block sizes and warps, the
@@ -181,7 +183,7 @@ def test_compile_fullgraph(per_query_head):
     x = q.transpose(1, 2).reshape(B, Hq * D).contiguous()
     compiled = torch.compile(step, fullgraph=True)
     got, code = run_and_get_code(compiled, x)
-    assert any("_select_fused_kernel" in c for c in code), "Inductor did not see the Triton kernel"
+    assert any("_select_clusters_kernel" in c for c in code), "Inductor did not see the Triton kernel"
     assert torch.equal(got, step(x))
     torch._dynamo.reset()
     graphed = torch.compile(step, fullgraph=True, mode="reduce-overhead")
@@ -194,8 +196,8 @@ def test_compile_fullgraph(per_query_head):
 @pytest.mark.parametrize("per_query_head", [True, False], ids=["per_q", "shared"])
 def test_step_graph_replays_fused_and_pdl(per_query_head):
     """Two decode steps (select_clusters then indexed_attention, twice: each launch's counters must be back at 0 for
-    the next) captured in one CUDA graph, default launches and programmatic dependent launches (pdl); replayed
-    three times on new states and queries: the index equals the CPU reference's and the outputs the eager ops'."""
+    the next) captured in one CUDA graph: default launches, the one-launch selection (fused), and with programmatic
+    dependent launches (pdl); replayed three times on new states and queries: the index equals the CPU reference's and the outputs the eager ops'."""
     from kvrewrite.kernels import indexed_attention as ia
 
     kw = dict(n_sink=16, max_selected=1008, window=320, per_query_head=per_query_head)
@@ -205,13 +207,13 @@ def test_step_graph_replays_fused_and_pdl(per_query_head):
     keys = torch.randn(1, 8, C, D, device="cuda", dtype=torch.bfloat16, generator=g)
     values = torch.randn(1, 8, C, D, device="cuda", dtype=torch.bfloat16, generator=g)
     bias = torch.zeros(1, 8, C, device="cuda")
-    for tuning in ({}, dict(pdl=True)):
+    for tuning, att_tuning in (({}, {}), (dict(fused=True), {}), (dict(fused=True, pdl=True), dict(pdl=True))):
         outs = []
 
         def steps():
             for _ in range(2):
                 idx = sc.triton_select_clusters(q, *(st[a] for a in ARGS), **kw, **tuning)
-                outs.append((idx, ia.triton_indexed_attention(q, keys, values, bias, idx, D**-0.5, **tuning)))
+                outs.append((idx, ia.triton_indexed_attention(q, keys, values, bias, idx, D**-0.5, **att_tuning)))
 
         steps()
         torch.cuda.synchronize()
