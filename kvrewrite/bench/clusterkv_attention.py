@@ -31,12 +31,8 @@ VARIANTS = {  # defaults: selection in two launches, 8 warps; last-split combine
     "fused_combine": ({}, dict(fuse_combine=True)),
     "combine_launch": ({}, dict(fuse_combine=False)),
     "fused_select": (dict(fused=True), {}),
-    "score_all": (dict(score_all=True), {}),
-    "score_all_w2": (dict(score_all=True, score_warps=2), {}),
-    "sel_w16": (dict(num_warps=16), {}),
     "att_w2_splits_x2": ({}, dict(num_warps=2, splits="x2")),
-    "att_w8": ({}, dict(num_warps=8)),
-    "att_block_n32": ({}, dict(block_n=32)),
+    "att_block_n64": ({}, dict(block_n=64)),
     "att_block_n128": ({}, dict(block_n=128)),
 }
 
@@ -126,9 +122,36 @@ def case(n: int, B: int, budget: int, per_query_head: bool, calls: int, reps: in
             variants[name] = _graph_us(step, calls, reps)
         row["variants_step_us"] = variants
         b0 = torch.tensor([n_sink, n], device=dev)  # B_sel 0: launches, loads, sinks and window; no selection
+        row["kernel_us"] = _kernel_us(lambda: att(q, keys, values, bias, sel(
+            q, fill, budget_t, centroids, sizes, starts, members, n_clusters, cluster_end, **kw), scale))
         row["select_bsel0_us"] = _graph_us(lambda: sel(q, fill, b0, centroids, sizes, starts, members, n_clusters,
                                                        cluster_end, **kw), calls, reps)
     return row
+
+
+def _kernel_us(fn, calls: int = 20) -> dict:
+    """GPU time of each kernel of fn (torch.profiler's CUDA activity, eager calls), mean per call, by name (or the
+    profiler's error, recorded as such)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        return _profile(fn, calls, ProfilerActivity, profile)
+    except Exception as e:  # noqa: BLE001  (a diagnostic: the timings above stand without it)
+        return {"error": f"{type(e).__name__}: {e}"[:200]}
+
+
+def _profile(fn, calls, ProfilerActivity, profile) -> dict:
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.count >= calls:
+            out[e.key[:60]] = e.device_time_total / calls
+    return out
 
 
 def _default_splits(q, index) -> int:

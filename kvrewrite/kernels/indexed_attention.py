@@ -332,9 +332,8 @@ def _launch_config(B, Hsel, R, T, S, D, num_sms, itemsize=2, block_m=None, block
     Inductor see one fixed launch). R: rows per query of a selection row (G per KV head, 1 per query head).
     The keyword overrides are for the tests (small splits) and the benchmark's sweep.
 
-    Defaults (not swept on a GPU yet; kvrewrite/bench/indexed_attention.py --sweep times the alternatives):
-    clustered_attention's decode choices (4 warps, 2 stages, M >= 16 rows for tl.dot) with 64-entry tiles
-    (1344 entries: 21 tiles), and splits up to two programs per SM as there, but down to ONE tile per split
+    Defaults: clustered_attention's decode choices (4 warps, 2 stages, M >= 16 rows for tl.dot) with 64-entry
+    tiles (1344 entries: 21 tiles; 128 per KV head at small batch, below), and splits up to two programs per SM as there, but down to ONE tile per split
     (clustered_attention keeps >= 2): a ClusterKV call is short and latency-bound, so every tile in flight at
     once beats pipelining two tiles in one program.
     """
@@ -345,7 +344,10 @@ def _launch_config(B, Hsel, R, T, S, D, num_sms, itemsize=2, block_m=None, block
     if num_stages is None:
         num_stages = 2
     if block_n is None:
-        block_n = 64
+        # 128-entry tiles where a whole decode call fits in one wave of 64-entry tiles with several rows per tile
+        # (per KV head at small B: 8 x 11 programs instead of 8 x 21): -0.8 us per ClusterKV step at B 1 (H100),
+        # where per query head (one row) they were no faster
+        block_n = 128 if rows > 1 and B * Hsel * m_blocks * triton.cdiv(S, 64) <= 2 * num_sms else 64
         while 2 * num_stages * block_n * D * itemsize > 128 * 1024 and block_n > 16:  # K and V tiles in smem
             block_n //= 2
     if num_warps is None:

@@ -70,6 +70,8 @@ against 22.3 at 32k and 50 against 26 at 128k (per query head its grid re-reads 
 all of it runs at the selection's warp count). A programmatic dependent launch (pdl=True, Hopper; an experiment
 option) was slower still (18.8 / 29.0 us at 32k). Inside a CUDA graph the launch boundary costs about what the
 fence and atomic of the last-program hand-off cost: the time is in each kernel's own chain of dependent round trips.
+Reading each score block's centroids without waiting for n_clusters (one dependent round trip less, unused ids
+read too) measured -0.1 to +0.9 us: not kept.
 The selection kernel runs 8 warps up to 4096 key lanes (16 past): 8 over 4 measured -0.3 to -0.7 us per step at
 32k; 2 warps +1.6 (32k) to +6.5 us (128k); 2 score warps or 128-cluster score blocks +0.2 to +1 us.
 Cost (H100, kvrewrite.bench.select_clusters: Llama-3.1-8B decode, B 1, Hq 32, Hkv 8, D 128, bf16, max_selected
@@ -346,7 +348,6 @@ def _cluster_scores_kernel(
     stride_qb, stride_qh, stride_qd, stride_cb, stride_ch, stride_ck, stride_cd,
     Hsel, Hkv, G, K, D,
     PER_HEAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, GB: tl.constexpr, NATIVE_DOT: tl.constexpr,
-    SCORE_ALL: tl.constexpr,
 ):
     """Scores, grid (cluster blocks, B * Hkv): the block's centroids read once, times the KV head's G queries (one
     tl.dot); per query head each column, shared their sum (the summed query's score)."""
@@ -357,27 +358,16 @@ def _cluster_scores_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     offs_g = tl.arange(0, GB)
-    if SCORE_ALL:  # the block's centroids read (ids < K) while n_clusters loads: no dependent round trip
+    n_cl = tl.minimum(tl.load(NCL + bh), K)
+    if tl.program_id(0) * BLOCK_K < n_cl:
         qg = _group_queries(Q, b, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, GB)
-        c = _centroid_tile(CEN + b * stride_cb + h * stride_ch, k, K, offs_d, d_ok, stride_ck, stride_cd)
-        sc = _tile_dots(c, qg, NATIVE_DOT)  # rows of unused ids may be NaN: never stored
-        n_cl = tl.minimum(tl.load(NCL + bh), K)
+        c = _centroid_tile(CEN + b * stride_cb + h * stride_ch, k, n_cl, offs_d, d_ok, stride_ck, stride_cd)
+        sc = _tile_dots(c, qg, NATIVE_DOT)
         if PER_HEAD:
             tl.store(KEYS + (b * Hsel + h * G + offs_g[None, :]) * K + k[:, None], _order_key(sc),
                      mask=(k < n_cl)[:, None] & (offs_g < G)[None, :])
         else:
             tl.store(KEYS + (b * Hsel + h) * K + k, _order_key(tl.sum(sc, axis=1)), mask=k < n_cl)
-    else:
-        n_cl = tl.minimum(tl.load(NCL + bh), K)
-        if tl.program_id(0) * BLOCK_K < n_cl:
-            qg = _group_queries(Q, b, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, GB)
-            c = _centroid_tile(CEN + b * stride_cb + h * stride_ch, k, n_cl, offs_d, d_ok, stride_ck, stride_cd)
-            sc = _tile_dots(c, qg, NATIVE_DOT)
-            if PER_HEAD:
-                tl.store(KEYS + (b * Hsel + h * G + offs_g[None, :]) * K + k[:, None], _order_key(sc),
-                         mask=(k < n_cl)[:, None] & (offs_g < G)[None, :])
-            else:
-                tl.store(KEYS + (b * Hsel + h) * K + k, _order_key(tl.sum(sc, axis=1)), mask=k < n_cl)
 
 
 @triton_jit()
@@ -545,18 +535,17 @@ def _pow2(n: int) -> int:
 
 
 def _launch_config(K, D, n_sink, max_selected, window, block_k=None, key_chunk=None, block_e=None, block_m=None,
-                   num_warps=None, score_warps=None, tiers=None, fused=False, pdl=False, score_all=False) -> dict:
+                   num_warps=None, score_warps=None, tiers=None, fused=False, pdl=False) -> dict:
     """The kernels' shape-based choices (keyword overrides for the tests and the benchmark's sweep). fused: one
     launch (_select_fused_kernel), else the scores and the selection as two (score_warps: the scores'). pdl (fused
-    only, an experiment of the benchmark): a programmatic dependent launch (Hopper). score_all (two launches):
-    every score block reads its centroids without waiting for n_clusters (ids up to K)."""
+    only, an experiment of the benchmark): a programmatic dependent launch (Hopper)."""
     kb = min(_pow2(max(K, 1)), key_chunk or MAX_KEYS)
     if num_warps is None:
         num_warps = 8 if kb <= 4096 else 16  # 8 over 4 at kb <= 1024: -0.3 to -0.7 us per step at 32k (H100)
     return dict(block_k=max(block_k or 64, 16), kb=kb, one_chunk=kb >= K, tiers=kb >= 64 if tiers is None else tiers,
                 block_e=block_e or min(_pow2(max(n_sink, window, 1)), 1024),
                 block_m=block_m or min(_pow2(max(max_selected, 1)), 4096), block_d=max(_pow2(D), 16),
-                num_warps=num_warps, score_warps=score_warps or 4, fused=fused, pdl=pdl, score_all=score_all)
+                num_warps=num_warps, score_warps=score_warps or 4, fused=fused, pdl=pdl)
 
 
 def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end, n_sink,
@@ -601,7 +590,7 @@ def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_
     if K > 0:
         wrap_triton(_cluster_scores_kernel)[(triton.cdiv(K, cfg["block_k"]), B * Hkv)](
             q, centroids, ncl, keys, q.stride(0), q.stride(1), q.stride(3), *centroids.stride(), Hsel, Hkv, G, K, D,
-            PER_HEAD=bool(per_query_head), **score, SCORE_ALL=cfg["score_all"], num_warps=cfg["score_warps"],
+            PER_HEAD=bool(per_query_head), **score, num_warps=cfg["score_warps"],
         )
     wrap_triton(_select_clusters_kernel)[(rows,)](
         size, start, mem, ncl, fill, cend, budget, keys, mark, out, Hsel, Hkv, G, K, C, n_sink, max_selected, window, S,
@@ -615,7 +604,7 @@ def triton_select_clusters(q, fill, budget, centroids, cluster_size, cluster_sta
                            **tuning):
     """The op on CUDA through Triton; validates shapes, dtypes and devices (reads no data). ``tuning`` overrides
     the launch choices (_launch_config's keywords: block_k, key_chunk, block_e, block_m, num_warps, score_warps,
-    tiers, fused, pdl, score_all); it
+    tiers, fused, pdl); it
     is for the tests and the benchmark, the op never passes it. Every setting gives the same index."""
     if triton is None:
         raise NotImplementedError("triton_select_clusters needs Triton (pip install triton); "

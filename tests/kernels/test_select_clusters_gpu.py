@@ -76,8 +76,8 @@ def test_matches_reference(shape, dtype, per_query_head):
                                     dict(block_k=128, num_warps=16, score_warps=8), dict(fused=False),
                                     dict(fused=False, num_warps=2, block_k=32), dict(num_warps=1, block_k=32),
                                     dict(num_warps=2), dict(num_warps=8, block_k=128), dict(fused=True, pdl=True),
-                                    dict(fused=True), dict(fused=True, num_warps=4, block_k=32), dict(score_all=True),
-                                    dict(score_all=True, block_k=128, tiers=False)],
+                                    dict(fused=True), dict(fused=True, num_warps=4, block_k=32),
+                                    dict(fused=True, block_k=128, tiers=False)],
                          ids=lambda t: "-".join(f"{k}{v}" for k, v in t.items()))
 def test_launch_variants_agree(tuning):
     """Register tiers off, the chunked passes (n_clusters > key_chunk), other tiers, block sizes and warps, the

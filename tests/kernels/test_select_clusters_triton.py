@@ -22,11 +22,10 @@ from kvrewrite.kernels import select_clusters as sc  # noqa: E402
 from tests.kernels.test_select_clusters import ARGS, make_q, make_state  # noqa: E402
 
 # 16 key lanes (chunked passes past 16 clusters), 4-8 position blocks; tiers of 8 / 32 / 64 lanes, chunked past 64
-# (scores and selection as two launches by default; fused=True: one launch; score_all: the scores' early reads)
+# (scores and selection as two launches by default; fused=True: one launch)
 SMALL = [dict(key_chunk=16, block_e=4, block_m=8), dict(key_chunk=64, block_e=8, block_m=16, tiers=True),
-         dict(key_chunk=16, block_e=4, block_m=8, block_k=16, fused=False),
-         dict(key_chunk=16, block_e=4, block_m=8, block_k=16, fused=False, score_all=True)]
-DEFAULT = [dict(), dict(tiers=False, num_warps=2), dict(fused=True), dict(score_all=True)]
+         dict(key_chunk=16, block_e=4, block_m=8, block_k=16, fused=True)]
+DEFAULT = [dict(), dict(tiers=False, num_warps=2), dict(fused=True)]
 
 
 @pytest.fixture(autouse=True)
