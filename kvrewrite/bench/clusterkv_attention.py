@@ -26,14 +26,17 @@ from kvrewrite.kernels.select_clusters import triton_select_clusters
 
 # name -> (select tuning, attention tuning): the step's launch variants timed by --sweep
 VARIANTS = {  # defaults: selection in two launches, 8 warps; last-split combine per KV head; early value loads
-    "old": (dict(fused=False, num_warps=4), dict(fuse_combine=False, early_v=False)),  # the step before this branch
+    "old": (dict(fused=False, num_warps=4), dict(fuse_combine=False, early_v=False, block_n=64)),  # before this branch
     "late_v": ({}, dict(early_v=False)),
+    "early_v": ({}, dict(early_v=True)),
     "fused_combine": ({}, dict(fuse_combine=True)),
     "combine_launch": ({}, dict(fuse_combine=False)),
     "fused_select": (dict(fused=True), {}),
-    "att_w2_splits_x2": ({}, dict(num_warps=2, splits="x2")),
     "att_block_n64": ({}, dict(block_n=64)),
     "att_block_n128": ({}, dict(block_n=128)),
+    "sel_block_m256": (dict(block_m=256), {}),
+    "sel_block_e64_m512": (dict(block_e=64, block_m=512), {}),
+    "sel_tiers_off": (dict(tiers=False), {}),
 }
 
 
@@ -170,13 +173,14 @@ def main(argv=None):
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--sweep", action="store_true", help="also time the step's launch variants (B = 1 rows)")
+    p.add_argument("--sweep", action="store_true", help="also time the step's launch variants")
+    p.add_argument("--sweep-batches", default="1", help="the batch sizes --sweep applies to")
     a = p.parse_args(argv)
     rows = []
     for n in map(int, a.contexts.split(",")):
         for B in map(int, a.batches.split(",")):
             for pqh in (True, False):
-                r = case(n, B, a.budget, pqh, a.calls, a.reps, sweep=a.sweep and B == 1)
+                r = case(n, B, a.budget, pqh, a.calls, a.reps, sweep=a.sweep and str(B) in a.sweep_batches.split(","))
                 rows.append(r)
                 print(json.dumps(r), flush=True)
                 torch.cuda.empty_cache()

@@ -327,7 +327,7 @@ def _indexed_attention_fwd_kernel(
 
 
 def _launch_config(B, Hsel, R, T, S, D, num_sms, itemsize=2, block_m=None, block_n=None, num_splits=None,
-                   num_warps=None, num_stages=None, fuse_combine=None, combine_rows=None, pdl=False, early_v=True):
+                   num_warps=None, num_stages=None, fuse_combine=None, combine_rows=None, pdl=False, early_v=None):
     """Block sizes, split count and launch options from the shapes alone (never the data, so CUDA graphs and
     Inductor see one fixed launch). R: rows per query of a selection row (G per KV head, 1 per query head).
     The keyword overrides are for the tests (small splits) and the benchmark's sweep.
@@ -357,6 +357,8 @@ def _launch_config(B, Hsel, R, T, S, D, num_sms, itemsize=2, block_m=None, block
         num_splits = max(1, 2 * num_sms // (B * Hsel * m_blocks))
     tiles_per_split = triton.cdiv(tiles, min(max(num_splits, 1), tiles))
     num_splits = triton.cdiv(tiles, tiles_per_split)  # no empty split
+    if early_v is None:  # the value loads beside the key loads in short splits (B 1: -0.1 to -0.9 us per step); a
+        early_v = tiles_per_split <= 3  # long split's loop keeps the late loads its pipelining was tuned with
     block_s = max(triton.next_power_of_2(num_splits), 2)
     if fuse_combine is None:  # the last split merges when a tile has several rows (per KV head): measured -0.3 us
         fuse_combine = rows > 1  # there, +0.3-0.6 us per query head (one row per tile: the combine launch wins)
