@@ -25,18 +25,14 @@ from kvrewrite.kernels.indexed_attention import triton_indexed_attention
 from kvrewrite.kernels.select_clusters import triton_select_clusters
 
 # name -> (select tuning, attention tuning): the step's launch variants timed by --sweep
-VARIANTS = {  # defaults: selection in two launches, 8 warps; last-split combine per KV head; early value loads
-    "old": (dict(fused=False, num_warps=4), dict(fuse_combine=False, early_v=False, block_n=64)),  # before this branch
-    "late_v": ({}, dict(early_v=False)),
-    "early_v": ({}, dict(early_v=True)),
+VARIANTS = {  # defaults: selection in two launches, 8 warps to 64 rows; last-split combine per KV head; 128-entry
+    # tiles and early value loads where _launch_config picks them. "old": the step before this branch (its selection
+    # warps, 4 up to 1024 key lanes, are set in case())
+    "old": (dict(fused=False), dict(fuse_combine=False, early_v=False, block_n=64)),
+    "fused_select": (dict(fused=True), {}),
     "fused_combine": ({}, dict(fuse_combine=True)),
     "combine_launch": ({}, dict(fuse_combine=False)),
-    "fused_select": (dict(fused=True), {}),
-    "att_block_n64": ({}, dict(block_n=64)),
-    "att_block_n128": ({}, dict(block_n=128)),
-    "sel_block_m256": (dict(block_m=256), {}),
-    "sel_block_e64_m512": (dict(block_e=64, block_m=512), {}),
-    "sel_tiers_off": (dict(tiers=False), {}),
+    "pdl": (dict(fused=True, pdl=True), dict(pdl=True)),
 }
 
 
@@ -107,6 +103,9 @@ def case(n: int, B: int, budget: int, per_query_head: bool, calls: int, reps: in
         row["default_attention_splits"] = splits
         variants = {}
         for name, (st, at) in VARIANTS.items():
+            if name == "old":
+                kb = min(1 << max(centroids.shape[2] - 1, 0).bit_length(), 16384)
+                st = dict(st, num_warps=4 if kb <= 1024 else 8 if kb <= 4096 else 16)
             if "splits" in at:
                 at = dict(at)
                 at["num_splits"] = {"half": max(1, splits // 2), "x2": 2 * splits, "x4": 4 * splits}[at.pop("splits")]

@@ -344,10 +344,10 @@ def _launch_config(B, Hsel, R, T, S, D, num_sms, itemsize=2, block_m=None, block
     if num_stages is None:
         num_stages = 2
     if block_n is None:
-        # 128-entry tiles where a whole decode call fits in one wave of 64-entry tiles with several rows per tile
-        # (per KV head at small B: 8 x 11 programs instead of 8 x 21): -0.8 us per ClusterKV step at B 1 (H100),
-        # where per query head (one row) they were no faster
-        block_n = 128 if rows > 1 and B * Hsel * m_blocks * triton.cdiv(S, 64) <= 2 * num_sms else 64
+        # 128-entry tiles at decode (16-row tiles) per KV head, and per query head where each row gets one split
+        # anyway (B 8): -0.3 to -3 us per ClusterKV step (H100, kvrewrite.bench.clusterkv_attention --sweep); per
+        # query head at B 1 (several splits per row) they measured -0.3 to +0.8 us: 64 there
+        block_n = 128 if block_m == 16 and (rows > 1 or 2 * num_sms // (B * Hsel * m_blocks) <= 1) else 64
         while 2 * num_stages * block_n * D * itemsize > 128 * 1024 and block_n > 16:  # K and V tiles in smem
             block_n //= 2
     if num_warps is None:
@@ -357,8 +357,8 @@ def _launch_config(B, Hsel, R, T, S, D, num_sms, itemsize=2, block_m=None, block
         num_splits = max(1, 2 * num_sms // (B * Hsel * m_blocks))
     tiles_per_split = triton.cdiv(tiles, min(max(num_splits, 1), tiles))
     num_splits = triton.cdiv(tiles, tiles_per_split)  # no empty split
-    if early_v is None:  # the value loads beside the key loads in short splits (B 1: -0.1 to -0.9 us per step); a
-        early_v = tiles_per_split <= 3  # long split's loop keeps the late loads its pipelining was tuned with
+    if early_v is None:  # the value loads beside the key loads when a split is one tile (per KV head at B 1:
+        early_v = tiles_per_split == 1  # -0.7 to -1.5 us per step); a loop keeps the late loads (early: up to +9 us)
     block_s = max(triton.next_power_of_2(num_splits), 2)
     if fuse_combine is None:  # the last split merges when a tile has several rows (per KV head): measured -0.3 us
         fuse_combine = rows > 1  # there, +0.3-0.6 us per query head (one row per tile: the combine launch wins)

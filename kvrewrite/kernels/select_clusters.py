@@ -535,13 +535,15 @@ def _pow2(n: int) -> int:
 
 
 def _launch_config(K, D, n_sink, max_selected, window, block_k=None, key_chunk=None, block_e=None, block_m=None,
-                   num_warps=None, score_warps=None, tiers=None, fused=False, pdl=False) -> dict:
+                   num_warps=None, score_warps=None, tiers=None, fused=False, pdl=False, rows=1) -> dict:
     """The kernels' shape-based choices (keyword overrides for the tests and the benchmark's sweep). fused: one
     launch (_select_fused_kernel), else the scores and the selection as two (score_warps: the scores'). pdl (fused
     only, an experiment of the benchmark): a programmatic dependent launch (Hopper)."""
     kb = min(_pow2(max(K, 1)), key_chunk or MAX_KEYS)
     if num_warps is None:
-        num_warps = 8 if kb <= 4096 else 16  # 8 over 4 at kb <= 1024: -0.3 to -0.7 us per step at 32k (H100)
+        # 8 over 4 at kb <= 1024 for up to 64 rows: -0.3 to -0.7 us per step at B 1, 32k (H100); 4 past (B 8 per
+        # query head, 256 rows: 8 measured +2 us)
+        num_warps = (8 if rows <= 64 else 4) if kb <= 1024 else 8 if kb <= 4096 else 16
     return dict(block_k=max(block_k or 64, 16), kb=kb, one_chunk=kb >= K, tiers=kb >= 64 if tiers is None else tiers,
                 block_e=block_e or min(_pow2(max(n_sink, window, 1)), 1024),
                 block_m=block_m or min(_pow2(max(max_selected, 1)), 4096), block_d=max(_pow2(D), 16),
@@ -562,7 +564,7 @@ def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_
     rows = B * Hsel
     if rows == 0 or S == 0:
         return out
-    cfg = _launch_config(K, D, n_sink, max_selected, window, **overrides)
+    cfg = _launch_config(K, D, n_sink, max_selected, window, **{"rows": rows, **overrides})
     keys = torch.empty((rows, max(K, 1)), dtype=torch.int32, device=q.device)
     mark = torch.empty((rows, max(max_selected, 1)), dtype=torch.int64, device=q.device)
     size, start, mem, ncl = (t.contiguous() for t in (cluster_size, cluster_start, members, n_clusters))
