@@ -56,7 +56,11 @@ them so, as clustered_attention requires).
   the same per KV head (17.10 against 17.14 us at 32k) and 0.4-0.6 us more per query head (one program merges
   what 32 combine programs merged); so it is the default only where a tile has several rows (per KV head). A
   programmatic dependent launch (pdl=True, an experiment option) was slower. Other sweeps at B 1 (2 or 8 warps,
-  half or twice the splits, 32-entry tiles) moved the step by < 0.5 us or made it slower.
+  half or twice the splits, 32-entry tiles) moved the step by < 0.5 us or made it slower. What did help (same
+  sweeps, B 1 and 8): 128-entry tiles per KV head (B 1: 8 x 11 one-tile programs) and for rows that get one split
+  anyway (B 8 per query head), and the value loads issued with the key loads when a split is one tile (one
+  round trip less); see _launch_config. Per kernel at B 1 (torch.profiler): the split kernel 6.0-6.2 us per KV
+  head (with its merge), 8.7-8.9 us per query head plus 1.7 us of combine launch.
 - T > 1 works (rows = G * T per KV head, T per query head, in 16..64-row blocks), decode (T = 1) is the case
   the launch is shaped for.
 """

@@ -76,9 +76,13 @@ The selection kernel runs 8 warps up to 4096 key lanes (16 past): 8 over 4 measu
 32k; 2 warps +1.6 (32k) to +6.5 us (128k); 2 score warps or 128-cluster score blocks +0.2 to +1 us.
 Cost (H100, kvrewrite.bench.select_clusters: Llama-3.1-8B decode, B 1, Hq 32, Hkv 8, D 128, bf16, max_selected
 1008, n_sink 16, window 320; CUDA graph, centroids cold in L2): 12.5-12.9 us per call at 32k (410 clusters), 17.4-17.8
-at 128k (1640), either per_query_head; 13.0 at 32k in a state sized for 128k. Scores ~3-5 us; the selection is
-latency-bound: ~1 us launch, 3 dependent memory round trips, ~10 bisection steps of one reduction each (~0.3 us over
-512-1024 lanes, ~0.45 over 2048), two scans.
+at 128k (1640), either per_query_head; 13.0 at 32k in a state sized for 128k (before the 8-warp default).
+In the ClusterKV step (kvrewrite.bench.clusterkv_attention, H100, torch 2.11, triton 3.6, centroids warm): 10.2-11.4
+us per call at 32k, 14.7-15.9 at 128k. Per kernel (torch.profiler, B 1): scores 2.5-2.6 us at 32k, 4.3-4.4 at
+128k; selection 7.1-7.7 us at 32k, 10.1-10.6 at 128k. With B_sel = 0 (no bisection, no takes) the op still costs
+6.7-8.0 us at 32k and 9.8-11.2 at 128k: the bisection, takes and member gather are ~3-4 us, the rest is the two
+launches, the scores and the selection kernel's fixed chain (n_clusters -> keys, sizes, starts -> reductions ->
+scans over the 1008 output positions), which is where a further cut has to come from.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
