@@ -7,7 +7,12 @@ and 128k, budget 1024 tokens (16 sinks included), m = 320 (the window at its wor
 clusters, random keys; both GQA selection modes. Each op is timed as the replay of a CUDA graph of `calls`
 calls (a decode step's launches are latency-bound: graph replays are what the runtime does), median over reps.
 
-    python -m kvrewrite.bench.clusterkv_attention --out docs/bench/clusterkv_attention_h100.json
+    python -m kvrewrite.bench.clusterkv_attention --out docs/bench/clusterkv_attention_h100_run1.json --sweep
+
+docs/bench/clusterkv_attention_h100_run{1,2}.json (H100, torch 2.11, triton 3.6; run 1 with --sweep): per KV head
+at B 1 the step costs 16.3-18.5 us at 32k (dense 53.5-55.3: 3.0-3.3x) and 20.4-23.0 at 128k (dense 185.6-186.9:
+8.1-9.1x); issue 15's targets (5x, 15x) are not met. The same run's "old" variant (the step before the launch
+changes): 19.2 and 24.8 us.
 
 --sweep also times the step under launch variants (triton_select_clusters' and triton_indexed_attention's tuning
 keywords, VARIANTS below) at B = 1, in the same process as the default, into each row's "variants_step_us".
