@@ -337,9 +337,9 @@ def _launch_config(B, Hsel, R, T, S, D, num_sms, itemsize=2, block_m=None, block
     The keyword overrides are for the tests (small splits) and the benchmark's sweep.
 
     Defaults: clustered_attention's decode choices (4 warps, 2 stages, M >= 16 rows for tl.dot) with 64-entry
-    tiles (1344 entries: 21 tiles; 128 per KV head at small batch, below), and splits up to two programs per SM as there, but down to ONE tile per split
-    (clustered_attention keeps >= 2): a ClusterKV call is short and latency-bound, so every tile in flight at
-    once beats pipelining two tiles in one program.
+    tiles (1344 entries: 21 tiles; 128 in the cases below), and splits up to two programs per SM as there, but
+    down to ONE tile per split (clustered_attention keeps >= 2): a ClusterKV call is short and latency-bound, so
+    every tile in flight at once beats pipelining two tiles in one program.
     """
     rows = R * T
     if block_m is None:
@@ -430,7 +430,7 @@ def _launch(q, keys, values, bias, index, scale, softcap=0.0, **overrides):
         FUSE_COMBINE=fuse, BLOCK_S=cfg["block_s"], RB=cfg["combine_rows"], PDL=cfg["pdl"], EARLY_V=cfg["early_v"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if cfg["pdl"] else {}),
     )
-    if split and not fuse:  # clustered_attention's combine: row = (b, hq, t); no lse, no pending queries (unused pointers: out)
+    if split and not fuse:  # clustered_attention's combine: row = (b, hq, t); no lse, no pending queries (unused: out)
         wrap_triton(_clustered_attention_combine_kernel)[(B * Hq * T,)](
             part, m_part, l_part, out, out, q, out, index, q.stride(0), q.stride(1), q.stride(3), n_splits, Hq,
             Hq // Hkv, HEAD_DIM=D, BLOCK_S=max(triton.next_power_of_2(n_splits), 2), WRITE_LSE=False,

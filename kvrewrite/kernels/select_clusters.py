@@ -48,19 +48,20 @@ and output offset; each taken cluster writes a marker (offset << 32 | cluster_st
 scratch (-1 elsewhere), and a running max (associative scan) over the output positions gives every position's
 cluster and member.
 
-Two launches (the default). (1) _cluster_scores_kernel, grid (K / BLOCK_K, B * Hkv): a block of centroids times the KV head's G
-queries (one tl.dot; per query head each column, else their sum: the summed query's score, equal to the reference's
-qvec . centroid up to fp32 rounding order, as every fp32 dot product here), keys to an int32 scratch [B * Hsel, K].
-The index equals the reference's bit for bit wherever the scores do (the tests use exact dyadic inputs); on real
-data two clusters whose scores differ by an fp32 rounding may trade places at the budget's edge. (2) _select_clusters_kernel, grid (B * Hsel,), one program per selection row (32 for Llama-3.1-8B per
-query head, 8 per KV head): the bisection, the takes, the index row. One launch with one program per row was tried (each row's
-program scoring its own clusters first): the scores need the used centroids read (n_clusters * D * 2 bytes per KV head:
-105 KB at 32k context, 420 KB at 128k), which one program can only pull at one SM's pace: H100, 15 us against 11 at
-32k, 34 against 20 at 128k. The selection holds the keys in L lanes, the fewest of K' / 8, K' / 2, K' (K' =
-next_pow2(K) up to MAX_KEYS = 16384: 512k-token contexts at 80 tokens per cluster) that hold n_clusters, so a state
-sized for a long context costs what its clusters in use cost; past MAX_KEYS it reads them chunk by chunk from the
-scratch (slower, the same result). A k-ary search (3-15 thresholds per step) was slower: each step's work grows
-with the thresholds, and the steps are not latency-bound enough to pay for it.
+Two launches (the default). (1) _cluster_scores_kernel, grid (K / BLOCK_K, B * Hkv): a block of centroids times the KV
+head's G queries (one tl.dot; per query head each column, else their sum: the summed query's score, equal to the
+reference's qvec . centroid up to fp32 rounding order, as every fp32 dot product here), keys to an int32 scratch [B *
+Hsel, K]. The index equals the reference's bit for bit wherever the scores do (the tests use exact dyadic inputs); on
+real data two clusters whose scores differ by an fp32 rounding may trade places at the budget's edge. (2)
+_select_clusters_kernel, grid (B * Hsel,), one program per selection row (32 for Llama-3.1-8B per query head, 8 per KV
+head): the bisection, the takes, the index row. One launch with one program per row was tried (each row's program
+scoring its own clusters first): the scores need the used centroids read (n_clusters * D * 2 bytes per KV head: 105 KB
+at 32k context, 420 KB at 128k), which one program can only pull at one SM's pace: H100, 15 us against 11 at 32k, 34
+against 20 at 128k. The selection holds the keys in L lanes, the fewest of K' / 8, K' / 2, K' (K' = next_pow2(K) up to
+MAX_KEYS = 16384: 512k-token contexts at 80 tokens per cluster) that hold n_clusters, so a state sized for a long
+context costs what its clusters in use cost; past MAX_KEYS it reads them chunk by chunk from the scratch (slower, the
+same result). A k-ary search (3-15 thresholds per step) was slower: each step's work grows with the thresholds, and
+the steps are not latency-bound enough to pay for it.
 One launch with the scores' grid (fused=True, _select_fused_kernel, kept as a tested option): grid (K / BLOCK_K,
 B * Hsel), each program scores a block for its row and arrives at the row's counter (an acq_rel atomic,
 kvrewrite.kernels._semaphores: zeroed once, reset by the kernel); the last to arrive runs the selection. It saves

@@ -89,8 +89,8 @@ SHAPES = [
     (1, 7, 1, 1, 60, 64, 83),
     (1, 8, 2, 3, 30, 16, 21),
 ]
-# splits: merged by the last split of each tile (fuse_combine: the default per KV head), or by the combine launch; combine_rows
-# 1 and 2: the last split merges its tile's rows in several passes
+# splits: merged by the last split of each tile (fuse_combine: the default per KV head), or by the combine launch;
+# combine_rows 1 and 2: the last split merges its tile's rows in several passes
 TUNINGS = {"default": {}, "one-split": dict(block_n=16, num_splits=1), "splits": dict(block_n=16, num_splits=3),
            "combine-launch": dict(block_n=16, num_splits=3, fuse_combine=False),
            "rows1": dict(block_n=16, num_splits=3, combine_rows=1, fuse_combine=True),
@@ -204,7 +204,8 @@ def test_counters_are_left_at_zero():
     second launch (other splits, rows and heads) is right too."""
     from kvrewrite.kernels._semaphores import counters
 
-    for kind, tuning in (("per_kv", dict(block_n=16, num_splits=3)), ("per_q", dict(block_n=16, num_splits=2, fuse_combine=True))):
+    for kind, tuning in (("per_kv", dict(block_n=16, num_splits=3)),
+                         ("per_q", dict(block_n=16, num_splits=2, fuse_combine=True))):
         q, keys, values, bias, index = make_inputs(2, 8, 2, 3, 40, 16, 45, torch.float32, kind, seed=7)
         first = check(q, keys, values, bias, index, 0.25, **tuning)
         assert counters("kvrewrite::indexed_attention", q, 64).eq(0).all()

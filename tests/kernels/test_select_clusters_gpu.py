@@ -197,7 +197,8 @@ def test_compile_fullgraph(per_query_head):
 def test_step_graph_replays_fused_and_pdl(per_query_head):
     """Two decode steps (select_clusters then indexed_attention, twice: each launch's counters must be back at 0 for
     the next) captured in one CUDA graph: default launches, the one-launch selection (fused), and with programmatic
-    dependent launches (pdl); replayed three times on new states and queries: the index equals the CPU reference's and the outputs the eager ops'."""
+    dependent launches (pdl); replayed three times on new states and queries: the index equals the CPU reference's
+    and the outputs the eager ops'."""
     from kvrewrite.kernels import indexed_attention as ia
 
     kw = dict(n_sink=16, max_selected=1008, window=320, per_query_head=per_query_head)
