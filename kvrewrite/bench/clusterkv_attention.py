@@ -7,7 +7,15 @@ and 128k, budget 1024 tokens (16 sinks included), m = 320 (the window at its wor
 clusters, random keys; both GQA selection modes. Each op is timed as the replay of a CUDA graph of `calls`
 calls (a decode step's launches are latency-bound: graph replays are what the runtime does), median over reps.
 
-    python -m kvrewrite.bench.clusterkv_attention --out docs/bench/clusterkv_attention_h100.json
+    python -m kvrewrite.bench.clusterkv_attention --out docs/bench/clusterkv_attention_h100_run1.json --sweep
+
+docs/bench/clusterkv_attention_h100_run{1,2}.json (H100, torch 2.11, triton 3.6; run 1 with --sweep): per KV head
+at B 1 the step costs 16.3-18.5 us at 32k (dense 53.5-55.3: 3.0-3.3x) and 20.4-23.0 at 128k (dense 185.6-186.9:
+8.1-9.1x); issue 15's targets (5x, 15x) are not met. The same run's "old" variant (the step before the launch
+changes): 19.2 and 24.8 us.
+
+--sweep also times the step under launch variants (triton_select_clusters' and triton_indexed_attention's tuning
+keywords, VARIANTS below) at B = 1, in the same process as the default, into each row's "variants_step_us".
 """
 import argparse
 import json
@@ -18,6 +26,19 @@ import torch
 
 import kvrewrite.kernels  # noqa: F401  (registers the ops)
 from kvrewrite.bench.e2e import env_info
+from kvrewrite.kernels.indexed_attention import triton_indexed_attention
+from kvrewrite.kernels.select_clusters import triton_select_clusters
+
+# name -> (select tuning, attention tuning): the step's launch variants timed by --sweep
+VARIANTS = {  # defaults: selection in two launches, 8 warps to 64 rows; last-split combine per KV head; 128-entry
+    # tiles and early value loads where _launch_config picks them. "old": the step before this branch (its selection
+    # warps, 4 up to 1024 key lanes, are set in case())
+    "old": (dict(fused=False), dict(fuse_combine=False, early_v=False, block_n=64)),
+    "fused_select": (dict(fused=True), {}),
+    "fused_combine": ({}, dict(fuse_combine=True)),
+    "combine_launch": ({}, dict(fuse_combine=False)),
+    "pdl": (dict(fused=True, pdl=True), dict(pdl=True)),
+}
 
 
 def _graph_us(fn, calls: int, reps: int) -> float:
@@ -38,7 +59,8 @@ def _graph_us(fn, calls: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def case(n: int, B: int, budget: int, per_query_head: bool, calls: int, reps: int, m: int = 320, n_sink: int = 16):
+def case(n: int, B: int, budget: int, per_query_head: bool, calls: int, reps: int, m: int = 320, n_sink: int = 16,
+         sweep: bool = False):
     Hq, Hkv, D, dt, dev = 32, 8, 128, torch.bfloat16, "cuda"
     C = n + m
     g = torch.Generator(device=dev).manual_seed(0)
@@ -77,9 +99,74 @@ def case(n: int, B: int, budget: int, per_query_head: bool, calls: int, reps: in
     us_step = _graph_us(lambda: att(q, keys, values, bias, sel(q, fill, budget_t, centroids, sizes, starts, members,
                                                                n_clusters, cluster_end, **kw), scale), calls, reps)
     us_dense = _graph_us(lambda: dense(q, keys, values, bias, slot_pos, cpos, scale, 0, past_only=True), calls, reps)
-    return dict(context=n, batch=B, budget=budget, per_query_head=per_query_head, clusters=K0, index_len=index.shape[-1],
-                select_us=us_sel, indexed_attention_us=us_att, step_us=us_step, dense_us=us_dense,
-                speedup=us_dense / us_step)
+    row = dict(context=n, batch=B, budget=budget, per_query_head=per_query_head, clusters=K0,
+               index_len=index.shape[-1], select_us=us_sel, indexed_attention_us=us_att, step_us=us_step,
+               dense_us=us_dense, speedup=us_dense / us_step)
+    if sweep:
+        want = att(q, keys, values, bias, index, scale)
+        splits = _default_splits(q, index)
+        row["default_attention_splits"] = splits
+        variants = {}
+        for name, (st, at) in VARIANTS.items():
+            if name == "old":
+                kb = min(1 << max(centroids.shape[2] - 1, 0).bit_length(), 16384)
+                st = dict(st, num_warps=4 if kb <= 1024 else 8 if kb <= 4096 else 16)
+            if "splits" in at:
+                at = dict(at)
+                at["num_splits"] = {"half": max(1, splits // 2), "x2": 2 * splits, "x4": 4 * splits}[at.pop("splits")]
+
+            def step(st=st, at=at):
+                idx = triton_select_clusters(q, fill, budget_t, centroids, sizes, starts, members, n_clusters,
+                                             cluster_end, **kw, **st)
+                return triton_indexed_attention(q, keys, values, bias, idx, scale, **at)
+
+            got = step()
+            torch.cuda.synchronize()
+            if not torch.equal(triton_select_clusters(q, fill, budget_t, centroids, sizes, starts, members,
+                                                      n_clusters, cluster_end, **kw, **st), index):
+                raise AssertionError(f"variant {name}: the index differs from the op's")
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=f"variant {name}")
+            variants[name] = _graph_us(step, calls, reps)
+        row["variants_step_us"] = variants
+        b0 = torch.tensor([n_sink, n], device=dev)  # B_sel 0: launches, loads, sinks and window; no selection
+        row["kernel_us"] = _kernel_us(lambda: att(q, keys, values, bias, sel(
+            q, fill, budget_t, centroids, sizes, starts, members, n_clusters, cluster_end, **kw), scale))
+        row["select_bsel0_us"] = _graph_us(lambda: sel(q, fill, b0, centroids, sizes, starts, members, n_clusters,
+                                                       cluster_end, **kw), calls, reps)
+    return row
+
+
+def _kernel_us(fn, calls: int = 20) -> dict:
+    """GPU time of each kernel of fn (torch.profiler's CUDA activity, eager calls), mean per call, by name (or the
+    profiler's error, recorded as such)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        return _profile(fn, calls, ProfilerActivity, profile)
+    except Exception as e:  # noqa: BLE001  (a diagnostic: the timings above stand without it)
+        return {"error": f"{type(e).__name__}: {e}"[:200]}
+
+
+def _profile(fn, calls, ProfilerActivity, profile) -> dict:
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.count >= calls:
+            out[e.key[:60]] = e.device_time_total / calls
+    return out
+
+
+def _default_splits(q, index) -> int:
+    from kvrewrite.kernels import indexed_attention as ia
+
+    B, Hq, T, D = q.shape
+    Hsel, S = index.shape[1], index.shape[2]
+    return ia._launch_config(B, Hsel, Hq // Hsel, T, S, D, ia._num_sms(q.device), q.element_size())["num_splits"]
 
 
 def main(argv=None):
@@ -90,12 +177,14 @@ def main(argv=None):
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--sweep", action="store_true", help="also time the step's launch variants")
+    p.add_argument("--sweep-batches", default="1", help="the batch sizes --sweep applies to")
     a = p.parse_args(argv)
     rows = []
     for n in map(int, a.contexts.split(",")):
         for B in map(int, a.batches.split(",")):
             for pqh in (True, False):
-                r = case(n, B, a.budget, pqh, a.calls, a.reps)
+                r = case(n, B, a.budget, pqh, a.calls, a.reps, sweep=a.sweep and str(B) in a.sweep_batches.split(","))
                 rows.append(r)
                 print(json.dumps(r), flush=True)
                 torch.cuda.empty_cache()

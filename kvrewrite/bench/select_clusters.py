@@ -31,7 +31,7 @@ from kvrewrite.kernels import select_clusters as sc
 ARGS = ("fill", "budget", "centroids", "cluster_size", "cluster_start", "members", "n_clusters", "cluster_end")
 VARIANTS = {  # launch overrides timed besides the default (triton_select_clusters' tuning keywords)
     "tiers_off": dict(tiers=False), "w4": dict(num_warps=4), "w16": dict(num_warps=16), "bk32": dict(block_k=32),
-    "bk128": dict(block_k=128),
+    "bk128": dict(block_k=128), "two_launch": dict(fused=False), "w2": dict(num_warps=2), "pdl": dict(pdl=True),
 }
 
 

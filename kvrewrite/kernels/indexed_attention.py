@@ -49,7 +49,18 @@ them so, as clustered_attention requires).
   moves 5.5 MB (per KV head, B = 1), ~2 us at 3 TB/s, so it is latency-bound: the grid spreads the tiles over
   up to two programs per SM, down to one tile per program (B = 1 per KV head: 8 x 21 = 168 programs, each
   with every load in flight at once), and clustered_attention's combine kernel merges the splits' partials
-  (one more launch, ~1-2 us inside a CUDA graph).
+  (one more launch, ~1-2 us inside a CUDA graph). fuse_combine (a tested launch option): the last split of each
+  tile to finish (a per-tile counter, acq_rel atomic, kvrewrite.kernels._semaphores: zeroed once, reset by the
+  kernel) merges the tile's partials, in split order (deterministic), and there is no combine launch. Measured
+  (H100, torch 2.11, triton 3.6, kvrewrite.bench.clusterkv_attention --sweep, B 1) it does not win: the step costs
+  the same per KV head (17.10 against 17.14 us at 32k) and 0.4-0.6 us more per query head (one program merges
+  what 32 combine programs merged); so it is the default only where a tile has several rows (per KV head). A
+  programmatic dependent launch (pdl=True, an experiment option) was slower. Other sweeps at B 1 (2 or 8 warps,
+  half or twice the splits, 32-entry tiles) moved the step by < 0.5 us or made it slower. What did help (same
+  sweeps, B 1 and 8): 128-entry tiles per KV head (B 1: 8 x 11 one-tile programs) and for rows that get one split
+  anyway (B 8 per query head), and the value loads issued with the key loads when a split is one tile (one
+  round trip less); see _launch_config. Per kernel at B 1 (torch.profiler): the split kernel 6.0-6.2 us per KV
+  head (with its merge), 8.7-8.9 us per query head plus 1.7 us of combine launch.
 - T > 1 works (rows = G * T per KV head, T per query head, in 16..64-row blocks), decode (T = 1) is the case
   the launch is shaped for.
 """
@@ -58,6 +69,7 @@ from __future__ import annotations  # the kernels' `tl.constexpr` annotations st
 import torch
 from torch.library import wrap_triton
 
+from kvrewrite.kernels._semaphores import counters
 from kvrewrite.kernels._triton_op import check_one_cuda_device, check_query_keys, register_triton_op, triton_jit
 from kvrewrite.kernels.clustered_attention import (
     _DTYPES,
@@ -163,11 +175,40 @@ def reference_indexed_attention(q, keys, values, bias, index, scale, softcap=0.0
 
 # Shape ints that only bound loops and masks are not specialised on: one compiled kernel serves every C, S, T,
 # group size and split count of a dtype, head dim and index kind.
+@triton_jit()
+def _combine_tile(OUT, ACC, M_PART, L_PART, b, hsel, row0, row_end, Hq, R, T, NUM_SPLITS,
+                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, RB: tl.constexpr):
+    """The merge of the split partials of tile rows [row0, row_end) (row = t * R + g of selection row hsel) into
+    OUT, RB rows at a time: clustered_attention's combine_row on [RB, splits] maxima and sums and [RB, splits, D]
+    accumulators (loaded .cg: other programs of this launch wrote them), splits in index order."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < NUM_SPLITS
+    for r0 in range(row0, row_end, RB):
+        rr = r0 + tl.arange(0, RB)
+        ok = rr < row_end
+        orow = (b.to(tl.int64) * Hq + hsel * R + rr % R) * T + rr // R
+        ms = ok[:, None] & s_ok[None, :]
+        m = tl.load(M_PART + orow[:, None] * NUM_SPLITS + offs_s[None, :], mask=ms, other=float("-inf"),
+                    cache_modifier=".cg")
+        l = tl.load(L_PART + orow[:, None] * NUM_SPLITS + offs_s[None, :], mask=ms, other=0.0, cache_modifier=".cg")
+        acc = tl.load(ACC + ((orow[:, None] * NUM_SPLITS + offs_s[None, :]) * HEAD_DIM)[:, :, None]
+                      + offs_d[None, None, :], mask=ms[:, :, None], other=0.0, cache_modifier=".cg")
+        m_max = tl.max(m, axis=1)
+        m_base = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.exp2(m - m_base[:, None])
+        den = tl.sum(w * l, axis=1)
+        o = tl.sum(acc * w[:, :, None], axis=1) / tl.where(den > 0.0, den, 1.0)[:, None]
+        tl.store(OUT + orow[:, None] * HEAD_DIM + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=ok[:, None])
+
+
 @triton_jit(do_not_specialize=["Hkv", "Hsel", "R", "T", "C", "S", "entries_per_split", "NUM_SPLITS"])
 def _indexed_attention_fwd_kernel(
     Q, K, V, BIAS, INDEX,
     OUT,  # [B, Hq, T, D] q's dtype (SPLIT False), or fp32 partial acc [B * Hq * T, NUM_SPLITS, D]
     M_PART, L_PART,  # fp32 [B * Hq * T, NUM_SPLITS], log2-domain running max and sum (SPLIT only)
+    FINAL,  # [B, Hq, T, D] q's dtype: the output (SPLIT and FUSE_COMBINE only)
+    SEM,  # int32 [>= B * Hsel * m_blocks] counters at 0, left at 0 (SPLIT and FUSE_COMBINE only)
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kc, stride_kd,
     stride_vb, stride_vh, stride_vc, stride_vd,
@@ -182,8 +223,16 @@ def _indexed_attention_fwd_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     SOFTCAP: tl.constexpr,  # soft-cap the scores: softcap * tanh(scale * q·k / softcap), before the bias
+    FUSE_COMBINE: tl.constexpr,  # the last split of a tile to finish merges the tile's partials (no combine launch)
+    BLOCK_S: tl.constexpr,  # >= NUM_SPLITS, a power of two (FUSE_COMBINE)
+    RB: tl.constexpr,  # rows merged at a time (FUSE_COMBINE)
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch: wait for the previous grid, free the next
+    EARLY_V: tl.constexpr,  # issue the value loads with the key loads (else after the softmax)
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_s = tl.program_id(0)
     pid_sel = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -227,6 +276,9 @@ def _indexed_attention_fwd_kernel(
         # bias, keys and values all wait on the index only: issued together
         bias = tl.load(bias_base + slot * stride_bc, mask=valid, other=float("-inf"))
         k = tl.load(k_base + slot[:, None] * stride_kc + offs_d[None, :] * stride_kd, mask=valid[:, None], other=0.0)
+        if EARLY_V:  # with the keys: one round trip for both (a short row's tile is all its work)
+            v = tl.load(v_base + slot[:, None] * stride_vc + offs_d[None, :] * stride_vd, mask=valid[:, None],
+                        other=0.0)
 
         # -- scores: scale * q·k (soft-capped) + bias; -inf where the entry is skipped or the slot empty --
         if Q.dtype.element_ty == tl.float32:
@@ -250,7 +302,9 @@ def _indexed_attention_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
         # -- accumulate p @ v -------------------------------------------------------------------------
-        v = tl.load(v_base + slot[:, None] * stride_vc + offs_d[None, :] * stride_vd, mask=valid[:, None], other=0.0)
+        if not EARLY_V:
+            v = tl.load(v_base + slot[:, None] * stride_vc + offs_d[None, :] * stride_vd, mask=valid[:, None],
+                        other=0.0)
         if V.dtype.element_ty == tl.float32:
             pv = tl.dot(p, v, input_precision="ieee")
         else:
@@ -263,22 +317,29 @@ def _indexed_attention_fwd_kernel(
         tl.store(OUT + (out_row[:, None] * NUM_SPLITS + pid_s) * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(M_PART + out_row * NUM_SPLITS + pid_s, m_i, mask=row_ok)
         tl.store(L_PART + out_row * NUM_SPLITS + pid_s, l_i, mask=row_ok)
+        if FUSE_COMBINE:
+            tl.debug_barrier()  # the program's partials before its arrival (released by the atomic)
+            tile = pid_sel.to(tl.int64) * tl.num_programs(2) + pid_m
+            if tl.atomic_add(SEM + tile, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                tl.store(SEM + tile, 0)  # every split has arrived: ready for the next launch
+                _combine_tile(FINAL, OUT, M_PART, L_PART, b, hsel, pid_m * BLOCK_M,
+                              tl.minimum(pid_m * BLOCK_M + BLOCK_M, R * T), Hq, R, T, NUM_SPLITS, HEAD_DIM, BLOCK_S,
+                              RB)
     else:
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row that saw nothing: acc == 0, o == 0
         tl.store(OUT + out_row[:, None] * HEAD_DIM + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
 
 def _launch_config(B, Hsel, R, T, S, D, num_sms, itemsize=2, block_m=None, block_n=None, num_splits=None,
-                   num_warps=None, num_stages=None):
+                   num_warps=None, num_stages=None, fuse_combine=None, combine_rows=None, pdl=False, early_v=None):
     """Block sizes, split count and launch options from the shapes alone (never the data, so CUDA graphs and
     Inductor see one fixed launch). R: rows per query of a selection row (G per KV head, 1 per query head).
     The keyword overrides are for the tests (small splits) and the benchmark's sweep.
 
-    Defaults (not swept on a GPU yet; kvrewrite/bench/indexed_attention.py --sweep times the alternatives):
-    clustered_attention's decode choices (4 warps, 2 stages, M >= 16 rows for tl.dot) with 64-entry tiles
-    (1344 entries: 21 tiles), and splits up to two programs per SM as there, but down to ONE tile per split
-    (clustered_attention keeps >= 2): a ClusterKV call is short and latency-bound, so every tile in flight at
-    once beats pipelining two tiles in one program.
+    Defaults: clustered_attention's decode choices (4 warps, 2 stages, M >= 16 rows for tl.dot) with 64-entry
+    tiles (1344 entries: 21 tiles; 128 in the cases below), and splits up to two programs per SM as there, but
+    down to ONE tile per split (clustered_attention keeps >= 2): a ClusterKV call is short and latency-bound, so
+    every tile in flight at once beats pipelining two tiles in one program.
     """
     rows = R * T
     if block_m is None:
@@ -287,7 +348,10 @@ def _launch_config(B, Hsel, R, T, S, D, num_sms, itemsize=2, block_m=None, block
     if num_stages is None:
         num_stages = 2
     if block_n is None:
-        block_n = 64
+        # 128-entry tiles at decode (16-row tiles) per KV head, and per query head where each row gets one split
+        # anyway (B 8): -0.3 to -3 us per ClusterKV step (H100, kvrewrite.bench.clusterkv_attention --sweep); per
+        # query head at B 1 (several splits per row) they measured -0.3 to +0.8 us: 64 there
+        block_n = 128 if block_m == 16 and (rows > 1 or 2 * num_sms // (B * Hsel * m_blocks) <= 1) else 64
         while 2 * num_stages * block_n * D * itemsize > 128 * 1024 and block_n > 16:  # K and V tiles in smem
             block_n //= 2
     if num_warps is None:
@@ -297,15 +361,24 @@ def _launch_config(B, Hsel, R, T, S, D, num_sms, itemsize=2, block_m=None, block
         num_splits = max(1, 2 * num_sms // (B * Hsel * m_blocks))
     tiles_per_split = triton.cdiv(tiles, min(max(num_splits, 1), tiles))
     num_splits = triton.cdiv(tiles, tiles_per_split)  # no empty split
+    if early_v is None:  # the value loads beside the key loads when a split is one tile (per KV head at B 1:
+        early_v = tiles_per_split == 1  # -0.7 to -1.5 us per step); a loop keeps the late loads (early: up to +9 us)
+    block_s = max(triton.next_power_of_2(num_splits), 2)
+    if fuse_combine is None:  # the last split merges when a tile has several rows (per KV head): measured -0.3 us
+        fuse_combine = rows > 1  # there, +0.3-0.6 us per query head (one row per tile: the combine launch wins)
+    if combine_rows is None:  # rows merged at a time by the last split: up to 16k fp32 partials in registers
+        combine_rows = max(1, min(triton.next_power_of_2(min(rows, block_m)), 16384 // (block_s * D)))
     return dict(block_m=block_m, m_blocks=m_blocks, block_n=block_n, num_splits=num_splits,
-                entries_per_split=tiles_per_split * block_n, num_warps=num_warps, num_stages=num_stages)
+                entries_per_split=tiles_per_split * block_n, num_warps=num_warps, num_stages=num_stages,
+                fuse_combine=fuse_combine, block_s=block_s, combine_rows=combine_rows, pdl=pdl, early_v=early_v)
 
 
 def triton_indexed_attention(q, keys, values, bias, index, scale, softcap=0.0, **tuning):
     """The op on CUDA through Triton (shapes and dtypes in the module docstring); validates shapes, dtypes,
     devices and softcap, not the index's entries (a data read: entries outside [0, C) are skipped like -1).
 
-    ``tuning`` overrides the shape-based launch choices (block_m, block_n, num_splits, num_warps, num_stages);
+    ``tuning`` overrides the shape-based launch choices (block_m, block_n, num_splits, num_warps, num_stages,
+    fuse_combine, combine_rows, pdl, early_v);
     for the tests and the benchmark's sweep, the op never passes it."""
     if triton is None:
         raise NotImplementedError("triton_indexed_attention needs Triton (pip install triton); "
@@ -347,14 +420,17 @@ def _launch(q, keys, values, bias, index, scale, softcap=0.0, **overrides):
         l_part = torch.empty((B * Hq * T, n_splits), dtype=torch.float32, device=q.device)
     else:
         part = m_part = l_part = out  # M_PART and L_PART are never touched without splits
+    fuse = split and cfg["fuse_combine"]
+    sem = counters("kvrewrite::indexed_attention", q, B * Hsel * cfg["m_blocks"]) if fuse else out
     wrap_triton(_indexed_attention_fwd_kernel)[(n_splits, B * Hsel, cfg["m_blocks"])](
-        q, keys, values, bias, index, part, m_part, l_part,
+        q, keys, values, bias, index, part, m_part, l_part, out, sem,
         *q.stride(), *keys.stride(), *values.stride(), *bias.stride(), *index.stride(),
         Hkv, Hsel, R, T, C, S, cfg["entries_per_split"], qk_scale, softcap_log2, n_splits,
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], SPLIT=split, SOFTCAP=softcap > 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        FUSE_COMBINE=fuse, BLOCK_S=cfg["block_s"], RB=cfg["combine_rows"], PDL=cfg["pdl"], EARLY_V=cfg["early_v"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if cfg["pdl"] else {}),
     )
-    if split:  # clustered_attention's combine: row = (b, hq, t); no lse, no pending queries (unused pointers: out)
+    if split and not fuse:  # clustered_attention's combine: row = (b, hq, t); no lse, no pending queries (unused: out)
         wrap_triton(_clustered_attention_combine_kernel)[(B * Hq * T,)](
             part, m_part, l_part, out, out, q, out, index, q.stride(0), q.stride(1), q.stride(3), n_splits, Hq,
             Hq // Hkv, HEAD_DIM=D, BLOCK_S=max(triton.next_power_of_2(n_splits), 2), WRITE_LSE=False,

@@ -48,30 +48,49 @@ and output offset; each taken cluster writes a marker (offset << 32 | cluster_st
 scratch (-1 elsewhere), and a running max (associative scan) over the output positions gives every position's
 cluster and member.
 
-Two launches. (1) _cluster_scores_kernel, grid (K / BLOCK_K, B * Hkv): a block of centroids times the KV head's G
-queries (one tl.dot; per query head each column, else their sum: the summed query's score, equal to the reference's
-qvec . centroid up to fp32 rounding order, as every fp32 dot product here), keys to an int32 scratch [B * Hsel, K].
-The index equals the reference's bit for bit wherever the scores do (the tests use exact dyadic inputs); on real
-data two clusters whose scores differ by an fp32 rounding may trade places at the budget's edge. (2) _select_clusters_kernel, grid (B * Hsel,), one program per selection row (32 for Llama-3.1-8B per
-query head, 8 per KV head): the bisection, the takes, the index row. One launch was tried (each row's program
-scoring its own clusters first): the scores need the used centroids read (n_clusters * D * 2 bytes per KV head:
-105 KB at 32k context, 420 KB at 128k), which one program can only pull at one SM's pace: H100, 15 us against 11 at
-32k, 34 against 20 at 128k. The selection holds the keys in L lanes, the fewest of K' / 8, K' / 2, K' (K' =
-next_pow2(K) up to MAX_KEYS = 16384: 512k-token contexts at 80 tokens per cluster) that hold n_clusters, so a state
-sized for a long context costs what its clusters in use cost; past MAX_KEYS it reads them chunk by chunk from the
-scratch (slower, the same result). A k-ary search (3-15 thresholds per step) was slower: each step's work grows
-with the thresholds, and the steps are not latency-bound enough to pay for it.
+Two launches (the default). (1) _cluster_scores_kernel, grid (K / BLOCK_K, B * Hkv): a block of centroids times the KV
+head's G queries (one tl.dot; per query head each column, else their sum: the summed query's score, equal to the
+reference's qvec . centroid up to fp32 rounding order, as every fp32 dot product here), keys to an int32 scratch [B *
+Hsel, K]. The index equals the reference's bit for bit wherever the scores do (the tests use exact dyadic inputs); on
+real data two clusters whose scores differ by an fp32 rounding may trade places at the budget's edge. (2)
+_select_clusters_kernel, grid (B * Hsel,), one program per selection row (32 for Llama-3.1-8B per query head, 8 per KV
+head): the bisection, the takes, the index row. One launch with one program per row was tried (each row's program
+scoring its own clusters first): the scores need the used centroids read (n_clusters * D * 2 bytes per KV head: 105 KB
+at 32k context, 420 KB at 128k), which one program can only pull at one SM's pace: H100, 15 us against 11 at 32k, 34
+against 20 at 128k. The selection holds the keys in L lanes, the fewest of K' / 8, K' / 2, K' (K' = next_pow2(K) up to
+MAX_KEYS = 16384: 512k-token contexts at 80 tokens per cluster) that hold n_clusters, so a state sized for a long
+context costs what its clusters in use cost; past MAX_KEYS it reads them chunk by chunk from the scratch (slower, the
+same result). A k-ary search (3-15 thresholds per step) was slower: each step's work grows with the thresholds, and
+the steps are not latency-bound enough to pay for it.
+One launch with the scores' grid (fused=True, _select_fused_kernel, kept as a tested option): grid (K / BLOCK_K,
+B * Hsel), each program scores a block for its row and arrives at the row's counter (an acq_rel atomic,
+kvrewrite.kernels._semaphores: zeroed once, reset by the kernel); the last to arrive runs the selection. It saves
+the second launch, but measured slower in the ClusterKV step (H100, torch 2.11, triton 3.6,
+kvrewrite.bench.clusterkv_attention --sweep, B 1): per KV head 17.8 us against 17.1 at 32k; per query head 25.6
+against 22.3 at 32k and 50 against 26 at 128k (per query head its grid re-reads each centroid block G times, and
+all of it runs at the selection's warp count). A programmatic dependent launch (pdl=True, Hopper; an experiment
+option) was slower still (18.8 / 29.0 us at 32k). Inside a CUDA graph the launch boundary costs about what the
+fence and atomic of the last-program hand-off cost: the time is in each kernel's own chain of dependent round trips.
+Reading each score block's centroids without waiting for n_clusters (one dependent round trip less, unused ids
+read too) measured -0.1 to +0.9 us: not kept.
+The selection kernel runs 8 warps up to 4096 key lanes (16 past): 8 over 4 measured -0.3 to -0.7 us per step at
+32k; 2 warps +1.6 (32k) to +6.5 us (128k); 2 score warps or 128-cluster score blocks +0.2 to +1 us.
 Cost (H100, kvrewrite.bench.select_clusters: Llama-3.1-8B decode, B 1, Hq 32, Hkv 8, D 128, bf16, max_selected
 1008, n_sink 16, window 320; CUDA graph, centroids cold in L2): 12.5-12.9 us per call at 32k (410 clusters), 17.4-17.8
-at 128k (1640), either per_query_head; 13.0 at 32k in a state sized for 128k. Scores ~3-5 us; the selection is
-latency-bound: ~1 us launch, 3 dependent memory round trips, ~10 bisection steps of one reduction each (~0.3 us over
-512-1024 lanes, ~0.45 over 2048), two scans.
+at 128k (1640), either per_query_head; 13.0 at 32k in a state sized for 128k (before the 8-warp default).
+In the ClusterKV step (kvrewrite.bench.clusterkv_attention, H100, torch 2.11, triton 3.6, centroids warm): 10.2-11.4
+us per call at 32k, 14.7-15.9 at 128k. Per kernel (torch.profiler, B 1): scores 2.5-2.6 us at 32k, 4.3-4.4 at
+128k; selection 7.1-7.7 us at 32k, 10.1-10.6 at 128k. With B_sel = 0 (no bisection, no takes) the op still costs
+6.7-8.0 us at 32k and 9.8-11.2 at 128k: the bisection, takes and member gather are ~3-4 us, the rest is the two
+launches, the scores and the selection kernel's fixed chain (n_clusters -> keys, sizes, starts -> reductions ->
+scans over the 1008 output positions), which is where a further cut has to come from.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
 import torch
 from torch.library import wrap_triton
 
+from kvrewrite.kernels._semaphores import counters
 from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
 from kvrewrite.kernels.evict_by_score import _add_min_max, _order_key  # fp32 order keys, (sum, min, max) combine
 
@@ -181,7 +200,7 @@ def _chunk(KEYS_ROW, SIZE_BH, c0, n_cl, KB: tl.constexpr):
     k = c0 + tl.arange(0, KB)
     live = k < n_cl
     size = tl.load(SIZE_BH + k, mask=live, other=0)
-    key = tl.load(KEYS_ROW + k, mask=live, other=0)  # with the sizes: one round trip
+    key = tl.load(KEYS_ROW + k, mask=live, other=0, cache_modifier=".cg")  # with the sizes: one round trip
     valid = live & (size > 0)
     return tl.where(valid, key, -2147483648), tl.where(valid, size, 0)
 
@@ -220,7 +239,7 @@ def _select_in_registers(KEYS_ROW, SIZE_BH, START_BH, MARK_ROW, n_cl, b_sel, L: 
     kk = tl.arange(0, L)
     live = kk < n_cl
     size = tl.load(SIZE_BH + kk, mask=live, other=0)
-    key = tl.load(KEYS_ROW + kk, mask=live, other=0)
+    key = tl.load(KEYS_ROW + kk, mask=live, other=0, cache_modifier=".cg")
     start = tl.load(START_BH + kk, mask=live, other=0)
     valid = live & (size > 0)
     key = tl.where(valid, key, -2147483648)
@@ -340,12 +359,12 @@ def _cluster_scores_kernel(
     bh = tl.program_id(1).to(tl.int64)
     b = bh // Hkv
     h = bh % Hkv
-    n_cl = tl.minimum(tl.load(NCL + bh), K)
     k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    offs_g = tl.arange(0, GB)
+    n_cl = tl.minimum(tl.load(NCL + bh), K)
     if tl.program_id(0) * BLOCK_K < n_cl:
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
-        offs_g = tl.arange(0, GB)
         qg = _group_queries(Q, b, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, GB)
         c = _centroid_tile(CEN + b * stride_cb + h * stride_ch, k, n_cl, offs_d, d_ok, stride_ck, stride_cd)
         sc = _tile_dots(c, qg, NATIVE_DOT)
@@ -356,54 +375,43 @@ def _cluster_scores_kernel(
             tl.store(KEYS + (b * Hsel + h) * K + k, _order_key(tl.sum(sc, axis=1)), mask=k < n_cl)
 
 
-@triton_jit(do_not_specialize=["Hsel", "Hkv", "G", "K", "C", "n_sink", "max_selected", "window", "S"])
-def _select_clusters_kernel(
-    SIZE, START, MEMBERS, NCL, FILL, CEND, BUDGET,
-    KEYS,  # int32 [B * Hsel, K]: the scores' keys (_cluster_scores_kernel)
-    MARK,  # int64 [B * Hsel, M] scratch, M = max(max_selected, 1): per output position a marker or -1
-    OUT,  # int32 [B * Hsel, S]
-    Hsel, Hkv, G, K, C, n_sink, max_selected, window, S,
-    PER_HEAD: tl.constexpr, KB: tl.constexpr, TIERS: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_M: tl.constexpr, ONE_M: tl.constexpr,
-):
-    """Selection, grid (B * Hsel,): one program per selection row (module docstring). Latency-bound: what does not
-    depend on the selection is issued first; the chain is keys -> bisection -> marker scatter -> marker load ->
-    member gather. The keys are held in the fewest lanes of KB / 8, KB / 2, KB (TIERS) that hold n_clusters; past
-    KB (K > KB), chunk by chunk from memory."""
-    row = tl.program_id(0).to(tl.int64)
-    b = row // Hsel
-    s = row % Hsel
-    if PER_HEAD:
-        h = s // G
-    else:
-        h = s
-    bh = b * Hkv + h
-    n_cl = tl.load(NCL + bh)
-    budget = tl.load(BUDGET)
-    cend = tl.load(CEND + bh)
-    fill = tl.load(FILL + bh)
-    mark_row = MARK + row * tl.maximum(max_selected, 1)
-    keys_row = KEYS + row * K
-    size_bh = SIZE + bh * K
-    start_bh = START + bh * K
+@triton_jit()
+def _row_prologue(MEMBERS, MARK, OUT, bh, row, cend, fill, C, n_sink, max_selected, window, S,
+                  BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, SINKS_FROM: tl.constexpr):
+    """What does not depend on the selection: the sinks from SINKS_FROM on and the window into the index row, -1
+    into the row's markers (before any marker is scattered)."""
     mem_bh = MEMBERS + bh * C
     out_row = OUT + row * S
-    # -- sinks and window (independent of the selection); no marker anywhere yet
     offs_e = tl.arange(0, BLOCK_E)
-    for p0 in range(0, n_sink, BLOCK_E):
+    for p0 in range(SINKS_FROM, n_sink, BLOCK_E):
         p = p0 + offs_e
         tl.store(out_row + p, tl.load(mem_bh + p, mask=p < n_sink, other=-1), mask=p < n_sink)
     for j0 in range(0, window, BLOCK_E):
         slot = cend + j0 + offs_e
         tl.store(out_row + n_sink + max_selected + j0 + offs_e, tl.where(slot < fill, slot, -1).to(tl.int32),
                  mask=j0 + offs_e < window)
+    mark_row = MARK + row * tl.maximum(max_selected, 1)
     offs_m = tl.arange(0, BLOCK_M)
-    for p0 in range(0, max_selected, BLOCK_M):  # ordered before the scatter by the selection's barrier
+    for p0 in range(0, max_selected, BLOCK_M):
         tl.store(mark_row + p0 + offs_m, tl.full([BLOCK_M], -1, tl.int64), mask=p0 + offs_m < max_selected)
+
+
+@triton_jit()
+def _row_selection(SIZE, START, MEMBERS, KEYS, MARK, OUT, bh, row, n_cl, budget, K, C, n_sink, max_selected, S,
+                   KB: tl.constexpr, TIERS: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                   ONE_M: tl.constexpr):
+    """The selection of one row once its keys are written and its markers are -1: t*, the takes, the markers, then
+    the taken members into the index row. The keys are held in the fewest lanes of KB / 8, KB / 2, KB (TIERS)
+    that hold n_clusters; past KB (K > KB), chunk by chunk from memory. The chain is keys -> bisection -> marker
+    scatter -> marker load -> member gather."""
+    mark_row = MARK + row * tl.maximum(max_selected, 1)
+    keys_row = KEYS + row * K
+    size_bh = SIZE + bh * K
+    start_bh = START + bh * K
+    mem_bh = MEMBERS + bh * C
+    out_row = OUT + row * S
     n_cl = tl.minimum(tl.maximum(n_cl, 0), K)
     b_sel = tl.minimum(tl.maximum(budget - n_sink, 0), max_selected).to(tl.int32)
-
-    # -- the selection: t*, the takes, a marker per taken cluster
     if TIERS:
         if n_cl <= KB // 8:
             n_taken = _select_in_registers(keys_row, size_bh, start_bh, mark_row, n_cl, b_sel, KB // 8)
@@ -424,6 +432,7 @@ def _select_clusters_kernel(
     tl.debug_barrier()
 
     # -- the taken members: each position's cluster is the running max of the markers
+    offs_m = tl.arange(0, BLOCK_M)
     carry = tl.full([], -1, tl.int64)
     for p0 in range(0, max_selected, BLOCK_M):
         j = p0 + offs_m
@@ -437,21 +446,113 @@ def _select_clusters_kernel(
         tl.store(out_row + n_sink + j, tl.load(mem_bh + src, mask=used, other=-1), mask=j < max_selected)
 
 
+@triton_jit(do_not_specialize=["Hsel", "Hkv", "G", "K", "C", "n_sink", "max_selected", "window", "S"])
+def _select_clusters_kernel(
+    SIZE, START, MEMBERS, NCL, FILL, CEND, BUDGET,
+    KEYS,  # int32 [B * Hsel, K]: the scores' keys (_cluster_scores_kernel)
+    MARK,  # int64 [B * Hsel, M] scratch, M = max(max_selected, 1): per output position a marker or -1
+    OUT,  # int32 [B * Hsel, S]
+    Hsel, Hkv, G, K, C, n_sink, max_selected, window, S,
+    PER_HEAD: tl.constexpr, KB: tl.constexpr, TIERS: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr, ONE_M: tl.constexpr,
+):
+    """Selection (two-launch form, fused=False), grid (B * Hsel,): one program per selection row after
+    _cluster_scores_kernel. Latency-bound: what does not depend on the selection is issued first."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // Hsel
+    s = row % Hsel
+    if PER_HEAD:
+        h = s // G
+    else:
+        h = s
+    bh = b * Hkv + h
+    n_cl = tl.load(NCL + bh)
+    budget = tl.load(BUDGET)
+    # the first BLOCK_E sinks: loaded now, stored last (a store waiting on its load would stall the selection)
+    offs_e = tl.arange(0, BLOCK_E)
+    sinks = tl.load(MEMBERS + bh * C + offs_e, mask=offs_e < n_sink, other=-1)
+    _row_prologue(MEMBERS, MARK, OUT, bh, row, tl.load(CEND + bh), tl.load(FILL + bh), C, n_sink, max_selected,
+                  window, S, BLOCK_E, BLOCK_M, BLOCK_E)  # ordered before the scatter by the selection's barrier
+    _row_selection(SIZE, START, MEMBERS, KEYS, MARK, OUT, bh, row, n_cl, budget, K, C, n_sink, max_selected, S,
+                   KB, TIERS, ONE_CHUNK, BLOCK_M, ONE_M)
+    tl.store(OUT + row * S + offs_e, sinks, mask=offs_e < n_sink)
+
+
+@triton_jit(do_not_specialize=["Hsel", "Hkv", "G", "K", "D", "C", "n_sink", "max_selected", "window", "S", "NB"])
+def _select_fused_kernel(
+    Q, CEN, SIZE, START, MEMBERS, NCL, FILL, CEND, BUDGET,
+    KEYS,  # int32 [B * Hsel, K] scratch: row (b, s)'s key of cluster k (written for k < n_clusters)
+    MARK,  # int64 [B * Hsel, M] scratch, M = max(max_selected, 1): per output position a marker or -1
+    SEM,  # int32 [>= B * Hsel] counters at 0 (kvrewrite.kernels._semaphores); left at 0
+    OUT,  # int32 [B * Hsel, S]
+    stride_qb, stride_qh, stride_qd, stride_cb, stride_ch, stride_ck, stride_cd,
+    Hsel, Hkv, G, K, D, C, n_sink, max_selected, window, S, NB,
+    PER_HEAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, GB: tl.constexpr,
+    NATIVE_DOT: tl.constexpr, KB: tl.constexpr, TIERS: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, ONE_M: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch: wait for the previous grid, free the next
+):
+    """Scores and selection in one launch, grid (NB = cdiv(K, BLOCK_K), B * Hsel): program (i, row) scores
+    clusters [i * BLOCK_K, (i + 1) * BLOCK_K) for its selection row (its query head's query, or the sum of the KV
+    head's G queries: the same tl.dot as _cluster_scores_kernel, the other columns masked to 0) and stores their
+    keys; program 0 also writes the row's sinks, window and -1 markers; then each arrives at the row's counter,
+    and the last to arrive (acquire: it sees every key) resets it to 0 and runs the row's selection."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(1).to(tl.int64)
+    b = row // Hsel
+    s = row % Hsel
+    if PER_HEAD:
+        h = s // G
+    else:
+        h = s
+    bh = b * Hkv + h
+    n_cl = tl.load(NCL + bh)
+    n_cl_k = tl.minimum(n_cl, K)
+    k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    if tl.program_id(0) * BLOCK_K < n_cl_k:
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        offs_g = tl.arange(0, GB)
+        if PER_HEAD:
+            g_ok = offs_g == s % G
+        else:
+            g_ok = offs_g < G
+        qg = tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        c = _centroid_tile(CEN + b * stride_cb + h * stride_ch, k, n_cl_k, offs_d, d_ok, stride_ck, stride_cd)
+        sc = _tile_dots(c, qg, NATIVE_DOT)
+        tl.store(KEYS + row * K + k, _order_key(tl.sum(tl.where(g_ok[None, :], sc, 0.0), axis=1)), mask=k < n_cl_k)
+    if tl.program_id(0) == 0:
+        _row_prologue(MEMBERS, MARK, OUT, bh, row, tl.load(CEND + bh), tl.load(FILL + bh), C, n_sink,
+                      max_selected, window, S, BLOCK_E, BLOCK_M, 0)
+    tl.debug_barrier()  # the program's stores before its arrival (released by the atomic)
+    if tl.atomic_add(SEM + row, 1, sem="acq_rel", scope="gpu") == NB - 1:
+        tl.store(SEM + row, 0)  # every program of the row has arrived: ready for the next launch
+        _row_selection(SIZE, START, MEMBERS, KEYS, MARK, OUT, bh, row, n_cl, tl.load(BUDGET), K, C, n_sink,
+                       max_selected, S, KB, TIERS, ONE_CHUNK, BLOCK_M, ONE_M)
+
+
 # -- launcher ------------------------------------------------------------------------------------------------
 def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def _launch_config(K, D, n_sink, max_selected, window, block_k=None, key_chunk=None, block_e=None, block_m=None,
-                   num_warps=None, score_warps=None, tiers=None) -> dict:
-    """The kernels' shape-based choices (keyword overrides for the tests and the benchmark's sweep)."""
+                   num_warps=None, score_warps=None, tiers=None, fused=False, pdl=False, rows=1) -> dict:
+    """The kernels' shape-based choices (keyword overrides for the tests and the benchmark's sweep). fused: one
+    launch (_select_fused_kernel), else the scores and the selection as two (score_warps: the scores'). pdl (fused
+    only, an experiment of the benchmark): a programmatic dependent launch (Hopper)."""
     kb = min(_pow2(max(K, 1)), key_chunk or MAX_KEYS)
     if num_warps is None:
-        num_warps = 4 if kb <= 1024 else 8 if kb <= 4096 else 16
+        # 8 over 4 at kb <= 1024 for up to 64 rows: -0.3 to -0.7 us per step at B 1, 32k (H100); 4 past (B 8 per
+        # query head, 256 rows: 8 measured +2 us)
+        num_warps = (8 if rows <= 64 else 4) if kb <= 1024 else 8 if kb <= 4096 else 16
     return dict(block_k=max(block_k or 64, 16), kb=kb, one_chunk=kb >= K, tiers=kb >= 64 if tiers is None else tiers,
                 block_e=block_e or min(_pow2(max(n_sink, window, 1)), 1024),
                 block_m=block_m or min(_pow2(max(max_selected, 1)), 4096), block_d=max(_pow2(D), 16),
-                num_warps=num_warps, score_warps=score_warps or 4)
+                num_warps=num_warps, score_warps=score_warps or 4, fused=fused, pdl=pdl)
 
 
 def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end, n_sink,
@@ -468,26 +569,39 @@ def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_
     rows = B * Hsel
     if rows == 0 or S == 0:
         return out
-    cfg = _launch_config(K, D, n_sink, max_selected, window, **overrides)
+    cfg = _launch_config(K, D, n_sink, max_selected, window, **{"rows": rows, **overrides})
     keys = torch.empty((rows, max(K, 1)), dtype=torch.int32, device=q.device)
     mark = torch.empty((rows, max(max_selected, 1)), dtype=torch.int64, device=q.device)
     size, start, mem, ncl = (t.contiguous() for t in (cluster_size, cluster_start, members, n_clusters))
     fill, cend = fill.contiguous(), cluster_end.contiguous()
+    sel = dict(KB=cfg["kb"], TIERS=cfg["tiers"], ONE_CHUNK=cfg["one_chunk"], BLOCK_E=cfg["block_e"],
+               BLOCK_M=cfg["block_m"], ONE_M=cfg["block_m"] >= max_selected)
+    score = dict(
+        BLOCK_K=cfg["block_k"], BLOCK_D=cfg["block_d"],
+        GB=max(_pow2(G), 16),  # tl.dot's minimum
+        # fp16/bf16 products on the tensor cores; Triton's interpreter (CPU tensors) gets the fp32 dot, its
+        # fp16/bf16 dot being wrong
+        NATIVE_DOT=q.is_cuda and q.dtype == centroids.dtype and q.dtype != torch.float32,
+    )
+    if cfg["fused"]:
+        nb = triton.cdiv(max(K, 1), cfg["block_k"])
+        sem = counters(NAME, q, rows)
+        wrap_triton(_select_fused_kernel)[(nb, rows)](
+            q, centroids, size, start, mem, ncl, fill, cend, budget, keys, mark, sem, out,
+            q.stride(0), q.stride(1), q.stride(3), *centroids.stride(),
+            Hsel, Hkv, G, K, D, C, n_sink, max_selected, window, S, nb,
+            PER_HEAD=bool(per_query_head), **score, **sel, PDL=cfg["pdl"], num_warps=cfg["num_warps"],
+            **({"launch_pdl": True} if cfg["pdl"] else {}),
+        )
+        return out
     if K > 0:
         wrap_triton(_cluster_scores_kernel)[(triton.cdiv(K, cfg["block_k"]), B * Hkv)](
             q, centroids, ncl, keys, q.stride(0), q.stride(1), q.stride(3), *centroids.stride(), Hsel, Hkv, G, K, D,
-            PER_HEAD=bool(per_query_head), BLOCK_K=cfg["block_k"], BLOCK_D=cfg["block_d"],
-            GB=max(_pow2(G), 16),  # tl.dot's minimum
-            # fp16/bf16 products on the tensor cores; Triton's interpreter (CPU tensors) gets the fp32 dot, its
-            # fp16/bf16 dot being wrong
-            NATIVE_DOT=q.is_cuda and q.dtype == centroids.dtype and q.dtype != torch.float32,
-            num_warps=cfg["score_warps"],
+            PER_HEAD=bool(per_query_head), **score, num_warps=cfg["score_warps"],
         )
     wrap_triton(_select_clusters_kernel)[(rows,)](
         size, start, mem, ncl, fill, cend, budget, keys, mark, out, Hsel, Hkv, G, K, C, n_sink, max_selected, window, S,
-        PER_HEAD=bool(per_query_head), KB=cfg["kb"], TIERS=cfg["tiers"], ONE_CHUNK=cfg["one_chunk"],
-        BLOCK_E=cfg["block_e"], BLOCK_M=cfg["block_m"], ONE_M=cfg["block_m"] >= max_selected,
-        num_warps=cfg["num_warps"],
+        PER_HEAD=bool(per_query_head), **sel, num_warps=cfg["num_warps"],
     )
     return out
 
@@ -497,7 +611,7 @@ def triton_select_clusters(q, fill, budget, centroids, cluster_size, cluster_sta
                            **tuning):
     """The op on CUDA through Triton; validates shapes, dtypes and devices (reads no data). ``tuning`` overrides
     the launch choices (_launch_config's keywords: block_k, key_chunk, block_e, block_m, num_warps, score_warps,
-    tiers); it
+    tiers, fused, pdl); it
     is for the tests and the benchmark, the op never passes it. Every setting gives the same index."""
     if triton is None:
         raise NotImplementedError("triton_select_clusters needs Triton (pip install triton); "

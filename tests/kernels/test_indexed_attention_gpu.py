@@ -141,7 +141,12 @@ def _tuning_id(tuning):
 
 @pytest.mark.parametrize("tuning", [dict(num_splits=1), dict(num_splits=2), dict(num_splits=7), dict(num_splits=64),
                                     dict(block_n=16), dict(block_n=32), dict(block_n=128), dict(num_warps=8),
-                                    dict(num_stages=3), dict(num_stages=1)], ids=_tuning_id)
+                                    dict(num_stages=3), dict(num_stages=1), dict(fuse_combine=False),
+                                    dict(num_splits=7, fuse_combine=False), dict(fuse_combine=True),
+                                    dict(combine_rows=1, fuse_combine=True),
+                                    dict(num_splits=64, combine_rows=2, fuse_combine=True), dict(pdl=True),
+                                    dict(early_v=False), dict(early_v=False, num_splits=1),
+                                    dict(early_v=True, num_splits=1)], ids=_tuning_id)
 def test_launch_variants_agree(tuning):
     """Forced split counts, tile sizes, warps and stages (the benchmark's sweep space): the same function."""
     for kind in KINDS:

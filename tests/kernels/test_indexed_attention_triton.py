@@ -89,7 +89,13 @@ SHAPES = [
     (1, 7, 1, 1, 60, 64, 83),
     (1, 8, 2, 3, 30, 16, 21),
 ]
-TUNINGS = {"default": {}, "one-split": dict(block_n=16, num_splits=1), "splits": dict(block_n=16, num_splits=3)}
+# splits: merged by the last split of each tile (fuse_combine: the default per KV head), or by the combine launch;
+# combine_rows 1 and 2: the last split merges its tile's rows in several passes
+TUNINGS = {"default": {}, "one-split": dict(block_n=16, num_splits=1), "splits": dict(block_n=16, num_splits=3),
+           "combine-launch": dict(block_n=16, num_splits=3, fuse_combine=False),
+           "rows1": dict(block_n=16, num_splits=3, combine_rows=1, fuse_combine=True),
+           "rows2": dict(block_n=16, num_splits=4, combine_rows=2, fuse_combine=True),
+           "late-v": dict(block_n=16, num_splits=2, early_v=False)}
 
 
 def _id(shape):
@@ -97,7 +103,8 @@ def _id(shape):
 
 
 # (dtype, tuning): fp32 and bf16 split and not (fp32 with the launcher's own choice), fp16 split
-RUNS = [("fp32", "default"), ("fp32", "splits"), ("bf16", "splits"), ("bf16", "one-split"), ("fp16", "splits")]
+RUNS = [("fp32", "default"), ("fp32", "splits"), ("bf16", "splits"), ("bf16", "one-split"), ("fp16", "splits"),
+        ("fp32", "combine-launch"), ("fp32", "rows1"), ("bf16", "rows2"), ("fp32", "late-v")]
 
 
 @pytest.mark.parametrize("kind", ("per_kv", "per_q"))
@@ -117,7 +124,7 @@ def test_minus_one_tiles_and_splits(dtype, kind):
     q, keys, values, bias, index = make_inputs(B, Hq, Hkv, T, C, D, S, dtype, kind, seed=1)
     index[0, :, 16:32] = -1  # tile 1 of 16 entries; with 4 splits of 1 tile, split 1 is all -1
     index[1, 0] = -1
-    for tuning in ({}, dict(block_n=16, num_splits=4)):
+    for tuning in ({}, dict(block_n=16, num_splits=4), dict(block_n=16, num_splits=4, fuse_combine=False)):
         out = check(q, keys, values, bias, index, 0.125, **tuning)
         heads = range(Hq // Hkv) if kind == "per_kv" else [0]
         assert all((out[1, hq] == 0).all() for hq in heads)
@@ -189,4 +196,17 @@ def test_decode_launch_config(B, Hq, Hkv, kind, S):
     more = ia._launch_config(B, Hsel, Hq // Hsel, 1, S, 128, sms, num_splits=n + 1)["num_splits"]
     assert B * Hsel * (n + 1) > 2 * sms or more == n or n == tiles, (cfg, more)
     if (B, Hq, Hkv, S) == (1, 32, 8, 1344):  # Llama-3.1-8B, ClusterKV's S: 21 tiles of 64
-        assert (n, cfg["entries_per_split"]) == ((21, 64) if kind == "per_kv" else (7, 192)), cfg
+        assert (n, cfg["entries_per_split"]) == ((11, 128) if kind == "per_kv" else (7, 192)), cfg
+
+
+def test_counters_are_left_at_zero():
+    """The last split of each tile resets its counter (kvrewrite.kernels._semaphores): 0 after every launch, and a
+    second launch (other splits, rows and heads) is right too."""
+    from kvrewrite.kernels._semaphores import counters
+
+    for kind, tuning in (("per_kv", dict(block_n=16, num_splits=3)),
+                         ("per_q", dict(block_n=16, num_splits=2, fuse_combine=True))):
+        q, keys, values, bias, index = make_inputs(2, 8, 2, 3, 40, 16, 45, torch.float32, kind, seed=7)
+        first = check(q, keys, values, bias, index, 0.25, **tuning)
+        assert counters("kvrewrite::indexed_attention", q, 64).eq(0).all()
+        torch.testing.assert_close(check(q, keys, values, bias, index, 0.25, **tuning), first, atol=0, rtol=0)

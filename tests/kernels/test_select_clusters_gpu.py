@@ -73,11 +73,15 @@ def test_matches_reference(shape, dtype, per_query_head):
 
 @pytest.mark.parametrize("tuning", [dict(tiers=False), dict(key_chunk=512), dict(key_chunk=2048), dict(num_warps=4),
                                     dict(block_k=32, block_e=32, block_m=128),
-                                    dict(block_k=128, num_warps=16, score_warps=8)],
+                                    dict(block_k=128, num_warps=16, score_warps=8), dict(fused=False),
+                                    dict(fused=False, num_warps=2, block_k=32), dict(num_warps=1, block_k=32),
+                                    dict(num_warps=2), dict(num_warps=8, block_k=128), dict(fused=True, pdl=True),
+                                    dict(fused=True), dict(fused=True, num_warps=4, block_k=32),
+                                    dict(fused=True, block_k=128, tiers=False)],
                          ids=lambda t: "-".join(f"{k}{v}" for k, v in t.items()))
 def test_launch_variants_agree(tuning):
-    """Register tiers off, the chunked passes (n_clusters > key_chunk), other tiers, block sizes and warps: the same
-    index."""
+    """Register tiers off, the chunked passes (n_clusters > key_chunk), other tiers, block sizes and warps, the
+    two-launch form (fused=False), a programmatic dependent launch: the same index."""
     for per_query_head, budget in [(True, 1024), (False, 300)]:
         shape = LLAMA_128K[:-1] + (budget,)
         q, st = _state(*shape, torch.bfloat16, seed=budget)
@@ -187,3 +191,47 @@ def test_compile_fullgraph(per_query_head):
         x = make_q(B, Hq, D, torch.bfloat16, "cuda", 10 + seed).transpose(1, 2).reshape(B, Hq * D).contiguous()
         assert torch.equal(graphed(x).clone(), step(x)), seed
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("per_query_head", [True, False], ids=["per_q", "shared"])
+def test_step_graph_replays_fused_and_pdl(per_query_head):
+    """Two decode steps (select_clusters then indexed_attention, twice: each launch's counters must be back at 0 for
+    the next) captured in one CUDA graph: default launches, the one-launch selection (fused), and with programmatic
+    dependent launches (pdl); replayed three times on new states and queries: the index equals the CPU reference's
+    and the outputs the eager ops'."""
+    from kvrewrite.kernels import indexed_attention as ia
+
+    kw = dict(n_sink=16, max_selected=1008, window=320, per_query_head=per_query_head)
+    q, st = _cuda_state(11)
+    C, D = st["members"].shape[2], q.shape[-1]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    keys = torch.randn(1, 8, C, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    values = torch.randn(1, 8, C, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    bias = torch.zeros(1, 8, C, device="cuda")
+    for tuning, att_tuning in (({}, {}), (dict(fused=True), {}), (dict(fused=True, pdl=True), dict(pdl=True))):
+        outs = []
+
+        def steps():
+            for _ in range(2):
+                idx = sc.triton_select_clusters(q, *(st[a] for a in ARGS), **kw, **tuning)
+                outs.append((idx, ia.triton_indexed_attention(q, keys, values, bias, idx, D**-0.5, **att_tuning)))
+
+        steps()
+        torch.cuda.synchronize()
+        outs.clear()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            steps()
+        for seed, budget in [(12, 1024), (13, 300), (14, 1024)]:
+            q2, st2 = _cuda_state(seed, budget)
+            q.copy_(q2)
+            for a in ARGS:
+                st[a].copy_(st2[a])
+            graph.replay()
+            torch.cuda.synchronize()
+            want_idx = sc.reference_select_clusters(q.cpu(), *(st[a].cpu() for a in ARGS), **kw)
+            want = ia.triton_indexed_attention(q, keys, values, bias, want_idx.cuda(), D**-0.5, fuse_combine=False)
+            for idx, out in outs:
+                assert torch.equal(idx.cpu(), want_idx), f"{tuning} replay {seed}: index"
+                torch.testing.assert_close(out, want, atol=1e-2, rtol=1e-2, msg=f"{tuning} replay {seed}")
+        del graph

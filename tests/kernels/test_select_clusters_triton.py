@@ -22,8 +22,10 @@ from kvrewrite.kernels import select_clusters as sc  # noqa: E402
 from tests.kernels.test_select_clusters import ARGS, make_q, make_state  # noqa: E402
 
 # 16 key lanes (chunked passes past 16 clusters), 4-8 position blocks; tiers of 8 / 32 / 64 lanes, chunked past 64
-SMALL = [dict(key_chunk=16, block_e=4, block_m=8), dict(key_chunk=64, block_e=8, block_m=16, tiers=True)]
-DEFAULT = [dict(), dict(tiers=False, num_warps=2)]
+# (scores and selection as two launches by default; fused=True: one launch)
+SMALL = [dict(key_chunk=16, block_e=4, block_m=8), dict(key_chunk=64, block_e=8, block_m=16, tiers=True),
+         dict(key_chunk=16, block_e=4, block_m=8, block_k=16, fused=True)]
+DEFAULT = [dict(), dict(tiers=False, num_warps=2), dict(fused=True)]
 
 
 @pytest.fixture(autouse=True)
@@ -111,3 +113,18 @@ def test_unused_centroids_are_never_read():
     st["centroids"] = st["centroids"].masked_fill(zero[..., None] & ~st["centroids"].isnan(), float("inf"))
     check(q, st, 2, 16, 2, True, SMALL)
     assert torch.equal(sc._launch(q, *(st[a] for a in ARGS), 2, 16, 2, True), want)
+
+
+def test_counters_are_left_at_zero():
+    """The fused launch's per-row counters (kvrewrite.kernels._semaphores) are back at 0 after every launch, so the
+    next launch (and a CUDA graph replay) finds them ready; two launches in a row give the same index."""
+    from kvrewrite.kernels._semaphores import counters
+
+    st = make_state(2, 2, 40, 16, n_sink=2, window=3, budget=20, seed=5)
+    q = make_q(2, 4, 16, torch.bfloat16, 5)
+    for per_query_head in (True, False):
+        first = sc._launch(q, *(st[a] for a in ARGS), 2, 30, 3, per_query_head, block_k=16)
+        assert counters(sc.NAME, q, 8).eq(0).all()
+        again = sc._launch(q, *(st[a] for a in ARGS), 2, 30, 3, per_query_head, block_k=16)
+        assert torch.equal(first, again)
+        check(q, st, 2, 30, 3, per_query_head, [dict(block_k=16)])
