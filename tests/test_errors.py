@@ -75,11 +75,13 @@ AttentionInterface.register("kvrewrite_test_normalized_keys", _sdpa_on_normalize
 
 
 def test_attention_statistics_under_a_logit_soft_cap_are_refused():
-    """H2O/SnapKV observe the softmax; Gemma-2's capped logits would make their scores wrong: refused by name."""
+    """H2O/SnapKV/KVMerger observe the softmax; Gemma-2's capped logits would make their scores wrong: refused by
+    name."""
     model = tiny_model("gemma2-softcap-alternating")
-    with pytest.raises(RewriteError, match=r"gemma2-3l .*layer 1: .*method 'h2o' observes the attention "
-                                           r"probabilities, but this layer caps its logits \(softcap=5\.0\)"):
-        kvrewrite.apply(model, "h2o", max_length=32, prefill_chunk=CHUNK)
+    for method in ("h2o", "kvmerger"):
+        with pytest.raises(RewriteError, match=rf"gemma2-3l .*layer 1: .*method '{method}' observes the attention "
+                                               r"probabilities, but this layer caps its logits \(softcap=5\.0\)"):
+            kvrewrite.apply(model, method, max_length=32, prefill_chunk=CHUNK)
 
 
 def test_attention_without_sdpa_is_refused():
@@ -104,7 +106,8 @@ def test_sdpa_not_reading_the_cache_names_layer_and_node():
 @pytest.mark.parametrize("budget", [0, -0.1, 1.5, -3, "0.5", [16]],
                          ids=["zero", "negative", "above_one", "negative_int", "str", "list"])
 @pytest.mark.parametrize("method,cls", [("chelsea", "ChelseaMethod"), ("streamingllm", "StreamingLLMMethod"),
-                                        ("h2o", "H2OMethod"), ("snapkv", "SnapKVMethod")])
+                                        ("h2o", "H2OMethod"), ("snapkv", "SnapKVMethod"),
+                                        ("kvmerger", "KVMergerMethod")])
 def test_budget_neither_fraction_nor_slots(llama, method, cls, budget):
     msg = (rf"{cls}\.budget must be a float in \(0, 1\] \(a fraction of n \+ max_new_tokens\) or an int >= 1 "
            rf"\(slots per KV head\), got {re.escape(repr(budget))}")
@@ -134,6 +137,13 @@ BAD_SETTINGS = [
     (dict(method="chelsea", n_sink=False), r"ChelseaMethod\.n_sink must be an int, not a bool, got False"),
     (dict(method="chelsea", r_alpha=True), r"ChelseaMethod\.r_alpha must be a number, not a bool, got True"),
     (dict(method="streamingllm", n_sink=True), r"StreamingLLMMethod\.n_sink must be an int, not a bool, got True"),
+    (dict(method="kvmerger", hh_ratio=0.7), r"KVMergerMethod: recent_ratio \+ hh_ratio must be <= 1 .*0\.34 \+ "
+                                            r"0\.7"),
+    (dict(method="kvmerger", epsilon=1.5), r"KVMergerMethod\.epsilon must be a cosine threshold in \[-1, 1\), "
+                                           r"got 1\.5"),
+    (dict(method="kvmerger", reading="tree"), r"KVMergerMethod\.reading must be one of \('chain', 'anchor'\), "
+                                              r"got 'tree'"),
+    (dict(method="kvmerger", n_sink=True), r"KVMergerMethod\.n_sink must be an int, not a bool, got True"),
     (dict(method="chelsea", nonsense=1), r"bad option for method 'chelsea'.*nonsense"),
     (dict(method="full", batch_size=0), r"batch_size must be an int >= 1, got 0"),
     (dict(method="full", prefill_chunk=1), r"prefill_chunk must be an int >= 2, got 1"),
@@ -156,8 +166,8 @@ def test_method_instance_and_options_are_exclusive(llama):
 
 
 def test_unknown_method_lists_the_known_ones(llama):
-    with pytest.raises(ValueError, match=r"unknown method 'pyramidkv'; known methods: chelsea, clusterkv, full, h2o, snapkv, "
-                                         r"streamingllm"):
+    with pytest.raises(ValueError, match=r"unknown method 'pyramidkv'; known methods: chelsea, clusterkv, full, h2o, "
+                                         r"kvmerger, snapkv, streamingllm"):
         kvrewrite.apply(llama, "pyramidkv")
 
 

@@ -59,7 +59,7 @@ def test_quick_grid_tiny(tmp_path):
     cfg = tiny_config(tmp_path, context_lengths=(80, 112))
     paths = run_grid(cfg, model=tiny_model("llama"), tokenizer=CharTokenizer(), text_loader=synthetic_text)
     assert [p.name for p in paths] == ["nll.json", "needle.json", "fidelity.json"]
-    cells = {(m, b) for m in ("streamingllm", "chelsea", "h2o", "snapkv", "clusterkv") for b in cfg.budgets}
+    cells = {(m, b) for m in ("streamingllm", "chelsea", "h2o", "snapkv", "clusterkv", "kvmerger") for b in cfg.budgets}
     for path in paths:
         data = json.loads(path.read_text())
         assert data["complete"] and data["model"] == "tiny-llama" and data["settings"]["prefill"] == "shared"
@@ -85,7 +85,10 @@ def test_quick_grid_tiny(tmp_path):
         if data["task"] == "fidelity":
             for r in runs:
                 m = r["metrics"]
-                assert 0 < m["attn_rel_err"] < 2 and 0 <= m["topk_recall_exact"] <= m["topk_recall"] <= 1
+                # kvmerger's default values="scale" (the paper's |S| multiplier) weights only the numerator: its
+                # outputs grow with the set sizes (3.3-3.6 at budget 0.2 here; values="bias": 0.01)
+                bound = 10 if r["method"] == "kvmerger" else 2
+                assert 0 < m["attn_rel_err"] < bound and 0 <= m["topk_recall_exact"] <= m["topk_recall"] <= 1
                 assert len(m["per_layer"]["attn_rel_err"]) == 2
                 if r["method"] == "streamingllm":  # eviction keeps tokens verbatim
                     assert m["topk_recall"] == m["topk_recall_exact"]
@@ -225,7 +228,7 @@ def test_exact_match():
 
 @pytest.mark.parametrize("argv,message", [
     (["--model", "no-such-model"], "unknown model 'no-such-model'"),
-    (["--methods", "full,snapkvv"], "unknown method(s) 'snapkvv'; known methods: full, streamingllm, chelsea, h2o, snapkv, clusterkv"),
+    (["--methods", "full,snapkvv"], "unknown method(s) 'snapkvv'; known methods: full, streamingllm, chelsea, h2o, snapkv, clusterkv, kvmerger"),
     (["--task", "nll,ppl"], "unknown task(s) 'ppl'; known tasks: nll, needle, fidelity"),
     (["--budgets", "0.2,1.5"], "budgets are fractions of the tokens kept, in (0, 1]"),
     (["--option", "chelsea.n_sinks=3"], "bad option for method 'chelsea'"),

@@ -17,6 +17,7 @@ from kvrewrite.kernels import (  # noqa: F401
     gemv,
     indexed_attention,
     kmeans_cluster,
+    kvmerger_compress,
     observed_attention,
     select_clusters,
 )

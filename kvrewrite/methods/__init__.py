@@ -4,11 +4,12 @@ from kvrewrite.methods.chelsea import ChelseaMethod
 from kvrewrite.methods.clusterkv import ClusterKVMethod
 from kvrewrite.methods.full import FullMethod
 from kvrewrite.methods.h2o import H2OMethod
+from kvrewrite.methods.kvmerger import KVMergerMethod
 from kvrewrite.methods.snapkv import SnapKVMethod
 from kvrewrite.methods.streamingllm import StreamingLLMMethod
 
 METHODS = {m.name: m for m in (FullMethod, StreamingLLMMethod, ChelseaMethod, H2OMethod, SnapKVMethod,
-                               ClusterKVMethod)}
+                               ClusterKVMethod, KVMergerMethod)}
 
 
 def make_method(method, budget=None, **kwargs) -> Method:
