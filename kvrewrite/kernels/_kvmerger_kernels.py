@@ -93,6 +93,7 @@ def _select_top(KEYS, FLAG, n, K, base, BLOCK: tl.constexpr, CH: tl.constexpr):
     _KEY_NEG_INF are never selected (the caller guarantees K <= the count above it); K == 0 selects none."""
     thr = tl.full([], _I32_MAX, tl.int32)
     need = tl.zeros([], tl.int32)
+    n_eq = tl.zeros([], tl.int32)
     if K > 0:
         thr, need, n_eq = _kth_largest(KEYS + base, n, K, BLOCK, True)
     carry = tl.zeros([], tl.int32)
