@@ -1,7 +1,6 @@
 """Triton kernels of kvrewrite::kvmerger_compress (private: the op's file owns the schema, the reference and
 the registration; its CUDA path calls triton_kvmerger_compress). The semantics are the op's contract
-(reading "chain", budget modes "exact" and "epsilon", every sigma_mode and values_mode); reading "anchor"
-is not implemented here: the launcher raises NotImplementedError and the reference handles it.
+(readings "chain" and "anchor", budget modes "exact" and "epsilon", every sigma_mode and values_mode).
 
 For every row (b, kv-head) with fill >= budget[1] (rows not due are untouched bit for bit): the valid slots in
 slot order v_0 .. v_{N-1}; if N > Bt = budget[0], sinks, the recent window and the heavy hitters are protected,
@@ -26,9 +25,11 @@ is deterministic (no atomics). Launches:
 2. cosine (grid slot blocks x rows): c_i = cos(k_{v_i}, k_{v_{i+1}}) in fp32 for every adjacent valid pair
    (elementwise products summed in fp32: no tensor cores, exact for 16-bit keys' products).
 3. join (grid rows): joinable pairs (both mergeable); J = N - Bt joins: "exact" the J largest c_i, "epsilon"
-   every c_i > epsilon or, if fewer, the J largest (the same K-th largest selection, ties to the earlier pair);
-   fewer than J joinable pairs: all of them, then the J - #joinable set slots with the lowest summed score
-   (ties: the earlier; segmented scan sums) are evicted. The sets (maximal runs of joined pairs) are listed,
+   every c_i > epsilon or, if fewer, the J largest (the same K-th largest selection, ties to the earlier pair).
+   Reading "anchor" first walks the ranks backwards one at a time (the anchor's key in registers, one key load
+   and one dot per rank: a latency-bound serial loop, ~N dependent loads per row), then joins the largest of
+   the remaining c_i while the row holds more than Bt. Fewer joinable pairs than needed: all of them, then the
+   surplus set slots with the lowest summed score (ties: the earlier; segmented-scan sums) are evicted. The sets (maximal runs of joined pairs) are listed,
    the kept ones compacted: OST[o], OCN[o] = first rank and member count of output slot o; INFO[row][1] = the
    kept count.
 4. merge (grid output blocks x rows): each program takes MERGE_SLOTS output slots; single-member sets are
@@ -55,7 +56,7 @@ import torch
 
 from kvrewrite.kernels._slot_kernels import _check_state
 from kvrewrite.kernels._triton_op import triton_jit
-from kvrewrite.kernels.evict_by_score import MAX_SLOTS, _f64, _kth_largest, _order_key
+from kvrewrite.kernels.evict_by_score import MAX_SLOTS, _f64, _kth_largest, _order_key, _select_warps
 
 try:
     import triton
@@ -198,9 +199,10 @@ def _kvm_cosine_kernel(K, BUDGET, SOR, INFO, COS, C, D, BS: tl.constexpr, BLOCK_
 
 
 # -- launch 3: join ----------------------------------------------------------------------------------
-@triton_jit(do_not_specialize=["C", "eps_bits"])
-def _kvm_join_kernel(BUDGET, SCR, PROT, COS, KEYP, JOIN, SST, SSUM, OST, OCN, INFO, C, eps_bits,
-                     EPSILON_MODE: tl.constexpr, BLOCK: tl.constexpr, CH: tl.constexpr):
+@triton_jit(do_not_specialize=["C", "D", "eps_bits"])
+def _kvm_join_kernel(K, BUDGET, SOR, SCR, PROT, COS, KEYP, JOIN, J1, SST, SSUM, OST, OCN, INFO, C, D, eps_bits,
+                     EPSILON_MODE: tl.constexpr, ANCHOR: tl.constexpr, BLOCK: tl.constexpr, CH: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * C
     due = tl.load(INFO + 2 * row)
@@ -210,7 +212,29 @@ def _kvm_join_kernel(BUDGET, SCR, PROT, COS, KEYP, JOIN, SST, SSUM, OST, OCN, IN
         merge = N.to(tl.int64) > target
         J = tl.where(merge, N.to(tl.int64) - target, 0).to(tl.int32)
         eps = _f64(eps_bits)
-        # joinable pairs, their keys, the counts
+        n1 = tl.zeros([], tl.int32)  # pairs joined by the anchor pass
+        if ANCHOR:
+            if merge:  # sequential, from the last rank backwards: the anchor is the current set's right-most
+                d = tl.arange(0, BLOCK_D)
+                s_last = tl.load(SOR + base + N - 1).to(tl.int64)
+                ka = tl.load(K + (base + s_last) * D + d, mask=d < D, other=0.0).to(tl.float32)
+                na = tl.sqrt_rn(tl.sum(ka * ka, axis=0))
+                for t in range(0, N - 1):
+                    jj = N - 2 - t
+                    pa = tl.load(PROT + base + jj)
+                    pb = tl.load(PROT + base + jj + 1)
+                    sj = tl.load(SOR + base + jj).to(tl.int64)
+                    kj = tl.load(K + (base + sj) * D + d, mask=d < D, other=0.0).to(tl.float32)
+                    nj = tl.sqrt_rn(tl.sum(kj * kj, axis=0))
+                    nn = na * nj
+                    c = tl.where(nn > 0.0, tl.div_rn(tl.sum(ka * kj, axis=0), tl.where(nn > 0.0, nn, 1.0)), 0.0)
+                    jn = (pa == 0) & (pb == 0) & (c.to(tl.float64) > eps)
+                    tl.store(J1 + base + jj, jn.to(tl.int32))
+                    n1 += jn.to(tl.int32)
+                    ka = tl.where(jn, ka, kj)
+                    na = tl.where(jn, na, nj)
+                tl.debug_barrier()
+        # joinable pairs (not joined yet), their keys, the counts
         n_join = tl.zeros([], tl.int32)
         n_eps = tl.zeros([], tl.int32)
         for c0 in range(0, N, CH):
@@ -219,15 +243,26 @@ def _kvm_join_kernel(BUDGET, SCR, PROT, COS, KEYP, JOIN, SST, SSUM, OST, OCN, IN
             pa = tl.load(PROT + base + j, mask=m, other=1)
             pb = tl.load(PROT + base + j + 1, mask=m, other=1)
             ok = m & (pa == 0) & (pb == 0)
+            cand = ok
+            if ANCHOR:
+                cand = ok & (tl.load(J1 + base + j, mask=ok, other=0) == 0)
             c = tl.load(COS + base + j, mask=ok, other=0.0)
             k = tl.maximum(_order_key(c), _KEY_NEG_INF + 1)
-            tl.store(KEYP + base + j, tl.where(ok, k, _KEY_NEG_INF), mask=j < N)
+            tl.store(KEYP + base + j, tl.where(cand, k, _KEY_NEG_INF), mask=j < N)
             n_join += tl.sum(ok.to(tl.int32), axis=0)
-            if EPSILON_MODE:
+            if EPSILON_MODE and not ANCHOR:
                 n_eps += tl.sum((ok & (c.to(tl.float64) > eps)).to(tl.int32), axis=0)
         tl.debug_barrier()
-        n_sel = tl.minimum(tl.maximum(J, n_eps), n_join)
+        n_sel = tl.minimum(tl.maximum(J - n1, n_eps), n_join - n1)
         _select_top(KEYP, JOIN, N, n_sel, base, BLOCK, CH)
+        if ANCHOR:
+            for c0 in range(0, N, CH):
+                j = c0 + tl.arange(0, CH)
+                m = merge & (j + 1 < N)
+                a1 = tl.load(J1 + base + j, mask=m, other=0)
+                tl.store(JOIN + base + j, tl.load(JOIN + base + j, mask=m, other=0) | a1, mask=m)
+            tl.debug_barrier()
+        n_sel += n1
         # sets: a rank starts one unless joined to its predecessor; SST[set] = its first rank; SSUM[set] = its
         # summed score (segmented scan, carried across chunks), read only by the fallback
         n_sets = tl.zeros([], tl.int32)
@@ -450,9 +485,6 @@ def _check_options(n_recent, n_heavy, n_sink, epsilon, sigma, sigma_mode, values
             raise ValueError(f"{NAME}: {field} must be in [0, 1], got {v!r}")
     if not sigma >= 0.0:
         raise ValueError(f"{NAME}: sigma must be >= 0, got {sigma!r}")
-    if reading == "anchor":
-        raise NotImplementedError(f"{NAME}: reading='anchor' has no Triton kernel; the op's reference "
-                                  "(kvrewrite::kvmerger_compress on CPU tensors) handles it")
 
 
 def triton_kvmerger_compress(keys, values, bias, slot_pos, fill, budget, score, degree, *, n_recent: int = 0,
@@ -464,7 +496,8 @@ def triton_kvmerger_compress(keys, values, bias, slot_pos, fill, budget, score, 
     """Launch the five kernels (module docstring); mutates keys, values, bias, slot_pos, fill, score, degree in
     place. R = n_recent + floor(recent_ratio * budget[0]), H = n_heavy + floor(hh_ratio * budget[0]) (on the
     device). chunk, cos_slots, merge_slots, copy_slots (powers of two) override CHUNK, COS_SLOTS, MERGE_SLOTS,
-    COPY_SLOTS; every value gives the same result. Under TRITON_INTERPRET=1 it runs on CPU tensors (how the kernels are tested without a GPU)."""
+    COPY_SLOTS; every value gives the same result (but for the fallback's set-score sums, which chunk changes the
+    rounding of: an exact tie decided by the last ulp could go the other way). Under TRITON_INTERPRET=1 it runs on CPU tensors (how the kernels are tested without a GPU)."""
     if triton is None:
         raise NotImplementedError(f"{NAME} needs Triton (pip install triton)")
     _check_options(n_recent, n_heavy, n_sink, epsilon, sigma, sigma_mode, values_mode, reading, budget_mode,
@@ -489,20 +522,21 @@ def triton_kvmerger_compress(keys, values, bias, slot_pos, fill, budget, score, 
     ch = min(block, chunk or CHUNK)
     cs, ms, ps = cos_slots or COS_SLOTS, merge_slots or MERGE_SLOTS, copy_slots or COPY_SLOTS
     block_d = triton.next_power_of_2(D)
-    ws = torch.empty(13, rows, C, dtype=torch.int32, device=dev)  # row scratch (int32 / fp32 views)
-    sor, dgr, prot, keyp, join, sst, ost, ocn = (ws[i] for i in range(8))
-    scr, bir, cos, ssum, dist = (ws[i].view(torch.float32) for i in range(8, 13))
+    ws = torch.empty(14, rows, C, dtype=torch.int32, device=dev)  # row scratch (int32 / fp32 views)
+    sor, dgr, prot, keyp, join, j1, sst, ost, ocn = (ws[i] for i in range(9))
+    scr, bir, cos, ssum, dist = (ws[i].view(torch.float32) for i in range(9, 14))
     por = torch.empty(rows, C, dtype=torch.int64, device=dev)
     info = torch.empty(rows, 2, dtype=torch.int32, device=dev)
     xk = torch.empty_like(keys)
     xv = torch.empty_like(values)
     _kvm_rank_kernel[(rows,)](bias, slot_pos, score, degree, fill, budget, sor, scr, por, dgr, bir, prot, keyp,
                               info, C, n_sink, n_recent, n_heavy, _bits(recent_ratio), _bits(hh_ratio),
-                              BLOCK=block, CH=ch)
+                              BLOCK=block, CH=ch, num_warps=_select_warps(block))
     _kvm_cosine_kernel[(triton.cdiv(C, cs), rows)](keys, budget, sor, info, cos, C, D, BS=cs,
                                                            BLOCK_D=block_d)
-    _kvm_join_kernel[(rows,)](budget, scr, prot, cos, keyp, join, sst, ssum, ost, ocn, info, C, _bits(epsilon),
-                              EPSILON_MODE=budget_mode == "epsilon", BLOCK=block, CH=ch)
+    _kvm_join_kernel[(rows,)](keys, budget, sor, scr, prot, cos, keyp, join, j1, sst, ssum, ost, ocn, info, C, D,
+                              _bits(epsilon), EPSILON_MODE=budget_mode == "epsilon", ANCHOR=reading == "anchor",
+                              BLOCK=block, CH=ch, BLOCK_D=block_d, num_warps=_select_warps(block))
     _kvm_merge_kernel[(triton.cdiv(C, ms), rows)](
         keys, values, xk, xv, bias, slot_pos, score, degree, sor, scr, por, dgr, bir, ost, ocn, dist, info, C, D,
         _bits(sigma), SIGMA_MODE=SIGMA_MODES.index(sigma_mode), VALUES_BIAS=values_mode == "bias",

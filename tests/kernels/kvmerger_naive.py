@@ -1,4 +1,5 @@
-"""A NAIVE float64 python-loop implementation of the kvrewrite::kvmerger_compress contract (reading "chain"),
+"""A NAIVE float64 python-loop implementation of the kvrewrite::kvmerger_compress contract (readings "chain" and
+"anchor"),
 separate code from the op's reference and kernels: the tests' ground truth. Also the tests' state builder.
 
 Counts as the Triton launcher takes them: R = n_recent + floor(recent_ratio * Bt), H = n_heavy + floor(hh_ratio *
@@ -18,7 +19,7 @@ def cosine(a, b):
 
 def naive_kvmerger(keys, values, bias, slot_pos, fill, budget, score, degree, *, n_recent=0, n_heavy=0, n_sink=0,
                    epsilon=0.75, sigma=5.0, sigma_mode="fixed", values_mode="scale", budget_mode="exact",
-                   recent_ratio=0.0, hh_ratio=0.0):
+                   recent_ratio=0.0, hh_ratio=0.0, reading="chain"):
     """Returns (new state dict of CPU tensors, info dict per row: {"fallback": bool, "N": int})."""
     out = {k: t.clone().cpu() for k, t in dict(keys=keys, values=values, bias=bias, slot_pos=slot_pos, fill=fill,
                                                   score=score, degree=degree).items()}
@@ -54,7 +55,19 @@ def naive_kvmerger(keys, values, bias, slot_pos, fill, budget, score, degree, *,
                 c = {i: cosine(K[slots[i]], K[slots[i + 1]]) for i in joinable}
                 J = N - bt
                 ranked = sorted(joinable, key=lambda i: (-c[i], i))
-                if J > len(joinable):
+                n_ev = J - len(joinable)
+                if reading == "anchor":
+                    joined, anchor = set(), N - 1
+                    for j in range(N - 2, -1, -1):
+                        if j in c and cosine(K[slots[anchor]], K[slots[j]]) > epsilon:
+                            joined.add(j)
+                        else:
+                            anchor = j
+                    rest = [i for i in ranked if i not in joined]
+                    need = max(J - len(joined), 0)
+                    joined |= set(rest[:need])
+                    fallback = need > len(rest)
+                elif J > len(joinable):
                     joined = set(joinable)
                     fallback = True
                 elif budget_mode == "exact":
@@ -69,7 +82,6 @@ def naive_kvmerger(keys, values, bias, slot_pos, fill, budget, score, degree, *,
                     else:
                         sets.append([i])
                 if fallback:
-                    n_ev = J - len(joinable)
                     merg = [s for s in sets if not prot[s[0]]]
                     merg.sort(key=lambda s: (sum(float(sc[slots[i]]) for i in s), s[0]))
                     gone = {id(s) for s in merg[:n_ev]}

@@ -95,3 +95,15 @@ def test_cuda_graph_replay():
         graph.replay()
         torch.cuda.synchronize()
         compare(static, fresh, budget, opts)
+
+
+@pytest.mark.parametrize("budget_mode", ["exact", "epsilon"])
+def test_anchor_reading(budget_mode):
+    s = state(torch.bfloat16, seed=17)
+    orig = {f: t.clone() for f, t in s.items()}
+    budget = torch.tensor(BUDGET, device="cuda")
+    opts = dict(n_sink=1, recent_ratio=0.34, hh_ratio=0.24, epsilon=0.3, reading="anchor", budget_mode=budget_mode,
+                values_mode="bias", sigma_mode="distance")
+    kk.triton_kvmerger_compress(*(s[f] for f in FIELDS[:5]), budget, s["score"], s["degree"], **opts)
+    info = compare(s, orig, budget, opts)
+    assert any(len(st) > 1 for i in info.values() for st in i["sets"])

@@ -166,8 +166,7 @@ def test_identical_keys_sigma_zero():
     assert not torch.isnan(got["keys"]).any()
 
 
-@pytest.mark.parametrize("bad,err", [(dict(reading="anchor"), NotImplementedError),
-                                     (dict(reading="tree"), ValueError), (dict(sigma_mode="x"), ValueError),
+@pytest.mark.parametrize("bad,err", [(dict(reading="tree"), ValueError), (dict(sigma_mode="x"), ValueError),
                                      (dict(values_mode="x"), ValueError), (dict(budget_mode="x"), ValueError),
                                      (dict(n_recent=-1), ValueError), (dict(hh_ratio=1.5), ValueError)])
 def test_errors(bad, err):
@@ -187,3 +186,19 @@ def test_epsilon_joins_more_than_needed():
     check(got, want, orig, BUDGET)
     due = orig["fill"] >= BUDGET[1]
     assert (got["fill"][due] < 14).any(), "no head went below the budget: the test is too weak"
+
+
+@pytest.mark.parametrize("budget_mode", ["exact", "epsilon"])
+@pytest.mark.parametrize("epsilon,budget,fallback", [(0.9, 14, False), (-0.2, 14, False), (0.9, 8, True)])
+def test_anchor_reading(budget_mode, epsilon, budget, fallback):
+    """reading "anchor": the backward anchor pass, then the largest boundary cosines, then the fallback."""
+    s = make_state(**STATE, fills=FILLS, seed=16)
+    b = torch.tensor([budget, 25])
+    opts = dict(n_recent=2, n_heavy=2 if budget > 8 else 4, n_sink=1, epsilon=epsilon, reading="anchor",
+                budget_mode=budget_mode, sigma_mode="distance", values_mode="bias")
+    got, want, info, orig = run_both(s, b, opts)
+    check(got, want, orig, b)
+    assert any(len(st) > 1 for i in info.values() for st in i["sets"])
+    assert any(i["fallback"] for i in info.values()) == fallback
+    if epsilon < 0:  # the anchor pass joins more than needed: heads below the budget
+        assert (got["fill"][orig["fill"] >= 25] < budget).any()
