@@ -29,9 +29,9 @@ is deterministic (no atomics). Launches:
    Reading "anchor" first walks the ranks backwards one at a time (the anchor's key in registers, one key load
    and one dot per rank: a latency-bound serial loop, ~N dependent loads per row), then joins the largest of
    the remaining c_i while the row holds more than Bt. Fewer joinable pairs than needed: all of them, then the
-   surplus set slots with the lowest summed score (ties: the earlier; segmented-scan sums) are evicted. The sets (maximal runs of joined pairs) are listed,
-   the kept ones compacted: OST[o], OCN[o] = first rank and member count of output slot o; INFO[row][1] = the
-   kept count.
+   surplus set slots with the lowest summed score (ties: the earlier; segmented-scan sums) are evicted. The
+   sets (maximal runs of joined pairs) are listed, the kept ones compacted: OST[o], OCN[o] = first rank and
+   member count of output slot o; INFO[row][1] = the kept count.
 4. merge (grid output blocks x rows): each program takes MERGE_SLOTS output slots; single-member sets are
    copied as one tile, each larger set is merged by a loop over its members (pivot = largest score, distances,
    sigma by sigma_mode, weights g_i d_i / sum, keys and values in fp32) into a staging copy XK/XV; the metadata
@@ -497,7 +497,8 @@ def triton_kvmerger_compress(keys, values, bias, slot_pos, fill, budget, score, 
     place. R = n_recent + floor(recent_ratio * budget[0]), H = n_heavy + floor(hh_ratio * budget[0]) (on the
     device). chunk, cos_slots, merge_slots, copy_slots (powers of two) override CHUNK, COS_SLOTS, MERGE_SLOTS,
     COPY_SLOTS; every value gives the same result (but for the fallback's set-score sums, which chunk changes the
-    rounding of: an exact tie decided by the last ulp could go the other way). Under TRITON_INTERPRET=1 it runs on CPU tensors (how the kernels are tested without a GPU)."""
+    rounding of: an exact tie decided by the last ulp could go the other way). Under TRITON_INTERPRET=1 it runs
+    on CPU tensors (how the kernels are tested without a GPU)."""
     if triton is None:
         raise NotImplementedError(f"{NAME} needs Triton (pip install triton)")
     _check_options(n_recent, n_heavy, n_sink, epsilon, sigma, sigma_mode, values_mode, reading, budget_mode,
