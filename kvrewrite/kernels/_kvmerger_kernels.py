@@ -32,21 +32,29 @@ is deterministic (no atomics). Launches:
    surplus set slots with the lowest summed score (ties: the earlier; segmented-scan sums) are evicted. The
    sets (maximal runs of joined pairs) are listed, the kept ones compacted: OST[o], OCN[o] = first rank and
    member count of output slot o; INFO[row][1] = the kept count.
-4. merge (grid output blocks x rows): each program takes MERGE_SLOTS output slots; single-member sets are
-   copied as one tile, each larger set is merged by a loop over its members (pivot = largest score, distances,
-   sigma by sigma_mode, weights g_i d_i / sum, keys and values in fp32) into a staging copy XK/XV; the metadata
-   (bias, slot_pos, score, degree) of the output slots is written to the state from the rank copies.
-5. writeback (grid slot blocks x rows): slots [0, kept) from the staging copy, slots [kept, C) reset; fill.
+4. merge (grid output blocks x rows): each program takes MERGE_SLOTS output slots; single-member sets that
+   move are copied as one tile (those already in place are left alone, here and in launch 5), each larger set
+   is merged by a loop over its members (pivot = largest score, distances, sigma by sigma_mode, weights
+   g_i d_i / sum, keys and values in fp32) into a staging copy XK/XV; the metadata (bias, slot_pos, score,
+   degree) of the output slots is written to the state from the rank copies.
+5. writeback (grid slot blocks x rows): the staged slots of [0, kept) from the staging copy, slots [kept, C)
+   reset; fill.
 
-Expected costs (not measured yet): launches 2, 4 and 5 are memory bound: the keys of the valid slots read
-once for the cosines, the keys and values read once (plus the keys of each multi-member set three more
-times: distances, sigma passes use the stored distances, the weighted sum) and written once to the staging
-copy, then read and written once more (and the freed tail zeroed) by the writeback: ~3x the row's K/V traffic
-for a due row. Launches 1 and 3 are one program per row over int32 scratch (~C words, a few passes, the
-bisections ~log2 of the key range, at most 32 steps, each a reduction over the row held in registers: that
-caps C at evict_by_score's MAX_SLOTS). The staging copy (the state's K/V size) and ~14 words of scratch per
-slot are transient. The decode-time case (fill = Bt + g) pays the full-row writeback; an in-place move of only
-the changed tail (as evict_by_score's stage/move launches) is the obvious next step once measured.
+Expected costs (not measured yet). Launches 2, 4 and 5 are memory bound. Launch 2 reads the keys of the valid
+slots of a merging row about twice (each slot is in two pairs; the second read mostly hits L2). Launch 4 reads the
+members of multi-member sets (keys twice: distances, then the weighted sum; values once) and the single slots
+that move, and writes each moved output slot once to the staging copy; launch 5 reads and writes those moved
+slots once more and zeroes keys and values of [kept, C). Slots already in place (the prefix before the first
+merge, sinks, early heavy hitters) cost nothing. So a due row costs about 2x the K/V bytes of its slots from
+the first merge on, plus the keys once more, plus the zeroed tail: when C is far above fill (a cache
+preallocated for the longest prompt) that tail dominates each call (C - kept slots x D x 2 tensors); the
+contract asks for it (keys/values 0 past fill), evict_by_score leaves them instead. Launches 1 and 3 are one
+program per row over int32 scratch (~C words, a few chunked passes, the bisections ~log2 of the key range, at most
+32 steps, each a reduction over the row held in registers: that caps C at evict_by_score's MAX_SLOTS).
+Reading "anchor" adds a serial loop of ~N dependent key loads per row to launch 3 (~1 us each: ~1 ms for a
+row of 1000 slots; rows run in parallel). Transient memory: the staging copy (the state's K/V size) and 14
+int32 words + 1 int64 of scratch per slot. An in-place move (as evict_by_score's stage/move launches) would
+drop the staging traffic once measured to matter.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
@@ -335,8 +343,9 @@ def _kvm_merge_kernel(K, V, XK, XV, BIAS, POS, SCORE, DEG, SOR, SCR, POR, DGR, B
         st = tl.load(OST + base + o, mask=mo, other=0)
         cnt = tl.load(OCN + base + o, mask=mo, other=0)
         single = mo & (cnt == 1)
-        # single-member sets: one tile copy, metadata from the rank copies
+        # single-member sets that move: one tile copy, metadata from the rank copies (one in place: nothing)
         slot = tl.load(SOR + base + st, mask=single, other=0).to(tl.int64)
+        single = single & (slot != o)
         at_src = (base + slot)[:, None] * D + d[None, :]
         at_dst = (base + o)[:, None] * D + d[None, :]
         sm = single[:, None] & dm
@@ -438,7 +447,7 @@ def _kvm_merge_kernel(K, V, XK, XV, BIAS, POS, SCORE, DEG, SOR, SCR, POR, DGR, B
 
 # -- launch 5: writeback -----------------------------------------------------------------------------
 @triton_jit(do_not_specialize=["C", "D"])
-def _kvm_writeback_kernel(K, V, XK, XV, BIAS, POS, SCORE, DEG, FILL, INFO, C, D, BS: tl.constexpr,
+def _kvm_writeback_kernel(K, V, XK, XV, BIAS, POS, SCORE, DEG, FILL, SOR, OST, OCN, INFO, C, D, BS: tl.constexpr,
                           BLOCK_D: tl.constexpr):
     blk = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -450,6 +459,9 @@ def _kvm_writeback_kernel(K, V, XK, XV, BIAS, POS, SCORE, DEG, FILL, INFO, C, D,
         d = tl.arange(0, BLOCK_D)
         mj = j < C
         kept = mj & (j < n_out)
+        cnt = tl.load(OCN + base + j, mask=kept, other=0)
+        src = tl.load(SOR + base + tl.load(OST + base + j, mask=kept, other=0), mask=kept, other=0)
+        kept = kept & ((cnt != 1) | (src != j))  # the slots the merge launch staged
         freed = mj & (j >= n_out)
         at = (base + j)[:, None] * D + d[None, :]
         mk = kept[:, None] & (d < D)[None, :]
@@ -543,4 +555,4 @@ def triton_kvmerger_compress(keys, values, bias, slot_pos, fill, budget, score, 
         _bits(sigma), SIGMA_MODE=SIGMA_MODES.index(sigma_mode), VALUES_BIAS=values_mode == "bias",
         ITERS=PAPER_ITERS, OB=ms, MB=MEMBER_STEP, BLOCK_D=block_d)
     _kvm_writeback_kernel[(triton.cdiv(C, ps), rows)](keys, values, xk, xv, bias, slot_pos, score, degree,
-                                                              fill, info, C, D, BS=ps, BLOCK_D=block_d)
+                                                              fill, sor, ost, ocn, info, C, D, BS=ps, BLOCK_D=block_d)
