@@ -84,9 +84,8 @@ MEMBER_STEP = 16  # members per step of a set's loops (fixed: it sets the fp32 s
 COPY_SLOTS = 64  # slots per program of the writeback launch
 PAPER_ITERS = 10  # sigma iterations of sigma_mode "paper"
 
-if tl is not None:
-    _KEY_NEG_INF = tl.constexpr(-2139095041)  # evict_by_score's _order_key(-inf): "not a candidate"
-    _I32_MAX = tl.constexpr(2147483647)
+if tl is not None:  # _order_key(-inf) marks "not a candidate" in the selections
+    from kvrewrite.kernels.evict_by_score import _I32_MAX, _KEY_NEG_INF
 
 
 # -- helpers -----------------------------------------------------------------------------------------

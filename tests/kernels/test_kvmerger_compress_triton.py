@@ -202,3 +202,9 @@ def test_anchor_reading(budget_mode, epsilon, budget, fallback):
     assert any(i["fallback"] for i in info.values()) == fallback
     if epsilon < 0:  # the anchor pass joins more than needed: heads below the budget
         assert (got["fill"][orig["fill"] >= 25] < budget).any()
+
+
+def test_too_many_slots():
+    s = make_state(B=1, H=1, C=32769, D=1, fills=[[8]], runs=0)
+    with pytest.raises(ValueError, match="C <= 32768"):
+        triton_kvmerger_compress(*(s[f] for f in FIELDS[:5]), torch.tensor([4, 4]), s["score"], s["degree"])
