@@ -44,11 +44,10 @@ Expected costs (not measured yet). Launches 2, 4 and 5 are memory bound. Launch 
 slots of a merging row about twice (each slot is in two pairs; the second read mostly hits L2). Launch 4 reads the
 members of multi-member sets (keys twice: distances, then the weighted sum; values once) and the single slots
 that move, and writes each moved output slot once to the staging copy; launch 5 reads and writes those moved
-slots once more and zeroes keys and values of [kept, C). Slots already in place (the prefix before the first
+slots once more and empties [kept, C) (bias -inf, score 0, degree 1; keys, values and slot_pos stay, as
+evict_by_score leaves them: an empty slot is never read). Slots already in place (the prefix before the first
 merge, sinks, early heavy hitters) cost nothing. So a due row costs about 2x the K/V bytes of its slots from
-the first merge on, plus the keys once more, plus the zeroed tail: when C is far above fill (a cache
-preallocated for the longest prompt) that tail dominates each call (C - kept slots x D x 2 tensors); the
-contract asks for it (keys/values 0 past fill), evict_by_score leaves them instead. Launches 1 and 3 are one
+the first merge on, plus the keys once more. Launches 1 and 3 are one
 program per row over int32 scratch (~C words, a few chunked passes, the bisections ~log2 of the key range, at most
 32 steps, each a reduction over the row held in registers: that caps C at evict_by_score's MAX_SLOTS).
 Reading "anchor" adds a serial loop of ~N dependent key loads per row to launch 3 (~1 us each: ~1 ms for a
@@ -461,16 +460,12 @@ def _kvm_writeback_kernel(K, V, XK, XV, BIAS, POS, SCORE, DEG, FILL, SOR, OST, O
         cnt = tl.load(OCN + base + j, mask=kept, other=0)
         src = tl.load(SOR + base + tl.load(OST + base + j, mask=kept, other=0), mask=kept, other=0)
         kept = kept & ((cnt != 1) | (src != j))  # the slots the merge launch staged
-        freed = mj & (j >= n_out)
+        freed = mj & (j >= n_out)  # emptied: bias -inf, score 0, degree 1; keys, values, slot_pos stay (never read)
         at = (base + j)[:, None] * D + d[None, :]
         mk = kept[:, None] & (d < D)[None, :]
-        mf = freed[:, None] & (d < D)[None, :]
         tl.store(K + at, tl.load(XK + at, mask=mk), mask=mk)
         tl.store(V + at, tl.load(XV + at, mask=mk), mask=mk)
-        tl.store(K + at, tl.zeros([BS, BLOCK_D], K.dtype.element_ty), mask=mf)
-        tl.store(V + at, tl.zeros([BS, BLOCK_D], V.dtype.element_ty), mask=mf)
         tl.store(BIAS + base + j, tl.full([BS], float("-inf"), tl.float32), mask=freed)
-        tl.store(POS + base + j, tl.zeros([BS], tl.int64), mask=freed)
         tl.store(SCORE + base + j, tl.zeros([BS], tl.float32), mask=freed)
         tl.store(DEG + base + j, tl.full([BS], 1, tl.int32), mask=freed)
         if blk == 0:

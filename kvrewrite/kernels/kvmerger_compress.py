@@ -48,9 +48,13 @@ stable sorts for the top scores and joins, index_add segment sums for the sets; 
 CPU path and the ground truth. The "anchor" reading is sequential by definition: the reference walks the C slots
 in a Python loop over [B * Hkv]-row tensors (C small ops per call; an ablation, not the default).
 
-CUDA PATH — NOTE: the Triton kernel (kvrewrite.kernels._kvmerger_kernels.triton_kvmerger_compress, same arguments)
-is written in a separate branch. Until that module exists (or without Triton) the CUDA kernel below runs THIS
-REFERENCE on the GPU, and says so once in the log. _cuda_impl() is the one place that decides.
+CUDA path (_cuda_impl decides, in one place): the Triton kernels of kvrewrite/kernels/_kvmerger_kernels.py for
+the default reading "chain" with budget_mode "exact", where a compression always keeps min(valid, B) slots and
+`deficit` stays 0 (the kernels do not take it). The "epsilon" budget mode and the "anchor" reading (ablations that
+can keep fewer than B slots and so update `deficit`) run THIS REFERENCE on the GPU, logged once. The kernels have
+been checked through Triton's interpreter against a float64 loop implementation of the same rules
+(tests/kernels/test_kvmerger_compress_triton.py) and never yet on a GPU (tests/kernels/test_kvmerger_compress_gpu.py
+is written, not run).
 """
 from __future__ import annotations
 
@@ -287,15 +291,18 @@ def reference_kvmerger_compress(keys, values, bias, slot_pos, fill, budget, scor
 _WARNED = []
 
 
-def _cuda_impl():
-    """The Triton launcher if kvrewrite.kernels._kvmerger_kernels exists and Triton imports, else None (the CUDA
-    kernel then runs the reference, logged once). THE one place that decides the CUDA path (module docstring)."""
+def _cuda_impl(reading: str, budget_mode: str, C: int):
+    """The Triton launcher for reading "chain" + budget_mode "exact" (deficit stays 0 there) when Triton imports and
+    C fits its kernels, else None (the CUDA kernel then runs the reference, logged once). THE one place that
+    decides the CUDA path (module docstring)."""
+    if reading != "chain" or budget_mode != "exact":
+        return None
     try:
         import triton  # noqa: F401
         mod = importlib.import_module("kvrewrite.kernels._kvmerger_kernels")
     except ImportError:
         return None
-    return mod.triton_kvmerger_compress
+    return mod.triton_kvmerger_compress if C <= mod.MAX_SLOTS else None
 
 
 # -- op registration ---------------------------------------------------------------------------------
@@ -337,14 +344,16 @@ def _(keys, values, bias, slot_pos, fill, budget, score, degree, deficit, *, rec
                 sigma_mode=sigma_mode, values_mode=values_mode, reading=reading, budget_mode=budget_mode)
     state = (keys, values, bias, slot_pos, fill, budget, score, degree, deficit)
     _check_inputs(*state, *opts.values())
-    launcher = _cuda_impl()
-    if launcher is not None:
-        launcher(*state, **opts)
+    launcher = _cuda_impl(reading, budget_mode, keys.shape[2])
+    if launcher is not None:  # deficit is not an argument: 0 before, 0 after in this mode
+        launcher(*state[:8], **opts)
         return
     if not _WARNED:
         _WARNED.append(True)
-        logger.warning("kvmerger_compress: no Triton kernel yet (kvrewrite.kernels._kvmerger_kernels is missing or "
-                       "Triton is not installed); CUDA runs the tensor reference")
+        logger.warning("kvmerger_compress: reading=%r, budget_mode=%r, %d slots: no Triton kernel for this (the "
+                       "kernels cover reading='chain' with budget_mode='exact', up to "
+                       "kvrewrite.kernels._kvmerger_kernels.MAX_SLOTS slots, with Triton installed); CUDA runs the "
+                       "tensor reference", reading, budget_mode, keys.shape[2])
     reference_kvmerger_compress(*state, *opts.values())
 
 

@@ -123,10 +123,9 @@ def naive_kvmerger(keys, values, bias, slot_pos, fill, budget, score, degree, *,
                 rows["score"].append(sum(float(sc[m]) for m in members))
                 rows["degree"].append(DS)
             L = len(sets)
-            out["keys"][b, h] = 0
-            out["values"][b, h] = 0
+            # freed slots [L, C): empty (bias -inf, score 0, degree 1); keys, values and slot_pos stay as they
+            # are (what evict_by_score does: an empty slot is never read)
             out["bias"][b, h] = NEG_INF
-            out["slot_pos"][b, h] = 0
             out["score"][b, h] = 0
             out["degree"][b, h] = 1
             if L:
