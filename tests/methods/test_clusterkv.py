@@ -13,9 +13,8 @@ import kvrewrite
 from kvrewrite.methods import make_method
 from kvrewrite.methods.clusterkv import ClusterKVMethod
 from tests.families import tiny_model
+from tests.methods.tiny_runs import CHUNK, PAD_ROW1, prompt, run
 
-CHUNK = 8
-N_PROMPT, PAD_ROW1 = 21, 4  # left-padded to 3 chunks of 8; row 1 has 4 more padding tokens
 SMALL = dict(n_sink=2, interval=4, tokens_per_cluster=4, window_clusters=2, iters=3, dense_layers=1)
 
 
@@ -31,33 +30,16 @@ def captured(llama):
     return capture(llama, batch_size=2, prefill_chunk=CHUNK)
 
 
-def _prompt(n=N_PROMPT, seed=1):
-    ids = torch.randint(3, 128, (2, n), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones_like(ids)
-    mask[1, :PAD_ROW1] = 0
-    return ids, mask
-
-
-def _run(rw, ids, mask, steps, fed=None):
-    """Prefill + `steps` decode steps (greedy, or feeding `fed` [2, steps]); returns (logits per step, fed)."""
-    logits = [rw.prefill(ids, mask, max_new_tokens=steps + 1)]
-    toks = []
-    for i in range(steps):
-        toks.append(logits[-1].argmax(-1) if fed is None else fed[:, i])
-        logits.append(rw.decode_step(toks[-1]))
-    return torch.stack(logits, 1), torch.stack(toks, 1)
-
-
 @pytest.mark.parametrize("select_per", ["query_head", "kv_head"])
 def test_budget_covering_every_token_is_full_attention(llama, captured, select_per):
     """B >= n + Γ selects every cluster: the attention over sinks + members + window is exactly the dense one, through
     the prefill clustering and two window clusterings (interval 4, 10 steps)."""
-    ids, mask = _prompt()
+    ids, mask = prompt()
     full = kvrewrite.apply(llama, "full", max_length=48, batch_size=2, prefill_chunk=CHUNK, captured=captured)
-    want, fed = _run(full, ids, mask, 10)
+    want, fed = run(full, ids, mask, 10)
     rw = kvrewrite.apply(llama, "clusterkv", max_length=48, batch_size=2, prefill_chunk=CHUNK, captured=captured,
                          budget=48, select_per=select_per, **dict(SMALL, dense_layers=0))
-    got, _ = _run(rw, ids, mask, 10, fed)
+    got, _ = run(rw, ids, mask, 10, fed)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     assert int(rw.l0_n_clusters.min()) > 0  # layer 0 did cluster (dense_layers=0)
 
@@ -65,7 +47,7 @@ def test_budget_covering_every_token_is_full_attention(llama, captured, select_p
 def test_clusterings_happen_after_the_prompt_and_every_interval(llama, captured):
     """The prompt's clusters (ceil(L / 4) for the L real tokens past the 2 sinks of each row), then 2 more per 4
     decode tokens; the index is a permutation of the clustered slots; host schedule and device agree."""
-    ids, mask = _prompt()
+    ids, mask = prompt()
     rw = kvrewrite.apply(llama, "clusterkv", max_length=48, batch_size=2, prefill_chunk=CHUNK, captured=captured,
                          budget=10, **SMALL)
     assert rw.layer_state(0).keys() == {"keys", "values", "bias", "slot_pos", "fill", "budget"}  # dense layer 0
@@ -100,12 +82,12 @@ def test_left_padding_is_invisible(llama, captured):
     """A row's result does not depend on the other row or on its batch padding: the shorter prompt, left-padded
     in a batch, gives the logits it gives alone (same slots, same clustering: the initialisation hashes the
     point count, not positions)."""
-    ids, mask = _prompt()
+    ids, mask = prompt()
     rw = kvrewrite.apply(llama, "clusterkv", max_length=48, batch_size=2, prefill_chunk=CHUNK, captured=captured,
                          budget=8, **SMALL)
-    got, fed = _run(rw, ids, mask, 9)
+    got, fed = run(rw, ids, mask, 9)
     short = ids[1:, PAD_ROW1:].expand(2, -1)
-    alone, _ = _run(rw, short, torch.ones_like(short), 9, fed[1:].expand(2, -1))
+    alone, _ = run(rw, short, torch.ones_like(short), 9, fed[1:].expand(2, -1))
     torch.testing.assert_close(got[1], alone[0], atol=1e-5, rtol=1e-5)
 
 
@@ -160,6 +142,6 @@ def test_config_errors(kw, field):
 def test_budget_inside_the_sinks_is_refused_before_the_prefill(llama, captured):
     rw = kvrewrite.apply(llama, "clusterkv", max_length=48, batch_size=2, prefill_chunk=CHUNK, captured=captured,
                          budget=0.05, **SMALL)
-    ids, mask = _prompt()
+    ids, mask = prompt()
     with pytest.raises(ValueError, match="n_sink=2"):
         rw.prefill(ids, mask, max_new_tokens=4)

@@ -11,9 +11,8 @@ import kvrewrite
 from kvrewrite.methods import make_method
 from kvrewrite.methods.kvmerger import KVMergerMethod
 from tests.families import tiny_model
+from tests.methods.tiny_runs import CHUNK, N_PROMPT, PAD_ROW1, prompt, run
 
-CHUNK = 8
-N_PROMPT, PAD_ROW1 = 21, 4  # left-padded to 3 chunks of 8; row 1 has 4 more padding tokens
 
 
 @pytest.fixture(scope="module")
@@ -28,34 +27,17 @@ def captured(llama):
     return capture(llama, batch_size=2, prefill_chunk=CHUNK)
 
 
-def _prompt(n=N_PROMPT, seed=1):
-    ids = torch.randint(3, 128, (2, n), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones_like(ids)
-    mask[1, :PAD_ROW1] = 0
-    return ids, mask
-
-
-def _run(rw, ids, mask, steps, fed=None):
-    """Prefill + `steps` decode steps (greedy, or feeding `fed` [2, steps]); returns (logits per step, fed)."""
-    logits = [rw.prefill(ids, mask, max_new_tokens=steps + 1)]
-    toks = []
-    for i in range(steps):
-        toks.append(logits[-1].argmax(-1) if fed is None else fed[:, i])
-        logits.append(rw.decode_step(toks[-1]))
-    return torch.stack(logits, 1), torch.stack(toks, 1)
-
-
 @pytest.mark.parametrize("values", ["scale", "bias"])
 def test_budget_covering_every_token_is_full_attention(llama, captured, values):
     """B = 30 >= the 21 + 9 tokens, g = 1: the op runs (at fill 31 it drops the padding slots) but merges nothing,
     so the logits are full's; budget=1.0 (never due) too."""
-    ids, mask = _prompt()
+    ids, mask = prompt()
     full = kvrewrite.apply(llama, "full", max_length=48, batch_size=2, prefill_chunk=CHUNK, captured=captured)
-    want, fed = _run(full, ids, mask, 9)
+    want, fed = run(full, ids, mask, 9)
     for budget, interval in ((30, 1), (1.0, 32)):
         rw = kvrewrite.apply(llama, "kvmerger", max_length=48, batch_size=2, prefill_chunk=CHUNK, captured=captured,
                              budget=budget, interval=interval, values=values)
-        got, _ = _run(rw, ids, mask, 9, fed)
+        got, _ = run(rw, ids, mask, 9, fed)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
         st = rw.layer_state(0)
         if budget == 30:  # compressed: the padding is gone, every slot stands for one token
@@ -68,7 +50,7 @@ def test_compressions_at_b_plus_g_conserve_tokens(llama, captured, reading, budg
     """B = 12, g = 3: after the prompt each head holds 12 (chain/exact; <= 12 otherwise, epsilon 0 on the tiny model's
     keys), then grows by one per step and is merged back when it (plus its deficit) reaches 15; the degrees of the
     kept slots always add up to the row's real tokens."""
-    ids, mask = _prompt()
+    ids, mask = prompt()
     rw = kvrewrite.apply(llama, "kvmerger", max_length=48, batch_size=2, prefill_chunk=CHUNK, captured=captured,
                          budget=12, interval=3, reading=reading, budget_mode=budget_mode, epsilon=0.0)
     logits = rw.prefill(ids, mask, max_new_tokens=10)
@@ -96,12 +78,12 @@ def test_compressions_at_b_plus_g_conserve_tokens(llama, captured, reading, budg
 
 def test_left_padding_is_invisible(llama, captured):
     """The shorter prompt, left-padded in a batch, gives the logits it gives alone."""
-    ids, mask = _prompt()
+    ids, mask = prompt()
     rw = kvrewrite.apply(llama, "kvmerger", max_length=48, batch_size=2, prefill_chunk=CHUNK, captured=captured,
                          budget=10, interval=2, n_sink=1)
-    got, fed = _run(rw, ids, mask, 7)
+    got, fed = run(rw, ids, mask, 7)
     short = ids[1:, PAD_ROW1:].expand(2, -1)
-    alone, _ = _run(rw, short, torch.ones_like(short), 7, fed[1:].expand(2, -1))
+    alone, _ = run(rw, short, torch.ones_like(short), 7, fed[1:].expand(2, -1))
     torch.testing.assert_close(got[1], alone[0], atol=1e-5, rtol=1e-5)
 
 
