@@ -57,6 +57,18 @@ def cos64(a, b):
     return 0.0 if na == 0 or nb == 0 else float(a @ b / (na * nb))
 
 
+def _runs_above(k, eps):
+    """Lengths of the maximal runs of the rows of k whose adjacent float64 cosines exceed eps, in order."""
+    runs, n = [], 1
+    for i in range(len(k) - 1):
+        if cos64(k[i], k[i + 1]) > eps:
+            n += 1
+        else:
+            runs.append(n)
+            n = 1
+    return runs + [n]
+
+
 def naive_row(K, V, bias, pos, score, deg, fill, Bt, o):
     """[(key, value, bias, slot_pos, score, degree)] the row keeps, in order; float64 Python loops."""
     K, V = K.double(), V.double()
@@ -244,15 +256,7 @@ def test_sets_are_the_maximal_runs():
     after = clone(s)
     call(after, **o)
     for h in range(2):
-        k = s["keys"][0, h].double()
-        runs, n = [], 1
-        for i in range(19):
-            if cos64(k[i], k[i + 1]) > 0.9:
-                n += 1
-            else:
-                runs.append(n)
-                n = 1
-        runs.append(n)
+        runs = _runs_above(s["keys"][0, h].double(), 0.9)
         if len(runs) > 1:  # J = 19 joins would need every pair (Bt = 1): fewer above epsilon -> more joins
             assert int(after["fill"][0, h]) == 1
     # with Bt above the run count, exactly the runs
@@ -260,15 +264,7 @@ def test_sets_are_the_maximal_runs():
     for h in range(2):
         after = clone(s)
         call(after, **o)
-        k = s["keys"][0, h].double()
-        runs, n = [], 1
-        for i in range(19):
-            if cos64(k[i], k[i + 1]) > 0.9:
-                n += 1
-            else:
-                runs.append(n)
-                n = 1
-        runs.append(n)
+        runs = _runs_above(s["keys"][0, h].double(), 0.9)
         assert len(runs) < 19
         assert after["degree"][0, h, :int(after["fill"][0, h])].tolist() == runs
 

@@ -21,7 +21,6 @@ from kvrewrite.kernels import chelsea_compress as cc
 from kvrewrite.kernels.chelsea_compress import chelsea_rows, csm_round
 from kvrewrite.methods.chelsea import ChelseaMethod
 from kvrewrite.state import allocate_layer_state
-from tests.families import tiny_model
 
 COMPRESS = torch.ops.kvrewrite.chelsea_compress.default
 ATTEND = torch.ops.kvrewrite.clustered_attention.default
@@ -406,11 +405,6 @@ def test_edges_ranked_globally_across_chunks():
 
 
 # -- real model: (2), (3), (4), (10) in a generate -----------------------------------------------------------
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
-
-
 def test_generate_degrees_budget_outliers(llama):
     """Tiny llama (2 layers x 2 KV heads), batch of 2 with a left-padded row, outlier head (layer 0, head 1).
     At every step: degrees of every row sum to that row's tokens seen (pads excluded); a compressed row

@@ -12,22 +12,9 @@ import torch
 import kvrewrite
 from kvrewrite.methods import make_method
 from kvrewrite.methods.clusterkv import ClusterKVMethod
-from tests.families import tiny_model
 from tests.methods.tiny_runs import CHUNK, PAD_ROW1, prompt, run
 
 SMALL = dict(n_sink=2, interval=4, tokens_per_cluster=4, window_clusters=2, iters=3, dense_layers=1)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def captured(llama):
-    from kvrewrite.capture import capture
-
-    return capture(llama, batch_size=2, prefill_chunk=CHUNK)
 
 
 @pytest.mark.parametrize("select_per", ["query_head", "kv_head"])

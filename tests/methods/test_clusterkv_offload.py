@@ -10,18 +10,12 @@ from kvrewrite.capture import LayerInfo
 from kvrewrite.methods.clusterkv import ClusterKVMethod
 from kvrewrite.offload import check_offload_device
 from kvrewrite.state import allocate_layer_state
-from tests.families import tiny_model
 
 SMALL = dict(n_sink=2, interval=4, tokens_per_cluster=4, window_clusters=2, iters=3, dense_layers=1)
 
 
 def _layer(index):
     return LayerInfo(index=index, num_heads=4, num_kv_heads=2, head_dim=16, window=0)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
 
 
 @pytest.mark.parametrize("bad", ["gpu", "CPU", "", True, 1])

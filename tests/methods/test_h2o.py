@@ -15,25 +15,12 @@ import kvrewrite
 from kvrewrite.kernels.observed_attention import fold_pending
 from kvrewrite.methods import make_method
 from kvrewrite.methods.h2o import H2OMethod
-from tests.families import tiny_model
 
 CHUNK = 8
 N_PROMPT, PAD_ROW1 = 21, 4  # left-padded to 3 chunks of 8; row 1 has 4 more padding tokens
 # fp32 scores (sums of <= 30 probabilities over 2 query heads) vs the float64 recomputation: the fp32
 # forward differs by ~1e-6 relative; a wrong group, mask, query set or slot moves a score by >= 1e-2
 TOL = dict(atol=2e-4, rtol=1e-4)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def captured(llama):
-    from kvrewrite.capture import capture
-
-    return capture(llama, batch_size=2, prefill_chunk=CHUNK)
 
 
 def _prompt(n=N_PROMPT):

@@ -10,21 +10,8 @@ import torch
 import kvrewrite
 from kvrewrite.methods import make_method
 from kvrewrite.methods.kvmerger import KVMergerMethod
-from tests.families import tiny_model
 from tests.methods.tiny_runs import CHUNK, N_PROMPT, PAD_ROW1, prompt, run
 
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def captured(llama):
-    from kvrewrite.capture import capture
-
-    return capture(llama, batch_size=2, prefill_chunk=CHUNK)
 
 
 @pytest.mark.parametrize("values", ["scale", "bias"])
