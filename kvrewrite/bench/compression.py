@@ -1,4 +1,10 @@
-"""Cost of Chelsea's compression on the GPU against the dense model it serves, measured in one run.
+"""Cost of a method's compression on the GPU against the dense model it serves, measured in one run.
+
+--method chelsea (default) or any method whose compression op keeps min(valid, B) slots (kvmerger, h2o, snapkv):
+the description below says Chelsea; for another method read its compression op, which gets its state fields
+(those the op's schema names, e.g. KVMerger's score, degree and deficit) and its defaults at budget 0.2. Method
+state not written by the appends (an accumulated `score`) is filled with uniform random values after each append,
+outside the timed events, so the heavy-hitter selections see distinct scores as in a real run.
 
 Model: a Llama-3.1-8B-shaped LlamaForCausalLM (32 layers, hidden 4096, Hq 32, Hkv 8, D 128, vocab 128256,
 llama3 RoPE) with random bf16 weights, built directly on the GPU. Compression: ChelseaMethod(budget=0.2)
@@ -64,7 +70,7 @@ LLAMA_31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
                    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                                         high_freq_factor=4.0, original_max_position_embeddings=8192))
-FIELDS = ("keys", "values", "bias", "slot_pos", "fill")  # the state a compression call mutates
+FIELDS = ("keys", "values", "bias", "slot_pos", "fill")  # the base state a compression call mutates
 SLEEP_CYCLES = 8_000_000  # ~4 ms of GPU sleep per chunk: the host queues the chunk's 32 layers meanwhile
 
 
@@ -136,41 +142,52 @@ def dense_decode_ms(model, B: int, ctx: int) -> dict:
 class LayerStates:
     """The slot state of every layer, sized and budgeted as the runtime does for one generation."""
 
-    def __init__(self, B, n_prompt, max_new_tokens, prefill_chunk, layers, Hq, Hkv, D):
-        self.method = ChelseaMethod(budget=0.2)
+    def __init__(self, B, n_prompt, max_new_tokens, prefill_chunk, layers, Hq, Hkv, D, method=None):
+        self.method = method if method is not None else ChelseaMethod(budget=0.2)
         self.infos = [types.SimpleNamespace(index=i, num_heads=Hq, num_kv_heads=Hkv, head_dim=D, window=0)
                       for i in range(layers)]
-        self.method.bind(self.infos)
+        if hasattr(self.method, "bind"):
+            self.method.bind(self.infos)
         max_length = n_prompt + max_new_tokens
         self.capacity = self.method.capacity(self.infos[0], max_length, prefill_chunk)
         self.target, self.threshold = self.method.targets(self.infos[0], n_prompt, max_new_tokens)
         self.method.check_generation(n_prompt, max_new_tokens)
         self.op, self.kwargs = self.method.compression_call(self.infos[0])
-        self.states = [allocate_layer_state(B, Hkv, self.capacity, D, torch.bfloat16, "cuda") for _ in self.infos]
+        self.extra = self.method.state_fields(self.infos[0])
+        names = {a.name for a in self.op._schema.arguments}
+        self.op_fields = tuple(k for k in self.extra if k in names)  # the method state the op takes, in order
+        self.mutated = FIELDS + self.op_fields
+        self.states = [allocate_layer_state(B, Hkv, self.capacity, D, torch.bfloat16, "cuda", extra=self.extra)
+                       for _ in self.infos]
         for s in self.states:
-            reset_layer_state(s, self.target, self.threshold)
+            reset_layer_state(s, self.target, self.threshold, extra=self.extra)
         self.schedule = HostSchedule([(self.target, self.threshold)] * layers, B)
         self.B, self.Hkv, self.D, self.chunk = B, Hkv, D, prefill_chunk
 
+    def call(self, s):
+        self.op(s["keys"], s["values"], s["bias"], s["slot_pos"], s["fill"], s["budget"],
+                *(s[f] for f in self.op_fields), **self.kwargs)
+
     def compress(self, i):
-        s = self.states[i]
-        self.op(s["keys"], s["values"], s["bias"], s["slot_pos"], s["fill"], s["budget"], **self.kwargs)
+        self.call(self.states[i])
 
     def append(self, i, k, v, cp, valid):
         s = self.states[i]
         torch.ops.kvrewrite.cache_append(s["keys"], s["values"], s["bias"], s["slot_pos"], s["fill"], k, v, cp, valid)
+        if "score" in s:  # an accumulated attention score: distinct values, as the observation op would leave
+            s["score"].uniform_()
 
     def graphs(self):
         """One CUDA graph per layer of its compression call (a shared memory pool); compiled first on a scratch
         state of the same shape, so capture launches nothing."""
-        scratch = allocate_layer_state(self.B, self.Hkv, self.capacity, self.D, torch.bfloat16, "cuda")
-        reset_layer_state(scratch, self.target, self.threshold)
+        scratch = allocate_layer_state(self.B, self.Hkv, self.capacity, self.D, torch.bfloat16, "cuda",
+                                       extra=self.extra)
+        reset_layer_state(scratch, self.target, self.threshold, extra=self.extra)
         scratch["fill"].fill_(self.threshold)
         scratch["bias"].zero_()
         scratch["keys"].normal_()
         scratch["values"].normal_()
-        warm_up(lambda: self.op(scratch["keys"], scratch["values"], scratch["bias"], scratch["slot_pos"],
-                                scratch["fill"], scratch["budget"], **self.kwargs))
+        warm_up(lambda: self.call(scratch))
         del scratch
         pool = torch.cuda.graph_pool_handle()
         return [capture(lambda i=i: self.compress(i), pool=pool) for i in range(len(self.states))]
@@ -233,7 +250,7 @@ def decode_compression(ls: LayerStates, graphs, g: int, reps: int = 10) -> dict:
         for i in range(L):
             ls.append(i, *pool[t], torch.tensor([10**6 + t], device="cuda"), valid)
     fill_before = int(torch.stack([s["fill"] for s in ls.states]).min())
-    snap = [{f: s[f].clone() for f in FIELDS} for s in ls.states]
+    snap = [{f: s[f].clone() for f in ls.mutated} for s in ls.states]
     totals = []
     for _ in range(reps + 1):
         for s, sn in zip(ls.states, snap):
@@ -262,11 +279,11 @@ def prefill_call_profile(ls: LayerStates) -> dict:
     """kernel_profile of a prefill-time firing call: layer 0 after the prefill (fill B) gets one more chunk
     (B + 256 -> B); the state is put back afterwards."""
     s0 = ls.states[0]
-    before = {f: s0[f].clone() for f in FIELDS}
+    before = {f: s0[f].clone() for f in ls.mutated}
     k = torch.randn(ls.B, ls.Hkv, ls.chunk, ls.D, device="cuda", dtype=torch.bfloat16)
     ls.append(0, k, k, torch.arange(ls.chunk, device="cuda") + 10**6, torch.ones(ls.B, ls.chunk, dtype=torch.bool,
                                                                                   device="cuda"))
-    snap = {f: s0[f].clone() for f in FIELDS}
+    snap = {f: s0[f].clone() for f in ls.mutated}
     prof = kernel_profile(ls, snap)
     for f, t in before.items():
         s0[f].copy_(t)
@@ -381,7 +398,8 @@ def plot(result: dict, out: str) -> None:
     env = result["env"]
     ax.set_ylabel("compression time, % of the baseline")
     ax.tick_params(axis="x", labelsize=7)
-    ax.set_title(f"Chelsea compression cost, Llama-3.1-8B shape, {result['config']['n_prompt']} tokens\n"
+    cfg = result["config"]
+    ax.set_title(f"{cfg.get('method', 'chelsea')} compression cost, Llama-3.1-8B shape, {cfg['n_prompt']} tokens\n"
                  f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}", fontsize=9)
     ax.legend()
     fig.tight_layout()
@@ -395,6 +413,8 @@ def main():
     parser.add_argument("--n", type=int, default=32768, help="prompt tokens")
     parser.add_argument("--max-new-tokens", type=int, default=512, help="Γ of the budget B = 0.2 (n + Γ)")
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--method", default="chelsea", help="the method whose compression op is timed, at budget 0.2 "
+                        "and its defaults (default: chelsea)")
     parser.add_argument("--batches", default="1,8", help="batch sizes of the decode comparison")
     parser.add_argument("--only-append", action="store_true", help="only the cache_append comparison")
     parser.add_argument("--no-append", action="store_true", help="skip the cache_append comparison")
@@ -414,11 +434,18 @@ def main():
         with open(args.out, "w") as f:
             json.dump(dict(env=env, cache_append=rows), f, indent=1)
         return
+    from kvrewrite.methods import make_method
+
+    def make(name):
+        return make_method(name, budget=0.2)
+
+    make(args.method)  # a bad name fails before the model is built
     model = build_model(args.layers)
     Hq, Hkv, D = 32, 8, 128
     chunk = 256  # kvrewrite.apply's default prefill_chunk
     result = dict(env=env, config=dict(model="Llama-3.1-8B shape, random bf16", layers=args.layers, n_prompt=args.n,
-                                       max_new_tokens=args.max_new_tokens, budget=0.2, prefill_chunk=chunk),
+                                       max_new_tokens=args.max_new_tokens, budget=0.2, prefill_chunk=chunk,
+                                       method=args.method),
                   decode={}, prefill_other_chunks={})
 
     def save():  # after every stage: a run cut short still leaves what it measured
@@ -432,9 +459,9 @@ def main():
     dense = dense_prefill_ms(model, args.n)
     print(f"copy {copy:.0f} GB/s; dense prefill {args.n} tokens: {dense['ms']:.1f} ms", flush=True)
     for B in [int(b) for b in args.batches.split(",")]:
-        ls = LayerStates(B, args.n, args.max_new_tokens, chunk, args.layers, Hq, Hkv, D)
+        ls = LayerStates(B, args.n, args.max_new_tokens, chunk, args.layers, Hq, Hkv, D, make(args.method))
         result["config"].update(capacity=ls.capacity, target=ls.target, threshold=ls.threshold,
-                                chelsea=dict(ls.kwargs))
+                                options=dict(ls.kwargs))
         graphs = ls.graphs()
         pre = prefill_compression(ls, args.n, graphs)
         if B == 1:
@@ -469,7 +496,7 @@ def main():
         result["decode"][str(B)] = dec
         save()
     for ch in [int(c) for c in args.other_chunks.split(",") if c]:
-        ls = LayerStates(1, args.n, args.max_new_tokens, ch, args.layers, Hq, Hkv, D)
+        ls = LayerStates(1, args.n, args.max_new_tokens, ch, args.layers, Hq, Hkv, D, make(args.method))
         pre = prefill_compression(ls, args.n, ls.graphs())
         pre.update(capacity=ls.capacity, ratio=pre["total_ms"] / dense["ms"])
         pre["profile_fired_call_layer0"] = prefill_call_profile(ls)

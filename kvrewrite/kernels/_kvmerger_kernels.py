@@ -40,7 +40,7 @@ is deterministic (no atomics). Launches:
 5. writeback (grid slot blocks x rows): the staged slots of [0, kept) from the staging copy, slots [kept, C)
    reset; fill.
 
-Expected costs (not measured yet). Launches 2, 4 and 5 are memory bound. Launch 2 reads the keys of the valid
+Costs. Launches 2, 4 and 5 are memory bound. Launch 2 reads the keys of the valid
 slots of a merging row about twice (each slot is in two pairs; the second read mostly hits L2). Launch 4 reads the
 members of multi-member sets (keys twice: distances, then the weighted sum; values once) and the single slots
 that move, and writes each moved output slot once to the staging copy; launch 5 reads and writes those moved
@@ -52,8 +52,11 @@ program per row over int32 scratch (~C words, a few chunked passes, the bisectio
 32 steps, each a reduction over the row held in registers: that caps C at evict_by_score's MAX_SLOTS).
 Reading "anchor" adds a serial loop of ~N dependent key loads per row to launch 3 (~1 us each: ~1 ms for a
 row of 1000 slots; rows run in parallel). Transient memory: the staging copy (the state's K/V size) and 14
-int32 words + 1 int64 of scratch per slot. An in-place move (as evict_by_score's stage/move launches) would
-drop the staging traffic once measured to matter.
+int32 words + 1 int64 of scratch per slot. Measured (H100, 8 KV heads, D 128, bf16, one layer; docs/methods.md,
+python -m kvrewrite.bench.kvmerger_knobs): the decode-time call at the 32k / budget 0.2 state (6688 -> 6656
+slots) 127 us at B = 1, of which launches 1 and 3 (one program per row: 8 SMs at B = 1) take ~80; after a
+prefill chunk of 2048, 190-207 us. At B = 8 (~450 us) launches 4 and 5 are ~70% and the staging copy
+matters: an in-place move (as evict_by_score's stage/move launches) is the next step there.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
@@ -76,9 +79,10 @@ SIGMA_MODES = ("fixed", "distance", "paper")
 VALUES_MODES = ("scale", "bias")
 READINGS = ("chain", "anchor")
 BUDGET_MODES = ("exact", "epsilon")
-CHUNK = 1024  # lanes of the per-row passes of launches 1 and 3 (a power of two)
+CHUNK = 4096  # lanes of the per-row passes of launches 1 and 3 (a power of two)
 COS_SLOTS = 64  # pairs per program of the cosine launch
 MERGE_SLOTS = 32  # output slots per program of the merge launch
+MERGE_WARPS = 1  # warps per program of the merge launch (a set's tile reductions stay in one warp)
 MEMBER_STEP = 16  # members per step of a set's loops (fixed: it sets the fp32 summation order)
 COPY_SLOTS = 64  # slots per program of the writeback launch
 PAPER_ITERS = 10  # sigma iterations of sigma_mode "paper"
@@ -181,7 +185,7 @@ def _kvm_rank_kernel(BIAS, POS, SCORE, DEG, FILL, BUDGET, SOR, SCR, POR, DGR, BI
 
 
 # -- launch 2: cosines -------------------------------------------------------------------------------
-@triton_jit(do_not_specialize=["C", "D"])
+@triton_jit(do_not_specialize=["C"])
 def _kvm_cosine_kernel(K, BUDGET, SOR, INFO, COS, C, D, BS: tl.constexpr, BLOCK_D: tl.constexpr):
     blk = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -205,7 +209,7 @@ def _kvm_cosine_kernel(K, BUDGET, SOR, INFO, COS, C, D, BS: tl.constexpr, BLOCK_
 
 
 # -- launch 3: join ----------------------------------------------------------------------------------
-@triton_jit(do_not_specialize=["C", "D", "eps_bits"])
+@triton_jit(do_not_specialize=["C", "eps_bits"])
 def _kvm_join_kernel(K, BUDGET, SOR, SCR, PROT, COS, KEYP, JOIN, J1, SST, SSUM, OST, OCN, INFO, C, D, eps_bits,
                      EPSILON_MODE: tl.constexpr, ANCHOR: tl.constexpr, BLOCK: tl.constexpr, CH: tl.constexpr,
                      BLOCK_D: tl.constexpr):
@@ -323,7 +327,7 @@ def _kvm_join_kernel(K, BUDGET, SOR, SCR, PROT, COS, KEYP, JOIN, J1, SST, SSUM, 
 
 
 # -- launch 4: merge ---------------------------------------------------------------------------------
-@triton_jit(do_not_specialize=["C", "D", "sigma_bits"])
+@triton_jit(do_not_specialize=["C", "sigma_bits"])
 def _kvm_merge_kernel(K, V, XK, XV, BIAS, POS, SCORE, DEG, SOR, SCR, POR, DGR, BIR, OST, OCN, DIST, INFO, C, D,
                       sigma_bits, SIGMA_MODE: tl.constexpr, VALUES_BIAS: tl.constexpr, ITERS: tl.constexpr,
                       OB: tl.constexpr, MB: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -353,13 +357,62 @@ def _kvm_merge_kernel(K, V, XK, XV, BIAS, POS, SCORE, DEG, SOR, SCR, POR, DGR, B
         tl.store(POS + base + o, tl.load(POR + base + st, mask=single), mask=single)
         tl.store(SCORE + base + o, tl.load(SCR + base + st, mask=single), mask=single)
         tl.store(DEG + base + o, tl.load(DGR + base + st, mask=single), mask=single)
-        # larger sets: one at a time
+        # larger sets: one at a time (their first rank and size taken from the registers, not reloaded)
         sigma0 = _f64(sigma_bits).to(tl.float32)
-        for q in range(0, OB):
+        # the block's multi-member sets in order: the t-th is the lane whose multi-rank is t
+        lane = tl.arange(0, OB)
+        is_multi = mo & (cnt > 1)
+        mrank = tl.cumsum(is_multi.to(tl.int32), axis=0) - 1
+        n_multi = tl.sum(is_multi.to(tl.int32), axis=0)
+        for t in range(0, n_multi):
+            sel = is_multi & (mrank == t)
+            q = tl.sum(tl.where(sel, lane, 0), axis=0)
+            cq = tl.sum(tl.where(sel, cnt, 0), axis=0)
+            sq = tl.sum(tl.where(sel, st, 0), axis=0)
             oq = o0 + q
-            cq = tl.load(OCN + base + oq, mask=oq < n_out, other=1)
-            if (oq < n_out) & (cq > 1):
-                sq = tl.load(OST + base + oq)
+            if cq <= MB:
+                # a set of <= MB members: one tile of keys and values, every step in registers (the same values
+                # and fp32 summation order as the loop below, whose first and only chunk it is)
+                r = sq + tl.arange(0, MB)
+                mr = r < sq + cq
+                sc = tl.load(SCR + base + r, mask=mr, other=float("-inf"))
+                cmax = tl.max(sc, axis=0)
+                piv = tl.min(tl.where(mr & (sc == cmax), r, _I32_MAX), axis=0)
+                dgi = tl.load(DGR + base + r, mask=mr, other=0)
+                dsum = tl.sum(dgi, axis=0)
+                ssum = tl.sum(tl.where(mr, sc, 0.0), axis=0)
+                sl = tl.load(SOR + base + r, mask=mr, other=0).to(tl.int64)
+                at = (base + sl)[:, None] * D + d[None, :]
+                kk = tl.load(K + at, mask=mr[:, None] & dm, other=0.0).to(tl.float32)
+                vv = tl.load(V + at, mask=mr[:, None] & dm, other=0.0).to(tl.float32)
+                kp = tl.sum(tl.where((r == piv)[:, None], kk, 0.0), axis=0)
+                diff = kp[None, :] - kk
+                dist = tl.where(mr, tl.sum(diff * diff, axis=1), 0.0)
+                nq = cq.to(tl.float32)
+                sigma = sigma0
+                if SIGMA_MODE == 1:
+                    sigma = tl.sum(tl.where(mr, tl.sqrt_rn(dist), 0.0), axis=0) / (1.4142135623730951 * nq)
+                if SIGMA_MODE == 2:
+                    for _ in range(ITERS):
+                        sigma = tl.sum(tl.where(mr, _gauss(dist, sigma), 0.0), axis=0) / (1.4142135623730951 * nq)
+                dg = tl.where(mr, dgi, 1).to(tl.float32)
+                g = _gauss(dist, sigma)
+                z = tl.sum(tl.where(mr, g * dg, 0.0), axis=0)
+                w = tl.where(mr, g * dg / z, 0.0)
+                acck = tl.sum(w[:, None] * kk, axis=0)
+                bq = tl.zeros([], tl.float32)
+                if VALUES_BIAS:
+                    accv = tl.sum(w[:, None] * vv, axis=0)
+                    bq = tl.log(dsum.to(tl.float32))
+                else:
+                    accv = tl.sum((w / dg)[:, None] * vv, axis=0) * dsum.to(tl.float32)
+                tl.store(XK + (base + oq) * D + d, acck.to(XK.dtype.element_ty), mask=d < D)
+                tl.store(XV + (base + oq) * D + d, accv.to(XV.dtype.element_ty), mask=d < D)
+                tl.store(BIAS + base + oq, bq)
+                tl.store(POS + base + oq, tl.load(POR + base + piv))
+                tl.store(SCORE + base + oq, ssum)
+                tl.store(DEG + base + oq, dsum)
+            else:
                 # pivot (largest score, ties: the earlier), degree and score sums
                 best = tl.full([], float("-inf"), tl.float32)
                 piv = sq
@@ -444,7 +497,7 @@ def _kvm_merge_kernel(K, V, XK, XV, BIAS, POS, SCORE, DEG, SOR, SCR, POR, DGR, B
 
 
 # -- launch 5: writeback -----------------------------------------------------------------------------
-@triton_jit(do_not_specialize=["C", "D"])
+@triton_jit(do_not_specialize=["C"])
 def _kvm_writeback_kernel(K, V, XK, XV, BIAS, POS, SCORE, DEG, FILL, SOR, OST, OCN, INFO, C, D, BS: tl.constexpr,
                           BLOCK_D: tl.constexpr):
     blk = tl.program_id(0)
@@ -498,13 +551,16 @@ def triton_kvmerger_compress(keys, values, bias, slot_pos, fill, budget, score, 
                              sigma_mode: str = "fixed", values_mode: str = "scale", reading: str = "chain",
                              budget_mode: str = "exact", recent_ratio: float = 0.0, hh_ratio: float = 0.0,
                              chunk: int | None = None, cos_slots: int | None = None, merge_slots: int | None = None,
-                             copy_slots: int | None = None) -> None:
+                             copy_slots: int | None = None, merge_warps: int | None = None,
+                             select_warps: int | None = None) -> None:
     """Launch the five kernels (module docstring); mutates keys, values, bias, slot_pos, fill, score, degree in
     place. R = n_recent + floor(recent_ratio * budget[0]), H = n_heavy + floor(hh_ratio * budget[0]) (on the
-    device). chunk, cos_slots, merge_slots, copy_slots (powers of two) override CHUNK, COS_SLOTS, MERGE_SLOTS,
-    COPY_SLOTS; every value gives the same result (but for the fallback's set-score sums, which chunk changes the
-    rounding of: an exact tie decided by the last ulp could go the other way). Under TRITON_INTERPRET=1 it runs
-    on CPU tensors (how the kernels are tested without a GPU)."""
+    device). Tuning knobs (defaults measured best on an H100, docs/methods.md): chunk, cos_slots, merge_slots,
+    copy_slots (powers of two) override CHUNK, COS_SLOTS, MERGE_SLOTS, COPY_SLOTS; merge_warps and select_warps the
+    warps of the merge launch (MERGE_WARPS) and of the two per-row launches (by C). Every value gives the same
+    result (but for the fallback's set-score sums, which chunk changes the rounding of: an exact tie decided by the
+    last ulp could go the other way). Under TRITON_INTERPRET=1 it runs on CPU tensors (how the kernels are tested
+    without a GPU)."""
     if triton is None:
         raise NotImplementedError(f"{NAME} needs Triton (pip install triton)")
     _check_options(n_recent, n_heavy, n_sink, epsilon, sigma, sigma_mode, values_mode, reading, budget_mode,
@@ -538,15 +594,15 @@ def triton_kvmerger_compress(keys, values, bias, slot_pos, fill, budget, score, 
     xv = torch.empty_like(values)
     _kvm_rank_kernel[(rows,)](bias, slot_pos, score, degree, fill, budget, sor, scr, por, dgr, bir, prot, keyp,
                               info, C, n_sink, n_recent, n_heavy, _bits(recent_ratio), _bits(hh_ratio),
-                              BLOCK=block, CH=ch, num_warps=_select_warps(block))
+                              BLOCK=block, CH=ch, num_warps=select_warps or _select_warps(block))
     _kvm_cosine_kernel[(triton.cdiv(C, cs), rows)](keys, budget, sor, info, cos, C, D, BS=cs,
                                                            BLOCK_D=block_d)
     _kvm_join_kernel[(rows,)](keys, budget, sor, scr, prot, cos, keyp, join, j1, sst, ssum, ost, ocn, info, C, D,
                               _bits(epsilon), EPSILON_MODE=budget_mode == "epsilon", ANCHOR=reading == "anchor",
-                              BLOCK=block, CH=ch, BLOCK_D=block_d, num_warps=_select_warps(block))
+                              BLOCK=block, CH=ch, BLOCK_D=block_d, num_warps=select_warps or _select_warps(block))
     _kvm_merge_kernel[(triton.cdiv(C, ms), rows)](
         keys, values, xk, xv, bias, slot_pos, score, degree, sor, scr, por, dgr, bir, ost, ocn, dist, info, C, D,
         _bits(sigma), SIGMA_MODE=SIGMA_MODES.index(sigma_mode), VALUES_BIAS=values_mode == "bias",
-        ITERS=PAPER_ITERS, OB=ms, MB=MEMBER_STEP, BLOCK_D=block_d)
+        ITERS=PAPER_ITERS, OB=ms, MB=MEMBER_STEP, BLOCK_D=block_d, num_warps=merge_warps or MERGE_WARPS)
     _kvm_writeback_kernel[(triton.cdiv(C, ps), rows)](keys, values, xk, xv, bias, slot_pos, score, degree,
                                                               fill, sor, ost, ocn, info, C, D, BS=ps, BLOCK_D=block_d)

@@ -236,3 +236,18 @@ def test_kernel_matches_the_ops_reference(sigma_mode, values_mode, seed):
                                 "exact")
     assert int(deficit.abs().sum()) == 0
     check(got, want, s, BUDGET)
+
+
+@pytest.mark.parametrize("sigma_mode,values_mode", [("fixed", "scale"), ("paper", "bias"), ("distance", "scale")])
+def test_sets_within_and_over_one_member_tile(sigma_mode, values_mode):
+    """The merge launch takes a set of <= MEMBER_STEP members as one register tile and a larger one by a loop over
+    member chunks: both against the naive, in one call."""
+    from kvrewrite.kernels._kvmerger_kernels import MEMBER_STEP
+
+    s = make_state(1, 2, 61, 13, fills=[[61, 58]], seed=5, pad_frac=0.0, runs=2, run_len=26, noise=0.01)
+    budget = torch.tensor([12, 40])
+    opts = dict(n_recent=2, n_heavy=1, sigma=0.7, sigma_mode=sigma_mode, values_mode=values_mode)
+    got, want, info, orig = run_both(s, budget, opts)
+    check(got, want, orig, budget)
+    sizes = [len(st) for i in info.values() for st in i["sets"]]
+    assert max(sizes) > MEMBER_STEP and any(1 < n <= MEMBER_STEP for n in sizes), sizes
