@@ -8,8 +8,11 @@ evict_by_score / accumulate_attention becomes the op of the same name in the nam
 ``kvrewrite_export``, which takes the same arguments (chelsea's outlier heads as a bit mask) and returns
 the tensors it would write instead of mutating them: (keys, values, bias, slot_pos, fill) for the first
 three, those plus the score for evict_by_score, the score for accumulate_attention (FUNCTIONAL lists the
-mutated argument positions), and kvrewrite::kmeans_cluster (ClusterKV) becomes kvrewrite_export::kmeans_cluster,
-which returns its six index fields (centroids, cluster_size, cluster_start, members, n_clusters, cluster_end).
+mutated argument positions), kvrewrite::kmeans_cluster (ClusterKV) becomes kvrewrite_export::kmeans_cluster,
+which returns its six index fields (centroids, cluster_size, cluster_start, members, n_clusters, cluster_end),
+and kvrewrite::kvmerger_compress (KVMerger) becomes kvrewrite_export::kvmerger_compress, which returns (keys,
+values, bias, slot_pos, fill, score, degree, deficit). A kvrewrite op that writes its inputs and has no entry
+in FUNCTIONAL is refused by `functionalize` (ValueError naming it): it cannot slip through an export.
 Their eager and CUDA kernels are the in-place ops applied to clones, so the functional graph computes exactly
 what the in-place one does. clustered_attention, select_clusters, indexed_attention and
 attention_column_stats mutate nothing and stay (for TensorRT the three triton_ops become plain custom ops of
@@ -156,6 +159,25 @@ def _(q, keys, values, bias, index, scale, softcap=0.0):
     return q.new_empty(q.shape)
 
 
+@torch.library.custom_op("kvrewrite_export::kvmerger_compress", mutates_args=())
+def kvmerger_compress(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, budget: _T, score: _T, degree: _T,
+                      deficit: _T, recent_ratio: float = 0.34, hh_ratio: float = 0.24, n_sink: int = 0,
+                      epsilon: float = 0.75, sigma: float = 5.0, sigma_mode: str = "fixed", values_mode: str = "scale",
+                      reading: str = "chain", budget_mode: str = "exact") -> tuple[_T, _T, _T, _T, _T, _T, _T, _T]:
+    """kvrewrite::kvmerger_compress returning the updated (keys, values, bias, slot_pos, fill, score, degree,
+    deficit); the options are positional here (the in-place op's are keyword-only)."""
+    out = _clones(keys, values, bias, slot_pos, fill, score, degree, deficit)
+    torch.ops.kvrewrite.kvmerger_compress(*out[:5], budget, *out[5:], recent_ratio=recent_ratio, hh_ratio=hh_ratio,
+                                          n_sink=n_sink, epsilon=epsilon, sigma=sigma, sigma_mode=sigma_mode,
+                                          values_mode=values_mode, reading=reading, budget_mode=budget_mode)
+    return tuple(out)
+
+
+@kvmerger_compress.register_fake
+def _(keys, values, bias, slot_pos, fill, budget, score, degree, deficit, *args, **kwargs):
+    return tuple(torch.empty_like(t) for t in (keys, values, bias, slot_pos, fill, score, degree, deficit))
+
+
 # pure triton_ops -> their plain custom op in kvrewrite_export (functionalize(opaque_attention=True))
 OPAQUE = {
     torch.ops.kvrewrite.clustered_attention.default: torch.ops.kvrewrite_export.clustered_attention.default,
@@ -194,7 +216,17 @@ FUNCTIONAL = {
     torch.ops.kvrewrite.accumulate_attention.default: (torch.ops.kvrewrite_export.accumulate_attention.default, (5,)),
     torch.ops.kvrewrite.kmeans_cluster.default: (torch.ops.kvrewrite_export.kmeans_cluster.default,
                                                  (6, 7, 8, 9, 10, 11)),
+    torch.ops.kvrewrite.kvmerger_compress.default: (torch.ops.kvrewrite_export.kvmerger_compress.default,
+                                                    (0, 1, 2, 3, 4, 6, 7, 8)),
 }
+
+
+def written_args(target) -> list:
+    """The names of the arguments a kvrewrite op writes (its schema's alias info: Tensor(a!)), [] for any other
+    call target."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "kvrewrite":
+        return []
+    return [a.name for a in target._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
 
 
 def unfuse_observed_attention(gm: fx.GraphModule) -> fx.GraphModule:
@@ -241,7 +273,8 @@ def functionalize(gm: fx.GraphModule, n_inputs: int = 4, opaque_attention: bool 
     indexed_attention) for their plain custom ops in kvrewrite_export (OPAQUE).
 
     Raises ValueError if a state input feeds anything but a kvrewrite op (a view of the state taken
-    before an update would read the old value in the functional graph, silently)."""
+    before an update would read the old value in the functional graph, silently), or if a kvrewrite op that
+    writes its inputs has no functional twin in FUNCTIONAL (its writes would be lost, silently)."""
     from kvrewrite.capture import copy_graph_module
 
     gm = unfuse_observed_attention(copy_graph_module(gm))
@@ -266,6 +299,13 @@ def functionalize(gm: fx.GraphModule, n_inputs: int = 4, opaque_attention: bool 
             node.target = OPAQUE[node.target]
             continue
         if node.target not in FUNCTIONAL:
+            writes = written_args(node.target)
+            if writes:
+                name = node.target.name().split(".")[0]
+                raise ValueError(
+                    f"functionalize: {name} (node '{node.name}') writes its inputs {writes} and has no functional "
+                    f"twin: add a kvrewrite_export::{name.split('::')[1]} that returns the updated tensors, and its "
+                    f"entry in kvrewrite.export.functional.FUNCTIONAL, to export this graph to ONNX or TensorRT")
             continue
         fn, written = FUNCTIONAL[node.target]
         args = all_args(node)

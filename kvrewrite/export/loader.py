@@ -3,10 +3,10 @@ machinery: `kvrewrite.export.loader.load(path).generate(input_ids, attention_mas
 
 The loader reads kvrewrite_export.json, rebuilds the method from its name and options (for the
 per-generation budgets and thresholds), allocates the layer state at the recorded capacities (the
-method's own state fields, e.g. H2O's scores or ClusterKV's cluster index, as the JSON's "method_state"
-records them), and drives the exported step graphs with kvrewrite.host.HostGeneration, the prefill /
-decode_step / generate that KVRewrittenModel runs: left-padding to whole prefill chunks, the
-HostSchedule that picks the decode variant with or without compression, and the token loop. Greedy and sampled
+method's own state fields, e.g. H2O's scores, ClusterKV's cluster index or KVMerger's degrees, as the JSON's
+"method_state" records them, each filled with its field's reset value: KVMerger's degree with 1), and drives the
+exported step graphs with kvrewrite.host.HostGeneration, the prefill / decode_step / generate that
+KVRewrittenModel runs: left-padding to whole prefill chunks, the HostSchedule that picks the decode variant with or without compression, and the token loop. Greedy and sampled
 decoding, EOS, padding, errors and `last_timings` behave as in `rw.generate` (same arguments).
 
 Backends: "torch_export" (.pt2 ExportedPrograms, run by ExportedProgram.module()), "aoti"

@@ -10,11 +10,11 @@ custom nodes (a custom_translation_table with onnxscript functions ends up inlin
 runs the model as it is; a runtime with a native kvrewrite kernel can substitute it by domain/name.
 onnx.checker.check_model(full_check=True) runs on every model written.
 
-Every op a method inserts has a function: methods full, streamingllm, chelsea, h2o, snapkv and clusterkv
-export completely (sliding-window layers included; the method's own state, e.g. l<i>_score or ClusterKV's
-l<i>_centroids ... l<i>_cluster_end, is an input and an output like the base state; ClusterKV's functions are
-in onnx_clusterkv.py). kvrewrite::attention_column_stats (no method calls it directly; its math
-is inside accumulate_attention) has none; a graph holding it is refused with NotImplementedError.
+Every op a method inserts has a function: methods full, streamingllm, chelsea, h2o, snapkv, clusterkv and
+kvmerger export completely (sliding-window layers included; the method's own state, e.g. l<i>_score, ClusterKV's
+l<i>_centroids ... l<i>_cluster_end or KVMerger's l<i>_degree and l<i>_deficit, is an input and an output like the
+base state; ClusterKV's functions are in onnx_clusterkv.py, KVMerger's in onnx_kvmerger.py).
+kvrewrite::attention_column_stats (no method calls it directly; its math is inside accumulate_attention) has none; a graph holding it is refused with NotImplementedError.
 """
 import torch
 

@@ -28,6 +28,7 @@ are the functional forms (kvrewrite.export.functional): they return the updated
         ratio: float64 [recent_ratio] (the recent count floor(recent_ratio * B) needs the reference's double).
 
     kvrewrite::kmeans_cluster, select_clusters, indexed_attention (ClusterKV): kvrewrite/export/onnx_clusterkv.py.
+    kvrewrite::kvmerger_compress, and the helper top_flags it calls (KVMerger): kvrewrite/export/onnx_kvmerger.py.
 
 Numerics: attention computes in fp32 (MatMul instead of the reference's einsum: rounding only), and so
 does accumulate_attention (exp(l - max) / sum instead of exp(l - lse): rounding only); cache_append,
@@ -47,7 +48,8 @@ from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
 import kvrewrite.export.functional  # noqa: F401  (registers kvrewrite_export::)
-from kvrewrite.export import onnx_clusterkv
+from kvrewrite.export import onnx_clusterkv, onnx_kvmerger
+from kvrewrite.kernels.kvmerger_compress import BUDGET_MODES, READINGS, SIGMA_MODES, VALUES_MODES
 
 DOMAIN = "kvrewrite"
 kv = Opset(DOMAIN, 1)
@@ -381,7 +383,9 @@ def evict_by_score(keys: TFloat, values: TFloat, bias: FLOAT, slot_pos: INT64, f
 FUNCTIONS = {"clustered_attention": clustered_attention, "cache_append": cache_append,
              "evict_to_budget": evict_to_budget, "chelsea_compress": chelsea_compress,
              "accumulate_attention": accumulate_attention, "evict_by_score": evict_by_score,
-             **onnx_clusterkv.FUNCTIONS}
+             **onnx_clusterkv.FUNCTIONS, **onnx_kvmerger.FUNCTIONS}
+CALLS = {**onnx_clusterkv.CALLS, **onnx_kvmerger.CALLS}  # functions whose bodies call other kvrewrite functions
+HELPERS = {**onnx_clusterkv.HELPERS, **onnx_kvmerger.HELPERS}
 
 
 def fixed_proto(fn):
@@ -403,10 +407,10 @@ def fixed_proto(fn):
 
 def function_protos(names=None) -> list:
     """The FunctionProtos the exported models carry (domain "kvrewrite", version 1), all or `names`, with the
-    helper functions their bodies call (kmeans_cluster's mix32)."""
+    helper functions their bodies call (kmeans_cluster's mix32, kvmerger_compress's top_flags)."""
     picked = [name for name in FUNCTIONS if names is None or name in names]
-    helpers = sorted({h for name in picked for h in onnx_clusterkv.CALLS.get(name, ())})
-    return [fixed_proto(FUNCTIONS[name]) for name in picked] + [fixed_proto(onnx_clusterkv.HELPERS[h]) for h in helpers]
+    helpers = sorted({h for name in picked for h in CALLS.get(name, ())})
+    return [fixed_proto(FUNCTIONS[name]) for name in picked] + [fixed_proto(HELPERS[h]) for h in helpers]
 
 
 # -- the nodes: torch.onnx.ops.symbolic emits a "kvrewrite::<op>" node during export -------------------
@@ -494,7 +498,22 @@ def sym_indexed_attention(q, keys, values, bias, index, scale, softcap=0.0):
                                    dtype=q.dtype, shape=q.shape, version=1)
 
 
+def sym_kvmerger_compress(keys, values, bias, slot_pos, fill, budget, score, degree, deficit, recent_ratio=0.34,
+                          hh_ratio=0.24, n_sink=0, epsilon=0.75, sigma=5.0, sigma_mode="fixed", values_mode="scale",
+                          reading="chain", budget_mode="exact"):
+    # the ratios travel as a float64 tensor: floor(ratio * B) must see the reference's doubles; the string options
+    # as their index in the op module's tuples (onnx_kvmerger's docstring)
+    ratios = torch.tensor([recent_ratio, hh_ratio], dtype=torch.float64, device=keys.device)
+    return tuple(torch.onnx.ops.symbolic_multi_out(
+        f"{DOMAIN}::kvmerger_compress", [keys, values, bias, slot_pos, fill, budget, score, degree, deficit, ratios],
+        {"n_sink": int(n_sink), "epsilon": float(epsilon), "sigma": float(sigma),
+         "sigma_mode": SIGMA_MODES.index(sigma_mode), "values_mode": VALUES_MODES.index(values_mode),
+         "reading": READINGS.index(reading), "budget_mode": BUDGET_MODES.index(budget_mode)},
+        **_state_like(keys, values, bias, slot_pos, fill, score, degree, deficit)))
+
+
 SYMBOLIC = {
+    torch.ops.kvrewrite_export.kvmerger_compress.default: sym_kvmerger_compress,
     torch.ops.kvrewrite_export.kmeans_cluster.default: sym_kmeans_cluster,
     torch.ops.kvrewrite.select_clusters.default: sym_select_clusters,
     torch.ops.kvrewrite.indexed_attention.default: sym_indexed_attention,

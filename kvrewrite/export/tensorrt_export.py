@@ -20,9 +20,9 @@ documented torch-tensorrt API (2.6+, TensorRT >= 10.7 for tensorrt.plugin) and h
 package can be installed on our machines. Without them `tensorrt()` raises ImportError naming what is
 missing. The plugins are JIT plugins (a Python callback into the op at engine run time): an AOT plugin
 (`tensorrt.plugin.aot_impl`, PTX in the engine) needs one Triton kernel with a fixed launch per op, and
-cache_append / the compression ops launch several kernels or run PyTorch code (kmeans_cluster, select_clusters:
-several phases or launches); so the engines need a Python process with kvrewrite imported, like the AOTInductor
-packages.
+cache_append / the compression ops launch several kernels or run PyTorch code (kmeans_cluster, select_clusters,
+kvmerger_compress: several phases or launches); so the engines need a Python process with kvrewrite imported,
+like the AOTInductor packages. (kvmerger_compress's options reach its plugin as int, float and str attributes.)
 """
 import operator
 
@@ -42,6 +42,7 @@ PLUGIN_OPS = (
     "kvrewrite_export::kmeans_cluster",
     "kvrewrite_export::select_clusters",
     "kvrewrite_export::indexed_attention",
+    "kvrewrite_export::kvmerger_compress",
 )
 _ALLOWED_NON_TENSOR = (int, float, bool, str)  # what generate_plugin maps to plugin attributes
 _registered = set()

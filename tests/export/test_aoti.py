@@ -121,3 +121,38 @@ def test_aoti_cpu_clusterkv_step_matches_eager(tmp_path):
             assert torch.equal(a, b), name
     n_clusters = rw.layer_state(1)["n_clusters"]
     assert bool((eager[names.index("l1_n_clusters")] > n_clusters).all()), "the window clustering did not run"
+
+
+@torch.no_grad()
+def test_aoti_cpu_kvmerger_step_matches_eager(tmp_path):
+    """KVMerger's decode step with compression compiled alone (one package, as ClusterKV's): on the state one decode
+    step past the prompt, where this step's re-merge is due, the package computes the eager graph's logits (1e-4)
+    and the same state (every integer field, degree and deficit included, equal; keys, values, scores within 1e-5):
+    kvmerger_compress (eight mutated fields, float and str keyword options) through the proxy executor."""
+    from kvrewrite.export.common import graph_of
+
+    m = tiny_model("llama")
+    m.generation_config.eos_token_id = None
+    rw = kvrewrite.apply(m, "kvmerger", max_length=40, batch_size=2, prefill_chunk=16, budget=8, interval=2, n_sink=1,
+                         values="bias", sigma_mode="distance")
+    path = kvrewrite.export.aoti(rw, tmp_path, graphs=("decode_compress",))
+    step = loader.load(path).steps["decode_compress"]
+    ids, mask = _inputs()
+    logits = rw.prefill(ids, mask, max_new_tokens=NEW)
+    logits = rw.decode_step(logits.argmax(-1))
+    assert rw.schedule.due(1), "the next step does not re-merge"
+    args = [logits.argmax(-1)[:, None], rw._next_position[:, None], rw._next_cache_position,
+            torch.ones(2, 1, dtype=torch.bool)]
+    eager = [t.clone() for t in rw.state_tensors()]
+    compiled = [t.clone() for t in rw.state_tensors()]
+    want = graph_of(rw, "decode_compress")(*args, *eager)
+    got = step(*args, compiled)
+    assert (got - want).abs().max().item() <= 1e-4
+    names = [f"l{info.index}_{f}" for k, info in enumerate(rw.layers) for f in rw.layer_fields(k)]
+    for name, a, b in zip(names, compiled, eager):
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+        else:
+            assert torch.equal(a, b), name
+    fill = names.index("l0_fill")
+    assert bool((eager[fill] < rw.state_tensors()[fill] + 1).all()), "the re-merge did not run"

@@ -1,5 +1,5 @@
 """ONNX export: each kvrewrite function against its PyTorch op (onnxruntime, fresh random inputs), then
-whole models (full, streamingllm, chelsea, snapkv, clusterkv; sliding-window layers): onnx.checker, custom-domain nodes
+whole models (full, streamingllm, chelsea, snapkv, clusterkv, kvmerger; sliding-window layers): onnx.checker, custom-domain nodes
 with their functions, logits and state after prefill, and greedy generation against the PyTorch runtime.
 
 Tolerances: cache_append and evict_to_budget are scatters/gathers, so their outputs must be equal;
@@ -271,6 +271,9 @@ CASES = {  # family, method, options: full-attention eviction (llama), sliding-w
     # clustering every 4 decode steps; k-means and selection state (l1_centroids ... l1_cluster_end) in and out
     "llama-clusterkv": ("llama", "clusterkv", dict(budget=10, n_sink=2, interval=4, tokens_per_cluster=4,
                                                    window_clusters=2, iters=4, dense_layers=1, select_per="kv_head")),
+    # kvmerger: B = 8 of ~24-36 slots, a re-merge every 2 decode steps (the prompt merged after its chunks); the
+    # score, degree and deficit state in and out; one sink, values as a log-degree bias
+    "llama-kvmerger": ("llama", "kvmerger", dict(budget=8, interval=2, n_sink=1, values="bias")),
 }
 
 
@@ -299,11 +302,12 @@ def test_models_check_and_carry_kvrewrite_functions(exported):
         want = [int(name != "prefill" and layer.window == 0) for layer in dense]  # decode graphs, no window
         assert past_only == want, f"{name}: past_only attributes {past_only}, want {want}"
         functions = {f.name for f in model.functions if f.domain == "kvrewrite"}
-        helpers = {"mix32"} if "kmeans_cluster" in nodes else set()  # called by the kmeans_cluster function
+        helpers = ({"mix32"} if "kmeans_cluster" in nodes else set()) | \
+            ({"top_flags"} if "kvmerger_compress" in nodes else set())  # called by those functions
         assert functions == nodes | helpers, f"{name}: kvrewrite nodes {nodes} vs functions {functions}"
         if rw.method.name != "full" and name != "decode":
             assert {"streamingllm": "evict_to_budget", "chelsea": "chelsea_compress", "snapkv": "evict_by_score",
-                    "clusterkv": "kmeans_cluster"}[rw.method.name] in nodes
+                    "clusterkv": "kmeans_cluster", "kvmerger": "kvmerger_compress"}[rw.method.name] in nodes
         if len(dense) < len(rw.layers):
             assert {"select_clusters", "indexed_attention"} <= nodes
         other = {n.domain for n in model.graph.node} - {"", "kvrewrite"}

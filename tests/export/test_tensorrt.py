@@ -39,13 +39,24 @@ def rw_snapkv():
                            interval=4)
 
 
+@pytest.fixture(scope="module")
+def rw_kvmerger():
+    # llama with kvmerger: the score observation and kvmerger_compress (degree and deficit state) on both layers;
+    # options off their defaults (the export leaves default-valued trailing arguments out of the node)
+    m = tiny_model("llama")
+    m.generation_config.eos_token_id = None
+    return kvrewrite.apply(m, "kvmerger", max_length=40, batch_size=2, prefill_chunk=16, budget=8, interval=2,
+                           n_sink=1, epsilon=0.5, sigma_mode="distance", values="bias", budget_mode="epsilon")
+
+
 SCORE_OPS = {"kvrewrite_export::evict_by_score", "kvrewrite_export::accumulate_attention"}
 CLUSTERKV_OPS = {"kvrewrite_export::kmeans_cluster", "kvrewrite_export::select_clusters",
                  "kvrewrite_export::indexed_attention"}
+KVMERGER_OPS = {"kvrewrite_export::kvmerger_compress"}
 
 
 def test_op_set_is_aten_plus_plugin_ops(prepared):
-    every = set(te.PLUGIN_OPS) - SCORE_OPS - CLUSTERKV_OPS
+    every = set(te.PLUGIN_OPS) - SCORE_OPS - CLUSTERKV_OPS - KVMERGER_OPS
     assert te.check_op_set(prepared["prefill"][0]) == sorted(every)
     assert te.check_op_set(prepared["decode_compress"][0]) == sorted(every)
     assert te.check_op_set(prepared["decode"][0]) == ["kvrewrite_export::cache_append",
@@ -58,7 +69,7 @@ def test_op_set_is_aten_plus_plugin_ops(prepared):
 
 def test_plugin_descriptions(prepared):
     _, descs = prepared["prefill"]
-    assert sorted(descs) == sorted(set(te.PLUGIN_OPS) - SCORE_OPS - CLUSTERKV_OPS)
+    assert sorted(descs) == sorted(set(te.PLUGIN_OPS) - SCORE_OPS - CLUSTERKV_OPS - KVMERGER_OPS)
     for op, d in descs.items():
         if op.endswith("clustered_attention"):
             assert d["outputs"] == d["inputs"][:1]  # [B, Hq, T, D] of q
@@ -73,7 +84,7 @@ def test_score_ops_plugin_descriptions(rw_snapkv):
     prepared = te.prepare(rw_snapkv)
     base = ["kvrewrite_export::cache_append", "kvrewrite_export::clustered_attention"]
     assert te.check_op_set(prepared["decode"][0]) == sorted([*base, "kvrewrite_export::accumulate_attention"])
-    no_chelsea = set(te.PLUGIN_OPS) - {"kvrewrite_export::chelsea_compress"} - CLUSTERKV_OPS
+    no_chelsea = set(te.PLUGIN_OPS) - {"kvrewrite_export::chelsea_compress"} - CLUSTERKV_OPS - KVMERGER_OPS
     assert te.check_op_set(prepared["prefill"][0]) == sorted(no_chelsea)
     descs = prepared["decode_compress"][1]
     ins = descs["kvrewrite_export::evict_by_score"]["inputs"]
@@ -107,7 +118,7 @@ def test_check_op_set_names_foreign_ops(rw):
 
 @torch.no_grad()
 @pytest.mark.parametrize("name", ["prefill", "decode_compress"])
-@pytest.mark.parametrize("which", ["rw", "rw_snapkv"])
+@pytest.mark.parametrize("which", ["rw", "rw_snapkv", "rw_kvmerger"])
 def test_functional_graph_computes_the_in_place_graph(request, which, name):
     rw = request.getfixturevalue(which)
     ids = torch.randint(3, 128, (2, 24))
@@ -132,6 +143,51 @@ def test_functional_graph_computes_the_in_place_graph(request, which, name):
     assert all(torch.equal(a, b) for a, b in zip(new_state, state))
     after = [new_state[starts[i] + 4] for i in range(len(rw.layers))]
     assert all(bool((a < b + args[0].shape[1]).any()) for a, b in zip(after, before)), "no compression ran"
+
+
+def test_kvmerger_op_set_and_plugin_descriptions(rw_kvmerger):
+    """KVMerger's graphs: accumulate_attention in every graph (the fused observation split back), kvmerger_compress
+    where the graph compresses, returning the five state tensors, the score, the degree and the deficit with their
+    own shapes; its options reach the plugin as int, float and str attributes."""
+    prepared = te.prepare(rw_kvmerger)
+    base = ["kvrewrite_export::accumulate_attention", "kvrewrite_export::cache_append",
+            "kvrewrite_export::clustered_attention"]
+    assert te.check_op_set(prepared["decode"][0]) == base
+    for name in ("prefill", "decode_compress"):
+        assert te.check_op_set(prepared[name][0]) == sorted([*base, "kvrewrite_export::kvmerger_compress"])
+    descs = prepared["decode_compress"][1]
+    ins = descs["kvrewrite_export::kvmerger_compress"]["inputs"]
+    assert descs["kvrewrite_export::kvmerger_compress"]["outputs"] == ins[:5] + ins[6:9]
+    node = next(n for n in prepared["decode_compress"][0].graph.nodes
+                if n.target == torch.ops.kvrewrite_export.kvmerger_compress.default)
+    assert te._example_values(node)[9:] == [0.34, 0.24, 1, 0.5, 5.0, "distance", "bias", "chain", "epsilon"]
+
+
+def test_functional_entries_return_what_the_ops_write():
+    """Every FUNCTIONAL entry lists exactly the arguments its in-place op writes (the schema's Tensor(a!)), and its
+    functional op returns one tensor per written argument."""
+    from kvrewrite.export.functional import FUNCTIONAL, written_args
+
+    for op, (fn, positions) in FUNCTIONAL.items():
+        names = [op._schema.arguments[i].name for i in positions]
+        assert names == written_args(op), op
+        assert len(fn._schema.returns) == len(positions), fn
+
+
+def test_functionalize_refuses_a_writing_op_without_a_functional_twin(rw_kvmerger, monkeypatch):
+    """A kvrewrite op that writes its inputs and has no FUNCTIONAL entry (here kvmerger_compress with its entry
+    removed, as before it had one) is refused, by name, instead of its writes being dropped from the export."""
+    from kvrewrite.export import functional
+
+    graph = graph_of(rw_kvmerger, "decode_compress")
+    functional.functionalize(graph, n_inputs=4)  # with the entry: fine
+    monkeypatch.delitem(functional.FUNCTIONAL, torch.ops.kvrewrite.kvmerger_compress.default)
+    with pytest.raises(ValueError, match=r"kvrewrite::kvmerger_compress \(node '.*'\) writes its inputs \['keys', "
+                                         r"'values', 'bias', 'slot_pos', 'fill', 'score', 'degree', 'deficit'\] and "
+                                         r"has no functional twin: add a kvrewrite_export::kvmerger_compress"):
+        functional.functionalize(graph, n_inputs=4)
+    with pytest.raises(ValueError, match="kvrewrite::kvmerger_compress .* has no functional twin"):
+        te.prepare(rw_kvmerger, graphs=("prefill",))
 
 
 CLUSTERKV = dict(budget=10, n_sink=2, interval=4, tokens_per_cluster=4, window_clusters=2, iters=4, dense_layers=1)

@@ -184,3 +184,45 @@ def test_clusterkv_exports_and_generates(tmp_path):
     assert bool((s["cluster_end"] >= prompt_slots + 2 * CLUSTERKV["interval"]).all()), "no window clustering ran"
     clustered = s["cluster_size"].sum(-1)
     assert bool((clustered > CLUSTERKV["budget"] - CLUSTERKV["n_sink"]).all()), "the selection dropped nothing"
+
+
+# kvmerger: B = 8 of the 24-token prompt's slots (merged after its chunks), a re-merge every 2 decode steps; the
+# default reading and budget mode (each head holds exactly B), and the adaptive ones (heads hold fewer: the deficit
+# keeps the device due when the loader's host schedule says so)
+KVMERGER = {"chain-exact": dict(budget=8, interval=2),
+            "anchor-epsilon": dict(budget=8, interval=2, reading="anchor", budget_mode="epsilon", epsilon=0.0,
+                                   n_sink=1, sigma_mode="distance", values="bias")}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("case", list(KVMERGER))
+def test_kvmerger_exports_and_generates(tmp_path, case):
+    """KVMerger's degree (reset 1) and deficit (reset 0) travel in the metadata after H2O's score; the loader
+    allocates them at their reset values, reproduces rw.generate token for token over 12 tokens with a re-merge
+    every 2 steps (counted: the decode_compress program runs), and leaves the very same state."""
+    rw = kvrewrite.apply(_model("llama"), "kvmerger", max_length=40, batch_size=2, prefill_chunk=16, **KVMERGER[case])
+    path = kvrewrite.export.torch_export(rw, tmp_path)
+    meta = read_metadata(path)
+    C = rw.capacities[0]
+    assert list(meta["method_state"][0]) == ["score", "pending_q", "pending_lse", "degree", "deficit"]
+    assert meta["method_state"][0]["degree"] == {"shape": [2, 2, C], "dtype": "int32", "reset": 1}
+    assert meta["method_state"][0]["deficit"] == {"shape": [2, 2], "dtype": "int64", "reset": 0}
+    graph = torch.export.load(path / "decode_compress.pt2").graph
+    assert "kvrewrite.kvmerger_compress.default" in {str(n.target) for n in graph.nodes if n.op == "call_function"}
+    m = loader.load(path)
+    assert all(bool((m.layer_state(i)["degree"] == 1).all()) for i in range(2)), "degree not allocated at its reset"
+    calls = []
+    step = m.steps["decode_compress"]
+    m.steps["decode_compress"] = lambda *a: calls.append(1) or step(*a)
+    ids, mask = _inputs()
+    ref = rw.generate(ids, mask, max_new_tokens=NEW)
+    out = m.generate(ids, mask, max_new_tokens=NEW)
+    assert torch.equal(out, ref), f"loader\n{out[:, PROMPT:]}\n!= rw.generate\n{ref[:, PROMPT:]}"
+    assert all(torch.equal(a, b) for a, b in zip(m.state, rw.state_tensors())), "final state differs"
+    assert len(calls) >= 4, f"only {len(calls)} re-merges ran"
+    s = m.layer_state(1)
+    kept = torch.arange(C) < s["fill"][..., None]
+    real = torch.tensor([PROMPT, PROMPT - 5])[:, None] + NEW - 1  # every token the state has seen, per batch row
+    assert torch.equal((s["degree"] * kept).sum(-1), real.expand(2, 2)), "the degrees do not count every token"
+    if case == "anchor-epsilon":
+        assert int(s["deficit"].max()) > 0, "every head kept B slots: the deficit path is not exercised"
