@@ -6,7 +6,8 @@ keys per row (so sets of several members form), distinct random scores, degrees 
 and the decode call at batch 8. Each combination: one CUDA graph of the call, 12 replays from the same state (a GPU
 sleep before each so the host is ahead), median of the last 10, in microseconds; plus a per-kernel profile of the
 default knobs. The defaults in kvrewrite/kernels/_kvmerger_kernels.py come from these runs
-(docs/bench/kvmerger_knobs_h100_*.json).
+(docs/bench/kvmerger_knobs_h100_merge.json by this module; kvmerger_knobs_h100_warps.json by its first form, the
+same cases and timing with keys sw<select_warps>_c<chunk>: a rerun here stopped after its first case).
 
 Run:  python -m kvrewrite.bench.kvmerger_knobs --knobs merge --out kvmerger_knobs_merge.json
       python -m kvrewrite.bench.kvmerger_knobs --knobs warps --out kvmerger_knobs_warps.json
