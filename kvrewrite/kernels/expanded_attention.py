@@ -1,0 +1,169 @@
+"""kvrewrite::expanded_attention — attention over EMS's runtime slots, one stored key per entry.
+
+EMS (contract /work/ems_spec.md §6.2, issue 17) stores C entries per row (b, kv-head) and attends R runtime
+slots: slot j stands for one token and reads entry lut[j] with its own key scale a_j, so a merged entry (a unit
+direction) gives each member token back its own key norm. For query t at position c_t and query head hq (GQA:
+KV head h = hq // G, G = Hq / Hkv):
+
+    s_e = scale * q_t·keys[e]                                              (per entry, fp32)
+    slot j is visible iff j < slot_fill, e = lut[j] >= 0, bias[e] > -inf and slot_pos[e] <= c_t
+    z_j = a_j * s_e          (softcap > 0: z_j = softcap * tanh(a_j * s_e / softcap))
+    o_t = sum_j e^{z_j - m} v_{lut[j]} / sum_j e^{z_j - m} = sum_e P_e v_e / sum_e P_e,  P_e = sum_{lut[j]=e} e^{z_j - m}
+    lse_t = m + log sum_j e^{z_j - m};   no visible slot: o_t = 0, lse_t = -inf
+
+This is exactly dense softmax attention over the expanded keys a_j·keys[lut[j]] and values values[lut[j]], computed
+without forming them: scores are computed once per entry, gathered per slot, and the probabilities scattered back
+per entry before P @ V. Causality is tested per entry (exact: a merged entry's members are all older than any later
+chunk's queries, and slot_pos[e] is their max). Free slots, zero-class slots and padding entries never contribute.
+EMS never runs on sliding-window layers (they keep clustered_attention), hence no window argument. The soft cap
+applies to the scaled expanded score, as the model caps q·k̂_j.
+
+Args:
+    q:              [B, Hq, T, D]   model dtype
+    keys, values:   [B, Hkv, C, D]  model dtype
+    bias:           [B, Hkv, C]     fp32 (0 live, -inf free or padding; EMS uses no degree bias)
+    slot_pos:       [B, Hkv, C]     int64 (an entry's newest token position)
+    cache_position: [T]             int64
+    entry_start:    [B, Hkv, C]     int32 (each entry's first slot; the reference needs only lut, the future
+                                    Triton kernel walks entries by it)
+    lut:            [B, Hkv, R]     int32 (-1: free); key_scale: [B, Hkv, R] fp32; slot_fill: [B, Hkv] int64
+    scale:          the model's softmax scale
+    past_only:      the caller's promise that no live entry lies after any query (decode graphs); the function is
+                    the same either way, and this op checks the promise (ValueError when broken), as
+                    kvrewrite::clustered_attention's CPU path does.
+    softcap:        the model's attn_logit_softcapping, 0 for none.
+Returns:
+    (out [B, Hq, T, D] in q's dtype, contiguous; lse [B, Hq, T] fp32, natural log). Mutates nothing.
+
+Backends: one reference (below) on every device. There is NO Triton kernel yet: CUDA runs this same tensor
+reference (correct, not fast: it materialises [B, Hq, 128, R] fp32 scores per block of queries) until the kernel of
+spec §6.2 lands and passes its GPU tests. The op is an opaque `torch.library.custom_op` (the promise check reads
+data on the host).
+"""
+import torch
+
+from kvrewrite.kernels._triton_op import check_attention_shapes
+from kvrewrite.kernels.clustered_attention import check_past_only, check_softcap
+
+NAME = "kvrewrite::expanded_attention"
+BLOCK_T = 128  # queries per block of the reference: bounds its memory to B * Hq * BLOCK_T * R floats
+
+
+def _expect(name, field, t, shape, dtype):
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise ValueError(f"{name}: {field} must be {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+
+
+def check_expanded_inputs(name, q, keys, bias, slot_pos, cache_position, entry_start, lut, key_scale, slot_fill,
+                          values=None, softcap=0.0):
+    """ValueError naming the argument, its expected shape and dtype; returns (B, Hq, T, D, Hkv, C, R).
+    Shared by expanded_attention, expanded_attention_stats and ems_attention."""
+    B, Hq, T, D, Hkv, C = check_attention_shapes(name, q, keys, bias, slot_pos, cache_position)
+    if values is not None and values.shape != keys.shape:
+        raise ValueError(f"{name}: values must be [B, Hkv, C, D] = {list(keys.shape)} like keys, "
+                         f"got {list(values.shape)}")
+    _expect(name, "bias", bias, (B, Hkv, C), torch.float32)
+    _expect(name, "slot_pos", slot_pos, (B, Hkv, C), torch.int64)
+    _expect(name, "cache_position", cache_position, (T,), torch.int64)
+    _expect(name, "entry_start", entry_start, (B, Hkv, C), torch.int32)
+    if lut.dim() != 3 or tuple(lut.shape[:2]) != (B, Hkv):
+        raise ValueError(f"{name}: lut must be [B={B}, Hkv={Hkv}, R], got {list(lut.shape)}")
+    R = lut.shape[2]
+    _expect(name, "lut", lut, (B, Hkv, R), torch.int32)
+    _expect(name, "key_scale", key_scale, (B, Hkv, R), torch.float32)
+    _expect(name, "slot_fill", slot_fill, (B, Hkv), torch.int64)
+    tensors = [q, keys, bias, slot_pos, cache_position, entry_start, lut, key_scale, slot_fill]
+    if values is not None:
+        tensors.append(values)
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"{name}: all inputs must be on one device, got {sorted({str(t.device) for t in tensors})}")
+    check_softcap(softcap, name)
+    return B, Hq, T, D, Hkv, C, R
+
+
+def entry_scores(q, keys, scale):
+    """s = scale * q·keys[e], fp32 [B, Hkv, G, T, C]: one score per entry and (query, group head)."""
+    B, Hq, T, D = q.shape
+    Hkv = keys.shape[1]
+    return torch.einsum("bhgtd,bhcd->bhgtc", q.float().view(B, Hkv, Hq // Hkv, T, D), keys.float()) * scale
+
+
+def slot_logits(s, bias, slot_pos, cache_position, lut, key_scale, slot_fill, softcap):
+    """z = a_j * s[lut[j]] (capped), -inf where slot j is not visible: fp32 [B, Hkv, G, t, R] for the t queries of
+    s [B, Hkv, G, t, C] at positions cache_position [t]. Scores are gathered per slot; keys never are."""
+    B, Hkv, G, t, C = s.shape
+    R = lut.shape[2]
+    e = lut.long().clamp_min(0)  # free slots (-1) read entry 0 and are masked below
+    z = s.gather(-1, e[:, :, None, None, :].expand(B, Hkv, G, t, R)) * key_scale[:, :, None, None, :]
+    if softcap > 0:
+        z = torch.tanh(z / softcap) * softcap
+    live = ((torch.arange(R, device=lut.device) < slot_fill[:, :, None]) & (lut >= 0)
+            & (bias.gather(-1, e) > float("-inf")))  # [B, Hkv, R]
+    causal = slot_pos.gather(-1, e)[:, :, None, :] <= cache_position[None, None, :, None]  # [B, Hkv, t, R]
+    visible = live[:, :, None, None, :] & causal[:, :, None, :, :]
+    return z.masked_fill(~visible, float("-inf"))
+
+
+def masked_lse(z):
+    """Natural-log log-sum-exp over the last axis, -inf for a row with nothing visible; also returns the row max
+    (0 where nothing is visible) and sum of exp(z - max), for the softmax."""
+    m = z.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(z - m)
+    denom = p.sum(dim=-1, keepdim=True)
+    return p, denom, (m + torch.log(denom)).squeeze(-1)
+
+
+def reference_expanded_attention(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale,
+                                 slot_fill, scale, past_only=False, softcap=0.0):
+    """The CPU path and the ground truth (module docstring). Load-bearing choices: fp32 scores, softmax and
+    accumulation; the entry score is scaled per slot before the cap; P is segment-summed back per entry
+    (scatter_add over lut) so V is read per entry; rows with no visible slot return 0 and lse -inf."""
+    B, Hq, T, D, Hkv, C, R = check_expanded_inputs(NAME, q, keys, bias, slot_pos, cache_position, entry_start, lut,
+                                                   key_scale, slot_fill, values, softcap)
+    if past_only:
+        check_past_only(bias, slot_pos, cache_position, NAME)
+    G = Hq // Hkv
+    out = torch.empty(B, Hkv, G, T, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, Hkv, G, T, dtype=torch.float32, device=q.device)
+    e = lut.long().clamp_min(0)
+    for t0 in range(0, T, BLOCK_T):
+        t1 = min(t0 + BLOCK_T, T)
+        s = entry_scores(q[:, :, t0:t1], keys, scale)
+        z = slot_logits(s, bias, slot_pos, cache_position[t0:t1], lut, key_scale, slot_fill, softcap)
+        p, denom, block_lse = masked_lse(z)  # p is 0 on invisible slots
+        lse[:, :, :, t0:t1] = block_lse
+        P = torch.zeros_like(s).scatter_add_(-1, e[:, :, None, None, :].expand_as(p), p)  # [B, Hkv, G, t, C]
+        o = torch.einsum("bhgtc,bhcd->bhgtd", P, values.float())
+        out[:, :, :, t0:t1] = o / denom.clamp_min(torch.finfo(torch.float32).tiny)
+    return out.reshape(B, Hq, T, D).to(q.dtype), lse.reshape(B, Hq, T)
+
+
+@torch.library.custom_op(NAME, mutates_args=())
+def expanded_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor,
+    slot_pos: torch.Tensor,
+    cache_position: torch.Tensor,
+    entry_start: torch.Tensor,
+    lut: torch.Tensor,
+    key_scale: torch.Tensor,
+    slot_fill: torch.Tensor,
+    scale: float,
+    past_only: bool = False,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over runtime slots (module docstring); every device runs the reference."""
+    return reference_expanded_attention(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale,
+                                        slot_fill, scale, past_only, softcap)
+
+
+@expanded_attention.register_fake
+def _(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale, slot_fill, scale, past_only=False,
+      softcap=0.0):
+    check_expanded_inputs(NAME, q, keys, bias, slot_pos, cache_position, entry_start, lut, key_scale, slot_fill,
+                          values, softcap)
+    B, Hq, T, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, T), dtype=torch.float32)

@@ -1,0 +1,137 @@
+"""kvrewrite::expanded_attention against a dense float64 attention over materialised expanded keys
+(tests/kernels/expanded_naive.py: k̂_j = key_scale_j * keys[lut_j], v̂_j = values[lut_j]), ems_spec.md §9."""
+import math
+
+import pytest
+import torch
+
+import kvrewrite  # noqa: F401  (registers the ops)
+from tests.kernels.expanded_naive import make_state, naive_expanded
+
+OP = torch.ops.kvrewrite.expanded_attention.default
+
+# out and lse against float64 on the same (already rounded) inputs, the spec's §9 tolerances:
+#   fp32: fp32 scores/softmax/accumulation over O(5) logits and |v| <= ~4: errors ~1e-6, bounded by 1e-5;
+#   bf16: the fp32 result rounded once to bf16 (2**-8 relative), bounded by 2e-2.
+# A real bug (a key scale dropped, a wrong GQA head, an off-by-one mask) moves outputs by >= 1e-2 at these sizes,
+# and the bf16 cases share their states with fp32 ones that do catch it.
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# (B, Hq, Hkv, C, R, D, T, mode, options): mode "prefill" (T > 1, causal per entry) or "decode" (past_only)
+CASES = {
+    "decode-G1": (2, 2, 2, 8, 16, 16, 1, "decode", {}),
+    "decode-G2": (2, 4, 2, 8, 16, 16, 1, "decode", {}),
+    "decode-G4": (1, 8, 2, 10, 24, 16, 1, "decode", {}),
+    "decode-MQA": (2, 4, 1, 9, 20, 16, 1, "decode", {}),
+    "prefill-G2": (2, 4, 2, 12, 24, 16, 5, "prefill", {}),
+    "prefill-MQA": (1, 3, 1, 12, 24, 8, 4, "prefill", {}),
+    "odd-C7-R13": (3, 6, 3, 7, 13, 8, 3, "prefill", {}),
+    "dead-slots": (2, 4, 2, 9, 20, 16, 3, "prefill", {"dead": True}),
+    "nothing-visible": (2, 4, 2, 8, 16, 16, 3, "prefill", {"empty_row": True}),
+    "decode-nothing-visible": (2, 2, 1, 8, 16, 16, 1, "decode", {"empty_row": True}),
+}
+
+
+def build(case, dtype, seed=0):
+    B, Hq, Hkv, C, R, D, T, mode, opts = CASES[case]
+    g = torch.Generator().manual_seed(seed)
+    st = make_state(B, Hkv, C, R, D, T, dtype, g, prefill=mode == "prefill", **opts)
+    q = torch.randn(B, Hq, T, D, generator=g).to(dtype)
+    return st, q, D**-0.5, mode == "decode"
+
+
+def check(out, lse, want_out, want_lse, dtype):
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.double(), want_out, **tol,
+                               msg=lambda m: f"out: max |diff| {(out.double() - want_out).abs().max():.3g}; {m}")
+    assert (torch.isinf(lse) == torch.isinf(want_lse)).all(), "lse: -inf at different queries"
+    fin = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse[fin].double(), want_lse[fin], **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("case", CASES)
+def test_matches_dense_expanded_attention(case, dtype):
+    st, q, scale, past_only = build(case, dtype)
+    out, lse = OP(*st.attention_args(q), scale, past_only)
+    assert out.dtype == dtype and out.is_contiguous() and lse.dtype == torch.float32
+    want_out, want_lse, _ = naive_expanded(st, q, scale)
+    check(out, lse, want_out, want_lse, dtype)
+
+
+def test_merged_slots_count_with_their_own_scale():
+    """The cases above are not vacuous: they hold merged entries whose slots have varied key scales, and dropping
+    the scale (attending each entry once per slot with its stored key) moves the output by far more than TOL."""
+    st, q, scale, past_only = build("prefill-G2", torch.float32)
+    merged = (st.key_scale != 1).sum()
+    assert merged >= 4
+    out, _ = OP(*st.attention_args(q), scale, past_only)
+    st.key_scale.fill_(1.0)
+    unscaled, _ = OP(*st.attention_args(q), scale, past_only)
+    assert (out - unscaled).abs().max() > 1e-2
+
+
+def test_nothing_visible_gives_zero_and_minus_inf():
+    st, q, scale, _ = build("nothing-visible", torch.float32)
+    out, lse = OP(*st.attention_args(q), scale)
+    assert (out[0] == 0).all() and (lse[0] == -math.inf).all()
+    assert torch.isfinite(lse[1]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("case", ["decode-G2", "prefill-G2", "dead-slots"])
+def test_softcap(case, dtype):
+    st, q, scale, past_only = build(case, dtype, seed=1)
+    q = (6 * q.float()).to(dtype)  # logits of O(20): the cap at 10 matters
+    out, lse = OP(*st.attention_args(q), scale, past_only, 10.0)
+    want_out, want_lse, _ = naive_expanded(st, q, scale, softcap=10.0)
+    check(out, lse, want_out, want_lse, dtype)
+    uncapped, _, _ = naive_expanded(st, q, scale)
+    assert (uncapped - want_out).abs().max() > 1e-2  # the cap is exercised
+
+
+def test_past_only_broken_promise_raises():
+    st, q, scale, _ = build("decode-G2", torch.float32)
+    st.cache_position = st.cache_position - 1  # the newest live entry now lies after the query
+    with pytest.raises(ValueError, match="past_only=True"):
+        OP(*st.attention_args(q), scale, True)
+    OP(*st.attention_args(q), scale, False)  # without the promise the causal mask handles it
+
+
+def test_past_only_changes_nothing():
+    st, q, scale, _ = build("decode-MQA", torch.float32)
+    a = OP(*st.attention_args(q), scale, True)
+    b = OP(*st.attention_args(q), scale, False)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("field, bad, words", [
+    ("lut", lambda t: t.long(), "lut must be torch.int32"),
+    ("key_scale", lambda t: t[..., :-1], "key_scale must be torch.float32"),
+    ("entry_start", lambda t: t.long(), "entry_start must be torch.int32"),
+    ("slot_fill", lambda t: t[:, :1], "slot_fill must be torch.int64"),
+    ("bias", lambda t: t.double(), "bias must be torch.float32"),
+])
+def test_bad_arguments_name_the_field(field, bad, words):
+    st, q, scale, _ = build("decode-G2", torch.float32)
+    setattr(st, field, bad(getattr(st, field)))
+    with pytest.raises(ValueError, match=words):
+        OP(*st.attention_args(q), scale)
+
+
+def test_bad_softcap_raises():
+    st, q, scale, _ = build("decode-G2", torch.float32)
+    with pytest.raises(ValueError, match="softcap"):
+        OP(*st.attention_args(q), scale, False, -1.0)
+
+
+@pytest.mark.parametrize("case, dtype, past_only, softcap", [
+    ("prefill-G2", torch.float32, False, 0.0),
+    ("decode-MQA", torch.bfloat16, True, 0.0),
+    ("odd-C7-R13", torch.float32, False, 20.0),
+])
+def test_opcheck(case, dtype, past_only, softcap):
+    st, q, scale, _ = build(case, dtype)
+    torch.library.opcheck(OP, (*st.attention_args(q), scale), {"past_only": past_only, "softcap": softcap})
