@@ -1,0 +1,96 @@
+"""kvrewrite::expanded_attention_stats — attention each EMS runtime slot receives, column sums over slots, never T x T.
+
+The statistics of EMS's Global-Local score (contract /work/ems_spec.md §6.3, issue 17). With the slot logits z_tj of
+kvrewrite::expanded_attention (same visibility, key scales, soft cap and GQA grouping) and that op's lse:
+
+    p_tj      = exp(z_tj - lse_t)                                  (query t's softmax probability of slot j)
+    total_j   = sum_t p_tj                                         (every query: s_glo's increment)
+    recent_j  = sum_{t >= T - min(last, T)} p_tj                   (the last `last` queries: s_loc after a chunk)
+
+per query head (kvrewrite::ems_attention sums the G heads of a KV head). A slot that is not live or not visible gets
+0; a query with lse = -inf (it saw nothing) adds 0. Given lse, one pass over the slots suffices; the reference
+walks the queries in blocks of 128, so at most [B, Hq, 128, R] probabilities exist at a time.
+
+Args:
+    q, keys, bias, slot_pos, cache_position, entry_start, lut, key_scale, slot_fill: as kvrewrite::expanded_attention
+    lse:       [B, Hq, T] fp32, natural log (expanded_attention's second output)
+    scale:     the model's softmax scale;  last: queries summed into `recent` (>= 0, clamped to T)
+    past_only: the promise of expanded_attention, checked here too; softcap: the model's cap, 0 for none
+Returns:
+    (total, recent), each [B, Hq, R] fp32. Mutates nothing.
+
+Backends: one reference on every device. There is NO Triton kernel yet: CUDA runs this same tensor reference
+until the kernel of spec §6.3 lands and passes its GPU tests. The op is an opaque `torch.library.custom_op`.
+"""
+import torch
+
+from kvrewrite.kernels.clustered_attention import check_past_only
+from kvrewrite.kernels.expanded_attention import BLOCK_T, check_expanded_inputs, entry_scores, slot_logits
+
+NAME = "kvrewrite::expanded_attention_stats"
+
+
+def _check_inputs(q, keys, bias, slot_pos, cache_position, entry_start, lut, key_scale, slot_fill, lse, last,
+                  softcap):
+    B, Hq, T, _, _, _, R = check_expanded_inputs(NAME, q, keys, bias, slot_pos, cache_position, entry_start, lut,
+                                                 key_scale, slot_fill, softcap=softcap)
+    if tuple(lse.shape) != (B, Hq, T) or lse.dtype != torch.float32 or lse.device != q.device:
+        raise ValueError(f"{NAME}: lse must be torch.float32 [B, Hq, T] = {[B, Hq, T]} on {q.device}, got "
+                         f"{lse.dtype} {list(lse.shape)} on {lse.device}")
+    if last < 0:
+        raise ValueError(f"{NAME}: last must be >= 0 (the recent queries summed into `recent`), got {last}")
+    return B, Hq, T, R
+
+
+def reference_expanded_attention_stats(q, keys, bias, slot_pos, cache_position, entry_start, lut, key_scale,
+                                       slot_fill, lse, scale, last, past_only=False, softcap=0.0):
+    """The CPU path and the ground truth (module docstring); fp32 throughout."""
+    B, Hq, T, R = _check_inputs(q, keys, bias, slot_pos, cache_position, entry_start, lut, key_scale, slot_fill,
+                                lse, last, softcap)
+    if past_only:
+        check_past_only(bias, slot_pos, cache_position, NAME)
+    Hkv = keys.shape[1]
+    G = Hq // Hkv
+    total = torch.zeros(B, Hkv, G, R, dtype=torch.float32, device=q.device)
+    recent = torch.zeros_like(total)
+    first_recent = T - min(last, T)
+    for t0 in range(0, T, BLOCK_T):
+        t1 = min(t0 + BLOCK_T, T)
+        z = slot_logits(entry_scores(q[:, :, t0:t1], keys, scale), bias, slot_pos, cache_position[t0:t1], lut,
+                        key_scale, slot_fill, softcap)  # [B, Hkv, G, t, R]
+        block_lse = lse[:, :, t0:t1].reshape(B, Hkv, G, t1 - t0, 1)
+        p = torch.exp(z - block_lse).nan_to_num(nan=0.0)  # a query that saw nothing: -inf - -inf
+        total += p.sum(dim=3)
+        if t1 > first_recent:
+            recent += p[:, :, :, max(first_recent - t0, 0):].sum(dim=3)
+    return total.reshape(B, Hq, R), recent.reshape(B, Hq, R)
+
+
+@torch.library.custom_op(NAME, mutates_args=())
+def expanded_attention_stats(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    bias: torch.Tensor,
+    slot_pos: torch.Tensor,
+    cache_position: torch.Tensor,
+    entry_start: torch.Tensor,
+    lut: torch.Tensor,
+    key_scale: torch.Tensor,
+    slot_fill: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    last: int,
+    past_only: bool = False,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column sums of the slot probabilities (module docstring); every device runs the reference."""
+    return reference_expanded_attention_stats(q, keys, bias, slot_pos, cache_position, entry_start, lut, key_scale,
+                                              slot_fill, lse, scale, last, past_only, softcap)
+
+
+@expanded_attention_stats.register_fake
+def _(q, keys, bias, slot_pos, cache_position, entry_start, lut, key_scale, slot_fill, lse, scale, last,
+      past_only=False, softcap=0.0):
+    B, Hq, _, R = _check_inputs(q, keys, bias, slot_pos, cache_position, entry_start, lut, key_scale, slot_fill, lse,
+                                last, softcap)
+    return (q.new_empty((B, Hq, R), dtype=torch.float32), q.new_empty((B, Hq, R), dtype=torch.float32))
