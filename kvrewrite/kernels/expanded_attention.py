@@ -8,7 +8,8 @@ KV head h = hq // G, G = Hq / Hkv):
     s_e = scale * q_t·keys[e]                                              (per entry, fp32)
     slot j is visible iff j < slot_fill, e = lut[j] >= 0, bias[e] > -inf and slot_pos[e] <= c_t
     z_j = a_j * s_e          (softcap > 0: z_j = softcap * tanh(a_j * s_e / softcap))
-    o_t = sum_j e^{z_j - m} v_{lut[j]} / sum_j e^{z_j - m} = sum_e P_e v_e / sum_e P_e,  P_e = sum_{lut[j]=e} e^{z_j - m}
+    o_t = sum_j e^{z_j - m} v_{lut[j]} / sum_j e^{z_j - m} = sum_e P_e v_e / sum_e P_e
+    P_e = sum_{j: lut[j] = e} e^{z_j - m}
     lse_t = m + log sum_j e^{z_j - m};   no visible slot: o_t = 0, lse_t = -inf
 
 This is exactly dense softmax attention over the expanded keys a_j·keys[lut[j]] and values values[lut[j]], computed
@@ -29,8 +30,10 @@ Args:
     lut:            [B, Hkv, R]     int32 (-1: free); key_scale: [B, Hkv, R] fp32; slot_fill: [B, Hkv] int64
     scale:          the model's softmax scale
     past_only:      the caller's promise that no live entry lies after any query (decode graphs); the function is
-                    the same either way, and this op checks the promise (ValueError when broken), as
-                    kvrewrite::clustered_attention's CPU path does.
+                    the same either way (the causal mask is applied regardless). Off CUDA the op checks the promise
+                    (ValueError when broken), as kvrewrite::clustered_attention's CPU path does. On CUDA it does not:
+                    the check is a host read, which would break CUDA-graph capture of the decode step (and
+                    clustered_attention's CUDA kernel does not check it either).
     softcap:        the model's attn_logit_softcapping, 0 for none.
 Returns:
     (out [B, Hq, T, D] in q's dtype, contiguous; lse [B, Hq, T] fp32, natural log). Mutates nothing.
@@ -81,6 +84,13 @@ def check_expanded_inputs(name, q, keys, bias, slot_pos, cache_position, entry_s
     return B, Hq, T, D, Hkv, C, R
 
 
+def check_promise(bias, slot_pos, cache_position, name):
+    """check_past_only (ValueError when a live entry lies after a query), except on CUDA: there it would be a host
+    sync inside the captured decode step (module docstring, past_only)."""
+    if cache_position.device.type != "cuda":
+        check_past_only(bias, slot_pos, cache_position, name)
+
+
 def entry_scores(q, keys, scale):
     """s = scale * q·keys[e], fp32 [B, Hkv, G, T, C]: one score per entry and (query, group head)."""
     B, Hq, T, D = q.shape
@@ -122,7 +132,7 @@ def reference_expanded_attention(q, keys, values, bias, slot_pos, cache_position
     B, Hq, T, D, Hkv, C, R = check_expanded_inputs(NAME, q, keys, bias, slot_pos, cache_position, entry_start, lut,
                                                    key_scale, slot_fill, values, softcap)
     if past_only:
-        check_past_only(bias, slot_pos, cache_position, NAME)
+        check_promise(bias, slot_pos, cache_position, NAME)
     G = Hq // Hkv
     out = torch.empty(B, Hkv, G, T, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, Hkv, G, T, dtype=torch.float32, device=q.device)

@@ -1,4 +1,4 @@
-"""kvrewrite::expanded_attention_stats — attention each EMS runtime slot receives, column sums over slots, never T x T.
+"""kvrewrite::expanded_attention_stats — the attention each EMS runtime slot receives; column sums, never T x T.
 
 The statistics of EMS's Global-Local score (contract /work/ems_spec.md §6.3, issue 17). With the slot logits z_tj of
 kvrewrite::expanded_attention (same visibility, key scales, soft cap and GQA grouping) and that op's lse:
@@ -15,7 +15,8 @@ Args:
     q, keys, bias, slot_pos, cache_position, entry_start, lut, key_scale, slot_fill: as kvrewrite::expanded_attention
     lse:       [B, Hq, T] fp32, natural log (expanded_attention's second output)
     scale:     the model's softmax scale;  last: queries summed into `recent` (>= 0, clamped to T)
-    past_only: the promise of expanded_attention, checked here too; softcap: the model's cap, 0 for none
+    past_only: the promise of expanded_attention, checked here too (off CUDA, as there)
+    softcap:   the model's cap, 0 for none
 Returns:
     (total, recent), each [B, Hq, R] fp32. Mutates nothing.
 
@@ -24,8 +25,8 @@ until the kernel of spec §6.3 lands and passes its GPU tests. The op is an opaq
 """
 import torch
 
-from kvrewrite.kernels.clustered_attention import check_past_only
-from kvrewrite.kernels.expanded_attention import BLOCK_T, check_expanded_inputs, entry_scores, slot_logits
+from kvrewrite.kernels.expanded_attention import (BLOCK_T, check_expanded_inputs, check_promise, entry_scores,
+                                                  slot_logits)
 
 NAME = "kvrewrite::expanded_attention_stats"
 
@@ -48,7 +49,7 @@ def reference_expanded_attention_stats(q, keys, bias, slot_pos, cache_position, 
     B, Hq, T, R = _check_inputs(q, keys, bias, slot_pos, cache_position, entry_start, lut, key_scale, slot_fill,
                                 lse, last, softcap)
     if past_only:
-        check_past_only(bias, slot_pos, cache_position, NAME)
+        check_promise(bias, slot_pos, cache_position, NAME)
     Hkv = keys.shape[1]
     G = Hq // Hkv
     total = torch.zeros(B, Hkv, G, R, dtype=torch.float32, device=q.device)

@@ -117,9 +117,12 @@ def test_raw_keys_untouched_outside_the_new_entries():
 
 def test_overflow_raises_and_keeps_slot_fill():
     s = make_state(R=6)  # row 0 holds 5 slots: 2 more do not fit
+    before = {n: s[n].clone() for n in TABLE}
     with pytest.raises(IndexError):
         append(s, torch.randn(2, 3, 2, 8), torch.tensor([7, 8]), torch.ones(2, 2, dtype=torch.bool))
-    assert s["slot_fill"].tolist() == [[5] * 3, [1] * 3]
+    for n in TABLE:  # only lut (written first, where the bounds check fails) may hold partial writes
+        if n != "lut":
+            torch.testing.assert_close(s[n], before[n], rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("field, bad, words", [
