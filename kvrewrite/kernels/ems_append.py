@@ -31,9 +31,9 @@ IndexError from index_put_'s bounds check, after writing at most the in-range sl
 written and slot_fill is not advanced), as kvrewrite::cache_append's reference does.
 
 Backends: one reference (index_put_ with device-side indices: no host read, sync-free, deterministic) on every
-device. There is no Triton kernel yet: CUDA runs this same tensor code too (a handful of small index_put_
-launches per layer and step), until a kernel lands and passes its GPU tests. The op is an opaque
-`torch.library.custom_op`.
+device. There is no Triton kernel yet: CUDA runs this same tensor code too (a handful of small index_put_ launches
+per layer and step), until a kernel lands and passes its GPU tests. So far it has run on CPU only (tests/kernels).
+The op is an opaque `torch.library.custom_op`.
 """
 import torch
 

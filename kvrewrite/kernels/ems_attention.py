@@ -27,8 +27,8 @@ Returns:
 Backends: one path on every device: the two pure references (expanded_attention, expanded_attention_stats) and the
 fold above, in plain tensor code (the T > 1 / T = 1 branch is on a static shape; the rotation is a torch.where on
 the device, no host read). There is NO Triton kernel yet, in particular not the fused decode fold of spec §6.4: CUDA
-runs this same reference until those kernels land and pass their GPU tests. The op is an opaque
-`torch.library.custom_op`.
+runs this same reference until those kernels land and pass their GPU tests. So far it has run on CPU only
+(tests/kernels). The op is an opaque `torch.library.custom_op`.
 """
 import torch
 

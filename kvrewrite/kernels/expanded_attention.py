@@ -38,10 +38,10 @@ Args:
 Returns:
     (out [B, Hq, T, D] in q's dtype, contiguous; lse [B, Hq, T] fp32, natural log). Mutates nothing.
 
-Backends: one reference (below) on every device. There is NO Triton kernel yet: CUDA runs this same tensor
-reference (correct, not fast: it materialises [B, Hq, 128, R] fp32 scores per block of queries) until the kernel of
-spec §6.2 lands and passes its GPU tests. The op is an opaque `torch.library.custom_op` (the promise check reads
-data on the host).
+Backends: one reference (below) on every device. There is NO Triton kernel yet: CUDA runs this same tensor reference
+(correct, not fast: it materialises [B, Hq, 128, R] fp32 scores per block of queries) until the kernel of spec §6.2
+lands and passes its GPU tests. So far it has run on CPU only (tests/kernels). The op is an opaque
+`torch.library.custom_op` (the promise check reads data on the host).
 """
 import torch
 

@@ -20,8 +20,9 @@ Args:
 Returns:
     (total, recent), each [B, Hq, R] fp32. Mutates nothing.
 
-Backends: one reference on every device. There is NO Triton kernel yet: CUDA runs this same tensor reference
-until the kernel of spec §6.3 lands and passes its GPU tests. The op is an opaque `torch.library.custom_op`.
+Backends: one reference on every device. There is NO Triton kernel yet: CUDA runs this same tensor reference until
+the kernel of spec §6.3 lands and passes its GPU tests. So far it has run on CPU only (tests/kernels). The op is an
+opaque `torch.library.custom_op`.
 """
 import torch
 
