@@ -20,7 +20,7 @@ from kvrewrite.host import (  # noqa: F401  (HostSchedule and WINDOW_INTERVAL ar
     layer_capacity,
     layer_state_fields,
 )
-from kvrewrite.state import STATE_FIELDS, allocate_layer_state
+from kvrewrite.state import STATE_FIELDS, allocate_layer_state, full_length
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,8 @@ class KVRewrittenModel(HostGeneration, nn.Module):
             self.capacities.append(cap)
             self.state_specs.append(specs)
             state = allocate_layer_state(
-                self.batch_size, info.num_kv_heads, cap, info.head_dim, captured.dtype, captured.device, specs, on_host
+                self.batch_size, info.num_kv_heads, cap, info.head_dim, captured.dtype, captured.device, specs, on_host,
+                L=full_length(max_length, self.prefill_chunk),
             )
             for field in (*STATE_FIELDS, *specs):
                 self.register_buffer(f"l{info.index}_{field}", state[field], persistent=False)

@@ -16,13 +16,19 @@ after it, layer by layer: l<i>_keys, ..., l<i>_budget, l<i>_<method field>, ...,
 Host fields: a method may keep some base fields of a layer in page-locked host memory that the GPU reads in place
 (ClusterKV's offload="cpu": keys and values); they are CUDA tensors all the same (kvrewrite/offload.py).
 """
+import inspect
 from dataclasses import dataclass
 
 import torch
 
 STATE_FIELDS = ("keys", "values", "bias", "slot_pos", "fill", "budget")
 NO_LIMIT = 2**62  # a threshold that is never reached
-DIMS = ("B", "Hkv", "C", "D")
+DIMS = ("B", "Hkv", "C", "D", "L")
+
+
+def full_length(max_length: int, prefill_chunk: int) -> int:
+    """L, the most tokens a layer can see: max_length plus the left padding of the prompt to whole prefill chunks."""
+    return max_length + prefill_chunk - 1
 
 
 @dataclass(frozen=True)
@@ -30,8 +36,10 @@ class StateField:
     """One state tensor a method owns, per layer.
 
     Args:
-        shape: a tuple of dimension names ("B", "Hkv", "C", "D": batch, KV heads, slots, head dim) and
-            ints, e.g. ("B", "Hkv", "C") for one value per slot; or a callable (B, Hkv, C, D) -> tuple.
+        shape: a tuple of dimension names ("B", "Hkv", "C", "D", "L": batch, KV heads, slots, head dim, and the
+            layer's full length `full_length(max_length, prefill_chunk)`, e.g. for one value per token seen) and
+            ints, e.g. ("B", "Hkv", "C") for one value per slot; or a callable (B, Hkv, C, D) -> tuple, or
+            (B, Hkv, C, D, L) -> tuple.
         dtype: its dtype (fp32 for scores), or None for the model's (the keys' dtype: e.g. ClusterKV's centroids).
         reset: the value every element takes when a generation starts (and the state is allocated).
     """
@@ -40,21 +48,31 @@ class StateField:
     dtype: torch.dtype | None = torch.float32
     reset: float = 0.0
 
-    def size(self, B: int, Hkv: int, C: int, D: int) -> tuple:
-        dims = dict(zip(DIMS, (B, Hkv, C, D)))
+    def size(self, B: int, Hkv: int, C: int, D: int, L: int | None = None) -> tuple:
+        """The concrete shape; L (the layer's full length) is needed only by a shape that names it."""
         if callable(self.shape):
-            return tuple(int(d) for d in self.shape(B, Hkv, C, D))
-        bad = [d for d in self.shape if not (isinstance(d, int) or d in dims)]
+            params = inspect.signature(self.shape).parameters.values()
+            takes_l = len(params) >= 5 or any(p.kind == p.VAR_POSITIONAL for p in params)
+            if takes_l and L is None:
+                raise ValueError("StateField.shape: the callable takes L (the layer's full length) but none was given "
+                                 "(allocate_layer_state(..., L=full_length(max_length, prefill_chunk)))")
+            return tuple(int(d) for d in (self.shape(B, Hkv, C, D, L) if takes_l else self.shape(B, Hkv, C, D)))
+        bad = [d for d in self.shape if not (isinstance(d, int) or d in DIMS)]
         if bad:
             raise ValueError(f"StateField.shape: {bad} are neither ints nor one of {DIMS}")
+        if "L" in self.shape and L is None:
+            raise ValueError(f"StateField.shape {self.shape} names L (the layer's full length) but none was given "
+                             f"(allocate_layer_state(..., L=full_length(max_length, prefill_chunk)))")
+        dims = dict(zip(DIMS, (B, Hkv, C, D, L)))
         return tuple(dims[d] if isinstance(d, str) else int(d) for d in self.shape)
 
 
 def allocate_layer_state(B: int, Hkv: int, C: int, D: int, dtype, device, extra: dict | None = None,
-                         host_fields: tuple = ()) -> dict:
+                         host_fields: tuple = (), L: int | None = None) -> dict:
     """Fresh (empty) state for one layer with capacity C slots; `extra` the method's {name: StateField};
     `host_fields` the base fields ("keys", "values") to place in mapped host memory (kvrewrite.offload.host_alias,
-    CUDA devices only), zero-filled like the others."""
+    CUDA devices only), zero-filled like the others; L the layer's full length (`full_length`), for the fields
+    that name it."""
     bad = [f for f in host_fields if f not in ("keys", "values")]
     if bad:
         raise ValueError(f"allocate_layer_state: only keys and values can live in host memory, got {bad}")
@@ -77,7 +95,7 @@ def allocate_layer_state(B: int, Hkv: int, C: int, D: int, dtype, device, extra:
     for name, spec in (extra or {}).items():
         if name in state:
             raise ValueError(f"method state field {name!r} clashes with the base state {STATE_FIELDS}")
-        state[name] = torch.full(spec.size(B, Hkv, C, D), spec.reset, dtype=spec.dtype or dtype, device=device)
+        state[name] = torch.full(spec.size(B, Hkv, C, D, L), spec.reset, dtype=spec.dtype or dtype, device=device)
     return state
 
 

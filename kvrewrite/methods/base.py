@@ -8,7 +8,10 @@ A method says
       (`observe_call`, e.g. attention column sums);
   (4) how many slots a layer needs (`capacity`, static, fixed at apply time);
   (5) the per-generation target and threshold (`targets`), written into each layer's `budget` state
-      so that one captured graph serves every prompt length.
+      so that one captured graph serves every prompt length;
+  (6) optionally, an op right after the layer's cache append that reads the step's pre-RoPE keys
+      (`append_call`), and an op that replaces the layer's attention (`attention_call`), e.g. EMS's
+      token table and its attention over it.
 docs/methods.md describes the interface and what a new method touches.
 
 Budget convention (all methods): B slots per KV head of every full-attention layer, everything the
@@ -27,7 +30,7 @@ from typing import ClassVar
 import torch
 
 from kvrewrite.host import shrink_to_target
-from kvrewrite.state import NO_LIMIT, StateField
+from kvrewrite.state import NO_LIMIT, StateField, full_length
 
 
 def check_budget(owner: str, budget) -> None:
@@ -99,6 +102,23 @@ class Method:
         over those slots (ClusterKV). Prefill chunks keep the attention over every slot."""
         return None
 
+    def append_call(self, layer):
+        """(op overload, kwargs) to insert right after a full-attention layer's cache_append in every graph, or None
+        (the default). The op is called with (keys, bias, fill, k_pre, cache_position, token_valid, *the state fields
+        its schema names, in `state_fields` order) and the kwargs, after the append (fill has grown by the step's T
+        tokens), and updates the method's state in place; k_pre [B, Hkv, T, D] is the step's keys before the rotary
+        embedding (kvrewrite.passes.pre_rope; the keys themselves where the layer has none). EMS's token table."""
+        return None
+
+    def attention_call(self, layer):
+        """(op overload, kwargs) of the op that replaces a full-attention layer's clustered_attention in every graph,
+        or None (the default). It is called with (q, keys, values, bias, slot_pos, cache_position, *the state fields
+        its schema names, in `state_fields` order), scale=, past_only= (True in decode graphs: every slot is in the
+        query's past), softcap= (0.0: none) and the kwargs, and returns the attention output [B, Hq, T, D] in q's
+        dtype, as clustered_attention; it may update the method's state in place (EMS's attention over expanded
+        slots and its statistics). A method cannot combine it with observe_call or select_call (RewriteError)."""
+        return None
+
     def host_fields(self, layer) -> tuple:
         """Base state fields ("keys", "values") of a layer kept in page-locked host memory that the kernels read in
         place (kvrewrite.offload); default none. ClusterKV's offload="cpu" overrides it."""
@@ -131,7 +151,7 @@ class Method:
 
     def capacity(self, layer, max_length: int, prefill_chunk: int) -> int:
         """Static slots of a full-attention layer: the most a row can hold at any point."""
-        full = max_length + prefill_chunk - 1  # the prompt is left-padded to a whole number of chunks
+        full = full_length(max_length, prefill_chunk)
         if self.compression_call(layer) is None:
             return full
         return min(full, self.max_target(max_length) + self.interval - 1 + prefill_chunk)

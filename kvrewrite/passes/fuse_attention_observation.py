@@ -10,7 +10,8 @@ Emits:    kvrewrite.observed_attention(q, keys, values, bias, slot_pos, cache_po
           folded together on the way by a later step's attention kernel); every graph that compresses folds them at once, so each compression reads
           the score accumulate_attention would have left. On CUDA the statistics come from the attention
           kernel itself, one pass over the keys instead of three (docs/methods.md has the measurements).
-Skips:    observe ops other than accumulate_attention (a method's own statistics op stays where it is).
+Skips:    observe ops other than accumulate_attention (a method's own statistics op stays where it is), and a
+          method's own attention op (Method.attention_call, which never comes with an observe op).
 Errors:   an accumulate_attention node with no matching attention node (a pass broke the pairing), or a
           layer whose state lacks the pending queries (methods.base.observed_state_fields declares it).
 Requires: replace_sdpa_with_clustered_attention.

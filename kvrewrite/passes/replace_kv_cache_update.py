@@ -7,7 +7,13 @@ Emits:    graph inputs `token_valid` [B, T] bool and, per layer, the state input
           kvrewrite.cache_append(l<i>_keys, ..., l<i>_fill, k_new, v_new, cache_position, token_valid)
           per layer, where the value write was. Readers of the old writes now read the dense buffer
           itself (dead once the attention is replaced).
+          When the method reads the appended tokens (Method.append_call, EMS's token table), its op follows each
+          full-attention layer's cache_append, called with (l<i>_keys, l<i>_bias, l<i>_fill, k_pre,
+          cache_position, token_valid, *the method's state fields its schema names, **options), where k_pre is
+          the step's key before the rotary embedding (passes/pre_rope.py; computed only for such methods, so no
+          other method's graph changes).
 Skips:    nothing: every located layer is rewritten.
+Errors:   a write not along dim 2; a layer whose pre-RoPE key cannot be found (an append_call method only).
 Requires: locate_attention_sites.
 """
 import logging
@@ -16,7 +22,8 @@ import torch
 from torch import fx
 
 from kvrewrite.context import RewriteContext
-from kvrewrite.passes.utils import clean_up
+from kvrewrite.passes.pre_rope import pre_rope_key
+from kvrewrite.passes.utils import clean_up, named_fields
 from kvrewrite.errors import RewriteError
 from kvrewrite.host import layer_state_fields
 from kvrewrite.state import STATE_FIELDS
@@ -53,6 +60,7 @@ def replace_kv_cache_update(gm: fx.GraphModule, ctx: RewriteContext) -> fx.Graph
             )
         append.meta["kvrewrite"] = {"layer": layer, "role": "cache_append"}
         append.meta["nn_module_stack"] = v_update.meta.get("nn_module_stack", {})
+        _insert_method_append(gm, ctx, layer, append, k_update, cache_position, token_valid)
         for upd in (k_update, v_update):
             upd.replace_all_uses_with(upd.args[0])
             graph.erase_node(upd)
@@ -61,3 +69,21 @@ def replace_kv_cache_update(gm: fx.GraphModule, ctx: RewriteContext) -> fx.Graph
     ctx.counters["replace_kv_cache_update"] += count
     logger.debug("replace_kv_cache_update: replaced %d KV-update pairs", count)
     return clean_up(gm)
+
+
+def _insert_method_append(gm, ctx: RewriteContext, layer: int, append: fx.Node, k_update: fx.Node, cache_position,
+                          token_valid) -> None:
+    """The method's append op right after the layer's cache_append (none for windowed layers), reading k_pre."""
+    info = ctx.layers[layer]
+    call = None if info.window else ctx.method.append_call(info)
+    if call is None:
+        return
+    op, kwargs = call
+    s = ctx.sites[layer].state
+    k_pre = pre_rope_key(gm, k_update.args[3], ctx.where(layer, k_update))
+    fields = named_fields(op, {name: s[name] for name in layer_state_fields(info, ctx.method)})
+    with gm.graph.inserting_after(append):
+        node = gm.graph.call_function(op, (s["keys"], s["bias"], s["fill"], k_pre, cache_position, token_valid,
+                                           *fields), kwargs)
+    node.meta["kvrewrite"] = {"layer": layer, "role": "method_append"}
+    node.meta["nn_module_stack"] = append.meta.get("nn_module_stack", {})

@@ -19,10 +19,15 @@ Emits:    kvrewrite.clustered_attention(q, l<i>_keys, l<i>_values, l<i>_bias, l<
           state fields its schema names, **options) and kvrewrite.indexed_attention(q, l<i>_keys, l<i>_values,
           l<i>_bias, index, scale[, softcap]): attention over the selected slots only (every indexed slot
           is in the query's past, so no position test). Prefill chunks attend over every slot.
+          When the method brings its own attention (Method.attention_call, EMS), its op replaces
+          clustered_attention on every full-attention layer in every graph, called with (q, l<i>_keys,
+          l<i>_values, l<i>_bias, l<i>_slot_pos, cache_position, *the method's state fields its schema names,
+          scale=, past_only=, softcap=, **options) (role "<method>_attention").
 Skips:    nothing; sliding-window layers get window = their config window (exact, not compressed, not
           observed).
 Errors:   an observing method on a layer with a logit soft cap (Gemma-2): the statistics ops compute the
-          uncapped softmax, so they would rank slots by the wrong probabilities.
+          uncapped softmax, so they would rank slots by the wrong probabilities; a method with an
+          attention_call and an observe_call or select_call (its attention op would bypass them).
 Requires: replace_kv_cache_update (state inputs exist).
 """
 import logging
@@ -47,11 +52,14 @@ def replace_sdpa_with_clustered_attention(gm: fx.GraphModule, ctx: RewriteContex
         info = ctx.layers[layer]
         window = info.window
         select = ctx.method.select_call(info, ctx.max_length) if ctx.graph_kind == "decode" and window == 0 else None
+        own = _method_attention_call(ctx, layer, sdpa) if window == 0 else None
         kwargs = {"past_only": True} if ctx.graph_kind == "decode" and window == 0 else {}
         if site.softcap:
             kwargs["softcap"] = site.softcap
         with graph.inserting_before(sdpa):
-            if select is None:
+            if own is not None:
+                attn = _method_attention(graph, ctx, layer, site, own, cache_position)
+            elif select is None:
                 attn = graph.call_function(
                     torch.ops.kvrewrite.clustered_attention.default,
                     (sdpa.args[0], s["keys"], s["values"], s["bias"], s["slot_pos"], cache_position, site.scale,
@@ -62,7 +70,9 @@ def replace_sdpa_with_clustered_attention(gm: fx.GraphModule, ctx: RewriteContex
                 attn = _selected_attention(graph, ctx, layer, site, select)
         attn.meta.update({k: v for k, v in sdpa.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
         # indexed attention reads other arguments than clustered_attention's (eval/fidelity.py reads those)
-        attn.meta["kvrewrite"] = {"layer": layer, "role": "attention" if select is None else "selected_attention"}
+        role = f"{ctx.method.name}_attention" if own is not None else \
+            "attention" if select is None else "selected_attention"
+        attn.meta["kvrewrite"] = {"layer": layer, "role": role}
         sdpa.replace_all_uses_with(attn)
         graph.erase_node(sdpa)
         site.attention = site.output = attn
@@ -71,6 +81,32 @@ def replace_sdpa_with_clustered_attention(gm: fx.GraphModule, ctx: RewriteContex
     ctx.counters["replace_sdpa_with_clustered_attention"] += count
     logger.debug("replace_sdpa_with_clustered_attention: replaced %d attention nodes", count)
     return clean_up(gm)
+
+
+def _method_attention_call(ctx: RewriteContext, layer: int, sdpa):
+    """The method's attention_call of a full-attention layer, or None; RewriteError when the method also observes or
+    selects (its attention op replaces clustered_attention, which those hooks pair with)."""
+    info = ctx.layers[layer]
+    call = ctx.method.attention_call(info)
+    if call is None:
+        return None
+    other = [name for name, c in (("observe_call", ctx.method.observe_call(info)),
+                                  ("select_call", ctx.method.select_call(info, ctx.max_length))) if c is not None]
+    if other:
+        raise RewriteError(f"{ctx.where(layer, sdpa)}: method {ctx.method.name!r} has an attention_call and "
+                           f"{' and '.join(other)}; its attention op replaces clustered_attention, which those hooks "
+                           f"pair with: compute the statistics or the selection inside the attention op instead")
+    return call
+
+
+def _method_attention(graph, ctx: RewriteContext, layer: int, site, call, cache_position) -> fx.Node:
+    """The method's attention op over the layer's state, in place of clustered_attention."""
+    op, kwargs = call
+    s, q = site.state, site.attention.args[0]
+    fields = named_fields(op, {name: s[name] for name in layer_state_fields(ctx.layers[layer], ctx.method)})
+    return graph.call_function(op, (q, s["keys"], s["values"], s["bias"], s["slot_pos"], cache_position, *fields),
+                               {"scale": site.scale, "past_only": ctx.graph_kind == "decode",
+                                "softcap": float(site.softcap), **kwargs})
 
 
 def _selected_attention(graph, ctx: RewriteContext, layer: int, site, select) -> fx.Node:
