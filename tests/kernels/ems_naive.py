@@ -288,7 +288,8 @@ def check_invariants(s, l_win=None, r_max=None, bt=None):
 def random_rows(B, H, n, D, pads=(), seed=0, dup=0.0, pos0=0):
     """rows[b][h] of n single-token entries (positions pos0.., random post/pre keys and values; fp32-exact values),
     random scores (s_glo in [0, 4), locals in [0, 1)); pads[b] leading padding entries in batch row b; dup: the
-    chance that a token copies an earlier token's keys and value (redundant tokens)."""
+    chance that a token copies an earlier token's keys and value plus 5% noise (redundant tokens, never exact ties
+    that fp32 could break either way)."""
     g = torch.Generator().manual_seed(seed)
     rows = []
     for b in range(B):
@@ -299,7 +300,7 @@ def random_rows(B, H, n, D, pads=(), seed=0, dup=0.0, pos0=0):
                 kp, kr, v = (torch.randn(D, generator=g).double() for _ in range(3))
                 if row and float(torch.rand(1, generator=g)) < dup:
                     src = row[int(torch.randint(0, len(row), (1,), generator=g))]
-                    kp, kr, v = src.key.clone(), src.raw.clone(), src.value.clone()
+                    kp, kr, v = (x + 0.05 * torch.randn(D, generator=g).double() for x in (src.key, src.raw, src.value))
                 sc = torch.rand(3, generator=g).double() * torch.tensor([4.0, 1.0, 1.0], dtype=torch.float64)
                 sc = sc.float().double()
                 e = single(kp.float(), kr.float(), v.float(), pos0 + t, valid=t >= (pads[b] if b < len(pads) else 0),
