@@ -1,0 +1,211 @@
+"""kvrewrite::ems_compress (the whole compression: score, partition, redundancy, merge) against the float64 naive
+model (tests/kernels/ems_naive.py) and the properties of /work/ems_spec.md §6.5 / §9."""
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvrewrite  # noqa: F401  (registers the ops)
+from tests.kernels import ems_naive as N
+
+OP = torch.ops.kvrewrite.ems_compress.default
+STATE = N.STATE_FIELDS
+
+
+def compress(s, l_win=2, kernel=3, gamma=2.0, tau=0.2):
+    OP(*(s[f] for f in STATE), l_win=l_win, kernel=kernel, gamma=gamma, tau=tau)
+
+
+def attention_history(rows, n_heads=2, l_win=2, seed=0):
+    """Scores of a causal prefill from float64 dense attention: each row's n_heads query heads (GQA group) attend
+    to the row's tokens; s_glo = the column sums over every query, s_loc_past = over the last l_win queries."""
+    g = torch.Generator().manual_seed(seed)
+    for row in itertools.chain.from_iterable(rows):
+        toks = [e.members[0] for e in row]
+        K = torch.stack([t.k_post for t in toks])
+        glo, loc = torch.zeros(len(toks), dtype=torch.float64), torch.zeros(len(toks), dtype=torch.float64)
+        for t in range(len(toks)):
+            q = torch.randn(n_heads, K.shape[1], generator=g, dtype=torch.float64)
+            p = torch.softmax((q @ K[:t + 1].T) / math.sqrt(K.shape[1]), -1).sum(0)
+            glo[:t + 1] += p
+            if t >= len(toks) - l_win:
+                loc[:t + 1] += p
+        for t, a, b in zip(toks, glo.float().double(), loc.float().double()):
+            t.s_glo, t.s_loc_past, t.s_loc_cur = float(a), float(b), 0.0
+
+
+def test_tau_one_is_pure_eviction_by_the_global_local_score():
+    """tau = 1: the kept entries are the window plus the top N_imp by pooled g (g from a float64 attention
+    history, Eq. 2), their K/V bit-identical, no merged slots."""
+    bt, l_win, kernel, n = 8, 3, 3, 20
+    rows = N.random_rows(1, 2, n, 8, seed=1)
+    attention_history(rows, l_win=l_win)
+    s = N.to_state(rows, 24, 48, budget=(bt, bt + 4))
+    old = {k: v.clone() for k, v in s.items()}
+    compress(s, l_win=l_win, kernel=kernel, gamma=2.0, tau=1.0)
+    for h in range(2):
+        toks = [e.members[0] for e in rows[0][h]]
+        glo = torch.tensor([t.s_glo for t in toks], dtype=torch.float64)
+        loc = torch.tensor([t.s_loc_past for t in toks], dtype=torch.float64)
+        g = torch.maximum(loc.sum() / glo.sum() * glo, loc)
+        pooled = F.avg_pool1d(g[:n - l_win].view(1, 1, -1), kernel, 1, kernel // 2).view(-1)
+        top = sorted(torch.argsort(pooled, descending=True)[:bt - l_win].tolist())
+        kept = top + list(range(n - l_win, n))
+        assert s["token_pos"][0, h, :bt].tolist() == kept
+        assert torch.equal(s["keys"][0, h, :bt], old["keys"][0, h, kept])
+        assert torch.equal(s["values"][0, h, :bt], old["values"][0, h, kept])
+        assert torch.equal(s["raw_keys"][0, h, :bt], old["raw_keys"][0, h, kept])
+    assert s["fill"].tolist() == [[bt, bt]] and s["slot_fill"].tolist() == [[bt, bt]]
+    assert (s["key_scale"] == 1).all() and s["lut"][0, :, :bt].tolist() == [list(range(bt))] * 2
+    N.check_invariants(s, l_win=l_win, r_max=2 * bt, bt=bt)
+
+
+def planted(n_copies, n_noise, seed):
+    """One row: 6 distinct high-score tokens, n_copies exact copies (K, pre-K, V) of them with score 0, n_noise
+    random tokens with score 0, then a 2-token window."""
+    g = torch.Generator().manual_seed(seed)
+    base = [N.single(*(torch.randn(8, generator=g) for _ in range(3)), i, s_glo=2.0 + i) for i in range(6)]
+    row = list(base)
+    for i in range(n_copies):
+        src = base[i % 6]
+        row.append(N.single(src.key.float(), src.raw.float(), src.value.float(), len(row)))
+    for _ in range(n_noise):
+        row.append(N.single(*(torch.randn(8, generator=g) for _ in range(3)), len(row)))
+    for _ in range(2):
+        row.append(N.single(*(torch.randn(8, generator=g) for _ in range(3)), len(row), s_glo=1.0))
+    return row
+
+
+def attend_all(row, queries):
+    return torch.stack([N.attend(row, q, 1 / math.sqrt(8))[0] for q in queries])
+
+
+@pytest.mark.parametrize("pos", ["without", "with"])
+def test_identical_tokens_merge_exactly(pos):
+    """Copies of centres merge into them: attention after compression equals dense attention over every original
+    token (1e-5)."""
+    row = planted(5, 0, seed=2)
+    s = N.to_state([[row]], 16, 32, pos=pos, budget=(8, 9))
+    compress(s, l_win=2, kernel=1, gamma=math.inf, tau=0.99)
+    assert s["fill"].tolist() == [[8]] and s["slot_fill"].tolist() == [[13]]
+    qs = torch.randn(4, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2
+    got = attend_all(N.from_state(s)[0][0], qs)
+    assert torch.allclose(got, attend_all(row, qs), rtol=1e-5, atol=1e-5)
+
+
+def test_zero_class_never_contributes():
+    """Random low-score TBM tokens go to the zero class at tau 0.99: attention equals dense attention over
+    exactly the surviving original tokens."""
+    row = planted(3, 4, seed=4)
+    s = N.to_state([[row]], 16, 32, budget=(8, 9))
+    compress(s, l_win=2, kernel=1, gamma=math.inf, tau=0.99)
+    kept = set(s["token_pos"][0, 0, :int(s["slot_fill"][0, 0])].tolist())
+    assert kept == set(range(9)) | {13, 14}  # the 4 noise tokens (9..12) are gone
+    qs = torch.randn(4, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 2
+    survivors = [e for e in row if e.members[0].pos in kept]
+    got = attend_all(N.from_state(s)[0][0], qs)
+    assert torch.allclose(got, attend_all(survivors, qs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pos", ["without", "with"])
+@pytest.mark.parametrize("gamma,tau,kernel", [(2.0, 0.2, 3), (1.0, 0.2, 3), (math.inf, 0.1, 3), (2.0, 0.0, 1),
+                                              (1.5, 0.3, 7), (4.0, 0.6, 7)])
+def test_matches_naive_model(pos, gamma, tau, kernel):
+    bt, l_win = 7, 2
+    rows = N.random_rows(2, 2, 18, 8, pads=(0, 3), seed=6, dup=0.4)
+    s = N.to_state(rows, 24, 48, pos=pos, budget=(bt, bt + 3))
+    compress(s, l_win=l_win, kernel=kernel, gamma=gamma, tau=tau)
+    want = [[N.compress(r, bt, l_win, kernel, gamma, tau, pos)[0] for r in rb] for rb in rows]
+    N.assert_rows_close(N.from_state(s), want)
+    N.check_invariants(s, l_win=l_win, r_max=N.counts(bt, l_win, gamma)[2], bt=bt)
+
+
+def test_left_padded_row_equals_the_prompt_alone():
+    """Batch 2, row 1 left-padded by 3: after compression it equals the same prompt compressed alone, bit for
+    bit."""
+    n, pad = 15, 3
+    batch = N.random_rows(2, 2, n + pad, 8, pads=(0, pad), seed=7, dup=0.4)
+    alone = [[row[pad:] for row in batch[1]]]
+    s = N.to_state(batch, 24, 48, budget=(7, 10))
+    a = N.to_state(alone, 24, 48, budget=(7, 10))
+    compress(s, tau=0.1)
+    compress(a, tau=0.1)
+    for f in STATE:
+        if f == "budget":
+            continue
+        t, u = s[f][1], a[f][0]
+        if f in ("keys", "values", "raw_keys", "bias", "slot_pos", "entry_start"):
+            t, u = t[:, :7], u[:, :7]
+        assert torch.equal(t, u), f
+    assert (a["slot_fill"] > 7).any()
+
+
+@pytest.mark.parametrize("interval", [1, 4, 32])
+def test_decode_keeps_a_valid_table(interval):
+    """A prompt, then 120 decode steps (random scores accumulating, compression when fill >= Bt + interval):
+    the invariants hold after every step and the state equals the naive model's."""
+    bt, l_win, gamma, tau = 6, 2, 2.0, 0.1
+    rows = N.random_rows(1, 2, 10, 4, seed=8, dup=0.3)
+    s = N.to_state(rows, bt + interval + 12, 80, budget=(bt, bt + interval))
+    g = torch.Generator().manual_seed(9)
+    n_due, extra = 0, 0
+    for step in range(120):
+        due = int(s["fill"][0, 0]) >= bt + interval
+        compress(s, l_win=l_win, kernel=3, gamma=gamma, tau=tau)
+        if due:
+            n_due += 1
+            extra = max(extra, int((s["slot_fill"] - s["fill"]).max()))
+            rows = [[N.compress(r, bt, l_win, 3, gamma, tau, "without")[0] for r in rows[0]]]
+            N.check_invariants(s, l_win=l_win, r_max=N.counts(bt, l_win, gamma)[2], bt=bt)
+        N.check_invariants(s, l_win=l_win)
+        N.assert_rows_close(N.from_state(s), rows)
+        # one decode token, then this step's attention mass on every live slot (mirrored on the naive tokens)
+        fresh = N.random_rows(1, 2, 1, 4, seed=1000 + step, pos0=100 + step)
+        k, r, v = (torch.stack([getattr(fresh[0][h][0], f).float() for h in range(2)])[None, :, None]
+                   for f in ("key", "raw", "value"))
+        N.append_state(s, k, r, v, [100 + step])
+        for h in range(2):
+            t = fresh[0][h][0].members[0]
+            t.s_glo = t.s_loc_past = t.s_loc_cur = 0.0  # appended slots start at 0
+            rows[0][h] += fresh[0][h]
+            sf = int(s["slot_fill"][0, h])
+            s["s_glo"][0, h, :sf] += torch.rand(sf, generator=g)
+            s["s_loc_cur"][0, h, :sf] += torch.rand(sf, generator=g)
+            toks = {t.pos: t for e in rows[0][h] for t in e.members}
+            for j in range(sf):
+                t = toks[int(s["token_pos"][0, h, j])]
+                t.s_glo, t.s_loc_cur = float(s["s_glo"][0, h, j]), float(s["s_loc_cur"][0, h, j])
+    assert n_due == {1: 120, 4: 30, 32: 3}[interval]
+    assert extra == N.counts(bt, l_win, gamma)[2] - bt  # merged slots filled the table up to R_max
+
+
+def test_rows_not_due_untouched_bit_for_bit():
+    rows = N.random_rows(2, 1, 12, 4, seed=10, dup=0.3)
+    rows[1][0] = rows[1][0][:8]
+    s = N.to_state(rows, 16, 24, budget=(5, 10))
+    old = {k: v.clone() for k, v in s.items()}
+    compress(s)
+    for f in STATE:
+        assert torch.equal(s[f][1] if f != "budget" else s[f], old[f][1] if f != "budget" else old[f]), f
+    assert s["fill"].tolist() == [[5], [8]]
+
+
+def test_errors():
+    s = N.to_state(N.random_rows(1, 1, 6, 4), 8, 8, budget=(2, 4))
+    with pytest.raises(ValueError, match="cannot hold the 2-token local window"):
+        compress(s, l_win=2)
+    s["budget"] = torch.tensor([4, 5])
+    with pytest.raises(ValueError, match="tau must be in"):
+        compress(s, tau=-0.5)
+    with pytest.raises(ValueError, match="kernel must be an odd"):
+        compress(s, kernel=4)
+    s["slot_fill"] = s["slot_fill"].int()
+    with pytest.raises(ValueError, match="slot_fill must be torch.int64"):
+        compress(s)
+
+
+def test_opcheck():
+    s = N.to_state(N.random_rows(2, 1, 12, 4, seed=11, dup=0.3), 16, 24, budget=(5, 8))
+    torch.library.opcheck(OP, tuple(s[f] for f in STATE), dict(l_win=2, kernel=3, gamma=2.0, tau=0.2))
