@@ -13,8 +13,8 @@ dest = e for cls 1 and 2 (kept as themselves), -1 for cls 0 and 4 and for every 
 Inputs: keys, values [B, Hkv, C, D]; raw_keys [B, Hkv, C or 0, D]; cls [B, Hkv, C] int32 (kvrewrite::ems_partition);
 due [B, Hkv] bool. Args: tau (float in [0, 1]). Returns dest [B, Hkv, C] int32.
 
-Backends: the reference below (static-shape tensor code: the [C x C] cosine matrices of a row by two matmuls, no
-host reads, deterministic) is the CPU path and, until a Triton kernel passes its GPU tests, the CUDA path too.
+Backends: the reference below (static-shape tensor code: the cosine matrices by matmuls in blocks of BLOCK TBM rows,
+no host reads, deterministic) is the CPU path and, until a Triton kernel passes its GPU tests, the CUDA path too.
 """
 import torch
 
@@ -24,26 +24,40 @@ NAME = "kvrewrite::ems_redundancy"
 CENTRE, TBM = 2, 3
 
 
-def _cosines(x):
-    """[B, H, C, C] fp32 cosines of the rows of x [B, H, C, D] (0 where a norm is 0)."""
+BLOCK = 1024  # TBM rows per step of the reference: bounds its [B, Hkv, BLOCK, C] temporaries
+
+
+def _unit(x):
+    """(x fp32, ||x|| fp32) of x [B, H, C, D]."""
     x = x.float()
-    n = x.norm(dim=-1)
-    den = n[..., :, None] * n[..., None, :]
-    dot = x @ x.transpose(-1, -2)
+    return x, x.norm(dim=-1)
+
+
+def _cosines(x, n, d0, d1):
+    """[B, H, d1 - d0, C] fp32 cosines of rows d0..d1 of x against every row (dot first, then divide by the
+    product of the norms; 0 where a norm is 0)."""
+    den = n[..., d0:d1, None] * n[..., None, :]
+    dot = x[..., d0:d1, :] @ x.transpose(-1, -2)
     return torch.where(den > 0, dot / torch.where(den > 0, den, 1.0), 0.0)
 
 
 def reference_ems_redundancy(keys, values, raw_keys, cls, due, tau):
     B, H, C, _ = keys.shape
-    a = raw_keys if raw_keys.shape[2] > 0 else keys
-    r = _cosines(a).clamp_min(0) * _cosines(values).clamp_min(0)  # r[d, c]
+    a, na = _unit(raw_keys if raw_keys.shape[2] > 0 else keys)
+    v, nv = _unit(values)
     centre = (cls == CENTRE)[..., None, :]
-    r = torch.where(centre, r, float("-inf"))
-    best = r.amax(-1, keepdim=True)
     ar = torch.arange(C, device=keys.device)
-    arg = torch.where(centre & (r == best), ar, C).amin(-1)  # the smallest centre at the maximum
-    merge = (best[..., 0] >= tau) & (arg < C) if tau < 1 else torch.zeros_like(arg, dtype=torch.bool)
-    dest = torch.where(cls == TBM, torch.where(merge, arg, -1), torch.where((cls == 1) | (cls == CENTRE), ar, -1))
+    args = []
+    for d0 in range(0, C, BLOCK):  # a loop over static sizes
+        d1 = min(d0 + BLOCK, C)
+        r = _cosines(a, na, d0, d1).clamp_min(0) * _cosines(v, nv, d0, d1).clamp_min(0)  # r[d, c]
+        r = torch.where(centre, r, float("-inf"))
+        best = r.amax(-1, keepdim=True)
+        arg = torch.where(centre & (r == best), ar, C).amin(-1)  # the smallest centre at the maximum
+        merge = (best[..., 0] >= tau) & (arg < C) if tau < 1 else torch.zeros_like(arg, dtype=torch.bool)
+        args.append(torch.where(merge, arg, -1))
+    arg = torch.cat(args, dim=-1)
+    dest = torch.where(cls == TBM, arg, torch.where((cls == 1) | (cls == CENTRE), ar, -1))
     return torch.where(due[..., None], dest, -1).to(torch.int32)
 
 

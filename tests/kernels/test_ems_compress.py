@@ -209,3 +209,39 @@ def test_errors():
 def test_opcheck():
     s = N.to_state(N.random_rows(2, 1, 12, 4, seed=11, dup=0.3), 16, 24, budget=(5, 8))
     torch.library.opcheck(OP, tuple(s[f] for f in STATE), dict(l_win=2, kernel=3, gamma=2.0, tau=0.2))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_state(dtype):
+    """A 16-bit state (inputs rounded to it for the naive model too): the same decisions and layout, merged
+    keys/values within the dtype's rounding, ||a_j keys[lut_j]|| = n_j to fp32 precision, the invariants."""
+    bt, l_win = 7, 2
+    rows = N.random_rows(2, 2, 18, 8, pads=(0, 3), seed=12, dup=0.4)
+    for e in itertools.chain.from_iterable(itertools.chain.from_iterable(rows)):
+        e.key, e.raw, e.value = (x.to(dtype).double() for x in (e.key, e.raw, e.value))
+        e.members[0].n = float(e.key.norm())
+    norms = {(b, h, e.members[0].pos): e.members[0].n for b, h in itertools.product(range(2), range(2))
+             for e in rows[b][h]}
+    s = N.to_state(rows, 24, 48, dtype=dtype, budget=(bt, bt + 3))
+    compress(s, l_win=l_win, gamma=2.0, tau=0.2)
+    want = [[N.compress(r, bt, l_win, 3, 2.0, 0.2, "without")[0] for r in rb] for rb in rows]
+    N.assert_rows_close(N.from_state(s), want, rtol=2e-2)
+    N.check_invariants(s, l_win=l_win, r_max=2 * bt, bt=bt)
+    assert (s["slot_fill"] > s["fill"]).any()
+    for b, h in itertools.product(range(2), range(2)):
+        for j in range(int(s["slot_fill"][b, h])):
+            got = float((s["key_scale"][b, h, j] * s["keys"][b, h, int(s["lut"][b, h, j])].float()).norm())
+            assert got == pytest.approx(norms[(b, h, int(s["token_pos"][b, h, j]))], rel=1e-6)
+
+
+def test_due_row_within_budget_drops_only_its_padding():
+    """V <= Bt: everything is kept as it is, the padding entries and their slots go (fill = V)."""
+    rows = N.random_rows(2, 1, 10, 4, pads=(0, 3), seed=13)
+    s = N.to_state(rows, 12, 16, budget=(12, 10))
+    old = {k: v.clone() for k, v in s.items()}
+    compress(s)
+    assert s["fill"].tolist() == [[10], [7]] and s["slot_fill"].tolist() == [[10], [7]]
+    assert torch.equal(s["keys"][0], old["keys"][0]) and torch.equal(s["keys"][1, :, :7], old["keys"][1, :, 3:10])
+    assert s["token_pos"][1, 0, :7].tolist() == list(range(3, 10)) and (s["key_scale"] == 1).all()
+    N.check_invariants(s, l_win=2)
+    N.assert_rows_close(N.from_state(s), [[[e for e in r if e.valid] for r in rb] for rb in rows])

@@ -225,3 +225,46 @@ def test_opcheck():
     s["budget"] = torch.tensor([5, 6])
     g, gp, cls, dest, due = stages(s, 5, 2, 3, 2.0, 0.1, torch.tensor([[True, False]]))
     torch.library.opcheck(OPS.ems_merge.default, (*(s[f] for f in STATE), g, gp, cls, dest, due), dict(gamma=2.0))
+
+
+def hand_state():
+    """One row: e0 merged (tokens 0 head, 1, 2), e1 = token 3, e2 merged (tokens 4 head, 6), e3 = token 5."""
+    g = torch.Generator().manual_seed(12)
+    r = lambda: torch.randn(4, generator=g, dtype=torch.float64)  # noqa: E731
+    tok = lambda p: N.Token(p, 1.0 + p / 10)  # noqa: E731
+    row = [N.Entry(N._unit(r()), N._unit(r()), r(), [tok(0), tok(1), tok(2)], merged=True),
+           N.Entry(r(), r(), r(), [tok(3)]),
+           N.Entry(N._unit(r()), N._unit(r()), r(), [tok(4), tok(6)], merged=True),
+           N.Entry(r(), r(), r(), [tok(5)])]
+    return row, N.to_state([[row]], 6, 8)
+
+
+def call_merge(s, g, gp, cls, dest, bt, gamma):
+    t = lambda x, dt: torch.tensor([[x]], dtype=dt)  # noqa: E731
+    s["budget"] = torch.tensor([bt, bt + 1])
+    OPS.ems_merge(*(s[f] for f in STATE), t(g, torch.float32), t(gp, torch.float32), t(cls, torch.int32),
+                  t(dest, torch.int32), torch.tensor([[True]]), gamma=gamma)
+
+
+def test_lut_cap_tie_goes_to_the_later_token_never_a_head():
+    """e2 merges into e1: 7 live slots, Bt 3, gamma 2: R_max = 3 + 3 = 6, one slot dropped. The head token 0 has
+    the lowest pooled score but is never a candidate (nor is the window's token 5); tokens 1 and 4 tie at 1.0 and
+    the later one (4) goes."""
+    row, s = hand_state()
+    slot_gp = [-5.0, 1.0, 2.0, 3.0, 1.0, 2.5, float("-inf"), float("-inf")]  # slots: tokens 0 1 2 | 3 | 4 6 | 5
+    call_merge(s, [1.0] * 8, slot_gp, [2, 2, 3, 1, 0, 0], [0, 1, 1, 3, -1, -1], 3, 2.0)
+    assert s["slot_fill"].tolist() == [[6]] and s["fill"].tolist() == [[3]]
+    assert s["token_pos"][0, 0, :6].tolist() == [0, 1, 2, 3, 6, 5]
+    assert s["lut"][0, 0, :6].tolist() == [0, 0, 0, 1, 1, 2]
+    assert s["entry_start"][0, 0, :3].tolist() == [0, 3, 5] and s["slot_pos"][0, 0, :3].tolist() == [2, 6, 5]
+    assert s["slot_order"][0, 0, :6].tolist() == [0, 1, 2, 3, 5, 4]
+    N.check_invariants(s, l_win=1, r_max=6, bt=3)
+
+
+def test_zero_weights_fall_back_to_slot_counts():
+    """Every g 0: the group {e1 (1 slot), e2 (2 slots)} weighs 1 : 2."""
+    row, s = hand_state()
+    call_merge(s, [0.0] * 8, [0.0] * 6 + [float("-inf")] * 2, [2, 2, 3, 1, 0, 0], [0, 1, 1, 3, -1, -1], 3, 4.0)
+    want = (row[1].value + 2 * row[2].value) / 3
+    assert torch.allclose(s["values"][0, 0, 1].double(), want, rtol=1e-6)
+    assert s["token_pos"][0, 0, :6].tolist() == [0, 1, 2, 3, 4, 6]

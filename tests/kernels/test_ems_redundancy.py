@@ -125,3 +125,14 @@ def test_opcheck():
     cls = partition(s, 8)
     torch.library.opcheck(OP, (s["keys"], s["values"], s["raw_keys"], cls, torch.tensor([[True, False], [True, True]])),
                           dict(tau=0.1))
+
+
+def test_blocks_of_tbm_rows_agree(monkeypatch):
+    """The reference walks the TBM rows in blocks (bounded temporaries): a block size that splits the row gives the
+    same dest."""
+    from kvrewrite.kernels import ems_redundancy as mod
+    s = N.to_state(merged_rows(seed=6), 32, 48)
+    cls = partition(s, 8, gamma=3.0)
+    want = run(s, cls, 0.05)
+    monkeypatch.setattr(mod, "BLOCK", 5)
+    assert torch.equal(run(s, cls, 0.05), want) and (want[cls == 3] >= 0).any()
