@@ -245,3 +245,74 @@ def test_due_row_within_budget_drops_only_its_padding():
     assert s["token_pos"][1, 0, :7].tolist() == list(range(3, 10)) and (s["key_scale"] == 1).all()
     N.check_invariants(s, l_win=2)
     N.assert_rows_close(N.from_state(s), [[[e for e in r if e.valid] for r in rb] for rb in rows])
+
+
+def paper_step(row, bt, l_win, kernel, gamma, tau):
+    """The paper's Fig. 5(b) decode step, literally, on a row of Bt + 1 entries (written apart from
+    N.compress): the least important of the N_imp + 1 centres is demoted and merges, as a whole group, into its
+    most redundant centre or goes to the zero class (gamma = 1: evicted); then one member slot leaves the table if
+    it holds more than R_max."""
+    g, gp = N.score(row, l_win, kernel)
+    centres = list(range(len(row) - l_win))
+    low = min(centres, key=lambda i: (gp[id(row[i].members[0])], -i))  # the later entry loses a tie
+    d = row[low]
+    new = [e for i, e in enumerate(row) if i != low]
+    if gamma > 1 and tau < 1:
+        cos = lambda x, y: max(N._cos(x, y), 0.0)  # noqa: E731
+        r = [(round(cos(d.raw, new[i].raw) * cos(d.value, new[i].value), 12), -i) for i in range(len(centres) - 1)]
+        best, neg_c = max(r)
+        if best >= tau:
+            c = new[-neg_c]
+            w = [sum(g[id(t)] for t in e.members) for e in (c, d)]
+            if sum(w) <= 0:
+                w = [float(len(c.members)), float(len(d.members))]
+            unit_mean = lambda x, y: N._unit(w[0] * N._unit(x) + w[1] * N._unit(y))  # noqa: E731
+            new[-neg_c] = N.Entry(unit_mean(c.key, d.key), unit_mean(c.raw, d.raw),
+                                  (w[0] * c.value + w[1] * d.value) / sum(w), c.members + d.members, merged=True)
+    r_max = N.counts(bt, l_win, gamma)[2]
+    live = sum(len(e.members) for e in new)
+    if r_max is not None and live > r_max:
+        assert live == r_max + 1
+        cands = [t for e in new[:len(centres) - 1] for t in e.members[1:]]
+        gone = min(cands, key=lambda t: (gp[id(t)], -t.pos))
+        for e in new:
+            e.members = [t for t in e.members if t is not gone]
+    return new
+
+
+@pytest.mark.parametrize("gamma,tau", [(1.5, 0.1), (2.0, 0.3), (1.0, 0.1)])
+def test_interval_one_is_the_papers_per_step_procedure(gamma, tau):
+    bt, l_win, kernel = 6, 2, 3
+    rows = N.random_rows(1, 1, bt, 4, seed=14, dup=0.5)
+    s = N.to_state(rows, bt + 2, 40, budget=(bt, bt + 1))
+    row = rows[0][0]
+    gen = torch.Generator().manual_seed(15)
+    merges = 0
+    for step in range(40):
+        fresh = N.random_rows(1, 1, 1, 4, seed=2000 + step, pos0=100 + step, dup=0.0)[0][0][0]
+        src = row[int(torch.randint(0, len(row), (1,), generator=gen))]
+        if step % 2:  # every other token is a near copy of a cached one: merges happen
+            fresh.key, fresh.raw, fresh.value = (x + 0.05 * torch.randn(4, generator=gen, dtype=torch.float64)
+                                                 for x in (src.key, src.raw, src.value))
+            fresh.key, fresh.raw, fresh.value = fresh.key.float().double(), fresh.raw.float().double(), \
+                fresh.value.float().double()
+            fresh.members[0].n = float(fresh.key.norm())
+        t = fresh.members[0]
+        t.s_glo = t.s_loc_past = t.s_loc_cur = 0.0
+        N.append_state(s, fresh.key.float().view(1, 1, 1, 4), fresh.raw.float().view(1, 1, 1, 4),
+                       fresh.value.float().view(1, 1, 1, 4), [100 + step])
+        row = row + [fresh]
+        sf = int(s["slot_fill"][0, 0])
+        s["s_glo"][0, 0, :sf] += torch.rand(sf, generator=gen)
+        s["s_loc_cur"][0, 0, :sf] += torch.rand(sf, generator=gen)
+        toks = {t.pos: t for e in row for t in e.members}
+        for j in range(sf):
+            t = toks[int(s["token_pos"][0, 0, j])]
+            t.s_glo, t.s_loc_cur = float(s["s_glo"][0, 0, j]), float(s["s_loc_cur"][0, 0, j])
+        compress(s, l_win=l_win, kernel=kernel, gamma=gamma, tau=tau)
+        before = sum(len(e.members) for e in row)
+        row = paper_step(row, bt, l_win, kernel, gamma, tau)
+        merges += sum(len(e.members) for e in row) == before
+        N.assert_rows_close(N.from_state(s), [[row]])
+        N.check_invariants(s, l_win=l_win, r_max=N.counts(bt, l_win, gamma)[2], bt=bt)
+    assert (merges > 0) == (gamma > 1)
