@@ -166,7 +166,8 @@ def reference_ems_merge(keys, values, bias, slot_pos, fill, budget, entry_start,
         "entry_start": new_start, "fill": n_kept[..., 0], "slot_fill": n_slots[..., 0], "lut": new_lut,
         "key_scale": torch.where(live_s, new_scale.gather(-1, s_src), 1.0), "token_pos": tp_new,
         "slot_order": new_order,
-        **{f: torch.where(live_s, t.gather(-1, s_src), 0.0) for f, t in zip(SLOT_FLOATS, (s_glo, s_loc_past, s_loc_cur))},
+        **{f: torch.where(live_s, t.gather(-1, s_src), 0.0)
+           for f, t in zip(SLOT_FLOATS, (s_glo, s_loc_past, s_loc_cur))},
     }
     state = dict(keys=keys, values=values, raw_keys=raw_keys, bias=bias, slot_pos=slot_pos, entry_start=entry_start,
                  fill=fill, slot_fill=slot_fill, lut=lut, key_scale=key_scale, token_pos=token_pos,

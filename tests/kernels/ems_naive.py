@@ -3,7 +3,11 @@ references: the ground truth of the EMS op tests.
 
 A row is a list of Entry objects in head-position order; an entry holds its member tokens (head token first, then
 as §6.9.5 orders them). Compression is the literal steps of §6.6-6.9 with Python sorts and loops and the tie rules
-given there. `to_state` / `from_state` convert between rows and the op state layout of §3.
+given there (R_dc rounded to 12 decimals, so that centres equal up to float64 noise tie to the smallest).
+`to_state` / `from_state` convert between rows and the op state layout of §3; `check_invariants` asserts §3's
+invariants on a state; `append_state` is §6.1 on a state dict; `random_rows` / `assert_rows_close` are the tests'
+fixtures. `attend` is a dense float64 softmax over the materialised expanded keys; §6.4's `fold` is not modelled
+here (the attention ops' tests keep their own dense reference).
 """
 import math
 
@@ -193,7 +197,8 @@ def to_state(rows, C, R, dtype=torch.float32, pos="without", budget=(0, 0)):
          "entry_start": torch.zeros(B, H, C, dtype=torch.int32),
          "raw_keys": torch.zeros(B, H, C if pos == "without" else 0, D, dtype=dtype),
          "lut": torch.full((B, H, R), -1, dtype=torch.int32), "key_scale": torch.ones(B, H, R),
-         "token_pos": torch.zeros(B, H, R, dtype=torch.int32), "slot_order": torch.full((B, H, R), -1, dtype=torch.int32),
+         "token_pos": torch.zeros(B, H, R, dtype=torch.int32),
+         "slot_order": torch.full((B, H, R), -1, dtype=torch.int32),
          "s_glo": torch.zeros(B, H, R), "s_loc_past": torch.zeros(B, H, R), "s_loc_cur": torch.zeros(B, H, R),
          "slot_fill": torch.zeros(B, H, dtype=torch.int64)}
     for b in range(B):
@@ -242,8 +247,9 @@ def from_state(s):
                 a = [float(s["key_scale"][b, h, j]) for j in range(lo, hi)]
                 toks = [Token(int(s["token_pos"][b, h, j]), a[j - lo] * kn, float(s["s_glo"][b, h, j]),
                               float(s["s_loc_past"][b, h, j]), float(s["s_loc_cur"][b, h, j])) for j in range(lo, hi)]
+                merged = hi - lo > 1 or any(x != 1 for x in a)
                 row.append(Entry(key, s["raw_keys"][b, h, e] if with_raw else None, s["values"][b, h, e], toks,
-                                 valid=bool(s["bias"][b, h, e] > NEG_INF), merged=(hi - lo > 1 or any(x != 1 for x in a))))
+                                 valid=bool(s["bias"][b, h, e] > NEG_INF), merged=merged))
             rows[-1].append(row)
     return rows
 
