@@ -316,3 +316,18 @@ def test_interval_one_is_the_papers_per_step_procedure(gamma, tau):
         N.assert_rows_close(N.from_state(s), [[row]])
         N.check_invariants(s, l_win=l_win, r_max=N.counts(bt, l_win, gamma)[2], bt=bt)
     assert (merges > 0) == (gamma > 1)
+
+
+def test_full_entry_and_slot_capacity():
+    """fill == C and slot_fill == R (no free entry or slot; merged entries from a first compression)."""
+    rows = N.random_rows(1, 2, 12, 4, seed=16, dup=0.5)
+    rows = [[N.compress(r, 6, 2, 3, 2.0, 0.0, "without")[0] for r in rb] for rb in rows]
+    for h in range(2):
+        rows[0][h] += N.random_rows(1, 1, 6, 4, seed=17 + h, pos0=50, dup=0.5)[0][0]
+    R = max(sum(len(e.members) for e in r) for r in rows[0])
+    s = N.to_state(rows, 12, R, budget=(6, 12))
+    assert s["slot_fill"].max() == R and s["fill"].min() == 12
+    compress(s, l_win=2, kernel=7, gamma=2.0, tau=0.0)
+    want = [[N.compress(r, 6, 2, 7, 2.0, 0.0, "without")[0] for r in rb] for rb in rows]
+    N.assert_rows_close(N.from_state(s), want)
+    N.check_invariants(s, l_win=2, r_max=12, bt=6)
