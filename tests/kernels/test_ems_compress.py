@@ -331,3 +331,64 @@ def test_full_entry_and_slot_capacity():
     want = [[N.compress(r, 6, 2, 7, 2.0, 0.0, "without")[0] for r in rb] for rb in rows]
     N.assert_rows_close(N.from_state(s), want)
     N.check_invariants(s, l_win=2, r_max=12, bt=6)
+
+
+
+def empty_state(B, H, C, R, D, budget):
+    """A layer's EMS state at its reset values (§3), pos "without"."""
+    i32 = dict(dtype=torch.int32)
+    return {"keys": torch.zeros(B, H, C, D), "values": torch.zeros(B, H, C, D),
+            "bias": torch.full((B, H, C), -math.inf), "slot_pos": torch.zeros(B, H, C, dtype=torch.long),
+            "fill": torch.zeros(B, H, dtype=torch.long), "budget": torch.tensor(budget),
+            "entry_start": torch.zeros(B, H, C, **i32), "raw_keys": torch.zeros(B, H, C, D),
+            "lut": torch.full((B, H, R), -1, **i32), "key_scale": torch.ones(B, H, R),
+            "token_pos": torch.zeros(B, H, R, **i32), "slot_order": torch.full((B, H, R), -1, **i32),
+            "s_glo": torch.zeros(B, H, R), "s_loc_past": torch.zeros(B, H, R), "s_loc_cur": torch.zeros(B, H, R),
+            "slot_fill": torch.zeros(B, H, dtype=torch.long)}
+
+
+def test_with_the_append_and_attention_ops():
+    """A prefill of 12 tokens, then 20 decode steps through cache_append, ems_append, ems_attention (G = 2) and
+    ems_compress (interval 4, tau 0: merges): the attention output over the merged table equals dense float64
+    attention over the materialised expanded keys, and after every step the state equals the naive model's
+    (scores taken from the state: the attention ops' own tests check them)."""
+    ops = torch.ops.kvrewrite
+    B, H, G, D, C, R = 2, 2, 2, 8, 24, 64
+    bt, l_win, interval = 6, 2, 4
+    gen = torch.Generator().manual_seed(0)
+    s = empty_state(B, H, C, R, D, [bt, bt + interval])
+    win_count = torch.zeros(B, H, dtype=torch.long)
+    rows = [[[] for _ in range(H)] for _ in range(B)]
+    n_due = 0
+    for T, pos0 in [(12, 0)] + [(1, 12 + i) for i in range(20)]:
+        k, kr, v = (torch.randn(B, H, T, D, generator=gen) for _ in range(3))
+        cp, valid = torch.arange(pos0, pos0 + T), torch.ones(B, T, dtype=torch.bool)
+        ops.cache_append(s["keys"], s["values"], s["bias"], s["slot_pos"], s["fill"], k, v, cp, valid)
+        ops.ems_append(s["keys"], s["bias"], s["fill"], kr, cp, valid,
+                       *(s[f] for f in ("entry_start", "raw_keys", "lut", "key_scale", "token_pos", "slot_order",
+                                        "slot_fill")))
+        for b, h, t in itertools.product(range(B), range(H), range(T)):
+            rows[b][h].append(N.single(k[b, h, t], kr[b, h, t], v[b, h, t], pos0 + t))
+        q = torch.randn(B, H * G, T, D, generator=gen)
+        out = ops.ems_attention(q, *(s[f] for f in ("keys", "values", "bias", "slot_pos")), cp,
+                                *(s[f] for f in ("entry_start", "lut", "key_scale", "s_glo", "s_loc_past",
+                                                 "s_loc_cur", "slot_fill")), win_count,
+                                scale=D ** -0.5, past_only=T == 1, softcap=0.0, l_win=l_win)
+        st = N.from_state(s)
+        for b, hq in itertools.product(range(B), range(H * G)):
+            want, _ = N.attend(st[b][hq // G], q[b, hq, T - 1], D ** -0.5)
+            assert torch.allclose(out[b, hq, T - 1].double(), want, rtol=1e-5, atol=1e-5)
+        for b, h in itertools.product(range(B), range(H)):  # the op's scores onto the naive tokens
+            toks = {t.pos: t for e in rows[b][h] for t in e.members}
+            for j in range(int(s["slot_fill"][b, h])):
+                t = toks[int(s["token_pos"][b, h, j])]
+                t.s_glo, t.s_loc_past, t.s_loc_cur = (float(s[f][b, h, j]) for f in ("s_glo", "s_loc_past",
+                                                                                     "s_loc_cur"))
+        due = int(s["fill"][0, 0]) >= bt + interval
+        compress(s, l_win=l_win, kernel=3, gamma=2.0, tau=0.0)
+        if due:
+            n_due += 1
+            rows = [[N.compress(r, bt, l_win, 3, 2.0, 0.0, "without")[0] for r in rb] for rb in rows]
+        N.check_invariants(s, l_win=l_win)
+        N.assert_rows_close(N.from_state(s), rows)
+    assert n_due == 6 and (s["slot_fill"] > s["fill"]).all()
