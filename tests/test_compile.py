@@ -30,11 +30,15 @@ SNAPKV = dict(budget=18, window=4, kernel=7, interval=4)
 # the 4 newest tokens into 2 clusters at steps 4, 8, 12 (kmeans_cluster in the compressing variant)
 # KVMerger: observation as H2O's, kvmerger_compress back to B = 18 (chain/exact) on steps 4, 8, 12
 KVMERGER = dict(budget=0.5, interval=4)
+# EMS: ems_append + ems_attention (its own attention, statistics folded) in every step, ems_compress back to B = 18
+# entries on steps 4, 8, 12
+EMS = dict(budget=0.5, window=4, kernel=3, interval=4)
 CLUSTERKV = dict(budget=10, n_sink=2, interval=4, tokens_per_cluster=4, window_clusters=2, iters=3, dense_layers=1)
-METHODS = {"full": {}, "chelsea": CHELSEA, "h2o": H2O, "snapkv": SNAPKV, "clusterkv": CLUSTERKV, "kvmerger": KVMERGER}
+METHODS = {"full": {}, "chelsea": CHELSEA, "h2o": H2O, "snapkv": SNAPKV, "clusterkv": CLUSTERKV, "kvmerger": KVMERGER,
+           "ems": EMS}
 STREAMINGLLM = dict(budget=0.5, n_sink=2, interval=4)
 COMPRESSION_OPS = {"chelsea": "chelsea_compress", "streamingllm": "evict_to_budget", "h2o": "evict_by_score",
-                   "kvmerger": "kvmerger_compress"}
+                   "kvmerger": "kvmerger_compress", "ems": "ems_compress"}
 BIG_FIELDS = ("keys", "values", "bias", "slot_pos")  # fill [B, Hkv] and budget [2] are tiny
 
 
@@ -156,7 +160,7 @@ def _state_sized_buffers(code: str, numels: set) -> list:
     return found
 
 
-@pytest.mark.parametrize("method", ["chelsea", "streamingllm", "h2o", "kvmerger"])
+@pytest.mark.parametrize("method", ["chelsea", "streamingllm", "h2o", "kvmerger", "ems"])
 @torch.no_grad()
 def test_compiled_decode_updates_state_in_place(model, method):
     """Both compiled decode variants run cache_append and the compression op on the state's own
@@ -167,7 +171,7 @@ def test_compiled_decode_updates_state_in_place(model, method):
     H2O (the score methods): the score, updated by the observation op and then handed to evict_by_score,
     is materialised once on compressing steps (4 bytes per slot and KV head, the size of `bias`), so only
     keys/values-sized buffers are looked for; the state arguments of the op are checked as for the others."""
-    kwargs = {"chelsea": CHELSEA, "streamingllm": STREAMINGLLM, "h2o": H2O, "kvmerger": KVMERGER}[method]
+    kwargs = {"chelsea": CHELSEA, "streamingllm": STREAMINGLLM, "h2o": H2O, "kvmerger": KVMERGER, "ems": EMS}[method]
     rw = kvrewrite.apply(model, method, max_length=MAX_LENGTH, batch_size=2, prefill_chunk=CHUNK, **kwargs)
     ids, mask = _inputs()
     rw.prefill(ids, mask, max_new_tokens=NEW)
@@ -178,7 +182,7 @@ def test_compiled_decode_updates_state_in_place(model, method):
     for compress in (True, False):
         _, codes = run_and_get_code(lambda: compiled(*step, compress=compress))
         code = "\n".join(codes)
-        assert "clustered_attention" in code or "observed_attention" in code, \
+        assert any(a in code for a in ("clustered_attention", "observed_attention", "ems_attention")), \
             "no compiled decode graph in the captured output code"
         copies = _state_sized_buffers(code, numels)
         assert not copies, f"{method} compress={compress}: state-sized buffers (copies of the state) {copies}"

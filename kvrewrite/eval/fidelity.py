@@ -22,7 +22,10 @@ its output. Per layer and step, with o_full the full cache's output for the full
   still kept verbatim. For eviction methods both equal ClusterKV's metric. ClusterKV itself keeps
   every token and attends to a selection (an indexed attention): there k is the query head's selected
   slots, held the selection (the paper's metric exactly), and attn_rel_err attends the full model's query
-  over the slots the method's own query selected.
+  over the slots the method's own query selected. EMS (role "ems_attention") attends runtime tokens through
+  its lookup table: attn_rel_err is kvrewrite::expanded_attention of the full model's query over the layer's
+  entries and table; k is the tokens the table holds (live slots, at most gamma * B: the paper's runtime tokens),
+  each slot holding the token at its token_pos; topk_recall_exact counts the tokens of unmerged entries only.
 
 Each number is averaged over steps (and query heads); the cell's summary averages the layers that
 compress (sliding-window layers are exact and left out; their per-layer values are recorded).
@@ -47,13 +50,30 @@ class _AttentionRecorder(fx.Interpreter):
     def run_node(self, n):
         out = super().run_node(n)
         meta = n.meta.get("kvrewrite") or {}
-        if meta.get("role") in ("attention", "observed_attention", "selected_attention"):
+        if meta.get("role") in ("attention", "observed_attention", "selected_attention", "ems_attention"):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             if meta["role"] == "selected_attention":  # (q, keys, values, bias, index, scale), softcap=
                 self.on_attention(meta["layer"], (*args[:6], kwargs.get("softcap", 0.0)), out)
+            elif meta["role"] == "ems_attention":  # (q, keys, values, bias, slot_pos, cpos, entry_start, lut, ...)
+                self.on_attention(meta["layer"], EMSArgs(args, kwargs), out)
             else:
                 self.on_attention(meta["layer"], args[:8], out)
         return out
+
+
+class EMSArgs:
+    """The arguments of a kvrewrite::ems_attention call (its schema's order), as the recorder saw them."""
+
+    def __init__(self, args, kwargs):
+        (self.q, self.keys, self.values, self.bias, self.slot_pos, self.cpos, self.entry_start, self.lut,
+         self.key_scale, _, _, _, self.slot_fill, _) = args
+        self.scale, self.past_only, self.softcap = kwargs["scale"], kwargs["past_only"], kwargs["softcap"]
+
+    def attend(self, q):
+        """The layer's expanded attention for the query q (not the method's own)."""
+        return torch.ops.kvrewrite.expanded_attention(q, self.keys, self.values, self.bias, self.slot_pos, self.cpos,
+                                                      self.entry_start, self.lut, self.key_scale, self.slot_fill,
+                                                      self.scale, self.past_only, self.softcap)[0]
 
 
 class _Recording(nn.Module):
@@ -132,6 +152,25 @@ def _recall_selected(order, index, slot_pos, G) -> float:
     return hits / order.shape[0]
 
 
+def _recall_ems(order, a: EMSArgs, token_pos, G) -> tuple[float, float]:
+    """topk_recall and topk_recall_exact of an EMS layer: k = the live slots of the KV head (runtime tokens), each
+    holding the token at its token_pos; exact: the slots of single-slot (unmerged) entries."""
+    hits = exact_hits = count = 0.0
+    R = a.lut.shape[2]
+    for kv in range(a.bias.shape[1]):
+        lut = a.lut[0, kv].long()
+        live = (torch.arange(R) < int(a.slot_fill[0, kv])) & (lut >= 0)
+        live &= torch.isfinite(a.bias[0, kv][lut.clamp_min(0)])
+        per_entry = torch.bincount(lut[live], minlength=a.bias.shape[2])
+        single = live & (per_entry[lut.clamp_min(0)] == 1)
+        held, verbatim = token_pos[0, kv][live].long(), token_pos[0, kv][single].long()
+        top = order[kv * G : (kv + 1) * G, : int(live.sum())].long()
+        hits += float(torch.isin(top, held).float().mean(dim=1).sum())
+        exact_hits += float(torch.isin(top, verbatim).float().mean(dim=1).sum())
+        count += G
+    return hits / count, exact_hits / count
+
+
 def _mean(xs):
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -173,7 +212,11 @@ class FidelityTask:
 
         def on_attention(layer, args, out):
             r = ref[len(steps) - 1][layer]
-            if len(args) == 7:  # ClusterKV: the slots its selection indexed (chosen with the method's own query)
+            if isinstance(args, EMSArgs):  # the expanded attention over the entries and the lookup table
+                iso = args.attend(r["q"])
+                recall, exact = _recall_ems(r["order"], args, rw.layer_state(layer)["token_pos"],
+                                            args.q.shape[1] // args.keys.shape[1])
+            elif len(args) == 7:  # ClusterKV: the slots its selection indexed (chosen with the method's own query)
                 q, keys, values, bias, index, scale, softcap = args
                 iso = torch.ops.kvrewrite.indexed_attention(r["q"], keys, values, bias, index, scale, softcap)
                 slot_pos = r["slot_pos"]

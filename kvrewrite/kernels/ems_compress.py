@@ -8,7 +8,7 @@ implied by raw_keys: [B, Hkv, C, D] is "without" (pre-RoPE keys), [B, Hkv, 0, D]
 win_count is not an argument: a compression does not touch it.
 
 State (mutated: everything but budget): the EMS state of §3 (kvrewrite.kernels.ems_merge.check_ems_state). Args:
-l_win (int >= 1), kernel (odd int >= 1), gamma (float >= 1, inf allowed), tau (float in [0, 1]).
+l_win (int >= 1), pool (odd int >= 1), gamma (float >= 1, inf allowed), tau (float in [0, 1]).
 
 Backends: the stages' references (static shapes, no host reads, deterministic), so it is CUDA-graph capturable;
 CPU and CUDA both run them until the Triton kernels pass their GPU tests. The reference raises ValueError when
@@ -26,10 +26,10 @@ NAME = "kvrewrite::ems_compress"
 
 
 def reference_ems_compress(keys, values, bias, slot_pos, fill, budget, entry_start, raw_keys, lut, key_scale,
-                           token_pos, slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, l_win, kernel, gamma, tau):
+                           token_pos, slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, l_win, pool, gamma, tau):
     due = fill >= budget[1]
     g, g_pooled = reference_ems_score(bias, fill, lut, slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, due,
-                                      l_win, kernel)
+                                      l_win, pool)
     cls = reference_ems_partition(bias, fill, entry_start, g_pooled, due, budget, l_win, gamma)
     dest = reference_ems_redundancy(keys, values, raw_keys, cls, due, tau)
     reference_ems_merge(keys, values, bias, slot_pos, fill, budget, entry_start, raw_keys, lut, key_scale, token_pos,
@@ -37,13 +37,13 @@ def reference_ems_compress(keys, values, bias, slot_pos, fill, budget, entry_sta
 
 
 def _check_inputs(keys, values, bias, slot_pos, fill, budget, entry_start, raw_keys, lut, key_scale, token_pos,
-                  slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, l_win, kernel, gamma, tau):
+                  slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, l_win, pool, gamma, tau):
     check_ems_state(NAME, keys, values, bias, slot_pos, fill, budget, entry_start, raw_keys, lut, key_scale,
                     token_pos, slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill)
     if l_win < 1:
         raise ValueError(f"{NAME}: l_win must be an int >= 1, got {l_win}")
-    if kernel < 1 or kernel % 2 == 0:
-        raise ValueError(f"{NAME}: kernel must be an odd int >= 1 (1: no pooling), got {kernel}")
+    if pool < 1 or pool % 2 == 0:
+        raise ValueError(f"{NAME}: pool must be an odd int >= 1 (1: no pooling), got {pool}")
     if not gamma >= 1:
         raise ValueError(f"{NAME}: gamma must be a float >= 1 (math.inf allowed), got {gamma}")
     if not 0 <= tau <= 1:
@@ -58,15 +58,15 @@ def ems_compress(keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, s
                  fill: torch.Tensor, budget: torch.Tensor, entry_start: torch.Tensor, raw_keys: torch.Tensor,
                  lut: torch.Tensor, key_scale: torch.Tensor, token_pos: torch.Tensor, slot_order: torch.Tensor,
                  s_glo: torch.Tensor, s_loc_past: torch.Tensor, s_loc_cur: torch.Tensor, slot_fill: torch.Tensor,
-                 *, l_win: int, kernel: int, gamma: float, tau: float) -> None:
+                 *, l_win: int, pool: int, gamma: float, tau: float) -> None:
     """Compress the due rows in place (module docstring). CPU and CUDA run the stages' references."""
     args = (keys, values, bias, slot_pos, fill, budget, entry_start, raw_keys, lut, key_scale, token_pos,
-            slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, l_win, kernel, gamma, tau)
+            slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, l_win, pool, gamma, tau)
     _check_inputs(*args)
     reference_ems_compress(*args)
 
 
 @ems_compress.register_fake
 def _(keys, values, bias, slot_pos, fill, budget, entry_start, raw_keys, lut, key_scale, token_pos, slot_order,
-      s_glo, s_loc_past, s_loc_cur, slot_fill, *, l_win, kernel, gamma, tau):
+      s_glo, s_loc_past, s_loc_cur, slot_fill, *, l_win, pool, gamma, tau):
     return None

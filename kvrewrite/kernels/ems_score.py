@@ -9,13 +9,13 @@ bias[lut_j] > -inf:
     g_j = max(alpha * s_glo_j, loc_j) for live j, else 0                      (fp32)
     window slots = the slots of the last l_win valid entries (entry < fill, bias > -inf)
     P = the live non-window slots in slot_order order (token-position order), P_0 .. P_{n-1}
-    g_pooled[P_i] = (sum_{k=i-h}^{i+h} g[P_k], a missing k as 0, summed in increasing k) / kernel, h = (kernel-1)/2
+    g_pooled[P_i] = (sum_{k=i-h}^{i+h} g[P_k], a missing k as 0, summed in increasing k) / pool, h = (pool-1)/2
     g_pooled = -inf for window, dead and padding slots
 
 Rows not due: g = 0, g_pooled = -inf. g weighs a merge (ems_merge), g_pooled ranks (ems_partition, the LUT cap).
 
 Inputs: bias [B, Hkv, C] fp32, fill [B, Hkv] int64, lut, slot_order [B, Hkv, R] int32, s_glo, s_loc_past,
-s_loc_cur [B, Hkv, R] fp32, slot_fill [B, Hkv] int64, due [B, Hkv] bool. Args: l_win (int >= 1), kernel (odd
+s_loc_cur [B, Hkv, R] fp32, slot_fill [B, Hkv] int64, due [B, Hkv] bool. Args: l_win (int >= 1), pool (odd
 int >= 1; 1: no pooling). Returns (g, g_pooled), fp32 [B, Hkv, R].
 
 Backends: the reference below (static-shape tensor code, no host reads, deterministic) is the CPU path and, until
@@ -74,7 +74,7 @@ def live_slots(bias, fill, lut, slot_fill):
     return live, e
 
 
-def reference_ems_score(bias, fill, lut, slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, due, l_win, kernel):
+def reference_ems_score(bias, fill, lut, slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, due, l_win, pool):
     B, H, R = lut.shape
     live, e = live_slots(bias, fill, lut, slot_fill)
     loc = s_loc_past + s_loc_cur
@@ -91,12 +91,12 @@ def reference_ems_score(bias, fill, lut, slot_order, s_glo, s_loc_past, s_loc_cu
     rank = in_p.long().cumsum(-1) - 1
     dest = torch.where(in_p, rank, R)
     packed = torch.zeros(B, H, R + 1, device=lut.device).scatter(-1, dest, g.gather(-1, order))[..., :R]
-    h = (kernel - 1) // 2
+    h = (pool - 1) // 2
     padded = torch.nn.functional.pad(packed, (h, h))
     acc = torch.zeros_like(packed)
-    for o in range(kernel):  # k = i - h .. i + h, in increasing k; the zero padding counts
+    for o in range(pool):  # k = i - h .. i + h, in increasing k; the zero padding counts
         acc = acc + padded[..., o:o + R]
-    pooled = acc / kernel
+    pooled = acc / pool
     # back to slots: P_i = order[k] for the k with rank i
     g_pooled = torch.full((B, H, R + 1), NEG_INF, device=lut.device)
     g_pooled = g_pooled.scatter(-1, torch.where(in_p, order, R), pooled.gather(-1, rank.clamp(0, R - 1)))[..., :R]
@@ -104,27 +104,27 @@ def reference_ems_score(bias, fill, lut, slot_order, s_glo, s_loc_past, s_loc_cu
     return torch.where(d, g, 0.0), torch.where(d & pooled_slot, g_pooled, NEG_INF)
 
 
-def _check_inputs(bias, fill, lut, slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, due, l_win, kernel):
+def _check_inputs(bias, fill, lut, slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, due, l_win, pool):
     B, H, _, _ = check_slot_table(NAME, bias, fill, slot_fill, lut=(lut, torch.int32),
                                   slot_order=(slot_order, torch.int32), s_glo=(s_glo, torch.float32),
                                   s_loc_past=(s_loc_past, torch.float32), s_loc_cur=(s_loc_cur, torch.float32))
     check_due(NAME, due, B, H)
     if l_win < 1:
         raise ValueError(f"{NAME}: l_win must be an int >= 1, got {l_win}")
-    if kernel < 1 or kernel % 2 == 0:
-        raise ValueError(f"{NAME}: kernel must be an odd int >= 1 (1: no pooling), got {kernel}")
+    if pool < 1 or pool % 2 == 0:
+        raise ValueError(f"{NAME}: pool must be an odd int >= 1 (1: no pooling), got {pool}")
 
 
 @torch.library.custom_op(NAME, mutates_args=())
 def ems_score(bias: torch.Tensor, fill: torch.Tensor, lut: torch.Tensor, slot_order: torch.Tensor,
               s_glo: torch.Tensor, s_loc_past: torch.Tensor, s_loc_cur: torch.Tensor, slot_fill: torch.Tensor,
-              due: torch.Tensor, *, l_win: int, kernel: int) -> tuple[torch.Tensor, torch.Tensor]:
+              due: torch.Tensor, *, l_win: int, pool: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(g, g_pooled) of every slot of the due rows (module docstring). CPU and CUDA run the reference."""
-    args = (bias, fill, lut, slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, due, l_win, kernel)
+    args = (bias, fill, lut, slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, due, l_win, pool)
     _check_inputs(*args)
     return reference_ems_score(*args)
 
 
 @ems_score.register_fake
-def _(bias, fill, lut, slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, due, *, l_win, kernel):
+def _(bias, fill, lut, slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, due, *, l_win, pool):
     return torch.empty_like(s_glo), torch.empty_like(s_glo)

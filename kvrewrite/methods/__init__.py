@@ -2,6 +2,7 @@
 from kvrewrite.methods.base import Method
 from kvrewrite.methods.chelsea import ChelseaMethod
 from kvrewrite.methods.clusterkv import ClusterKVMethod
+from kvrewrite.methods.ems import EMSMethod
 from kvrewrite.methods.full import FullMethod
 from kvrewrite.methods.h2o import H2OMethod
 from kvrewrite.methods.kvmerger import KVMergerMethod
@@ -9,7 +10,7 @@ from kvrewrite.methods.snapkv import SnapKVMethod
 from kvrewrite.methods.streamingllm import StreamingLLMMethod
 
 METHODS = {m.name: m for m in (FullMethod, StreamingLLMMethod, ChelseaMethod, H2OMethod, SnapKVMethod,
-                               ClusterKVMethod, KVMergerMethod)}
+                               ClusterKVMethod, KVMergerMethod, EMSMethod)}
 
 
 def make_method(method, budget=None, **kwargs) -> Method:

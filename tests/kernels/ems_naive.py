@@ -91,7 +91,7 @@ def window_entries(row, l_win):
     return set(valid[len(valid) - min(l_win, len(valid)):])
 
 
-def score(row, l_win, kernel):
+def score(row, l_win, pool):
     """§6.6: ({id(token): g}, {id(token): g_pooled}) over the live tokens; window tokens pooled -inf."""
     live = [t for e in row if e.valid for t in e.members]
     loc = {id(t): t.s_loc_past + t.s_loc_cur for t in live}
@@ -100,10 +100,10 @@ def score(row, l_win, kernel):
     g = {id(t): max(alpha * t.s_glo, loc[id(t)]) for t in live}
     win = window_entries(row, l_win)
     P = sorted((t for i, e in enumerate(row) if e.valid and i not in win for t in e.members), key=lambda t: t.pos)
-    h = (kernel - 1) // 2
+    h = (pool - 1) // 2
     gp = {id(t): NEG_INF for t in live}
     for i, t in enumerate(P):
-        gp[id(t)] = sum(g[id(P[k])] for k in range(i - h, i + h + 1) if 0 <= k < len(P)) / kernel
+        gp[id(t)] = sum(g[id(P[k])] for k in range(i - h, i + h + 1) if 0 <= k < len(P)) / pool
     return g, gp
 
 
@@ -177,9 +177,9 @@ def merge(row, g, gp, cls, dest, Bt, l_win, gamma, pos):
     return [e for e, _ in new]
 
 
-def compress(row, Bt, l_win, kernel, gamma, tau, pos):
+def compress(row, Bt, l_win, pool, gamma, tau, pos):
     """§6.5 on one row (due): score, partition, redundancy, merge. Returns (new row, info dict)."""
-    g, gp = score(row, l_win, kernel)
+    g, gp = score(row, l_win, pool)
     cls = partition(row, gp, Bt, l_win, gamma)
     dest = redundancy(row, cls, tau, pos)
     return merge(row, g, gp, cls, dest, Bt, l_win, gamma, pos), dict(g=g, gp=gp, cls=cls, dest=dest)

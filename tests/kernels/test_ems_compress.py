@@ -14,8 +14,8 @@ OP = torch.ops.kvrewrite.ems_compress.default
 STATE = N.STATE_FIELDS
 
 
-def compress(s, l_win=2, kernel=3, gamma=2.0, tau=0.2):
-    OP(*(s[f] for f in STATE), l_win=l_win, kernel=kernel, gamma=gamma, tau=tau)
+def compress(s, l_win=2, pool=3, gamma=2.0, tau=0.2):
+    OP(*(s[f] for f in STATE), l_win=l_win, pool=pool, gamma=gamma, tau=tau)
 
 
 def attention_history(rows, n_heads=2, l_win=2, seed=0):
@@ -39,18 +39,18 @@ def attention_history(rows, n_heads=2, l_win=2, seed=0):
 def test_tau_one_is_pure_eviction_by_the_global_local_score():
     """tau = 1: the kept entries are the window plus the top N_imp by pooled g (g from a float64 attention
     history, Eq. 2), their K/V bit-identical, no merged slots."""
-    bt, l_win, kernel, n = 8, 3, 3, 20
+    bt, l_win, pool, n = 8, 3, 3, 20
     rows = N.random_rows(1, 2, n, 8, seed=1)
     attention_history(rows, l_win=l_win)
     s = N.to_state(rows, 24, 48, budget=(bt, bt + 4))
     old = {k: v.clone() for k, v in s.items()}
-    compress(s, l_win=l_win, kernel=kernel, gamma=2.0, tau=1.0)
+    compress(s, l_win=l_win, pool=pool, gamma=2.0, tau=1.0)
     for h in range(2):
         toks = [e.members[0] for e in rows[0][h]]
         glo = torch.tensor([t.s_glo for t in toks], dtype=torch.float64)
         loc = torch.tensor([t.s_loc_past for t in toks], dtype=torch.float64)
         g = torch.maximum(loc.sum() / glo.sum() * glo, loc)
-        pooled = F.avg_pool1d(g[:n - l_win].view(1, 1, -1), kernel, 1, kernel // 2).view(-1)
+        pooled = F.avg_pool1d(g[:n - l_win].view(1, 1, -1), pool, 1, pool // 2).view(-1)
         top = sorted(torch.argsort(pooled, descending=True)[:bt - l_win].tolist())
         kept = top + list(range(n - l_win, n))
         assert s["token_pos"][0, h, :bt].tolist() == kept
@@ -88,7 +88,7 @@ def test_identical_tokens_merge_exactly(pos):
     token (1e-5)."""
     row = planted(5, 0, seed=2)
     s = N.to_state([[row]], 16, 32, pos=pos, budget=(8, 9))
-    compress(s, l_win=2, kernel=1, gamma=math.inf, tau=0.99)
+    compress(s, l_win=2, pool=1, gamma=math.inf, tau=0.99)
     assert s["fill"].tolist() == [[8]] and s["slot_fill"].tolist() == [[13]]
     qs = torch.randn(4, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2
     got = attend_all(N.from_state(s)[0][0], qs)
@@ -100,7 +100,7 @@ def test_zero_class_never_contributes():
     exactly the surviving original tokens."""
     row = planted(3, 4, seed=4)
     s = N.to_state([[row]], 16, 32, budget=(8, 9))
-    compress(s, l_win=2, kernel=1, gamma=math.inf, tau=0.99)
+    compress(s, l_win=2, pool=1, gamma=math.inf, tau=0.99)
     kept = set(s["token_pos"][0, 0, :int(s["slot_fill"][0, 0])].tolist())
     assert kept == set(range(9)) | {13, 14}  # the 4 noise tokens (9..12) are gone
     qs = torch.randn(4, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 2
@@ -110,14 +110,14 @@ def test_zero_class_never_contributes():
 
 
 @pytest.mark.parametrize("pos", ["without", "with"])
-@pytest.mark.parametrize("gamma,tau,kernel", [(2.0, 0.2, 3), (1.0, 0.2, 3), (math.inf, 0.1, 3), (2.0, 0.0, 1),
+@pytest.mark.parametrize("gamma,tau,pool", [(2.0, 0.2, 3), (1.0, 0.2, 3), (math.inf, 0.1, 3), (2.0, 0.0, 1),
                                               (1.5, 0.3, 7), (4.0, 0.6, 7)])
-def test_matches_naive_model(pos, gamma, tau, kernel):
+def test_matches_naive_model(pos, gamma, tau, pool):
     bt, l_win = 7, 2
     rows = N.random_rows(2, 2, 18, 8, pads=(0, 3), seed=6, dup=0.4)
     s = N.to_state(rows, 24, 48, pos=pos, budget=(bt, bt + 3))
-    compress(s, l_win=l_win, kernel=kernel, gamma=gamma, tau=tau)
-    want = [[N.compress(r, bt, l_win, kernel, gamma, tau, pos)[0] for r in rb] for rb in rows]
+    compress(s, l_win=l_win, pool=pool, gamma=gamma, tau=tau)
+    want = [[N.compress(r, bt, l_win, pool, gamma, tau, pos)[0] for r in rb] for rb in rows]
     N.assert_rows_close(N.from_state(s), want)
     N.check_invariants(s, l_win=l_win, r_max=N.counts(bt, l_win, gamma)[2], bt=bt)
 
@@ -153,7 +153,7 @@ def test_decode_keeps_a_valid_table(interval):
     n_due, extra = 0, 0
     for step in range(120):
         due = int(s["fill"][0, 0]) >= bt + interval
-        compress(s, l_win=l_win, kernel=3, gamma=gamma, tau=tau)
+        compress(s, l_win=l_win, pool=3, gamma=gamma, tau=tau)
         if due:
             n_due += 1
             extra = max(extra, int((s["slot_fill"] - s["fill"]).max()))
@@ -199,8 +199,8 @@ def test_errors():
     s["budget"] = torch.tensor([4, 5])
     with pytest.raises(ValueError, match="tau must be in"):
         compress(s, tau=-0.5)
-    with pytest.raises(ValueError, match="kernel must be an odd"):
-        compress(s, kernel=4)
+    with pytest.raises(ValueError, match="pool must be an odd"):
+        compress(s, pool=4)
     s["slot_fill"] = s["slot_fill"].int()
     with pytest.raises(ValueError, match="slot_fill must be torch.int64"):
         compress(s)
@@ -208,7 +208,7 @@ def test_errors():
 
 def test_opcheck():
     s = N.to_state(N.random_rows(2, 1, 12, 4, seed=11, dup=0.3), 16, 24, budget=(5, 8))
-    torch.library.opcheck(OP, tuple(s[f] for f in STATE), dict(l_win=2, kernel=3, gamma=2.0, tau=0.2))
+    torch.library.opcheck(OP, tuple(s[f] for f in STATE), dict(l_win=2, pool=3, gamma=2.0, tau=0.2))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -247,12 +247,12 @@ def test_due_row_within_budget_drops_only_its_padding():
     N.assert_rows_close(N.from_state(s), [[[e for e in r if e.valid] for r in rb] for rb in rows])
 
 
-def paper_step(row, bt, l_win, kernel, gamma, tau):
+def paper_step(row, bt, l_win, pool, gamma, tau):
     """The paper's Fig. 5(b) decode step, literally, on a row of Bt + 1 entries (written apart from
     N.compress): the least important of the N_imp + 1 centres is demoted and merges, as a whole group, into its
     most redundant centre or goes to the zero class (gamma = 1: evicted); then one member slot leaves the table if
     it holds more than R_max."""
-    g, gp = N.score(row, l_win, kernel)
+    g, gp = N.score(row, l_win, pool)
     centres = list(range(len(row) - l_win))
     low = min(centres, key=lambda i: (gp[id(row[i].members[0])], -i))  # the later entry loses a tie
     d = row[low]
@@ -282,7 +282,7 @@ def paper_step(row, bt, l_win, kernel, gamma, tau):
 
 @pytest.mark.parametrize("gamma,tau", [(1.5, 0.1), (2.0, 0.3), (1.0, 0.1)])
 def test_interval_one_is_the_papers_per_step_procedure(gamma, tau):
-    bt, l_win, kernel = 6, 2, 3
+    bt, l_win, pool = 6, 2, 3
     rows = N.random_rows(1, 1, bt, 4, seed=14, dup=0.5)
     s = N.to_state(rows, bt + 2, 40, budget=(bt, bt + 1))
     row = rows[0][0]
@@ -309,9 +309,9 @@ def test_interval_one_is_the_papers_per_step_procedure(gamma, tau):
         for j in range(sf):
             t = toks[int(s["token_pos"][0, 0, j])]
             t.s_glo, t.s_loc_cur = float(s["s_glo"][0, 0, j]), float(s["s_loc_cur"][0, 0, j])
-        compress(s, l_win=l_win, kernel=kernel, gamma=gamma, tau=tau)
+        compress(s, l_win=l_win, pool=pool, gamma=gamma, tau=tau)
         before = sum(len(e.members) for e in row)
-        row = paper_step(row, bt, l_win, kernel, gamma, tau)
+        row = paper_step(row, bt, l_win, pool, gamma, tau)
         merges += sum(len(e.members) for e in row) == before
         N.assert_rows_close(N.from_state(s), [[row]])
         N.check_invariants(s, l_win=l_win, r_max=N.counts(bt, l_win, gamma)[2], bt=bt)
@@ -327,7 +327,7 @@ def test_full_entry_and_slot_capacity():
     R = max(sum(len(e.members) for e in r) for r in rows[0])
     s = N.to_state(rows, 12, R, budget=(6, 12))
     assert s["slot_fill"].max() == R and s["fill"].min() == 12
-    compress(s, l_win=2, kernel=7, gamma=2.0, tau=0.0)
+    compress(s, l_win=2, pool=7, gamma=2.0, tau=0.0)
     want = [[N.compress(r, 6, 2, 7, 2.0, 0.0, "without")[0] for r in rb] for rb in rows]
     N.assert_rows_close(N.from_state(s), want)
     N.check_invariants(s, l_win=2, r_max=12, bt=6)
@@ -385,7 +385,7 @@ def test_with_the_append_and_attention_ops():
                 t.s_glo, t.s_loc_past, t.s_loc_cur = (float(s[f][b, h, j]) for f in ("s_glo", "s_loc_past",
                                                                                      "s_loc_cur"))
         due = int(s["fill"][0, 0]) >= bt + interval
-        compress(s, l_win=l_win, kernel=3, gamma=2.0, tau=0.0)
+        compress(s, l_win=l_win, pool=3, gamma=2.0, tau=0.0)
         if due:
             n_due += 1
             rows = [[N.compress(r, bt, l_win, 3, 2.0, 0.0, "without")[0] for r in rb] for rb in rows]

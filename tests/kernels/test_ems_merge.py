@@ -14,19 +14,19 @@ STATE = N.STATE_FIELDS
 NEG = -math.inf
 
 
-def stages(s, bt, l_win, kernel, gamma, tau, due=None):
+def stages(s, bt, l_win, pool, gamma, tau, due=None):
     """ems_score -> ems_partition -> ems_redundancy on s; returns (g, g_pooled, cls, dest, due)."""
     due = torch.ones(s["fill"].shape, dtype=torch.bool) if due is None else due
     budget = torch.tensor([bt, bt + 1])
     g, gp = OPS.ems_score(s["bias"], s["fill"], s["lut"], s["slot_order"], s["s_glo"], s["s_loc_past"],
-                          s["s_loc_cur"], s["slot_fill"], due, l_win=l_win, kernel=kernel)
+                          s["s_loc_cur"], s["slot_fill"], due, l_win=l_win, pool=pool)
     cls = OPS.ems_partition(s["bias"], s["fill"], s["entry_start"], gp, due, budget, l_win=l_win, gamma=gamma)
     dest = OPS.ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau=tau)
     return g, gp, cls, dest, due
 
 
-def merge(s, bt, l_win=2, kernel=3, gamma=2.0, tau=0.2, due=None):
-    g, gp, cls, dest, due = stages(s, bt, l_win, kernel, gamma, tau, due)
+def merge(s, bt, l_win=2, pool=3, gamma=2.0, tau=0.2, due=None):
+    g, gp, cls, dest, due = stages(s, bt, l_win, pool, gamma, tau, due)
     s["budget"] = torch.tensor([bt, bt + 1])
     OPS.ems_merge(*(s[f] for f in STATE), g, gp, cls, dest, due, gamma=gamma)
     return cls, dest
@@ -59,8 +59,8 @@ def grow(s, rows, n, seed, pos0, dup=0.3):
         rows[b][h] += fresh[b][h]
 
 
-def naive_step(rows, bt, l_win, kernel, gamma, tau, pos):
-    return [[N.compress(r, bt, l_win, kernel, gamma, tau, pos)[0] for r in rb] for rb in rows]
+def naive_step(rows, bt, l_win, pool, gamma, tau, pos):
+    return [[N.compress(r, bt, l_win, pool, gamma, tau, pos)[0] for r in rb] for rb in rows]
 
 
 @pytest.mark.parametrize("pos", ["without", "with"])
@@ -125,7 +125,7 @@ def test_identical_tokens_merge_exactly():
                                  s_glo=0.0, s_loc_past=0.0, s_loc_cur=0.0)
     rows[0][0][0].members[0].s_glo = 100.0
     s = N.to_state(rows, 12, 12)
-    cls, dest = merge(s, 6, kernel=1, gamma=2.0, tau=0.99)
+    cls, dest = merge(s, 6, pool=1, gamma=2.0, tau=0.99)
     assert dest[0, 0, 1:4].tolist() == [0, 0, 0]
     k = rows[0][0][0].key.float()
     assert torch.allclose(s["keys"][0, 0, 0], k / k.norm(), rtol=1e-6)  # stored: the unit direction
@@ -142,7 +142,7 @@ def test_zero_weight_group_weighs_slot_counts():
         t = e.members[0]
         t.s_glo = t.s_loc_past = t.s_loc_cur = 0.0
     s = N.to_state(rows, 8, 16)
-    cls, dest = merge(s, 4, l_win=1, kernel=1, gamma=2.0, tau=0.0)
+    cls, dest = merge(s, 4, l_win=1, pool=1, gamma=2.0, tau=0.0)
     want = naive_step(rows, 4, 1, 1, 2.0, 0.0, "without")
     N.assert_rows_close(N.from_state(s), want)
     groups = [[i for i in range(8) if int(dest[0, 0, i]) == c] for c in range(8) if int(cls[0, 0, c]) == 2]

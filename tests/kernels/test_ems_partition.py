@@ -16,10 +16,10 @@ SCORE = torch.ops.kvrewrite.ems_score.default
 SCORE_ARGS = ("bias", "fill", "lut", "slot_order", "s_glo", "s_loc_past", "s_loc_cur", "slot_fill")
 
 
-def run(s, bt, l_win=3, kernel=3, gamma=2.0, due=None, g_pooled=None):
+def run(s, bt, l_win=3, pool=3, gamma=2.0, due=None, g_pooled=None):
     due = torch.ones(s["fill"].shape, dtype=torch.bool) if due is None else due
     if g_pooled is None:
-        g_pooled = SCORE(*(s[f] for f in SCORE_ARGS), due, l_win=l_win, kernel=kernel)[1]
+        g_pooled = SCORE(*(s[f] for f in SCORE_ARGS), due, l_win=l_win, pool=pool)[1]
     budget = torch.tensor([bt, bt + 1])
     return OP(s["bias"], s["fill"], s["entry_start"], g_pooled, due, budget, l_win=l_win, gamma=gamma)
 
@@ -116,6 +116,6 @@ def test_errors():
 def test_opcheck():
     s = N.to_state(merged_rows(seed=6), 32, 48)
     due = torch.tensor([[True, False], [True, True]])
-    gp = SCORE(*(s[f] for f in SCORE_ARGS), due, l_win=3, kernel=3)[1]
+    gp = SCORE(*(s[f] for f in SCORE_ARGS), due, l_win=3, pool=3)[1]
     torch.library.opcheck(OP, (s["bias"], s["fill"], s["entry_start"], gp, due, torch.tensor([8, 9])),
                           dict(l_win=3, gamma=2.0))

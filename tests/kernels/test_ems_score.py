@@ -14,9 +14,9 @@ ARGS = ("bias", "fill", "lut", "slot_order", "s_glo", "s_loc_past", "s_loc_cur",
 NEG = -math.inf
 
 
-def run(s, due=None, l_win=3, kernel=3):
+def run(s, due=None, l_win=3, pool=3):
     due = torch.ones(s["fill"].shape, dtype=torch.bool) if due is None else due
-    return OP(*(s[f] for f in ARGS), due, l_win=l_win, kernel=kernel)
+    return OP(*(s[f] for f in ARGS), due, l_win=l_win, pool=pool)
 
 
 def merged_rows(seed=0, pads=(0, 2)):
@@ -34,14 +34,14 @@ def merged_rows(seed=0, pads=(0, 2)):
     return rows
 
 
-@pytest.mark.parametrize("kernel", [1, 3, 7])
-def test_matches_naive_model(kernel):
+@pytest.mark.parametrize("pool", [1, 3, 7])
+def test_matches_naive_model(pool):
     rows = merged_rows()
     s = N.to_state(rows, C=32, R=48)
-    g, gp = run(s, kernel=kernel)
+    g, gp = run(s, pool=pool)
     for b in range(2):
         for h in range(2):
-            want_g, want_gp = N.score(rows[b][h], 3, kernel)
+            want_g, want_gp = N.score(rows[b][h], 3, pool)
             slot = {int(s["token_pos"][b, h, j]): j for j in range(int(s["slot_fill"][b, h]))}
             live = [t for e in rows[b][h] if e.valid for t in e.members]
             assert len(live) > 6
@@ -62,12 +62,12 @@ def test_alpha_and_g_by_hand():
         t = e.members[0]
         t.s_glo, t.s_loc_past, t.s_loc_cur = a, p, c
     s = N.to_state(rows, 8, 8)
-    g, _ = run(s, l_win=1, kernel=1)
+    g, _ = run(s, l_win=1, pool=1)
     alpha = sum(past + cur) / sum(glo)  # 3.25 / 8
     want = [max(alpha * a, p + c) for a, p, c in zip(glo, past, cur)]
     assert g[0, 0, :6].tolist() == pytest.approx(want, rel=1e-7)
     s["s_glo"].zero_()
-    g, _ = run(s, l_win=1, kernel=1)
+    g, _ = run(s, l_win=1, pool=1)
     assert g[0, 0, :6].tolist() == [p + c for p, c in zip(past, cur)]
 
 
@@ -76,16 +76,16 @@ def test_pooling_edges_and_window():
     are -inf and never pooled in."""
     rows = N.random_rows(1, 1, 10, 4, seed=4)
     s = N.to_state(rows, 12, 12)
-    g, gp = run(s, l_win=3, kernel=3)
+    g, gp = run(s, l_win=3, pool=3)
     P = g[0, 0, :7]
     want = F.avg_pool1d(P.view(1, 1, 7), 3, 1, 1, count_include_pad=True).view(7)
     assert torch.allclose(gp[0, 0, :7], want, rtol=1e-6)
     assert float(gp[0, 0, 0]) == pytest.approx(float(P[0] + P[1]) / 3, rel=1e-7)
     assert (gp[0, 0, 7:] == NEG).all()
-    g7, gp7 = run(s, l_win=3, kernel=7)
+    g7, gp7 = run(s, l_win=3, pool=7)
     want7 = F.avg_pool1d(P.view(1, 1, 7), 7, 1, 3, count_include_pad=True).view(7)
     assert torch.allclose(gp7[0, 0, :7], want7, rtol=1e-6)
-    _, gp1 = run(s, l_win=3, kernel=1)
+    _, gp1 = run(s, l_win=3, pool=1)
     assert torch.equal(gp1[0, 0, :7], P)
 
 
@@ -94,11 +94,11 @@ def test_pooling_follows_token_order_not_slot_order():
     rows = merged_rows(seed=5, pads=())
     s = N.to_state(rows, 32, 48)
     assert any(len(e.members) > 1 for e in rows[0][0])
-    _, gp = run(s, l_win=2, kernel=3)
+    _, gp = run(s, l_win=2, pool=3)
     b = h = 0
     order = s["slot_order"][b, h, :int(s["slot_fill"][b, h])].tolist()
     pooled = [j for j in order if gp[b, h, j] > NEG]
-    g, _ = run(s, l_win=2, kernel=1)
+    g, _ = run(s, l_win=2, pool=1)
     seq = [float(g[b, h, j]) for j in pooled]
     for i, j in enumerate(pooled):
         nb = sum(seq[k] for k in range(i - 1, i + 2) if 0 <= k < len(seq)) / 3
@@ -117,8 +117,8 @@ def test_rows_not_due():
 
 def test_errors():
     s = N.to_state(N.random_rows(1, 1, 4, 4), 8, 8)
-    with pytest.raises(ValueError, match="kernel must be an odd"):
-        run(s, kernel=2)
+    with pytest.raises(ValueError, match="pool must be an odd"):
+        run(s, pool=2)
     with pytest.raises(ValueError, match="l_win"):
         run(s, l_win=0)
     s["s_glo"] = s["s_glo"].double()
@@ -129,4 +129,4 @@ def test_errors():
 def test_opcheck():
     s = N.to_state(merged_rows(seed=7), 32, 48)
     due = torch.tensor([[True, False], [True, True]])
-    torch.library.opcheck(OP, (*(s[f] for f in ARGS), due), dict(l_win=2, kernel=3))
+    torch.library.opcheck(OP, (*(s[f] for f in ARGS), due), dict(l_win=2, pool=3))
