@@ -121,3 +121,22 @@ def test_kvmerger_nll_close_to_full(smollm2, essay_ids, full_nll, values):
     assert int(state["degree"][live].max()) > 1, "nothing was merged"
     assert int(state["fill"].max()) < int(state["budget"][0]) + rw.method.interval, "not compressed"
     assert nll - full_nll <= KVMERGER_BOUNDS[values], f"NLL full={full_nll:.4f} kvmerger({values})={nll:.4f}"
+
+
+# EMS at budget 0.2 (B = 218 entries: the 32-token window + 186 class centres; at most 4 B runtime tokens through the
+# lookup table), measured on this setup (full 2.890): 2.958, +0.068 (at 0.5: 2.838, -0.052).
+EMS_BOUND = 0.15  # nats/token
+
+
+def test_ems_nll_close_to_full(smollm2, essay_ids, full_nll):
+    model, _ = smollm2
+    context, target = essay_ids
+    rw = kvrewrite.apply(model, "ems", max_length=1024 + 64, budget=0.2)
+    nll = continuation_nll(rw, context, target)
+    print(f"continuation NLL: full {full_nll:.4f}, ems@0.2 {nll:.4f}")
+    state = rw.layer_state(rw.layers[-1].index)
+    entries, slots = int(state["fill"].max()), int(state["slot_fill"].max())
+    assert entries < int(state["budget"][0]) + rw.method.interval, "not compressed"
+    cap = 4 * int(state["budget"][0]) + rw.method.interval  # gamma B after a compression, + the tokens since
+    assert entries < slots <= cap, f"no merge into the table: {entries} entries, {slots} slots"
+    assert nll - full_nll <= EMS_BOUND, f"NLL full={full_nll:.4f} ems={nll:.4f}"
