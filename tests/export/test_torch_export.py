@@ -226,3 +226,25 @@ def test_kvmerger_exports_and_generates(tmp_path, case):
     assert torch.equal((s["degree"] * kept).sum(-1), real.expand(2, 2)), "the degrees do not count every token"
     if case == "anchor-epsilon":
         assert int(s["deficit"].max()) > 0, "every head kept B slots: the deficit path is not exercised"
+
+
+@torch.no_grad()
+def test_ems_exports_and_generates(tmp_path):
+    """EMS's slot table (its per-slot fields sized by gamma and the full length L, recorded as concrete shapes) and its
+    three ops travel in the .pt2 programs: the loader reproduces rw.generate token for token with a compression every
+    4 decode steps (merges into the table: more slots than entries), and leaves the very same state."""
+    rw = kvrewrite.apply(_model("llama"), "ems", max_length=40, batch_size=2, prefill_chunk=16, budget=12, window=4,
+                         kernel=3, interval=4)
+    path = kvrewrite.export.torch_export(rw, tmp_path)
+    graph = torch.export.load(path / "decode_compress.pt2").graph
+    targets = {str(n.target) for n in graph.nodes if n.op == "call_function"}
+    assert {f"kvrewrite.{op}.default" for op in ("ems_append", "ems_attention", "ems_compress")} <= targets
+    m = loader.load(path)
+    assert all(bool((m.layer_state(i)["lut"] == -1).all()) for i in range(2)), "lut not allocated at its reset"
+    ids, mask = _inputs()
+    ref = rw.generate(ids, mask, max_new_tokens=NEW)
+    out = m.generate(ids, mask, max_new_tokens=NEW)
+    assert torch.equal(out, ref), f"loader\n{out[:, PROMPT:]}\n!= rw.generate\n{ref[:, PROMPT:]}"
+    assert all(torch.equal(a, b) for a, b in zip(m.state, rw.state_tensors())), "final state differs"
+    s = m.layer_state(1)
+    assert bool((s["slot_fill"] > s["fill"]).any()), "nothing merged into the table"
