@@ -29,9 +29,10 @@ Decisions where the paper leaves room (the contract's, and mine where it is sile
 - sigma: "fixed" 5.0 (default; the paper's ablation optimum, which it says the computed sigma fluctuates around),
   "distance" (mean distance to the pivot / sqrt(2)), "paper" (the printed Eq. 6, circular: 10 fixed-point
   iterations from sigma; it collapses below 1 since sum g_i <= |S|, an ablation).
-- Values: "scale" (default) is the paper's literal |S| multiplier, generalised to re-merges: a slot stores d times
-  its mean value; "bias" averages values and adds log(degree) to the slot's logit (Chelsea's proportional
-  attention), exact for identical keys.
+- Values: "scale" (default, as issue 16 asks) is the paper's literal |S| multiplier, generalised to re-merges: a slot
+  stores d times its mean value; "bias" averages values and adds log(degree) to the slot's logit (Chelsea's
+  proportional attention), exact for identical keys. Measured (docs/results-notes.md): "scale" collapses at budget
+  0.2 (SmolLM2 NLL +3.89 nats/token, Qwen +2.36) and costs +0.16 at 0.5, "bias" +0.093 and +0.013: use "bias".
 - Weights include the degree (w_i ~ g_i d_i): a re-merged slot stands for d_i tokens (the paper merges once, d = 1).
 - Re-merging: every g = `interval` tokens (after prefill chunks too), as H2O; the paper compresses once after the
   prompt. Merged keys are post-RoPE averages (nothing is re-rotated); a merged slot keeps the pivot's position.
