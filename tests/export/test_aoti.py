@@ -50,6 +50,25 @@ def _check_generate(rw, path, device):
     return diff
 
 
+def _step_matches_eager(rw, step, args):
+    """One compiled decode_compress step against the eager graph from copies of rw's state: logits within 1e-4, every
+    integer state field equal, floats within 1e-5. Returns (the state's names, the eager state after the step)."""
+    from kvrewrite.export.common import graph_of
+
+    eager = [t.clone() for t in rw.state_tensors()]
+    compiled = [t.clone() for t in rw.state_tensors()]
+    want = graph_of(rw, "decode_compress")(*args, *eager)
+    got = step(*args, compiled)
+    assert (got - want).abs().max().item() <= 1e-4
+    names = [f"l{info.index}_{f}" for k, info in enumerate(rw.layers) for f in rw.layer_fields(k)]
+    for name, a, b in zip(names, compiled, eager):
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+        else:
+            assert torch.equal(a, b), name
+    return names, eager
+
+
 @torch.no_grad()
 def test_aoti_cpu_generate_matches_eager(tmp_path):
     rw = _rw("cpu")
@@ -108,7 +127,7 @@ def test_aoti_cpu_clusterkv_step_matches_eager(tmp_path):
     eager graph's logits (1e-4) and the same index (every integer field equal, centroids within 1e-5): kmeans_cluster
     (six mutated index fields, keyword-only ints), select_clusters and indexed_attention through the proxy executor.
     The whole generation from three packages was checked by hand (docs/deploy.md)."""
-    from kvrewrite.export.common import example_inputs, graph_of
+    from kvrewrite.export.common import example_inputs
 
     m = tiny_model("llama")
     m.generation_config.eos_token_id = None
@@ -123,17 +142,7 @@ def test_aoti_cpu_clusterkv_step_matches_eager(tmp_path):
     args = list(example_inputs(rw, "decode_compress"))[:4]
     args[0] = logits.argmax(-1)[:, None]
     args[1], args[2] = args[1] + PROMPT + 3, args[2] + 32 + 3  # 24 tokens in two chunks of 16, then 3 steps
-    eager = [t.clone() for t in rw.state_tensors()]
-    compiled = [t.clone() for t in rw.state_tensors()]
-    want = graph_of(rw, "decode_compress")(*args, *eager)
-    got = step(*args, compiled)
-    assert (got - want).abs().max().item() <= 1e-4
-    names = [f"l{info.index}_{f}" for k, info in enumerate(rw.layers) for f in rw.layer_fields(k)]
-    for name, a, b in zip(names, compiled, eager):
-        if a.is_floating_point():
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
-        else:
-            assert torch.equal(a, b), name
+    names, eager = _step_matches_eager(rw, step, args)
     n_clusters = rw.layer_state(1)["n_clusters"]
     assert bool((eager[names.index("l1_n_clusters")] > n_clusters).all()), "the window clustering did not run"
 
@@ -144,8 +153,6 @@ def test_aoti_cpu_kvmerger_step_matches_eager(tmp_path):
     step past the prompt, where this step's re-merge is due, the package computes the eager graph's logits (1e-4)
     and the same state (every integer field, degree and deficit included, equal; keys, values, scores within 1e-5):
     kvmerger_compress (eight mutated fields, float and str keyword options) through the proxy executor."""
-    from kvrewrite.export.common import graph_of
-
     m = tiny_model("llama")
     m.generation_config.eos_token_id = None
     rw = kvrewrite.apply(m, "kvmerger", max_length=40, batch_size=2, prefill_chunk=16, budget=8, interval=2, n_sink=1,
@@ -158,16 +165,6 @@ def test_aoti_cpu_kvmerger_step_matches_eager(tmp_path):
     assert rw.schedule.due(1), "the next step does not re-merge"
     args = [logits.argmax(-1)[:, None], rw._next_position[:, None], rw._next_cache_position,
             torch.ones(2, 1, dtype=torch.bool)]
-    eager = [t.clone() for t in rw.state_tensors()]
-    compiled = [t.clone() for t in rw.state_tensors()]
-    want = graph_of(rw, "decode_compress")(*args, *eager)
-    got = step(*args, compiled)
-    assert (got - want).abs().max().item() <= 1e-4
-    names = [f"l{info.index}_{f}" for k, info in enumerate(rw.layers) for f in rw.layer_fields(k)]
-    for name, a, b in zip(names, compiled, eager):
-        if a.is_floating_point():
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
-        else:
-            assert torch.equal(a, b), name
+    names, eager = _step_matches_eager(rw, step, args)
     fill = names.index("l0_fill")
     assert bool((eager[fill] < rw.state_tensors()[fill] + 1).all()), "the re-merge did not run"

@@ -5,7 +5,6 @@ tokens' cache positions and copies fill; `kvrewrite_test::counted_attention` (th
 clustered_attention that adds `step` to a per-row counter. On tiny models the recorded keys must be HF's
 pre-RoPE keys, the logits full's, and the counters the number of graph runs.
 """
-import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -17,6 +16,7 @@ from kvrewrite.errors import RewriteError
 from kvrewrite.methods.base import Method
 from kvrewrite.state import StateField, allocate_layer_state, full_length
 from tests.families import tiny_model
+from tests.passes.hf_pre_rope import hf_pre_rope_keys
 
 MAX_LENGTH, CHUNK, N_PROMPT, STEPS, STEP = 48, 8, 16, 4, 3
 APPEND, ATTEND = "kvrewrite_test::record_pre_rope", "kvrewrite_test::counted_attention"
@@ -72,30 +72,6 @@ class HooksMethod(Method):
         return (torch.ops.kvrewrite.select_clusters.default, {}) if self.also == "select" else None
 
 
-def _hf_pre_rope_keys(model, ids) -> dict:
-    """{layer: the key HF passes to apply_rotary_pos_emb} for one forward on ids."""
-    rec, current, hooks = {}, [None], []
-    for m in model.modules():
-        if isinstance(getattr(m, "layer_idx", None), int):
-            hooks.append(m.register_forward_pre_hook(lambda mod, args: current.__setitem__(0, mod.layer_idx)))
-    module = sys.modules[type(model).__module__]
-    original = module.apply_rotary_pos_emb
-
-    def recording(q, k, *args, **kwargs):
-        rec[current[0]] = k.detach().clone()
-        return original(q, k, *args, **kwargs)
-
-    module.apply_rotary_pos_emb = recording
-    try:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
-    finally:
-        module.apply_rotary_pos_emb = original
-        for h in hooks:
-            h.remove()
-    return rec
-
-
 def _greedy(rw, ids) -> tuple[list, torch.Tensor]:
     """Per step logits [1, V] of a prefill and STEPS decode steps, and every token the cache saw."""
     logits = [rw.prefill(ids, torch.ones_like(ids), max_new_tokens=STEPS + 1)]
@@ -123,7 +99,7 @@ def test_hooks_record_pre_rope_keys_and_attend_like_full(family):
 
     full_layers = [i.index for i in rw.layers if not i.window]
     n_tokens = N_PROMPT + STEPS
-    hf = _hf_pre_rope_keys(model, seen_tokens)
+    hf = hf_pre_rope_keys(model, seen_tokens)
     for info in rw.layers:
         st = rw.layer_state(info.index)
         if info.window:

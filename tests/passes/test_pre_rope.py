@@ -6,7 +6,6 @@ pre-hook on the attention module. The graph's key comes from running the capture
 normalize_eager_attention and locate_attention_sites, where replace_kv_cache_update calls the finder) with an
 fx.Interpreter on the same tokens.
 """
-import sys
 
 import pytest
 import torch
@@ -21,36 +20,12 @@ from kvrewrite.passes.locate_attention_sites import locate_attention_sites
 from kvrewrite.passes.normalize_eager_attention import normalize_eager_attention
 from kvrewrite.passes.pre_rope import find_pre_rope_key, pre_rope_key
 from tests.families import tiny_model
+from tests.passes.hf_pre_rope import hf_pre_rope_keys
 
 T = 8
 # half-split RoPE (llama), fused qkv (phi3), qk-norm (qwen3; gemma3 with sliding layers too), partial rotary
 # (gpt_neox), interleaved (cohere), NoPE layers (smollm3), absolute positions (gpt2)
 CASES = ("llama", "phi3", "qwen3", "gemma3", "gpt_neox", "cohere", "smollm3-nope-layers", "gpt2")
-
-
-def _hf_pre_rope_keys(model, ids) -> dict:
-    """{layer: the key HF passes to apply_rotary_pos_emb} for one forward on ids (layers without RoPE absent)."""
-    rec, current, hooks = {}, [None], []
-    for m in model.modules():
-        if isinstance(getattr(m, "layer_idx", None), int):
-            hooks.append(m.register_forward_pre_hook(lambda mod, args: current.__setitem__(0, mod.layer_idx)))
-    module = sys.modules[type(model).__module__]
-    original = getattr(module, "apply_rotary_pos_emb", None)
-    if original is not None:
-        def recording(q, k, *args, **kwargs):
-            rec[current[0]] = k.detach().clone()
-            return original(q, k, *args, **kwargs)
-
-        module.apply_rotary_pos_emb = recording
-    try:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
-    finally:
-        if original is not None:
-            module.apply_rotary_pos_emb = original
-        for h in hooks:
-            h.remove()
-    return rec
 
 
 def _graph_values(gm, ids, nodes) -> dict:
@@ -85,7 +60,7 @@ def test_found_key_is_hf_pre_rope_key(case):
     gm.recompile()
     torch.manual_seed(1)
     ids = torch.randint(1, 128, (1, T))
-    hf = _hf_pre_rope_keys(model, ids)
+    hf = hf_pre_rope_keys(model, ids)
     values = _graph_values(gm, ids, [n for pair in found.values() for n in pair])
     roped = [layer for layer in found if layer in hf]
     if case == "gpt2":
