@@ -9,8 +9,8 @@ runs generation from the directory.
 
 What is not compiled into the package: ops that are plain custom ops (evict_to_budget,
 chelsea_compress, evict_by_score, kmeans_cluster, kvmerger_compress, and the CPU paths of the triton_ops
-clustered_attention, select_clusters and indexed_attention) run through AOTInductor's proxy executor, which calls the registered
-op, i.e. the kvrewrite Python implementation (on CUDA its Triton compression kernels). So a package runs
+clustered_attention, select_clusters and indexed_attention) run through AOTInductor's proxy executor, which calls
+the registered op, i.e. the kvrewrite Python implementation (on CUDA its Triton compression kernels). So a package runs
 in a Python process that has done `import kvrewrite`; it is not a C++-only artifact.
 
 Workaround: AOTInductor's proxy executor passes an empty int list argument as None (torch 2.13), so

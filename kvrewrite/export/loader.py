@@ -6,8 +6,9 @@ per-generation budgets and thresholds), allocates the layer state at the recorde
 method's own state fields, e.g. H2O's scores, ClusterKV's cluster index or KVMerger's degrees, as the JSON's
 "method_state" records them, each filled with its field's reset value: KVMerger's degree with 1), and drives the
 exported step graphs with kvrewrite.host.HostGeneration, the prefill / decode_step / generate that
-KVRewrittenModel runs: left-padding to whole prefill chunks, the HostSchedule that picks the decode variant with or without compression, and the token loop. Greedy and sampled
-decoding, EOS, padding, errors and `last_timings` behave as in `rw.generate` (same arguments).
+KVRewrittenModel runs: left-padding to whole prefill chunks, the HostSchedule that picks the decode variant with or
+without compression, and the token loop. Greedy and sampled decoding, EOS, padding, errors and `last_timings`
+behave as in `rw.generate` (same arguments).
 
 Backends: "torch_export" (.pt2 ExportedPrograms, run by ExportedProgram.module()), "aoti"
 (AOTInductor packages, torch._inductor.aoti_load_package), "onnx" (onnxruntime sessions, CPU by

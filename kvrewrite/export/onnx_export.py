@@ -14,7 +14,8 @@ Every op a method inserts has a function: methods full, streamingllm, chelsea, h
 kvmerger export completely (sliding-window layers included; the method's own state, e.g. l<i>_score, ClusterKV's
 l<i>_centroids ... l<i>_cluster_end or KVMerger's l<i>_degree and l<i>_deficit, is an input and an output like the
 base state; ClusterKV's functions are in onnx_clusterkv.py, KVMerger's in onnx_kvmerger.py).
-kvrewrite::attention_column_stats (no method calls it directly; its math is inside accumulate_attention) has none; a graph holding it is refused with NotImplementedError.
+kvrewrite::attention_column_stats (no method calls it directly; its math is inside accumulate_attention) has none;
+a graph holding it is refused with NotImplementedError.
 """
 import torch
 

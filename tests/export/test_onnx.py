@@ -1,6 +1,6 @@
 """ONNX export: each kvrewrite function against its PyTorch op (onnxruntime, fresh random inputs), then
-whole models (full, streamingllm, chelsea, snapkv, clusterkv, kvmerger; sliding-window layers): onnx.checker, custom-domain nodes
-with their functions, logits and state after prefill, and greedy generation against the PyTorch runtime.
+whole models (full, streamingllm, chelsea, snapkv, clusterkv, kvmerger; sliding-window layers): onnx.checker,
+custom-domain nodes with their functions, logits and state after prefill, and greedy generation against the PyTorch runtime.
 
 Tolerances: cache_append and evict_to_budget are scatters/gathers, so their outputs must be equal;
 chelsea_compress follows the reference's arithmetic step by step and must be equal too.
