@@ -1,6 +1,6 @@
 """kvrewrite::ems_append — give the tokens just appended by cache_append their EMS runtime slots.
 
-EMS (contract /work/ems_spec.md §6.1, issue 17) keeps two tables per row (b, kv-head): C entries (the base state
+EMS (contract docs/contracts/ems.md §6.1, issue 17) keeps two tables per row (b, kv-head): C entries (the base state
 keys/values/bias/slot_pos of cache_append, one stored key per entry) and R runtime slots, one per token the
 attention still covers (`lut` maps a slot to its entry; a merged entry owns several slots). This op runs right
 after cache_append, so `fill` has already grown by T; for each row and t < T:

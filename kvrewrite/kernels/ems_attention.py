@@ -1,6 +1,6 @@
 """kvrewrite::ems_attention — EMS's attention in the graph: expanded attention plus the Global-Local statistics.
 
-The method's attention_call (contract /work/ems_spec.md §6.4, issue 17). It returns expanded_attention's output and
+The method's attention_call (contract docs/contracts/ems.md §6.4, issue 17). It returns expanded_attention's output and
 folds the step's attention into the per-slot scores EMS ranks by (Eq. 2: a global score over every query, a local
 one over the last L_win queries). With (out, lse) = kvrewrite::expanded_attention(...) and (tot, rec) =
 kvrewrite::expanded_attention_stats(..., lse, last=l_win) summed over the G query heads of each KV head (one decision

@@ -1,5 +1,5 @@
 """kvrewrite::ems_compress — EMS's compression of the due rows: score, partition, redundancy, merge
-(/work/ems_spec.md §6.5).
+(docs/contracts/ems.md §6.5).
 
 due[b, h] = fill >= budget[1]; Bt = budget[0] (the entries a due row keeps: L_win window tokens + N_imp centres).
 It runs kvrewrite::ems_score (§6.6) -> ems_partition (§6.7) -> ems_redundancy (§6.8) -> ems_merge (§6.9) for every

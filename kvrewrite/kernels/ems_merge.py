@@ -1,5 +1,5 @@
 """kvrewrite::ems_merge — EMS's merge of the to-be-merged groups into their centres, the LUT cap and the compaction
-of entries and slots (/work/ems_spec.md §6.9).
+of entries and slots (docs/contracts/ems.md §6.9).
 
 Per due row (cls from kvrewrite::ems_partition, dest from kvrewrite::ems_redundancy, g and g_pooled from
 kvrewrite::ems_score), in this order:
@@ -179,7 +179,7 @@ def reference_ems_merge(keys, values, bias, slot_pos, fill, budget, entry_start,
 
 def check_ems_state(name, keys, values, bias, slot_pos, fill, budget, entry_start, raw_keys, lut, key_scale,
                     token_pos, slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill):
-    """ValueError naming the field unless the EMS state has the layout of /work/ems_spec.md §3. Returns
+    """ValueError naming the field unless the EMS state has the layout of docs/contracts/ems.md §3. Returns
     (B, H, C, D, R)."""
     B, H, C, D = _check_state(name, keys, values, bias, slot_pos, fill, budget)
     if tuple(entry_start.shape) != (B, H, C) or entry_start.dtype != torch.int32:

@@ -1,4 +1,4 @@
-"""kvrewrite::ems_partition — EMS's evict / merge / keep partition of a row's entries (/work/ems_spec.md §6.7).
+"""kvrewrite::ems_partition — EMS's evict / merge / keep partition of a row's entries (docs/contracts/ems.md §6.7).
 
 Codes: 0 free (not valid, or row not due), 1 window, 2 centre, 3 to-be-merged (TBM), 4 evicted (level 1).
 

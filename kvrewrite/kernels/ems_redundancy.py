@@ -1,4 +1,4 @@
-"""kvrewrite::ems_redundancy — each to-be-merged entry's merge destination (/work/ems_spec.md §6.8).
+"""kvrewrite::ems_redundancy — each to-be-merged entry's merge destination (docs/contracts/ems.md §6.8).
 
 a = raw_keys (pre-RoPE keys: pos "without") when raw_keys has entries, else keys (post-RoPE: pos "with"). For every
 TBM entry d (cls 3) of a due row, over the centres c (cls 2):

@@ -1,6 +1,6 @@
 """kvrewrite::ems_score — EMS's Global-Local score (Eq. 2) of every runtime slot, and its pooled ranking score.
 
-EMS ("Adaptive KV cache compression by Evict-then-Merge", the contract /work/ems_spec.md §6.6, notes
+EMS ("Adaptive KV cache compression by Evict-then-Merge", the contract docs/contracts/ems.md §6.6, notes
 shared/notes/003-ems.md §2.2-2.4). Per row (b, kv head) that is due, with live(j) = j < slot_fill, lut_j >= 0 and
 bias[lut_j] > -inf:
 

@@ -1,6 +1,6 @@
 """kvrewrite::expanded_attention — attention over EMS's runtime slots, one stored key per entry.
 
-EMS (contract /work/ems_spec.md §6.2, issue 17) stores C entries per row (b, kv-head) and attends R runtime
+EMS (contract docs/contracts/ems.md §6.2, issue 17) stores C entries per row (b, kv-head) and attends R runtime
 slots: slot j stands for one token and reads entry lut[j] with its own key scale a_j, so a merged entry (a unit
 direction) gives each member token back its own key norm. For query t at position c_t and query head hq (GQA:
 KV head h = hq // G, G = Hq / Hkv):

@@ -1,7 +1,7 @@
 """kvrewrite::kvmerger_compress — KVMerger's protected slots + merging sets of adjacent similar keys.
 
 Based on "Model Tells You Where to Merge: Adaptive KV Cache Merging for LLMs on Long-Context Tasks" (KVMerger,
-https://arxiv.org/abs/2407.08454), Sec. 4; the contract is /work/kvmerger_spec.md (issue 16), the paper's notes
+https://arxiv.org/abs/2407.08454), Sec. 4; the contract is docs/contracts/kvmerger.md (issue 16), the paper's notes
 shared/notes/001-kvmerger.md. The score is method state filled by kvrewrite::accumulate_attention (as H2O's);
 `degree` is the number of tokens each slot stands for (1 for a fresh slot).
 

@@ -1,5 +1,5 @@
 """EMS: evict-then-merge with a Global-Local score, shared class centres and a per-token lookup table.
-Based on the EMS paper (notes: shared/notes/003-ems.md; the contract: issue 17, /work/ems_spec.md).
+Based on the EMS paper (notes: shared/notes/003-ems.md; the contract: issue 17, docs/contracts/ems.md).
 
 Every physical entry of a KV head (B of them after a compression: the L_win most recent tokens and N_imp = B - L_win
 class centres) can stand for several runtime tokens ("slots", at most gamma * B): a slot j reads the entry lut[j]
@@ -13,7 +13,7 @@ pooled score are centres; the next (gamma - 1) * B are to-be-merged: each merges
 redundant centre (R = cos(k, k') cos(v, v'), negative cosines clamped to 0, on pre-RoPE keys by default) when
 R >= tau, else into the zero class (evicted); the rest are evicted.
 
-Decisions (the contract's table, /work/ems_spec.md §1, with the reasons; the ones a user meets first):
+Decisions (the contract's table, docs/contracts/ems.md §1, with the reasons; the ones a user meets first):
 - B counts entries per KV head (window + centres, a merged centre once), the paper's N_budget; the slots cost
   scalars (lut, key_scale, token position, three scores: 28 bytes each) and pos="without" stores the entries'
   pre-RoPE keys too (+50% of the entries' K/V memory, never read by the attention). rw.cache_bytes() counts all.

@@ -17,7 +17,7 @@ graph's data flow rather than matching one spelling:
 7. k_pre: the tail re-applied to X, so that it has k_post's layout and dtype.
 
 qk-norm families (Qwen3, OLMo-2, Cohere, Gemma-3) get the key after the norm: the norm is no rotary op, so
-the region stops there, and the normed key carries no position. docs: /work/ems_spec.md section 4.
+the region stops there, and the normed key carries no position. docs: docs/contracts/ems.md section 4.
 """
 import operator
 

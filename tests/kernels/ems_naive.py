@@ -1,4 +1,4 @@
-"""A NAIVE float64 per-row Python model of EMS (the contract /work/ems_spec.md, §9), separate code from the op
+"""A NAIVE float64 per-row Python model of EMS (the contract docs/contracts/ems.md, §9), separate code from the op
 references: the ground truth of the EMS op tests.
 
 A row is a list of Entry objects in head-position order; an entry holds its member tokens (head token first, then

@@ -1,5 +1,5 @@
 """kvrewrite::ems_compress (the whole compression: score, partition, redundancy, merge) against the float64 naive
-model (tests/kernels/ems_naive.py) and the properties of /work/ems_spec.md §6.5 / §9."""
+model (tests/kernels/ems_naive.py) and the properties of docs/contracts/ems.md §6.5 / §9."""
 import itertools
 import math
 

@@ -1,5 +1,5 @@
 """kvrewrite::ems_merge against the float64 naive model (tests/kernels/ems_naive.py) and the properties of
-/work/ems_spec.md §6.9 / §9."""
+docs/contracts/ems.md §6.9 / §9."""
 import itertools
 import math
 

@@ -1,5 +1,5 @@
 """kvrewrite::ems_partition against the float64 naive model (tests/kernels/ems_naive.py) and the properties of
-/work/ems_spec.md §6.7 / §9, plus the batching lemma of §7."""
+docs/contracts/ems.md §6.7 / §9, plus the batching lemma of §7."""
 import itertools
 import math
 import random

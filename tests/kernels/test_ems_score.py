@@ -1,5 +1,5 @@
 """kvrewrite::ems_score against the float64 naive model (tests/kernels/ems_naive.py) and the properties of
-/work/ems_spec.md §6.6 / §9."""
+docs/contracts/ems.md §6.6 / §9."""
 import math
 
 import pytest

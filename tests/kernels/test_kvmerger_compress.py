@@ -1,5 +1,5 @@
 """kvrewrite::kvmerger_compress against a naive float64 row-by-row Python implementation of its contract (the module
-docstring; /work/kvmerger_spec.md), plus the properties the contract lists."""
+docstring; docs/contracts/kvmerger.md), plus the properties the contract lists."""
 import itertools
 import math
 
