@@ -1,7 +1,7 @@
 """kvrewrite::expanded_attention_stats — the attention each EMS runtime slot receives; column sums, never T x T.
 
-The statistics of EMS's Global-Local score (contract docs/contracts/ems.md §6.3, issue 17). With the slot logits z_tj of
-kvrewrite::expanded_attention (same visibility, key scales, soft cap and GQA grouping) and that op's lse:
+The statistics of EMS's Global-Local score (contract docs/contracts/ems.md §6.3, issue 17). With the slot logits
+z_tj of kvrewrite::expanded_attention (same visibility, key scales, soft cap and GQA grouping) and that op's lse:
 
     p_tj      = exp(z_tj - lse_t)                                  (query t's softmax probability of slot j)
     total_j   = sum_t p_tj                                         (every query: s_glo's increment)
