@@ -26,6 +26,10 @@ its output. Per layer and step, with o_full the full cache's output for the full
   its lookup table: attn_rel_err is kvrewrite::expanded_attention of the full model's query over the layer's
   entries and table; k is the tokens the table holds (live slots, at most gamma * B: the paper's runtime tokens),
   each slot holding the token at its token_pos; topk_recall_exact counts the tokens of unmerged entries only.
+  ClusterGen (role "clustergen_attention") attends exact tokens and sketch samples (kvrewrite::sketch_attention):
+  attn_rel_err is that op for the full model's query; a sample slot holds the token at its slot_pos (a key
+  sample's key and a value sample's key and value are that token's), so recall counts sampled tokens as held
+  (k = the distinct tokens held) and topk_recall_exact the exact ones (sinks, window, unfolded).
 
 Each number is averaged over steps (and query heads); the cell's summary averages the layers that
 compress (sliding-window layers are exact and left out; their per-layer values are recorded).
@@ -50,12 +54,15 @@ class _AttentionRecorder(fx.Interpreter):
     def run_node(self, n):
         out = super().run_node(n)
         meta = n.meta.get("kvrewrite") or {}
-        if meta.get("role") in ("attention", "observed_attention", "selected_attention", "ems_attention"):
+        if meta.get("role") in ("attention", "observed_attention", "selected_attention", "ems_attention",
+                                "clustergen_attention"):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             if meta["role"] == "selected_attention":  # (q, keys, values, bias, index, scale), softcap=
                 self.on_attention(meta["layer"], (*args[:6], kwargs.get("softcap", 0.0)), out)
             elif meta["role"] == "ems_attention":  # (q, keys, values, bias, slot_pos, cpos, entry_start, lut, ...)
                 self.on_attention(meta["layer"], EMSArgs(args, kwargs), out)
+            elif meta["role"] == "clustergen_attention":  # (q, keys, values, bias, slot_pos, cpos, role)
+                self.on_attention(meta["layer"], SketchArgs(args, kwargs), out)
             else:
                 self.on_attention(meta["layer"], args[:8], out)
         return out
@@ -74,6 +81,20 @@ class EMSArgs:
         return torch.ops.kvrewrite.expanded_attention(q, self.keys, self.values, self.bias, self.slot_pos, self.cpos,
                                                       self.entry_start, self.lut, self.key_scale, self.slot_fill,
                                                       self.scale, self.past_only, self.softcap)[0]
+
+
+class SketchArgs:
+    """The arguments of a kvrewrite::sketch_attention call (ClusterGen), as the recorder saw them."""
+
+    def __init__(self, args, kwargs):
+        self.q, self.keys, self.values, self.bias, self.slot_pos, self.cpos, self.role = args
+        self.scale, self.past_only, self.softcap = kwargs["scale"], kwargs["past_only"], kwargs["softcap"]
+
+    def attend(self, q):
+        """The layer's sketched attention for the query q (not the method's own)."""
+        return torch.ops.kvrewrite.sketch_attention(q, self.keys, self.values, self.bias, self.slot_pos, self.cpos,
+                                                    self.role, scale=self.scale, past_only=self.past_only,
+                                                    softcap=self.softcap)
 
 
 class _Recording(nn.Module):
@@ -133,6 +154,21 @@ def _recall(order, bias, slot_pos, G) -> tuple[float, float]:
         verbatim = slot_pos[0, kv][held & (bias[0, kv] == 0)]
         top = order[kv * G : (kv + 1) * G, :k].long()  # [G, k]
         hits += float(torch.isin(top, anchors).float().mean(dim=1).sum())
+        exact_hits += float(torch.isin(top, verbatim).float().mean(dim=1).sum())
+        count += G
+    return hits / count, exact_hits / count
+
+
+def _recall_sketch(order, a: SketchArgs, G) -> tuple[float, float]:
+    """topk_recall and topk_recall_exact of ClusterGen's cache: k = the distinct tokens its slots hold (a token sampled
+    into several slots counts once); exact = the tokens kept exactly (role 0)."""
+    hits = exact_hits = count = 0.0
+    for kv in range(a.bias.shape[1]):
+        held = torch.isfinite(a.bias[0, kv])
+        tokens = torch.unique(a.slot_pos[0, kv][held])
+        verbatim = a.slot_pos[0, kv][held & (a.role[0, kv] == 0)]
+        top = order[kv * G : (kv + 1) * G, : tokens.numel()].long()
+        hits += float(torch.isin(top, tokens).float().mean(dim=1).sum())
         exact_hits += float(torch.isin(top, verbatim).float().mean(dim=1).sum())
         count += G
     return hits / count, exact_hits / count
@@ -216,6 +252,9 @@ class FidelityTask:
                 iso = args.attend(r["q"])
                 recall, exact = _recall_ems(r["order"], args, rw.layer_state(layer)["token_pos"],
                                             args.q.shape[1] // args.keys.shape[1])
+            elif isinstance(args, SketchArgs):  # ClusterGen: every slot (exact token or sample) holds its slot_pos
+                iso = args.attend(r["q"])
+                recall, exact = _recall_sketch(r["order"], args, args.q.shape[1] // args.keys.shape[1])
             elif len(args) == 7:  # ClusterKV: the slots its selection indexed (chosen with the method's own query)
                 q, keys, values, bias, index, scale, softcap = args
                 iso = torch.ops.kvrewrite.indexed_attention(r["q"], keys, values, bias, index, scale, softcap)

@@ -52,6 +52,9 @@ class Method:
     """Base class. Subclasses are dataclasses with their paper's defaults as fields."""
 
     name: ClassVar[str] = ""
+    # why the method's attention_call cannot run on a layer that caps its logits (Gemma-2), "" if it can: the rewrite
+    # then refuses such a layer with a RewriteError naming it and this reason
+    softcap_refusal: ClassVar[str] = ""
     budget: float | int = 1.0  # int: slots per KV head; float in (0, 1]: fraction of n + Γ
     interval: int = 32  # g: compress every g appended tokens (amortises the compression)
 

@@ -27,7 +27,8 @@ Skips:    nothing; sliding-window layers get window = their config window (exact
           observed).
 Errors:   an observing method on a layer with a logit soft cap (Gemma-2): the statistics ops compute the
           uncapped softmax, so they would rank slots by the wrong probabilities; a method with an
-          attention_call and an observe_call or select_call (its attention op would bypass them).
+          attention_call and an observe_call or select_call (its attention op would bypass them); a method whose
+          attention op cannot model a soft cap (Method.softcap_refusal, e.g. ClusterGen's estimator) on such a layer.
 Requires: replace_kv_cache_update (state inputs exist).
 """
 import logging
@@ -52,7 +53,7 @@ def replace_sdpa_with_clustered_attention(gm: fx.GraphModule, ctx: RewriteContex
         info = ctx.layers[layer]
         window = info.window
         select = ctx.method.select_call(info, ctx.max_length) if ctx.graph_kind == "decode" and window == 0 else None
-        own = _method_attention_call(ctx, layer, sdpa) if window == 0 else None
+        own = _method_attention_call(ctx, layer, sdpa, site.softcap) if window == 0 else None
         kwargs = {"past_only": True} if ctx.graph_kind == "decode" and window == 0 else {}
         if site.softcap:
             kwargs["softcap"] = site.softcap
@@ -83,13 +84,17 @@ def replace_sdpa_with_clustered_attention(gm: fx.GraphModule, ctx: RewriteContex
     return clean_up(gm)
 
 
-def _method_attention_call(ctx: RewriteContext, layer: int, sdpa):
+def _method_attention_call(ctx: RewriteContext, layer: int, sdpa, softcap: float = 0.0):
     """The method's attention_call of a full-attention layer, or None; RewriteError when the method also observes or
-    selects (its attention op replaces clustered_attention, which those hooks pair with)."""
+    selects (its attention op replaces clustered_attention, which those hooks pair with), or when the layer caps its
+    logits and the method's attention cannot (Method.softcap_refusal names why)."""
     info = ctx.layers[layer]
     call = ctx.method.attention_call(info)
     if call is None:
         return None
+    if softcap and ctx.method.softcap_refusal:
+        raise RewriteError(f"{ctx.where(layer, sdpa)}: method {ctx.method.name!r} cannot run on this layer, which caps "
+                           f"its logits (softcap={softcap}): {ctx.method.softcap_refusal}")
     other = [name for name, c in (("observe_call", ctx.method.observe_call(info)),
                                   ("select_call", ctx.method.select_call(info, ctx.max_length))) if c is not None]
     if other:
