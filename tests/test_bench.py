@@ -177,3 +177,28 @@ def test_attention_plot_draws_the_committed_h100_run(tmp_path):
     assert (tmp_path / "a.png").stat().st_size > 0
     for r in rows:
         assert r["result"]["sdpa_bytes"] / r["result"]["bytes_moved"] == pytest.approx(512 / 516, rel=1e-3)
+
+
+def test_ems_synthetic_table_is_valid_and_decodes():
+    """EMS's synthetic fill builds a valid token table at its cap (min(gamma * B, n) slots), which the decode steps and the
+    decode-time compression accept; ems_read_bytes counts entries and slots."""
+    import kvrewrite
+    from tests.families import tiny_model
+    from tests.methods.test_ems import check_table
+
+    model = tiny_model("llama")
+    rw = kvrewrite.apply(model, "ems", budget=0.25, max_length=300, batch_size=2, prefill_chunk=32, window=4,
+                         kernel=3, interval=4)
+    e2e.synthetic_fill(rw, 256, 40)
+    st = rw.layer_state(0)
+    B = int(st["budget"][0])
+    assert st["fill"].unique().tolist() == [B] and st["slot_fill"].unique().tolist() == [min(4 * B, 256)]
+    check_table(st)
+    dec = e2e.KVDecoder(rw, "eager")
+    for _ in range(9):
+        dec.step()
+    for info in rw.layers:
+        check_table(rw.layer_state(info.index))
+    want = sum(2 * i.num_kv_heads * (float(rw.layer_state(i.index)["fill"].float().mean()) * (2 * i.head_dim * 4 + 8)
+                        + 8 * float(rw.layer_state(i.index)["slot_fill"].float().mean())) for i in rw.layers)
+    assert e2e.ems_read_bytes(rw, 2) == pytest.approx(want)

@@ -41,7 +41,8 @@ Decisions (what exactly is timed):
   copy bandwidth is measured in the same run (1 GiB device-to-device copy, bytes read + written); weights
   read = every parameter but the input embedding (only B rows of it are read); KV read = keys + values of
   the slots in use (kvrewrite: the mean fill over the timed steps, plus 12 bytes of bias/position per used
-  slot; full and HF: the n + step tokens in the cache; ClusterKV: what its step reads, clusterkv_read_bytes).
+  slot; full and HF: the n + step tokens in the cache; ClusterKV: what its step reads, clusterkv_read_bytes;
+  EMS: entries and table, ems_read_bytes; its synthetic fill builds a table at its cap, ems_table).
   ratio = measured ms / floor ms.
 - Rows run in order and the JSON is rewritten after each one, so a run cut by a timeout keeps what it has;
   `--time-budget` skips the rows not started once that many seconds have passed. A row that fails (out of
@@ -390,11 +391,64 @@ def synthetic_fill(rw, n: int, new_tokens: int) -> None:
             torch.arange(n, device=st["slot_pos"].device)
         st["slot_pos"][:, :, :f] = pos
         st["fill"].fill_(f)
+    if rw.method.name == "ems":
+        for info in rw.layers:
+            if not info.window:
+                ems_table(rw.layer_state(info.index), rw.method, n)
     for node in compression_nodes(rw.prefill_graph):
         st = rw.layer_state(node.meta["kvrewrite"]["layer"])
         node.target(*(st[a.name.split("_", 1)[1]] for a in node.args), **node.kwargs)
     rw._next_position = torch.full((B,), n, dtype=torch.long, device=rw.l0_fill.device)
     rw._next_cache_position = torch.tensor([n], device=rw.l0_fill.device)
+
+
+def ems_table(st: dict, m, n: int) -> None:
+    """EMS's token table for a synthetic fill: the f entries (window + centres) stand for min(gamma * f, n, R) tokens,
+    as a compressed 32k prompt's table at its cap (the attention's worst case; the floor counts the same slots): the
+    window entries one slot each, the centres the rest in even shares; token positions spread over [0, n) in slot
+    order, so slot_order is the identity and an entry's slot_pos is its last member's position. A valid table
+    (tests/methods/test_ems.py's check_table), key scales 1, scores 0."""
+    f = int(st["fill"].reshape(-1)[0])
+    R = st["lut"].shape[-1]
+    S = min(R, n, math.floor(m.gamma * f) if math.isfinite(m.gamma) else R)
+    w = min(m.window, f)
+    dev = st["lut"].device
+    count = torch.ones(f, dtype=torch.long, device=dev)
+    centres = f - w
+    if centres and S > f:
+        extra = S - f
+        count[:centres] += extra // centres
+        count[: extra % centres] += 1
+    S = int(count.sum())
+    start = torch.cumsum(count, 0) - count
+    lut = torch.repeat_interleave(torch.arange(f, device=dev), count)
+    token_pos = torch.linspace(0, n - 1, S, device=dev).round().long()
+    st["entry_start"][..., :f] = start.to(torch.int32)
+    st["lut"][..., :S] = lut.to(torch.int32)
+    st["key_scale"][..., :S] = 1.0
+    st["token_pos"][..., :S] = token_pos.to(torch.int32)
+    st["slot_order"][..., :S] = torch.arange(S, device=dev, dtype=torch.int32)
+    st["slot_pos"][..., :f] = token_pos[start + count - 1]
+    st["slot_fill"].fill_(S)
+    if st["raw_keys"].shape[2]:
+        st["raw_keys"][..., :f, :].normal_()
+
+
+def ems_read_bytes(rw, B: int) -> float:
+    """Bytes an EMS decode step must read, all layers, from the state after the timed steps: per KV head of a
+    compressed layer its entries (K, V, 4-byte bias, 4-byte entry_start) and its live slots (lut and key_scale, 8
+    bytes each: contract docs/contracts/ems.md §8); sliding-window layers as every method (K, V and 12 bytes)."""
+    total = 0.0
+    for info in rw.layers:
+        st = rw.layer_state(info.index)
+        fill = float(st["fill"].float().mean())
+        if info.window:
+            total += B * info.num_kv_heads * min(fill, info.window) * (2 * info.head_dim * st["keys"].element_size()
+                                                                        + 12)
+            continue
+        slots = float(st["slot_fill"].float().mean())
+        total += B * info.num_kv_heads * (fill * (2 * info.head_dim * st["keys"].element_size() + 8) + 8 * slots)
+    return total
 
 
 def clusterkv_read_bytes(rw, B: int) -> float:
@@ -531,7 +585,20 @@ class Bench:
         if hasattr(m, "bind"):
             m.bind(infos)
         cap = m.capacity(infos[0], L, self.cfg.prefill_chunk)
-        return self.mcfg.num_hidden_layers * cap * self.slot_bytes() + act
+        return self.mcfg.num_hidden_layers * (cap * self.slot_bytes() + self.method_state_bytes(m, infos[0], cap, L)) \
+            + act
+
+    def method_state_bytes(self, m, info, cap: int, L: int) -> int:
+        """Bytes of the method's own state (Method.state_fields) of one layer and one row: scores, EMS's table and
+        pre-RoPE keys, ClusterKV's centroids, ..."""
+        from kvrewrite.state import full_length
+
+        full = full_length(L, self.cfg.prefill_chunk)
+        total = 0
+        for spec in m.state_fields(info).values():
+            size = math.prod(spec.size(1, info.num_kv_heads, cap, info.head_dim, full))
+            total += size * (spec.dtype or self.model.dtype).itemsize
+        return total
 
     def max_batch(self, system: str, n: int) -> int:
         """Largest batch whose cache fits next to the weights, with 6% of the card + 3 GiB kept free
@@ -613,6 +680,8 @@ class Bench:
         res["mean_fill"] = statistics.mean(fills)
         if rw.method.name == "clusterkv":  # read over PCIe with offload="cpu" (the floor assumes device memory)
             res["kv_read_bytes"] = clusterkv_read_bytes(rw, B)
+        elif rw.method.name == "ems":
+            res["kv_read_bytes"] = ems_read_bytes(rw, B)
         else:
             res["kv_read_bytes"] = res["mean_fill"] * self.mcfg.num_hidden_layers * self.slot_bytes() * B
         del dec, rw
