@@ -46,7 +46,10 @@ Decisions where the contract is silent (tell the lead):
 Backends: the reference below is the CPU path and, until a Triton kernel lands, the CUDA path too (no Triton
 kernel yet). Static-shape tensor code vectorised over rows: the leader part is a loop over the static bound
 C - n_sink - window of folded positions, the calibration a loop over M_max greedy steps; no host reads on CUDA,
-deterministic (first-extremum argmin/argmax, stable sort, no float atomics).
+deterministic (first-extremum argmin/argmax, stable sort, no float atomics). Cost: every call, due or not, runs
+C - n_sink - window leader steps of [rows, M_max, D] work and M_max greedy steps of [rows, C, D] (about 15 small
+launches per step on CUDA): fine for tests and tiny models, a per-layer decode cost that the Triton kernel (looping
+over the due rows' |F| only) must remove.
 """
 import torch
 

@@ -205,6 +205,21 @@ def test_overflow_force_assigns_and_counts():
         assert (x in r.forced) or N.d2(r.key[x], r.key[r.reps[r.leader_of[x]]]) <= 1.0
 
 
+def test_leader_ties_and_the_inclusive_radius():
+    """Integer keys (exact distances), delta preset to 2: a key at exactly delta joins (the algorithm's <=), a key
+    equidistant from two leaders joins the lower index, a key just beyond opens a cluster."""
+    p = N.Params(Bt=12, n_sink=0, window=0, t=1, value_share=0.5)
+    xs = [0, 4, 2, 6, 9, 11]  # leaders 0, 4; 2 ties (d^2 = 4 to both); 6 at delta of 4; 9 opens; 11 at delta of 9
+    keys = np.array([[x, 0.0] for x in xs])
+    rows = rows_of(p, 1, 1, keys, np.ones((6, 2)), delta=2.0)
+    st = N.to_state(rows, 6 + p.S, 2, p.M)
+    fold(st, p, 0)
+    rows[0][0].fold_hash()
+    check_all(st, rows, p, "ties")
+    assert st["count"][0, 0, :3].tolist() == [2, 2, 2] and int(st["n_clusters"][0, 0]) == 3
+    assert st["rep"][0, 0, :3, 0].tolist() == [0.0, 4.0, 9.0]
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_calibration_bound(seed):
     """First fold: delta = 2 r (greedy k-center radius with M_target centres) and the leader clustering of the same
