@@ -12,6 +12,7 @@ from kvrewrite.kernels import (  # noqa: F401
     cache_append,
     chelsea_compress,
     clustered_attention,
+    clustergen_fold,
     ems_append,
     ems_attention,
     ems_compress,
