@@ -29,4 +29,5 @@ from kvrewrite.kernels import (  # noqa: F401
     kvmerger_compress,
     observed_attention,
     select_clusters,
+    sketch_attention,
 )
