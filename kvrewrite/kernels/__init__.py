@@ -25,9 +25,11 @@ from kvrewrite.kernels import (  # noqa: F401
     expanded_attention,
     expanded_attention_stats,
     gemv,
+    kcenter_compress,
     indexed_attention,
     kmeans_cluster,
     kvmerger_compress,
     observed_attention,
     select_clusters,
+    sketch_attention,
 )

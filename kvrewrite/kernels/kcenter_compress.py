@@ -1,0 +1,117 @@
+"""kvrewrite::kcenter_compress — clustergen-kcenter's compression: the last ℓ tokens exact plus k greedy k-center
+centres among the older ones (SubGen's experiments, arXiv 2402.06082; contract docs/contracts/clustergen.md §1.13,
+§3.3).
+
+For every row (b, kv-head) whose fill reached the threshold (budget = [B, threshold]; other rows untouched, bit for
+bit), with E its valid slots (slot < fill, bias > -inf; padding is dropped) in slot order (= position order), V = |E|:
+
+1. V <= B: every valid slot is kept.
+2. Else the last ℓ = floor(recent_ratio·B) of E are kept, and k = B - ℓ of the other V - ℓ by greedy k-center on
+   their keys (kvrewrite/kernels/kcenter.py: start at the oldest candidate, the attention sink; then the candidate
+   farthest from the chosen ones, ties to the lowest index; Euclidean in fp32 on the stored, post-RoPE keys).
+3. The kept slots are packed to the front in slot order (keys, values, slot_pos), bias 0 (no counts at attention
+   time: the paper keeps "the KV pairs of the k centres" unweighted), fill = their count = min(V, B); the freed
+   slots [fill, C) get bias -inf, their keys, values and slot_pos stay as they are (as kvrewrite::evict_to_budget).
+
+State (mutated): keys, values [B, Hkv, C, D]; bias fp32, slot_pos int64 [B, Hkv, C]; fill [B, Hkv] int64. budget:
+[2] int64, read on the device (one captured graph serves every B).
+
+Backends: one path on every device, the reference below: static-shape tensor code (a loop over a static number of
+k-center steps, every row at once; no host read, so CUDA graphs capture it; deterministic). The step count is the
+largest k any B <= C can ask for, k(C) = C - floor(recent_ratio·C) (k(B) grows with B; B > C never compresses):
+O(k(C)·B·Hkv·C·D) work per call, amortised over the method's interval. No Triton kernel yet.
+"""
+import math
+
+import torch
+
+from kvrewrite.kernels._slot_kernels import _check_state
+from kvrewrite.kernels.kcenter import greedy_kcenter
+
+NAME = "kvrewrite::kcenter_compress"
+NEG_INF = float("-inf")
+
+
+def _check_inputs(keys, values, bias, slot_pos, fill, budget, recent_ratio):
+    _check_state(NAME, keys, values, bias, slot_pos, fill, budget)
+    if budget.device != keys.device:
+        raise ValueError(f"{NAME}: budget is on {budget.device}, keys on {keys.device}")
+    if not 0 <= recent_ratio <= 1:
+        raise ValueError(f"{NAME}: recent_ratio must be in [0, 1] (the exact recent share of the budget), "
+                         f"got {recent_ratio}")
+
+
+def n_recent(B, recent_ratio):
+    """ℓ = floor(recent_ratio·B) in float64 (Python's arithmetic), for an int or an int64 tensor B."""
+    if isinstance(B, torch.Tensor):
+        return torch.floor(B.double() * recent_ratio).long()
+    return math.floor(B * recent_ratio)
+
+
+def kept_slots(keys, bias, fill, budget, recent_ratio):
+    """(kept [R, C] bool, due [R] bool) over the rows r = b * Hkv + h: the slots each due row keeps (module docstring
+    steps 1-2; a row not due keeps nothing here, the caller leaves it as it is)."""
+    B, H, C, D = keys.shape
+    R = B * H
+    ar = torch.arange(C, device=keys.device)
+    fill_f = fill.reshape(R)
+    valid = (ar < fill_f[:, None]) & (bias.reshape(R, C) > NEG_INF)
+    due = fill_f >= budget[1]
+    target = budget[0]
+    ell = n_recent(target, recent_ratio)
+    V = valid.sum(-1)
+    rank = valid.cumsum(-1) - 1  # the slot's rank among its row's valid slots
+    over = due & (V > target)
+    recent = valid & (rank >= (V - ell)[:, None])
+    candidates = valid & ~recent & over[:, None]
+    steps = C - n_recent(C, recent_ratio)  # k(C) >= k(B) for every B <= C (module docstring)
+    k = (target - ell).expand(R).contiguous()
+    order, _ = greedy_kcenter(keys.reshape(R, C, D), candidates, k, k_max=steps)
+    chosen = torch.zeros(R, C + 1, dtype=torch.bool, device=keys.device)
+    chosen.scatter_(1, torch.where(order >= 0, order, C), True)  # -1 (no centre) lands in the spare column C
+    kept = torch.where(over[:, None], recent | chosen[:, :C], valid) & due[:, None]
+    return kept, due
+
+
+def reference_kcenter_compress(keys, values, bias, slot_pos, fill, budget, recent_ratio):
+    """The op (module docstring) in tensor code: kept_slots, then one stable sort packs the kept slots to the front
+    in slot order."""
+    B, H, C, D = keys.shape
+    R = B * H
+    kept, due = kept_slots(keys, bias, fill, budget, recent_ratio)
+    n_kept = kept.sum(-1)
+    take = torch.sort((~kept).to(torch.int8), dim=-1, stable=True).indices  # kept slots first, in slot order
+    ar = torch.arange(C, device=keys.device)
+    packed = due[:, None] & (ar < n_kept[:, None])  # destination slots that receive a kept slot
+    k_f, v_f = keys.reshape(R, C, D), values.reshape(R, C, D)
+    pos_f, bias_f = slot_pos.reshape(R, C), bias.reshape(R, C)
+    tk = take[:, :, None].expand(R, C, D)
+    keys.copy_(torch.where(packed[:, :, None], k_f.gather(1, tk), k_f).view(B, H, C, D))
+    values.copy_(torch.where(packed[:, :, None], v_f.gather(1, tk), v_f).view(B, H, C, D))
+    slot_pos.copy_(torch.where(packed, pos_f.gather(1, take), pos_f).view(B, H, C))
+    new_bias = torch.where(packed, 0.0, NEG_INF)
+    bias.copy_(torch.where(due[:, None], new_bias, bias_f).view(B, H, C))
+    fill.copy_(torch.where(due, n_kept, fill.reshape(R)).view(B, H))
+
+
+# -- op registration ---------------------------------------------------------------------------------
+@torch.library.custom_op(NAME, mutates_args=("keys", "values", "bias", "slot_pos", "fill"))
+def kcenter_compress(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor,
+    slot_pos: torch.Tensor,
+    fill: torch.Tensor,
+    budget: torch.Tensor,
+    *,
+    recent_ratio: float = 0.5,
+) -> None:
+    """Keep the last ℓ tokens and k greedy k-center centres of the rows at the threshold (module docstring)."""
+    _check_inputs(keys, values, bias, slot_pos, fill, budget, recent_ratio)
+    reference_kcenter_compress(keys, values, bias, slot_pos, fill, budget, recent_ratio)
+
+
+@kcenter_compress.register_fake
+def _(keys, values, bias, slot_pos, fill, budget, *, recent_ratio=0.5):
+    _check_inputs(keys, values, bias, slot_pos, fill, budget, recent_ratio)
+    return None
