@@ -15,6 +15,8 @@ METHODS_MATRIX = [
     {"name": "chelsea", "kwargs": {"budget": 0.5, "n_sink": 2, "n_recent": 4, "chunk": 8, "interval": 4}},
     {"name": "kvmerger", "kwargs": {"budget": 0.4, "interval": 4}},
     {"name": "ems", "kwargs": {"budget": 0.4, "window": 4, "kernel": 3, "interval": 4}},
+    {"name": "clustergen", "kwargs": {"budget": 0.4, "n_sink": 2, "window": 4, "t": 2, "interval": 4}},
+    {"name": "clustergen-kcenter", "kwargs": {"budget": 0.4, "interval": 4}},
     {"name": "h2o", "kwargs": {"budget": 12, "interval": 4}},
     {"name": "chelsea", "kwargs": {"budget": 0.3, "n_sink": 2, "n_recent": 4, "chunk": 4, "interval": 2,
                                    "r_init": 0.5, "r_alpha": 0.1, "r_steps": 2, "r_min": 0.25}},

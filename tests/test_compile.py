@@ -33,12 +33,17 @@ KVMERGER = dict(budget=0.5, interval=4)
 # EMS: ems_append + ems_attention (its own attention, statistics folded) in every step, ems_compress back to B = 18
 # entries on steps 4, 8, 12
 EMS = dict(budget=0.5, window=4, kernel=3, interval=4)
+# ClusterGen: sketch_attention in every step, clustergen_fold of the tokens leaving its 4-token window on steps 4, 8,
+# 12 (the sketch: 2 sinks + 4 window exact, B = 20 slots); the k-center variant: kcenter_compress back to B = 18
+CLUSTERGEN = dict(budget=0.5, n_sink=2, window=4, t=2, interval=4)
+KCENTER = dict(budget=0.5, interval=4)
 CLUSTERKV = dict(budget=10, n_sink=2, interval=4, tokens_per_cluster=4, window_clusters=2, iters=3, dense_layers=1)
 METHODS = {"full": {}, "chelsea": CHELSEA, "h2o": H2O, "snapkv": SNAPKV, "clusterkv": CLUSTERKV, "kvmerger": KVMERGER,
-           "ems": EMS}
+           "ems": EMS, "clustergen": CLUSTERGEN, "clustergen-kcenter": KCENTER}
 STREAMINGLLM = dict(budget=0.5, n_sink=2, interval=4)
 COMPRESSION_OPS = {"chelsea": "chelsea_compress", "streamingllm": "evict_to_budget", "h2o": "evict_by_score",
-                   "kvmerger": "kvmerger_compress", "ems": "ems_compress"}
+                   "kvmerger": "kvmerger_compress", "ems": "ems_compress", "clustergen": "clustergen_fold",
+                   "clustergen-kcenter": "kcenter_compress"}
 BIG_FIELDS = ("keys", "values", "bias", "slot_pos")  # fill [B, Hkv] and budget [2] are tiny
 
 
@@ -102,6 +107,9 @@ def test_compiled_decode_step_matches_eager(model, method):
 
     if method == "clusterkv":  # the window clusterings ran inside the compiled steps
         assert int(rw.l1_n_clusters.min()) == 5 + 3 * 2, rw.l1_n_clusters
+    elif method == "clustergen":  # folds back to the 2 sinks + 4 window exact inside the compiled steps
+        l0 = [int(f[0].max()) for f in our_fills]
+        assert l0.count(6) >= 2 and max(l0) == 9, f"layer-0 exact slots per step {l0}: expected folds back to 6"
     elif method != "full":  # compression really ran inside the compiled steps
         l0 = [int(f[0].max()) for f in our_fills]
         assert l0.count(18) >= 2 and max(l0) == 21, f"layer-0 fill per step {l0}: expected compressions back to 18"
@@ -160,7 +168,8 @@ def _state_sized_buffers(code: str, numels: set) -> list:
     return found
 
 
-@pytest.mark.parametrize("method", ["chelsea", "streamingllm", "h2o", "kvmerger", "ems"])
+@pytest.mark.parametrize("method", ["chelsea", "streamingllm", "h2o", "kvmerger", "ems", "clustergen",
+                                    "clustergen-kcenter"])
 @torch.no_grad()
 def test_compiled_decode_updates_state_in_place(model, method):
     """Both compiled decode variants run cache_append and the compression op on the state's own
@@ -171,7 +180,8 @@ def test_compiled_decode_updates_state_in_place(model, method):
     H2O (the score methods): the score, updated by the observation op and then handed to evict_by_score,
     is materialised once on compressing steps (4 bytes per slot and KV head, the size of `bias`), so only
     keys/values-sized buffers are looked for; the state arguments of the op are checked as for the others."""
-    kwargs = {"chelsea": CHELSEA, "streamingllm": STREAMINGLLM, "h2o": H2O, "kvmerger": KVMERGER, "ems": EMS}[method]
+    kwargs = {"chelsea": CHELSEA, "streamingllm": STREAMINGLLM, "h2o": H2O, "kvmerger": KVMERGER, "ems": EMS,
+              "clustergen": CLUSTERGEN, "clustergen-kcenter": KCENTER}[method]
     rw = kvrewrite.apply(model, method, max_length=MAX_LENGTH, batch_size=2, prefill_chunk=CHUNK, **kwargs)
     ids, mask = _inputs()
     rw.prefill(ids, mask, max_new_tokens=NEW)
@@ -182,7 +192,8 @@ def test_compiled_decode_updates_state_in_place(model, method):
     for compress in (True, False):
         _, codes = run_and_get_code(lambda: compiled(*step, compress=compress))
         code = "\n".join(codes)
-        assert any(a in code for a in ("clustered_attention", "observed_attention", "ems_attention")), \
+        assert any(a in code for a in ("clustered_attention", "observed_attention", "ems_attention",
+                                       "sketch_attention")), \
             "no compiled decode graph in the captured output code"
         copies = _state_sized_buffers(code, numels)
         assert not copies, f"{method} compress={compress}: state-sized buffers (copies of the state) {copies}"

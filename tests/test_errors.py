@@ -107,7 +107,9 @@ def test_sdpa_not_reading_the_cache_names_layer_and_node():
                          ids=["zero", "negative", "above_one", "negative_int", "str", "list"])
 @pytest.mark.parametrize("method,cls", [("chelsea", "ChelseaMethod"), ("streamingllm", "StreamingLLMMethod"),
                                         ("h2o", "H2OMethod"), ("snapkv", "SnapKVMethod"),
-                                        ("kvmerger", "KVMergerMethod"), ("ems", "EMSMethod")])
+                                        ("kvmerger", "KVMergerMethod"), ("ems", "EMSMethod"),
+                                        ("clustergen", "ClusterGenMethod"),
+                                        ("clustergen-kcenter", "ClusterGenKCenterMethod")])
 def test_budget_neither_fraction_nor_slots(llama, method, cls, budget):
     msg = (rf"{cls}\.budget must be a float in \(0, 1\] \(a fraction of n \+ max_new_tokens\) or an int >= 1 "
            rf"\(slots per KV head\), got {re.escape(repr(budget))}")
@@ -166,8 +168,9 @@ def test_method_instance_and_options_are_exclusive(llama):
 
 
 def test_unknown_method_lists_the_known_ones(llama):
-    with pytest.raises(ValueError, match=r"unknown method 'pyramidkv'; known methods: chelsea, clusterkv, ems, full, "
-                                         r"h2o, kvmerger, snapkv, streamingllm"):
+    with pytest.raises(ValueError, match=r"unknown method 'pyramidkv'; known methods: chelsea, clustergen, "
+                                         r"clustergen-kcenter, clusterkv, ems, full, h2o, kvmerger, snapkv, "
+                                         r"streamingllm"):
         kvrewrite.apply(llama, "pyramidkv")
 
 

@@ -25,8 +25,9 @@ from tests.families import tiny_model
 # Chelsea's defaults (16 sink + 64 recent slots) need B >= 82 slots: tiny contexts use small ones.
 TINY_OPTIONS = {"chelsea": {"n_sink": 4, "n_recent": 8, "chunk": 16}, "snapkv": {"window": 8},
                 "clusterkv": {"n_sink": 4, "dense_layers": 1, "tokens_per_cluster": 8, "interval": 4, "iters": 3},
-                "ems": {"window": 8, "kernel": 3}}
-SHARED = ("streamingllm", "chelsea")  # methods that start from the shared prefill (h2o, snapkv observe their own)
+                "ems": {"window": 8, "kernel": 3}, "clustergen": {"n_sink": 2, "window": 8, "t": 2}}
+SHARED = ("streamingllm", "chelsea", "clustergen-kcenter")  # methods that start from the shared prefill (h2o, snapkv
+# observe their own)
 
 
 class CharTokenizer:
@@ -60,7 +61,8 @@ def test_quick_grid_tiny(tmp_path):
     cfg = tiny_config(tmp_path, context_lengths=(80, 112))
     paths = run_grid(cfg, model=tiny_model("llama"), tokenizer=CharTokenizer(), text_loader=synthetic_text)
     assert [p.name for p in paths] == ["nll.json", "needle.json", "fidelity.json"]
-    cells = {(m, b) for m in ("streamingllm", "chelsea", "h2o", "snapkv", "clusterkv", "kvmerger", "ems")
+    cells = {(m, b) for m in ("streamingllm", "chelsea", "h2o", "snapkv", "clusterkv", "kvmerger", "ems", "clustergen",
+                              "clustergen-kcenter")
              for b in cfg.budgets}
     for path in paths:
         data = json.loads(path.read_text())
@@ -231,7 +233,7 @@ def test_exact_match():
 @pytest.mark.parametrize("argv,message", [
     (["--model", "no-such-model"], "unknown model 'no-such-model'"),
     (["--methods", "full,snapkvv"], "unknown method(s) 'snapkvv'; known methods: full, streamingllm, chelsea, h2o, "
-                                    "snapkv, clusterkv, kvmerger, ems"),
+                                    "snapkv, clusterkv, kvmerger, ems, clustergen, clustergen-kcenter"),
     (["--task", "nll,ppl"], "unknown task(s) 'ppl'; known tasks: nll, needle, fidelity"),
     (["--budgets", "0.2,1.5"], "budgets are fractions of the tokens kept, in (0, 1]"),
     (["--option", "chelsea.n_sinks=3"], "bad option for method 'chelsea'"),

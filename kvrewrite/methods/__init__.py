@@ -1,6 +1,8 @@
 """Compression methods, one per file. METHODS maps each registry name to its class."""
 from kvrewrite.methods.base import Method
 from kvrewrite.methods.chelsea import ChelseaMethod
+from kvrewrite.methods.clustergen import ClusterGenMethod
+from kvrewrite.methods.clustergen_kcenter import ClusterGenKCenterMethod
 from kvrewrite.methods.clusterkv import ClusterKVMethod
 from kvrewrite.methods.ems import EMSMethod
 from kvrewrite.methods.full import FullMethod
@@ -10,7 +12,7 @@ from kvrewrite.methods.snapkv import SnapKVMethod
 from kvrewrite.methods.streamingllm import StreamingLLMMethod
 
 METHODS = {m.name: m for m in (FullMethod, StreamingLLMMethod, ChelseaMethod, H2OMethod, SnapKVMethod,
-                               ClusterKVMethod, KVMergerMethod, EMSMethod)}
+                               ClusterKVMethod, KVMergerMethod, EMSMethod, ClusterGenMethod, ClusterGenKCenterMethod)}
 
 
 def make_method(method, budget=None, **kwargs) -> Method:
