@@ -6,7 +6,8 @@ its defaults (γ = 4, window 32, interval 32, prefill chunk 256) right after a c
 entries live (C = Bt + 31 + 256 allocated), slot_fill = R_max = 4 Bt runtime slots (R = 4 C allocated); the window's
 32 entries hold one slot each, the other entries 1 + a multinomial share of the rest (mean ~4). Timed:
 - expanded: kvrewrite::expanded_attention's Triton launch (fwd + combine), past_only, over those slots; with its
-  launch variants (the in-tile gather: one-hot fp32/ieee, one-hot tf32x3, tl.gather; tile and chunk sizes);
+  launch variants (the in-tile gather: tl.gather or a tf32x3 one-hot product; the segment sum: one-hot product or
+  running-sum differences; tile and chunk sizes, warps);
 - clustered_C: kvrewrite::clustered_attention over the same C entries (one slot per entry: what the attention
   would cost without the expansion);
 - dense_n: kvrewrite::clustered_attention over all n tokens (the full cache).
@@ -31,14 +32,15 @@ from kvrewrite.kernels import clustered_attention as ca
 from kvrewrite.kernels import expanded_attention as xa
 
 HQ, HKV, D, DTYPE = 32, 8, 128, torch.bfloat16
-VARIANTS = {  # name -> launch_expanded_forward tuning
+VARIANTS = {  # name -> launch_expanded_forward tuning (default: tl.gather of s, one-hot segment sum, 64 x 64)
     "default": {},
-    "gather_onehot_ieee": dict(gather="onehot"),
-    "gather_tl_gather": dict(gather="gather"),
-    "bn64_bj32": dict(block_n=64, block_j=32),
-    "bn64_bj128": dict(block_n=64, block_j=128),
-    "bn128_bj64": dict(block_n=128, block_j=64),
-    "bn32_bj64": dict(block_n=32, block_j=64),
+    "scatter_cumsum": dict(scatter="cumsum"),
+    "bj128": dict(block_j=128),
+    "bj128_cumsum": dict(block_j=128, scatter="cumsum"),
+    "bn32_cumsum": dict(block_n=32, scatter="cumsum"),
+    "gather_onehot_tf32x3": dict(gather="onehot_tf32x3"),
+    "bj32": dict(block_j=32),
+    "warps8": dict(num_warps=8),
 }
 
 

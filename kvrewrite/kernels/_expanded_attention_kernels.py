@@ -58,7 +58,8 @@ def _expanded_attention_fwd_kernel(
     LOAD_POS: tl.constexpr,  # False (past_only): slot_pos is not read, every live entry is visible
     SOFTCAP: tl.constexpr,
     WRITE_S: tl.constexpr,
-    GATHER: tl.constexpr,  # the in-tile gather: 0 one-hot fp32 ieee, 1 one-hot tf32x3, 2 tl.gather
+    GATHER: tl.constexpr,  # the in-tile gather of s: 0 one-hot fp32 ieee, 1 one-hot tf32x3, 2 tl.gather
+    SCATTER: tl.constexpr,  # the per-entry segment sum of p: 0 one-hot product, 1 running-sum differences
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     pid_s = tl.program_id(0)
@@ -112,6 +113,8 @@ def _expanded_attention_fwd_kernel(
         offs_e = e0 + offs_bn
         e_ok = offs_e <= e_hi
         k = tl.load(k_base + offs_e[:, None] * stride_kc + offs_d[None, :] * stride_kd, mask=e_ok[:, None], other=0.0)
+        # V is loaded early: its latency hides behind the tile's slot chunks
+        v = tl.load(v_base + offs_e[:, None] * stride_vc + offs_d[None, :] * stride_vd, mask=e_ok[:, None], other=0.0)
         if Q.dtype.element_ty == tl.float32:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -129,34 +132,59 @@ def _expanded_attention_fwd_kernel(
         has_next = e0 + BLOCK_N <= e_hi
         es_next = tl.load(es_base + e0 + BLOCK_N, mask=has_next, other=0)
         je = tl.where(has_next & (es_next >= js), tl.minimum(es_next, j1), j1)
+        if GATHER == 2:
+            # visibility per (row, entry), once per tile: -inf scores gather as -inf (no product with a one-hot)
+            b_e = tl.load(bias_base + offs_e, mask=e_ok, other=float("-inf"))
+            vis_e = (b_e > float("-inf"))[None, :] & row_ok[:, None]
+            if LOAD_POS:
+                pos_e = tl.load(pos_base + offs_e, mask=e_ok, other=0)
+                p_rel_e = tl.minimum(tl.maximum(pos_e - qpos_min, -1), 2**30).to(tl.int32)
+                vis_e = vis_e & (p_rel_e[None, :] <= q_rel[:, None])
+            sv = tl.where(vis_e, sv, float("-inf"))
+        if SCATTER == 1:
+            # each entry's slot range [start, end) within [js, je) (entry_start; the next entry's start, or je)
+            st_e = tl.load(es_base + offs_e, mask=e_ok, other=0)
+            en_e = tl.load(es_base + offs_e + 1, mask=offs_e + 1 <= e_hi, other=0)
+            st_e = tl.where(e_ok, tl.minimum(tl.maximum(st_e, js), je), je)
+            en_e = tl.where(offs_e + 1 <= e_hi, tl.minimum(tl.maximum(en_e, st_e), je), je)
+            en_e = tl.where(e_ok, en_e, je)
 
         m_tile = m_i
         P = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # the slot metadata is prefetched one chunk ahead (loop-carried), so its latency overlaps the chunk's math
+        offs_jn = js + tl.arange(0, BLOCK_J)
+        e_next = tl.load(lut_base + offs_jn, mask=offs_jn < je, other=-1)
+        a_next = tl.load(ks_base + offs_jn, mask=offs_jn < je, other=0.0)
         for jc in range(js, je, BLOCK_J):
-            offs_j = jc + tl.arange(0, BLOCK_J)
-            j_ok = offs_j < je
-            e_j = tl.load(lut_base + offs_j, mask=j_ok, other=-1)
-            a_j = tl.load(ks_base + offs_j, mask=j_ok, other=0.0)
+            e_j = e_next
+            a_j = a_next
+            offs_jn = jc + BLOCK_J + tl.arange(0, BLOCK_J)
+            e_next = tl.load(lut_base + offs_jn, mask=offs_jn < je, other=-1)
+            a_next = tl.load(ks_base + offs_jn, mask=offs_jn < je, other=0.0)
             loc = e_j - e0
-            in_tile = j_ok & (e_j >= 0) & (loc >= 0) & (loc < BLOCK_N)
-            b_j = tl.load(bias_base + e_j, mask=in_tile, other=float("-inf"))  # L1: the tile's entries
-            live = in_tile & (b_j > float("-inf"))
-            loc = tl.where(live, loc, 0)
-            onehot = (offs_bn[:, None] == loc[None, :]) & live[None, :]  # [BLOCK_N, BLOCK_J]
+            in_tile = (e_j >= 0) & (loc >= 0) & (loc < BLOCK_N)  # e_j = -1 past je
             if GATHER == 2:
+                loc = tl.where(in_tile, loc, 0)
                 sg = tl.gather(sv, tl.broadcast_to(loc[None, :], (BLOCK_M, BLOCK_J)), 1)
-            elif GATHER == 1:
-                sg = tl.dot(sv, onehot.to(tl.float32), input_precision="tf32x3")
+                vis = in_tile[None, :] & (sg > float("-inf"))
+                live = in_tile
             else:
-                sg = tl.dot(sv, onehot.to(tl.float32), input_precision="ieee")
+                b_j = tl.load(bias_base + e_j, mask=in_tile, other=float("-inf"))  # L1: the tile's entries
+                live = in_tile & (b_j > float("-inf"))
+                loc = tl.where(live, loc, 0)
+                onehot_g = ((offs_bn[:, None] == loc[None, :]) & live[None, :]).to(tl.float32)  # [BLOCK_N, BLOCK_J]
+                if GATHER == 1:
+                    sg = tl.dot(sv, onehot_g, input_precision="tf32x3")
+                else:
+                    sg = tl.dot(sv, onehot_g, input_precision="ieee")
+                vis = live[None, :] & row_ok[:, None]
+                if LOAD_POS:
+                    pos_j = tl.load(pos_base + e_j, mask=live, other=0)
+                    p_rel = tl.minimum(tl.maximum(pos_j - qpos_min, -1), 2**30).to(tl.int32)
+                    vis = vis & (p_rel[None, :] <= q_rel[:, None])
             z = sg * a_j[None, :]
             if SOFTCAP:
                 z = libdevice.tanh(z) * softcap_log2
-            vis = live[None, :] & row_ok[:, None]
-            if LOAD_POS:
-                pos_j = tl.load(pos_base + e_j, mask=live, other=0)
-                p_rel = tl.minimum(tl.maximum(pos_j - qpos_min, -1), 2**30).to(tl.int32)
-                vis = vis & (p_rel[None, :] <= q_rel[:, None])
             z = tl.where(vis, z, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(z, axis=1))
             m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -164,14 +192,23 @@ def _expanded_attention_fwd_kernel(
             p = tl.exp2(z - m_base[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             # segment sum per entry: P[:, e] += sum of p over the chunk's slots of entry e
-            if V.dtype.element_ty == tl.float32:
-                seg = tl.dot(p, tl.trans(onehot.to(tl.float32)), input_precision="ieee")
-            else:  # p rounded to V's dtype as for any 16-bit P @ V; sums in fp32
-                seg = tl.dot(p.to(V.dtype.element_ty), tl.trans(onehot.to(V.dtype.element_ty)))
+            if SCATTER == 1:
+                # by differences of the chunk's running sum at each entry's range ends (a_e, b_e local to the chunk)
+                cs = tl.cumsum(p, axis=1)
+                a_e = tl.minimum(tl.maximum(st_e - jc, 0), BLOCK_J)
+                b_e = tl.minimum(tl.maximum(en_e - jc, 0), BLOCK_J)
+                hi = tl.gather(cs, tl.broadcast_to(tl.maximum(b_e - 1, 0)[None, :], (BLOCK_M, BLOCK_N)), 1)
+                lo = tl.gather(cs, tl.broadcast_to(tl.maximum(a_e - 1, 0)[None, :], (BLOCK_M, BLOCK_N)), 1)
+                seg = tl.where((b_e > a_e)[None, :], hi - tl.where((a_e > 0)[None, :], lo, 0.0), 0.0)
+            else:
+                onehot = (offs_bn[:, None] == loc[None, :]) & live[None, :]  # [BLOCK_N, BLOCK_J]
+                if V.dtype.element_ty == tl.float32:
+                    seg = tl.dot(p, tl.trans(onehot.to(tl.float32)), input_precision="ieee")
+                else:  # p rounded to V's dtype as for any 16-bit P @ V; sums in fp32
+                    seg = tl.dot(p.to(V.dtype.element_ty), tl.trans(onehot.to(V.dtype.element_ty)))
             P = P * alpha[:, None] + seg
             m_i = m_new
 
-        v = tl.load(v_base + offs_e[:, None] * stride_vc + offs_d[None, :] * stride_vd, mask=e_ok[:, None], other=0.0)
         m_base = tl.where(m_i == float("-inf"), 0.0, m_i)
         if V.dtype.element_ty == tl.float32:
             pv = tl.dot(P, v, input_precision="ieee")

@@ -164,10 +164,11 @@ KERNELS_CHECKED_ON_GPU = False  # set True once tests/kernels/test_expanded_atte
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 GATHERS = {"onehot": 0, "onehot_tf32x3": 1, "gather": 2}  # the in-tile gather of s (kernel module docstring)
+SCATTERS = {"onehot": 0, "cumsum": 1}  # the per-entry segment sum of p (kernel module docstring)
 
 
 def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=None, block_n=None, block_j=None,
-                   num_splits=None, num_warps=None, num_stages=None, gather=None, fp32=False):
+                   num_splits=None, num_warps=None, num_stages=None, gather="gather", scatter="onehot"):
     """Tile sizes, split count and launch options from the shapes alone (one fixed launch for CUDA graphs and
     Inductor). Splits and query blocks follow clustered_attention's _launch_config (its rule counts entry tiles:
     >= 2 per split); the slots of a row are divided among the splits on the device. Overrides: the benchmark's
@@ -179,9 +180,7 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=None, block_n=
                             num_splits=num_splits, num_warps=num_warps if num_warps is not None else
                             (4 if decode else 8), num_stages=num_stages)
     cfg["block_j"] = block_j if block_j is not None else 64
-    if gather is None:
-        gather = "onehot" if fp32 else "onehot_tf32x3"
-    cfg["gather"] = GATHERS[gather]
+    cfg["gather"], cfg["scatter"] = GATHERS[gather], SCATTERS[scatter]
     return cfg
 
 
@@ -208,7 +207,7 @@ def launch_expanded_forward(q, keys, values, bias, slot_pos, cache_position, ent
         raise ValueError(f"launch_expanded_forward: S must be a contiguous fp32 [B, Hq, C] = {[B, Hq, C]} tensor and "
                          f"T == 1 (decode), got S {S.dtype} {list(S.shape)} with T = {T}")
     num_sms = ca._num_sms(q.device) if q.is_cuda else 8  # 8: Triton's interpreter on CPU tensors
-    cfg = _launch_config(B, Hkv, G, T, C, D, num_sms, q.element_size(), fp32=q.dtype == torch.float32, **tuning)
+    cfg = _launch_config(B, Hkv, G, T, C, D, num_sms, q.element_size(), **tuning)
     n_splits = cfg["num_splits"]
     split = n_splits > 1
     if softcap > 0:  # the cap in natural units, then the base-2 domain (as clustered_attention)
@@ -232,6 +231,7 @@ def launch_expanded_forward(q, keys, values, bias, slot_pos, cache_position, ent
         Hkv, G, T, C, R, qk_scale, softcap_log2, float(scale), n_splits,
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_J=cfg["block_j"], SPLIT=split,
         LOAD_POS=not past_only, SOFTCAP=softcap > 0, WRITE_S=S is not None, GATHER=cfg["gather"],
+        SCATTER=cfg["scatter"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split:

@@ -28,11 +28,11 @@ OP = torch.ops.kvrewrite.expanded_attention.default
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # out against float64 on the same (rounded) inputs:
 #   fp32: ieee dots everywhere (q·k, the one-hot gather and segment sum, P @ V), fp32 softmax in base 2 over up to
-#         ~5k slots: ~1e-6; 5e-5 leaves headroom and is ~1e3 below what a real bug moves (a key scale dropped, a
+#         ~5k slots (the one-hot segment sum: ieee; the running-sum variant: differences of sums <= 64): ~1e-6; 5e-5 leaves headroom and is ~1e3 below what a real bug moves (a key scale dropped, a
 #         wrong head, an off-by-one mask or a slot counted twice: >= 1e-2);
 #   fp16 / bf16: p rounded to the dtype in the segment sum, P again before P @ V (2 x 2**-11 / 2**-8 relative),
 #         output rounded once: 4e-3 / 2.5e-2.
-# lse does not see those roundings (fp32 sums; the gather of s is tf32x3, ~2**-21 relative): 1e-4 for every dtype.
+# lse does not see those roundings (fp32 sums; s gathered exactly, or tf32x3: ~2**-21 relative): 1e-4 for every dtype.
 TOL = {torch.float32: dict(atol=5e-5, rtol=5e-5), torch.float16: dict(atol=4e-3, rtol=4e-3),
        torch.bfloat16: dict(atol=2.5e-2, rtol=2.5e-2)}
 LSE_TOL = dict(atol=1e-4, rtol=1e-4)
@@ -156,7 +156,10 @@ def test_kernel_matches_dense_float64(case, dtype):
 
 @pytest.mark.parametrize("tuning", [
     dict(num_splits=1), dict(num_splits=7), dict(block_n=16, block_j=16, num_splits=5),
-    dict(block_n=128, block_j=32), dict(gather="gather"), dict(gather="onehot"), dict(gather="onehot_tf32x3"),
+    dict(block_m=16, block_n=16, block_j=16, num_splits=5), dict(block_n=32, block_j=16, num_splits=5),
+    dict(block_n=128, block_j=32), dict(block_j=128), dict(gather="onehot"), dict(gather="onehot_tf32x3"),
+    dict(scatter="cumsum"), dict(scatter="cumsum", block_j=128), dict(scatter="cumsum", block_n=16, block_j=16),
+    dict(scatter="cumsum", gather="onehot_tf32x3", num_splits=7),
 ], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 @pytest.mark.parametrize("case", ["decode-llama-G4", "prefill-G4-T37"])
 def test_launch_variants(case, tuning):
@@ -275,8 +278,10 @@ def test_op_under_torch_compile(kernel_on):
     fn = torch.compile(lambda *a: OP(*a, D**-0.5, False, 0.0), fullgraph=True)
     out, lse = fn(*st.attention_args(q))
     want, want_lse = OP(*st.attention_args(q), D**-0.5, False, 0.0)
-    torch.testing.assert_close(out, want, atol=0, rtol=0)
-    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    # Inductor compiles the user-defined kernel anew: an fp16 output may differ by one rounding (seen: 1 of 4608
+    # elements by 1 ulp); both are checked against float64 below
+    torch.testing.assert_close(out, want, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
     d64, d64_lse = dense64(st, q, D**-0.5)
     check(out, lse, d64, d64_lse, torch.float16, "compiled")
 
