@@ -134,8 +134,8 @@ def _expanded_attention_fwd_kernel(
         je = tl.where(has_next & (es_next >= js), tl.minimum(es_next, j1), j1)
         if GATHER == 2:
             # visibility per (row, entry), once per tile: -inf scores gather as -inf (no product with a one-hot)
-            b_e = tl.load(bias_base + offs_e, mask=e_ok, other=float("-inf"))
-            vis_e = (b_e > float("-inf"))[None, :] & row_ok[:, None]
+            bias_e = tl.load(bias_base + offs_e, mask=e_ok, other=float("-inf"))
+            vis_e = (bias_e > float("-inf"))[None, :] & row_ok[:, None]
             if LOAD_POS:
                 pos_e = tl.load(pos_base + offs_e, mask=e_ok, other=0)
                 p_rel_e = tl.minimum(tl.maximum(pos_e - qpos_min, -1), 2**30).to(tl.int32)
@@ -195,11 +195,11 @@ def _expanded_attention_fwd_kernel(
             if SCATTER == 1:
                 # by differences of the chunk's running sum at each entry's range ends (a_e, b_e local to the chunk)
                 cs = tl.cumsum(p, axis=1)
-                a_e = tl.minimum(tl.maximum(st_e - jc, 0), BLOCK_J)
-                b_e = tl.minimum(tl.maximum(en_e - jc, 0), BLOCK_J)
-                hi = tl.gather(cs, tl.broadcast_to(tl.maximum(b_e - 1, 0)[None, :], (BLOCK_M, BLOCK_N)), 1)
-                lo = tl.gather(cs, tl.broadcast_to(tl.maximum(a_e - 1, 0)[None, :], (BLOCK_M, BLOCK_N)), 1)
-                seg = tl.where((b_e > a_e)[None, :], hi - tl.where((a_e > 0)[None, :], lo, 0.0), 0.0)
+                r_lo = tl.minimum(tl.maximum(st_e - jc, 0), BLOCK_J)
+                r_hi = tl.minimum(tl.maximum(en_e - jc, 0), BLOCK_J)
+                hi = tl.gather(cs, tl.broadcast_to(tl.maximum(r_hi - 1, 0)[None, :], (BLOCK_M, BLOCK_N)), 1)
+                lo = tl.gather(cs, tl.broadcast_to(tl.maximum(r_lo - 1, 0)[None, :], (BLOCK_M, BLOCK_N)), 1)
+                seg = tl.where((r_hi > r_lo)[None, :], hi - tl.where((r_lo > 0)[None, :], lo, 0.0), 0.0)
             else:
                 onehot = (offs_bn[:, None] == loc[None, :]) & live[None, :]  # [BLOCK_N, BLOCK_J]
                 if V.dtype.element_ty == tl.float32:

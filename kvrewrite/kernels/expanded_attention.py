@@ -179,7 +179,7 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=None, block_n=
     cfg = ca._launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=block_m, block_n=block_n,
                             num_splits=num_splits, num_warps=num_warps if num_warps is not None else
                             (4 if decode else 8), num_stages=num_stages)
-    cfg["block_j"] = block_j if block_j is not None else 64
+    cfg["block_j"] = block_j if block_j is not None else (128 if decode else 64)
     cfg["gather"], cfg["scatter"] = GATHERS[gather], SCATTERS[scatter]
     return cfg
 

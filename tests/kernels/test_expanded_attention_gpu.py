@@ -136,17 +136,21 @@ CASES = {
 }
 
 
+SCATTER = pytest.mark.parametrize("scatter", list(xa.SCATTERS))  # both segment sums, on every main case
+
+
+@SCATTER
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("case", CASES)
-def test_kernel_matches_dense_float64(case, dtype):
+def test_kernel_matches_dense_float64(case, dtype, scatter):
     B, Hq, Hkv, C, R, D, T, prefill, opts = CASES[case]
     st = ems_state(B, Hkv, C, R, D, T, dtype, prefill, seed=list(CASES).index(case), **opts)
     q = torch.randn(B, Hq, T, D, device="cuda").to(dtype)
     scale = D**-0.5
     want, want_lse = dense64(st, q, scale)
     for past_only in ([False, True] if not prefill else [False]):
-        out, lse = poisoned(lambda: xa.triton_expanded_attention(*st.attention_args(q), scale, past_only),
-                            nbytes(st, q))
+        out, lse = poisoned(lambda: xa.triton_expanded_attention(*st.attention_args(q), scale, past_only,
+                                                                 scatter=scatter), nbytes(st, q))
         check(out, lse, want, want_lse, dtype, f"past_only={past_only}")
     ref, ref_lse = xa.reference_expanded_attention(*st.attention_args(q), scale)
     torch.testing.assert_close(out.double(), ref.double(), **TOL[dtype])
@@ -174,16 +178,18 @@ def test_launch_variants(case, tuning):
     check(out, lse, want, want_lse, dtype, str(tuning))
 
 
+@SCATTER
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("case", ["decode-llama-G4", "prefill-G2-T130-D64"])
-def test_softcap(case, dtype):
+def test_softcap(case, dtype, scatter):
     B, Hq, Hkv, C, R, D, T, prefill, opts = CASES[case]
     st = ems_state(B, Hkv, C, R, D, T, dtype, prefill, seed=11, **opts)
     q = (4 * torch.randn(B, Hq, T, D, device="cuda")).to(dtype)  # logits of O(20) (a_j up to 2.5): the cap matters
     want, want_lse = dense64(st, q, D**-0.5, softcap=10.0)
     uncapped, _ = dense64(st, q, D**-0.5)
     assert (uncapped - want).abs().max() > 0.1
-    out, lse = poisoned(lambda: xa.triton_expanded_attention(*st.attention_args(q), D**-0.5, not prefill, 10.0),
+    out, lse = poisoned(lambda: xa.triton_expanded_attention(*st.attention_args(q), D**-0.5, not prefill, 10.0,
+                                                           scatter=scatter),
                         nbytes(st, q))
     check(out, lse, want, want_lse, dtype, "softcap")
 
@@ -206,8 +212,9 @@ def test_tiny_cases_against_naive(case):
         check(out.cpu(), lse.cpu(), want, want_lse, dtype, case)
 
 
-@pytest.mark.parametrize("tuning", [{}, dict(num_splits=7), dict(block_n=16, block_j=16, num_splits=5)],
-                         ids=["default", "splits7", "small"])
+@pytest.mark.parametrize("tuning", [{}, dict(num_splits=7), dict(block_n=16, block_j=16, num_splits=5),
+                                    dict(scatter="cumsum"), dict(scatter="cumsum", num_splits=7)],
+                         ids=["default", "splits7", "small", "cumsum", "cumsum-splits7"])
 def test_entry_scores_S(tuning):
     """S[b, hq, e] = scale * q·keys[e] for every entry holding a slot below slot_fill (and those between); free
     entries past the last one keep what S held. Values against float64."""
