@@ -16,10 +16,13 @@ entry straddling a boundary is read by both splits, each counting only its own s
         P_tile = P_tile * alpha + p @ onehot(local)ᵀ            (segment sum per entry, no atomics)
     acc = acc * 2^(m_tile_start - m) + P_tile @ V_tile            once per entry tile
 
-so no expanded key or value is ever formed, in memory or in registers. The in-tile gather sv[:, local] is either a
-one-hot product (GATHER 0: fp32 "ieee", exact; 1: "tf32x3", three tensor-core passes, ~fp32) or tl.gather (2); the
-launcher picks by dtype and the benchmark (kvrewrite/bench/ems_attention.py) measures all three. The partials
-(acc, m, l, base 2) are clustered_attention's: its combine kernel merges them.
+so no expanded key or value is ever formed, in memory or in registers. The in-tile gather sv[:, local] is tl.gather
+(GATHER 2, the default: the per-(row, entry) visibility, bias and causal test, is folded into sv once per tile as
+-inf, so a chunk reads only lut and key_scale) or a one-hot product (0: fp32 "ieee", 1: "tf32x3"; these read bias
+and slot_pos per slot, a -inf cannot pass through a product). The segment sum is a one-hot product (SCATTER 0, the
+default) or differences of the chunk's running sum at each entry's range ends (1). kvrewrite/bench/ems_attention.py
+measured the choices (expanded_attention._launch_config). The partials (acc, m, l, base 2) are
+clustered_attention's: its combine kernel merges them.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 

@@ -28,7 +28,8 @@ OP = torch.ops.kvrewrite.expanded_attention.default
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # out against float64 on the same (rounded) inputs:
 #   fp32: ieee dots everywhere (q·k, the one-hot gather and segment sum, P @ V), fp32 softmax in base 2 over up to
-#         ~5k slots (the one-hot segment sum: ieee; the running-sum variant: differences of sums <= 64): ~1e-6; 5e-5 leaves headroom and is ~1e3 below what a real bug moves (a key scale dropped, a
+#         ~5k slots (the one-hot segment sum: ieee; the running-sum variant: differences of sums <= 128): ~1e-6;
+#         5e-5 leaves headroom and is ~1e3 below what a real bug moves (a key scale dropped, a
 #         wrong head, an off-by-one mask or a slot counted twice: >= 1e-2);
 #   fp16 / bf16: p rounded to the dtype in the segment sum, P again before P @ V (2 x 2**-11 / 2**-8 relative),
 #         output rounded once: 4e-3 / 2.5e-2.
