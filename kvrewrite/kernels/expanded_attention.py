@@ -25,8 +25,8 @@ Args:
     bias:           [B, Hkv, C]     fp32 (0 live, -inf free or padding; EMS uses no degree bias)
     slot_pos:       [B, Hkv, C]     int64 (an entry's newest token position)
     cache_position: [T]             int64
-    entry_start:    [B, Hkv, C]     int32 (each entry's first slot; the reference needs only lut, the future
-                                    Triton kernel walks entries by it)
+    entry_start:    [B, Hkv, C]     int32 (each entry's first slot; the reference needs only lut, the Triton
+                                    kernel walks each entry tile's slots by it)
     lut:            [B, Hkv, R]     int32 (-1: free); key_scale: [B, Hkv, R] fp32; slot_fill: [B, Hkv] int64
     scale:          the model's softmax scale
     past_only:      the caller's promise that no live entry lies after any query (decode graphs); the function is
@@ -38,15 +38,37 @@ Args:
 Returns:
     (out [B, Hq, T, D] in q's dtype, contiguous; lse [B, Hq, T] fp32, natural log). Mutates nothing.
 
-Backends: one reference (below) on every device. There is NO Triton kernel yet: CUDA runs this same tensor reference
-(correct, not fast: it materialises [B, Hq, 128, R] fp32 scores per block of queries) until the kernel of spec §6.2
-lands and passes its GPU tests. So far it has run on CPU only (tests/kernels). The op is an opaque
-`torch.library.custom_op` (the promise check reads data on the host).
+Backends. CUDA (with Triton): the Triton kernel of kvrewrite/kernels/_expanded_attention_kernels.py (fp16/bf16/fp32,
+D a power of two in 16..256; other D raise, as clustered_attention's kernel does) and clustered_attention's combine
+kernel: split-K over runtime slots (each split's share of slot_fill read on the device), the score computed once per
+entry tile, gathered per slot in registers (tl.gather), P segment-summed per entry (one-hot product), P @ V once
+per tile; no expanded key or value is ever formed. launch_expanded_forward is also what kvrewrite::ems_attention's
+fused decode calls (optionally writing the per-entry scores S). CPU: the reference below, through the opaque
+kvrewrite::expanded_attention_cpu (it checks past_only's promise, a host read). Other devices: the reference.
+The op is a `torch.library.triton_op`: Inductor sees the launches and CUDA graphs capture them.
+
+Checked: through Triton's interpreter against expanded_naive's float64 loop (tests/kernels/
+test_expanded_attention_triton.py, fp32, 15 tests) and on an H100 (torch 2.11, Triton 3.6) against a float64 dense
+attention over materialised expanded keys, the reference and the tiny naive cases, with merged entries of varied
+key scales, dead and stale slots, padding, ragged fills, prefill T > 1, decode, softcap, G in {1, 2, 4, 8} and MQA,
+nothing-visible rows, odd C and R, both segment sums and launch variants, S, a CUDA graph, torch.compile and
+opcheck (tests/kernels/test_expanded_attention_gpu.py: 95 passed); KERNELS_CHECKED_ON_GPU records that.
+Speed (kvrewrite/bench/ems_attention.py, docs/bench/ems_attention.json; H100, Llama-3.1-8B layout, bf16, budget
+0.2, gamma 4, CUDA graph, cold L2): decode over 4 Bt slots costs 1.86-1.98x clustered_attention over the same C
+entries and 0.43-0.58x dense attention over all n tokens (32k B 1: 33.8 us vs 18.2 and 57.9).
 """
 import torch
+from torch.library import wrap_triton
 
-from kvrewrite.kernels._triton_op import check_attention_shapes
+from kvrewrite.kernels import _expanded_attention_kernels as _kernels
+from kvrewrite.kernels import clustered_attention as ca
+from kvrewrite.kernels._triton_op import check_attention_shapes, check_one_cuda_device, register_triton_op
 from kvrewrite.kernels.clustered_attention import check_past_only, check_softcap
+
+try:
+    import triton
+except ImportError:  # CPU-only installs: the op runs its reference; only the Triton launcher raises
+    triton = None
 
 NAME = "kvrewrite::expanded_attention"
 BLOCK_T = 128  # queries per block of the reference: bounds its memory to B * Hq * BLOCK_T * R floats
@@ -149,7 +171,157 @@ def reference_expanded_attention(q, keys, values, bias, slot_pos, cache_position
     return out.reshape(B, Hq, T, D).to(q.dtype), lse.reshape(B, Hq, T)
 
 
-@torch.library.custom_op(NAME, mutates_args=())
+# ---------------------------------------------------------------------------------------------------
+# Triton (CUDA): the kernel is kvrewrite/kernels/_expanded_attention_kernels.py
+# ---------------------------------------------------------------------------------------------------
+# tests/kernels/test_expanded_attention_gpu.py: 95 passed on an H100 (torch 2.11, Triton 3.6), both segment sums
+KERNELS_CHECKED_ON_GPU = True
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_HEAD_DIMS = (16, 32, 64, 128, 256)
+GATHERS = {"onehot": 0, "onehot_tf32x3": 1, "gather": 2}  # the in-tile gather of s (kernel module docstring)
+SCATTERS = {"onehot": 0, "cumsum": 1}  # the per-entry segment sum of p (kernel module docstring)
+
+
+def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=None, block_n=None, block_j=None,
+                   num_splits=None, num_warps=None, num_stages=None, gather="gather", scatter="onehot"):
+    """Tile sizes, split count and launch options from the shapes alone (one fixed launch for CUDA graphs and
+    Inductor). Splits and query blocks follow clustered_attention's _launch_config (its rule counts entry tiles:
+    >= 2 per split); the slots of a row are divided among the splits on the device. Overrides: the benchmark's
+    sweep and the tests' small tiles.
+
+    Defaults measured on an H100 (docs/bench/ems_attention.json, decode 32k/128k, B 1/8): tl.gather of s and the
+    one-hot segment sum with 64-entry tiles and 128-slot chunks. The one-hot tf32x3 gather took 1.8-2.1x as long,
+    an fp32 ieee one-hot 2.9-3.5x (per-slot bias reads then), the running-sum segment sum +8-20%, 64-slot chunks
+    +1-5%, 128-entry tiles +23-31%, 32-entry tiles -4% at 32k B 1 but +8-11% elsewhere, 8 warps +4-9%."""
+    decode = G * T <= 16
+    if block_n is None:
+        block_n = 64
+    cfg = ca._launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=block_m, block_n=block_n,
+                            num_splits=num_splits, num_warps=num_warps if num_warps is not None else
+                            (4 if decode else 8), num_stages=num_stages)
+    cfg["block_j"] = block_j if block_j is not None else (128 if decode else 64)
+    cfg["gather"], cfg["scatter"] = GATHERS[gather], SCATTERS[scatter]
+    return cfg
+
+
+def launch_expanded_forward(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale, slot_fill,
+                            scale, past_only=False, softcap=0.0, S=None, **tuning):
+    """Launch the expanded-attention kernel and, with several splits, clustered_attention's combine kernel; returns
+    (out [B, Hq, T, D] in q's dtype, contiguous; lse [B, Hq, T] fp32, natural log, -inf where nothing is visible).
+    No checks (triton_expanded_attention makes them) and no host read: CUDA-graph capturable, and Triton's
+    interpreter runs it on CPU tensors. `tuning`: _launch_config's overrides (benchmark sweep, tests).
+
+    S (optional, decode only: T == 1): an fp32 [B, Hq, C] contiguous tensor that receives
+        S[b, hq, e] = scale * q[b, hq, 0]·keys[b, hq // G, e]      (fp32; before the soft cap and the key scale)
+    for every entry e in [lut[j_first], lut[j_last]] of some split, i.e. every entry holding a slot j < slot_fill
+    (and any entry between two such entries). An entry whose slots straddle a split boundary is written by both
+    splits with the same value (same tile arithmetic; the tile alignment can differ, so the two values may differ
+    in the last bit of the q·k accumulation order). Entries holding no slot below slot_fill (free entries past the
+    fill) are NOT written: S keeps what it held there. The per-slot logit is then a_j * S[.., lut[j]] (softcap:
+    softcap * tanh(a_j * S / softcap)), as kvrewrite::ems_attention's fused decode fold reads it."""
+    B, Hq, T, D = (int(n) for n in q.shape)
+    Hkv, C, R = int(keys.shape[1]), int(keys.shape[2]), int(lut.shape[2])
+    G = Hq // Hkv
+    if S is not None and (T != 1 or tuple(S.shape) != (B, Hq, C) or S.dtype != torch.float32
+                          or not S.is_contiguous()):
+        raise ValueError(f"launch_expanded_forward: S must be a contiguous fp32 [B, Hq, C] = {[B, Hq, C]} tensor and "
+                         f"T == 1 (decode), got S {S.dtype} {list(S.shape)} with T = {T}")
+    num_sms = ca._num_sms(q.device) if q.is_cuda else 8  # 8: Triton's interpreter on CPU tensors
+    cfg = _launch_config(B, Hkv, G, T, C, D, num_sms, q.element_size(), **tuning)
+    n_splits = cfg["num_splits"]
+    split = n_splits > 1
+    if softcap > 0:  # the cap in natural units, then the base-2 domain (as clustered_attention)
+        qk_scale, softcap_log2 = scale / softcap, softcap * 1.4426950408889634
+    else:
+        qk_scale, softcap_log2 = scale * 1.4426950408889634, 0.0
+    out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
+    if split:
+        part = torch.empty((B * Hq * T, n_splits, D), dtype=torch.float32, device=q.device)
+        m_part = torch.empty((B * Hq * T, n_splits), dtype=torch.float32, device=q.device)
+        l_part = torch.empty((B * Hq * T, n_splits), dtype=torch.float32, device=q.device)
+    else:
+        part = m_part = l_part = out
+    bias, slot_pos, entry_start = bias.contiguous(), slot_pos.contiguous(), entry_start.contiguous()
+    lut, key_scale, slot_fill = lut.contiguous(), key_scale.contiguous(), slot_fill.contiguous()
+    wrap_triton(_kernels._expanded_attention_fwd_kernel)[(n_splits, B * Hkv, cfg["m_blocks"])](
+        q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale, slot_fill,
+        part, m_part, l_part, lse, out if S is None else S,
+        *q.stride(), *keys.stride(), *values.stride(),
+        Hkv, G, T, C, R, qk_scale, softcap_log2, float(scale), n_splits,
+        HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_J=cfg["block_j"], SPLIT=split,
+        LOAD_POS=not past_only, SOFTCAP=softcap > 0, WRITE_S=S is not None, GATHER=cfg["gather"],
+        SCATTER=cfg["scatter"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if split:
+        wrap_triton(ca._clustered_attention_combine_kernel)[(B * Hq * T,)](
+            part, m_part, l_part, out, lse, q, out, cache_position, q.stride(0), q.stride(1), q.stride(3), n_splits,
+            Hq, G, HEAD_DIM=D, BLOCK_S=max(triton.next_power_of_2(n_splits), 2), WRITE_LSE=True, SAVE_Q=False,
+            NPEND=1, num_warps=4,
+        )
+    return out, lse
+
+
+def triton_expanded_attention(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale,
+                              slot_fill, scale, past_only=False, softcap=0.0, **tuning):
+    """The op on CUDA through Triton: checks (shapes, dtypes fp16/bf16/fp32, D a power of two in 16..256, one CUDA
+    device), then launch_expanded_forward. past_only's promise is not checked here (a host read; module
+    docstring): with it the kernel reads no slot_pos and a broken promise makes future entries visible."""
+    name = "triton_expanded_attention"
+    if triton is None:
+        raise NotImplementedError(f"{name} needs Triton (pip install triton); kvrewrite::expanded_attention itself "
+                                  "runs without it")
+    B, Hq, T, D, Hkv, C, R = check_expanded_inputs(name, q, keys, bias, slot_pos, cache_position, entry_start, lut,
+                                                   key_scale, slot_fill, values, softcap)
+    if C == 0:
+        raise ValueError(f"{name}: the state has no entries (C = 0)")
+    if q.dtype not in _DTYPES or keys.dtype != q.dtype or values.dtype != q.dtype:
+        raise TypeError(f"{name}: q, keys and values must share one dtype of fp16/bf16/fp32, "
+                        f"got {q.dtype}, {keys.dtype}, {values.dtype}")
+    if D not in _HEAD_DIMS:
+        raise ValueError(f"{name}: head dim D must be one of {_HEAD_DIMS}, got D={D}")
+    check_one_cuda_device(name, (q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale,
+                                 slot_fill))
+    if softcap > 0 and ca.libdevice is None:
+        raise NotImplementedError(f"{name}: softcap > 0 needs triton.language.extra.libdevice (Triton >= 3.0)")
+    return launch_expanded_forward(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale,
+                                   slot_fill, scale, past_only, softcap, **tuning)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The op
+# ---------------------------------------------------------------------------------------------------
+@torch.library.custom_op("kvrewrite::expanded_attention_cpu", mutates_args=(), device_types="cpu")
+def expanded_attention_cpu(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor,
+    slot_pos: torch.Tensor,
+    cache_position: torch.Tensor,
+    entry_start: torch.Tensor,
+    lut: torch.Tensor,
+    key_scale: torch.Tensor,
+    slot_fill: torch.Tensor,
+    scale: float,
+    past_only: bool = False,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU path, an opaque op of its own: the reference, which checks past_only's promise (a host read, which
+    the triton_op's traced body must not contain)."""
+    out, lse = reference_expanded_attention(q, keys, values, bias, slot_pos, cache_position, entry_start, lut,
+                                            key_scale, slot_fill, scale, past_only, softcap)
+    return out.contiguous(), lse
+
+
+@expanded_attention_cpu.register_fake
+def _(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale, slot_fill, scale, past_only=False,
+      softcap=0.0):
+    B, Hq, T, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, T), dtype=torch.float32)
+
+
 def expanded_attention(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -165,15 +337,21 @@ def expanded_attention(
     past_only: bool = False,
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over runtime slots (module docstring); every device runs the reference."""
-    return reference_expanded_attention(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale,
-                                        slot_fill, scale, past_only, softcap)
-
-
-@expanded_attention.register_fake
-def _(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale, slot_fill, scale, past_only=False,
-      softcap=0.0):
+    """Attention over runtime slots (module docstring). This body is the op's kernel, its fake and what Inductor
+    inlines: CUDA launches the Triton kernel (once KERNELS_CHECKED_ON_GPU), CPU calls the opaque
+    kvrewrite::expanded_attention_cpu (the promise check reads data), other devices run the reference."""
     check_expanded_inputs(NAME, q, keys, bias, slot_pos, cache_position, entry_start, lut, key_scale, slot_fill,
                           values, softcap)
-    B, Hq, T, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((B, Hq, T), dtype=torch.float32)
+    if q.is_cuda and triton is not None and KERNELS_CHECKED_ON_GPU:
+        return triton_expanded_attention(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale,
+                                         slot_fill, scale, past_only, softcap)
+    if q.device.type == "cpu":
+        return torch.ops.kvrewrite.expanded_attention_cpu(q, keys, values, bias, slot_pos, cache_position,
+                                                          entry_start, lut, key_scale, slot_fill, scale, past_only,
+                                                          softcap)
+    out, lse = reference_expanded_attention(q, keys, values, bias, slot_pos, cache_position, entry_start, lut,
+                                            key_scale, slot_fill, scale, past_only, softcap)
+    return out.contiguous(), lse
+
+
+expanded_attention = register_triton_op(NAME, expanded_attention, (), triton is not None)

@@ -1,0 +1,87 @@
+"""expanded_attention's Triton kernel on the CPU, through Triton's interpreter, against the float64 dense attention
+over materialised expanded keys (tests/kernels/expanded_naive.py) and against the reference.
+
+Runs only under the interpreter: `TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_expanded_attention_triton.py`
+(with Triton installed; skipped otherwise). fp32 only (the 3.6 interpreter's 16-bit tl.dot is wrong). Small tiles
+(16 entries, 16 slots per chunk) and 3 slot splits make a few dozen slots cross every tile, chunk and split boundary,
+so merged entries straddle them. The soft cap is tested on the GPU only (tests/kernels/test_expanded_attention_gpu.py):
+its tanh is CUDA's libdevice, which the interpreter does not provide.
+"""
+import math
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("runs Triton's interpreter on the CPU: set TRITON_INTERPRET=1 (and install Triton)",
+                allow_module_level=True)
+pytest.importorskip("triton")
+
+from kvrewrite.kernels.expanded_attention import launch_expanded_forward, reference_expanded_attention  # noqa: E402
+from tests.kernels.expanded_naive import make_state, naive_expanded  # noqa: E402
+
+SMALL = dict(block_m=16, block_n=16, block_j=16)
+# (B, Hq, Hkv, C, R, D, T, prefill, make_state options)
+CASES = {
+    "decode-G2": (2, 4, 2, 37, 80, 16, 1, False, {}),
+    "decode-G4-dead": (1, 8, 2, 29, 61, 16, 1, False, {"dead": True}),
+    "prefill-G1-odd": (1, 2, 2, 23, 47, 16, 5, True, {}),
+    "prefill-G2-empty-row": (2, 4, 2, 19, 41, 16, 3, True, {"empty_row": True}),
+}
+
+
+def build(case, seed=0):
+    B, Hq, Hkv, C, R, D, T, prefill, opts = CASES[case]
+    g = torch.Generator().manual_seed(seed)
+    st = make_state(B, Hkv, C, R, D, T, torch.float32, g, prefill=prefill, **opts)
+    q = torch.randn(B, Hq, T, D, generator=g)
+    return st, q, D**-0.5, not prefill
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_naive_and_reference(case, splits):
+    st, q, scale, past_only = build(case)
+    out, lse = launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, num_splits=splits, **SMALL)
+    want, want_lse, _ = naive_expanded(st, q, scale)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    fin = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse[fin].double(), want_lse[fin], atol=1e-5, rtol=1e-5)
+    ref, ref_lse = reference_expanded_attention(*st.attention_args(q), scale, past_only)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    if "empty" in case:
+        assert (out[0] == 0).all() and (lse[0] == -math.inf).all()
+
+
+@pytest.mark.parametrize("case", ["decode-G4-dead", "prefill-G2-empty-row"])
+@pytest.mark.parametrize("gather, scatter", [("onehot", "onehot"), ("onehot_tf32x3", "cumsum"), ("gather", "cumsum")])
+def test_other_gathers_and_scatters(case, gather, scatter):
+    st, q, scale, past_only = build(case, seed=2)
+    out, lse = launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, num_splits=3, gather=gather,
+                                       scatter=scatter, **SMALL)
+    want, want_lse, _ = naive_expanded(st, q, scale)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    fin = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse[fin].double(), want_lse[fin], atol=1e-5, rtol=1e-5)
+
+
+def test_entry_scores_S():
+    """S holds scale * q·keys[e] for every entry holding a slot below slot_fill; other entries keep their value."""
+    st, q, scale, past_only = build("decode-G2", seed=3)
+    B, Hq, _, D = q.shape
+    Hkv, C = st.keys.shape[1], st.keys.shape[2]
+    S = torch.full((B, Hq, C), float("nan"))
+    launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, S=S, num_splits=3, **SMALL)
+    want = torch.einsum("bhgd,bhcd->bhgc", q.double().view(B, Hkv, Hq // Hkv, D), st.keys.double()) * scale
+    want = want.reshape(B, Hq, C)
+    for b in range(B):
+        for h in range(Hkv):
+            n = int(st.slot_fill[b, h])
+            used = st.lut[b, h, :n]
+            lo, hi = int(used[used >= 0].min()), int(used.max())
+            rows = slice(h * (Hq // Hkv), (h + 1) * (Hq // Hkv))
+            torch.testing.assert_close(S[b, rows, lo:hi + 1].double(), want[b, rows, lo:hi + 1], atol=1e-5, rtol=1e-5)
+            assert S[b, rows, hi + 1:].isnan().all()
