@@ -10,7 +10,9 @@ at j in [i t, (i + 1) t), the s value samples at j in [M t, M t + s), the (S - s
 1. E = the valid exact slots (j < fill, role 0, bias > -inf) in index order, V = |E|. Sinks = the first n_sink of E,
    window = the last `window`, F = the rest in order (|F| = max(0, V - n_sink - window)).
 2. If F is not empty:
-   a. δ calibration if delta < 0 (§1.6): r = greedy_kcenter(F's keys, M_target) radius (kcenter.py), δ = 2r.
+   a. δ calibration if delta < 0 (§1.6): δ = 1.001·r, r = greedy_kcenter(F's keys, M_target) radius (kcenter.py);
+      the margin keeps the key that realises r (often exactly r from the first centre, which is also the first
+      leader) off the boundary, where fp32 and fp64 rounding would decide differently.
    b. Leader clustering (§1.7), F in order: i* = argmin over open clusters of ||x_i - k||^2 (fp32, ties: lowest i);
       join i* if ||x_{i*} - k||^2 <= δ^2 (δ^2 = fp32(delta)^2), else open cluster n_clusters with x = k; no free
       cluster (n_clusters >= M): force-assign to i*, n_forced += 1. count[i] += 1 for the cluster joined.
@@ -56,6 +58,7 @@ import torch
 from kvrewrite.kernels._hash import clustergen_hash24
 from kvrewrite.kernels.kcenter import greedy_kcenter
 
+DELTA_MARGIN = 1.001  # δ = DELTA_MARGIN · r (module docstring, step a)
 NAME = "kvrewrite::clustergen_fold"
 NEG_INF = float("-inf")
 MUTATED = ("keys", "values", "bias", "slot_pos", "fill", "role", "rep", "count", "n_clusters", "mu", "delta",
@@ -146,7 +149,7 @@ def reference_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, 
         # 2a. δ calibration (first fold of the row)
         calib = has_f & (delta.view(N) < 0)
         _, r = greedy_kcenter(kf, fmask & calib[:, None], M_target.expand(N).contiguous(), k_max=Mmax)
-        delta_new = torch.where(calib, 2 * r, delta.view(N))
+        delta_new = torch.where(calib, r * DELTA_MARGIN, delta.view(N))
 
         # 2b. leader clustering, sequential over F, vectorised over rows
         rep_new = rep.view(N, Mmax, D)

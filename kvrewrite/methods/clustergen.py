@@ -20,8 +20,9 @@ Decisions (docs/contracts/clustergen.md §1 has the reasons):
   from the generation's B.
 - Keys as the attention uses them (post-RoPE, the logit scale * q.k); Euclidean distances in fp32.
 - delta per (layer, row, KV head), calibrated once at the row's first fold: greedy k-center picks
-  round(cluster_target * M) centres among the folded keys; delta = twice their covering radius, so the prompt opens at
-  most that many clusters and the rest are left for decoding.
+  round(cluster_target * M) centres among the folded keys; delta = their covering radius (x 1.001), which opens about
+  that many clusters on real keys (twice the radius provably opens at most that many, but opened one per head on
+  SmolLM2), leaving the rest for decoding.
 - Overflow (all M clusters open, a key farther than delta from every representative): force-assigned to the nearest
   (counted per row in the `n_forced` state).
 - Reservoirs drawn once per fold with the law of Algorithm 1's per-token coin flips (one uniform per slot), from a

@@ -121,9 +121,9 @@ class Row:
         return self.exact[:n_sink], self.exact[n_sink:n_sink + nF], self.exact[n_sink + nF:]
 
     def _calibrate(self, F):
-        """§1.6: delta = 2 r, r the greedy k-center radius of F's keys with M_target centres (first fold only)."""
+        """§1.6: delta = 1.001 r, r the greedy k-center radius of F's keys with M_target centres (first fold only)."""
         if self.delta < 0:
-            self.delta = 2 * greedy_naive([self.key[x] for x in F], self.p.M_target)[1]
+            self.delta = 1.001 * greedy_naive([self.key[x] for x in F], self.p.M_target)[1]
 
     def _leaders(self, F):
         """§1.7's leader clustering of F in order; returns (counts before, joiners per cluster)."""

@@ -221,9 +221,9 @@ def test_leader_ties_and_the_inclusive_radius():
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_calibration_bound(seed):
-    """First fold: delta = 2 r (greedy k-center radius with M_target centres) and the leader clustering of the same
-    keys opens at most M_target clusters, none forced."""
+def test_calibration_radius(seed):
+    """First fold: delta = 1.001 r, r the greedy k-center radius with M_target centres (contract §1.6: 2 r would bound the
+    clusters by M_target but opened one cluster per head on SmolLM2; r lands near M_target), as in the naive model."""
     rng = np.random.default_rng(seed)
     ct = (0.25, 0.5, 1.0)[seed % 3]
     p = N.Params(Bt=24, n_sink=1, window=1, t=1, value_share=0.25, cluster_target=ct)
@@ -235,9 +235,9 @@ def test_calibration_bound(seed):
     nc, delta = int(st["n_clusters"][0, 0]), float(st["delta"][0, 0])
     F = torch.tensor(keys[1:L - 1])[None]
     r = greedy_kcenter(F, torch.ones(1, L - 2, dtype=torch.bool), p.M_target)[1]
-    assert delta == float(2 * r[0])
-    assert math.isclose(delta, 2 * N.greedy_naive(list(keys[1:L - 1]), p.M_target)[1], rel_tol=1e-5)
-    assert 1 <= nc <= p.M_target and int(st["n_forced"][0, 0]) == 0
+    assert delta == float(r[0] * 1.001)
+    assert math.isclose(delta, 1.001 * N.greedy_naive(list(keys[1:L - 1]), p.M_target)[1], rel_tol=1e-5)
+    assert 1 <= nc <= p.M
 
 
 def test_few_keys_calibrate_delta_zero():
