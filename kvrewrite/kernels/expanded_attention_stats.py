@@ -22,9 +22,16 @@ Returns:
 
 Backends. The reference below (tensor code, fp32) is the CPU path and the ground truth. CUDA runs the Triton kernel
 of kvrewrite/kernels/_ems_fold_kernels.py (`_stats_kernel`: one program per (row, block of slots) walking the query
-blocks, recomputing s for its slots' entries, no atomics; fp16/bf16/fp32, D <= 256) once KERNELS_CHECKED_ON_GPU
-says its GPU tests passed, else this same reference (logged once). On CUDA the past_only promise is not checked
-(a host read; as expanded_attention). The op is an opaque `torch.library.custom_op`.
+blocks, recomputing s for its slots' entries, no atomics; fp16/bf16/fp32, D <= 256), gated by KERNELS_CHECKED_ON_GPU
+(else this same reference, logged once). On CUDA the past_only promise is not checked (a host read; as
+expanded_attention). The op is an opaque `torch.library.custom_op`. Checked: through Triton's interpreter against
+this reference and the float64 naive model (tests/kernels/test_expanded_attention_stats_triton.py, fp32), and
+compiled on an H100 (torch 2.11, Triton 3.6) against this reference on the GPU and the float64 naive model
+(tests/kernels/test_expanded_attention_stats_gpu.py: 20 passed; fp16/bf16/fp32, D 64/128/256, G 1/4 and MQA,
+`last` > T, the soft cap, a row that sees nothing). Cost (H100, Llama-3.1-8B shape at 32k, 27464 slots per row,
+bf16): a 256-query chunk's statistics folded per KV head (ems_attention's prefill) take 0.67 ms per layer at B = 1,
+4.8 ms at B = 8; the kernel recomputes one dot per (query, slot), i.e. γ x the per-entry products once entries
+are merged (an in-tile per-entry dot with a gather by lut is the known next step).
 """
 import importlib
 import logging
@@ -37,7 +44,8 @@ from kvrewrite.kernels.expanded_attention import (BLOCK_T, check_expanded_inputs
 NAME = "kvrewrite::expanded_attention_stats"
 logger = logging.getLogger(__name__)
 _WARNED = []
-KERNELS_CHECKED_ON_GPU = False  # set True once tests/kernels/test_expanded_attention_stats_gpu.py passed on an H100
+# tests/kernels/test_expanded_attention_stats_gpu.py: 20 passed on an H100 (torch 2.11, Triton 3.6)
+KERNELS_CHECKED_ON_GPU = True
 
 
 def _check_inputs(q, keys, bias, slot_pos, cache_position, entry_start, lut, key_scale, slot_fill, lse, last,
