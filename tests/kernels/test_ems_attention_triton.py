@@ -35,9 +35,9 @@ def both(st, q, s, win_count, past_only, l_win, softcap=0.0):
     args = st.attention_args(q)[:9]
     out = triton_ems_attention(*args, *s, st.slot_fill, win_count, scale, past_only, softcap, l_win, **SMALL)
     want = reference_ems_attention(*args, *s_ref, st.slot_fill, wc_ref, scale, past_only, softcap, l_win)
-    torch.testing.assert_close(out, want, rtol=0, atol=0)  # the same forward today
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)  # the reference forward or the Triton one
     for name, got, ref in zip(("s_glo", "s_loc_past", "s_loc_cur"), s, s_ref):
-        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     assert torch.equal(win_count, wc_ref)
     return s_ref
 
@@ -89,6 +89,11 @@ def test_decode_steps_rotate(past_only):
 
 def test_decode_softcap(monkeypatch):
     monkeypatch.setattr(fk, "libdevice", NumpyLibdevice)
+    try:  # the Triton forward's module, once ems_attention's forward is it (module docstring, SWAP)
+        from kvrewrite.kernels import _expanded_attention_kernels
+        monkeypatch.setattr(_expanded_attention_kernels, "libdevice", NumpyLibdevice)
+    except ImportError:
+        pass
     g = torch.Generator().manual_seed(2)
     B, Hq, Hkv, C, R, D = 2, 8, 2, 11, 33, 16
     st = make_state(B, Hkv, C, R, D, 1, torch.float32, g, prefill=False, dead=True)
