@@ -24,18 +24,46 @@ Args:
 Returns:
     out [B, Hq, T, D] in q's dtype, contiguous.
 
-Backends: one path on every device: the two pure references (expanded_attention, expanded_attention_stats) and the
-fold above, in plain tensor code (the T > 1 / T = 1 branch is on a static shape; the rotation is a torch.where on
-the device, no host read). There is NO Triton kernel yet, in particular not the fused decode fold of spec §6.4: CUDA
-runs this same reference until those kernels land and pass their GPU tests. So far it has run on CPU only
-(tests/kernels). The op is an opaque `torch.library.custom_op`.
+Backends. The CPU path (and the ground truth) is the two pure references plus fold_statistics above, in plain tensor
+code (the T > 1 / T = 1 branch is on a static shape; the rotation is a torch.where on the device, no host read).
+
+CUDA path (triton_ems_attention; used once KERNELS_CHECKED_ON_GPU says its GPU tests passed, else the reference,
+logged once). Three steps, no [B, Hq, R] tensor, no host read, CUDA-graph capturable:
+- `_expanded_forward(...)` gives (out, lse) and, for decode, S [B, Hq, C] fp32 (s_e = scale·q·keys[e], pre-cap).
+  TODAY it is the reference expanded_attention plus an einsum for S (the Triton forward of §6.2 is another
+  change); swapping in expanded_attention.py's `launch_expanded_forward(..., S=S)` is the one assignment marked
+  SWAP below.
+- T > 1: the statistics kernel of _ems_fold_kernels.py in its FOLD variant recomputes the probabilities from lse
+  and applies the prefill rule per KV head inside the kernel.
+- T = 1: the decode fold kernel of _ems_fold_kernels.py reads S and lse and applies the decode rule; win_count is
+  read by every program and advanced by a dedicated one-program-per-row-block pass after it (that module's
+  docstring says why). So a decode step is: forward (+ its combine), fold, count.
+
+Status of the CUDA path: NOT the default yet (KERNELS_CHECKED_ON_GPU = False). On an H100 (torch 2.11, Triton 3.6)
+tests/kernels/test_ems_attention_gpu.py ran 5 tests and 4 passed: a prefill chunk (the FOLD kernel, s_loc_past and
+s_loc_cur NaN-poisoned before) then 70 decode steps with l_win = 32 replayed from a CUDA graph under
+set_sync_debug_mode("error"), fp32 and bf16, Hq/Hkv/D 32/8/128 and 4/1/64, state equal to the CPU reference
+(5e-5) and win_count exact at every step, rotations at 32 and 64 (and 27, 59 for a row starting at 5). The fifth
+(an eager decode step under the sync debug mode, then the registered op with the flag forced on and softcap 20)
+failed on the test's own host-to-device copy of q inside the debug region; the test is fixed but has not re-run,
+so the decode fold's soft cap has not run on a GPU (the statistics kernel's cap, the same `_cap`, has). One run of
+that file decides the flag. Through the interpreter: tests/kernels/test_ems_attention_triton.py (fp32).
+Cost of the decode fold (fold + count launches, H100, Llama-3.1-8B shape at 32k: 27464 slots per row, 26316 live,
+G = 4; 50 calls back to back in a CUDA graph, so warm L2 at B = 1): 4.5 us at B = 1 (of which the count pass
+1.3 us), 17.8 us at B = 8; the reference statistics + fold it replaces took 172 us and 763 us there.
 """
+import logging
+
 import torch
 
-from kvrewrite.kernels.expanded_attention import check_expanded_inputs, reference_expanded_attention
-from kvrewrite.kernels.expanded_attention_stats import reference_expanded_attention_stats
+from kvrewrite.kernels.expanded_attention import check_expanded_inputs, entry_scores, reference_expanded_attention
+from kvrewrite.kernels.expanded_attention_stats import (check_cuda_inputs, fold_kernels,
+                                                        reference_expanded_attention_stats)
 
 NAME = "kvrewrite::ems_attention"
+logger = logging.getLogger(__name__)
+_WARNED = []
+KERNELS_CHECKED_ON_GPU = False  # set True once tests/kernels/test_ems_attention_gpu.py passed on an H100
 
 
 def _check_inputs(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale, s_glo, s_loc_past,
@@ -113,6 +141,62 @@ def ems_attention(
     """Expanded attention plus the fold of its statistics (module docstring); every device runs the reference."""
     return reference_ems_attention(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale, s_glo,
                                    s_loc_past, s_loc_cur, slot_fill, win_count, scale, past_only, softcap, l_win)
+
+
+def _reference_forward(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale, slot_fill, scale,
+                       past_only, softcap, S=None):
+    """(out, lse) of expanded_attention with, when S (fp32 [B, Hq, C]) is given, the per-entry scores written into
+    it: the signature of expanded_attention.py's launch_expanded_forward (the Triton forward), which replaces it."""
+    out, lse = reference_expanded_attention(q, keys, values, bias, slot_pos, cache_position, entry_start, lut,
+                                            key_scale, slot_fill, scale, past_only, softcap)
+    if S is not None:
+        S.copy_(entry_scores(q, keys, scale).view(S.shape))
+    return out, lse
+
+
+_expanded_forward = _reference_forward  # SWAP: = expanded_attention.launch_expanded_forward once it has landed
+
+
+def _check_fold_state(name, s_glo, s_loc_past, s_loc_cur, win_count):
+    for field, t in (("s_glo", s_glo), ("s_loc_past", s_loc_past), ("s_loc_cur", s_loc_cur),
+                     ("win_count", win_count)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: {field} must be contiguous (the kernels update it in place)")
+
+
+def triton_ems_attention(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale, s_glo,
+                         s_loc_past, s_loc_cur, slot_fill, win_count, scale, past_only, softcap, l_win, **tuning):
+    """The op's CUDA path (module docstring, Backends); validates its inputs. `tuning` (block_j, block_m) is for the
+    tests' small tiles."""
+    _check_inputs(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale, s_glo, s_loc_past,
+                  s_loc_cur, slot_fill, win_count, softcap, l_win)
+    mod, lut_k, ks_k = check_cuda_inputs("triton_ems_attention", q, keys, lut, key_scale)
+    _check_fold_state("triton_ems_attention", s_glo, s_loc_past, s_loc_cur, win_count)
+    B, Hq, T, _ = q.shape
+    S = None if T > 1 else torch.empty((B, Hq, keys.shape[2]), dtype=torch.float32, device=q.device)
+    out, lse = _expanded_forward(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale,
+                                 slot_fill, scale, past_only, softcap, S=S)
+    if T > 1:
+        mod.launch_prefill_fold(q, keys, bias, slot_pos, cache_position, lut_k, ks_k, slot_fill, lse, s_glo,
+                                s_loc_past, s_loc_cur, win_count, scale, l_win, softcap, **tuning)
+    else:
+        mod.launch_decode_fold(S, lse, bias, slot_pos, cache_position, lut_k, ks_k, slot_fill, s_glo, s_loc_past,
+                               s_loc_cur, win_count, l_win, softcap, past_only, block_j=tuning.get("block_j"))
+    return out.contiguous()
+
+
+@ems_attention.register_kernel("cuda")
+def _(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale, s_glo, s_loc_past, s_loc_cur,
+      slot_fill, win_count, *, scale, past_only, softcap, l_win):
+    args = (q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale, s_glo, s_loc_past,
+            s_loc_cur, slot_fill, win_count, scale, past_only, softcap, l_win)
+    if KERNELS_CHECKED_ON_GPU and fold_kernels() is not None:
+        return triton_ems_attention(*args)
+    if not _WARNED:
+        _WARNED.append(True)
+        logger.warning("ems_attention: CUDA runs the tensor reference (KERNELS_CHECKED_ON_GPU=%s, Triton %s)",
+                       KERNELS_CHECKED_ON_GPU, "found" if fold_kernels() is not None else "missing")
+    return reference_ems_attention(*args)
 
 
 @ems_attention.register_fake

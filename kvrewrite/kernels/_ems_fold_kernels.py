@@ -1,0 +1,293 @@
+"""Triton kernels of EMS's statistics (private: expanded_attention_stats.py and ems_attention.py own the schemas,
+the references and the registration; contract docs/contracts/ems.md §6.3 and §6.4).
+
+Words: a row is (batch b, KV head h), G = Hq / Hkv query heads hq = h·G + g read it; slot j reads entry e = lut_j
+with key scale a_j; live_j = j < slot_fill, lut_j >= 0, bias[lut_j] > -inf; visible adds slot_pos[e] <= c_t.
+
+1. Statistics by recomputation (`_stats_kernel`, kvrewrite::expanded_attention_stats and the prefill fold of
+   kvrewrite::ems_attention). One program per (block of BLOCK_J slots, row), as attention_column_stats' kernel:
+   it loads its slots' lut, a_j, and each slot's entry key, bias and slot_pos ONCE (a gather: one key row per
+   slot, read from L2 when slots share an entry; never written anywhere), then for each of the G query heads walks
+   the T queries in blocks of BLOCK_M: s = scale·q·k (one tl.dot per tile, fp32; fp32 inputs: ieee), z = a_j·s
+   (softcap > 0: softcap·tanh(z / softcap)), p = exp(z - lse_t), summed over the block's queries into total (and,
+   for t >= T - min(last, T), into recent). Query blocks in which no query sees any slot of the tile (causality)
+   are skipped. Each output element has exactly one writer and no atomics: deterministic.
+   FOLD = False writes total/recent [B, Hq, R] fp32 per query head. FOLD = True sums the G heads in registers and
+   applies ems_attention's T > 1 rule in place, so no [B, Hq, R] tensor exists: s_glo += tot; s_loc_past := rec;
+   s_loc_cur := 0 on every slot of the row (slots past slot_fill get 0 added / 0 written: their reset values);
+   win_count := 0 by the row's first program (nothing reads win_count in this launch: no race).
+
+2. Decode fold (`_decode_fold_kernel`, ems_attention's T = 1 rule). Inputs: S [B, Hq, C] fp32, the per-entry
+   score s_e = scale·q·keys[e] (pre-cap) of each query head, and each head's final natural-log lse [B, Hq, 1].
+   One program per (block of BLOCK_J slots, row): p_j = sum_g exp(z_gj - lse_g), z_gj = a_j·S[hq, lut_j] (capped),
+   for live (and, without past_only, visible) slots; s_glo += p; s_loc_cur += p; and when this step completes the
+   window (win_count + 1 == l_win): s_loc_past := s_loc_cur, s_loc_cur := 0. S is read only at live slots' entries
+   (an expanded_attention forward may leave the others unwritten).
+
+   win_count: every program READS it (once, before anything) and NO program of this launch writes it, so no
+   program can see the new value in the same step, whatever the order the programs run in. The increment (and
+   the reset at l_win) is a dedicated pass, `_win_count_kernel` (one tiny launch over the B·Hkv rows, stream-
+   ordered after the fold): a cross-program "read before anyone writes" needs either that, a flag copied into
+   scratch by an earlier launch (the spec's fused design, where the forward kernel would copy it), or an atomic
+   arrival counter with persistent zeroed scratch. The dedicated pass is the one with no scratch and no atomics.
+
+Everything has a grid fixed by the shapes, no host reads and no allocation beyond the outputs: CUDA-graph
+capturable. The launchers do no checks (the ops check), so Triton's interpreter (TRITON_INTERPRET=1) runs them on
+CPU tensors. Tuning knobs (block_j, block_m) exist for the interpreter tests' small tiles.
+"""
+from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
+
+import torch
+
+from kvrewrite.kernels._triton_op import triton_jit
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the ops run their references; only these launchers need Triton
+    triton = tl = None
+try:
+    # tanh for SOFTCAP: the name Triton remaps to CUDA's libdevice (as clustered_attention.py imports it)
+    from triton.language.extra import libdevice
+except ImportError:
+    libdevice = None
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton_jit()
+def _cap(z, softcap, SOFTCAP: tl.constexpr):
+    """softcap·tanh(z / softcap) when SOFTCAP (HF's order: divide, tanh, multiply), else z; fp32."""
+    if SOFTCAP:
+        z = libdevice.tanh(z / softcap) * softcap
+    return z
+
+
+@triton_jit()
+def _row_slots(LUT, KS, BIAS, POS, SLOT_FILL, b, h, offs_j, R,
+               stride_lb, stride_lh, stride_lj, stride_bb, stride_bh, stride_bc,
+               stride_pb, stride_ph, stride_pc, stride_fb, stride_fh, LOAD_POS: tl.constexpr):
+    """The block's slots: (entry index (0 where not live), a_j, live mask, the entry's slot_pos (0 unless
+    LOAD_POS))."""
+    j_ok = offs_j < R
+    fill = tl.load(SLOT_FILL + b * stride_fb + h * stride_fh)
+    lut = tl.load(LUT + b * stride_lb + h * stride_lh + offs_j * stride_lj, mask=j_ok, other=-1)
+    a = tl.load(KS + b * stride_lb + h * stride_lh + offs_j * stride_lj, mask=j_ok, other=1.0)
+    live = j_ok & (offs_j < fill) & (lut >= 0)
+    e = tl.where(live, lut, 0).to(tl.int64)
+    bias = tl.load(BIAS + b * stride_bb + h * stride_bh + e * stride_bc, mask=live, other=float("-inf"))
+    live = live & (bias > float("-inf"))
+    pos = tl.zeros_like(e)
+    if LOAD_POS:
+        pos = tl.load(POS + b * stride_pb + h * stride_ph + e * stride_pc, mask=live, other=0)
+    return e, a, live, pos
+
+
+@triton_jit(do_not_specialize=["Hkv", "G", "T", "R", "D", "first_recent"])
+def _stats_kernel(
+    Q, K, BIAS, POS, CPOS, LUT, KS, SLOT_FILL, LSE,
+    OUT_TOT, OUT_REC,  # FOLD False: contiguous [B, Hq, R] fp32 outputs.  FOLD True: s_glo, s_loc_past [B, Hkv, R]
+    OUT_CUR, WIN,  # FOLD True only: s_loc_cur [B, Hkv, R] (zeroed), win_count [B, Hkv] int64 (zeroed)
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kc, stride_kd,
+    stride_bb, stride_bh, stride_bc,
+    stride_pb, stride_ph, stride_pc,
+    stride_cp,
+    stride_lb, stride_lh, stride_lj,  # lut and key_scale (same shape; the launcher passes lut's, checked equal)
+    stride_fb, stride_fh,  # slot_fill
+    stride_eb, stride_eh, stride_et,  # lse
+    stride_sb, stride_sh, stride_sj,  # FOLD: s_glo / s_loc_past / s_loc_cur (same strides); else unused
+    stride_wb, stride_wh,  # FOLD: win_count
+    Hkv, G, T, R, D, first_recent, scale, softcap,
+    BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP32: tl.constexpr, SOFTCAP: tl.constexpr, FOLD: tl.constexpr,
+):
+    pid_j = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    b = (pid_r // Hkv).to(tl.int64)
+    h = (pid_r % Hkv).to(tl.int64)
+    offs_j = pid_j * BLOCK_J + tl.arange(0, BLOCK_J)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    e, a, live, pos = _row_slots(LUT, KS, BIAS, POS, SLOT_FILL, b, h, offs_j, R,
+                                 stride_lb, stride_lh, stride_lj, stride_bb, stride_bh, stride_bc,
+                                 stride_pb, stride_ph, stride_pc, stride_fb, stride_fh, True)
+    # one key row per slot (its entry's), in registers only: shared by every query head and query block
+    k = tl.load(K + b * stride_kb + h * stride_kh + e[:, None] * stride_kc + offs_d[None, :] * stride_kd,
+                mask=live[:, None] & d_ok[None, :], other=0.0)
+    pos_min = tl.min(tl.where(live, pos, 2**62), axis=0)
+    tot = tl.zeros([BLOCK_J], dtype=tl.float32)
+    rec = tl.zeros([BLOCK_J], dtype=tl.float32)
+    for g in range(G):
+        hq = h * G + g
+        total = tl.zeros([BLOCK_J], dtype=tl.float32)
+        recent = tl.zeros([BLOCK_J], dtype=tl.float32)
+        for t0 in range(0, T, BLOCK_M):
+            offs_t = t0 + tl.arange(0, BLOCK_M)
+            t_ok = offs_t < T
+            qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=0)
+            if tl.max(tl.where(t_ok, qpos, -(2**62)), axis=0) >= pos_min:  # some query sees some slot
+                q = tl.load(Q + b * stride_qb + hq * stride_qh + offs_t[:, None] * stride_qt
+                            + offs_d[None, :] * stride_qd, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+                lse = tl.load(LSE + b * stride_eb + hq * stride_eh + offs_t * stride_et, mask=t_ok,
+                              other=float("-inf"))
+                if FP32:
+                    qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    qk = tl.dot(q, tl.trans(k))  # 16-bit products are exact, sums fp32
+                # s_e = scale·q·k, then a_j·s_e, then the cap: the reference's order (the cast: Inductor may hand
+                # scale over as an fp64 scalar)
+                z = _cap((qk * scale).to(tl.float32) * a[None, :], softcap, SOFTCAP)
+                vis = live[None, :] & (pos[None, :] <= qpos[:, None]) & (lse > float("-inf"))[:, None]
+                p = tl.where(vis, tl.exp2((z - lse[:, None]) * 1.4426950408889634), 0.0)
+                total += tl.sum(p, axis=0)
+                recent += tl.sum(tl.where((offs_t >= first_recent)[:, None], p, 0.0), axis=0)
+        if FOLD:
+            tot += total
+            rec += recent
+        else:
+            out = (b * Hkv * G + hq) * R + offs_j
+            tl.store(OUT_TOT + out, total, mask=offs_j < R)
+            tl.store(OUT_REC + out, recent, mask=offs_j < R)
+    if FOLD:  # ems_attention, T > 1: s_glo += tot; s_loc_past := rec; s_loc_cur := 0; win_count := 0
+        j_ok = offs_j < R
+        s_off = b * stride_sb + h * stride_sh + offs_j * stride_sj
+        glo = tl.load(OUT_TOT + s_off, mask=j_ok, other=0.0)
+        tl.store(OUT_TOT + s_off, glo + tot, mask=j_ok)
+        tl.store(OUT_REC + s_off, rec, mask=j_ok)
+        tl.store(OUT_CUR + s_off, tl.zeros([BLOCK_J], dtype=tl.float32), mask=j_ok)
+        if pid_j == 0:
+            tl.store(WIN + b * stride_wb + h * stride_wh, tl.full([], 0, tl.int64))
+
+
+@triton_jit(do_not_specialize=["Hkv", "G", "R", "l_win"])
+def _decode_fold_kernel(
+    S, LSE, BIAS, POS, CPOS, LUT, KS, SLOT_FILL,
+    S_GLO, S_PAST, S_CUR, WIN,  # mutated: the three scores [B, Hkv, R] fp32; win_count [B, Hkv] int64 (READ only)
+    stride_xb, stride_xh, stride_xc,  # S
+    stride_eb, stride_eh,  # lse [B, Hq, 1]
+    stride_bb, stride_bh, stride_bc,
+    stride_pb, stride_ph, stride_pc,
+    stride_lb, stride_lh, stride_lj,
+    stride_fb, stride_fh,
+    stride_sb, stride_sh, stride_sj,
+    stride_wb, stride_wh,
+    Hkv, G, R, l_win, softcap,
+    BLOCK_J: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    pid_j = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    b = (pid_r // Hkv).to(tl.int64)
+    h = (pid_r % Hkv).to(tl.int64)
+    # read before anything else, and never written by this launch (module docstring: _win_count_kernel does)
+    rotate = tl.load(WIN + b * stride_wb + h * stride_wh) + 1 == l_win
+    offs_j = pid_j * BLOCK_J + tl.arange(0, BLOCK_J)
+    e, a, live, pos = _row_slots(LUT, KS, BIAS, POS, SLOT_FILL, b, h, offs_j, R,
+                                 stride_lb, stride_lh, stride_lj, stride_bb, stride_bh, stride_bc,
+                                 stride_pb, stride_ph, stride_pc, stride_fb, stride_fh, CAUSAL)
+    if CAUSAL:  # without past_only's promise: the entry must lie at or before the query
+        live = live & (pos <= tl.load(CPOS))
+    p = tl.zeros([BLOCK_J], dtype=tl.float32)
+    for g in range(G):
+        hq = h * G + g
+        lse = tl.load(LSE + b * stride_eb + hq * stride_eh)
+        lse = tl.where(lse > float("-inf"), lse, float("inf"))  # a head that saw nothing adds exp(-inf) = 0
+        s = tl.load(S + b * stride_xb + hq * stride_xh + e * stride_xc, mask=live, other=0.0)
+        z = _cap(s * a, softcap, SOFTCAP)
+        p += tl.where(live, tl.exp2((z - lse) * 1.4426950408889634), 0.0)
+    j_ok = offs_j < R
+    s_off = b * stride_sb + h * stride_sh + offs_j * stride_sj
+    glo = tl.load(S_GLO + s_off, mask=j_ok, other=0.0)
+    cur = tl.load(S_CUR + s_off, mask=j_ok, other=0.0) + p
+    tl.store(S_GLO + s_off, glo + p, mask=j_ok)
+    if rotate:
+        tl.store(S_PAST + s_off, cur, mask=j_ok)
+        tl.store(S_CUR + s_off, tl.zeros([BLOCK_J], dtype=tl.float32), mask=j_ok)
+    else:
+        tl.store(S_CUR + s_off, cur, mask=j_ok)
+
+
+@triton_jit(do_not_specialize=["rows", "l_win"])
+def _win_count_kernel(WIN, rows, l_win, BLOCK: tl.constexpr):
+    """win_count := win_count + 1, or 0 where that reaches l_win (contiguous [B·Hkv] int64)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < rows
+    n = tl.load(WIN + offs, mask=ok, other=0) + 1
+    tl.store(WIN + offs, tl.where(n == l_win, 0, n), mask=ok)
+
+
+def stats_config(T: int, D: int, block_j=None, block_m=None, num_warps=None, num_stages=None) -> dict:
+    """Tile sizes from the shapes alone (one fixed launch for CUDA graphs); the knobs override them."""
+    block_d = max(16, triton.next_power_of_2(D))
+    wide = block_d > 128  # D = 256: smaller tiles keep q and the keys in registers
+    # D = 128 measured on the H100 (Llama-3.1-8B shape at 32k, a 256-query chunk, bf16, B = 1): 128 slots x 32
+    # queries with 4 warps took 0.70 ms, the 64 x 64 tiles with 8 warps 1.19 ms (a sweep of 54 configurations)
+    return dict(BLOCK_D=block_d,
+                BLOCK_M=block_m or min(32, max(16, triton.next_power_of_2(T))),  # tl.dot: >= 16
+                BLOCK_J=block_j or (32 if wide else 128),
+                num_warps=num_warps or (8 if wide else 4), num_stages=num_stages or 2)
+
+
+def _stats_launch(q, keys, bias, slot_pos, cache_position, lut, key_scale, slot_fill, lse, scale, last, softcap,
+                  out_tot, out_rec, fold_state, block_j, block_m, num_warps=None, num_stages=None):
+    B, Hq, T, D = (int(n) for n in q.shape)
+    Hkv, R = int(keys.shape[1]), int(lut.shape[2])
+    cfg = stats_config(T, D, block_j, block_m, num_warps, num_stages)
+    fold = fold_state is not None
+    s_glo, s_past, s_cur, win = fold_state if fold else (out_tot, out_rec, out_tot, slot_fill)
+    _stats_kernel[(triton.cdiv(R, cfg["BLOCK_J"]), B * Hkv)](
+        q, keys, bias, slot_pos, cache_position, lut, key_scale, slot_fill, lse,
+        s_glo if fold else out_tot, s_past if fold else out_rec, s_cur, win,
+        *q.stride(), *keys.stride(), *bias.stride(), *slot_pos.stride(), *cache_position.stride(), *lut.stride(),
+        *slot_fill.stride(), *lse.stride(), *s_glo.stride(), *(win.stride() if fold else (0, 0)),
+        Hkv, Hq // Hkv, T, R, D, T - min(last, T), float(scale), float(softcap),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_J=cfg["BLOCK_J"], BLOCK_D=cfg["BLOCK_D"], FP32=q.dtype == torch.float32,
+        SOFTCAP=softcap > 0, FOLD=fold, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def launch_stats(q, keys, bias, slot_pos, cache_position, lut, key_scale, slot_fill, lse, scale, last, softcap,
+                 block_j=None, block_m=None):
+    """(total, recent) [B, Hq, R] fp32 of kvrewrite::expanded_attention_stats (no checks: the op checks)."""
+    B, Hq, T, _ = q.shape
+    R = lut.shape[2]
+    total = torch.empty((B, Hq, R), dtype=torch.float32, device=q.device)
+    recent = torch.empty((B, Hq, R), dtype=torch.float32, device=q.device)
+    if total.numel() == 0:
+        return total, recent
+    if T == 0:
+        return total.zero_(), recent.zero_()
+    _stats_launch(q, keys, bias, slot_pos, cache_position, lut, key_scale, slot_fill, lse, scale, last, softcap,
+                  total, recent, None, block_j, block_m)
+    return total, recent
+
+
+def launch_prefill_fold(q, keys, bias, slot_pos, cache_position, lut, key_scale, slot_fill, lse, s_glo, s_loc_past,
+                        s_loc_cur, win_count, scale, l_win, softcap, block_j=None, block_m=None, **knobs):
+    """ems_attention's T > 1 rule in place from recomputed statistics (module docstring, 1; FOLD). T >= 1."""
+    if s_glo.numel() == 0:
+        win_count.zero_()  # R == 0: no slot program would run
+        return
+    _stats_launch(q, keys, bias, slot_pos, cache_position, lut, key_scale, slot_fill, lse, scale, l_win, softcap,
+                  None, None, (s_glo, s_loc_past, s_loc_cur, win_count), block_j, block_m, **knobs)
+
+
+def launch_decode_fold(S, lse, bias, slot_pos, cache_position, lut, key_scale, slot_fill, s_glo, s_loc_past,
+                       s_loc_cur, win_count, l_win, softcap, past_only, block_j=None):
+    """ems_attention's T = 1 rule in place from S [B, Hq, C] and lse [B, Hq, 1] (module docstring, 2): the fold
+    launch, then the win_count pass. win_count must be contiguous."""
+    B, Hkv, R = s_glo.shape
+    Hq = S.shape[1]
+    if B * Hkv == 0:
+        return
+    block_j = block_j or 512
+    if R > 0:
+        _decode_fold_kernel[(triton.cdiv(R, block_j), B * Hkv)](
+            S, lse, bias, slot_pos, cache_position, lut, key_scale, slot_fill, s_glo, s_loc_past, s_loc_cur,
+            win_count, *S.stride(), *lse.stride()[:2], *bias.stride(), *slot_pos.stride(), *lut.stride(),
+            *slot_fill.stride(), *s_glo.stride(), *win_count.stride(), Hkv, Hq // Hkv, R, l_win, float(softcap),
+            BLOCK_J=block_j, SOFTCAP=softcap > 0, CAUSAL=not past_only, num_warps=4,
+        )
+    _win_count_kernel[(triton.cdiv(B * Hkv, 256),)](win_count, B * Hkv, l_win, BLOCK=256, num_warps=1)
