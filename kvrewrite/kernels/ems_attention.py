@@ -29,10 +29,9 @@ code (the T > 1 / T = 1 branch is on a static shape; the rotation is a torch.whe
 
 CUDA path (triton_ems_attention; used once KERNELS_CHECKED_ON_GPU says its GPU tests passed, else the reference,
 logged once). Three steps, no [B, Hq, R] tensor, no host read, CUDA-graph capturable:
-- `_expanded_forward(...)` gives (out, lse) and, for decode, S [B, Hq, C] fp32 (s_e = scale·q·keys[e], pre-cap).
-  TODAY it is the reference expanded_attention plus an einsum for S (the Triton forward of §6.2 is another
-  change); swapping in expanded_attention.py's `launch_expanded_forward(..., S=S)` is the one assignment marked
-  SWAP below.
+- `_expanded_forward(...)` = expanded_attention.py's `launch_expanded_forward(..., S=S)`, the Triton forward of
+  §6.2 and its combine: (out, lse) and, for decode, S [B, Hq, C] fp32 (s_e = scale·q·keys[e], pre-cap).
+  `_reference_forward` (the reference plus an einsum for S, same signature) is what the interpreter tests use.
 - T > 1: the statistics kernel of _ems_fold_kernels.py in its FOLD variant recomputes the probabilities from lse
   and applies the prefill rule per KV head inside the kernel.
 - T = 1: the decode fold kernel of _ems_fold_kernels.py reads S and lse and applies the decode rule; win_count is
@@ -56,7 +55,8 @@ import logging
 
 import torch
 
-from kvrewrite.kernels.expanded_attention import check_expanded_inputs, entry_scores, reference_expanded_attention
+from kvrewrite.kernels.expanded_attention import (check_expanded_inputs, entry_scores, launch_expanded_forward,
+                                                 reference_expanded_attention)
 from kvrewrite.kernels.expanded_attention_stats import (check_cuda_inputs, fold_kernels,
                                                         reference_expanded_attention_stats)
 
@@ -154,7 +154,7 @@ def _reference_forward(q, keys, values, bias, slot_pos, cache_position, entry_st
     return out, lse
 
 
-_expanded_forward = _reference_forward  # SWAP: = expanded_attention.launch_expanded_forward once it has landed
+_expanded_forward = launch_expanded_forward  # the Triton forward + combine (expanded_attention.py)
 
 
 def _check_fold_state(name, s_glo, s_loc_past, s_loc_cur, win_count):
