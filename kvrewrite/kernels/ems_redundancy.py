@@ -14,11 +14,35 @@ Inputs: keys, values [B, Hkv, C, D]; raw_keys [B, Hkv, C or 0, D]; cls [B, Hkv, 
 due [B, Hkv] bool. Args: tau (float in [0, 1]). Returns dest [B, Hkv, C] int32.
 
 Backends: the reference below (static-shape tensor code: the cosine matrices by matmuls in blocks of BLOCK TBM rows,
-no host reads, deterministic) is the CPU path and, until a Triton kernel passes its GPU tests, the CUDA path too.
+no host reads, deterministic) is the CPU path and the ground truth. The CUDA path is `_cuda_impl`'s choice: the
+Triton kernel below once KERNELS_CHECKED_ON_GPU records that its GPU tests passed, else the reference.
+
+Triton kernel (one launch, grid (TBM blocks of BLOCK_T entries, rows)): a block without a due TBM entry returns at
+once (decode: ~32 TBM per row, so most blocks do nothing). Otherwise its TBM rows of a and v stay in registers
+with their fp32 norms, and it walks the row's entries in centre blocks of BLOCK_N (a block without a centre is
+skipped): two tl.dot products (fp32 accumulate; fp32 inputs at IEEE precision, never TF32), divided by the norm
+products (tl.div_rn: dot first, then divide; 0 for a zero norm), clamped at 0, multiplied; a running argmax per TBM
+row where a later block wins only when strictly larger (ties: the smallest centre). Deterministic, no atomics, no
+host read, every output entry written once. It differs from the reference only in the fp32 order of the dot and
+norm sums, so dest agrees exactly wherever no two R_dc are within a few ulps of each other or of tau (§11; the
+GPU tests construct such gaps, and exact ties between identical vectors agree).
 """
+from __future__ import annotations  # the kernel's `tl.constexpr` annotations stay strings without Triton
+
+import logging
+
 import torch
 
+from kvrewrite.kernels._triton_op import triton_jit
 from kvrewrite.kernels.ems_score import check_due
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the op runs its reference; only triton_ems_redundancy raises
+    triton = tl = None
+
+logger = logging.getLogger(__name__)
 
 NAME = "kvrewrite::ems_redundancy"
 CENTRE, TBM = 2, 3
@@ -82,11 +106,121 @@ def _check_inputs(keys, values, raw_keys, cls, due, tau):
         raise ValueError(f"{NAME}: tau must be in [0, 1], got {tau}")
 
 
+# -- the Triton kernel --------------------------------------------------------------------------------
+BLOCK_T = 64  # TBM rows per program
+BLOCK_N = 64  # centres per step
+
+
+@triton_jit(do_not_specialize=["C", "tau"])
+def _redundancy_kernel(A, V, CLS, DUE, DEST, C, D, tau, MERGE: tl.constexpr, IEEE: tl.constexpr,
+                       BT: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr):
+    blk = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    d = blk * BT + tl.arange(0, BT)
+    md = d < C
+    cls = tl.load(CLS + row * C + d, mask=md, other=0)
+    due = tl.load(DUE + row) != 0
+    tbm = md & (cls == 3) & due
+    best = tl.full([BT], float("-inf"), tl.float32)
+    arg = tl.full([BT], C, tl.int32)
+    if MERGE:
+        if tl.sum(tbm.to(tl.int32), axis=0) > 0:
+            kd = tl.arange(0, BLOCK_D)
+            mk = (kd < D)[None, :]
+            at = (row * C + d)[:, None] * D + kd[None, :]
+            xa = tl.load(A + at, mask=tbm[:, None] & mk, other=0.0)
+            xv = tl.load(V + at, mask=tbm[:, None] & mk, other=0.0)
+            xaf = xa.to(tl.float32)
+            xvf = xv.to(tl.float32)
+            na = tl.sqrt_rn(tl.sum(xaf * xaf, axis=1))
+            nv = tl.sqrt_rn(tl.sum(xvf * xvf, axis=1))
+            for c0 in range(0, C, BN):
+                c = c0 + tl.arange(0, BN)
+                mc = c < C
+                cen = mc & (tl.load(CLS + row * C + c, mask=mc, other=0) == 2)
+                if tl.sum(cen.to(tl.int32), axis=0) > 0:
+                    ct = (row * C + c)[None, :] * D + kd[:, None]  # [BLOCK_D, BN]: the centres transposed
+                    ya = tl.load(A + ct, mask=cen[None, :] & (kd < D)[:, None], other=0.0)
+                    yv = tl.load(V + ct, mask=cen[None, :] & (kd < D)[:, None], other=0.0)
+                    yaf = ya.to(tl.float32)
+                    yvf = yv.to(tl.float32)
+                    nya = tl.sqrt_rn(tl.sum(yaf * yaf, axis=0))
+                    nyv = tl.sqrt_rn(tl.sum(yvf * yvf, axis=0))
+                    if IEEE:
+                        da = tl.dot(xa, ya, input_precision="ieee")
+                        dv = tl.dot(xv, yv, input_precision="ieee")
+                    else:
+                        da = tl.dot(xa, ya)
+                        dv = tl.dot(xv, yv)
+                    dena = na[:, None] * nya[None, :]
+                    denv = nv[:, None] * nyv[None, :]
+                    ca = tl.where(dena > 0.0, tl.div_rn(da, tl.where(dena > 0.0, dena, 1.0)), 0.0)
+                    cv = tl.where(denv > 0.0, tl.div_rn(dv, tl.where(denv > 0.0, denv, 1.0)), 0.0)
+                    r = tl.maximum(ca, 0.0) * tl.maximum(cv, 0.0)
+                    r = tl.where(cen[None, :], r, float("-inf"))
+                    tmax = tl.max(r, axis=1)
+                    targ = tl.min(tl.where(cen[None, :] & (r == tmax[:, None]), c[None, :], C), axis=1)
+                    up = tmax > best  # a later block wins only when strictly larger: ties to the smallest centre
+                    best = tl.where(up, tmax, best)
+                    arg = tl.where(up, targ, arg)
+    merge = (best >= tau) & (arg < C)
+    if not MERGE:
+        merge = merge & False
+    dest = tl.where(tbm, tl.where(merge, arg, -1), tl.where(due & ((cls == 1) | (cls == 2)), d, -1))
+    tl.store(DEST + row * C + d, dest, mask=md)
+
+
+def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int | None = None,
+                          block_n: int | None = None, num_warps: int = 4):
+    """The Triton kernel (module docstring): dest [B, Hkv, C] int32. Under TRITON_INTERPRET=1 it runs on CPU
+    tensors (how it is tested without a GPU; fp32 only there: the 3.6 interpreter's 16-bit tl.dot is wrong)."""
+    if triton is None:
+        raise NotImplementedError(f"{NAME}: the Triton kernel needs Triton (pip install triton)")
+    _check_inputs(keys, values, raw_keys, cls, due, tau)
+    B, H, C, D = keys.shape
+    a = raw_keys if raw_keys.shape[2] > 0 else keys
+    dest = torch.empty_like(cls)
+    if B * H * C == 0:
+        return dest
+    bt, bn = block_t or BLOCK_T, block_n or BLOCK_N
+    a, v, c, du = a.contiguous(), values.contiguous(), cls.contiguous(), due.contiguous()
+    _redundancy_kernel[(triton.cdiv(C, bt), B * H)](
+        a, v, c, du, dest, C, D, float(tau), MERGE=tau < 1, IEEE=keys.dtype == torch.float32, BT=bt, BN=bn,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=num_warps)
+    return dest
+
+
+# -- the CUDA path ------------------------------------------------------------------------------------
+KERNELS_CHECKED_ON_GPU = False  # set True only after tests/kernels/test_ems_redundancy_gpu.py passed on an H100
+_WARNED = []
+
+
+def _cuda_impl(keys):
+    """THE one place that decides the CUDA path: the Triton launcher once checked on a GPU and Triton imports, with
+    D <= 256, else None (the reference, logged once)."""
+    if not KERNELS_CHECKED_ON_GPU or triton is None or keys.shape[-1] > 256:
+        return None
+    return triton_ems_redundancy
+
+
 @torch.library.custom_op(NAME, mutates_args=())
 def ems_redundancy(keys: torch.Tensor, values: torch.Tensor, raw_keys: torch.Tensor, cls: torch.Tensor,
                    due: torch.Tensor, *, tau: float) -> torch.Tensor:
-    """dest [B, Hkv, C] int32 of every entry (module docstring). CPU and CUDA run the reference."""
+    """dest [B, Hkv, C] int32 of every entry (module docstring). CPU runs the reference; CUDA `_cuda_impl`'s."""
     _check_inputs(keys, values, raw_keys, cls, due, tau)
+    return reference_ems_redundancy(keys, values, raw_keys, cls, due, tau)
+
+
+@ems_redundancy.register_kernel("cuda")
+def _(keys, values, raw_keys, cls, due, *, tau):
+    _check_inputs(keys, values, raw_keys, cls, due, tau)
+    launcher = _cuda_impl(keys)
+    if launcher is not None:
+        return launcher(keys, values, raw_keys, cls, due, tau)
+    if not _WARNED:
+        _WARNED.append(True)
+        logger.warning("ems_redundancy: CUDA runs the tensor reference (KERNELS_CHECKED_ON_GPU=%s, Triton %s, D=%d)",
+                       KERNELS_CHECKED_ON_GPU, "missing" if triton is None else "present", keys.shape[-1])
     return reference_ems_redundancy(keys, values, raw_keys, cls, due, tau)
 
 
