@@ -170,6 +170,17 @@ def bench():
         row["compress_cuda_path_us"] = _time(lambda: run_op(s, **opts), restore)
         ems_redundancy.KERNELS_CHECKED_ON_GPU = ems_merge.KERNELS_CHECKED_ON_GPU = False
         print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        if B == 1:  # per-launch breakdown of the kernels (one call each)
+            from torch.profiler import ProfilerActivity, profile
+            restore()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                ems_redundancy.triton_ems_redundancy(*rargs)
+                mk.triton_ems_merge(*margs(dest))
+                torch.cuda.synchronize()
+            ev = [(e.key, e.device_time_total) for e in prof.key_averages() if e.device_time_total > 0]
+            print(case, "kernels (us):", {k[:40]: round(t, 1) for k, t in sorted(ev, key=lambda x: -x[1])[:14]},
+                  flush=True)
         out.append(row)
         del s, saved
         torch.cuda.empty_cache()

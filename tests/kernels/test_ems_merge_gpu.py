@@ -119,12 +119,14 @@ def merge_both(s, bt, thr, l_win, pool, gamma, tau, due=None):
 
 
 def compare(s, ref, old, rtol):
-    """Discrete fields and scores exactly; key_scale 1e-6; keys/values/raw_keys of the kept entries to rtol (1e-6 in
+    """Discrete fields and scores exactly; key_scale to rtol too (it is n_j over the norm of the stored new key,
+    whose 16-bit rounding may differ by an ulp from the reference's fp64 one; ||a_j keys[lut_j]|| == n_j is checked
+    on each state apart); keys/values/raw_keys of the kept entries to rtol (1e-6 in
     fp32; one rounding of the 16-bit dtypes), freed entries' rows as they were (never read); rows not due bit for
     bit (they are in EXACT and in old)."""
     for f in EXACT:
         assert torch.equal(s[f], ref[f]), f
-    torch.testing.assert_close(s["key_scale"], ref["key_scale"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(s["key_scale"], ref["key_scale"], rtol=rtol, atol=rtol)
     kept = torch.arange(s["keys"].shape[2], device=s["keys"].device) < s["fill"][..., None]
     for f in ("keys", "values", "raw_keys"):
         if s[f].shape[2]:
@@ -144,16 +146,16 @@ def test_matches_reference_three_rounds(dtype, pos, gamma, tau):
     slots = [[1180, 1000, 700], [900, 1201, 1100]]
     s = make_state(B, H, C, R, D, fills, slots, dtype=dtype, pos=pos, pads=[0, 17], seed=3)
     bt, thr = 220, 450
+    merged = False
     for rnd in range(3):
         norms = norms_of(s)
         ref, old, cls, dest, due = merge_both(s, bt, thr, 4, 7, gamma, tau)
         compare(s, ref, old, RTOL[dtype])
-        assert ((cls == 3) & (dest >= 0)).any() == (tau < 1 and gamma > 1)
+        merged |= bool(((cls == 3) & (dest >= 0)).any())
         after = norms_of(s)
-        if dtype == torch.float32:
-            for b, h in itertools.product(range(B), range(H)):
-                for p, n in after[b, h].items():
-                    assert n == pytest.approx(norms[b, h][p], rel=1e-6)
+        for b, h in itertools.product(range(B), range(H)):  # ||a_j keys[lut_j]|| == n_j, every dtype
+            for p, n in after[b, h].items():
+                assert n == pytest.approx(norms[b, h][p], rel=2e-6)
         # grow every row by fresh single-slot entries so that the due rows are due again
         for b, h in itertools.product(range(B), range(H)):
             f, sf = int(s["fill"][b, h]), int(s["slot_fill"][b, h])
@@ -174,6 +176,7 @@ def test_matches_reference_three_rounds(dtype, pos, gamma, tau):
                 s[name][b, h, :sf + n] = torch.rand(sf + n, device="cuda")
             s["fill"][b, h] += n
             s["slot_fill"][b, h] += n
+    assert merged == (tau < 1 and gamma > 1)
 
 
 @pytest.mark.parametrize("pos", ["without", "with"])

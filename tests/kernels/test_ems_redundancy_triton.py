@@ -22,17 +22,18 @@ from tests.kernels.test_ems_partition import run as partition  # noqa: E402
 from tests.kernels.test_ems_redundancy import row_state  # noqa: E402
 from tests.kernels.test_ems_score import merged_rows  # noqa: E402
 
-SMALL = dict(block_t=16, block_n=16)
+SMALL = dict(block_t=16, block_n=16, splits=2)
 
 
-def kernel(s, cls, tau, due=None):
+def kernel(s, cls, tau, due=None, **knobs):
     due = torch.ones(s["fill"].shape, dtype=torch.bool) if due is None else due
-    return triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau, **SMALL)
+    return triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau, **{**SMALL, **knobs})
 
 
+@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("pos", ["without", "with"])
 @pytest.mark.parametrize("tau", [0.0, 0.2, 1.0])
-def test_matches_reference_and_naive(pos, tau):
+def test_matches_reference_and_naive(pos, tau, splits):
     rows = merged_rows(seed=2)
     g = torch.Generator().manual_seed(9)
     nz = lambda x: x + 0.1 * torch.randn(x.shape, generator=g, dtype=x.dtype)  # noqa: E731
@@ -43,7 +44,7 @@ def test_matches_reference_and_naive(pos, tau):
     s = N.to_state(rows, 37, 48, pos=pos)
     cls = partition(s, 8, gamma=2.0)
     due = torch.tensor([[True, True], [False, True]])
-    got = kernel(s, cls, tau, due)
+    got = kernel(s, cls, tau, due, splits=splits)
     assert torch.equal(got, reference_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau))
     for b, h in itertools.product(range(2), range(2)):
         if not due[b, h]:
