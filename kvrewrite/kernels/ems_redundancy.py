@@ -28,6 +28,14 @@ split; 3. per entry block, dest: the splits combined in ascending order by the s
 no atomics, no host read, every output entry written once. It differs from the reference only in the fp32 order of the dot and
 norm sums, so dest agrees exactly wherever no two R_dc are within a few ulps of each other or of tau (§11; the
 GPU tests construct such gaps, and exact ties between identical vectors agree).
+
+Checked: through Triton's interpreter against the reference and the naive model
+(tests/kernels/test_ems_redundancy_triton.py), and compiled on an H100 (torch 2.11, Triton 3.6) against the reference
+on the same GPU (fp32/fp16/bf16, D 64/128, C 1031, pos with/without, tau 0/0.6/1, padding, rows not due), exact
+ties, the naive model, a CUDA graph replay (tests/kernels/test_ems_redundancy_gpu.py: 26 passed). Measured there on
+a Llama-3.1-8B-shaped 32k state at budget 0.2 (Hkv 8, C 6866, D 128, bf16; tests/kernels/test_ems_compress_gpu.py
+run as a script, CUDA events, eager): B = 1 prefill-chunk compression (287 TBM per row) 0.60 ms vs the reference's
+30.1 ms, decode-time (32 TBM) 0.31 ms vs 29.8 ms; B = 8: 2.03 ms vs 228 ms and 0.54 ms vs 226 ms.
 """
 from __future__ import annotations  # the kernel's `tl.constexpr` annotations stay strings without Triton
 
@@ -258,7 +266,9 @@ def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int
 
 
 # -- the CUDA path ------------------------------------------------------------------------------------
-KERNELS_CHECKED_ON_GPU = False  # set True only after tests/kernels/test_ems_redundancy_gpu.py passed on an H100
+# tests/kernels/test_ems_redundancy_gpu.py passed on an H100 (torch 2.11, Triton 3.6; 26 tests, in a run of 86 with
+# test_ems_merge_gpu.py and test_ems_compress_gpu.py, all passed)
+KERNELS_CHECKED_ON_GPU = True
 _WARNED = []
 
 
