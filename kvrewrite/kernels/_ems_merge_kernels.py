@@ -9,11 +9,11 @@ every output element has exactly one writer and no float atomics (deterministic)
 
 1. weights (grid entry blocks x rows): CNT[e] the slots of valid entry e ([entry_start[e], next start or
    slot_fill)), W[e] their g summed in slot order (fp64, as the reference).
-2. group (grid rows, one program per row): for every merging TBM entry d (cls 3, dest >= 0), its rank among the
-   earlier d' with the same dest (chunks of GROUP_CHUNK entries: an in-chunk comparison matrix plus a running
-   per-centre count GCNT, written by each chunk's last occurrence); kept entries' new index (cumsum) and
-   SRC[new] = old; MOFF[c] = exclusive cumsum of GCNT; the member lists MEM[MOFF[c] + rank] = d (d ascending).
-   Chunks without a merging entry are skipped (decode: ~32 per row).
+2. group (grid rows, one program per row): the merging TBM entries d (cls 3, dest >= 0) listed in ascending order
+   (a chunked cumsum), then each one's rank among the earlier d' with the same dest (chunks of GROUP_CHUNK listed
+   entries: an in-chunk comparison matrix plus a running per-centre count GCNT, written by each chunk's last
+   occurrence; decode: ~32 per row, one chunk); kept entries' new index (cumsum) and SRC[new] = old; MOFF[c] =
+   exclusive cumsum of GCNT; the member lists MEM[MOFF[c] + rank] = d (d ascending).
 3. merge (grid blocks of MERGE_BLOCK entries x rows): every kept single entry gets GSLOTS = CNT, SEGOFF = 0; each
    centre with members walks [c] + MEM (its group order) in chunks of MEMBER_STEP: the weights (fallback to slot
    counts when their sum is 0), the unit keys' / raw keys' and the values' weighted sums in fp32, ONORM[e] =
@@ -66,7 +66,7 @@ if tl is not None:
 NAME = "triton_ems_merge"
 ENTRY_BLOCK = 128  # entries per program of launches 1 and 7
 GROUP_CHUNK = 64  # entries per chunk of the rank pass of launch 2 (a [chunk, chunk] comparison)
-CHUNK = 2048  # lanes of the other chunked per-row passes
+CHUNK = 4096  # lanes of the other chunked per-row passes
 MERGE_BLOCK = 16  # entries per program of launch 3
 MEMBER_STEP = 16  # members per step of a group's loops
 SLOT_BLOCK = 512  # slots per program of launches 5 and 6
@@ -99,7 +99,7 @@ def _w_kernel(BIAS, FILL, ES, SFILL, G, DUE, CNT, W, C, R, BE: tl.constexpr):
 
 # -- 2: groups --------------------------------------------------------------------------------------
 @triton_jit(do_not_specialize=["C"])
-def _group_kernel(FILL, SFILL, CLS, DEST, DUE, RANK, GCNT, NEWIDX, SRC, MOFF, MEM, INFO, C, GCH: tl.constexpr,
+def _group_kernel(FILL, SFILL, CLS, DEST, DUE, RANK, GCNT, NEWIDX, SRC, MOFF, MEM, MLIST, INFO, C, GCH: tl.constexpr,
                   CH: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * C
@@ -107,22 +107,30 @@ def _group_kernel(FILL, SFILL, CLS, DEST, DUE, RANK, GCNT, NEWIDX, SRC, MOFF, ME
     tl.store(INFO + row * 8, due.to(tl.int32))
     if due:
         fill = tl.load(FILL + row)
-        a = tl.arange(0, GCH)
-        for c0 in range(0, C, GCH):
-            e = c0 + a
+        # the merging TBM entries (cls 3, dest >= 0) listed in ascending order, so the rank pass walks only them
+        n_m = tl.zeros([], tl.int32)
+        for c0 in range(0, C, CH):
+            e = c0 + tl.arange(0, CH)
             m = e < C
             ds = tl.load(DEST + base + e, mask=m, other=-1)
             mt = m & (tl.load(CLS + base + e, mask=m, other=0) == 3) & (ds >= 0)
-            if tl.sum(mt.to(tl.int32), axis=0) > 0:
-                key = tl.where(mt, ds, -1)
-                same = (key[:, None] == key[None, :]) & mt[:, None]
-                local = tl.sum((same & (a[None, :] < a[:, None])).to(tl.int32), axis=1)
-                last = tl.sum((same & (a[None, :] > a[:, None])).to(tl.int32), axis=1) == 0
-                rank = tl.load(GCNT + base + key, mask=mt, other=0) + local
-                tl.debug_barrier()  # every load of GCNT before this chunk's stores
-                tl.store(RANK + base + e, rank, mask=mt)
-                tl.store(GCNT + base + key, rank + 1, mask=mt & last)
-                tl.debug_barrier()
+            mi = mt.to(tl.int32)
+            tl.store(MLIST + base + n_m + tl.cumsum(mi, axis=0) - mi, e, mask=mt)
+            n_m += tl.sum(mi, axis=0)
+        tl.debug_barrier()
+        a = tl.arange(0, GCH)
+        for k0 in range(0, n_m, GCH):
+            mt = k0 + a < n_m
+            e = tl.load(MLIST + base + k0 + a, mask=mt, other=0)
+            key = tl.where(mt, tl.load(DEST + base + e, mask=mt, other=-1), -1)
+            same = (key[:, None] == key[None, :]) & mt[:, None]
+            local = tl.sum((same & (a[None, :] < a[:, None])).to(tl.int32), axis=1)
+            last = tl.sum((same & (a[None, :] > a[:, None])).to(tl.int32), axis=1) == 0
+            rank = tl.load(GCNT + base + key, mask=mt, other=0) + local
+            tl.debug_barrier()  # every load of GCNT before this chunk's stores
+            tl.store(RANK + base + e, rank, mask=mt)
+            tl.store(GCNT + base + key, rank + 1, mask=mt & last)
+            tl.debug_barrier()
         n_kept = tl.zeros([], tl.int32)
         moff = tl.zeros([], tl.int32)
         for c0 in range(0, C, CH):
@@ -513,9 +521,9 @@ def triton_ems_merge(keys, values, bias, slot_pos, fill, budget, entry_start, ra
     ms, mc = move_slots or MOVE_SLOTS, move_columns or MOVE_COLUMNS
     block_d = triton.next_power_of_2(D)
     due_i = due.to(torch.int32).contiguous()
-    ce = torch.empty(12, rows, C, dtype=torch.int32, device=dev)
-    cnt, rank, newidx, src, moff, mem, segoff, gslots, gstart, nstart = (ce[i] for i in range(10))
-    onorm, nnorm = ce[10].view(torch.float32), ce[11].view(torch.float32)
+    ce = torch.empty(13, rows, C, dtype=torch.int32, device=dev)
+    cnt, rank, newidx, src, moff, mem, segoff, gslots, gstart, nstart, mlist = (ce[i] for i in range(11))
+    onorm, nnorm = ce[11].view(torch.float32), ce[12].view(torch.float32)
     cz = torch.zeros(2, rows, C, dtype=torch.int32, device=dev)
     gcnt, mrg = cz[0], cz[1]
     w = torch.empty(rows, C, dtype=torch.float64, device=dev)
@@ -527,7 +535,7 @@ def triton_ems_merge(keys, values, bias, slot_pos, fill, budget, entry_start, ra
     xr = torch.empty_like(raw_keys) if has_raw else xk
     rk = raw_keys if has_raw else keys
     _w_kernel[(triton.cdiv(C, be), rows)](bias, fill, entry_start, slot_fill, g, due_i, cnt, w, C, R, BE=be)
-    _group_kernel[(rows,)](fill, slot_fill, cls, dest, due_i, rank, gcnt, newidx, src, moff, mem, info, C,
+    _group_kernel[(rows,)](fill, slot_fill, cls, dest, due_i, rank, gcnt, newidx, src, moff, mem, mlist, info, C,
                            GCH=gch, CH=min(ch, triton.next_power_of_2(C)), num_warps=8)
     _merge_kernel[(triton.cdiv(C, ob), rows)](keys, values, rk, xk, xv, xr, due_i, cnt, w, gcnt, newidx, moff, mem,
                                               segoff, gslots, onorm, nnorm, mrg, C, D, HAS_RAW=has_raw, OB=ob, MB=mb,

@@ -170,6 +170,13 @@ def bench():
         row["compress_cuda_path_us"] = _time(lambda: run_op(s, **opts), restore)
         ems_redundancy.KERNELS_CHECKED_ON_GPU = ems_merge.KERNELS_CHECKED_ON_GPU = False
         print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        from tests.kernels.test_ems_redundancy_gpu import KNOBS
+        sweep = {}
+        for kn in KNOBS[:5]:
+            sweep["%d/%d/%d" % (kn["block_t"], kn["block_n"], kn["num_warps"])] = round(
+                _time(lambda: ems_redundancy.triton_ems_redundancy(*rargs, **kn), restore), 1)
+        print(case, B, "redundancy by block_t/block_n/warps (us):", sweep, flush=True)
+        row["redundancy_sweep_us"] = sweep
         if B == 1:  # per-launch breakdown of the kernels (one call each)
             from torch.profiler import ProfilerActivity, profile
             restore()

@@ -67,6 +67,22 @@ def test_matches_reference(dtype, pos, tau):
     assert (n_merge > 0) == (tau < 1) and int((cls == 3).sum()) > 500
 
 
+KNOBS = [dict(block_t=32, block_n=64, num_warps=4), dict(block_t=64, block_n=64, num_warps=8),
+         dict(block_t=32, block_n=32, num_warps=4), dict(block_t=16, block_n=64, num_warps=4),
+         dict(block_t=64, block_n=32, num_warps=8), dict(block_t=32, block_n=64, num_warps=8, splits=5)]
+
+
+@pytest.mark.parametrize("knobs", KNOBS)
+def test_every_blocking_gives_the_same_dest(knobs):
+    s = make_state(2, 2, 777, 1500, 128, [[777, 700], [760, 600]], [[1500, 1400], [1300, 1200]],
+                   dtype=torch.bfloat16, seed=12, noise=0.3)
+    cls, due = classes(s, 300, 650)
+    cls = without_near_ties(s, cls, 0.6)
+    want = mod.reference_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, 0.6)
+    got = mod.triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, 0.6, **knobs)
+    assert torch.equal(got, want) and int(((cls == 3) & (got >= 0)).sum()) > 0
+
+
 def test_exact_ties_go_to_the_smallest_centre():
     """Identical centre vectors across centre blocks: every identical TBM copy goes to the first of them."""
     s = make_state(1, 2, 300, 600, 128, [[300, 300]], [[600, 600]], dtype=torch.bfloat16, seed=8)
