@@ -25,9 +25,9 @@ a centre is skipped): two tl.dot products (fp32 accumulate; fp32 inputs at IEEE 
 the norm products (tl.div_rn: dot first, then divide; 0 for a zero norm), clamped at 0, multiplied; a running
 argmax per TBM row where a later block wins only when strictly larger (ties: the smallest centre), stored per
 split; 3. per entry block, dest: the splits combined in ascending order by the same strict rule. Deterministic,
-no atomics, no host read, every output entry written once. It differs from the reference only in the fp32 order of the dot and
-norm sums, so dest agrees exactly wherever no two R_dc are within a few ulps of each other or of tau (§11; the
-GPU tests construct such gaps, and exact ties between identical vectors agree).
+no atomics, no host read, every output entry written once. It differs from the reference only in the fp32 order
+of the dot and norm sums, so dest agrees exactly wherever no two R_dc are within a few ulps of each other or of
+tau (§11; the GPU tests construct such gaps, and exact ties between identical vectors agree).
 
 Checked: through Triton's interpreter against the reference and the naive model
 (tests/kernels/test_ems_redundancy_triton.py), and compiled on an H100 (torch 2.11, Triton 3.6) against the reference

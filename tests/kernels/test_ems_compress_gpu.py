@@ -189,8 +189,6 @@ def bench():
             print(case, "kernels (us):", {k[:40]: round(t, 1) for k, t in sorted(ev, key=lambda x: -x[1])[:14]},
                   flush=True)
         out.append(row)
-        del s, saved
-        torch.cuda.empty_cache()
     return out
 
 
