@@ -52,9 +52,11 @@ test_ems_merge_triton.py), and compiled on an H100 (torch 2.11, Triton 3.6) agai
 due, three successive merges with ||a_j keys[lut_j]|| == n_j), the naive model and a CUDA graph replay
 (tests/kernels/test_ems_merge_gpu.py: 47 passed). Measured there on a Llama-3.1-8B-shaped 32k state at budget
 0.2 (Hkv 8, C 6866, R 27464, D 128, bf16; tests/kernels/test_ems_compress_gpu.py run as a script, CUDA events,
-eager, Python launch overhead included): B = 1 prefill-chunk compression 0.60 ms vs the reference's 14.7 ms,
-decode-time 0.51 ms vs 14.3 ms; B = 8: 1.50 ms vs 30.1 ms and 0.80 ms vs 29.5 ms. The per-row launches 2 and 4
-(group, layout: ~110 us each at B = 1) dominate.
+eager, the nine launches' Python overhead included, which varied 0.5-1.4 ms between two runs): B = 1
+prefill-chunk compression 0.6-1.4 ms vs the reference's 14.7 ms, decode-time 0.5-0.9 ms vs 14.3-15.5 ms; B = 8:
+1.3-1.5 ms vs 30-31 ms and 0.75-0.8 ms vs 29.5-30.8 ms. GPU time of the launches (profiler, B = 1): ~230 us at
+prefill, ~195 us at decode, of which the per-row layout launch is ~98 us (the next step: its per-slot passes as
+parallel launches), the group launch ~20 us, the staged move ~35 us.
 """
 import importlib
 import logging
@@ -240,7 +242,7 @@ MUTATED = ("keys", "values", "bias", "slot_pos", "fill", "entry_start", "raw_key
 
 
 # -- the CUDA path ------------------------------------------------------------------------------------
-# tests/kernels/test_ems_merge_gpu.py passed on an H100 (torch 2.11, Triton 3.6; 47 tests, in a run of 86 with
+# tests/kernels/test_ems_merge_gpu.py passed on an H100 (torch 2.11, Triton 3.6; 47 tests, in a run of 92 with
 # test_ems_redundancy_gpu.py and test_ems_compress_gpu.py, all passed)
 KERNELS_CHECKED_ON_GPU = True
 _WARNED = []
