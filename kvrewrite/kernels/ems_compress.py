@@ -19,8 +19,8 @@ Bt <= l_win, read from budget only when budget is on the CPU (the CUDA path woul
 ems_partition clamps N_imp >= 0). The op is a `custom_op`, opaque to Inductor.
 
 Checked on an H100 (torch 2.11, Triton 3.6; tests/kernels/test_ems_compress_gpu.py: 13 passed, twice): the whole op
-on CUDA with ems_redundancy's and ems_merge's kernels gives the CPU reference's state (three successive compressions, pos
-with/without, gamma 1/1.25/4/inf, tau 0/0.6/1) and the naive model's, and replays in a CUDA graph. Measured there
+on CUDA with ems_redundancy's and ems_merge's kernels gives the CPU reference's state (three successive compressions,
+pos with/without, gamma 1/1.25/4/inf, tau 0/0.6/1) and the naive model's, and replays in a CUDA graph. Measured there
 (Llama-3.1-8B-shaped 32k state, budget 0.2, bf16, eager; ems_score and ems_partition still their references on this
 branch): B = 1 prefill-chunk compression 2.8-3.8 ms vs the all-reference chain's 45.6 ms, decode-time 3.5-5.0 ms
 vs 45-46.5 ms; B = 8: 5.6-5.7 ms vs 259 ms and 3.6-3.9 ms vs 258 ms (two runs).
