@@ -43,8 +43,8 @@ every output element has exactly one writer and no float atomics (deterministic)
 The per-row launches 2 and 4 are serial chunked passes in one program per row (8 SMs at B = 1). Measured on
 an H100 (profiler, Llama-3.1-8B-shaped 32k state at budget 0.2, B = 1, bf16): all nine launches ~195 us GPU time
 at a decode-time compression and ~230 us after a prefill chunk; launch 4 is ~98 us of it (the next step: its
-per-slot passes as parallel launches, leaving only the three scans per row), launch 2 ~20 us, launches 8-9 ~35 us. Transient memory: the staging copies (the state's K/V/raw size) and ~20 words per entry
-and per slot of scratch.
+per-slot passes as parallel launches, leaving only the three scans per row), launch 2 ~20 us, launches 8-9 ~35 us.
+Transient memory: the staging copies (the state's K/V/raw size) and ~20 words per entry and per slot of scratch.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
