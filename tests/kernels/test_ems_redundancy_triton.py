@@ -1,0 +1,77 @@
+"""ems_redundancy's Triton kernel on the CPU, through Triton's interpreter (fp32: the 3.6 interpreter's 16-bit tl.dot
+is wrong), against the reference and the float64 naive model (tests/kernels/ems_naive.py); 16-entry blocks so a few
+dozen entries cross block boundaries.
+
+Runs only under the interpreter: `TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_ems_redundancy_triton.py`
+(with Triton installed; skipped otherwise).
+"""
+import itertools
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("runs Triton's interpreter on the CPU: set TRITON_INTERPRET=1 (and install Triton)",
+                allow_module_level=True)
+pytest.importorskip("triton")
+
+from kvrewrite.kernels.ems_redundancy import reference_ems_redundancy, triton_ems_redundancy  # noqa: E402
+from tests.kernels import ems_naive as N  # noqa: E402
+from tests.kernels.test_ems_partition import run as partition  # noqa: E402
+from tests.kernels.test_ems_redundancy import row_state  # noqa: E402
+from tests.kernels.test_ems_score import merged_rows  # noqa: E402
+
+SMALL = dict(block_t=16, block_n=16, splits=2)
+
+
+def kernel(s, cls, tau, due=None, **knobs):
+    due = torch.ones(s["fill"].shape, dtype=torch.bool) if due is None else due
+    return triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau, **{**SMALL, **knobs})
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("pos", ["without", "with"])
+@pytest.mark.parametrize("tau", [0.0, 0.2, 1.0])
+def test_matches_reference_and_naive(pos, tau, splits):
+    rows = merged_rows(seed=2)
+    g = torch.Generator().manual_seed(9)
+    nz = lambda x: x + 0.1 * torch.randn(x.shape, generator=g, dtype=x.dtype)  # noqa: E731
+    for rb in rows:
+        for r in rb:
+            for i in range(1, len(r), 2):
+                r[i].key, r[i].raw, r[i].value = nz(r[i - 1].key * 1.5), nz(r[i - 1].raw * 0.5), nz(r[i - 1].value * 2)
+    s = N.to_state(rows, 37, 48, pos=pos)
+    cls = partition(s, 8, gamma=2.0)
+    due = torch.tensor([[True, True], [False, True]])
+    got = kernel(s, cls, tau, due, splits=splits)
+    assert torch.equal(got, reference_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau))
+    for b, h in itertools.product(range(2), range(2)):
+        if not due[b, h]:
+            assert (got[b, h] == -1).all()
+            continue
+        want = N.redundancy(rows[b][h], cls[b, h, :len(rows[b][h])].tolist(), tau, pos)
+        assert got[b, h, :len(want)].tolist() == want
+    assert ((got >= 0) & (cls == 3)).any() == (tau < 1)
+
+
+def test_edge_rules():
+    """Clamped negative cosines, >= tau at equality, ties to the lowest centre (identical vectors), zero norms."""
+    e = [([1.0, 0, 0, 0], [1.0, 0, 0, 0], [0, 1.0, 0, 0]), ([-1.0, 0, 0, 0], [-1.0, 0, 0, 0], [0, -1.0, 0, 0])]
+    s, cls = row_state(e, [2, 3])
+    assert kernel(s, cls, 0.01)[0, 0].tolist() == [0, -1] and kernel(s, cls, 0.0)[0, 0].tolist() == [0, 0]
+    e = [([1.0, 0, 0, 0], [1.0, 0, 0, 0], [1.0, 0, 0, 0]), ([2.0, 0, 0, 0], [3.0, 0, 0, 0], [1.0, 1.0, 1.0, 1.0])]
+    s, cls = row_state(e, [2, 3])
+    assert kernel(s, cls, 0.5)[0, 0].tolist() == [0, 0] and kernel(s, cls, 0.50001)[0, 0].tolist() == [0, -1]
+    k = [1.0, 2.0, 3.0, 4.0]
+    s, cls = row_state([(k, k, k)] * 40, [3, 2] + [2, 3] * 19)  # identical: the tie crosses centre blocks
+    d = kernel(s, cls, 0.5)[0, 0].tolist()
+    assert d == [1, 1] + [2 + 2 * i if j == 0 else 1 for i in range(19) for j in range(2)]
+    e = [([1.0, 0, 0, 0], [1.0, 0, 0, 0], [1.0, 0, 0, 0]), ([0, 0, 0, 0], [0, 0, 0, 0], [1.0, 0, 0, 0])]
+    s, cls = row_state(e, [2, 3])
+    assert kernel(s, cls, 0.01)[0, 0].tolist() == [0, -1] and kernel(s, cls, 0.0)[0, 0].tolist() == [0, 0]
+    e = [([1.0, 0, 0, 0], [0, 0, 1.0, 1.0], [1.0, 2.0, 0, 0]), ([0, 1.0, 0, 0], [0, 0, 1.0, 1.0], [1.0, 2.0, 0, 0])]
+    s, cls = row_state(e, [2, 3], pos="without")
+    assert kernel(s, cls, 0.9)[0, 0].tolist() == [0, 0]
+    s, cls = row_state(e, [2, 3], pos="with")
+    assert kernel(s, cls, 0.9)[0, 0].tolist() == [0, -1]
