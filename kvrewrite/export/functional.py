@@ -11,11 +11,14 @@ three, those plus the score for evict_by_score, the score for accumulate_attenti
 mutated argument positions), kvrewrite::kmeans_cluster (ClusterKV) becomes kvrewrite_export::kmeans_cluster,
 which returns its six index fields (centroids, cluster_size, cluster_start, members, n_clusters, cluster_end),
 and kvrewrite::kvmerger_compress (KVMerger) becomes kvrewrite_export::kvmerger_compress, which returns (keys,
-values, bias, slot_pos, fill, score, degree, deficit). A kvrewrite op that writes its inputs and has no entry
+values, bias, slot_pos, fill, score, degree, deficit); ClusterGen's kvrewrite::clustergen_fold and clustergen-kcenter's
+kvrewrite::kcenter_compress become kvrewrite_export::clustergen_fold (returning the thirteen fields it writes: the
+base five, role, rep, count, n_clusters, mu, delta, n_seen, n_forced) and kvrewrite_export::kcenter_compress (the
+base five). A kvrewrite op that writes its inputs and has no entry
 in FUNCTIONAL is refused by `functionalize` (ValueError naming it): it cannot slip through an export.
 Their eager and CUDA kernels are the in-place ops applied to clones, so the functional graph computes exactly
-what the in-place one does. clustered_attention, select_clusters, indexed_attention and
-attention_column_stats mutate nothing and stay (for TensorRT the three triton_ops become plain custom ops of
+what the in-place one does. clustered_attention, select_clusters, indexed_attention, sketch_attention and
+attention_column_stats mutate nothing and stay (for TensorRT the four triton_ops become plain custom ops of
 the same name in ``kvrewrite_export``, `opaque_attention`); observed_attention (the fused pair, a CUDA kernel
 choice) is split back into clustered_attention and accumulate_attention first.
 
@@ -33,6 +36,7 @@ from kvrewrite.state import STATE_FIELDS
 MUTATED = ("keys", "values", "bias", "slot_pos", "fill")  # what the in-place ops write, in this order
 _T = torch.Tensor
 _Out = tuple[_T, _T, _T, _T, _T]
+_Out13 = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T]  # clustergen_fold's thirteen fields
 
 
 def _clones(*tensors):
@@ -178,11 +182,54 @@ def _(keys, values, bias, slot_pos, fill, budget, score, degree, deficit, *args,
     return tuple(torch.empty_like(t) for t in (keys, values, bias, slot_pos, fill, score, degree, deficit))
 
 
+@torch.library.custom_op("kvrewrite_export::clustergen_fold", mutates_args=())
+def clustergen_fold(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, budget: _T, role: _T, rep: _T, count: _T,
+                    n_clusters: _T, mu: _T, delta: _T, n_seen: _T, n_forced: _T, n_sink: int, window: int, t: int,
+                    value_share: float, cluster_target: float, seed: int, layer: int) -> _Out13:
+    """kvrewrite::clustergen_fold (ClusterGen) returning the updated (keys, values, bias, slot_pos, fill, role, rep,
+    count, n_clusters, mu, delta, n_seen, n_forced); budget is only read; the options are positional here (the
+    in-place op's are keyword-only)."""
+    out = _clones(keys, values, bias, slot_pos, fill, role, rep, count, n_clusters, mu, delta, n_seen, n_forced)
+    torch.ops.kvrewrite.clustergen_fold(*out[:5], budget, *out[5:], n_sink=n_sink, window=window, t=t,
+                                        value_share=value_share, cluster_target=cluster_target, seed=seed,
+                                        layer=layer)
+    return tuple(out)
+
+
+@clustergen_fold.register_fake
+def _(keys, values, bias, slot_pos, fill, budget, *sketch_and_options):
+    return tuple(torch.empty_like(t) for t in (keys, values, bias, slot_pos, fill, *sketch_and_options[:8]))
+
+
+@torch.library.custom_op("kvrewrite_export::kcenter_compress", mutates_args=())
+def kcenter_compress(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, budget: _T,
+                     recent_ratio: float = 0.5) -> _Out:
+    """kvrewrite::kcenter_compress (clustergen-kcenter) returning the updated (keys, values, bias, slot_pos, fill)."""
+    out = _clones(keys, values, bias, slot_pos, fill)
+    torch.ops.kvrewrite.kcenter_compress(*out, budget, recent_ratio=recent_ratio)
+    return tuple(out)
+
+
+@torch.library.custom_op("kvrewrite_export::sketch_attention", mutates_args=())
+def sketch_attention(q: _T, keys: _T, values: _T, bias: _T, slot_pos: _T, cache_position: _T, role: _T, scale: float,
+                     past_only: bool = False, softcap: float = 0.0) -> _T:
+    """kvrewrite::sketch_attention (ClusterGen) as a plain custom op (opaque to decompositions, like
+    clustered_attention here)."""
+    return torch.ops.kvrewrite.sketch_attention(q, keys, values, bias, slot_pos, cache_position, role, scale=scale,
+                                                past_only=past_only, softcap=softcap)
+
+
+@sketch_attention.register_fake
+def _(q, keys, values, bias, slot_pos, cache_position, role, scale, past_only=False, softcap=0.0):
+    return q.new_empty(q.shape)
+
+
 # pure triton_ops -> their plain custom op in kvrewrite_export (functionalize(opaque_attention=True))
 OPAQUE = {
     torch.ops.kvrewrite.clustered_attention.default: torch.ops.kvrewrite_export.clustered_attention.default,
     torch.ops.kvrewrite.select_clusters.default: torch.ops.kvrewrite_export.select_clusters.default,
     torch.ops.kvrewrite.indexed_attention.default: torch.ops.kvrewrite_export.indexed_attention.default,
+    torch.ops.kvrewrite.sketch_attention.default: torch.ops.kvrewrite_export.sketch_attention.default,
 }
 
 
@@ -202,7 +249,7 @@ def _fake(keys, values, bias, slot_pos, fill, *args):
     return tuple(torch.empty_like(t) for t in (keys, values, bias, slot_pos, fill))
 
 
-for _op in (cache_append, evict_to_budget, chelsea_compress):
+for _op in (cache_append, evict_to_budget, chelsea_compress, kcenter_compress):
     _op.register_fake(_fake)
 
 # in-place op -> (functional op, positions of the arguments it writes, in the order the functional op returns them)
@@ -218,6 +265,10 @@ FUNCTIONAL = {
                                                  (6, 7, 8, 9, 10, 11)),
     torch.ops.kvrewrite.kvmerger_compress.default: (torch.ops.kvrewrite_export.kvmerger_compress.default,
                                                     (0, 1, 2, 3, 4, 6, 7, 8)),
+    torch.ops.kvrewrite.clustergen_fold.default: (torch.ops.kvrewrite_export.clustergen_fold.default,
+                                                  (0, 1, 2, 3, 4, *range(6, 14))),
+    torch.ops.kvrewrite.kcenter_compress.default: (torch.ops.kvrewrite_export.kcenter_compress.default,
+                                                   (0, 1, 2, 3, 4)),
 }
 
 
@@ -270,7 +321,7 @@ def functionalize(gm: fx.GraphModule, n_inputs: int = 4, opaque_attention: bool 
     """A copy of a rewritten graph whose state updates are returned, not applied: output
     (logits, *new_state) in the order of the state inputs (those no op writes come back unchanged).
     `opaque_attention` also swaps the pure triton_ops (kvrewrite::clustered_attention, select_clusters,
-    indexed_attention) for their plain custom ops in kvrewrite_export (OPAQUE).
+    indexed_attention, sketch_attention) for their plain custom ops in kvrewrite_export (OPAQUE).
 
     Raises ValueError if a state input feeds anything but a kvrewrite op (a view of the state taken
     before an update would read the old value in the functional graph, silently), or if a kvrewrite op that

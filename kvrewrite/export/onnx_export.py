@@ -15,7 +15,11 @@ kvmerger export completely (sliding-window layers included; the method's own sta
 l<i>_centroids ... l<i>_cluster_end or KVMerger's l<i>_degree and l<i>_deficit, is an input and an output like the
 base state; ClusterKV's functions are in onnx_clusterkv.py, KVMerger's in onnx_kvmerger.py).
 kvrewrite::attention_column_stats (no method calls it directly; its math is inside accumulate_attention) has none;
-a graph holding it is refused with NotImplementedError.
+a graph holding it is refused with NotImplementedError. Method clustergen-kcenter exports completely (its
+kcenter_compress function is in onnx_clustergen.py); method clustergen does not: kvrewrite::clustergen_fold (in its
+prefill and decode_compress graphs) has no function, and export_graph refuses those graphs with a NotImplementedError
+naming the op and the method and pointing to torch_export / aoti (INSTEAD); its sketch_attention has a function
+(onnx_clustergen.py), so the decode graph alone exports.
 """
 import torch
 
@@ -23,7 +27,15 @@ from kvrewrite.export.common import GRAPHS, INPUT_NAMES, example_inputs, graph_o
 from kvrewrite.export.functional import all_args, functionalize, gemv_as_linear, state_names
 
 OPSET = 18
-UNSUPPORTED = {torch.ops.kvrewrite.attention_column_stats.default: "attention_column_stats"}
+UNSUPPORTED = {torch.ops.kvrewrite.attention_column_stats.default: "attention_column_stats",
+               torch.ops.kvrewrite.clustergen_fold.default: "clustergen_fold"}
+# why an op has no function, and what to do instead (appended to the NotImplementedError)
+INSTEAD = {
+    "clustergen_fold": "ClusterGen's fold (method 'clustergen': leader clustering one folded token after another, "
+                       "k-center calibration, hashed reservoirs) has no ONNX function; export this method with "
+                       "kvrewrite.export.torch_export (.pt2) or kvrewrite.export.aoti (AOTInductor), which run the op "
+                       "as it is and reproduce rw.generate (docs/deploy.md, \"ClusterGen\")",
+}
 
 
 def _require():
@@ -68,7 +80,8 @@ def export_graph(rw, name: str):
         raise NotImplementedError(
             f"{rw.model_tag}: the {name} graph of method {rw.method.name!r} holds kvrewrite op(s) {bad}, which have "
             f"no ONNX function yet (see kvrewrite/export/onnx_export.py); graphs without them: "
-            f"{[g for g in GRAPHS if not unsupported_ops(graph_of(rw, g))]}")
+            f"{[g for g in GRAPHS if not unsupported_ops(graph_of(rw, g))]}"
+            + "".join(f". {INSTEAD[op]}" for op in bad if op in INSTEAD))
     sgm = symbolic_graph(gemv_as_linear(functionalize(gm, n_inputs=len(INPUT_NAMES)))).eval()
     names = state_names(rw.layers, rw.state_specs)
     with torch.no_grad():

@@ -29,6 +29,8 @@ are the functional forms (kvrewrite.export.functional): they return the updated
 
     kvrewrite::kmeans_cluster, select_clusters, indexed_attention (ClusterKV): kvrewrite/export/onnx_clusterkv.py.
     kvrewrite::kvmerger_compress, and the helper top_flags it calls (KVMerger): kvrewrite/export/onnx_kvmerger.py.
+    kvrewrite::sketch_attention (ClusterGen) and kcenter_compress (clustergen-kcenter): onnx_clustergen.py
+    (kvrewrite::clustergen_fold has none: onnx_export.UNSUPPORTED).
 
 Numerics: attention computes in fp32 (MatMul instead of the reference's einsum: rounding only), and so
 does accumulate_attention (exp(l - max) / sum instead of exp(l - lse): rounding only); cache_append,
@@ -48,7 +50,7 @@ from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
 import kvrewrite.export.functional  # noqa: F401  (registers kvrewrite_export::)
-from kvrewrite.export import onnx_clusterkv, onnx_kvmerger
+from kvrewrite.export import onnx_clustergen, onnx_clusterkv, onnx_kvmerger
 from kvrewrite.kernels.kvmerger_compress import BUDGET_MODES, READINGS, SIGMA_MODES, VALUES_MODES
 
 DOMAIN = "kvrewrite"
@@ -383,9 +385,10 @@ def evict_by_score(keys: TFloat, values: TFloat, bias: FLOAT, slot_pos: INT64, f
 FUNCTIONS = {"clustered_attention": clustered_attention, "cache_append": cache_append,
              "evict_to_budget": evict_to_budget, "chelsea_compress": chelsea_compress,
              "accumulate_attention": accumulate_attention, "evict_by_score": evict_by_score,
-             **onnx_clusterkv.FUNCTIONS, **onnx_kvmerger.FUNCTIONS}
-CALLS = {**onnx_clusterkv.CALLS, **onnx_kvmerger.CALLS}  # functions whose bodies call other kvrewrite functions
-HELPERS = {**onnx_clusterkv.HELPERS, **onnx_kvmerger.HELPERS}
+             **onnx_clusterkv.FUNCTIONS, **onnx_kvmerger.FUNCTIONS, **onnx_clustergen.FUNCTIONS}
+# functions whose bodies call other kvrewrite functions
+CALLS = {**onnx_clusterkv.CALLS, **onnx_kvmerger.CALLS, **onnx_clustergen.CALLS}
+HELPERS = {**onnx_clusterkv.HELPERS, **onnx_kvmerger.HELPERS, **onnx_clustergen.HELPERS}
 
 
 def fixed_proto(fn):
@@ -512,7 +515,26 @@ def sym_kvmerger_compress(keys, values, bias, slot_pos, fill, budget, score, deg
         **_state_like(keys, values, bias, slot_pos, fill, score, degree, deficit)))
 
 
+def sym_sketch_attention(q, keys, values, bias, slot_pos, cache_position, role, scale, past_only=False, softcap=0.0):
+    if softcap:  # the op itself refuses a cap (ClusterGen refuses capped layers): a graph cannot hold one
+        raise ValueError(f"kvrewrite::sketch_attention: softcap must be 0, got {softcap}; the ONNX function has none")
+    return torch.onnx.ops.symbolic(f"{DOMAIN}::sketch_attention",
+                                   [q, keys, values, bias, slot_pos, cache_position, role],
+                                   {"scale": float(scale), "past_only": int(past_only)}, dtype=q.dtype, shape=q.shape,
+                                   version=1)
+
+
+def sym_kcenter_compress(keys, values, bias, slot_pos, fill, budget, recent_ratio=0.5):
+    # the ratio travels as a float64 tensor: floor(recent_ratio * B) must see the reference's double
+    ratio = torch.tensor([recent_ratio], dtype=torch.float64, device=keys.device)
+    return tuple(torch.onnx.ops.symbolic_multi_out(
+        f"{DOMAIN}::kcenter_compress", [keys, values, bias, slot_pos, fill, budget, ratio], {},
+        **_state_like(keys, values, bias, slot_pos, fill)))
+
+
 SYMBOLIC = {
+    torch.ops.kvrewrite.sketch_attention.default: sym_sketch_attention,
+    torch.ops.kvrewrite_export.kcenter_compress.default: sym_kcenter_compress,
     torch.ops.kvrewrite_export.kvmerger_compress.default: sym_kvmerger_compress,
     torch.ops.kvrewrite_export.kmeans_cluster.default: sym_kmeans_cluster,
     torch.ops.kvrewrite.select_clusters.default: sym_select_clusters,

@@ -3,7 +3,7 @@ kvrewrite op a TensorRT plugin generated from the op itself (the Quick Deployabl
 
 What it does, per graph:
 1. makes the graph functional (kvrewrite.export.functional, with the triton_ops clustered_attention,
-   select_clusters and indexed_attention as the opaque kvrewrite_export ops of the same names):
+   select_clusters, indexed_attention and sketch_attention as the opaque kvrewrite_export ops of the same names):
    TensorRT plugins return new tensors, they cannot write their inputs; inputs (input_ids,
    position_ids, cache_position, token_valid, *state), outputs (logits, *new_state);
 2. torch.export-s it and checks its op set: only ATen ops and the kvrewrite_export ops of
@@ -22,7 +22,9 @@ missing. The plugins are JIT plugins (a Python callback into the op at engine ru
 (`tensorrt.plugin.aot_impl`, PTX in the engine) needs one Triton kernel with a fixed launch per op, and
 cache_append / the compression ops launch several kernels or run PyTorch code (kmeans_cluster, select_clusters,
 kvmerger_compress: several phases or launches); so the engines need a Python process with kvrewrite imported,
-like the AOTInductor packages. (kvmerger_compress's options reach its plugin as int, float and str attributes.)
+like the AOTInductor packages. (kvmerger_compress's options reach its plugin as int, float and str attributes;
+ClusterGen's sketch_attention is opaque like clustered_attention, clustergen_fold returns its thirteen written fields
+and takes its options as int and float attributes, clustergen-kcenter's kcenter_compress returns the base five.)
 """
 import operator
 
@@ -43,6 +45,9 @@ PLUGIN_OPS = (
     "kvrewrite_export::select_clusters",
     "kvrewrite_export::indexed_attention",
     "kvrewrite_export::kvmerger_compress",
+    "kvrewrite_export::sketch_attention",
+    "kvrewrite_export::clustergen_fold",
+    "kvrewrite_export::kcenter_compress",
 )
 _ALLOWED_NON_TENSOR = (int, float, bool, str)  # what generate_plugin maps to plugin attributes
 _registered = set()

@@ -53,10 +53,12 @@ SCORE_OPS = {"kvrewrite_export::evict_by_score", "kvrewrite_export::accumulate_a
 CLUSTERKV_OPS = {"kvrewrite_export::kmeans_cluster", "kvrewrite_export::select_clusters",
                  "kvrewrite_export::indexed_attention"}
 KVMERGER_OPS = {"kvrewrite_export::kvmerger_compress"}
+CLUSTERGEN_OPS = {"kvrewrite_export::sketch_attention", "kvrewrite_export::clustergen_fold",
+                  "kvrewrite_export::kcenter_compress"}  # tests/export/test_clustergen_export.py
 
 
 def test_op_set_is_aten_plus_plugin_ops(prepared):
-    every = set(te.PLUGIN_OPS) - SCORE_OPS - CLUSTERKV_OPS - KVMERGER_OPS
+    every = set(te.PLUGIN_OPS) - SCORE_OPS - CLUSTERKV_OPS - KVMERGER_OPS - CLUSTERGEN_OPS
     assert te.check_op_set(prepared["prefill"][0]) == sorted(every)
     assert te.check_op_set(prepared["decode_compress"][0]) == sorted(every)
     assert te.check_op_set(prepared["decode"][0]) == ["kvrewrite_export::cache_append",
@@ -69,7 +71,7 @@ def test_op_set_is_aten_plus_plugin_ops(prepared):
 
 def test_plugin_descriptions(prepared):
     _, descs = prepared["prefill"]
-    assert sorted(descs) == sorted(set(te.PLUGIN_OPS) - SCORE_OPS - CLUSTERKV_OPS - KVMERGER_OPS)
+    assert sorted(descs) == sorted(set(te.PLUGIN_OPS) - SCORE_OPS - CLUSTERKV_OPS - KVMERGER_OPS - CLUSTERGEN_OPS)
     for op, d in descs.items():
         if op.endswith("clustered_attention"):
             assert d["outputs"] == d["inputs"][:1]  # [B, Hq, T, D] of q
@@ -84,7 +86,8 @@ def test_score_ops_plugin_descriptions(rw_snapkv):
     prepared = te.prepare(rw_snapkv)
     base = ["kvrewrite_export::cache_append", "kvrewrite_export::clustered_attention"]
     assert te.check_op_set(prepared["decode"][0]) == sorted([*base, "kvrewrite_export::accumulate_attention"])
-    no_chelsea = set(te.PLUGIN_OPS) - {"kvrewrite_export::chelsea_compress"} - CLUSTERKV_OPS - KVMERGER_OPS
+    no_chelsea = set(te.PLUGIN_OPS) - {"kvrewrite_export::chelsea_compress"} - CLUSTERKV_OPS - KVMERGER_OPS - \
+        CLUSTERGEN_OPS
     assert te.check_op_set(prepared["prefill"][0]) == sorted(no_chelsea)
     descs = prepared["decode_compress"][1]
     ins = descs["kvrewrite_export::evict_by_score"]["inputs"]
