@@ -38,15 +38,13 @@ logged once). Three steps, no [B, Hq, R] tensor, no host read, CUDA-graph captur
   read by every program and advanced by a dedicated one-program-per-row-block pass after it (that module's
   docstring says why). So a decode step is: forward (+ its combine), fold, count.
 
-Status of the CUDA path: NOT the default yet (KERNELS_CHECKED_ON_GPU = False). On an H100 (torch 2.11, Triton 3.6)
-tests/kernels/test_ems_attention_gpu.py ran 5 tests and 4 passed: a prefill chunk (the FOLD kernel, s_loc_past and
-s_loc_cur NaN-poisoned before) then 70 decode steps with l_win = 32 replayed from a CUDA graph under
-set_sync_debug_mode("error"), fp32 and bf16, Hq/Hkv/D 32/8/128 and 4/1/64, state equal to the CPU reference
-(5e-5) and win_count exact at every step, rotations at 32 and 64 (and 27, 59 for a row starting at 5). The fifth
-(an eager decode step under the sync debug mode, then the registered op with the flag forced on and softcap 20)
-failed on the test's own host-to-device copy of q inside the debug region; the test is fixed but has not re-run,
-so the decode fold's soft cap has not run on a GPU (the statistics kernel's cap, the same `_cap`, has). One run of
-that file decides the flag. Through the interpreter: tests/kernels/test_ems_attention_triton.py (fp32).
+Status of the CUDA path: the default (KERNELS_CHECKED_ON_GPU). On an H100 (torch 2.11, Triton 3.6), with the Triton
+forward swapped in, tests/kernels/test_ems_attention_gpu.py (a prefill chunk with NaN-poisoned local buffers, then 70
+decode steps with l_win = 32 replayed from a CUDA graph under set_sync_debug_mode("error"), fp32 and bf16, Hq/Hkv/D
+32/8/128 and 4/1/64, state equal to the CPU reference to 5e-5, win_count exact, rotations at 32 and 64; the eager
+step under the sync debug mode with a soft cap) and tests/methods/test_ems_gpu.py (the model, eager and
+reduce-overhead, both key variants, against the CPU run) passed in one run (37 passed with the ClusterGen and
+ems_compress GPU files). Through the interpreter: tests/kernels/test_ems_attention_triton.py (fp32).
 Cost of the decode fold (fold + count launches, H100, Llama-3.1-8B shape at 32k: 27464 slots per row, 26316 live,
 G = 4; 50 calls back to back in a CUDA graph, so warm L2 at B = 1): 4.5 us at B = 1 (of which the count pass
 1.3 us), 17.8 us at B = 8; the reference statistics + fold it replaces took 172 us and 763 us there.
@@ -63,7 +61,7 @@ from kvrewrite.kernels.expanded_attention_stats import (check_cuda_inputs, fold_
 NAME = "kvrewrite::ems_attention"
 logger = logging.getLogger(__name__)
 _WARNED = []
-KERNELS_CHECKED_ON_GPU = False  # set True once tests/kernels/test_ems_attention_gpu.py passed on an H100
+KERNELS_CHECKED_ON_GPU = True  # tests/kernels/test_ems_attention_gpu.py and tests/methods/test_ems_gpu.py passed on an H100
 
 
 def _check_inputs(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale, s_glo, s_loc_past,
