@@ -51,7 +51,9 @@ C - n_sink - window of folded positions, the calibration a loop over M_max greed
 deterministic (first-extremum argmin/argmax, stable sort, no float atomics). Cost: every call, due or not, runs
 C - n_sink - window leader steps of [rows, M_max, D] work and M_max greedy steps of [rows, C, D] (about 15 small
 launches per step on CUDA): fine for tests and tiny models, a per-layer decode cost that the Triton kernel (looping
-over the due rows' |F| only) must remove.
+over the due rows' |F| only) must remove. On the CPU (nothing to capture) both loops stop at the most any due row
+needs (a host read; the skipped steps are no-ops, so the result is the same: tests/methods/test_clustergen_gpu.py
+compares CUDA's static loops with it); a call with no due row then does no leader step.
 """
 import torch
 
@@ -138,6 +140,8 @@ def reference_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, 
     keys_new, values_new, pos_new = keys_, values_, pos_
     bias_new, role_new = bias_, role_
     F = max(C - n_sink - window, 0)                    # static bound on |F|
+    if dev.type == "cpu":  # no graph to capture: stop at the most any due row folds (the rest are no-op steps)
+        F = min(F, int(nF.max()))
     if F > 0:
         fidx = torch.where(folded, rank - n_sink, F)
         fslot = torch.zeros(N, F + 1, dtype=torch.int64, device=dev).scatter_(1, fidx, ar.expand(N, C))[:, :F]
@@ -148,7 +152,8 @@ def reference_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, 
 
         # 2a. δ calibration (first fold of the row)
         calib = has_f & (delta.view(N) < 0)
-        _, r = greedy_kcenter(kf, fmask & calib[:, None], M_target.expand(N).contiguous(), k_max=Mmax)
+        k_max = Mmax if dev.type != "cpu" else int(M_target.clamp(max=Mmax)) * bool(calib.any())
+        _, r = greedy_kcenter(kf, fmask & calib[:, None], M_target.expand(N).contiguous(), k_max=k_max)
         delta_new = torch.where(calib, r * DELTA_MARGIN, delta.view(N))
 
         # 2b. leader clustering, sequential over F, vectorised over rows

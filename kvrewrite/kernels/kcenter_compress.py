@@ -19,7 +19,9 @@ State (mutated): keys, values [B, Hkv, C, D]; bias fp32, slot_pos int64 [B, Hkv,
 Backends: one path on every device, the reference below: static-shape tensor code (a loop over a static number of
 k-center steps, every row at once; no host read, so CUDA graphs capture it; deterministic). The step count is the
 largest k any B <= C can ask for, k(C) = C - floor(recent_ratio·C) (k(B) grows with B; B > C never compresses):
-O(k(C)·B·Hkv·C·D) work per call, amortised over the method's interval. No Triton kernel yet.
+O(k(C)·B·Hkv·C·D) work per call, amortised over the method's interval. On the CPU (nothing to capture) the loop
+stops at the most centres a due row needs (a host read; the skipped steps are no-ops, so the result is the same: the
+GPU test compares CUDA's static loop with it). No Triton kernel yet.
 """
 import math
 
@@ -66,6 +68,8 @@ def kept_slots(keys, bias, fill, budget, recent_ratio):
     candidates = valid & ~recent & over[:, None]
     steps = C - n_recent(C, recent_ratio)  # k(C) >= k(B) for every B <= C (module docstring)
     k = (target - ell).expand(R).contiguous()
+    if keys.device.type == "cpu":  # no graph to capture: stop at the most centres a due row needs (no-op steps)
+        steps = min(steps, int(torch.where(over, k, 0).max()))
     order, _ = greedy_kcenter(keys.reshape(R, C, D), candidates, k, k_max=steps)
     chosen = torch.zeros(R, C + 1, dtype=torch.bool, device=keys.device)
     chosen.scatter_(1, torch.where(order >= 0, order, C), True)  # -1 (no centre) lands in the spare column C
