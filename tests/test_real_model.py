@@ -145,23 +145,18 @@ def test_ems_nll_close_to_full(smollm2, essay_ids, full_nll):
 # ClusterGen, measured on this setup (full 2.890). Algorithm 1 (`clustergen`, sinks 4 + window 32 exact, the rest
 # sketched) at budget 0.5: 4.162, +1.27 (at 0.2: +6.71): its value reservoir gives the few folded tokens a query attends
 # to a weight of about n / s, so the numerator misses by 50-380% per head (docs/methods.md, ClusterGen). The bound
-# only catches a broken sketch (delta = 2 r, one cluster per head: +16.5). The k-center variant keeps real tokens:
-# +0.214 at 0.2 (streamingllm +0.158 there).
-CLUSTERGEN_BOUNDS = {"clustergen": (0.5, 2.0), "clustergen-kcenter": (0.2, 0.35)}
+# only catches a broken sketch (delta = 2 r, one cluster per head: +16.5). The k-center variant (+0.214 at 0.2,
+# streamingllm +0.158 there) is checked on SmolLM2 by tests/test_eval.py's quick preset.
+CLUSTERGEN_BOUND = 2.0  # nats/token, at budget 0.5
 
 
-@pytest.mark.parametrize("method", list(CLUSTERGEN_BOUNDS))
-def test_clustergen_nll_close_to_full(smollm2, essay_ids, full_nll, method):
+def test_clustergen_nll_close_to_full(smollm2, essay_ids, full_nll):
     model, _ = smollm2
     context, target = essay_ids
-    budget, bound = CLUSTERGEN_BOUNDS[method]
-    rw = kvrewrite.apply(model, method, max_length=1024 + 64, budget=budget)
+    rw = kvrewrite.apply(model, "clustergen", max_length=1024 + 64, budget=0.5)
     nll = continuation_nll(rw, context, target)
-    print(f"continuation NLL: full {full_nll:.4f}, {method}@{budget} {nll:.4f}")
+    print(f"continuation NLL: full {full_nll:.4f}, clustergen@0.5 {nll:.4f}")
     state = rw.layer_state(rw.layers[-1].index)
-    if method == "clustergen":
-        assert int(state["n_seen"].min()) >= context.shape[1] - 36, "the prompt was not folded"
-        assert int(state["n_clusters"].min()) > 1, "delta opened a single cluster"
-    else:
-        assert int(state["fill"].max()) < int(state["budget"][0]) + rw.method.interval, "not compressed"
-    assert nll - full_nll <= bound, f"NLL full={full_nll:.4f} {method}={nll:.4f}"
+    assert int(state["n_seen"].min()) >= context.shape[1] - 36, "the prompt was not folded"
+    assert int(state["n_clusters"].min()) > 1, "delta opened a single cluster"
+    assert nll - full_nll <= CLUSTERGEN_BOUND, f"NLL full={full_nll:.4f} clustergen={nll:.4f}"
