@@ -37,6 +37,7 @@ from typing import ClassVar
 
 import torch
 
+from kvrewrite.kernels.clustergen_fold import sketch_sizes as fold_sizes
 from kvrewrite.methods.base import Method
 from kvrewrite.state import StateField
 
@@ -56,10 +57,10 @@ class ClusterShape:
 
 
 def sketch_sizes(b: int, n_sink: int, window: int, t: int, value_share: float) -> tuple[int, int, int]:
-    """(S, s, M) of a generation with B = b: the sketch's slots, its value samples, its clusters (contract §1.5)."""
-    S = b - n_sink - window
-    s = round(value_share * S)
-    return S, s, (S - s) // t
+    """(S, s, M) of a generation with B = b: the sketch's slots, its value samples, its clusters (contract §1.5), as
+    the fold op computes them on the device (kvrewrite/kernels/clustergen_fold.py, the one formula)."""
+    S, s, M, _ = fold_sizes(torch.tensor([b, 0]), n_sink, window, t, value_share, 0.5)
+    return int(S), int(s), int(M)
 
 
 @dataclass
