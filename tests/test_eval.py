@@ -370,3 +370,22 @@ def test_resume_adds_methods_and_budgets_without_rerunning_cells(tmp_path, monke
     with pytest.raises(ValueError, match="measured h2o with options"):  # a method's cells never mix options
         run_grid(dataclasses.replace(more, method_options={"h2o": {"recent_ratio": 0.25}}), model=model,
                  tokenizer=tok, text_loader=synthetic_text)
+
+
+def test_budget_plot_turns_symlog_when_one_method_is_far_off():
+    """A method 1000x off the others (ClusterGen's sampled estimator) would flatten every other line: the panel goes
+    symlog; an ordinary spread stays linear."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvrewrite.eval.report import SPREAD_FOR_LOG, _spread
+
+    fig, ax = plt.subplots()
+    ax.plot([0.2, 0.5], [0.1, 0.05])
+    ax.plot([0.2, 0.5], [0.2, 0.08])
+    assert _spread(ax) < SPREAD_FOR_LOG
+    ax.plot([0.2, 0.5], [2000.0, 270.0])
+    assert _spread(ax) > SPREAD_FOR_LOG
+    plt.close(fig)

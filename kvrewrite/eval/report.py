@@ -85,6 +85,16 @@ def _colors(methods):
     return {m: cycle[i % len(cycle)] for i, m in enumerate(methods)}
 
 
+SPREAD_FOR_LOG = 50  # a panel whose largest |value| is this many times its median |value| gets a symlog y axis
+
+
+def _spread(ax) -> float:
+    """max |y| / median |y| over the panel's plotted points (0 when there are none)."""
+    ys = sorted(abs(float(y)) for line in ax.get_lines() for y in line.get_ydata())
+    ys = [y for y in ys if y > 0]
+    return ys[-1] / ys[len(ys) // 2] if ys else 0.0
+
+
 def plot_budget(model, tasks: dict, path: Path) -> Path | None:
     """Quality vs budget: one panel per metric, one color per method, one line style per context length."""
     plt = _plt()
@@ -120,6 +130,11 @@ def plot_budget(model, tasks: dict, path: Path) -> Path | None:
         if ideal is not None:
             ax.axhline(ideal, color="k", lw=0.8, alpha=0.5)
         ax.set_xlabel("budget (fraction of tokens kept)")
+        if task != "needle" and _spread(ax) > SPREAD_FOR_LOG:  # one method far off would flatten the others
+            ax.set_yscale("symlog", linthresh=0.05 if metric == "nll_delta" else 0.1)
+            if metric != "nll_delta":  # errors and recalls are >= 0
+                ax.set_ylim(bottom=0)
+            label += " (symlog)"
         ax.set_title(label, fontsize=9)
         ax.grid(alpha=0.3)
         if task == "needle":
