@@ -202,3 +202,30 @@ def test_ems_synthetic_table_is_valid_and_decodes():
     want = sum(2 * i.num_kv_heads * (float(rw.layer_state(i.index)["fill"].float().mean()) * (2 * i.head_dim * 4 + 8)
                         + 8 * float(rw.layer_state(i.index)["slot_fill"].float().mean())) for i in rw.layers)
     assert e2e.ems_read_bytes(rw, 2) == pytest.approx(want)
+
+
+def test_clustergen_read_bytes_counts_exact_slots_and_sketch():
+    """clustergen_read_bytes: per KV head the exact slots (K, V, bias, role) and the sketch (K, bias, role for its S
+    slots, V for its value samples): checked against the roles the fold wrote, after a synthetic fill and decode
+    steps that fold again."""
+    import kvrewrite
+    from tests.families import tiny_model
+
+    model = tiny_model("llama")
+    rw = kvrewrite.apply(model, "clustergen", budget=0.5, max_length=300, batch_size=2, prefill_chunk=32, window=4,
+                         n_sink=2, t=2, interval=4)
+    e2e.synthetic_fill(rw, 256, 40)
+    dec = e2e.KVDecoder(rw, "eager")
+    for _ in range(9):
+        dec.step()
+    want = 0.0
+    for i in rw.layers:
+        st = rw.layer_state(i.index)
+        row = i.head_dim * 4  # fp32 model
+        C = st["keys"].shape[2]
+        S = C - int((st["role"][0, 0] == 1).nonzero()[0])  # the sketch starts with cluster 0's key samples
+        assert (st["role"][..., :C - S] == 0).all() and (st["role"][..., C - S:] == 1).any(-1).all()
+        n_value = (st["role"] == 2).sum(-1).float().mean()
+        want += 2 * i.num_kv_heads * (float(st["fill"].float().mean()) * (2 * row + 5) + S * (row + 5)
+                                      + float(n_value) * row)
+    assert e2e.clustergen_read_bytes(rw, 2) == pytest.approx(want)

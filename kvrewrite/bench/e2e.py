@@ -42,7 +42,8 @@ Decisions (what exactly is timed):
   read = every parameter but the input embedding (only B rows of it are read); KV read = keys + values of
   the slots in use (kvrewrite: the mean fill over the timed steps, plus 12 bytes of bias/position per used
   slot; full and HF: the n + step tokens in the cache; ClusterKV: what its step reads, clusterkv_read_bytes;
-  EMS: entries and table, ems_read_bytes; its synthetic fill builds a table at its cap, ems_table).
+  EMS: entries and table, ems_read_bytes; its synthetic fill builds a table at its cap, ems_table; ClusterGen:
+  the exact slots and the sketch, clustergen_read_bytes).
   ratio = measured ms / floor ms.
 - Rows run in order and the JSON is rewritten after each one, so a run cut by a timeout keeps what it has;
   `--time-budget` skips the rows not started once that many seconds have passed. A row that fails (out of
@@ -451,6 +452,28 @@ def ems_read_bytes(rw, B: int) -> float:
     return total
 
 
+def clustergen_read_bytes(rw, B: int) -> float:
+    """Bytes a ClusterGen decode step must read, all layers, from the state after the timed steps
+    (kvrewrite/kernels/sketch_attention.py: decode reads keys, bias and role of every used slot and the values of
+    the slots that enter the numerator): per KV head of a compressed layer its exact slots (fill: K, V, 4-byte
+    bias, 1-byte role) and its sketch of S slots (K, bias and role for all; V for the s value samples only;
+    S and s from budget[0], the fold's own formula); sliding-window layers as every method (K, V and 12 bytes)."""
+    from kvrewrite.methods.clustergen import sketch_sizes
+
+    m = rw.method
+    total = 0.0
+    for info in rw.layers:
+        st = rw.layer_state(info.index)
+        row = info.head_dim * st["keys"].element_size()  # one K or one V vector
+        fill = float(st["fill"].float().mean())
+        if info.window:
+            total += B * info.num_kv_heads * min(fill, info.window) * (2 * row + 12)
+            continue
+        S, s, _ = sketch_sizes(int(st["budget"][0]), m.n_sink, m.window, m.t, m.value_share)
+        total += B * info.num_kv_heads * (fill * (2 * row + 5) + S * (row + 5) + s * row)
+    return total
+
+
 def clusterkv_read_bytes(rw, B: int) -> float:
     """Bytes a ClusterKV decode step must read, all layers (its roofline floor's KV part), from the state after the
     timed steps: a dense layer's used slots as for the other methods (K, V, 4-byte bias; slot_pos is not read by a
@@ -682,6 +705,8 @@ class Bench:
             res["kv_read_bytes"] = clusterkv_read_bytes(rw, B)
         elif rw.method.name == "ems":
             res["kv_read_bytes"] = ems_read_bytes(rw, B)
+        elif rw.method.name == "clustergen":
+            res["kv_read_bytes"] = clustergen_read_bytes(rw, B)
         else:
             res["kv_read_bytes"] = res["mean_fill"] * self.mcfg.num_hidden_layers * self.slot_bytes() * B
         del dec, rw
