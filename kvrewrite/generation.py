@@ -293,10 +293,11 @@ def decode_loop(plan: GenerationPlan, logits, history, decode_step, *, streamer=
     pad = gc._pad_token_tensor.to(device) if has_eos else None
     fast = (not gc.do_sample and len(processors) == 0 and not want_scores and not want_logits
             and all(type(c).__name__ in ("MaxLengthCriteria", "EosTokenCriteria") for c in criteria))
-    eos = [c.eos_token_id.to(device) for c in eos_criteria] if fast else []
+    eos = torch.cat([c.eos_token_id.to(device).flatten() for c in eos_criteria]) if fast and has_eos else None
+    check = has_eos or not fast  # with no EOS the fast path's rows never finish before the last step
     buf = torch.empty(B, n + max(limit, 0), dtype=torch.long, device=device)
     buf[:, :n] = history
-    unfinished = torch.ones(B, dtype=torch.long, device=device)
+    unfinished = torch.ones(B, dtype=torch.bool, device=device)
     steps = 0
     for step in tqdm(range(limit), desc="decode", unit="tok", disable=not progress):
         if fast:
@@ -311,23 +312,19 @@ def decode_loop(plan: GenerationPlan, logits, history, decode_step, *, streamer=
             if gc.do_sample:
                 tok = torch.multinomial(torch.softmax(s, dim=-1), num_samples=1, generator=generator).squeeze(1)
             else:
-                tok = torch.argmax(s, dim=-1)
+                tok = greedy_tokens(s)  # torch.argmax's token, in fewer passes over a long row
         if has_eos:
-            tok = tok * unfinished + pad * (1 - unfinished)
-        buf[:, n + step] = tok
+            tok = torch.where(unfinished, tok, pad)  # HF's tok * unfinished + pad * (1 - unfinished), one kernel
+        buf.select(1, n + step).copy_(tok)
         steps = step + 1
         if streamer is not None:
             streamer.put(tok.cpu())
         if fast:
-            stopped = None
-            for e in eos:
-                hit = torch.isin(tok, e)
-                stopped = hit if stopped is None else stopped | hit
-            if stopped is not None:
-                unfinished = unfinished & ~stopped
+            if has_eos:  # EosTokenCriteria: a row whose last token is an EOS is done
+                unfinished &= torch.isin(tok, eos, invert=True)
         else:
-            unfinished = unfinished & ~criteria(buf[:, : n + steps], tuple(scores) if want_scores else None)
-        if step == limit - 1 or ((has_eos or not fast) and not bool(unfinished.any())):
+            unfinished &= ~criteria(buf[:, : n + steps], tuple(scores) if want_scores else None)
+        if step == limit - 1 or (check and not bool(unfinished.any())):
             break
         logits = decode_step(tok)
     if streamer is not None:
