@@ -17,7 +17,7 @@ import inspect
 import torch
 import transformers
 from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, StoppingCriteriaList
-from transformers.generation import GenerateDecoderOnlyOutput, GenerationMode, MaxLengthCriteria
+from transformers.generation import EosTokenCriteria, GenerateDecoderOnlyOutput, GenerationMode, MaxLengthCriteria
 
 from kvrewrite.host import check_count, check_prompt, greedy_tokens
 
@@ -215,7 +215,8 @@ class GenerationPlan:
         base = copy.deepcopy(gc)
         n = input_ids.shape[1]
         gc = cls._lengths(view, base, n, has_default_max_length, has_default_min_length)
-        plan = cls(tag, view, base, gc, input_ids, attention_mask, gc.max_length - n, has_default_min_length, extra, device)
+        plan = cls(tag, view, base, gc, input_ids, attention_mask, gc.max_length - n, has_default_min_length, extra,
+                   device)
         plan.bind(input_ids, gc)
         return plan
 
@@ -245,10 +246,11 @@ class GenerationPlan:
         model_kwargs = {"attention_mask": mask if mask is not None and not bool(mask.bool().all()) else None}
         x = self.extra
         self.processors = _call_hf(
-            "_get_logits_processor", self.view, generation_config=gc, input_ids_seq_length=n, encoder_input_ids=history,
-            prefix_allowed_tokens_fn=x["prefix_allowed_tokens_fn"],
+            "_get_logits_processor", self.view, generation_config=gc, input_ids_seq_length=n,
+            encoder_input_ids=history, prefix_allowed_tokens_fn=x["prefix_allowed_tokens_fn"],
             logits_processor=x["logits_processor"] if x["logits_processor"] is not None else LogitsProcessorList(),
-            device=self.device, model_kwargs=model_kwargs, negative_prompt_ids=None, negative_prompt_attention_mask=None)
+            device=self.device, model_kwargs=model_kwargs, negative_prompt_ids=None,
+            negative_prompt_attention_mask=None)
         self.criteria = _call_hf(
             "_get_stopping_criteria", self.view, generation_config=gc,
             stopping_criteria=x["stopping_criteria"] if x["stopping_criteria"] is not None else StoppingCriteriaList(),
@@ -285,14 +287,14 @@ def decode_loop(plan: GenerationPlan, logits, history, decode_step, *, streamer=
     want_logits = gc.return_dict_in_generate and gc.output_logits
     scores, raw = [], []
     limit = plan.max_new_tokens
-    for c in criteria:  # a MaxLengthCriteria stops once the history + new tokens reach its max_length
-        if type(c) is MaxLengthCriteria:
-            limit = min(limit, c.max_length - n)
+    for c in criteria:  # a MaxLengthCriteria stops once the history + new tokens reach its max_length (HF's loop
+        if type(c) is MaxLengthCriteria:  # makes one step before it asks)
+            limit = min(limit, max(1, c.max_length - n))
     eos_criteria = [c for c in criteria if hasattr(c, "eos_token_id")]
     has_eos = bool(eos_criteria)
     pad = gc._pad_token_tensor.to(device) if has_eos else None
     fast = (not gc.do_sample and len(processors) == 0 and not want_scores and not want_logits
-            and all(type(c).__name__ in ("MaxLengthCriteria", "EosTokenCriteria") for c in criteria))
+            and all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in criteria))
     eos = torch.cat([c.eos_token_id.to(device).flatten() for c in eos_criteria]) if fast and has_eos else None
     check = has_eos or not fast  # with no EOS the fast path's rows never finish before the last step
     buf = torch.empty(B, n + max(limit, 0), dtype=torch.long, device=device)

@@ -12,8 +12,8 @@ import threading
 
 import pytest
 import torch
-from transformers import (GenerationConfig, LogitsProcessor, PreTrainedTokenizerFast, StoppingCriteria,
-                          TextIteratorStreamer, TextStreamer)
+from transformers import (GenerationConfig, LogitsProcessor, MaxLengthCriteria, PreTrainedTokenizerFast,
+                          StoppingCriteria, TextIteratorStreamer, TextStreamer)
 
 import kvrewrite
 from tests.families import FAMILIES, tiny_model
@@ -106,6 +106,10 @@ SAMPLING = {  # name: family, generate kwargs (a callable of the greedy tokens w
     "min_new_tokens": ("llama", lambda g: dict(eos_token_id=int(g[0, 0]), min_new_tokens=3, max_new_tokens=5)),
     "processors": ("llama", dict(no_repeat_ngram_size=2, bad_words_ids=[[5], [7, 8]], suppress_tokens=[9],
                                  sequence_bias={(11,): 4.0}, max_new_tokens=6)),
+    "prefix_allowed_tokens_fn": ("llama", dict(prefix_allowed_tokens_fn=lambda row, ids: list(range(20 + row, 60, 3)),
+                                               max_new_tokens=5)),
+    "custom-max-length-criterion": ("llama", dict(stopping_criteria=[MaxLengthCriteria(max_length=N + 3)],
+                                                  eos_token_id=None, max_new_tokens=6)),
     "custom-processor-and-criterion": ("llama", lambda g: dict(logits_processor=[_BanBelow(20)],
                                                                stopping_criteria=[_StopOn(int(g[0, 2]))],
                                                                eos_token_id=None, max_new_tokens=6)),
