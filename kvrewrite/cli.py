@@ -70,7 +70,9 @@ def cmd_run(args) -> int:
         t0 = time.perf_counter()
         rw = kvrewrite.apply(model, method, max_length=max_length, prefill_chunk=args.prefill_chunk, **opts)
         t_apply = time.perf_counter() - t0
-        out = rw.generate(enc["input_ids"], enc["attention_mask"], max_new_tokens=args.max_new_tokens, progress=True)
+        # greedy, as the hf-static row (a model's generation_config may ask for sampling; rw.generate follows it)
+        out = rw.generate(enc["input_ids"], enc["attention_mask"], max_new_tokens=args.max_new_tokens,
+                          do_sample=False, progress=True)
         new = out[0, n:]
         t_prefill, t_decode = rw.last_timings["prefill_s"], rw.last_timings["decode_s"]
         answer = tok.decode(new, skip_special_tokens=True).strip()

@@ -3,10 +3,11 @@
 Everything here runs on the host and depends only on the method, the layer facts and the static sizes
 fixed at apply time, never on the capture machinery: the per-layer capacities and budgets, the
 checks of a prompt against them, the left-padding of the prompt to whole prefill chunks, the host
-mirror of every layer's fill that picks the decode variant (HostSchedule), the token loop of
-`generate` (greedy or sampled, EOS, padding), and HostGeneration, the prefill / decode_step /
-generate methods built on them. KVRewrittenModel and kvrewrite.export.loader.ExportedModel both
-inherit HostGeneration, so an exported model generates exactly what `rw.generate` does.
+mirror of every layer's fill that picks the decode variant (HostSchedule), greedy_tokens (argmax in two
+reductions), and HostGeneration, the prefill / decode_step / generate methods built on them (generate's
+Hugging Face side, its processors and token loop, is kvrewrite.generation). KVRewrittenModel and
+kvrewrite.export.loader.ExportedModel both inherit HostGeneration, so an exported model generates exactly
+what `rw.generate` does.
 """
 import functools
 import math
@@ -184,42 +185,6 @@ def prepare_prompt(input_ids, attention_mask, *, model_tag: str, method, layers,
     return ids, valid, position_ids, cache_position, n_real, n
 
 
-def eos_and_pad(eos_token_id, pad_token_id, generation_config):
-    """The EOS ids (a tensor, possibly empty) and the pad id, defaulting to the generation config's."""
-    cfg = generation_config
-    if eos_token_id is None and cfg is not None:
-        eos_token_id = cfg.eos_token_id
-    eos = torch.tensor([] if eos_token_id is None else
-                       ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)))
-    if pad_token_id is None:
-        pad_token_id = (cfg.pad_token_id if cfg is not None and cfg.pad_token_id is not None else
-                        (int(eos[0]) if len(eos) else 0))
-    return eos, pad_token_id
-
-
-def token_loop(logits, decode_step, *, max_new_tokens: int, eos, pad_token_id: int, do_sample=False,
-               temperature=1.0, top_k=None, top_p=None, generator=None, progress=False) -> list:
-    """The decode loop of `generate`: pick a token from `logits` [B, V], pad finished rows, stop when
-    every row hit EOS or after max_new_tokens; `decode_step(tokens [B]) -> logits [B, V]`. Returns the
-    picked tokens, one [B] tensor per step."""
-    from tqdm.auto import tqdm
-
-    check_count("token_loop", "max_new_tokens", max_new_tokens, 1)
-    device = logits.device
-    eos = eos.to(device)
-    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
-    out = []
-    for step in tqdm(range(max_new_tokens), desc="decode", unit="tok", disable=not progress):
-        tok = pick(logits, do_sample, temperature, top_k, top_p, generator)
-        tok = torch.where(done, torch.full_like(tok, pad_token_id), tok)
-        out.append(tok)
-        done = done | torch.isin(tok, eos)
-        if bool(done.all()) or step == max_new_tokens - 1:
-            break
-        logits = decode_step(tok)
-    return out
-
-
 @functools.cache
 def _argmax_chunks(V: int) -> int:
     """greedy_tokens' chunk count for a vocabulary of V: its largest divisor <= 256 (chunks of V // n tokens)."""
@@ -238,23 +203,6 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     best, where = logits.unflatten(-1, (n, V // n)).max(dim=-1)
     chunk = best.argmax(dim=-1, keepdim=True)
     return (chunk * (V // n) + where.gather(-1, chunk)).squeeze(-1)
-
-
-def pick(logits, do_sample, temperature, top_k, top_p, generator):
-    """Next token per row from logits [B, V]: argmax, or a sample after temperature/top-k/top-p."""
-    if not do_sample:
-        return greedy_tokens(logits)
-    logits = logits.float() / max(temperature, 1e-5)
-    if top_k:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum - sorted_logits.softmax(dim=-1) > top_p
-        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
 class HostGeneration:
@@ -369,33 +317,50 @@ class HostGeneration:
         self._decode_steps += 1
         return logits[:, -1]
 
+    def _start_generation(self, input_ids, attention_mask, max_new_tokens, context, progress):
+        """-> (logits [B, V] of the last position, history [B, n] the token ids the logits processors see
+        before the first new token)"""
+        if context is not None:
+            return self._start_from_context(input_ids, attention_mask, max_new_tokens, context, progress)
+        return self.prefill(input_ids, attention_mask, max_new_tokens, progress), input_ids
+
     @torch.no_grad()
-    def generate(
-        self,
-        input_ids,
-        attention_mask=None,
-        max_new_tokens: int = 64,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token_id=None,
-        pad_token_id: int | None = None,
-        generator: torch.Generator | None = None,
-        progress: bool = False,
-    ):
-        """Greedy or sampled generation; returns [B, n + new] like HF's generate (pad after EOS).
+    def generate(self, input_ids, attention_mask=None, generation_config=None, *, logits_processor=None,
+                 stopping_criteria=None, streamer=None, context=None, generator=None, progress=False, **kwargs):
+        """Generate as Hugging Face's `model.generate` does (greedy or sampled, kvrewrite.generation): returns the
+        sequences [B, n + new] (input_ids, then the new tokens, pad after EOS), or a GenerateDecoderOnlyOutput
+        (sequences, scores, logits) if return_dict_in_generate.
+
+        The settings are a GenerationConfig and/or its fields as keyword arguments (do_sample, temperature, top_k,
+        top_p, min_p, repetition_penalty, eos_token_id (an int or a list; [] for none), pad_token_id,
+        max_new_tokens or max_length (which counts the prompt), min_new_tokens, no_repeat_ngram_size, ...), merged
+        over `self.generation_config` as HF merges them; HF's `tokenizer` (for stop_strings) and
+        `prefix_allowed_tokens_fn` are taken too. `logits_processor` / `stopping_criteria` extend HF's lists,
+        `streamer` gets the prompt then each token (put / end). Sampling draws from `generator` if given, else from
+        torch's global RNG (as HF). Anything a kvrewrite generation cannot honour (beam search, assisted generation,
+        attentions or hidden states out, HF's cache options, an unknown argument) is refused by name before any
+        state is touched. `context`: a compressed context to continue from (see `_start_generation`).
 
         Wall-clock prefill/decode seconds of the call are left in `self.last_timings`.
         """
-        check_count(self.model_tag, "max_new_tokens", max_new_tokens, 1)
-        eos, pad_token_id = eos_and_pad(eos_token_id, pad_token_id, getattr(self, "generation_config", None))
+        from kvrewrite.generation import GenerationPlan, decode_loop
+
+        if context is not None and not hasattr(self, "_start_from_context"):
+            raise ValueError(f"{self.model_tag}: context= is not supported by this build of kvrewrite "
+                             f"(no compressed-context support); pass the whole prompt as input_ids")
+        device = self._state_device()
+        plan = GenerationPlan.build(self, input_ids, attention_mask, generation_config, kwargs, logits_processor,
+                                    stopping_criteria, device)
         t0 = time.perf_counter()
-        logits = self.prefill(input_ids, attention_mask, max_new_tokens, progress)
+        logits, history = self._start_generation(plan.input_ids, plan.attention_mask, plan.max_new_tokens, context,
+                                                 progress)
+        if history.shape[1] != plan.n_history:
+            plan.bind(history)
         t1 = time.perf_counter()
-        out = token_loop(logits, self.decode_step, max_new_tokens=max_new_tokens, eos=eos, pad_token_id=pad_token_id,
-                         do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
-                         progress=progress)
-        # host-side wall clock; the loop's .all() already synchronises every step
-        self.last_timings = {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "new_tokens": len(out)}
-        return torch.cat([input_ids.to(self._state_device()), torch.stack(out, dim=1)], dim=1)
+        if streamer is not None:
+            streamer.put(plan.input_ids.cpu())
+        new, scores, raw = decode_loop(plan, logits, history.to(device), self.decode_step, streamer=streamer,
+                                       generator=generator, progress=progress)
+        # host-side wall clock; decode_loop synchronises at its end
+        self.last_timings = {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "new_tokens": new.shape[1]}
+        return plan.output(torch.cat([plan.input_ids, new], dim=1), scores, raw)

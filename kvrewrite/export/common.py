@@ -87,10 +87,8 @@ def metadata(rw, target: str, files: dict, **extra) -> dict:
         "state_fields": list(STATE_FIELDS),
         "method_state": method_state(rw),
         "method": {"name": rw.method.name, "options": method_options(rw.method)},
-        "generation": {
-            "eos_token_id": None if gen is None else gen.eos_token_id,
-            "pad_token_id": None if gen is None else gen.pad_token_id,
-        },
+        # the model's generation config (its non-default fields): the loader's generate defaults, as rw.generate's
+        "generation": {} if gen is None else json.loads(gen.to_json_string(use_diff=True)),
         "versions": {"kvrewrite": _version("kvrewrite"), "torch": torch.__version__,
                      "transformers": _version("transformers")},
         **extra,

@@ -7,8 +7,9 @@ method's own state fields, e.g. H2O's scores, ClusterKV's cluster index or KVMer
 "method_state" records them, each filled with its field's reset value: KVMerger's degree with 1), and drives the
 exported step graphs with kvrewrite.host.HostGeneration, the prefill / decode_step / generate that
 KVRewrittenModel runs: left-padding to whole prefill chunks, the HostSchedule that picks the decode variant with or
-without compression, and the token loop. Greedy and sampled decoding, EOS, padding, errors and `last_timings`
-behave as in `rw.generate` (same arguments).
+without compression, and generate's Hugging Face side (kvrewrite.generation: the model's generation config, as
+exported, merged with the arguments; HF's processors, sampling, EOS and padding). Errors and `last_timings` behave
+as in `rw.generate` (same arguments).
 
 Backends: "torch_export" (.pt2 ExportedPrograms, run by ExportedProgram.module()), "aoti"
 (AOTInductor packages, torch._inductor.aoti_load_package), "onnx" (onnxruntime sessions, CPU by
@@ -20,6 +21,7 @@ ops (for onnx only to read the metadata; the model runs in onnxruntime).
 from pathlib import Path
 
 import torch
+from transformers import GenerationConfig
 
 import kvrewrite  # noqa: F401  (registers the kvrewrite:: ops the programs call)
 from kvrewrite.context import LayerInfo
@@ -27,13 +29,6 @@ from kvrewrite.export.common import read_metadata
 from kvrewrite.host import HostGeneration
 from kvrewrite.methods import make_method
 from kvrewrite.state import STATE_FIELDS, StateField, allocate_layer_state
-
-
-class _Generation:
-    """eos/pad defaults read by kvrewrite.host.eos_and_pad (a GenerationConfig's two fields)."""
-
-    def __init__(self, eos_token_id, pad_token_id):
-        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
 
 
 class ExportedModel(HostGeneration):
@@ -67,7 +62,9 @@ class ExportedModel(HostGeneration):
                                      specs)
             self._layer_state[info.index] = s
             self.state += [s[f] for f in (*STATE_FIELDS, *specs)]  # the graphs' input order
-        self.generation_config = _Generation(**meta["generation"])
+        self.vocab_size = meta["vocab_size"]
+        # the model's generation config as exported (older exports: its eos and pad ids only): generate's defaults
+        self.generation_config = GenerationConfig.from_dict(meta["generation"])
 
     def layer_state(self, i: int) -> dict:
         return self._layer_state[i]
