@@ -29,6 +29,20 @@ def _cfg(family):
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 
 
+def tiny_tokenizer(chat_template=None):
+    """A word-level tokenizer over the tiny vocabulary (t0 ... t127, split on whitespace), built offline; with
+    `chat_template` (a Jinja string) set as its chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(COMMON["vocab_size"])}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok)
+    if chat_template is not None:
+        out.chat_template = chat_template
+    return out
+
+
 def tiny_model(family, attn="sdpa", dtype=torch.float32, seed=0):
     """A tiny model of FAMILIES (with `attn`) or of a MATRIX case (with the case's own attention)."""
     from transformers import AutoModelForCausalLM

@@ -12,11 +12,11 @@ import threading
 
 import pytest
 import torch
-from transformers import (GenerationConfig, LogitsProcessor, MaxLengthCriteria, PreTrainedTokenizerFast,
+from transformers import (GenerationConfig, LogitsProcessor, MaxLengthCriteria,
                           StoppingCriteria, TextIteratorStreamer, TextStreamer)
 
 import kvrewrite
-from tests.families import FAMILIES, tiny_model
+from tests.families import FAMILIES, tiny_model, tiny_tokenizer
 
 N, CHUNK, MAX_LENGTH, ATOL = 12, 8, 40, 1e-5
 
@@ -147,16 +147,6 @@ def test_plain_tensor_by_default_and_hf_length_defaults():
 
 # -- streamers -----------------------------------------------------------------------------------------------
 @functools.cache
-def _tokenizer():
-    """A word-level tokenizer over the tiny vocabulary (t0 ... t127), built offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok)
-
-
-@functools.cache
 def _single():
     """(model, full, chelsea) at batch 1, over one capture."""
     from kvrewrite.capture import capture
@@ -173,7 +163,7 @@ def _single():
 @pytest.mark.parametrize("skip_prompt", [False, True])
 def test_text_streamer_prints_the_returned_text(skip_prompt, capsys):
     model, rw, _ = _single()
-    tok = _tokenizer()
+    tok = tiny_tokenizer()
     ids, _ = _prompt(1)
     out = rw.generate(ids, streamer=TextStreamer(tok, skip_prompt=skip_prompt), max_new_tokens=6, eos_token_id=[])
     shown = out[0, N:] if skip_prompt else out[0]
@@ -184,7 +174,7 @@ def test_text_streamer_prints_the_returned_text(skip_prompt, capsys):
 def test_text_iterator_streamer_yields_the_returned_text(method):
     model, full, chelsea = _single()
     rw = full if method == "full" else chelsea
-    tok = _tokenizer()
+    tok = tiny_tokenizer()
     ids, _ = _prompt(1)
     streamer = TextIteratorStreamer(tok, skip_prompt=True, timeout=60)
     result = {}
