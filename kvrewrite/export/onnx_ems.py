@@ -372,7 +372,10 @@ def ems_merge(keys: TFloat, values: TFloat, bias: FLOAT, slot_pos: INT64, fill: 
     mk, _ = ems_segment_sum(op.Mul(w4, ku), tgt)
     mkn = op.Sqrt(op.ReduceSum(op.Mul(mk, mk), last, keepdims=1))
     mku = op.Div(mk, op.Where(op.Greater(mkn, dzero), mkn, done))
-    new_keys = op.Where(m4, op.CastLike(op.Where(op.Greater(mkn, dzero), mku, kd), keys), keys)
+    # the Where in float64, then one cast to the model dtype: the stored key whose norm the key scales divide by
+    # (onnxruntime's CPU runs a float16 Where in float32 through inserted casts, and the norm below then saw the
+    # unrounded float64 direction)
+    new_keys = op.CastLike(op.Where(m4, op.Where(op.Greater(mkn, dzero), mku, kd), kd), keys)
     vs, _ = ems_segment_sum(op.Mul(w4, op.Cast(values, to=DOUBLE.dtype)), tgt)
     new_values = op.Where(m4, op.CastLike(op.Div(vs, op.Where(op.Greater(w_sum4, dzero), w_sum4, done)), values),
                           values)
