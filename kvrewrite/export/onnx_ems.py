@@ -167,7 +167,8 @@ def ems_score(bias: FLOAT, fill: INT64, lut: INT32, slot_order: INT32, s_glo: FL
     den = op.ReduceSum(op.Cast(op.Where(live, s_glo, fzero), to=DOUBLE.dtype), axis2, keepdims=1)
     num = op.ReduceSum(op.Cast(op.Where(live, loc, fzero), to=DOUBLE.dtype), axis2, keepdims=1)
     none = op.Equal(den, dzero)
-    alpha = op.Cast(op.Where(none, dzero, op.Div(num, op.Where(none, op.Cast(op.Constant(value_float=1.0), to=DOUBLE.dtype), den))),
+    done = op.Cast(op.Constant(value_float=1.0), to=DOUBLE.dtype)
+    alpha = op.Cast(op.Where(none, dzero, op.Div(num, op.Where(none, done, den))),
                     to=FLOAT.dtype)
     g = op.Where(live, op.Max(op.Mul(alpha, s_glo), loc), fzero)
     valid = op.And(op.Less(ar_c, fill3), op.Greater(bias, neg_inf))
@@ -177,7 +178,8 @@ def ems_score(bias: FLOAT, fill: INT64, lut: INT32, slot_order: INT32, s_glo: FL
     # P in token-position order: walk slot_order, pack the pooled slots by their rank
     so64 = op.Cast(slot_order, to=INT64.dtype)
     order = op.Clip(so64, zero, op.Sub(op.Squeeze(R), one))
-    in_p = op.And(op.And(op.Less(ar_r, op.Unsqueeze(slot_fill, [2])), op.GreaterOrEqual(so64, zero)), op.GatherElements(pooled_slot, order, axis=2))
+    in_p = op.And(op.And(op.Less(ar_r, op.Unsqueeze(slot_fill, [2])), op.GreaterOrEqual(so64, zero)),
+                  op.GatherElements(pooled_slot, order, axis=2))
     rank = op.Sub(op.CumSum(op.Cast(in_p, to=INT64.dtype), two), one)
     dest = op.Where(in_p, rank, R)
     RR = op.Concat(rows, op.Add(R, one), axis=0)
@@ -253,7 +255,8 @@ def ems_redundancy(keys: TFloat, values: TFloat, raw_keys: TFloat, cls: INT32, d
     C = op.Shape(keys, start=2, end=3)
     ar_c = op.Range(zero, op.Squeeze(C), one)
     # the redundancy keys: raw_keys when it holds entries, else keys (raw_keys ++ keys, the first C entries)
-    a = op.Cast(op.Slice(op.Concat(raw_keys, keys, axis=2), op.Constant(value_ints=[0]), C, op.Constant(value_ints=[2])),
+    a = op.Cast(op.Slice(op.Concat(raw_keys, keys, axis=2), op.Constant(value_ints=[0]), C,
+                         op.Constant(value_ints=[2])),
                 to=FLOAT.dtype)
     v = op.Cast(values, to=FLOAT.dtype)
     na = op.Sqrt(op.ReduceSum(op.Mul(a, a), last, keepdims=1))  # [B, H, C, 1]
@@ -297,7 +300,8 @@ def ems_segment_sum(x: DOUBLE, tgt: INT64) -> tuple[DOUBLE, INT64]:
     has = op.Unsqueeze(op.Less(op.GatherElements(key, order, axis=2), C), [3])
     xo = op.Where(has, xo, op.Cast(op.Constant(value_float=0.0), to=DOUBLE.dtype))
     K = op.Shape(x, start=3, end=4)
-    cs = op.Concat(op.Expand(op.Cast(op.Constant(value_float=0.0), to=DOUBLE.dtype), op.Concat(rows, op.Constant(value_ints=[1]), K, axis=0)), op.CumSum(xo, two),
+    dzero = op.Cast(op.Constant(value_float=0.0), to=DOUBLE.dtype)
+    cs = op.Concat(op.Expand(dzero, op.Concat(rows, op.Constant(value_ints=[1]), K, axis=0)), op.CumSum(xo, two),
                    axis=2)
     C1 = op.Add(C, one)
     size = op.Slice(op.ScatterElements(op.Expand(zero, op.Concat(rows, C1, axis=0)), key,
@@ -438,7 +442,8 @@ def ems_merge(keys: TFloat, values: TFloat, bias: FLOAT, slot_pos: INT64, fill: 
     pos_max = op.Slice(op.ScatterElements(op.Expand(neg, RC1), at, tp_new, axis=2, reduction="max"), start0, C, axis2)
     so64 = op.Cast(slot_order, to=INT64.dtype)
     o = op.Clip(so64, zero, op.Sub(op.Squeeze(R), one))
-    keep_o = op.And(op.And(op.Less(ar_r, op.Unsqueeze(slot_fill, [2])), op.GreaterOrEqual(so64, zero)), op.GatherElements(alive, o, axis=2))
+    keep_o = op.And(op.And(op.Less(ar_r, op.Unsqueeze(slot_fill, [2])), op.GreaterOrEqual(so64, zero)),
+                    op.GatherElements(alive, o, axis=2))
     o_dst = op.Where(keep_o, op.Sub(op.CumSum(op.Cast(keep_o, to=INT64.dtype), two), one), R)
     RR1 = op.Concat(rows, op.Add(R, one), axis=0)
     new_order = op.Slice(op.ScatterElements(op.Expand(neg, RR1), o_dst, op.GatherElements(new_pos, o, axis=2),
@@ -478,12 +483,10 @@ def ems_compress(keys: TFloat, values: TFloat, bias: FLOAT, slot_pos: INT64, fil
                             pool=pool)
     cls = ems_partition(bias, fill, entry_start, g_pooled, due, budget, gamma, l_win=l_win)
     dest = ems_redundancy(keys, values, raw_keys, cls, due, tau=tau, merging=merging)
-    (keys2, values2, bias2, slot_pos2, fill2, entry_start2, raw2, lut2, key_scale2, token_pos2, slot_order2, glo2, past2,
-     cur2, slot_fill2) = ems_merge(keys, values, bias, slot_pos, fill, budget, entry_start, raw_keys, lut, key_scale,
-                                   token_pos, slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, g, g_pooled, cls,
-                                   dest, due, gamma)
-    return (keys2, values2, bias2, slot_pos2, fill2, entry_start2, raw2, lut2, key_scale2, token_pos2, slot_order2,
-            glo2, past2, cur2, slot_fill2)
+    k2, v2, b2, sp2, f2, es2, r2, l2, ks2, tp2, so2, gl2, pa2, cu2, sf2 = ems_merge(
+        keys, values, bias, slot_pos, fill, budget, entry_start, raw_keys, lut, key_scale, token_pos, slot_order, s_glo,
+        s_loc_past, s_loc_cur, slot_fill, g, g_pooled, cls, dest, due, gamma)
+    return k2, v2, b2, sp2, f2, es2, r2, l2, ks2, tp2, so2, gl2, pa2, cu2, sf2
 
 
 FUNCTIONS = {"ems_append": ems_append, "ems_attention": ems_attention, "ems_compress": ems_compress,

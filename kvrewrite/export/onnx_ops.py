@@ -413,7 +413,8 @@ def fixed_proto(fn):
 
 def function_protos(names=None) -> list:
     """The FunctionProtos the exported models carry (domain "kvrewrite", version 1), all or `names`, with the
-    helper functions their bodies call (kmeans_cluster's mix32, kvmerger_compress's top_flags, ems_compress's stages)."""
+    helper functions their bodies call (kmeans_cluster's mix32, kvmerger_compress's top_flags, ems_compress's
+    stages)."""
     picked = [name for name in FUNCTIONS if names is None or name in names]
     helpers = sorted({h for name in picked for h in CALLS.get(name, ())} - set(picked))  # each function once
     return [fixed_proto(FUNCTIONS[name]) for name in picked] + [fixed_proto(HELPERS[h]) for h in helpers]

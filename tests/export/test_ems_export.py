@@ -9,7 +9,6 @@
 - ONNX: the ems_append, ems_attention and ems_compress functions against the ops in onnxruntime, and the whole model
   against the PyTorch runtime (tokens identical).
 """
-import itertools
 import math
 
 import pytest
