@@ -14,7 +14,10 @@ and kvrewrite::kvmerger_compress (KVMerger) becomes kvrewrite_export::kvmerger_c
 values, bias, slot_pos, fill, score, degree, deficit); ClusterGen's kvrewrite::clustergen_fold and clustergen-kcenter's
 kvrewrite::kcenter_compress become kvrewrite_export::clustergen_fold (returning the thirteen fields it writes: the
 base five, role, rep, count, n_clusters, mu, delta, n_seen, n_forced) and kvrewrite_export::kcenter_compress (the
-base five). A kvrewrite op that writes its inputs and has no entry
+base five); EMS's kvrewrite::ems_append, ems_attention and ems_compress become kvrewrite_export::ems_append (returning
+the seven slot-table fields it writes), ems_attention (returning the attention's output, then s_glo, s_loc_past,
+s_loc_cur and win_count: RETURNS lists the in-place ops whose own return comes first) and ems_compress (returning the
+fifteen fields it writes: every argument but budget). A kvrewrite op that writes its inputs and has no entry
 in FUNCTIONAL is refused by `functionalize` (ValueError naming it): it cannot slip through an export.
 Their eager and CUDA kernels are the in-place ops applied to clones, so the functional graph computes exactly
 what the in-place one does. clustered_attention, select_clusters, indexed_attention, sketch_attention and
@@ -37,6 +40,7 @@ MUTATED = ("keys", "values", "bias", "slot_pos", "fill")  # what the in-place op
 _T = torch.Tensor
 _Out = tuple[_T, _T, _T, _T, _T]
 _Out13 = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T]  # clustergen_fold's thirteen fields
+_Out15 = tuple[_T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _T]  # ems_compress's fifteen fields
 
 
 def _clones(*tensors):
@@ -224,6 +228,65 @@ def _(q, keys, values, bias, slot_pos, cache_position, role, scale, past_only=Fa
     return q.new_empty(q.shape)
 
 
+# -- EMS (method ems: kvrewrite/kernels/ems_append.py, ems_attention.py, ems_compress.py) ---------------------------
+_EMS_APPENDED = ("entry_start", "raw_keys", "lut", "key_scale", "token_pos", "slot_order", "slot_fill")
+_EMS_STATS = ("s_glo", "s_loc_past", "s_loc_cur", "win_count")
+
+
+@torch.library.custom_op("kvrewrite_export::ems_append", mutates_args=())
+def ems_append(keys: _T, bias: _T, fill: _T, k_pre: _T, cache_position: _T, token_valid: _T, entry_start: _T,
+               raw_keys: _T, lut: _T, key_scale: _T, token_pos: _T, slot_order: _T,
+               slot_fill: _T) -> tuple[_T, _T, _T, _T, _T, _T, _T]:
+    """kvrewrite::ems_append returning the updated (entry_start, raw_keys, lut, key_scale, token_pos, slot_order,
+    slot_fill); keys, bias and fill are only read."""
+    out = _clones(entry_start, raw_keys, lut, key_scale, token_pos, slot_order, slot_fill)
+    torch.ops.kvrewrite.ems_append(keys, bias, fill, k_pre, cache_position, token_valid, *out)
+    return tuple(out)
+
+
+@ems_append.register_fake
+def _(keys, bias, fill, k_pre, cache_position, token_valid, *appended):
+    return tuple(torch.empty_like(t) for t in appended)
+
+
+@torch.library.custom_op("kvrewrite_export::ems_attention", mutates_args=())
+def ems_attention(q: _T, keys: _T, values: _T, bias: _T, slot_pos: _T, cache_position: _T, entry_start: _T, lut: _T,
+                  key_scale: _T, s_glo: _T, s_loc_past: _T, s_loc_cur: _T, slot_fill: _T, win_count: _T, scale: float,
+                  past_only: bool, softcap: float, l_win: int) -> tuple[_T, _T, _T, _T, _T]:
+    """kvrewrite::ems_attention returning (out, then the updated s_glo, s_loc_past, s_loc_cur, win_count): the
+    attention's output first, as the in-place op returns it; the options are positional here (the in-place op's
+    are keyword-only)."""
+    stats = _clones(s_glo, s_loc_past, s_loc_cur)
+    count = win_count.clone()
+    out = torch.ops.kvrewrite.ems_attention(q, keys, values, bias, slot_pos, cache_position, entry_start, lut,
+                                            key_scale, *stats, slot_fill, count, scale=scale, past_only=past_only,
+                                            softcap=softcap, l_win=l_win)
+    return out, *stats, count
+
+
+@ems_attention.register_fake
+def _(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale, s_glo, s_loc_past, s_loc_cur,
+      slot_fill, win_count, *options):
+    return q.new_empty(q.shape), *(torch.empty_like(t) for t in (s_glo, s_loc_past, s_loc_cur, win_count))
+
+
+@torch.library.custom_op("kvrewrite_export::ems_compress", mutates_args=())
+def ems_compress(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, budget: _T, entry_start: _T, raw_keys: _T,
+                 lut: _T, key_scale: _T, token_pos: _T, slot_order: _T, s_glo: _T, s_loc_past: _T, s_loc_cur: _T,
+                 slot_fill: _T, l_win: int, pool: int, gamma: float, tau: float) -> _Out15:
+    """kvrewrite::ems_compress returning the fifteen fields it writes (every argument but budget, in order); the
+    options are positional here (the in-place op's are keyword-only)."""
+    out = _clones(keys, values, bias, slot_pos, fill, entry_start, raw_keys, lut, key_scale, token_pos, slot_order,
+                  s_glo, s_loc_past, s_loc_cur, slot_fill)
+    torch.ops.kvrewrite.ems_compress(*out[:5], budget, *out[5:], l_win=l_win, pool=pool, gamma=gamma, tau=tau)
+    return tuple(out)
+
+
+@ems_compress.register_fake
+def _(keys, values, bias, slot_pos, fill, budget, *table_and_options):
+    return tuple(torch.empty_like(t) for t in (keys, values, bias, slot_pos, fill, *table_and_options[:10]))
+
+
 # pure triton_ops -> their plain custom op in kvrewrite_export (functionalize(opaque_attention=True))
 OPAQUE = {
     torch.ops.kvrewrite.clustered_attention.default: torch.ops.kvrewrite_export.clustered_attention.default,
@@ -269,7 +332,13 @@ FUNCTIONAL = {
                                                   (0, 1, 2, 3, 4, *range(6, 14))),
     torch.ops.kvrewrite.kcenter_compress.default: (torch.ops.kvrewrite_export.kcenter_compress.default,
                                                    (0, 1, 2, 3, 4)),
+    torch.ops.kvrewrite.ems_append.default: (torch.ops.kvrewrite_export.ems_append.default, tuple(range(6, 13))),
+    torch.ops.kvrewrite.ems_attention.default: (torch.ops.kvrewrite_export.ems_attention.default, (9, 10, 11, 13)),
+    torch.ops.kvrewrite.ems_compress.default: (torch.ops.kvrewrite_export.ems_compress.default,
+                                               (0, 1, 2, 3, 4, *range(6, 16))),
 }
+# in-place ops that also return a value: their twin returns it first (this many outputs), then the written tensors
+RETURNS = {torch.ops.kvrewrite.ems_attention.default: 1}
 
 
 def written_args(target) -> list:
@@ -364,13 +433,16 @@ def functionalize(gm: fx.GraphModule, n_inputs: int = 4, opaque_attention: bool 
             args[-1] = outlier_mask(args[-1])
         with graph.inserting_after(node):
             new = graph.call_function(fn, tuple(args))
-        if len(written) == 1:  # a single Tensor return
+        lead = RETURNS.get(node.target, 0)
+        if len(written) == 1 and not lead:  # a single Tensor return
             latest[_origin(args[written[0]], latest)] = new
         else:
             with graph.inserting_after(new):
                 for i in reversed(range(len(written))):
-                    item = graph.call_function(operator.getitem, (new, i))
+                    item = graph.call_function(operator.getitem, (new, lead + i))
                     latest[_origin(args[written[i]], latest)] = item
+                if lead:  # the in-place op's own (single) return: the twin's first output
+                    node.replace_all_uses_with(graph.call_function(operator.getitem, (new, 0)))
         graph.erase_node(node)
     out = next(n for n in graph.nodes if n.op == "output")
     out.args = ((out.args[0], *[latest.get(p, p) for p in state]),)

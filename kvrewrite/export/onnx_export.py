@@ -19,7 +19,8 @@ a graph holding it is refused with NotImplementedError. Method clustergen-kcente
 kcenter_compress function is in onnx_clustergen.py); method clustergen does not: kvrewrite::clustergen_fold (in its
 prefill and decode_compress graphs) has no function, and export_graph refuses those graphs with a NotImplementedError
 naming the op and the method and pointing to torch_export / aoti (INSTEAD); its sketch_attention has a function
-(onnx_clustergen.py), so the decode graph alone exports.
+(onnx_clustergen.py), so the decode graph alone exports. Method ems exports completely: ems_append, ems_attention and
+ems_compress have functions (onnx_ems.py; ems_compress's body calls its stages' functions).
 """
 import torch
 

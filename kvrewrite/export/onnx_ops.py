@@ -31,6 +31,8 @@ are the functional forms (kvrewrite.export.functional): they return the updated
     kvrewrite::kvmerger_compress, and the helper top_flags it calls (KVMerger): kvrewrite/export/onnx_kvmerger.py.
     kvrewrite::sketch_attention (ClusterGen) and kcenter_compress (clustergen-kcenter): onnx_clustergen.py
     (kvrewrite::clustergen_fold has none: onnx_export.UNSUPPORTED).
+    kvrewrite::ems_append, ems_attention, ems_compress (EMS) and the stages ems_compress calls (ems_score,
+    ems_partition, ems_redundancy, ems_merge, with the helpers ems_tbm_count and ems_segment_sum): onnx_ems.py.
 
 Numerics: attention computes in fp32 (MatMul instead of the reference's einsum: rounding only), and so
 does accumulate_attention (exp(l - max) / sum instead of exp(l - lse): rounding only); cache_append,
@@ -50,7 +52,7 @@ from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
 import kvrewrite.export.functional  # noqa: F401  (registers kvrewrite_export::)
-from kvrewrite.export import onnx_clustergen, onnx_clusterkv, onnx_kvmerger
+from kvrewrite.export import onnx_clustergen, onnx_clusterkv, onnx_ems, onnx_kvmerger
 from kvrewrite.kernels.kvmerger_compress import BUDGET_MODES, READINGS, SIGMA_MODES, VALUES_MODES
 
 DOMAIN = "kvrewrite"
@@ -385,10 +387,11 @@ def evict_by_score(keys: TFloat, values: TFloat, bias: FLOAT, slot_pos: INT64, f
 FUNCTIONS = {"clustered_attention": clustered_attention, "cache_append": cache_append,
              "evict_to_budget": evict_to_budget, "chelsea_compress": chelsea_compress,
              "accumulate_attention": accumulate_attention, "evict_by_score": evict_by_score,
-             **onnx_clusterkv.FUNCTIONS, **onnx_kvmerger.FUNCTIONS, **onnx_clustergen.FUNCTIONS}
+             **onnx_clusterkv.FUNCTIONS, **onnx_kvmerger.FUNCTIONS, **onnx_clustergen.FUNCTIONS,
+             **onnx_ems.FUNCTIONS}
 # functions whose bodies call other kvrewrite functions
-CALLS = {**onnx_clusterkv.CALLS, **onnx_kvmerger.CALLS, **onnx_clustergen.CALLS}
-HELPERS = {**onnx_clusterkv.HELPERS, **onnx_kvmerger.HELPERS, **onnx_clustergen.HELPERS}
+CALLS = {**onnx_clusterkv.CALLS, **onnx_kvmerger.CALLS, **onnx_clustergen.CALLS, **onnx_ems.CALLS}
+HELPERS = {**onnx_clusterkv.HELPERS, **onnx_kvmerger.HELPERS, **onnx_clustergen.HELPERS, **onnx_ems.HELPERS}
 
 
 def fixed_proto(fn):
@@ -410,9 +413,10 @@ def fixed_proto(fn):
 
 def function_protos(names=None) -> list:
     """The FunctionProtos the exported models carry (domain "kvrewrite", version 1), all or `names`, with the
-    helper functions their bodies call (kmeans_cluster's mix32, kvmerger_compress's top_flags)."""
+    helper functions their bodies call (kmeans_cluster's mix32, kvmerger_compress's top_flags, ems_compress's
+    stages)."""
     picked = [name for name in FUNCTIONS if names is None or name in names]
-    helpers = sorted({h for name in picked for h in CALLS.get(name, ())})
+    helpers = sorted({h for name in picked for h in CALLS.get(name, ())} - set(picked))  # each function once
     return [fixed_proto(FUNCTIONS[name]) for name in picked] + [fixed_proto(HELPERS[h]) for h in helpers]
 
 
@@ -532,7 +536,40 @@ def sym_kcenter_compress(keys, values, bias, slot_pos, fill, budget, recent_rati
         **_state_like(keys, values, bias, slot_pos, fill)))
 
 
+def sym_ems_append(keys, bias, fill, k_pre, cache_position, token_valid, entry_start, raw_keys, lut, key_scale,
+                   token_pos, slot_order, slot_fill):
+    return tuple(torch.onnx.ops.symbolic_multi_out(
+        f"{DOMAIN}::ems_append", [keys, bias, fill, k_pre, cache_position, token_valid, entry_start, raw_keys, lut,
+                                  key_scale, token_pos, slot_order, slot_fill], {},
+        **_state_like(entry_start, raw_keys, lut, key_scale, token_pos, slot_order, slot_fill)))
+
+
+def sym_ems_attention(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale, s_glo, s_loc_past,
+                      s_loc_cur, slot_fill, win_count, scale, past_only, softcap, l_win):
+    like = _state_like(q, s_glo, s_loc_past, s_loc_cur, win_count)
+    return tuple(torch.onnx.ops.symbolic_multi_out(
+        f"{DOMAIN}::ems_attention", [q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_scale,
+                                     s_glo, s_loc_past, s_loc_cur, slot_fill, win_count],
+        {"scale": float(scale), "past_only": int(past_only), "softcap": float(softcap), "l_win": int(l_win)}, **like))
+
+
+def sym_ems_compress(keys, values, bias, slot_pos, fill, budget, entry_start, raw_keys, lut, key_scale, token_pos,
+                     slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, l_win, pool, gamma, tau):
+    # gamma travels as a float64 tensor (N_tbm = floor((gamma - 1) * B) must see the reference's double; inf allowed);
+    # merging = tau < 1, decided here in double (a float32 tau attribute may round to 1)
+    gam = torch.tensor([gamma], dtype=torch.float64, device=keys.device)
+    written = (keys, values, bias, slot_pos, fill, entry_start, raw_keys, lut, key_scale, token_pos, slot_order, s_glo,
+               s_loc_past, s_loc_cur, slot_fill)
+    return tuple(torch.onnx.ops.symbolic_multi_out(
+        f"{DOMAIN}::ems_compress", [keys, values, bias, slot_pos, fill, budget, entry_start, raw_keys, lut, key_scale,
+                                    token_pos, slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, gam],
+        {"l_win": int(l_win), "pool": int(pool), "tau": float(tau), "merging": int(tau < 1)}, **_state_like(*written)))
+
+
 SYMBOLIC = {
+    torch.ops.kvrewrite_export.ems_append.default: sym_ems_append,
+    torch.ops.kvrewrite_export.ems_attention.default: sym_ems_attention,
+    torch.ops.kvrewrite_export.ems_compress.default: sym_ems_compress,
     torch.ops.kvrewrite.sketch_attention.default: sym_sketch_attention,
     torch.ops.kvrewrite_export.kcenter_compress.default: sym_kcenter_compress,
     torch.ops.kvrewrite_export.kvmerger_compress.default: sym_kvmerger_compress,

@@ -24,7 +24,9 @@ cache_append / the compression ops launch several kernels or run PyTorch code (k
 kvmerger_compress: several phases or launches); so the engines need a Python process with kvrewrite imported,
 like the AOTInductor packages. (kvmerger_compress's options reach its plugin as int, float and str attributes;
 ClusterGen's sketch_attention is opaque like clustered_attention, clustergen_fold returns its thirteen written fields
-and takes its options as int and float attributes, clustergen-kcenter's kcenter_compress returns the base five.)
+and takes its options as int and float attributes, clustergen-kcenter's kcenter_compress returns the base five; EMS's
+ems_append returns the seven slot-table fields it writes, ems_attention its output then the four statistics fields,
+ems_compress the fifteen fields it writes, their options int, float and bool attributes.)
 """
 import operator
 
@@ -48,6 +50,9 @@ PLUGIN_OPS = (
     "kvrewrite_export::sketch_attention",
     "kvrewrite_export::clustergen_fold",
     "kvrewrite_export::kcenter_compress",
+    "kvrewrite_export::ems_append",
+    "kvrewrite_export::ems_attention",
+    "kvrewrite_export::ems_compress",
 )
 _ALLOWED_NON_TENSOR = (int, float, bool, str)  # what generate_plugin maps to plugin attributes
 _registered = set()

@@ -55,10 +55,12 @@ CLUSTERKV_OPS = {"kvrewrite_export::kmeans_cluster", "kvrewrite_export::select_c
 KVMERGER_OPS = {"kvrewrite_export::kvmerger_compress"}
 CLUSTERGEN_OPS = {"kvrewrite_export::sketch_attention", "kvrewrite_export::clustergen_fold",
                   "kvrewrite_export::kcenter_compress"}  # tests/export/test_clustergen_export.py
+EMS_OPS = {"kvrewrite_export::ems_append", "kvrewrite_export::ems_attention",
+           "kvrewrite_export::ems_compress"}  # tests/export/test_ems_export.py
 
 
 def test_op_set_is_aten_plus_plugin_ops(prepared):
-    every = set(te.PLUGIN_OPS) - SCORE_OPS - CLUSTERKV_OPS - KVMERGER_OPS - CLUSTERGEN_OPS
+    every = set(te.PLUGIN_OPS) - SCORE_OPS - CLUSTERKV_OPS - KVMERGER_OPS - CLUSTERGEN_OPS - EMS_OPS
     assert te.check_op_set(prepared["prefill"][0]) == sorted(every)
     assert te.check_op_set(prepared["decode_compress"][0]) == sorted(every)
     assert te.check_op_set(prepared["decode"][0]) == ["kvrewrite_export::cache_append",
@@ -71,7 +73,8 @@ def test_op_set_is_aten_plus_plugin_ops(prepared):
 
 def test_plugin_descriptions(prepared):
     _, descs = prepared["prefill"]
-    assert sorted(descs) == sorted(set(te.PLUGIN_OPS) - SCORE_OPS - CLUSTERKV_OPS - KVMERGER_OPS - CLUSTERGEN_OPS)
+    assert sorted(descs) == sorted(set(te.PLUGIN_OPS) - SCORE_OPS - CLUSTERKV_OPS - KVMERGER_OPS - CLUSTERGEN_OPS -
+                        EMS_OPS)
     for op, d in descs.items():
         if op.endswith("clustered_attention"):
             assert d["outputs"] == d["inputs"][:1]  # [B, Hq, T, D] of q
@@ -87,7 +90,7 @@ def test_score_ops_plugin_descriptions(rw_snapkv):
     base = ["kvrewrite_export::cache_append", "kvrewrite_export::clustered_attention"]
     assert te.check_op_set(prepared["decode"][0]) == sorted([*base, "kvrewrite_export::accumulate_attention"])
     no_chelsea = set(te.PLUGIN_OPS) - {"kvrewrite_export::chelsea_compress"} - CLUSTERKV_OPS - KVMERGER_OPS - \
-        CLUSTERGEN_OPS
+        CLUSTERGEN_OPS - EMS_OPS
     assert te.check_op_set(prepared["prefill"][0]) == sorted(no_chelsea)
     descs = prepared["decode_compress"][1]
     ins = descs["kvrewrite_export::evict_by_score"]["inputs"]
@@ -168,13 +171,14 @@ def test_kvmerger_op_set_and_plugin_descriptions(rw_kvmerger):
 
 def test_functional_entries_return_what_the_ops_write():
     """Every FUNCTIONAL entry lists exactly the arguments its in-place op writes (the schema's Tensor(a!)), and its
-    functional op returns one tensor per written argument."""
-    from kvrewrite.export.functional import FUNCTIONAL, written_args
+    functional op returns one tensor per written argument (after the in-place op's own returns: RETURNS)."""
+    from kvrewrite.export.functional import FUNCTIONAL, RETURNS, written_args
 
     for op, (fn, positions) in FUNCTIONAL.items():
         names = [op._schema.arguments[i].name for i in positions]
         assert names == written_args(op), op
-        assert len(fn._schema.returns) == len(positions), fn
+        assert len(op._schema.returns) == RETURNS.get(op, 0), op
+        assert len(fn._schema.returns) == RETURNS.get(op, 0) + len(positions), fn
 
 
 def test_functionalize_refuses_a_writing_op_without_a_functional_twin(rw_kvmerger, monkeypatch):
