@@ -55,10 +55,15 @@ over the due rows' |F| only) must remove. On the CPU (nothing to capture) both l
 needs (a host read; the skipped steps are no-ops, so the result is the same: tests/methods/test_clustergen_gpu.py
 compares CUDA's static loops with it); a call with no due row then does no leader step.
 """
+import importlib
+import logging
+
 import torch
 
 from kvrewrite.kernels._hash import clustergen_hash24
 from kvrewrite.kernels.kcenter import greedy_kcenter
+
+logger = logging.getLogger(__name__)
 
 DELTA_MARGIN = 1.001  # δ = DELTA_MARGIN · r (module docstring, step a)
 NAME = "kvrewrite::clustergen_fold"
@@ -257,6 +262,43 @@ def clustergen_fold(keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
     args = (keys, values, bias, slot_pos, fill, budget, role, rep, count, n_clusters, mu, delta, n_seen, n_forced,
             n_sink, window, t, value_share, cluster_target, seed, layer)
     _check_inputs(*args)
+    reference_clustergen_fold(*args)
+
+
+# -- the CUDA path -----------------------------------------------------------------------------------
+_WARNED = []
+KERNELS_CHECKED_ON_GPU = False  # set True only once tests/kernels/test_clustergen_fold_gpu.py has passed on a GPU
+
+
+def _cuda_impl():
+    """The Triton launcher once its GPU tests passed and Triton imports, else None (CUDA then runs the reference,
+    logged once). THE one place that decides the CUDA path (module docstring, Backends)."""
+    if not KERNELS_CHECKED_ON_GPU:
+        return None
+    try:
+        import triton  # noqa: F401
+        mod = importlib.import_module("kvrewrite.kernels._clustergen_fold_kernels")
+    except ImportError:
+        return None
+    return mod.triton_clustergen_fold
+
+
+@clustergen_fold.register_kernel("cuda")
+def _(keys, values, bias, slot_pos, fill, budget, role, rep, count, n_clusters, mu, delta, n_seen, n_forced, *,
+      n_sink, window, t, value_share, cluster_target, seed, layer):
+    args = (keys, values, bias, slot_pos, fill, budget, role, rep, count, n_clusters, mu, delta, n_seen, n_forced,
+            n_sink, window, t, value_share, cluster_target, seed, layer)
+    _check_inputs(*args)
+    launcher = _cuda_impl()
+    if launcher is not None:
+        launcher(*args[:14], n_sink=n_sink, window=window, t=t, value_share=value_share,
+                 cluster_target=cluster_target, seed=seed, layer=layer)
+        return
+    if not _WARNED:
+        _WARNED.append(True)
+        logger.warning("clustergen_fold: CUDA runs the tensor reference (static loops; slow): the Triton kernels "
+                       "are used once their GPU tests have passed (KERNELS_CHECKED_ON_GPU=%s) and Triton imports",
+                       KERNELS_CHECKED_ON_GPU)
     reference_clustergen_fold(*args)
 
 
