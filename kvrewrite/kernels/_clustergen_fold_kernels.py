@@ -56,7 +56,7 @@ except ImportError:  # CPU-only installs: the op runs its reference; only triton
 NAME = "triton_clustergen_fold"
 DELTA_MARGIN_F32 = 1.001  # rounded to fp32 in the kernel, as the reference's fp32 tensor * 1.001
 SPLIT_CH = 1024  # slots per chunk of the split pass
-CAL_CH = 64  # points per chunk of a calibration pass
+CAL_CH = 128  # points per chunk of a calibration pass
 DIST_BF, DIST_BM, DIST_FO = 16, 32, 256  # launch 3: keys x clusters per tile, keys per program
 RES_B, RES_BL = 32, 32  # launch 4: keys per sequential block, leaders per tile
 DC = 8  # dims per step of a distance tile
