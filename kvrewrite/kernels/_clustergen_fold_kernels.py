@@ -54,7 +54,6 @@ except ImportError:  # CPU-only installs: the op runs its reference; only triton
     triton = tl = None
 
 NAME = "triton_clustergen_fold"
-DELTA_MARGIN_F32 = 1.001  # rounded to fp32 in the kernel, as the reference's fp32 tensor * 1.001
 SPLIT_CH = 1024  # slots per chunk of the split pass
 CAL_CH = 128  # points per chunk of a calibration pass
 DIST_BF, DIST_BM, DIST_FO = 16, 32, 256  # launch 3: keys x clusters per tile, keys per program
@@ -181,7 +180,7 @@ def _cg_calib_kernel(K, FS, INFO, DELTA, D2, BUDGET, C, D, n_sink, window, t, vs
             ci = besti
             tl.debug_barrier()
         r = tl.sqrt_rn(tl.maximum(best, 0.0))
-        tl.store(DELTA + row, r * DELTA_MARGIN_F32)
+        tl.store(DELTA + row, r * 1.001)  # fp32 r times fp32(1.001), as the reference
 
 
 # -- launch 3: distances to the clusters open before the fold -----------------------------------------
