@@ -151,9 +151,10 @@ def main():
         for name, s0 in cases.items():
             eager, got = time_kernel(s0, args.reps, graph=False)
             graph, _ = time_kernel(s0, args.reps, graph=True)
-            row = dict(case=name, batch=B, budget=Bt, capacity=C, m_max=Mmax, folded=int(s0["fill"][0, 0]) - N_SINK
-                       - WINDOW, kernel_us=eager, kernel_graph_us=graph,
-                       n_clusters_after=int(got["n_clusters"].float().mean()), n_forced_after=int(got["n_forced"].sum()))
+            row = dict(case=name, batch=B, budget=Bt, capacity=C, m_max=Mmax,
+                       folded=int(s0["fill"][0, 0]) - N_SINK - WINDOW, kernel_us=eager, kernel_graph_us=graph,
+                       n_clusters_after=int(got["n_clusters"].float().mean()),
+                       n_forced_after=int(got["n_forced"].sum()))
             if not args.no_reference and (B == args.batches[0] or name == "decode"):
                 ref, want = time_reference(s0)
                 row["reference_us"] = ref
@@ -167,7 +168,7 @@ def main():
             print(json.dumps(row), flush=True)
             row["launch_us"] = profile_launches(s0)
             print(name, "launches", row["launch_us"], flush=True)
-            if args.sweep and B == args.batches[0] and name != "prefill_later":  # the resolve launch's warps (sequential part)
+            if args.sweep and B == args.batches[0] and name != "prefill_later":  # the resolve launch's warps
                 row["graph_us_by_resolve_warps"] = {w: time_kernel(s0, 5, graph=True, num_warps_seq=w)[0]
                                                     for w in (1, 2, 4, 8)}
                 print(name, "graph us by resolve warps", row["graph_us_by_resolve_warps"], flush=True)

@@ -136,7 +136,7 @@ def test_matches_reference_prefill_then_decode_folds(name):
             for h in range(H):
                 for n in range(g):
                     i = max(lens) + step * g + n
-                    append(st, b, h, keys[i] + 40 * (step == 0), vals[i], i)  # far keys: new clusters (folded next step)
+                    append(st, b, h, keys[i] + 40 * (step == 0), vals[i], i)  # far keys, folded next step
         fold_both(st, kw, n_sink + window + g)
     if name == "uniform-overflow":
         assert int(st["n_forced"].max()) > 0
