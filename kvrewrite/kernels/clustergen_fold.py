@@ -45,20 +45,43 @@ Decisions where the contract is silent (tell the lead):
   between folds) is not supported: B_t must stay the same for a row's lifetime.
 - Rows with no folded token (V <= n_sink + window) are only packed: δ stays uncalibrated, the sketch untouched.
 
-Backends: the reference below is the CPU path and, until a Triton kernel lands, the CUDA path too (no Triton
-kernel yet). Static-shape tensor code vectorised over rows: the leader part is a loop over the static bound
+Backends. CPU: the reference below. CUDA (_cuda_impl decides, in one place): the Triton kernels of
+kvrewrite/kernels/_clustergen_fold_kernels.py (six launches: split, δ calibration, distances to the clusters open
+before the fold, the sequential resolve, reservoirs, pack; loops bounded by each row's fill, |F| and open clusters;
+no host reads, CUDA-graph capturable, int32 atomics only). They run once KERNELS_CHECKED_ON_GPU is set, which
+records that on an H100 (torch 2.11, Triton 3.6) tests/kernels/test_clustergen_fold_gpu.py passed (6 tests:
+bf16 / fp16 / fp32, D 64 / 128, Hkv 8 / 2 / 4, batch 1 / 3, ragged fills, left padding, rows not due, a prefill
+fold, a second chunk, decode folds with new clusters and overflow, every field equal to this reference on integer
+inputs; a CUDA graph replay; the op's dispatch; the Triton mix32) and tests/methods/test_clustergen_gpu.py with the
+kernels as the CUDA path (its 15 tests passed; the run's time limit stopped pytest after the last one, before its
+summary line). The kernels are also checked through Triton's interpreter (tests/kernels/
+test_clustergen_fold_triton.py). Without Triton, CUDA runs the reference (logged once).
+Measured (H100, Llama-3.1-8B layer: Hkv 8, D 128, bf16; 32k context, budget 0.2 = 6554 slots, C = 8633; python -m
+kvrewrite.bench.clustergen_fold, docs/bench/clustergen_fold_h100.json, batch 1, one run): a decode-time fold of
+g = 32 tokens 663 us replayed from a CUDA graph (the reference on CUDA: 3.26 s); a later prefill chunk's fold
+(|F| = 2048) 4.3 ms (reference 5.3 s); the first chunk's fold (δ calibration over 2012 keys, 204 centres) 57 ms,
+47 ms of it the calibration (one program per row). What the decode call means: 663 us per layer every g tokens is,
+over 32 layers, 0.66 ms per generated token, 11% of the 6.1 ms plain step at 32k: more than the method's 1.15x
+target leaves for it. 549 us of it is the reservoir launch, whose [128, D] tiles spill registers (6.6 KB per thread
+on sm_90): the next thing to fix (smaller tiles; measured in ptxas, not yet on the GPU).
+
+The reference: static-shape tensor code vectorised over rows: the leader part is a loop over the static bound
 C - n_sink - window of folded positions, the calibration a loop over M_max greedy steps; no host reads on CUDA,
 deterministic (first-extremum argmin/argmax, stable sort, no float atomics). Cost: every call, due or not, runs
 C - n_sink - window leader steps of [rows, M_max, D] work and M_max greedy steps of [rows, C, D] (about 15 small
-launches per step on CUDA): fine for tests and tiny models, a per-layer decode cost that the Triton kernel (looping
-over the due rows' |F| only) must remove. On the CPU (nothing to capture) both loops stop at the most any due row
-needs (a host read; the skipped steps are no-ops, so the result is the same: tests/methods/test_clustergen_gpu.py
-compares CUDA's static loops with it); a call with no due row then does no leader step.
+launches per step on CUDA): fine for tests and tiny models, seconds per call at 32k. On the CPU (nothing to
+capture) both loops stop at the most any due row needs (a host read; the skipped steps are no-ops, so the result is
+the same); a call with no due row then does no leader step.
 """
+import importlib
+import logging
+
 import torch
 
 from kvrewrite.kernels._hash import clustergen_hash24
 from kvrewrite.kernels.kcenter import greedy_kcenter
+
+logger = logging.getLogger(__name__)
 
 DELTA_MARGIN = 1.001  # δ = DELTA_MARGIN · r (module docstring, step a)
 NAME = "kvrewrite::clustergen_fold"
@@ -257,6 +280,43 @@ def clustergen_fold(keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
     args = (keys, values, bias, slot_pos, fill, budget, role, rep, count, n_clusters, mu, delta, n_seen, n_forced,
             n_sink, window, t, value_share, cluster_target, seed, layer)
     _check_inputs(*args)
+    reference_clustergen_fold(*args)
+
+
+# -- the CUDA path -----------------------------------------------------------------------------------
+_WARNED = []
+KERNELS_CHECKED_ON_GPU = True  # tests/kernels/test_clustergen_fold_gpu.py: 6 passed on an H100 (torch 2.11, Triton 3.6)
+
+
+def _cuda_impl():
+    """The Triton launcher once its GPU tests passed and Triton imports, else None (CUDA then runs the reference,
+    logged once). THE one place that decides the CUDA path (module docstring, Backends)."""
+    if not KERNELS_CHECKED_ON_GPU:
+        return None
+    try:
+        import triton  # noqa: F401
+        mod = importlib.import_module("kvrewrite.kernels._clustergen_fold_kernels")
+    except ImportError:
+        return None
+    return mod.triton_clustergen_fold
+
+
+@clustergen_fold.register_kernel("cuda")
+def _(keys, values, bias, slot_pos, fill, budget, role, rep, count, n_clusters, mu, delta, n_seen, n_forced, *,
+      n_sink, window, t, value_share, cluster_target, seed, layer):
+    args = (keys, values, bias, slot_pos, fill, budget, role, rep, count, n_clusters, mu, delta, n_seen, n_forced,
+            n_sink, window, t, value_share, cluster_target, seed, layer)
+    _check_inputs(*args)
+    launcher = _cuda_impl()
+    if launcher is not None:
+        launcher(*args[:14], n_sink=n_sink, window=window, t=t, value_share=value_share,
+                 cluster_target=cluster_target, seed=seed, layer=layer)
+        return
+    if not _WARNED:
+        _WARNED.append(True)
+        logger.warning("clustergen_fold: CUDA runs the tensor reference (static loops; slow): the Triton kernels "
+                       "are used once their GPU tests have passed (KERNELS_CHECKED_ON_GPU=%s) and Triton imports",
+                       KERNELS_CHECKED_ON_GPU)
     reference_clustergen_fold(*args)
 
 

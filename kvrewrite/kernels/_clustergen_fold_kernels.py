@@ -1,0 +1,525 @@
+"""Triton kernels of kvrewrite::clustergen_fold (private: the op's file owns the schema, the reference and the
+registration; its CUDA path calls triton_clustergen_fold). The semantics are the op's (its module docstring and
+docs/contracts/clustergen.md §1.5-1.11, §3.2), decision for decision.
+
+Design. Nothing is read on the host; every grid is fixed by the shapes (rows = B * Hkv, C, M_max), so a call is
+CUDA-graph capturable. A program whose row is not due (or has nothing to fold) returns at once, and every loop is
+bounded by data loaded on the device (the row's fill, |F|, the open clusters, M_target), so a decode-time call
+works in proportion to the g folded tokens and the sketch it rewrites, not to the capacity. Every output element
+has one writer; the only atomics are int32 counts (deterministic). Launches:
+
+1. split (grid rows): E = the valid exact slots of [0, fill) ranked by a chunked cumsum; FS = F's slots in order,
+   KS = the kept (sinks, window) slots in order; INFO = [due, |F|, n_kept].
+2. calibrate (grid rows; rows with F and delta < 0 only): greedy k-center over F's keys, min(M_target, M_max, |F|)
+   passes over F, each updating every point's squared distance to its nearest centre (scratch D2, -1 marks a
+   chosen point) and finding the farthest (first on ties); delta = fp32(1.001) * sqrt_rn(max d2).
+3. distances (grid cluster blocks x F blocks x rows): for every folded key, the nearest of the clusters open
+   BEFORE the fold (min and first argmin per block of clusters): the parallel part of the leader clustering;
+   the first cluster block also writes w_f = ||v_f||^2 (fp32).
+4. resolve (grid rows): the fp64 prefix sums of w (mu_old + cumsum); then F in blocks of RB keys, in order: the
+   block's nearest old cluster (the partial minima of launch 3), its nearest cluster opened earlier in this fold
+   (a distance tile against the leaders opened so far), the block's own distance tile; then the exact sequential
+   rule key by key on those numbers (join i* if d^2 <= delta^2, else open, else force), in registers. ASSIGN =
+   each folded key's cluster, NL = the leaders opened in this fold in order, JC = joiners per cluster (int32
+   atomics), INFO += [n_clusters after, n_forced now].
+5. reservoirs (grid sketch blocks x rows): per sketch slot j the hash uniform (mix32_triton), the key-slot draw
+   floor(u n) (integers) and its joiner (a scan of ASSIGN for cluster i's m-th), the value-slot draw (binary
+   search of the prefix sums); the taken samples copy key, value and slot_pos; every sketch slot's bias and role.
+6. pack (grid rows): new representatives, count += joiners, n_clusters, n_forced, n_seen, mu; the kept slots
+   staged in scratch then written to [0, n_kept) (bias 0, role 0); [n_kept, fill) freed (bias -inf, role 0);
+   fill = n_kept.
+
+Distances are sum((a - b)^2) in fp32 over D (as the reference: no ||a||^2 - 2ab + ||b||^2 expansion), in chunks
+of DC dims: a different summation order than torch's, so fp32 distances agree to rounding (exactly on inputs
+whose sums are exact, e.g. small-integer keys: how the tests make every decision exact).
+
+Freed slots: the reference writes bias -inf / role 0 on [n_kept, C - S); these kernels on [n_kept, fill) only,
+so that a decode call's work does not grow with the capacity. Identical whenever [fill, C - S) already holds bias
+-inf and role 0, which the reset state, this op's output and cache_append (which writes at fill) keep.
+"""
+from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
+
+import struct
+
+import torch
+
+from kvrewrite.kernels._hash import mix32_triton
+from kvrewrite.kernels._triton_op import triton_jit
+from kvrewrite.kernels.kmeans_cluster import MASK32, mix32
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the op runs its reference; only triton_clustergen_fold raises
+    triton = tl = None
+
+NAME = "triton_clustergen_fold"
+SPLIT_CH = 1024  # slots per chunk of the split pass
+CAL_CH = 128  # points per chunk of a calibration pass
+DIST_BF, DIST_BM, DIST_FO = 16, 32, 256  # launch 3: keys x clusters per tile, keys per program
+RES_B, RES_BL = 32, 32  # launch 4: keys per sequential block, leaders per tile
+DC = 8  # dims per step of a distance tile
+SK_BS = 128  # sketch slots per program of launch 5
+SCAN_CH = 64  # ASSIGN entries per step of launch 5's joiner scan
+PACK_B = 32  # slots per step of launch 6
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+@triton_jit()
+def _f64(bits):
+    """A Python float passed as its IEEE bits (Triton passes Python floats as fp32)."""
+    return (tl.full([], 0, tl.int64) + bits).to(tl.float64, bitcast=True)
+
+
+@triton_jit()
+def _round_half_even(y):
+    """Python's round() of an fp64 y >= 0, as int64 (for y < 0, something <= 0)."""
+    f = y.to(tl.int64)
+    d = y - f.to(tl.float64)
+    up = (d > 0.5) | ((d == 0.5) & ((f & 1) == 1))
+    return f + up.to(tl.int64)
+
+
+@triton_jit()
+def _sizes(BUDGET, n_sink, window, t, vs_bits, ct_bits, Mmax):
+    """(S, s, M clamped to [1, M_max], M_target) from budget[0], as the op's sketch_sizes (int64 scalars)."""
+    S = tl.load(BUDGET) - n_sink - window
+    s = _round_half_even(S.to(tl.float64) * _f64(vs_bits))
+    Mu = (S - s) // t
+    M = tl.minimum(tl.maximum(Mu, 1), Mmax)
+    Mt = tl.maximum(_round_half_even(Mu.to(tl.float64) * _f64(ct_bits)), 1)
+    return S, s, M, Mt
+
+
+@triton_jit()
+def _d2_tile(KA, offa, ma, KB, offb, mb, D, BA: tl.constexpr, BB: tl.constexpr, DCH: tl.constexpr):
+    """[BA, BB] fp32 sum over D of (a - b)^2, rows a at KA + offa (element offsets), b at KB + offb."""
+    acc = tl.zeros([BA, BB], tl.float32)
+    for d0 in range(0, D, DCH):
+        dd = d0 + tl.arange(0, DCH)
+        md = dd < D
+        a = tl.load(KA + offa[:, None] + dd[None, :], mask=ma[:, None] & md[None, :], other=0.0).to(tl.float32)
+        b = tl.load(KB + offb[:, None] + dd[None, :], mask=mb[:, None] & md[None, :], other=0.0).to(tl.float32)
+        diff = a[:, None, :] - b[None, :, :]
+        acc += tl.sum(diff * diff, axis=2)
+    return acc
+
+
+# -- launch 1: split ---------------------------------------------------------------------------------
+@triton_jit(do_not_specialize=["C", "n_sink", "window"])
+def _cg_split_kernel(BIAS, ROLE, FILL, BUDGET, FS, KS, INFO, C, n_sink, window, CH: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = row * C
+    fill = tl.load(FILL + row)
+    due = fill >= tl.load(BUDGET + 1)
+    nF = tl.zeros([], tl.int32)
+    V = tl.zeros([], tl.int32)
+    if due:
+        n_fill = tl.minimum(fill, C).to(tl.int32)
+        for c0 in range(0, n_fill, CH):
+            s = c0 + tl.arange(0, CH)
+            m = s < n_fill
+            ex = m & (tl.load(ROLE + base + s, mask=m, other=1) == 0) & \
+                (tl.load(BIAS + base + s, mask=m, other=float("-inf")) > float("-inf"))
+            V += tl.sum(ex.to(tl.int32), axis=0)
+        nF = tl.maximum(V - n_sink - window, 0)
+        r0 = tl.zeros([], tl.int32)
+        for c0 in range(0, n_fill, CH):
+            s = c0 + tl.arange(0, CH)
+            m = s < n_fill
+            ex = m & (tl.load(ROLE + base + s, mask=m, other=1) == 0) & \
+                (tl.load(BIAS + base + s, mask=m, other=float("-inf")) > float("-inf"))
+            ei = ex.to(tl.int32)
+            rank = r0 + tl.cumsum(ei, axis=0) - ei
+            is_f = ex & (rank >= n_sink) & (rank < n_sink + nF)
+            tl.store(FS + base + rank - n_sink, s, mask=is_f)
+            tl.store(KS + base + tl.where(rank < n_sink, rank, rank - nF), s, mask=ex & ~is_f)
+            r0 += tl.sum(ei, axis=0)
+    tl.store(INFO + row * 8, due.to(tl.int32))
+    tl.store(INFO + row * 8 + 1, nF)
+    tl.store(INFO + row * 8 + 2, V - nF)
+
+
+# -- launch 2: δ calibration -------------------------------------------------------------------------
+@triton_jit(do_not_specialize=["C", "D", "n_sink", "window", "t", "vs_bits", "ct_bits", "Mmax"])
+def _cg_calib_kernel(K, FS, INFO, DELTA, D2, BUDGET, C, D, n_sink, window, t, vs_bits, ct_bits, Mmax,
+                     CH: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = row * C
+    due = tl.load(INFO + row * 8)
+    nF = tl.load(INFO + row * 8 + 1)
+    if (due != 0) & (nF > 0) & (tl.load(DELTA + row) < 0.0):
+        _, _, _, Mt = _sizes(BUDGET, n_sink, window, t, vs_bits, ct_bits, Mmax)
+        k = tl.minimum(tl.minimum(Mt, Mmax), nF.to(tl.int64)).to(tl.int32)
+        dcol = tl.arange(0, BLOCK_D)
+        dm = dcol < D
+        ci = tl.zeros([], tl.int32)  # the next centre (F index): the first folded key
+        best = tl.full([], -1.0, tl.float32)
+        for step in range(0, k):
+            cslot = tl.load(FS + base + ci).to(tl.int64)
+            c = tl.load(K + (base + cslot) * D + dcol, mask=dm, other=0.0).to(tl.float32)
+            best = tl.full([], -2.0, tl.float32)
+            besti = tl.zeros([], tl.int32)
+            for c0 in range(0, nF, CH):
+                f = c0 + tl.arange(0, CH)
+                m = f < nF
+                slot = tl.load(FS + base + f, mask=m, other=0).to(tl.int64)
+                x = tl.load(K + (base + slot)[:, None] * D + dcol[None, :], mask=m[:, None] & dm[None, :],
+                            other=0.0).to(tl.float32)
+                diff = x - c[None, :]
+                dc = tl.sum(diff * diff, axis=1)
+                old = tl.load(D2 + base + f, mask=m & (step > 0), other=float("inf"))
+                new = tl.where(f == ci, -1.0, tl.minimum(old, dc))
+                tl.store(D2 + base + f, new, mask=m)
+                score = tl.where(m, new, -2.0)
+                bm = tl.max(score, axis=0)
+                bi = tl.min(tl.where(score == bm, f, 2147483647), axis=0)
+                better = bm > best
+                best = tl.where(better, bm, best)
+                besti = tl.where(better, bi, besti)
+            ci = besti
+            tl.debug_barrier()
+        r = tl.sqrt_rn(tl.maximum(best, 0.0))
+        tl.store(DELTA + row, r * 1.001)  # fp32 r times fp32(1.001), as the reference
+
+
+# -- launch 3: distances to the clusters open before the fold -----------------------------------------
+@triton_jit(do_not_specialize=["C", "D", "Mmax", "NCB"])
+def _cg_dist_kernel(K, V, REP, FS, INFO, NCL, PD, PI, W, C, D, Mmax, NCB, BF: tl.constexpr, BM: tl.constexpr,
+                    FO: tl.constexpr, DCH: tl.constexpr, BLOCK_D: tl.constexpr):
+    cb = tl.program_id(0)
+    fo = tl.program_id(1)
+    row = tl.program_id(2).to(tl.int64)
+    base = row * C
+    due = tl.load(INFO + row * 8)
+    nF = tl.load(INFO + row * 8 + 1)
+    f_lo = fo * FO
+    if (due != 0) & (f_lo < nF):
+        f_hi = tl.minimum(f_lo + FO, nF)
+        if cb == 0:  # w_f = ||v_f||^2 in fp32
+            dcol = tl.arange(0, BLOCK_D)
+            for f0 in range(f_lo, f_hi, BF):
+                f = f0 + tl.arange(0, BF)
+                m = f < f_hi
+                slot = tl.load(FS + base + f, mask=m, other=0).to(tl.int64)
+                v = tl.load(V + (base + slot)[:, None] * D + dcol[None, :], mask=m[:, None] & (dcol < D)[None, :],
+                            other=0.0).to(tl.float32)
+                tl.store(W + base + f, tl.sum(v * v, axis=1), mask=m)
+        nc_old = tl.load(NCL + row).to(tl.int32)
+        i0 = cb * BM
+        if i0 < nc_old:
+            i = i0 + tl.arange(0, BM)
+            mi = i < nc_old
+            offr = (row * Mmax + i).to(tl.int64) * D
+            for f0 in range(f_lo, f_hi, BF):
+                f = f0 + tl.arange(0, BF)
+                m = f < f_hi
+                slot = tl.load(FS + base + f, mask=m, other=0).to(tl.int64)
+                acc = _d2_tile(K, (base + slot) * D, m, REP, offr, mi, D, BF, BM, DCH)
+                acc = tl.where(mi[None, :], acc, float("inf"))
+                dmin = tl.min(acc, axis=1)
+                imin = tl.min(tl.where(acc == dmin[:, None], i[None, :], 2147483647), axis=1)
+                tl.store(PD + (row * NCB + cb) * C + f, dmin, mask=m)
+                tl.store(PI + (row * NCB + cb) * C + f, imin, mask=m)
+
+
+# -- launch 4: the sequential resolve ----------------------------------------------------------------
+@triton_jit(do_not_specialize=["C", "D", "Mmax", "NCB", "n_sink", "window", "t", "vs_bits", "ct_bits"])
+def _cg_resolve_kernel(K, FS, INFO, NCL, DELTA, MU, PD, PI, W, P, ASSIGN, NL, JC, BUDGET, C, D, Mmax, NCB, n_sink,
+                       window, t, vs_bits, ct_bits, BM: tl.constexpr, RB: tl.constexpr, BL: tl.constexpr,
+                       DCH: tl.constexpr, CH: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = row * C
+    due = tl.load(INFO + row * 8)
+    nF = tl.load(INFO + row * 8 + 1)
+    if (due != 0) & (nF > 0):
+        _, _, M, _ = _sizes(BUDGET, n_sink, window, t, vs_bits, ct_bits, Mmax)
+        M32 = M.to(tl.int32)
+        # value weights: P_l = mu_old + sum_{l' <= l} w_l' (fp64; sums of fp32 w are exact in fp64 in practice)
+        mu_old = tl.load(MU + row).to(tl.float64)
+        carry = tl.zeros([], tl.float64)
+        for c0 in range(0, nF, CH):
+            f = c0 + tl.arange(0, CH)
+            m = f < nF
+            w = tl.load(W + base + f, mask=m, other=0.0).to(tl.float64)
+            tl.store(P + base + f, mu_old + (carry + tl.cumsum(w, axis=0)), mask=m)
+            carry += tl.sum(w, axis=0)
+        dl = tl.load(DELTA + row)
+        dd2 = dl * dl
+        nc_old = tl.load(NCL + row).to(tl.int32)
+        nc = nc_old
+        forced = tl.zeros([], tl.int32)
+        nl = tl.zeros([], tl.int32)
+        ncb = tl.cdiv(nc_old, BM)
+        fl = tl.arange(0, RB)
+        for f0 in range(0, nF, RB):
+            f = f0 + fl
+            mf = f < nF
+            slot = tl.load(FS + base + f, mask=mf, other=0).to(tl.int64)
+            offk = (base + slot) * D
+            # nearest old cluster (lowest index on ties: blocks in order, strict <)
+            bd = tl.full([RB], float("inf"), tl.float32)
+            bi = tl.zeros([RB], tl.int32)
+            for cb in range(0, ncb):
+                pd = tl.load(PD + (row * NCB + cb) * C + f, mask=mf, other=float("inf"))
+                pi = tl.load(PI + (row * NCB + cb) * C + f, mask=mf, other=0)
+                better = pd < bd
+                bd = tl.where(better, pd, bd)
+                bi = tl.where(better, pi, bi)
+            # nearest cluster opened earlier in this fold (leader l is cluster nc_old + l)
+            for l0 in range(0, nl, BL):
+                lo = l0 + tl.arange(0, BL)
+                ml = lo < nl
+                lf = tl.load(NL + base + lo, mask=ml, other=0)
+                lslot = tl.load(FS + base + lf, mask=ml, other=0).to(tl.int64)
+                acc = _d2_tile(K, offk, mf, K, (base + lslot) * D, ml, D, RB, BL, DCH)
+                acc = tl.where(ml[None, :], acc, float("inf"))
+                dmin = tl.min(acc, axis=1)
+                lmin = tl.min(tl.where(acc == dmin[:, None], lo[None, :], 2147483647), axis=1)
+                better = dmin < bd
+                bd = tl.where(better, dmin, bd)
+                bi = tl.where(better, nc_old + lmin, bi)
+            # the block's own distances, then the exact sequential rule
+            dd = _d2_tile(K, offk, mf, K, offk, mf, D, RB, RB, DCH)
+            lead = tl.zeros([RB], tl.int32)  # 1: opened a cluster (int: the interpreter's bool ops are fragile)
+            cid = tl.zeros([RB], tl.int32)
+            n_here = tl.minimum(nF - f0, RB)
+            for q in range(0, n_here):
+                sel = fl == q
+                d_o = tl.min(tl.where(sel, bd, float("inf")), axis=0)
+                i_o = tl.max(tl.where(sel, bi, -1), axis=0)
+                dq = tl.min(tl.where(sel[:, None], dd, float("inf")), axis=0)  # [RB] over the block's keys
+                cand = tl.where(lead != 0, dq, float("inf"))
+                d_in = tl.min(cand, axis=0)
+                i_in = tl.min(tl.where((lead != 0) & (cand == d_in), cid, 2147483647), axis=0)
+                upd = d_in < d_o
+                best_d = tl.where(upd, d_in, d_o)
+                best_i = tl.where(upd, i_in, i_o)
+                far = best_d > dd2
+                opn = far & (nc < M32)
+                forced += (far & (nc >= M32)).to(tl.int32)
+                idx = tl.where(opn, nc, best_i)
+                lead = tl.where(sel, opn.to(tl.int32), lead)
+                cid = tl.where(sel, idx, cid)
+                nc += opn.to(tl.int32)
+            tl.store(ASSIGN + base + f, cid, mask=mf)
+            tl.atomic_add(JC + row * Mmax + cid, tl.full([RB], 1, tl.int32), mask=mf)  # int32: deterministic
+            tl.store(NL + base + nl + tl.cumsum(lead, axis=0) - lead, f, mask=lead != 0)
+            nl += tl.sum(lead, axis=0)
+            tl.debug_barrier()
+        tl.store(INFO + row * 8 + 3, nc)
+        tl.store(INFO + row * 8 + 4, forced)
+
+
+# -- launch 5: reservoirs, sketch bias and role ------------------------------------------------------
+@triton_jit(do_not_specialize=["C", "D", "Mmax", "H", "n_sink", "window", "t", "vs_bits", "ct_bits", "hbase"])
+def _cg_reservoir_kernel(K, V, BIAS, POS, ROLE, FS, INFO, COUNT, JC, ASSIGN, P, MU, NSEEN, BUDGET, C, D, Mmax, H,
+                         n_sink, window, t, vs_bits, ct_bits, hbase, BS: tl.constexpr, SCH: tl.constexpr,
+                         LOG_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    blk = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    base = row * C
+    due = tl.load(INFO + row * 8)
+    nF = tl.load(INFO + row * 8 + 1)
+    if (due != 0) & (nF > 0):
+        S, s, M, _ = _sizes(BUDGET, n_sink, window, t, vs_bits, ct_bits, Mmax)
+        if blk * BS < S:
+            j = blk * BS + tl.arange(0, BS)
+            mj = j < S
+            slot = (C - S + j).to(tl.int64)
+            nc_new = tl.load(INFO + row * 8 + 3)
+            n_seen_new = tl.load(NSEEN + row) + nF
+            # u = h24 * 2^-24, h = mix32(mix32(mix32(kv_head ^ hbase) ^ n_seen) ^ j)
+            hb = (hbase.to(tl.int64) & 0xFFFFFFFF).to(tl.uint32)
+            kvh = (row % H).to(tl.uint32)
+            h = mix32_triton(kvh ^ hb)
+            h = mix32_triton(h ^ n_seen_new.to(tl.uint32))
+            h = mix32_triton(h ^ j.to(tl.uint32))
+            h24 = (h >> 8).to(tl.int64)
+            Mt_ = M * t
+            is_key = mj & (j < Mt_)
+            is_val = mj & (j >= Mt_) & (j < Mt_ + s)
+            ci = tl.minimum(j // t, Mmax - 1).to(tl.int32)
+            open_j = is_key & (ci < nc_new)
+            n_old = tl.load(COUNT + row * Mmax + ci, mask=open_j, other=0).to(tl.int64)
+            n_tot = n_old + tl.load(JC + row * Mmax + ci, mask=open_j, other=0).to(tl.int64)
+            pick = (h24 * n_tot) >> 24  # floor(u n), exact
+            take_k = open_j & (pick >= n_old)
+            want = (pick - n_old + 1).to(tl.int32)  # the cluster's want-th joiner of this fold
+            src_k = tl.zeros([BS], tl.int32)
+            if tl.sum(take_k.to(tl.int32), axis=0) > 0:
+                run = tl.zeros([BS], tl.int32)
+                for c0 in range(0, nF, SCH):
+                    fa = c0 + tl.arange(0, SCH)
+                    a = tl.load(ASSIGN + base + fa, mask=fa < nF, other=-1)
+                    eq = (a[None, :] == ci[:, None]) & take_k[:, None]
+                    cum = run[:, None] + tl.cumsum(eq.to(tl.int32), axis=1)
+                    src_k += tl.sum(tl.where(eq & (cum == want[:, None]), fa[None, :], 0), axis=1)
+                    run += tl.sum(eq.to(tl.int32), axis=1)
+            mu_old = tl.load(MU + row).to(tl.float64)
+            mu_new = tl.load(P + base + nF - 1)
+            x = h24.to(tl.float64) * (1.0 / 16777216.0) * mu_new
+            take_v = is_val & ~(x < mu_old)
+            pos = tl.zeros([BS], tl.int32)  # searchsorted(P[:nF], x, right=True)
+            for it in tl.static_range(LOG_C):
+                cand = pos + (1 << (LOG_C - 1 - it))
+                ok = take_v & (cand <= nF)
+                pv = tl.load(P + base + cand - 1, mask=ok, other=float("inf"))
+                pos = tl.where(ok & (pv <= x), cand, pos)
+            src_v = tl.minimum(pos, nF - 1)
+            take = take_k | take_v
+            src = tl.where(take_k, src_k, src_v)
+            sslot = tl.load(FS + base + src, mask=take, other=0).to(tl.int64)
+            dcol = tl.arange(0, BLOCK_D)
+            dm = (dcol < D)[None, :]
+            at = slot[:, None] * D + dcol[None, :] + base * D
+            fr = (base + sslot)[:, None] * D + dcol[None, :]
+            mt = take[:, None] & dm
+            tl.store(K + at, tl.load(K + fr, mask=mt), mask=mt)
+            vsrc = tl.load(V + fr, mask=mt, other=0.0)
+            tl.store(V + at, vsrc, mask=mt)
+            tl.store(POS + base + slot, tl.load(POS + base + sslot, mask=take), mask=take)
+            vkeep = tl.load(V + at, mask=(is_val & ~take)[:, None] & dm, other=0.0)
+            vv = tl.where(take[:, None], vsrc, vkeep).to(tl.float32)
+            wj = tl.sum(vv * vv, axis=1)
+            mu32 = mu_new.to(tl.float32)
+            b_key = tl.where(open_j, tl.log(n_tot.to(tl.float32) / t), float("-inf"))
+            b_val = tl.where(wj > 0, tl.log(mu32 / (s.to(tl.float32) * wj)), float("-inf"))
+            b = tl.where(is_key, b_key, tl.where(is_val, b_val, float("-inf")))
+            r = tl.where(is_key, 1, tl.where(is_val, 2, 0)).to(tl.int8)
+            tl.store(BIAS + base + slot, b, mask=mj)
+            tl.store(ROLE + base + slot, r, mask=mj)
+
+
+# -- launch 6: state scalars, new representatives, pack ----------------------------------------------
+@triton_jit(do_not_specialize=["C", "D", "Mmax", "NK"])
+def _cg_pack_kernel(K, V, BIAS, POS, ROLE, FILL, REP, COUNT, JC, NCL, NFORCED, NSEEN, MU, KS, FS, NL, INFO, P, XK, XV,
+                    XP, C, D, Mmax, NK, PB: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = row * C
+    due = tl.load(INFO + row * 8)
+    nF = tl.load(INFO + row * 8 + 1)
+    n_kept = tl.load(INFO + row * 8 + 2)
+    dcol = tl.arange(0, BLOCK_D)
+    dm = (dcol < D)[None, :]
+    o = tl.arange(0, PB)
+    if due != 0:
+        if nF > 0:
+            nc_old = tl.load(NCL + row).to(tl.int32)
+            nc_new = tl.load(INFO + row * 8 + 3)
+            for l0 in range(0, nc_new - nc_old, PB):  # representatives of the clusters opened now: their leaders
+                lo = l0 + o
+                ml = lo < nc_new - nc_old
+                lslot = tl.load(FS + base + tl.load(NL + base + lo, mask=ml, other=0), mask=ml, other=0).to(tl.int64)
+                mk = ml[:, None] & dm
+                tl.store(REP + (row * Mmax + nc_old + lo).to(tl.int64)[:, None] * D + dcol[None, :],
+                         tl.load(K + (base + lslot)[:, None] * D + dcol[None, :], mask=mk), mask=mk)
+            for i0 in range(0, nc_new, PB):
+                i = i0 + o
+                mi = i < nc_new
+                c = tl.load(COUNT + row * Mmax + i, mask=mi, other=0) + tl.load(JC + row * Mmax + i, mask=mi, other=0)
+                tl.store(COUNT + row * Mmax + i, c, mask=mi)
+            tl.store(NCL + row, nc_new.to(tl.int64))
+            tl.store(NFORCED + row, tl.load(NFORCED + row) + tl.load(INFO + row * 8 + 4).to(tl.int64))
+            tl.store(NSEEN + row, tl.load(NSEEN + row) + nF.to(tl.int64))
+            tl.store(MU + row, tl.load(P + base + nF - 1).to(tl.float32))
+            tl.debug_barrier()  # the leaders' keys are read before the pack overwrites F's slots
+        # stage the kept slots that move, then write them to [0, n_kept)
+        for k0 in range(0, n_kept, PB):
+            k = k0 + o
+            src = tl.load(KS + base + k, mask=k < n_kept, other=0)
+            mv = (k < n_kept) & (src != k)
+            src64 = (base + src).to(tl.int64)
+            x = (row * NK + k).to(tl.int64)
+            mk = mv[:, None] & dm
+            tl.store(XK + x[:, None] * D + dcol[None, :], tl.load(K + src64[:, None] * D + dcol[None, :], mask=mk),
+                     mask=mk)
+            tl.store(XV + x[:, None] * D + dcol[None, :], tl.load(V + src64[:, None] * D + dcol[None, :], mask=mk),
+                     mask=mk)
+            tl.store(XP + x, tl.load(POS + src64, mask=mv), mask=mv)
+        tl.debug_barrier()
+        for k0 in range(0, n_kept, PB):
+            k = k0 + o
+            mkk = k < n_kept
+            src = tl.load(KS + base + k, mask=mkk, other=0)
+            mv = mkk & (src != k)
+            x = (row * NK + k).to(tl.int64)
+            dst = (base + k).to(tl.int64)
+            mk = mv[:, None] & dm
+            tl.store(K + dst[:, None] * D + dcol[None, :], tl.load(XK + x[:, None] * D + dcol[None, :], mask=mk),
+                     mask=mk)
+            tl.store(V + dst[:, None] * D + dcol[None, :], tl.load(XV + x[:, None] * D + dcol[None, :], mask=mk),
+                     mask=mk)
+            tl.store(POS + dst, tl.load(XP + x, mask=mv), mask=mv)
+            tl.store(BIAS + dst, tl.zeros([PB], tl.float32), mask=mkk)
+            tl.store(ROLE + dst, tl.zeros([PB], tl.int8), mask=mkk)
+        fill = tl.minimum(tl.load(FILL + row), C).to(tl.int32)
+        for c0 in range(n_kept, fill, PB * 8):
+            c = c0 + tl.arange(0, PB * 8)
+            mc = c < fill
+            tl.store(BIAS + base + c, tl.full([PB * 8], float("-inf"), tl.float32), mask=mc)
+            tl.store(ROLE + base + c, tl.zeros([PB * 8], tl.int8), mask=mc)
+        tl.store(FILL + row, n_kept.to(tl.int64))
+
+
+# -- launcher ----------------------------------------------------------------------------------------
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep, count, n_clusters, mu, delta,
+                           n_seen, n_forced, *, n_sink: int, window: int, t: int, value_share: float,
+                           cluster_target: float, seed: int, layer: int, dist_bm: int = DIST_BM, dist_fo: int = DIST_FO,
+                           res_b: int = RES_B, res_bl: int = RES_BL, num_warps_seq: int = 4) -> None:
+    """Launch the six kernels (module docstring); mutates the state as the op. The inputs are checked by the op
+    (kvrewrite/kernels/clustergen_fold.py); here only what the kernels add: contiguous tensors. Knobs (powers of
+    two; every value gives the same result): dist_bm clusters per distance block, dist_fo keys per distance
+    program, res_b keys per sequential block, res_bl leaders per tile; num_warps_seq the resolve launch's warps.
+    Under TRITON_INTERPRET=1 it runs on CPU tensors (how the kernels are tested without a GPU)."""
+    if triton is None:
+        raise NotImplementedError(f"{NAME} needs Triton (pip install triton)")
+    state = dict(keys=keys, values=values, bias=bias, slot_pos=slot_pos, fill=fill, budget=budget, role=role,
+                 rep=rep, count=count, n_clusters=n_clusters, mu=mu, delta=delta, n_seen=n_seen, n_forced=n_forced)
+    for field, x in state.items():
+        if not x.is_contiguous():
+            raise ValueError(f"{NAME}: {field} must be contiguous (the kernels index it flat), got strides "
+                             f"{x.stride()}")
+    B, H, C, D = keys.shape
+    Mmax = rep.shape[2]
+    rows = B * H
+    if rows == 0 or C == 0 or D == 0:
+        return
+    dev = keys.device
+    block_d = triton.next_power_of_2(D)
+    ncb = triton.cdiv(Mmax, dist_bm)
+    nk = max(n_sink + window, 1)
+    vs, ct = _bits(value_share), _bits(cluster_target)
+    hbase = mix32(mix32(seed) ^ (layer & MASK32))
+    i32 = torch.empty(4, rows, C, dtype=torch.int32, device=dev)
+    fs, ks, assign, nl = i32[0], i32[1], i32[2], i32[3]
+    f32 = torch.empty(2, rows, C, dtype=torch.float32, device=dev)
+    d2, w = f32[0], f32[1]
+    p = torch.empty(rows, C, dtype=torch.float64, device=dev)
+    pd = torch.empty(rows, ncb, C, dtype=torch.float32, device=dev)
+    pi = torch.empty(rows, ncb, C, dtype=torch.int32, device=dev)
+    jc = torch.zeros(rows, Mmax, dtype=torch.int32, device=dev)
+    info = torch.zeros(rows, 8, dtype=torch.int32, device=dev)
+    xk = torch.empty(rows, nk, D, dtype=keys.dtype, device=dev)
+    xv = torch.empty(rows, nk, D, dtype=values.dtype, device=dev)
+    xp = torch.empty(rows, nk, dtype=torch.int64, device=dev)
+    sz = (n_sink, window, t, vs, ct)
+    _cg_split_kernel[(rows,)](bias, role, fill, budget, fs, ks, info, C, n_sink, window, CH=SPLIT_CH)
+    _cg_calib_kernel[(rows,)](keys, fs, info, delta, d2, budget, C, D, *sz, Mmax, CH=CAL_CH, BLOCK_D=block_d,
+                              num_warps=8)
+    _cg_dist_kernel[(ncb, triton.cdiv(C, dist_fo), rows)](keys, values, rep, fs, info, n_clusters, pd, pi, w, C, D,
+                                                          Mmax, ncb, BF=DIST_BF, BM=dist_bm, FO=dist_fo, DCH=DC,
+                                                          BLOCK_D=block_d)
+    _cg_resolve_kernel[(rows,)](keys, fs, info, n_clusters, delta, mu, pd, pi, w, p, assign, nl, jc, budget, C, D,
+                                Mmax, ncb, *sz, BM=dist_bm, RB=res_b, BL=res_bl, DCH=DC, CH=SPLIT_CH,
+                                num_warps=num_warps_seq)
+    _cg_reservoir_kernel[(triton.cdiv(C, SK_BS), rows)](keys, values, bias, slot_pos, role, fs, info, count, jc,
+                                                        assign, p, mu, n_seen, budget, C, D, Mmax, H, *sz, hbase,
+                                                        BS=SK_BS, SCH=SCAN_CH, LOG_C=max(C, 1).bit_length(),
+                                                        BLOCK_D=block_d)
+    _cg_pack_kernel[(rows,)](keys, values, bias, slot_pos, role, fill, rep, count, jc, n_clusters, n_forced, n_seen,
+                             mu, ks, fs, nl, info, p, xk, xv, xp, C, D, Mmax, nk, PB=PACK_B, BLOCK_D=block_d)

@@ -1,0 +1,142 @@
+"""clustergen_fold's Triton kernels on the CPU, through Triton's interpreter, against the op's reference
+(kvrewrite/kernels/clustergen_fold.py, itself checked against the float64 naive models in test_clustergen_fold.py);
+and the Triton mix32 bit for bit against the Python one.
+
+Runs only under the interpreter: `TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_clustergen_fold_triton.py`
+(with Triton installed; skipped otherwise). fp32 only (the 3.6 interpreter's 16-bit arithmetic is not the GPU's).
+Keys and values are small integers, so every fp32 distance, norm and prefix sum is exact in any summation order:
+every discrete decision (calibration centres, leaders, joins, forced keys, samples, packing) must match exactly.
+Small knobs (4-cluster distance blocks, 8-key resolve blocks, 4-leader tiles) make tiny shapes cross every block
+boundary.
+"""
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("runs Triton's interpreter on the CPU: set TRITON_INTERPRET=1 (and install Triton)",
+                allow_module_level=True)
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from kvrewrite.kernels._clustergen_fold_kernels import triton_clustergen_fold  # noqa: E402
+from kvrewrite.kernels._hash import mix32_triton  # noqa: E402
+from kvrewrite.kernels.clustergen_fold import reference_clustergen_fold  # noqa: E402
+from kvrewrite.kernels.kmeans_cluster import mix32  # noqa: E402
+
+SMALL = dict(dist_bm=4, dist_fo=16, res_b=8, res_bl=4)  # every block boundary crossed at these sizes
+FIELDS = ("keys", "values", "bias", "slot_pos", "fill", "budget", "role", "rep", "count", "n_clusters", "mu", "delta",
+          "n_seen", "n_forced")
+
+
+@triton.jit
+def _mix_kernel(X, Y, n, BS: tl.constexpr):
+    i = tl.arange(0, BS)
+    m = i < n
+    tl.store(Y + i, mix32_triton(tl.load(X + i, mask=m).to(tl.uint32)).to(tl.int64), mask=m)
+
+
+def test_mix32_triton_equals_mix32():
+    g = torch.Generator().manual_seed(0)
+    xs = torch.cat([torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 - 1, 0xDEADBEEF]),
+                    torch.randint(0, 2**32, (58,), generator=g)])
+    y = torch.zeros_like(xs)
+    _mix_kernel[(1,)](xs, y, len(xs), BS=64)
+    assert y.tolist() == [mix32(int(x)) for x in xs]
+
+
+def new_state(B, H, C, D, Mmax, Bt):
+    z = lambda *s, dt=torch.int64: torch.zeros(*s, dtype=dt)  # noqa: E731
+    return dict(keys=z(B, H, C, D, dt=torch.float32), values=z(B, H, C, D, dt=torch.float32),
+                bias=torch.full((B, H, C), float("-inf")), slot_pos=z(B, H, C), fill=z(B, H),
+                budget=torch.tensor([Bt, 0]), role=z(B, H, C, dt=torch.int8), rep=z(B, H, Mmax, D, dt=torch.float32),
+                count=z(B, H, Mmax, dt=torch.int32), n_clusters=z(B, H), mu=torch.zeros(B, H),
+                delta=torch.full((B, H), -1.0), n_seen=z(B, H), n_forced=z(B, H))
+
+
+def append(st, b, h, k, v, pos, pad=False):
+    f = int(st["fill"][b, h])
+    st["keys"][b, h, f], st["values"][b, h, f], st["slot_pos"][b, h, f] = k, v, pos
+    st["bias"][b, h, f] = float("-inf") if pad else 0.0
+    st["fill"][b, h] = f + 1
+
+
+def tokens(n, D, g, groups):
+    """Integer keys (around `groups` integer centres, or uniform) and integer values (every 7th zero)."""
+    if groups:
+        c = torch.randint(-12, 13, (groups, D), generator=g).float()
+        k = c[torch.randint(0, groups, (n,), generator=g)] + torch.randint(-1, 2, (n, D), generator=g).float()
+    else:
+        k = torch.randint(-3, 4, (n, D), generator=g).float()
+    v = torch.randint(-2, 3, (n, D), generator=g).float()
+    v[::7] = 0
+    return k, v
+
+
+def same(a, b):
+    """Equal element for element, NaN (the padding keys) equal to NaN."""
+    return a.shape == b.shape and a.dtype == b.dtype and bool(((a == b) | (a.isnan() & b.isnan())).all()
+                                                              if a.is_floating_point() else torch.equal(a, b))
+
+
+def check(got, want, orig, threshold):
+    due = orig["fill"] >= threshold
+    assert torch.equal(got["budget"], orig["budget"])
+    for f in FIELDS[:5] + FIELDS[6:]:
+        assert same(got[f][~due], orig[f][~due]), f"{f} changed in a row not due"
+    for f in FIELDS:
+        if f in ("bias", "mu", "delta"):
+            continue
+        assert same(got[f], want[f]), f"{f}: got {got[f][due]}, want {want[f][due]}"
+    assert torch.equal(torch.isinf(got["bias"]), torch.isinf(want["bias"])), "bias -inf pattern"
+    fin = ~torch.isinf(want["bias"])
+    torch.testing.assert_close(got["bias"][fin], want["bias"][fin], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got["mu"], want["mu"], atol=0, rtol=0)  # exact: integer norms
+    torch.testing.assert_close(got["delta"], want["delta"], atol=0, rtol=1e-6)
+
+
+def fold_both(st, kw, threshold):
+    st["budget"][1] = threshold
+    orig = {f: x.clone() for f, x in st.items()}
+    got = {f: x.clone() for f, x in st.items()}
+    triton_clustergen_fold(*(got[f] for f in FIELDS), **kw, **SMALL)
+    reference_clustergen_fold(*(st[f] for f in FIELDS), **kw)
+    check(got, st, orig, threshold)
+
+
+CASES = {  # name: (n_sink, window, t, value_share, cluster_target, Bt, groups, prompt lengths per row, g)
+    "groups": (2, 3, 2, 0.5, 0.5, 70, 5, [36, 30, 33, 12], 3),   # row 3 below the threshold at the first fold
+    "uniform-overflow": (1, 2, 3, 0.4, 0.9, 34, 0, [40, 37, 20, 39], 2),
+    "no-sink-no-window": (0, 0, 1, 0.3, 0.5, 30, 3, [30, 27, 29, 28], 1),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference_prefill_then_decode_folds(name):
+    n_sink, window, t, vs, ct, Bt, groups, lens, g = CASES[name]
+    kw = dict(n_sink=n_sink, window=window, t=t, value_share=vs, cluster_target=ct, seed=7, layer=3)
+    gen = torch.Generator().manual_seed(len(name))
+    B, H, D = 2, 2, 5
+    S = Bt - n_sink - window
+    C = max(lens) + 2 + S
+    Mmax = (S - round(vs * S)) // t + 2
+    st = new_state(B, H, C, D, Mmax, Bt)
+    keys, vals = tokens(max(lens) + 8 * g, D, gen, groups)
+    for r, (b, h) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        if b == 1:  # left padding of batch row 1
+            append(st, b, h, float("nan"), 0.0, 0, pad=True)
+            append(st, b, h, float("nan"), 0.0, 0, pad=True)
+        for n in range(lens[r]):
+            append(st, b, h, keys[(n + 5 * r) % len(keys)], vals[(n + 5 * r) % len(keys)], n)
+    fold_both(st, kw, 30)
+    assert int(st["n_clusters"].max()) >= 2
+    for step in range(2):
+        for b in range(B):
+            for h in range(H):
+                for n in range(g):
+                    i = max(lens) + step * g + n
+                    append(st, b, h, keys[i] + 40 * (step == 0), vals[i], i)  # far keys, folded next step
+        fold_both(st, kw, n_sink + window + g)
+    if name == "uniform-overflow":
+        assert int(st["n_forced"].max()) > 0
