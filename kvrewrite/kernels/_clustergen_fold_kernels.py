@@ -12,14 +12,16 @@ has one writer; the only atomics are int32 counts (deterministic). Launches:
    KS = the kept (sinks, window) slots in order; INFO = [due, |F|, n_kept].
 2. calibrate (grid rows; rows with F and delta < 0 only): greedy k-center over F's keys, min(M_target, M_max, |F|)
    passes over F, each updating every point's squared distance to its nearest centre (scratch D2, -1 marks a
-   chosen point) and finding the farthest (first on ties); delta = fp32(1.001) * sqrt_rn(max d2).
+   chosen point) and finding the farthest (first on ties; per-lane running maxima, one reduction per pass); delta = fp32(1.001) * sqrt_rn(max d2).
 3. distances (grid cluster blocks x F blocks x rows): for every folded key, the nearest of the clusters open
    BEFORE the fold (min and first argmin per block of clusters): the parallel part of the leader clustering;
    the first cluster block also writes w_f = ||v_f||^2 (fp32).
 4. resolve (grid rows): the fp64 prefix sums of w (mu_old + cumsum); then F in blocks of RB keys, in order: the
    block's nearest old cluster (the partial minima of launch 3), its nearest cluster opened earlier in this fold
    (a distance tile against the leaders opened so far), the block's own distance tile; then the exact sequential
-   rule key by key on those numbers (join i* if d^2 <= delta^2, else open, else force), in registers. ASSIGN =
+   rule key by key on those numbers (join i* if d^2 <= delta^2, else open, else force), in registers: a key that
+   opens a cluster offers it to the block's later keys (one column of the tile), so a step costs two small
+   reductions (three when it opens). ASSIGN =
    each folded key's cluster, NL = the leaders opened in this fold in order, JC = joiners per cluster (int32
    atomics), INFO += [n_clusters after, n_forced now].
 5. reservoirs (grid sketch blocks x rows): per sketch slot j the hash uniform (mix32_triton), the key-slot draw
@@ -55,13 +57,13 @@ except ImportError:  # CPU-only installs: the op runs its reference; only triton
 
 NAME = "triton_clustergen_fold"
 SPLIT_CH = 1024  # slots per chunk of the split pass
-CAL_CH = 128  # points per chunk of a calibration pass
-DIST_BF, DIST_BM, DIST_FO = 16, 32, 256  # launch 3: keys x clusters per tile, keys per program
+CAL_CH = 64  # points per chunk of a calibration pass
+DIST_BF, DIST_BM, DIST_FO = 16, 32, 1024  # launch 3: keys x clusters per tile, keys per program
 RES_B, RES_BL = 32, 32  # launch 4: keys per sequential block, leaders per tile
 DC = 8  # dims per step of a distance tile
-SK_BS = 128  # sketch slots per program of launch 5
-SCAN_CH = 64  # ASSIGN entries per step of launch 5's joiner scan
-PACK_B = 32  # slots per step of launch 6
+SK_BS = 32  # sketch slots per program of launch 5 (128 spilled ~6.6 KB per thread on sm_90)
+SCAN_CH = 16  # ASSIGN entries per step of launch 5's joiner scan
+PACK_B = 16  # slots per step of launch 6
 
 
 # -- helpers -----------------------------------------------------------------------------------------
@@ -158,8 +160,8 @@ def _cg_calib_kernel(K, FS, INFO, DELTA, D2, BUDGET, C, D, n_sink, window, t, vs
         for step in range(0, k):
             cslot = tl.load(FS + base + ci).to(tl.int64)
             c = tl.load(K + (base + cslot) * D + dcol, mask=dm, other=0.0).to(tl.float32)
-            best = tl.full([], -2.0, tl.float32)
-            besti = tl.zeros([], tl.int32)
+            lane_best = tl.full([CH], -2.0, tl.float32)  # per lane: the largest d2 so far, the first on ties
+            lane_i = tl.zeros([CH], tl.int32)
             for c0 in range(0, nF, CH):
                 f = c0 + tl.arange(0, CH)
                 m = f < nF
@@ -172,12 +174,11 @@ def _cg_calib_kernel(K, FS, INFO, DELTA, D2, BUDGET, C, D, n_sink, window, t, vs
                 new = tl.where(f == ci, -1.0, tl.minimum(old, dc))
                 tl.store(D2 + base + f, new, mask=m)
                 score = tl.where(m, new, -2.0)
-                bm = tl.max(score, axis=0)
-                bi = tl.min(tl.where(score == bm, f, 2147483647), axis=0)
-                better = bm > best
-                best = tl.where(better, bm, best)
-                besti = tl.where(better, bi, besti)
-            ci = besti
+                better = score > lane_best
+                lane_best = tl.where(better, score, lane_best)
+                lane_i = tl.where(better, f, lane_i)
+            best = tl.max(lane_best, axis=0)
+            ci = tl.min(tl.where(lane_best == best, lane_i, 2147483647), axis=0)
             tl.debug_barrier()
         r = tl.sqrt_rn(tl.maximum(best, 0.0))
         tl.store(DELTA + row, r * 1.001)  # fp32 r times fp32(1.001), as the reference
@@ -279,28 +280,27 @@ def _cg_resolve_kernel(K, FS, INFO, NCL, DELTA, MU, PD, PI, W, P, ASSIGN, NL, JC
                 better = dmin < bd
                 bd = tl.where(better, dmin, bd)
                 bi = tl.where(better, nc_old + lmin, bi)
-            # the block's own distances, then the exact sequential rule
+            # the block's own distances, then the exact sequential rule; a key that opens cluster idx offers it to
+            # the block's later keys (strict <: clusters are offered in index order, the lowest index wins ties)
             dd = _d2_tile(K, offk, mf, K, offk, mf, D, RB, RB, DCH)
-            lead = tl.zeros([RB], tl.int32)  # 1: opened a cluster (int: the interpreter's bool ops are fragile)
+            lead = tl.zeros([RB], tl.int32)  # 1: opened a cluster
             cid = tl.zeros([RB], tl.int32)
             n_here = tl.minimum(nF - f0, RB)
             for q in range(0, n_here):
                 sel = fl == q
-                d_o = tl.min(tl.where(sel, bd, float("inf")), axis=0)
-                i_o = tl.max(tl.where(sel, bi, -1), axis=0)
-                dq = tl.min(tl.where(sel[:, None], dd, float("inf")), axis=0)  # [RB] over the block's keys
-                cand = tl.where(lead != 0, dq, float("inf"))
-                d_in = tl.min(cand, axis=0)
-                i_in = tl.min(tl.where((lead != 0) & (cand == d_in), cid, 2147483647), axis=0)
-                upd = d_in < d_o
-                best_d = tl.where(upd, d_in, d_o)
-                best_i = tl.where(upd, i_in, i_o)
+                best_d = tl.min(tl.where(sel, bd, float("inf")), axis=0)
+                best_i = tl.max(tl.where(sel, bi, -1), axis=0)
                 far = best_d > dd2
                 opn = far & (nc < M32)
                 forced += (far & (nc >= M32)).to(tl.int32)
                 idx = tl.where(opn, nc, best_i)
                 lead = tl.where(sel, opn.to(tl.int32), lead)
                 cid = tl.where(sel, idx, cid)
+                if opn:
+                    col = tl.min(tl.where(fl[None, :] == q, dd, float("inf")), axis=1)  # d2 of every key to key q
+                    better = (col < bd) & (fl > q)
+                    bd = tl.where(better, col, bd)
+                    bi = tl.where(better, idx, bi)
                 nc += opn.to(tl.int32)
             tl.store(ASSIGN + base + f, cid, mask=mf)
             tl.atomic_add(JC + row * Mmax + cid, tl.full([RB], 1, tl.int32), mask=mf)  # int32: deterministic
@@ -315,7 +315,7 @@ def _cg_resolve_kernel(K, FS, INFO, NCL, DELTA, MU, PD, PI, W, P, ASSIGN, NL, JC
 @triton_jit(do_not_specialize=["C", "D", "Mmax", "H", "n_sink", "window", "t", "vs_bits", "ct_bits", "hbase"])
 def _cg_reservoir_kernel(K, V, BIAS, POS, ROLE, FS, INFO, COUNT, JC, ASSIGN, P, MU, NSEEN, BUDGET, C, D, Mmax, H,
                          n_sink, window, t, vs_bits, ct_bits, hbase, BS: tl.constexpr, SCH: tl.constexpr,
-                         LOG_C: tl.constexpr, BLOCK_D: tl.constexpr):
+                         LOG_C: tl.constexpr, DCOPY: tl.constexpr):
     blk = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     base = row * C
@@ -361,8 +361,8 @@ def _cg_reservoir_kernel(K, V, BIAS, POS, ROLE, FS, INFO, COUNT, JC, ASSIGN, P, 
             x = h24.to(tl.float64) * (1.0 / 16777216.0) * mu_new
             take_v = is_val & ~(x < mu_old)
             pos = tl.zeros([BS], tl.int32)  # searchsorted(P[:nF], x, right=True)
-            for it in tl.static_range(LOG_C):
-                cand = pos + (1 << (LOG_C - 1 - it))
+            for it in range(LOG_C):
+                cand = pos + (tl.full([], 1, tl.int32) << (LOG_C - 1 - it))
                 ok = take_v & (cand <= nF)
                 pv = tl.load(P + base + cand - 1, mask=ok, other=float("inf"))
                 pos = tl.where(ok & (pv <= x), cand, pos)
@@ -370,18 +370,21 @@ def _cg_reservoir_kernel(K, V, BIAS, POS, ROLE, FS, INFO, COUNT, JC, ASSIGN, P, 
             take = take_k | take_v
             src = tl.where(take_k, src_k, src_v)
             sslot = tl.load(FS + base + src, mask=take, other=0).to(tl.int64)
-            dcol = tl.arange(0, BLOCK_D)
-            dm = (dcol < D)[None, :]
-            at = slot[:, None] * D + dcol[None, :] + base * D
-            fr = (base + sslot)[:, None] * D + dcol[None, :]
-            mt = take[:, None] & dm
-            tl.store(K + at, tl.load(K + fr, mask=mt), mask=mt)
-            vsrc = tl.load(V + fr, mask=mt, other=0.0)
-            tl.store(V + at, vsrc, mask=mt)
+            wj = tl.zeros([BS], tl.float32)  # ||v_j||^2 of the sample the slot holds after the fold
+            keep_v = is_val & ~take
+            for d0 in range(0, D, DCOPY):  # D in chunks: [BS, D] tiles of 64-bit addresses spill
+                dcol = d0 + tl.arange(0, DCOPY)
+                dm = (dcol < D)[None, :]
+                at = (base + slot)[:, None] * D + dcol[None, :]
+                fr = (base + sslot)[:, None] * D + dcol[None, :]
+                mt = take[:, None] & dm
+                tl.store(K + at, tl.load(K + fr, mask=mt), mask=mt)
+                vsrc = tl.load(V + fr, mask=mt, other=0.0)
+                tl.store(V + at, vsrc, mask=mt)
+                vkeep = tl.load(V + at, mask=keep_v[:, None] & dm, other=0.0)
+                vv = tl.where(take[:, None], vsrc, vkeep).to(tl.float32)
+                wj += tl.sum(vv * vv, axis=1)
             tl.store(POS + base + slot, tl.load(POS + base + sslot, mask=take), mask=take)
-            vkeep = tl.load(V + at, mask=(is_val & ~take)[:, None] & dm, other=0.0)
-            vv = tl.where(take[:, None], vsrc, vkeep).to(tl.float32)
-            wj = tl.sum(vv * vv, axis=1)
             mu32 = mu_new.to(tl.float32)
             b_key = tl.where(open_j, tl.log(n_tot.to(tl.float32) / t), float("-inf"))
             b_val = tl.where(wj > 0, tl.log(mu32 / (s.to(tl.float32) * wj)), float("-inf"))
@@ -520,6 +523,6 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
     _cg_reservoir_kernel[(triton.cdiv(C, SK_BS), rows)](keys, values, bias, slot_pos, role, fs, info, count, jc,
                                                         assign, p, mu, n_seen, budget, C, D, Mmax, H, *sz, hbase,
                                                         BS=SK_BS, SCH=SCAN_CH, LOG_C=max(C, 1).bit_length(),
-                                                        BLOCK_D=block_d)
+                                                        DCOPY=min(block_d, 32))
     _cg_pack_kernel[(rows,)](keys, values, bias, slot_pos, role, fill, rep, count, jc, n_clusters, n_forced, n_seen,
                              mu, ks, fs, nl, info, p, xk, xv, xp, C, D, Mmax, nk, PB=PACK_B, BLOCK_D=block_d)
