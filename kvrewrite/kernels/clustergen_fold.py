@@ -56,19 +56,16 @@ inputs; a CUDA graph replay; the op's dispatch; the Triton mix32) and tests/meth
 kernels as the CUDA path (its 15 tests passed; the run's time limit stopped pytest after the last one, before its
 summary line). The kernels are also checked through Triton's interpreter (tests/kernels/
 test_clustergen_fold_triton.py). Without Triton, CUDA runs the reference (logged once).
-Measured (H100, Llama-3.1-8B layer: Hkv 8, D 128, bf16; 32k context, budget 0.2 = 6554 slots, C = 8633; python -m
-kvrewrite.bench.clustergen_fold, docs/bench/clustergen_fold_h100.json, batch 1, one run): a decode-time fold of
-g = 32 tokens 663 us replayed from a CUDA graph (the reference on CUDA: 3.26 s); a later prefill chunk's fold
-(|F| = 2048) 4.3 ms (reference 5.3 s); the first chunk's fold (δ calibration over 2012 keys, 204 centres) 57 ms,
-47 ms of it the calibration (one program per row). Those runs tested the kernels before their spill fixes (the
-reservoir copies in D chunks, 32-slot blocks, a 16-entry joiner scan, 16-slot pack tiles, per-lane running maxima
-in the calibration, leaders offered to the block's later keys in the resolve: no spills in ptxas for sm_90); the
-fixed kernels passed the interpreter tests, this file's GPU test logic under the interpreter (fp32 and fp16 cases)
-and tests/methods/test_clustergen_gpu.py on the H100 (15 passed), but tests/kernels/test_clustergen_fold_gpu.py
-and the timing have not run on them yet: run both before relying on them. What the decode call means: 663 us per layer every g tokens is,
-over 32 layers, 0.66 ms per generated token, 11% of the 6.1 ms plain step at 32k: more than the method's 1.15x
-target leaves for it. 549 us of it is the reservoir launch, whose [128, D] tiles spill registers (6.6 KB per thread
-on sm_90): the next thing to fix (smaller tiles; measured in ptxas, not yet on the GPU).
+Measured (H100, Llama-3.1-8B layer: Hkv 8, D 128, bf16; 32k context, budget 0.2 = 6554 slots, C = 8633, random
+keys; python -m kvrewrite.bench.clustergen_fold, one run each, replayed from a CUDA graph; the reference on CUDA
+takes 3.3-4.5 s per call): the kernels without register spills (reservoir copies in D chunks, 32-slot blocks, a
+16-entry joiner scan, 16-slot pack tiles, per-lane running maxima in the calibration, new leaders offered to the
+block's later keys in the resolve; docs/bench/clustergen_fold_h100_opt.json, after their 6 GPU tests passed):
+a decode-time fold of g = 32 tokens 120 us at B = 1 (2% of the 6.1 ms plain step once amortised over 32 layers and
+32 tokens), 422 us at B = 8; a later prefill chunk's fold (|F| = 2048) 3.0 ms (B = 1) / 8.5 ms (B = 8); the first
+chunk's fold 51 ms (B = 1) / 74 ms (B = 8), 42.5 / 60 ms of it the δ calibration (one program per row: 1.6 s over
+32 layers, once per generation). The first version (docs/bench/clustergen_fold_h100.json) took 663 us per decode
+fold, 549 of it a reservoir launch that spilled registers.
 
 The reference: static-shape tensor code vectorised over rows: the leader part is a loop over the static bound
 C - n_sink - window of folded positions, the calibration a loop over M_max greedy steps; no host reads on CUDA,
