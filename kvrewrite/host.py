@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from kvrewrite.context_cache import ContextGeneration
 from kvrewrite.state import STATE_FIELDS, reset_layer_state
 
 WINDOW_INTERVAL = 32  # sliding-window layers evict every 32 tokens (exact at any interval)
@@ -257,7 +258,7 @@ def pick(logits, do_sample, temperature, top_k, top_p, generator):
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
-class HostGeneration:
+class HostGeneration(ContextGeneration):
     """prefill / decode_step / generate over the three step graphs, one implementation for
     KVRewrittenModel (nn.Module) and kvrewrite.export.loader.ExportedModel.
 
