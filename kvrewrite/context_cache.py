@@ -271,11 +271,11 @@ class ContextGeneration:
         if n + n_q + max_new_tokens > self.max_length:
             raise ValueError(f"{tag}: context of {n} tokens + question of {n_q} + max_new_tokens={max_new_tokens} "
                              f"exceeds max_length={self.max_length}; apply() with a larger max_length")
-        sim = HostSchedule(schedule.budgets, len(valid_new), schedule.rules)
+        sim = HostSchedule(schedule.budgets, self.batch_size, schedule.rules)
         sim.fill, sim.valid, sim.threshold = ([list(r) for r in getattr(schedule, k)]
                                               for k in ("fill", "valid", "threshold"))
         T = self.prefill_chunk
-        steps = [(T, valid_new[c]) for c in range(q_slots // T)] + [(1, [1] * len(valid_new))] * max_new_tokens
+        steps = [(T, valid_new[c]) for c in range(q_slots // T)] + [(1, [1] * self.batch_size)] * max_new_tokens
         for k, (t, valid) in enumerate(steps):
             over = sim.overflow(t, self.capacities)
             if over is not None:
