@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 from pathlib import Path
@@ -93,14 +94,20 @@ def _batch_dim(name: str, spec, info, cap: int, L: int) -> bool:
 
 
 def _per_row(rw) -> list:
-    """Per layer, {field: True if it has a batch row dim 0}."""
+    """Per layer, {field: True if it has a batch row dim 0}. The method's own fields are read from the method (an
+    exported model's state_specs hold concrete shapes, which cannot tell the batch dimension)."""
+    from kvrewrite.host import layer_state_fields
     from kvrewrite.state import full_length
 
     L = full_length(rw.max_length, rw.prefill_chunk)
     out = []
     for info, cap, specs in zip(rw.layers, rw.capacities, rw.state_specs):
         rows = {f: f != "budget" for f in STATE_FIELDS}
-        rows.update({f: _batch_dim(f, s, info, cap, L) for f, s in specs.items()})
+        fields = layer_state_fields(info, rw.method)
+        if set(fields) != set(specs):
+            raise ValueError(f"{rw.model_tag}: layer {info.index}: the method's state fields {sorted(fields)} are not "
+                             f"the state's {sorted(specs)}")
+        rows.update({f: _batch_dim(f, s, info, cap, L) for f, s in fields.items()})
         out.append(rows)
     return out
 
@@ -135,7 +142,7 @@ def _mismatch(made: dict, here: dict) -> str | None:
         if made[key] != here[key]:
             return f"{key}: the state's {made[key]}, this rewrite's {here[key]}"
     if made["layers"] != here["layers"]:
-        diff = next((a, b) for a, b in zip(made["layers"] + [None] * 99, here["layers"] + [None] * 99) if a != b)
+        diff = next((a, b) for a, b in itertools.zip_longest(made["layers"], here["layers"]) if a != b)
         return f"layer layout: the state's {diff[0]}, this rewrite's {diff[1]}"
     for key in ("capacities", "fields"):
         if made[key] != here[key]:

@@ -222,3 +222,21 @@ def test_what_does_not_fit_is_refused_with_sizes(model, captured, texts):
         rw3.prefill_context(context.expand(2, -1))
     with pytest.raises(ValueError, match="context must be a kvrewrite.ContextState"):
         rw._start_from_context(ids[:1], None, 2, {"not": "a state"})
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "clusterkv"])
+def test_chunk_aligned_context_continues_like_the_whole_prompt(model, captured, texts, method):
+    """With an int budget and a context and question of whole chunks, the context mode runs exactly the steps of
+    the whole prompt (same chunks, positions and thresholds): same tokens, logits within fp32 noise. (ClusterKV
+    clusters at the end of the prompt, which the context mode moves to the end of the context.)"""
+    context, ids, _ = texts
+    rw = rewrite(model, captured, method, budget=16)
+    ctx, q = context[:, :32], ids[:1, -8:]
+    toks, logits = ask(rw, rw.prefill_context(ctx), q)
+    ref = [rw.prefill(torch.cat([ctx, q], 1), max_new_tokens=NEW)]
+    for step in range(NEW - 1):
+        ref.append(rw.decode_step(greedy_tokens(ref[-1])))
+    ref = torch.stack(ref, 1)
+    assert torch.equal(toks, greedy_tokens(ref))
+    err = (logits - ref).abs().max().item()
+    assert err < 1e-5, f"{method}: context mode vs whole prompt: logits differ by {err}"
