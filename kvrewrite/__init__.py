@@ -2,15 +2,19 @@
 
     rw = kvrewrite.apply(model, method="chelsea", budget=0.2)
     out = rw.generate(input_ids, attention_mask=mask, max_new_tokens=64)
+
+    state = rw.prefill_context(context_ids)       # compress a document once (docs/context.md)
+    out = rw.generate(question_ids, context=state, max_new_tokens=64)   # ask it many questions
 """
 import logging
 
 from kvrewrite import kernels  # noqa: F401  (registers the kvrewrite:: ops)
+from kvrewrite.context_cache import ContextState
 from kvrewrite.methods import METHODS, make_method
 from kvrewrite.verification import VerifyReport, verify
 
 logger = logging.getLogger(__name__)
-__all__ = ["apply", "verify", "VerifyReport", "METHODS"]
+__all__ = ["apply", "verify", "VerifyReport", "METHODS", "ContextState"]
 DEFAULT_MAX_LENGTH = 4096
 
 

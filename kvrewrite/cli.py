@@ -132,9 +132,12 @@ def cmd_eval(args) -> int:
     fields = {"methods": flat(args.methods), "budgets": flat(args.budgets), "tasks": flat(args.task),
               "context_lengths": flat(args.context_lengths), "depths": flat(args.depths), "nll_tokens": args.nll_tokens,
               "samples": args.samples, "answer_tokens": args.answer_tokens, "fidelity_steps": args.fidelity_steps,
-              "prefill_chunk": args.prefill_chunk, "out_dir": args.out, "resume": args.resume or None}
+              "prefill_chunk": args.prefill_chunk, "mode": args.mode, "out_dir": args.out,
+              "resume": args.resume or None}
     base = dict(QUICK) if args.quick else {}
     base.update({k: tuple(v) if isinstance(v, list) else v for k, v in fields.items() if v is not None})
+    if args.mode == "context" and not args.task:  # the one task of that mode
+        base["tasks"] = ("needle",)
     options = {}
     for method, name, value in args.option or []:
         options.setdefault(method, {})[name] = value
@@ -270,6 +273,10 @@ def main(argv=None) -> int:
     ev.add_argument("--prefill-chunk", type=int, metavar="N",
                     help="make every method prefill itself in chunks of N (compressing while it prefills) instead of "
                     "sharing one exact prefill per context (default: shared; see docs/results.md)")
+    ev.add_argument("--mode", choices=("whole", "context"),
+                    help="whole (default): the whole prompt is compressed; context (needle only): the haystack is "
+                    "compressed alone (rw.prefill_context), then the question and the answer run on that cache; "
+                    "written to OUT/<model>/needle-context.json")
     ev.add_argument("--out", help="where the JSON goes (default out/eval, or out/eval-quick with --quick)")
     ev.add_argument("--docs", help="results page to write (default docs/results.md, or OUT/results.md with --quick)")
     ev.add_argument("--resume", action="store_true",

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from kvrewrite.context_cache import ContextGeneration
 from kvrewrite.state import STATE_FIELDS, reset_layer_state
 
 WINDOW_INTERVAL = 32  # sliding-window layers evict every 32 tokens (exact at any interval)
@@ -205,7 +206,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return (chunk * (V // n) + where.gather(-1, chunk)).squeeze(-1)
 
 
-class HostGeneration:
+class HostGeneration(ContextGeneration):
     """prefill / decode_step / generate over the three step graphs, one implementation for
     KVRewrittenModel (nn.Module) and kvrewrite.export.loader.ExportedModel.
 

@@ -17,6 +17,11 @@ What is shared, so that the grid stays affordable on a CPU:
 - the full reference of a context (its NLL, needle answer, attention outputs) is computed once and
   reused by every method and budget.
 
+`mode="context"` (the needle task only) compresses the haystack alone with each method (rw.prefill_context, in
+chunks of the prefill chunk) and runs the question and the answer on that compressed cache
+(kvrewrite/context_cache.py), `full` included; nothing is shared between cells then. Its results go to
+<task>-context.json, next to the whole-prompt mode's <task>.json.
+
 A task (kvrewrite/eval/{nll,needle,fidelity}.py) builds its contexts and scores one cell; this
 module runs the loops, records every cell (skipped ones with the reason) and writes one JSON file
 per model and task, rewritten after every cell so that an interrupted run keeps what it measured.
@@ -49,6 +54,7 @@ from kvrewrite.methods import METHODS, make_method
 
 logger = logging.getLogger(__name__)
 SCHEMA = 1
+MODES = ("whole", "context")
 
 
 @dataclass
@@ -78,6 +84,7 @@ class EvalConfig:
     answer_tokens: int = 24
     fidelity_steps: int = 16
     prefill_chunk: int | None = None  # None: shared exact prefill; N: every method prefills itself in chunks of N
+    mode: str = "whole"  # "whole": the prompt compressed; "context": the context alone, the question after it
     out_dir: str = "out/eval"
     progress: bool = True
     resume: bool = False  # keep the cells a previous run with the same task settings measured; run the rest
@@ -110,6 +117,13 @@ class EvalConfig:
         if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 2):
             raise ValueError(f"prefill chunk must be an int >= 2 (or unset: shared prefill), "
                              f"got {self.prefill_chunk!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        other = [t for t in self.tasks if self.mode not in getattr(TASKS[t], "modes", ("whole",))]
+        if other:
+            able = [t for t in TASKS if self.mode in getattr(TASKS[t], "modes", ("whole",))]
+            raise ValueError(f"mode {self.mode!r} is for the task(s) {', '.join(able)}; {', '.join(other)} run on the "
+                             f"whole prompt (run them in another `kvrewrite eval` with --mode whole)")
         for m in self.methods:  # the options must make a valid method at every budget
             for b in self.budgets if m != "full" else (None,):
                 make_method(m, b, **self.method_options.get(m, {}))
@@ -327,7 +341,8 @@ class Grid:
                 if first:
                     bar.set_postfix_str(f"prefill {ctx.input_ids.shape[1]} tokens")
                     t0 = time.perf_counter()
-                    snap = take_snapshot(self.rws["full"], ctx.input_ids)
+                    # the context mode shares nothing: each cell compresses the context itself
+                    snap = take_snapshot(self.rws["full"], ctx.input_ids) if cfg.mode == "whole" else None
                     snap_key, prefill_s = ctx.key, time.perf_counter() - t0
                 entry = {"length": ctx.length, **ctx.coords, "prompt_tokens": int(ctx.input_ids.shape[1]),
                          "full_prefill_s": round(prefill_s, 3), "prefill_counted_here": first}
@@ -342,7 +357,7 @@ class Grid:
                 self._save(task.name)
         finally:
             bar.close()
-        return [self.out / f"{t.name}.json" for t in tasks]
+        return [self._path(t.name) for t in tasks]
 
     @staticmethod
     def _coords(ctx) -> tuple:
@@ -352,8 +367,18 @@ class Grid:
         """The settings that must match for a previous file's cells to be reused (methods, budgets and
         context lengths are the selection: they may differ, and each cell is matched on its own)."""
         cfg = self.cfg
-        return {"prefill": "shared" if cfg.prefill_chunk is None else f"own, chunks of {cfg.prefill_chunk}",
-                "text": task.text, **task.settings(cfg)}
+        mode = {"mode": cfg.mode} if cfg.mode != "whole" else {}  # files of before the modes have none
+        return {"prefill": self._prefill_label(), **mode, "text": task.text, **task.settings(cfg)}
+
+    def _prefill_label(self) -> str:
+        cfg = self.cfg
+        if cfg.mode == "context":
+            return f"context alone, own, chunks of {cfg.prefill_chunk or 256}"
+        return "shared" if cfg.prefill_chunk is None else f"own, chunks of {cfg.prefill_chunk}"
+
+    def _path(self, task_name: str) -> Path:
+        """out/<model>/<task>.json, or <task>-context.json in the context mode."""
+        return self.out / (f"{task_name}-context.json" if self.cfg.mode == "context" else f"{task_name}.json")
 
     def _cells(self, task, old) -> set:
         """The (method, budget) cells of this run in one context of `task`, the reference included when
@@ -367,7 +392,7 @@ class Grid:
         """(previous file, {context coords: (context entry, its ok/skipped runs)} of every context it holds),
         or (None, {}) when there is no file; ValueError when its task settings, or the options of a method
         this run measures, differ from this run's."""
-        path = self.out / f"{task.name}.json"
+        path = self._path(task.name)
         if not path.is_file():
             return None, {}
         old = json.loads(path.read_text())
@@ -401,7 +426,12 @@ class Grid:
         return old, done
 
     def _max_length(self, tasks, contexts) -> int:
-        need = max(c.input_ids.shape[1] + t.gamma(self.cfg) for t in tasks for c in contexts[t.name])
+        if self.cfg.mode == "context":  # the slots: the context and the question each padded to whole chunks
+            T = self.cfg.prefill_chunk or 256
+            need = max(max(-(-c.data["context_ids"].shape[1] // T) * T + -(-c.data["question_ids"].shape[1] // T) * T
+                           - (T - 1), c.input_ids.shape[1]) + t.gamma(self.cfg) for t in tasks for c in contexts[t.name])
+        else:
+            need = max(c.input_ids.shape[1] + t.gamma(self.cfg) for t in tasks for c in contexts[t.name])
         config = self.model.config
         window = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
                          "max_position_embeddings", None)
@@ -439,7 +469,10 @@ class Grid:
                 timing.clear()
                 t0 = time.perf_counter()
                 try:
-                    rw.method.check_generation(int(ctx.input_ids.shape[1]), task.gamma(cfg))
+                    if cfg.mode == "context":  # the context is compressed alone, to budget x its tokens
+                        rw.method.check_generation(int(ctx.data["context_ids"].shape[1]), 0)
+                    else:
+                        rw.method.check_generation(int(ctx.input_ids.shape[1]), task.gamma(cfg))
                 except ValueError as e:  # the method's settings cannot run at this budget: recorded, not fatal
                     self._record(task, ctx, rw.method, budget, "skipped", {}, timing, 0.0, reason=str(e))
                 else:
@@ -453,8 +486,12 @@ class Grid:
         from kvrewrite.eval.prefill import load_snapshot, shares_prefill
 
         t = time.perf_counter()
+        if self.cfg.mode == "context":
+            state = rw.prefill_context(ctx.data["context_ids"])
+            logits, _ = rw._start_from_context(ctx.data["question_ids"], None, gamma, state)
+            timing["start"] = "context"
         # `full` always restarts from its own snapshot (exact in any chunking); a method does when sharing is on
-        if rw is self.rws["full"] or (self.cfg.prefill_chunk is None and shares_prefill(rw)[0]):
+        elif rw is self.rws["full"] or (self.cfg.prefill_chunk is None and shares_prefill(rw)[0]):
             logits, timing["start"] = load_snapshot(rw, snap, gamma), "shared"
         else:
             logits, timing["start"] = rw.prefill(ctx.input_ids, max_new_tokens=gamma), "own"
@@ -476,7 +513,7 @@ class Grid:
                            "sliding_layers": sum(1 for i in self.rws["full"].layers if i.window)},
             "settings": {"methods": ["full", *self.methods], "budgets": list(cfg.budgets),
                          "context_lengths": list(cfg.context_lengths),
-                         "prefill": "shared" if cfg.prefill_chunk is None else f"own, chunks of {cfg.prefill_chunk}",
+                         "prefill": self._prefill_label(), "mode": cfg.mode,
                          "max_length": self.rws["full"].max_length, "build_s": round(self.build_s, 2),
                          "text": task.text, **task.settings(cfg)},
             "versions": self.env,
@@ -501,7 +538,7 @@ class Grid:
         self.out.mkdir(parents=True, exist_ok=True)
         data = self.files[task_name]
         data["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
-        path = self.out / f"{task_name}.json"
+        path = self._path(task_name)
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(data, indent=1, default=_json_default) + "\n")
         tmp.replace(path)

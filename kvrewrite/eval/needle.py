@@ -6,6 +6,12 @@ the model's chat template when it has one. The prompt is prefilled and compresse
 B = round(budget * (prompt tokens + answer_tokens)), then the answer is decoded greedily (at most
 `answer_tokens`, stopping at EOS). Exact match: the passphrase appears in the answer as a whole word
 (case-insensitive; "The passphrase is 'amber-falcon-42'." counts, "amber-falcon-4" does not).
+
+Mode "context" (`kvrewrite eval --mode context`): the prompt is cut where the haystack ends; the haystack alone is
+compressed (rw.prefill_context: B = round(budget * context tokens)), then the question (the rest of the prompt:
+the template's tail and the question) and the answer run on the compressed cache (kvrewrite/context_cache.py),
+as kvpress evaluates. The two parts are tokenized apart (the cut is a text boundary, so the ids may differ from
+the whole prompt's by a merge at the cut); the prompt of that mode is their concatenation.
 """
 from __future__ import annotations
 
@@ -53,6 +59,22 @@ def build_prompt(tokenizer, context: str) -> torch.Tensor:
     return torch.tensor([ids])
 
 
+def split_prompt(tokenizer, context: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(context ids [1, n_c], question ids [1, n_q]): build_prompt's text cut where the context ends, each part
+    tokenized alone (the special tokens of the start go with the context)."""
+    content = f"{context}\n\n{QUESTION}"
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+        first = False
+    else:
+        text, first = f"{content}\nAnswer:", True
+    cut = text.index(content) + len(context)
+    ids = tokenizer(text[:cut], add_special_tokens=first)["input_ids"]
+    question = tokenizer(text[cut:], add_special_tokens=False)["input_ids"]
+    return torch.tensor([ids]), torch.tensor([question])
+
+
 def eos_ids(rw, tokenizer) -> set:
     eos = getattr(getattr(rw, "generation_config", None), "eos_token_id", None)
     if eos is None:
@@ -75,6 +97,7 @@ def greedy(rw, logits, max_new_tokens: int, eos: set) -> list:
 class NeedleTask:
     name = "needle"
     text = "paul_graham"
+    modes = ("whole", "context")  # EvalConfig.mode: the whole prompt compressed, or the haystack alone
 
     def settings(self, cfg) -> dict:
         return {"depths": list(cfg.depths), "answer_tokens": cfg.answer_tokens, "needle": NEEDLE,
@@ -88,9 +111,14 @@ class NeedleTask:
         for n in cfg.context_lengths:
             for depth in cfg.depths:
                 context, actual = haystack(tokenizer, text, n, depth)
-                ids = build_prompt(tokenizer, context)
+                data = {"actual_depth": round(actual, 4), "tokenizer": tokenizer}
+                if cfg.mode == "context":
+                    data["context_ids"], data["question_ids"] = split_prompt(tokenizer, context)
+                    ids = torch.cat([data["context_ids"], data["question_ids"]], dim=1)
+                else:
+                    ids = build_prompt(tokenizer, context)
                 out.append(Context(key=(self.text, n, depth), input_ids=ids, length=n, coords={"depth": depth},
-                                   data={"actual_depth": round(actual, 4), "tokenizer": tokenizer}))
+                                   data=data))
         return out
 
     def reference(self, full_rw, ctx, start, cfg):

@@ -17,11 +17,12 @@ from collections import defaultdict
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
-TASK_ORDER = ("nll", "needle", "fidelity")
+TASK_ORDER = ("nll", "needle", "needle-context", "fidelity")  # needle-context: the needle task in mode "context"
 
 
 def load_results(out_dir) -> dict:
-    """{model slug: {task: result file dict}} of every out_dir/<model>/<task>.json."""
+    """{model slug: {task: result file dict}} of every out_dir/<model>/<task>.json; a file of the context mode
+    (settings "mode": "context") under "<task>-context"."""
     results = defaultdict(dict)
     for path in sorted(Path(out_dir).glob("*/*.json")):
         try:
@@ -31,7 +32,8 @@ def load_results(out_dir) -> dict:
             continue
         if data.get("schema") != 1 or "task" not in data:
             continue
-        results[path.parent.name][data["task"]] = data
+        mode = data.get("settings", {}).get("mode", "whole")
+        results[path.parent.name][data["task"] + ("" if mode == "whole" else f"-{mode}")] = data
     return dict(results)
 
 
@@ -310,6 +312,11 @@ def _reductions(data) -> list:
     return out
 
 
+CONTEXT_MODE = ("**Context mode** (`--mode context`): the haystack alone is compressed by each method "
+                "(`rw.prefill_context`, B = round(budget · context tokens)), then the question and the answer run on "
+                "that cache, the method's re-compression every 32 tokens included (docs/context.md); `full` too.")
+
+
 def _settings_line(data):
     s = data["settings"]
     v = data["versions"]
@@ -317,6 +324,7 @@ def _settings_line(data):
     extra = {k: s[k] for k in ("nll_tokens", "samples", "depths", "answer_tokens", "fidelity_steps") if k in s}
     return (f"methods {', '.join(s['methods'])}; budgets {', '.join(f'{b:g}' for b in s['budgets'])}; context lengths "
             f"{', '.join(map(str, s['context_lengths']))}; prefill {s['prefill']}; "
+            + (f"mode {s['mode']}; " if s.get("mode", "whole") != "whole" else "")
             + ", ".join(f"{k} {v}" for k, v in extra.items())
             + f". torch {v['torch']}, transformers {v['transformers']}, {v['device']} "
             f"({v.get('torch_threads')} threads), "
@@ -450,22 +458,25 @@ def write_report(out_dir, docs_path) -> Path:
         for task, data in tasks.items():
             lengths = sorted({r["context_length"] for r in data["runs"]})
             page.append(f"### {task}\n\n{_settings_line(data)}\n")
+            if task.endswith("-context"):
+                page.append(CONTEXT_MODE + "\n")
+            kind = data["task"]
             reduced = _reductions(data)
             if reduced:
                 page.append(f"**Reduced grid** (CPU time): {'; '.join(reduced)}.\n")
-            if task == "nll":
+            if kind == "nll":
                 page.append("NLL in nats/token (Δ vs full on the same passage; lower is better):\n")
                 page.append(_table(data, _nll_cell, lengths) + "\n")
-            elif task == "needle":
+            elif kind == "needle":
                 page.append("Needles found (exact match) over the depths:\n")
                 page.append(_table(data, _needle_cell, lengths) + "\n")
-                png = plots_dir and plot_needle(data["model"], data, plots_dir / f"{slug}-needle.png")
+                png = plots_dir and plot_needle(data["model"], data, plots_dir / f"{slug}-{task}.png")
                 if png:
                     page.append(_image(f"needle heatmaps, {slug}", png, docs_path))
                 answers = _answers(data)
                 if answers:
                     page.append(answers + "\n")
-            elif task == "fidelity":
+            elif kind == "fidelity":
                 page.append("Attention relative error vs full, same query / end-to-end (lower is better):\n")
                 page.append(_table(data, _fid_cell("attn_rel_err", "attn_rel_err_e2e"), lengths) + "\n")
                 page.append("Top-k recall, anchor / verbatim (higher is better):\n")
