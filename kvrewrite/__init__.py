@@ -5,16 +5,20 @@
 
     state = rw.prefill_context(context_ids)       # compress a document once (docs/context.md)
     out = rw.generate(question_ids, context=state, max_new_tokens=64)   # ask it many questions
+
+    pipe = kvrewrite.pipeline("smollm2-135m", method="chelsea", budget=0.2)   # text in, answers out
+    pipe(["Who?", "When?"], context=document)
 """
 import logging
 
 from kvrewrite import kernels  # noqa: F401  (registers the kvrewrite:: ops)
 from kvrewrite.context_cache import ContextState
 from kvrewrite.methods import METHODS, make_method
+from kvrewrite.text_pipeline import TextPipeline, pipeline
 from kvrewrite.verification import VerifyReport, verify
 
 logger = logging.getLogger(__name__)
-__all__ = ["apply", "verify", "VerifyReport", "METHODS", "ContextState"]
+__all__ = ["apply", "pipeline", "TextPipeline", "ContextState", "verify", "VerifyReport", "METHODS"]
 DEFAULT_MAX_LENGTH = 4096
 
 

@@ -12,7 +12,7 @@ NEEDLE = "The secret passphrase for the archive is 'amber-falcon-42'."
 QUESTION = "What is the secret passphrase for the archive? Answer with the passphrase only."
 
 
-def _long_prompt(tokenizer, context_tokens: int) -> str:
+def _long_document(tokenizer, context_tokens: int) -> str:
     """Paul Graham essays cut to about `context_tokens` tokens, with a needle hidden in the middle."""
     from kvrewrite.assets import load_text
 
@@ -29,68 +29,77 @@ def _human(nbytes: float) -> str:
         nbytes /= 1024
 
 
-def _hf_static_row(model, tok, enc, n, max_new_tokens, dense):
-    """What a user would otherwise run: HF generate with a StaticCache, greedy, same prompt."""
+def _hf_static_row(model, tok, ids, max_new_tokens, dense):
+    """What a user would otherwise run: HF generate with a StaticCache, greedy, on the whole prompt (the context
+    and the first question)."""
     kw = dict(do_sample=False, cache_implementation="static", pad_token_id=tok.pad_token_id)
+    n = ids.shape[1]
     with torch.no_grad():
         t0 = time.perf_counter()
-        model.generate(**enc, max_new_tokens=1, **kw)
+        model.generate(ids, max_new_tokens=1, **kw)
         t_prefill = time.perf_counter() - t0
         t0 = time.perf_counter()
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, **kw)
+        out = model.generate(ids, max_new_tokens=max_new_tokens, **kw)
         t_total = time.perf_counter() - t0
     new = out[0, n:]
     answer = tok.decode(new, skip_special_tokens=True).strip()
-    print(f"[hf-static] answer: {answer!r}\n", flush=True)
+    print(f"[hf-static] {answer!r}\n", flush=True)
     tps = (len(new) - 1) / max(t_total - t_prefill, 1e-9)
-    return ("hf-static", answer, {"kvrewrite": dense, "dense": dense}, model.config.num_hidden_layers * (n + len(new)),
+    return ("hf-static", [answer], {"kvrewrite": dense, "dense": dense}, model.config.num_hidden_layers * n,
             0.0, t_prefill, tps)
 
 
 def cmd_run(args) -> int:
+    """The main job through kvrewrite.pipeline: the document compressed once per method, then every question
+    answered on a copy of it (the HF baseline runs the whole prompt of the first question)."""
     import kvrewrite
     from kvrewrite.assets import load_model
+    from kvrewrite.text_pipeline import PromptFormat
 
     torch.manual_seed(0)
     print(f"loading {args.model} ...", flush=True)
     model, tok = load_model(args.model)
-    context = _long_prompt(tok, args.context_tokens)
-    messages = [{"role": "user", "content": f"{context}\n\n{QUESTION}"}]
-    if getattr(tok, "chat_template", None):
-        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    else:
-        prompt = messages[0]["content"] + "\n"
-    enc = tok(prompt, return_tensors="pt", add_special_tokens=not getattr(tok, "chat_template", None))
-    n = enc["input_ids"].shape[1]
-    max_length = n + args.max_new_tokens
-    print(f"prompt: {n} tokens (needle in the middle); generating up to {args.max_new_tokens} tokens\n", flush=True)
+    context = _long_document(tok, args.context_tokens)
+    questions = args.question or [QUESTION]
+    fmt = PromptFormat(tok, bool(getattr(tok, "chat_template", None)))
+    encoded = [fmt.encode(q, context) for q in questions]
+    n_ctx, n_q = len(encoded[0][0]), max(len(q) for _, q in encoded)
+    # the document and the question are each left-padded to whole prefill chunks (docs/context.md, "Sizes"): room
+    # for the second padding too, which `full` keeps
+    max_length = n_ctx + n_q + args.max_new_tokens + args.prefill_chunk - 1
+    print(f"context: {n_ctx} tokens (a passphrase in the middle), compressed once per method; {len(questions)} "
+          f"question(s) of up to {n_q} tokens; up to {args.max_new_tokens} new tokens each\n", flush=True)
     rows = []
     for method in ["full", args.method] if args.method != "full" else ["full"]:
         opts = {} if method == "full" else {"budget": args.budget}
         t0 = time.perf_counter()
-        rw = kvrewrite.apply(model, method, max_length=max_length, prefill_chunk=args.prefill_chunk, **opts)
+        pipe = kvrewrite.pipeline(model, method, tokenizer=tok, max_length=max_length,
+                                  prefill_chunk=args.prefill_chunk, **opts)
         t_apply = time.perf_counter() - t0
         # greedy, as the hf-static row (a model's generation_config may ask for sampling; rw.generate follows it)
-        out = rw.generate(enc["input_ids"], enc["attention_mask"], max_new_tokens=args.max_new_tokens,
-                          do_sample=False, progress=True)
-        new = out[0, n:]
-        t_prefill, t_decode = rw.last_timings["prefill_s"], rw.last_timings["decode_s"]
-        answer = tok.decode(new, skip_special_tokens=True).strip()
-        mem = rw.cache_bytes(seq_len=n + args.max_new_tokens)
-        used = sum(int(rw.layer_state(i.index)["fill"].max()) for i in rw.layers)
-        rows.append((method, answer, mem, used, t_apply, t_prefill, rw.last_timings["new_tokens"] / t_decode))
-        print(f"[{method}{'' if method == 'full' else f' budget={args.budget}'}] answer: {answer!r}\n", flush=True)
+        answers = pipe(questions, context=context, max_new_tokens=args.max_new_tokens, do_sample=False, progress=True)
+        t = pipe.last_timings
+        mem = pipe.rw.cache_bytes(seq_len=max_length)
+        rows.append((method, answers, mem, pipe.last_context.slots() * len(pipe.rw.layers), t_apply, t["context_s"],
+                     t["new_tokens"] / max(t["decode_s"], 1e-9)))
+        label = method if method == "full" else f"{method} budget={args.budget}"
+        for q, a in zip(questions, answers):
+            print(f"[{label}] {q}\n  -> {a!r}\n", flush=True)
     if args.hf_baseline:
-        rows.insert(0, _hf_static_row(model, tok, enc, n, args.max_new_tokens, rows[0][2]["dense"]))
+        ctx, q = encoded[0]
+        rows.insert(0, _hf_static_row(model, tok, torch.tensor([ctx + q]), args.max_new_tokens, rows[0][2]["dense"]))
     dense = rows[0][2]["dense"]
-    print(f"{'method':<14}{'KV state':>12}{'vs dense':>10}{'slots used':>12}{'capture s':>11}{'prefill s':>11}{'decode tok/s':>14}")
-    for method, _, mem, used, t_apply, t_prefill, tps in rows:
-        print(f"{method:<14}{_human(mem['kvrewrite']):>12}{mem['kvrewrite'] / dense:>9.0%} {used:>11}"
-              f"{t_apply:>11.1f}{t_prefill:>11.1f}{tps:>14.1f}")
-    print(f"(dense HF static cache for {n + args.max_new_tokens} tokens: {_human(dense)}; kvrewrite's state is as "
-          f"allocated, including the prefill chunk and g headroom; 'slots used' summed over layers at the end; "
+    print(f"{'method':<14}{'KV state':>12}{'vs dense':>10}{'context slots':>15}{'capture s':>11}{'context s':>11}"
+          f"{'decode tok/s':>14}")
+    for method, _, mem, used, t_apply, t_context, tps in rows:
+        print(f"{method:<14}{_human(mem['kvrewrite']):>12}{mem['kvrewrite'] / dense:>9.0%} {used:>14}"
+              f"{t_apply:>11.1f}{t_context:>11.1f}{tps:>14.1f}")
+    print(f"(dense HF static cache for {max_length} tokens: {_human(dense)}; kvrewrite's state is as allocated, "
+          f"including the prefill chunk and g headroom; 'context slots': the compressed document, summed over layers "
+          f"(hf-static: the whole prompt); 'context s': compressing the document (hf-static: the prompt's prefill); "
           f"{'cuda' if torch.cuda.is_available() else 'cpu'}, torch {torch.__version__})")
-    print("needle found: " + ", ".join(f"{r[0]}={'amber-falcon-42' in r[1]}" for r in rows))
+    if not args.question:
+        print("passphrase found: " + ", ".join(f"{r[0]}={'amber-falcon-42' in r[1][0]}" for r in rows))
     return 0
 
 
@@ -222,6 +231,8 @@ def main(argv=None) -> int:
     run.add_argument("--budget", type=float, default=0.5, help="fraction of the tokens kept, in (0, 1] (default 0.5)")
     run.add_argument("--context-tokens", type=int, default=1500, help="length of the essay context (default 1500)")
     run.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    run.add_argument("--question", action="append", metavar="TEXT",
+                     help="a question about the document (repeatable; default: ask for the hidden passphrase)")
     run.add_argument("--prefill-chunk", type=int, default=256, help="prefill chunk size (default 256)")
     run.add_argument("--no-hf-baseline", dest="hf_baseline", action="store_false",
                      help="skip the HF transformers StaticCache baseline row")
