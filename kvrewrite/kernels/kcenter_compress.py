@@ -23,12 +23,16 @@ O(k(C)·B·Hkv·C·D) work per call, amortised over the method's interval. On th
 stops at the most centres a due row needs (a host read; the skipped steps are no-ops, so the result is the same: the
 GPU test compares CUDA's static loop with it). No Triton kernel yet.
 """
+import importlib
+import logging
 import math
 
 import torch
 
 from kvrewrite.kernels._slot_kernels import _check_state
 from kvrewrite.kernels.kcenter import greedy_kcenter
+
+logger = logging.getLogger(__name__)
 
 NAME = "kvrewrite::kcenter_compress"
 NEG_INF = float("-inf")
@@ -98,6 +102,24 @@ def reference_kcenter_compress(keys, values, bias, slot_pos, fill, budget, recen
     fill.copy_(torch.where(due, n_kept, fill.reshape(R)).view(B, H))
 
 
+# -- the CUDA path -----------------------------------------------------------------------------------
+_WARNED = []
+KERNELS_CHECKED_ON_GPU = False  # set True only once tests/kernels/test_kcenter_compress_gpu.py passed on a GPU
+
+
+def _cuda_impl(C: int):
+    """The Triton launcher when the kernels were checked on a GPU, Triton imports and C fits them, else None (CUDA
+    then runs the reference, logged once). THE one place that decides the CUDA path (module docstring)."""
+    if not KERNELS_CHECKED_ON_GPU:
+        return None
+    try:
+        import triton  # noqa: F401
+        mod = importlib.import_module("kvrewrite.kernels._kcenter_kernels")
+    except ImportError:
+        return None
+    return mod.triton_kcenter_compress if C <= mod.MAX_SLOTS else None
+
+
 # -- op registration ---------------------------------------------------------------------------------
 @torch.library.custom_op(NAME, mutates_args=("keys", "values", "bias", "slot_pos", "fill"))
 def kcenter_compress(
@@ -112,6 +134,22 @@ def kcenter_compress(
 ) -> None:
     """Keep the last ℓ tokens and k greedy k-center centres of the rows at the threshold (module docstring)."""
     _check_inputs(keys, values, bias, slot_pos, fill, budget, recent_ratio)
+    reference_kcenter_compress(keys, values, bias, slot_pos, fill, budget, recent_ratio)
+
+
+@kcenter_compress.register_kernel("cuda")
+def _(keys, values, bias, slot_pos, fill, budget, *, recent_ratio=0.5):
+    _check_inputs(keys, values, bias, slot_pos, fill, budget, recent_ratio)
+    launcher = _cuda_impl(keys.shape[2])
+    if launcher is not None:
+        launcher(keys, values, bias, slot_pos, fill, budget, recent_ratio=recent_ratio)
+        return
+    if not _WARNED:
+        _WARNED.append(True)
+        logger.warning("kcenter_compress: CUDA runs the tensor reference (%d slots; a static loop of k(C) steps): "
+                       "the Triton kernels of kvrewrite.kernels._kcenter_kernels take up to MAX_SLOTS slots and are "
+                       "used once their GPU tests have passed (KERNELS_CHECKED_ON_GPU=%s)", keys.shape[2],
+                       KERNELS_CHECKED_ON_GPU)
     reference_kcenter_compress(keys, values, bias, slot_pos, fill, budget, recent_ratio)
 
 
