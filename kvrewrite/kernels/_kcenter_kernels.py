@@ -56,9 +56,10 @@ NAME = "triton_kcenter_compress"
 MAX_SLOTS = 65535  # a slot and a step tag take 16 bits of the exchange word
 MAX_PROGRAMS = 16  # programs per row of the select launch (more only adds exchange latency: the slices are small)
 CHUNK = 4096  # lanes of the per-row passes of launches 1 and 3 (a power of two)
-SELECT_WARPS = 8
-LOOKAHEAD = 8  # T: each program lists its T best points per round (select launch; module docstring)
-TILE = 8192  # slice lanes x key columns per step of the distance update (registers)
+SELECT_WARPS = 16
+LIST_SLOTS = 128  # default lookahead T = LIST_SLOTS // P - 1: the P (T + 1) list entries fill LIST_SLOTS lanes
+RESIDENT_KEYS = 32768  # a slice of up to RESIDENT_KEYS // D keys is held in registers (fp32: 64 per thread of 16 warps)
+TILE = 8192  # slice lanes x key columns per step of the distance update when the keys are re-read
 
 
 # -- launch 1: rank ----------------------------------------------------------------------------------
@@ -117,11 +118,12 @@ def _word(d2, inv):
 @triton_jit()
 def _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P: tl.constexpr, T: tl.constexpr,
                 TT: tl.constexpr, LL: tl.constexpr, SL: tl.constexpr, BLOCK_D: tl.constexpr, DCH: tl.constexpr,
-                DCH_L: tl.constexpr):
+                DCH_L: tl.constexpr, RESIDENT: tl.constexpr):
     """Program p's part of row `row`'s greedy k-center: its slice is candidate ranks [lo, lo + n_mine) (< SL).
     Rounds: every program publishes its T + 1 best words; the P * T listed points and the bound U (the largest
     (T + 1)-th word: every point not listed is at most U, and a point's word only falls) let every program run
-    greedy steps on the list alone while the best listed word exceeds U (module docstring)."""
+    greedy steps on the list alone while the best listed word exceeds U (module docstring). RESIDENT: the slice's
+    and the list's keys are held in registers (fp32), else re-read every step in DCH / DCH_L column chunks."""
     W: tl.constexpr = T + 1
     lane = tl.arange(0, SL)
     live = lane < n_mine
@@ -130,6 +132,10 @@ def _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P: tl.c
     d2 = tl.where(live, float("inf"), -1.0)  # -1: not a candidate (or chosen); d2 >= 0 otherwise
     kbase = row * C * D
     at = kbase + slot.to(tl.int64) * D
+    dk = tl.arange(0, BLOCK_D)
+    if RESIDENT:
+        xs = tl.load(K + at[:, None] + dk[None, :], mask=live[:, None] & (dk < D)[None, :], other=0.0)
+        xs = xs.to(tl.float32)
     tt = tl.arange(0, TT)
     li = tl.arange(0, LL)  # list entry li: program li // W, rank li % W (rank T: that program's bound)
     in_list = li < P * W
@@ -157,6 +163,9 @@ def _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P: tl.c
         linv = lcur & 0xFFFF0000
         ld2 = (lcur >> 32).to(tl.int32).to(tl.float32, bitcast=True)
         lat = kbase + tl.where(lcur > 0, lslot, 0).to(tl.int64) * D
+        if RESIDENT:
+            lk = tl.load(K + lat[:, None] + dk[None, :], mask=(lcur > 0)[:, None] & (dk < D)[None, :], other=0.0)
+            lk = lk.to(tl.float32)
         best = tl.max(lcur, axis=0)
         while (best > U) & (done < k):
             centre = (0xFFFF - ((best >> 16) & 0xFFFF)).to(tl.int32)
@@ -167,8 +176,15 @@ def _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P: tl.c
             lcur = tl.where(lcur == best, 0, lcur)
             if done < k:
                 c_at = kbase + centre.to(tl.int64) * D
-                d2 = tl.minimum(d2, _dist2(K, at, live, c_at, D, SL, BLOCK_D, DCH))  # -1 stays -1
-                ld2 = tl.minimum(ld2, _dist2(K, lat, lcur > 0, c_at, D, LL, BLOCK_D, DCH_L))
+                if RESIDENT:
+                    c = tl.load(K + c_at + dk, mask=dk < D, other=0.0).to(tl.float32)
+                    dx = xs - c[None, :]
+                    d2 = tl.minimum(d2, tl.sum(dx * dx, axis=1))  # -1 stays -1
+                    dl = lk - c[None, :]
+                    ld2 = tl.minimum(ld2, tl.sum(dl * dl, axis=1))
+                else:
+                    d2 = tl.minimum(d2, _dist2(K, at, live, c_at, D, SL, BLOCK_D, DCH))  # -1 stays -1
+                    ld2 = tl.minimum(ld2, _dist2(K, lat, lcur > 0, c_at, D, LL, BLOCK_D, DCH_L))
                 lcur = tl.where(lcur > 0, (ld2.to(tl.int32, bitcast=True).to(tl.int64) << 32) | linv, 0)
             best = tl.max(lcur, axis=0)
         rnd += 1
@@ -179,7 +195,7 @@ def _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P: tl.c
 @triton_jit(do_not_specialize=["C", "rows", "G"])
 def _kc_select_kernel(K, SOR, META, ORDER, XCH, ROUNDS, C, D, rows, G, P: tl.constexpr, T: tl.constexpr,
                       TT: tl.constexpr, LL: tl.constexpr, SL: tl.constexpr, BLOCK_D: tl.constexpr, DCH: tl.constexpr,
-                      DCH2: tl.constexpr, DCH4: tl.constexpr, DCH_L: tl.constexpr):
+                      DCH2: tl.constexpr, DCH4: tl.constexpr, DCH_L: tl.constexpr, RES: tl.constexpr):
     p = tl.program_id(0)
     g = tl.program_id(1)
     for r in range(g, rows, G):
@@ -190,19 +206,22 @@ def _kc_select_kernel(K, SOR, META, ORDER, XCH, ROUNDS, C, D, rows, G, P: tl.con
             S = tl.cdiv(n, P)
             lo = p * S
             n_mine = tl.maximum(tl.minimum(n - lo, S), 0)
-            if SL >= 64:  # the smallest of three register sizes that holds the slice
+            if S <= RES:  # keys in registers
+                _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P, T, TT, LL, RES, BLOCK_D,
+                            DCH, DCH_L, True)
+            elif SL >= 64:  # the smallest of three register sizes that holds the slice
                 if S <= SL // 4:
                     _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P, T, TT, LL, SL // 4,
-                                BLOCK_D, DCH4, DCH_L)
+                                BLOCK_D, DCH4, DCH_L, False)
                 elif S <= SL // 2:
                     _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P, T, TT, LL, SL // 2,
-                                BLOCK_D, DCH2, DCH_L)
+                                BLOCK_D, DCH2, DCH_L, False)
                 else:
                     _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P, T, TT, LL, SL,
-                                BLOCK_D, DCH, DCH_L)
+                                BLOCK_D, DCH, DCH_L, False)
             else:
                 _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P, T, TT, LL, SL, BLOCK_D,
-                            DCH, DCH_L)
+                            DCH, DCH_L, False)
 
 
 # -- launch 3: pack ----------------------------------------------------------------------------------
@@ -283,11 +302,12 @@ def select_layout(rows: int, C: int, device: torch.device, programs: int | None 
 
 
 def triton_kcenter_compress(keys, values, bias, slot_pos, fill, budget, *, recent_ratio: float,
-                            programs: int | None = None, lookahead: int | None = None,
+                            programs: int | None = None, lookahead: int | None = None, resident: bool = True,
                             select_warps: int | None = None, order=None, rounds=None) -> None:
     """Launch the five kernels (module docstring); mutates keys, values, bias, slot_pos, fill in place. programs:
-    the select launch's programs per row (select_layout); select_warps its warps (SELECT_WARPS). Every value gives
-    the same result. order: an optional int32 [B * Hkv, C] tensor that receives each due row's centres (slots, in
+    the select launch's programs per row (select_layout); lookahead its T (default LIST_SLOTS // P - 1); resident
+    whether a slice of up to RESIDENT_KEYS // D keys is held in registers; select_warps its warps (SELECT_WARPS).
+    Every value gives the same result (but for the fp32 summation order of the distances: near ties). order: an optional int32 [B * Hkv, C] tensor that receives each due row's centres (slots, in
     the order chosen; entries past the row's k are left as they were), rounds an optional int32 [B * Hkv] tensor
     that receives each selecting row's number of exchange rounds (rows without a selection: left as they were):
     for tests and timings. Under TRITON_INTERPRET=1 it runs
@@ -316,7 +336,7 @@ def triton_kcenter_compress(keys, values, bias, slot_pos, fill, budget, *, recen
     elif tuple(order.shape) != (rows, C) or order.dtype != torch.int32 or order.device != dev:
         raise ValueError(f"{NAME}: order must be int32 [B * Hkv, C] = {[rows, C]} on {dev}, got {order.dtype} "
                          f"{list(order.shape)} on {order.device}")
-    T = LOOKAHEAD if lookahead is None else int(lookahead)
+    T = max(1, LIST_SLOTS // P - 1) if lookahead is None else int(lookahead)
     if T < 1:
         raise ValueError(f"{NAME}: lookahead must be an int >= 1, got {lookahead!r}")
     if rounds is None:
@@ -333,7 +353,9 @@ def triton_kcenter_compress(keys, values, bias, slot_pos, fill, budget, *, recen
     _kc_select_kernel[(P, G)](keys, sor, meta, order, xch, rounds, C, D, rows, G, P=P, T=T,
                               TT=triton.next_power_of_2(T + 1), LL=ll, SL=sl, BLOCK_D=block_d, DCH=dch[0],
                               DCH2=dch[1], DCH4=dch[2],
-                              DCH_L=max(1, min(block_d, TILE // ll)), num_warps=select_warps or SELECT_WARPS)
+                              DCH_L=max(1, min(block_d, TILE // ll)),
+                              RES=(1 << (RESIDENT_KEYS // block_d).bit_length() - 1) if resident else 0,
+                              num_warps=select_warps or SELECT_WARPS)
     flag = torch.empty(rows, C, dtype=torch.int8, device=dev)
     src = torch.empty(rows, C, dtype=torch.int32, device=dev)
     info = torch.empty(rows, 2, dtype=torch.int32, device=dev)

@@ -113,3 +113,11 @@ def test_bad_knobs_are_named():
         triton_kcenter_compress(*args, recent_ratio=0.5, lookahead=0)
     with pytest.raises(ValueError, match="order must be int32"):
         triton_kcenter_compress(*args, recent_ratio=0.5, order=torch.zeros(1, 8, dtype=torch.int64))
+
+
+def test_keys_reread_every_step():
+    """resident=False: the slice's and the list's keys are re-read each step in column chunks (the path of slices
+    too large for registers): the same state."""
+    s = make_state(1, 2, 40, 5, [[40, 33]], 12, 30, seed=8, integer=True)
+    _, _, order, _ = run_both(s, 0.34, lookahead=2, resident=False)
+    assert check_order(s, order, 0.34) == 2
