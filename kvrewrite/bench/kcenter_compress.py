@@ -152,6 +152,7 @@ def main():
         record(f"{case}_B1_gauss", 1, fill, "gauss", {}, args.reference != "none", prof=True)
     record("decode_B1_clustered", 1, CASES["decode"], "clustered", {}, args.reference != "none")
     record("decode_B1_gauss_reread", 1, CASES["decode"], "gauss", dict(resident=False), False)
+    record("decode_B1_gauss_w8", 1, CASES["decode"], "gauss", dict(select_warps=8), False)
     for case, fill in CASES.items():
         record(f"{case}_B8_gauss", 8, fill, "gauss", {}, args.reference == "all" and case == "decode", prof=True)
         record(f"{case}_B8_gauss_P16", 8, fill, "gauss", dict(programs=16), False)

@@ -15,7 +15,9 @@ Launches (nothing is read on the host; grids depend on shapes only, so a call is
    decode-time shape). Step i: each program reduces its slice to one int64 word, (d2 bits << 32) | (0xFFFF - slot)
    << 16 | (i + 1) (d2 >= 0, so its fp32 bits order like the value; a larger word is a farther point, or an equal
    one at a lower slot: the reference's argmax), publishes it with an atomic exchange into XCH[row, i % 2, p], and
-   spins (volatile loads) until all P words of the row carry the tag i + 1; every program then takes the same
+   spins (volatile loads) until all P words of the row carry the tag i + 1, then (after a CTA barrier) loads them
+   once more, so that the threads holding copies of a word agree (each copy's spin load may have been early or
+   late: found on the H100, where 16 warps replicate the word vector and rows diverged); every program then takes the same
    maximum, so all agree on the centre without a second exchange, loads its key (256 bytes, from L2) and lowers
    its slice's d2. Program 0 writes ORDER[row, i] = the centre's slot. Why this is safe:
    - a word slot is rewritten (step i + 2) only after its writer saw all words of step i + 1, which each program
@@ -156,6 +158,11 @@ def _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P: tl.c
         words = tl.load(xat + li, mask=in_list, other=tag, volatile=True)
         while tl.min(((words & 0xFFFF) == tag).to(tl.int32), axis=0) == 0:
             words = tl.load(xat + li, mask=in_list, other=tag, volatile=True)
+        # The threads holding copies of one word loaded it at slightly different times: one may have seen the fresh
+        # word and another the stale one. Now that the words are known fresh (and stay so until this program's next
+        # publication), every thread loads them once more, after a barrier, so that all agree.
+        tl.debug_barrier()
+        words = tl.load(xat + li, mask=in_list, other=tag, volatile=True)
         vals = words & ~0xFFFF
         U = tl.max(tl.where(in_list & ~listed, vals, 0), axis=0)
         lcur = tl.where(listed, vals, 0)  # listed words, current (0: none or chosen)
