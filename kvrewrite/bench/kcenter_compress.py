@@ -8,9 +8,9 @@ a prefill chunk of 2048 on a full cache (fill 8602 -> 6554: 3277 centres among 5
 "clustered" (64 centres + noise, 2% outliers: the lookahead's rounds depend on the data). The kernels are timed as
 CUDA graph replays (12, a GPU sleep before each so the host is ahead, median of the last 10); the reference eagerly
 (its static loop of k(C) = 4333 steps is ~60k launches: the best of 2 calls at batch 1, one at batch 8). Also: the
-resident knob (and with --sweep lookahead and programs) at decode B = 1, programs=16 at batch 8 (rows in groups of 8), the launches'
-split (profiler), the exchange rounds per row, and whether the kernel's state equals the reference's (the keys are
-Gaussian: a near tie could part them; reported, not asserted).
+resident and select_warps knobs (and with --sweep lookahead and programs) at decode B = 1, programs=16 at batch 8
+(rows in groups of 8), the launches' split (profiler), the exchange rounds per row, and whether the kernel's state
+equals the reference's (the keys are Gaussian: a near tie could part them; reported, not asserted).
 
 What it means for decode: every KV row of every layer is due in the same step once per interval, so a decode step
 pays 32 layers x the call every 64 steps: amortised 32 x t / 64 per step, against a plain step of ~6.1 ms (32 layers,

@@ -9,33 +9,38 @@ Launches (nothing is read on the host; grids depend on shapes only, so a call is
 
 1. rank (grid rows): the row's valid slots ranked by a chunked cumsum (SOR[rank] = slot, POR[rank] = slot_pos);
    META[row] = [due, V, n, k] (n = k = 0 when the row keeps everything).
-2. select (grid (P, G)): greedy k-center, k sequential steps. The n candidates of a row are split into P contiguous
-   slices, one per program; a program keeps its slice's running squared distance to the chosen centres (d2) in
-   registers and re-reads the slice's keys each step (they stay in L1: ~55 KB per program at the Llama-3.1-8B
-   decode-time shape). Step i: each program reduces its slice to one int64 word, (d2 bits << 32) | (0xFFFF - slot)
-   << 16 | (i + 1) (d2 >= 0, so its fp32 bits order like the value; a larger word is a farther point, or an equal
-   one at a lower slot: the reference's argmax), publishes it with an atomic exchange into XCH[row, i % 2, p], and
-   spins (volatile loads) until all P words of the row carry the tag i + 1, then (after a CTA barrier) loads them
-   once more, so that the threads holding copies of a word agree (each copy's spin load may have been early or
-   late: found on the H100, where 16 warps replicate the word vector and rows diverged); every program then takes the same
-   maximum, so all agree on the centre without a second exchange, loads its key (256 bytes, from L2) and lowers
-   its slice's d2. Program 0 writes ORDER[row, i] = the centre's slot. Why this is safe:
-   - a word slot is rewritten (step i + 2) only after its writer saw all words of step i + 1, which each program
-     publishes only after reading step i's: no word is overwritten before every program read it; the tag tells a
-     fresh word from the one of step i - 2 or from the zeroed buffer (XCH is zeroed per call; steps < 65535);
-   - the spin needs every program of the row to run at once: the launcher makes P * G <= the SM count (G the rows
-     in flight, each program walks rows g, g + G, ...), so every program is resident (one per SM suffices) once
-     the kernels before it in the stream are done; a GPU shared with other work (MPS limits, green contexts)
-     could delay, not deadlock, as long as P * G programs fit on what is left to the process.
+2. select (grid (P, G)): greedy k-center, k sequential steps per row, in rounds. The n candidates of a row are split
+   into P contiguous slices, one per program, which keeps its slice's squared distance to the nearest chosen centre
+   (d2, fp32) in registers, and the slice's keys too (fp32) when they fit (<= RESIDENT_KEYS // D keys), else it
+   re-reads them every step in column chunks. A point's word is (d2 bits << 32) | (0xFFFF - slot) << 16 (d2 >= 0,
+   so its fp32 bits order like the value: a larger word is a farther point, or an equally far one at a lower slot,
+   the reference's argmax; tag bits 0-15).
+   Round r: each program publishes its T + 1 largest words (tag r + 1) with an atomic exchange into
+   XCH[row, r % 2, p, :] and spins (volatile loads) until all P (T + 1) words of the row carry the tag; after a CTA
+   barrier it loads them once more (the threads holding copies of a word may have loaded them at different times
+   in the spin; now they are fresh and stay so, and every thread agrees). Listed: each program's T best; U: the
+   largest (T + 1)-th word. Every point not listed has a word <= U, and words only fall, so while the largest
+   listed word exceeds U it is the global farthest point: every program, from the same list with the same
+   arithmetic, takes it as the next centre, lowers the list's d2 and its own slice's by the centre's key (loaded
+   from L2) and goes on; the round ends at the first best listed word <= U (at least one centre per round: the
+   farthest point is always listed). Program 0 writes ORDER[row, i] = the i-th centre's slot. Why this is safe:
+   - a word slot is rewritten (round r + 2) only after its writer saw all words of round r + 1, which each program
+     publishes only after reading round r's: no word is overwritten before every program read it; the tag tells a
+     fresh word from the one of round r - 2 or from the zeroed buffer (XCH is zeroed per call; rounds <= k <
+     65535);
+   - the spin needs every program of the row to run at once: the launcher makes P * G <= the SM count (G rows in
+     flight, each program walks rows g, g + G, ...), so every program is resident (one per SM suffices) once the
+     kernels before it in the stream are done; a GPU shared with other work (MPS limits, green contexts) could
+     delay, not deadlock, as long as P * G programs fit on what is left to the process.
    Triton's interpreter runs programs one after another: it gets P = 1 (the launcher refuses more on the CPU).
 3. pack (grid rows): flags of the chosen slots from ORDER; kept = recent ranks [n, V) or chosen; destinations by
    cumsum; slot_pos from POR, bias 0 on [0, kept), -inf on [kept, C), fill; SRC[dest] = slot and INFO[row] =
    [first destination that moves, kept] for 4-5.
 4-5. kvrewrite/kernels/evict_by_score.py's stage and move launches move the kept keys and values in place.
 
-Cost: the selection is k sequential steps per row, each a pass over the row's slice (n / P points x D) plus one
-exchange between the P programs (a store and a volatile load through L2) and one key load: latency bound, ~1-2 us
-per step whatever P (measured: kvrewrite/bench/kcenter_compress.py, the op's module docstring).
+Cost: k sequential steps per row, each an update of the slice's d2 (n / P keys x D, fp32 on the CUDA cores) and of
+the list's, plus one exchange (through L2) per round of ~P T / 2 steps: bound by the steps' arithmetic and latency,
+not by memory (measured: kvrewrite/bench/kcenter_compress.py; the op's module docstring).
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
@@ -199,6 +204,26 @@ def _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P: tl.c
         tl.store(ROUNDS + row, rnd)
 
 
+@triton_jit()
+def _select_row_reread(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, S, P: tl.constexpr, T: tl.constexpr,
+                       TT: tl.constexpr, LL: tl.constexpr, SL: tl.constexpr, BLOCK_D: tl.constexpr,
+                       DCH: tl.constexpr, DCH2: tl.constexpr, DCH4: tl.constexpr, DCH_L: tl.constexpr):
+    """_select_row with the keys re-read every step, on the smallest of three register sizes that holds the slice."""
+    if SL >= 64:
+        if S <= SL // 4:
+            _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P, T, TT, LL, SL // 4, BLOCK_D,
+                        DCH4, DCH_L, False)
+        elif S <= SL // 2:
+            _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P, T, TT, LL, SL // 2, BLOCK_D,
+                        DCH2, DCH_L, False)
+        else:
+            _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P, T, TT, LL, SL, BLOCK_D, DCH,
+                        DCH_L, False)
+    else:
+        _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P, T, TT, LL, SL, BLOCK_D, DCH, DCH_L,
+                    False)
+
+
 @triton_jit(do_not_specialize=["C", "rows", "G"])
 def _kc_select_kernel(K, SOR, META, ORDER, XCH, ROUNDS, C, D, rows, G, P: tl.constexpr, T: tl.constexpr,
                       TT: tl.constexpr, LL: tl.constexpr, SL: tl.constexpr, BLOCK_D: tl.constexpr, DCH: tl.constexpr,
@@ -213,22 +238,16 @@ def _kc_select_kernel(K, SOR, META, ORDER, XCH, ROUNDS, C, D, rows, G, P: tl.con
             S = tl.cdiv(n, P)
             lo = p * S
             n_mine = tl.maximum(tl.minimum(n - lo, S), 0)
-            if S <= RES:  # keys in registers
-                _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P, T, TT, LL, RES, BLOCK_D,
-                            DCH, DCH_L, True)
-            elif SL >= 64:  # the smallest of three register sizes that holds the slice
-                if S <= SL // 4:
-                    _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P, T, TT, LL, SL // 4,
-                                BLOCK_D, DCH4, DCH_L, False)
-                elif S <= SL // 2:
-                    _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P, T, TT, LL, SL // 2,
-                                BLOCK_D, DCH2, DCH_L, False)
+            if RES > 0:  # RES = 0 (resident=False) compiles no register path
+                if S <= RES:  # keys in registers
+                    _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P, T, TT, LL, RES,
+                                BLOCK_D, DCH, DCH_L, True)
                 else:
-                    _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P, T, TT, LL, SL,
-                                BLOCK_D, DCH, DCH_L, False)
+                    _select_row_reread(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, S, P, T, TT, LL,
+                                       SL, BLOCK_D, DCH, DCH2, DCH4, DCH_L)
             else:
-                _select_row(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, P, T, TT, LL, SL, BLOCK_D,
-                            DCH, DCH_L, False)
+                _select_row_reread(K, SOR, ORDER, XCH, ROUNDS, row, C, D, p, lo, n_mine, k, S, P, T, TT, LL, SL,
+                                   BLOCK_D, DCH, DCH2, DCH4, DCH_L)
 
 
 # -- launch 3: pack ----------------------------------------------------------------------------------
@@ -314,11 +333,11 @@ def triton_kcenter_compress(keys, values, bias, slot_pos, fill, budget, *, recen
     """Launch the five kernels (module docstring); mutates keys, values, bias, slot_pos, fill in place. programs:
     the select launch's programs per row (select_layout); lookahead its T (default LIST_SLOTS // P - 1); resident
     whether a slice of up to RESIDENT_KEYS // D keys is held in registers; select_warps its warps (SELECT_WARPS).
-    Every value gives the same result (but for the fp32 summation order of the distances: near ties). order: an optional int32 [B * Hkv, C] tensor that receives each due row's centres (slots, in
-    the order chosen; entries past the row's k are left as they were), rounds an optional int32 [B * Hkv] tensor
-    that receives each selecting row's number of exchange rounds (rows without a selection: left as they were):
-    for tests and timings. Under TRITON_INTERPRET=1 it runs
-    on CPU tensors with programs = 1."""
+    Every value gives the same result (but for the fp32 summation order of the distances: near ties). order: an
+    optional int32 [B * Hkv, C] tensor that receives each due row's centres (slots, in the order chosen; entries
+    past the row's k are left as they were), rounds an optional int32 [B * Hkv] tensor that receives each selecting
+    row's number of exchange rounds (rows without a selection: left as they were): for tests and timings. Under
+    TRITON_INTERPRET=1 it runs on CPU tensors with programs = 1."""
     if triton is None:
         raise NotImplementedError(f"{NAME} needs Triton (pip install triton)")
     B, H, C, D = _check_state(NAME, keys, values, bias, slot_pos, fill, budget)
@@ -344,8 +363,10 @@ def triton_kcenter_compress(keys, values, bias, slot_pos, fill, budget, *, recen
         raise ValueError(f"{NAME}: order must be int32 [B * Hkv, C] = {[rows, C]} on {dev}, got {order.dtype} "
                          f"{list(order.shape)} on {order.device}")
     T = max(1, LIST_SLOTS // P - 1) if lookahead is None else int(lookahead)
-    if T < 1:
-        raise ValueError(f"{NAME}: lookahead must be an int >= 1, got {lookahead!r}")
+    if T < 1 or P * (T + 1) > LIST_SLOTS:
+        raise ValueError(f"{NAME}: lookahead must be an int in [1, LIST_SLOTS // programs - 1 = "
+                         f"{LIST_SLOTS // P - 1}] (the list's P (T + 1) words and keys are held in registers; "
+                         f"Triton 3.6 failed to compile 16 programs x lookahead 16 on an H100), got {lookahead!r}")
     if rounds is None:
         rounds = torch.empty(rows, dtype=torch.int32, device=dev)
     elif tuple(rounds.shape) != (rows,) or rounds.dtype != torch.int32 or rounds.device != dev:

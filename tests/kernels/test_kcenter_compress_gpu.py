@@ -79,12 +79,13 @@ SHAPES = {  # (B, Hkv, C, D, fills, pads, holes, budget)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("knobs", [{}, dict(programs=1, lookahead=1), dict(programs=3, lookahead=2),
-                                   dict(programs=16, lookahead=16), dict(programs=5, lookahead=3, resident=False),
+                                   dict(programs=8, lookahead=15), dict(programs=5, lookahead=3, resident=False),
                                    dict(select_warps=8)],
-                         ids=["default", "p1t1", "p3t2", "p16t16", "p5t3_reread", "w8"])
+                         ids=["default", "p1t1", "p3t2", "p8t15", "p5t3_reread", "w8"])
 def test_integer_keys_equal_the_reference(dtype, shape, knobs):
     B, H, C, D, fills, pads, holes, budget = SHAPES[shape]
-    s = make_state(B, H, C, D, dtype, seed=list(SHAPES).index(shape) * 10 + dtype.itemsize, fills=fills, pads=pads, holes=holes)
+    seed = list(SHAPES).index(shape) * 10 + dtype.itemsize
+    s = make_state(B, H, C, D, dtype, seed=seed, fills=fills, pads=pads, holes=holes)
     budget = torch.tensor(budget, device="cuda")
     got, _, rounds = run_kernel(s, budget, 0.5, **knobs)
     assert_equal(got, run_reference(s, budget, 0.5), s, budget)

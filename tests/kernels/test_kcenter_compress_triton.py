@@ -1,6 +1,6 @@
-"""kcenter_compress's Triton kernels on the CPU, through Triton's interpreter, against the op's reference (bit for bit:
-the greedy's decisions, the packed layout, every field) and the naive float64 greedy of tests/kernels/clustergen_naive.py
-(the order of the centres).
+"""kcenter_compress's Triton kernels on the CPU, through Triton's interpreter, against the op's reference (bit for
+bit: the greedy's decisions, the packed layout, every field) and the naive float64 greedy of
+tests/kernels/clustergen_naive.py (the order of the centres).
 
 Runs only under the interpreter: `TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_kcenter_compress_triton.py`
 (with Triton installed; skipped otherwise). The interpreter runs programs one after another, so the select launch has
@@ -109,8 +109,9 @@ def test_bad_knobs_are_named():
     args = tuple(s[f] for f in FIELDS) + (s["budget"],)
     with pytest.raises(ValueError, match="programs=2 off CUDA"):
         triton_kcenter_compress(*args, recent_ratio=0.5, programs=2)
-    with pytest.raises(ValueError, match="lookahead must be"):
-        triton_kcenter_compress(*args, recent_ratio=0.5, lookahead=0)
+    for T in (0, 128):  # the list holds programs * (T + 1) <= LIST_SLOTS (128) words
+        with pytest.raises(ValueError, match="lookahead must be"):
+            triton_kcenter_compress(*args, recent_ratio=0.5, lookahead=T)
     with pytest.raises(ValueError, match="order must be int32"):
         triton_kcenter_compress(*args, recent_ratio=0.5, order=torch.zeros(1, 8, dtype=torch.int64))
 
