@@ -16,19 +16,46 @@ bit), with E its valid slots (slot < fill, bias > -inf; padding is dropped) in s
 State (mutated): keys, values [B, Hkv, C, D]; bias fp32, slot_pos int64 [B, Hkv, C]; fill [B, Hkv] int64. budget:
 [2] int64, read on the device (one captured graph serves every B).
 
-Backends: one path on every device, the reference below: static-shape tensor code (a loop over a static number of
-k-center steps, every row at once; no host read, so CUDA graphs capture it; deterministic). The step count is the
-largest k any B <= C can ask for, k(C) = C - floor(recent_ratio·C) (k(B) grows with B; B > C never compresses):
-O(k(C)·B·Hkv·C·D) work per call, amortised over the method's interval. On the CPU (nothing to capture) the loop
-stops at the most centres a due row needs (a host read; the skipped steps are no-ops, so the result is the same: the
-GPU test compares CUDA's static loop with it). No Triton kernel yet.
+Backends. The reference below is the CPU path and the ground truth: static-shape tensor code (a loop over a static
+number of k-center steps, every row at once; no host read, so CUDA graphs capture it; deterministic). The step count
+is the largest k any B <= C can ask for, k(C) = C - floor(recent_ratio·C) (k(B) grows with B; B > C never
+compresses): O(k(C)·B·Hkv·C·D) work per call. On the CPU (nothing to capture) the loop stops at the most centres a
+due row needs (a host read; the skipped steps are no-ops, so the result is the same).
+
+CUDA path (_cuda_impl decides, in one place): the Triton kernels of kvrewrite/kernels/_kcenter_kernels.py once
+KERNELS_CHECKED_ON_GPU, else this reference (logged once). The kernels do work bounded by the data (k steps over the
+row's n candidates, split over up to 16 programs per row that exchange their best points through L2, several greedy
+steps per exchange); they are checked through Triton's interpreter against this reference and the naive float64
+greedy (tests/kernels/test_kcenter_compress_triton.py) and on an H100 (torch 2.11, Triton 3.6;
+tests/kernels/test_kcenter_compress_gpu.py, integer keys bit for bit against this reference). The last H100 run of
+that file: 32 passed (every default-knob case: bf16/fp16/fp32, D 64/128, batch 1/3, padding, holes, rows not due,
+1-16 programs per row, 8 or 16 warps, recent_ratio 0 / 0.3 / 1, Gaussian keys, CUDA graph replay at new budgets,
+no host sync, the op's CUDA path) and 12 failed, all compile errors of two non-default knob sets (resident=False:
+an empty register path; programs=16 x lookahead=16: Triton 3.6's layout pass failed), since fixed (the first no
+longer compiles that path; the second is refused with a ValueError, lookahead <= 128 // programs - 1) and compiled
+for sm_90 here, not rerun on the GPU; tests/methods/test_clustergen_gpu.py has not run with the kernels as the CUDA
+path. So KERNELS_CHECKED_ON_GPU stays False until both files pass on a GPU.
+
+Cost (H100, Llama-3.1-8B layer: 8 KV heads, D 128, bf16, 32k context, budget 0.2 = 6554 slots, C 8665; python -m
+kvrewrite.bench.kcenter_compress, docs/bench/kcenter_compress_h100_run3.json): the decode-time re-selection (6618 ->
+6554: 3277 centres among 3341 candidates) 6.7 ms per call at B = 1 (the reference: 1.43 s), after a prefill chunk of
+2048 (3277 among 5325) 10.7 ms (reference 2.05 s); ~64 exchange rounds per row (~51 greedy steps each). The greedy's
+3277 sequential steps cost ~2 us each (the select launch spills: 64 registers, 3.8 KB of stack per thread at 16
+warps). Every row of every layer is due in the same decode step once per interval: 32 x 6.7 ms / 64 = 3.4 ms per step
+amortised, 55% of a plain 32k step (~6.1 ms): the decode rule cannot meet 1.15x of the floor with this kernel; even
+the arithmetic alone (3277 x 3341 x 128 fp32 differences and squares per row, one SM per 1/16 of a row) is ~0.7 ms
+per layer, ~6% of the step amortised.
 """
+import importlib
+import logging
 import math
 
 import torch
 
 from kvrewrite.kernels._slot_kernels import _check_state
 from kvrewrite.kernels.kcenter import greedy_kcenter
+
+logger = logging.getLogger(__name__)
 
 NAME = "kvrewrite::kcenter_compress"
 NEG_INF = float("-inf")
@@ -98,6 +125,24 @@ def reference_kcenter_compress(keys, values, bias, slot_pos, fill, budget, recen
     fill.copy_(torch.where(due, n_kept, fill.reshape(R)).view(B, H))
 
 
+# -- the CUDA path -----------------------------------------------------------------------------------
+_WARNED = []
+KERNELS_CHECKED_ON_GPU = False  # set True only once tests/kernels/test_kcenter_compress_gpu.py passed on a GPU
+
+
+def _cuda_impl(C: int):
+    """The Triton launcher when the kernels were checked on a GPU, Triton imports and C fits them, else None (CUDA
+    then runs the reference, logged once). THE one place that decides the CUDA path (module docstring)."""
+    if not KERNELS_CHECKED_ON_GPU:
+        return None
+    try:
+        import triton  # noqa: F401
+        mod = importlib.import_module("kvrewrite.kernels._kcenter_kernels")
+    except ImportError:
+        return None
+    return mod.triton_kcenter_compress if C <= mod.MAX_SLOTS else None
+
+
 # -- op registration ---------------------------------------------------------------------------------
 @torch.library.custom_op(NAME, mutates_args=("keys", "values", "bias", "slot_pos", "fill"))
 def kcenter_compress(
@@ -112,6 +157,22 @@ def kcenter_compress(
 ) -> None:
     """Keep the last ℓ tokens and k greedy k-center centres of the rows at the threshold (module docstring)."""
     _check_inputs(keys, values, bias, slot_pos, fill, budget, recent_ratio)
+    reference_kcenter_compress(keys, values, bias, slot_pos, fill, budget, recent_ratio)
+
+
+@kcenter_compress.register_kernel("cuda")
+def _(keys, values, bias, slot_pos, fill, budget, *, recent_ratio=0.5):
+    _check_inputs(keys, values, bias, slot_pos, fill, budget, recent_ratio)
+    launcher = _cuda_impl(keys.shape[2])
+    if launcher is not None:
+        launcher(keys, values, bias, slot_pos, fill, budget, recent_ratio=recent_ratio)
+        return
+    if not _WARNED:
+        _WARNED.append(True)
+        logger.warning("kcenter_compress: CUDA runs the tensor reference (%d slots; a static loop of k(C) steps): "
+                       "the Triton kernels of kvrewrite.kernels._kcenter_kernels take up to MAX_SLOTS slots and are "
+                       "used once their GPU tests have passed (KERNELS_CHECKED_ON_GPU=%s)", keys.shape[2],
+                       KERNELS_CHECKED_ON_GPU)
     reference_kcenter_compress(keys, values, bias, slot_pos, fill, budget, recent_ratio)
 
 
