@@ -1,5 +1,5 @@
 """ClusterGen (both methods) on a GPU inside the rewritten model, every family of tests/families.py: the ops' CUDA
-path (sketch_attention's Triton kernel; clustergen_fold and kcenter_compress run their references) gives the CPU
+path (the Triton kernels of sketch_attention, clustergen_fold and kcenter_compress) gives the CPU
 run's logits and decisions (batch 2 with left padding, folds every 3 tokens), eagerly and with the decode steps
 replayed from CUDA graphs (rw.compile(mode="reduce-overhead")); the fold and the attention read nothing back."""
 import pytest
