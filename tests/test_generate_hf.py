@@ -59,11 +59,14 @@ def _assert_same(ours, theirs):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_matches_hf(family):
-    """The model's own generation config (EOS 2 for most families, pad 0): tokens, scores and raw logits."""
+def test_greedy_and_seeded_sampling_match_hf(family):
+    """The model's own generation config (EOS 2 for most families, pad 0): tokens, scores and raw logits, greedy and
+    sampled from the same seed (temperature, top-k, top-p)."""
     model, rw = _built(family)
     ids, mask = _prompt()
     _assert_same(*_both(model, rw, ids, mask, max_new_tokens=6))
+    _assert_same(*_both(model, rw, ids, mask, seed=11, max_new_tokens=6, do_sample=True, temperature=1.5, top_k=40,
+                        top_p=0.95))
 
 
 class _BanBelow(LogitsProcessor):
