@@ -24,3 +24,24 @@ def capture(fn, pool=None) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(graph, pool=pool):
         fn()
     return graph
+
+
+def replay_us(call, reset, replays: int = 12, skip: int = 2) -> float:
+    """Median microseconds of one CUDA-graph replay of `call` (warmed up by the caller), `reset()` restoring the
+    inputs before the capture and before each replay (an in-place op must see the same state every time); a 1 ms
+    device sleep before each timed replay keeps the launch off the critical path; the first `skip` are dropped."""
+    import statistics
+
+    reset()
+    graph = capture(call)
+    times = []
+    for _ in range(replays):
+        reset()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times[skip:])

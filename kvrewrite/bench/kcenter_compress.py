@@ -20,12 +20,12 @@ Run:  python -m kvrewrite.bench.kcenter_compress --out docs/bench/kcenter_compre
 """
 import argparse
 import json
-import statistics
 import time
 
 import torch
 
 from kvrewrite.bench.attention import env_info
+from kvrewrite.bench.cuda_graphs import replay_us
 from kvrewrite.kernels import _kcenter_kernels as kk
 from kvrewrite.kernels.kcenter_compress import reference_kcenter_compress
 
@@ -66,23 +66,13 @@ def time_kernel(s0, budget, knobs) -> tuple:
     call()
     torch.cuda.synchronize()
     after = {f: t.clone() for f, t in s.items()}
-    for f in FIELDS:
-        s[f].copy_(s0[f])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    times = []
-    for _ in range(12):
+
+    def reset():
         for f in FIELDS:
             s[f].copy_(s0[f])
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times[2:]), rounds.float().mean().item(), after
+
+    us = replay_us(call, reset)
+    return us, rounds.float().mean().item(), after
 
 
 def time_reference(s0, budget, reps) -> tuple:

@@ -15,11 +15,11 @@ Run:  python -m kvrewrite.bench.kvmerger_knobs --knobs merge --out kvmerger_knob
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
 
 from kvrewrite.bench.attention import env_info
+from kvrewrite.bench.cuda_graphs import replay_us
 from kvrewrite.kernels import _kvmerger_kernels as kk
 
 FIELDS = ("keys", "values", "bias", "slot_pos", "fill", "score", "degree")
@@ -52,24 +52,14 @@ def time_call(s0, budget, knobs) -> float:
 
     call()
     torch.cuda.synchronize()
-    for f in FIELDS:
-        s[f].copy_(s0[f])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    times = []
-    for _ in range(12):
+
+    def reset():
         for f in FIELDS:
             s[f].copy_(s0[f])
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
+
+    us = replay_us(call, reset)
     assert int(s["fill"].max()) == int(budget[0]), "the call did not compress to the budget"
-    return statistics.median(times[2:])
+    return us
 
 
 def kernel_profile(s0, budget) -> dict:

@@ -26,6 +26,7 @@ from kvrewrite.export.common import graph_of, read_metadata
 from kvrewrite.kernels.clustered_attention import reference_clustered_attention
 from kvrewrite.kernels.kcenter_compress import reference_kcenter_compress
 from kvrewrite.kernels.sketch_attention import reference_sketch_attention
+from tests.export.functional_check import check_decode_compress_when_due
 from tests.families import tiny_model
 from tests.kernels import clustergen_naive as N
 from tests.kernels.test_clustergen_fold import rows_of, tokens
@@ -299,21 +300,7 @@ def test_tensorrt_functional_graph_computes_the_in_place_graph(method):
     exactly the state the in-place graph writes, and leaves its inputs alone."""
     rw = _rw(method)
     ids, mask = _inputs()
-    logits = rw.prefill(ids, mask, max_new_tokens=NEW)
-    args = [logits.argmax(-1)[:, None], rw._next_position[:, None], rw._next_cache_position,
-            torch.ones(2, 1, dtype=torch.bool)]
-    state = [t.clone() for t in rw.state_tensors()]
-    starts = [sum(len(rw.layer_fields(j)) for j in range(k)) for k in range(len(rw.layers))]
-    for s0 in starts:  # every row due at this step
-        state[s0 + 5][1] = int(state[s0 + 4].min()) + 1
-    saved = [t.clone() for t in state]
-    logits, *new_state = te.trt_graph(rw, "decode_compress")(*args, *state)
-    assert all(torch.equal(a, b) for a, b in zip(state, saved)), "the functional graph wrote its inputs"
-    ref = graph_of(rw, "decode_compress")(*args, *state)  # in place
-    assert torch.equal(logits, ref)
-    assert all(torch.equal(a, b) for a, b in zip(new_state, state))
-    fills = [(saved[s0 + 4], state[s0 + 4]) for s0 in starts]
-    assert all(bool((after < before + 1).all()) for before, after in fills), "no compression ran"
+    check_decode_compress_when_due(rw, ids, mask, NEW)
 
 
 # -- torch.export (.pt2) + loader, AOTInductor ---------------------------------------------------------------------

@@ -19,6 +19,7 @@ import kvrewrite.export
 from kvrewrite.export import loader
 from kvrewrite.export import tensorrt_export as te
 from kvrewrite.export.common import graph_of
+from tests.export.functional_check import check_decode_compress_when_due
 from tests.families import tiny_model
 from tests.kernels import ems_naive as N
 from tests.kernels.expanded_naive import make_state as attention_state
@@ -182,21 +183,7 @@ def test_tensorrt_functional_graph_computes_the_in_place_graph(rw):
     the functional graph handed to torch-tensorrt returns exactly the state the in-place graph writes and its
     logits, and leaves its inputs alone."""
     ids, mask = _inputs()
-    logits = rw.prefill(ids, mask, max_new_tokens=NEW)
-    args = [logits.argmax(-1)[:, None], rw._next_position[:, None], rw._next_cache_position,
-            torch.ones(2, 1, dtype=torch.bool)]
-    state = [t.clone() for t in rw.state_tensors()]
-    starts = [sum(len(rw.layer_fields(j)) for j in range(k)) for k in range(len(rw.layers))]
-    for s0 in starts:  # every row due at this step
-        state[s0 + 5][1] = int(state[s0 + 4].min()) + 1
-    saved = [t.clone() for t in state]
-    logits, *new_state = te.trt_graph(rw, "decode_compress")(*args, *state)
-    assert all(torch.equal(a, b) for a, b in zip(state, saved)), "the functional graph wrote its inputs"
-    ref = graph_of(rw, "decode_compress")(*args, *state)  # in place
-    assert torch.equal(logits, ref)
-    assert all(torch.equal(a, b) for a, b in zip(new_state, state))
-    fills = [(saved[s0 + 4], state[s0 + 4]) for s0 in starts]
-    assert all(bool((after < before + 1).all()) for before, after in fills), "no compression ran"
+    check_decode_compress_when_due(rw, ids, mask, NEW)
 
 
 # -- torch.export (.pt2) + loader, AOTInductor ---------------------------------------------------------------------

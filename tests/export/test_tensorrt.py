@@ -11,6 +11,7 @@ import kvrewrite
 import kvrewrite.export
 from kvrewrite.export import tensorrt_export as te
 from kvrewrite.export.common import example_inputs, graph_of
+from tests.export.functional_check import check_functional_equals_in_place
 from tests.families import tiny_model
 
 HAS_TRT = importlib.util.find_spec("torch_tensorrt") is not None
@@ -141,12 +142,7 @@ def test_functional_graph_computes_the_in_place_graph(request, which, name):
         fill, budget = state[starts[i] + 4], state[starts[i] + 5]
         budget.copy_(torch.tensor([int(fill.min()) - 4, int(fill.min()) + args[0].shape[1]]))
     before = [state[starts[i] + 4].clone() for i in range(len(rw.layers))]
-    saved = [t.clone() for t in state]
-    logits, *new_state = te.trt_graph(rw, name)(*args[:4], *state)
-    assert all(torch.equal(a, b) for a, b in zip(state, saved)), "the functional graph wrote its inputs"
-    ref = graph_of(rw, name)(*args[:4], *state)  # in place, on the clones
-    assert torch.equal(logits, ref)
-    assert all(torch.equal(a, b) for a, b in zip(new_state, state))
+    _, new_state = check_functional_equals_in_place(rw, name, args[:4], state)
     after = [new_state[starts[i] + 4] for i in range(len(rw.layers))]
     assert all(bool((a < b + args[0].shape[1]).any()) for a, b in zip(after, before)), "no compression ran"
 
@@ -248,13 +244,7 @@ def test_clusterkv_functional_graph_computes_the_in_place_graph(rw_clusterkv, na
     args = list(example_inputs(rw, name))
     args[0] = torch.randint(3, 128, args[0].shape)
     args[1:3] = [args[1] + 27, args[2] + 32 + 3] if name != "prefill" else args[1:3]
-    state = [t.clone() for t in rw.state_tensors()]
-    saved = [t.clone() for t in state]
-    logits, *new_state = te.trt_graph(rw, name)(*args[:4], *state)
-    assert all(torch.equal(a, b) for a, b in zip(state, saved)), "the functional graph wrote its inputs"
-    ref = graph_of(rw, name)(*args[:4], *state)  # in place, on the clones
-    assert torch.equal(logits, ref)
-    assert all(torch.equal(a, b) for a, b in zip(new_state, state))
+    saved, new_state = check_functional_equals_in_place(rw, name, args[:4], [t.clone() for t in rw.state_tensors()])
     k = rw.layer_fields(0).__len__() + rw.layer_fields(1).index("n_clusters")  # layer 1's n_clusters
     assert bool((new_state[k] > saved[k]).all()), f"no clustering ran: n_clusters {saved[k]} -> {new_state[k]}"
 

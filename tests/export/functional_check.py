@@ -1,0 +1,35 @@
+"""The check every method's TensorRT export test makes: the functional graph handed to torch-tensorrt computes what
+the in-place graph computes (kvrewrite.export.functional)."""
+import torch
+
+from kvrewrite.export import tensorrt_export as te
+from kvrewrite.export.common import graph_of
+
+
+def check_functional_equals_in_place(rw, name, args, state) -> tuple:
+    """Run graph `name` functionally on `state` (a list of clones of rw's state tensors), then in place on the same
+    list: the functional graph leaves its inputs alone and returns exactly the logits and the state the in-place
+    graph writes. Returns (the state before, the state after)."""
+    saved = [t.clone() for t in state]
+    logits, *new_state = te.trt_graph(rw, name)(*args, *state)
+    assert all(torch.equal(a, b) for a, b in zip(state, saved)), "the functional graph wrote its inputs"
+    ref = graph_of(rw, name)(*args, *state)  # in place
+    assert torch.equal(logits, ref)
+    assert all(torch.equal(a, b) for a, b in zip(new_state, state))
+    return saved, new_state
+
+
+def check_decode_compress_when_due(rw, ids, mask, new_tokens: int) -> None:
+    """After a prefill of (ids, mask), the decode step with compression with every row due (each layer's threshold,
+    budget[1], pulled down to its smallest fill + 1): functional == in place, and the compression ran (every fill
+    shrank below fill + 1)."""
+    logits = rw.prefill(ids, mask, max_new_tokens=new_tokens)
+    args = [logits.argmax(-1)[:, None], rw._next_position[:, None], rw._next_cache_position,
+            torch.ones(ids.shape[0], 1, dtype=torch.bool)]
+    state = [t.clone() for t in rw.state_tensors()]
+    starts = [sum(len(rw.layer_fields(j)) for j in range(k)) for k in range(len(rw.layers))]
+    for s0 in starts:  # fields 4 and 5 of a layer: fill and budget
+        state[s0 + 5][1] = int(state[s0 + 4].min()) + 1
+    saved, after = check_functional_equals_in_place(rw, "decode_compress", args, state)
+    fills = [(saved[s0 + 4], after[s0 + 4]) for s0 in starts]
+    assert all(bool((a < b + 1).all()) for b, a in fills), "no compression ran"
