@@ -11,7 +11,7 @@ import kvrewrite
 import kvrewrite.export
 from kvrewrite.export import tensorrt_export as te
 from kvrewrite.export.common import example_inputs, graph_of
-from tests.export.functional_check import check_functional_equals_in_place
+from tests.export.checks import check_functional_equals_in_place
 from tests.families import tiny_model
 
 HAS_TRT = importlib.util.find_spec("torch_tensorrt") is not None

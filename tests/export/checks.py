@@ -1,5 +1,5 @@
-"""The check every method's TensorRT export test makes: the functional graph handed to torch-tensorrt computes what
-the in-place graph computes (kvrewrite.export.functional)."""
+"""Checks every method's export tests make: the functional graph handed to torch-tensorrt computes what the in-place
+graph computes (kvrewrite.export.functional), and the exported-model loader generates what rw.generate does."""
 import torch
 
 from kvrewrite.export import tensorrt_export as te
@@ -33,3 +33,17 @@ def check_decode_compress_when_due(rw, ids, mask, new_tokens: int) -> None:
     saved, after = check_functional_equals_in_place(rw, "decode_compress", args, state)
     fills = [(saved[s0 + 4], after[s0 + 4]) for s0 in starts]
     assert all(bool((a < b + 1).all()) for b, a in fills), "no compression ran"
+
+
+def check_loader_generates_like_rw(m, rw, ids, mask, new_tokens: int) -> int:
+    """m (kvrewrite.export.loader.load of rw's export) generates exactly rw.generate's tokens and ends in the same
+    state; returns how many decode steps with compression m ran (the caller asks for enough of them)."""
+    calls = []
+    step = m.steps["decode_compress"]
+    m.steps["decode_compress"] = lambda *a: calls.append(1) or step(*a)
+    ref = rw.generate(ids, mask, max_new_tokens=new_tokens)
+    out = m.generate(ids, mask, max_new_tokens=new_tokens)
+    n = ids.shape[1]
+    assert torch.equal(out, ref), f"loader\n{out[:, n:]}\n!= rw.generate\n{ref[:, n:]}"
+    assert all(torch.equal(a, b) for a, b in zip(m.state, rw.state_tensors())), "final state differs"
+    return len(calls)
