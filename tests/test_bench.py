@@ -229,3 +229,34 @@ def test_clustergen_read_bytes_counts_exact_slots_and_sketch():
         want += 2 * i.num_kv_heads * (float(st["fill"].float().mean()) * (2 * row + 5) + S * (row + 5)
                                       + float(n_value) * row)
     assert e2e.clustergen_read_bytes(rw, 2) == pytest.approx(want)
+
+
+def test_isolated_rows_run_in_their_own_process_and_max_batches_shrink_after_an_oom(tmp_path):
+    """--isolate: a row measured by a child process comes back whole; a "max" row that runs out of memory is tried
+    again with 15% fewer rows (at most 3 tries, recorded), a fixed batch is not retried, any other error is kept."""
+    from kvrewrite.bench import e2e_isolated as iso
+
+    cfg = e2e.BenchConfig(model="tiny-llama", systems=("streamingllm",), contexts=(128,), batches=("1", "max"),
+                          max_batch_cap=3, reps=1, intervals=1, kv_compile="eager", device="cpu",
+                          out=str(tmp_path / "a.json"))
+    cfg.validate()
+    planner = e2e.Bench(cfg, planner=True)
+    assert planner.model.device.type == "meta" and planner.copy_gbps is None
+    row = iso.row_in_process(cfg, planner, "streamingllm", 128, 1, "1")  # a real child process
+    assert row["tok_per_s"] > 0 and row["copy_gbps"] > 0 and "error" not in row
+
+    seen = []
+
+    def fake(cfg, planner, system, n, B, bspec, log):
+        seen.append((bspec, B))
+        if B > 1 or bspec == "1":
+            return dict(planner.row_head(system, n, B, bspec),
+                        error="OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+        return dict(row, batch=B, batch_spec=bspec, copy_gbps=7.0)  # the real row's timings
+
+    doc = iso.run_isolated(cfg, log=lambda s: None, run_row=fake)
+    assert seen == [("1", 1), ("max", 3), ("max", 2), ("max", 1)]
+    rows = {r["batch_spec"]: r for r in doc["rows"]}
+    assert "error" in rows["1"] and "max_batch_tries" not in rows["1"]
+    assert rows["max"]["max_batch_tries"] == [3, 2, 1] and rows["max"]["batch"] == 1 and doc["copy_gbps"] == 7.0
+    assert not iso.out_of_memory({"error": "RuntimeError: shapes do not match"})

@@ -45,6 +45,8 @@ Decisions (what exactly is timed):
   EMS: entries and table, ems_read_bytes; its synthetic fill builds a table at its cap, ems_table; ClusterGen:
   the exact slots and the sketch, clustergen_read_bytes).
   ratio = measured ms / floor ms.
+- `--isolate` runs every row in a fresh process (bench/e2e_isolated.py): no row inherits another's GPU memory, and
+  "max" batches are found by trying (15% fewer after an out-of-memory error, up to 3 tries).
 - Rows run in order and the JSON is rewritten after each one, so a run cut by a timeout keeps what it has;
   `--time-budget` skips the rows not started once that many seconds have passed. A row that fails (out of
   memory, say) is recorded with its error and the run goes on.
@@ -204,11 +206,16 @@ def env_info(device: str) -> dict:
     return info
 
 
-def build_model(name: str, device: str):
-    """Random-weight Llama of the named shape, bf16 on CUDA (fp32 on CPU), SDPA attention, eval mode."""
+def model_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def build_model(name: str, device: str, dtype: torch.dtype | None = None):
+    """Random-weight Llama of the named shape, bf16 on CUDA (fp32 on CPU) unless `dtype`, SDPA attention, eval mode
+    ("meta": the shapes only, for planning)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = dtype or model_dtype(device)
     cfg = LlamaConfig(**MODELS[name])
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -568,14 +575,18 @@ def hf_prefill_s(model, n: int) -> float:
 # -- rows -----------------------------------------------------------------------------------------------------
 
 class Bench:
-    def __init__(self, cfg: BenchConfig):
+    """The rows of one configuration. planner=True builds the model on the meta device and measures nothing: what
+    the --isolate driver (bench/e2e_isolated.py) needs to plan rows and size "max" batches in a process that leaves
+    the GPU to the rows' own processes."""
+
+    def __init__(self, cfg: BenchConfig, planner: bool = False):
         self.cfg = cfg
         self.dev = cfg.device
-        self.model = build_model(cfg.model, self.dev)
+        self.model = build_model(cfg.model, "meta" if planner else self.dev, model_dtype(self.dev))
         self.mcfg = self.model.config
         self.weights_read = weight_bytes_read(self.model)
         self.weights_total = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.copy_gbps = copy_gbps(self.dev)
+        self.copy_gbps = None if planner else copy_gbps(self.dev)
         self.env = env_info(self.dev)
         self.captures = {}  # batch size -> (Captured, capture seconds)
         self.dense_prefill = {}  # n -> seconds
@@ -759,40 +770,48 @@ class Bench:
             if (system, n, B) in done:
                 continue
             done.add((system, n, B))
-            full = split_system(system)[0] in ("full",) + HF_SYSTEMS
-            row = dict(system=system, context=n, batch=B, batch_spec=bspec, budget=None if full else self.cfg.budget,
-                       model=self.cfg.model, new_tokens=self.cfg.new_tokens)
             if time.perf_counter() - t_start > self.cfg.time_budget:
+                row = self.row_head(system, n, B, bspec)
                 row["skipped"] = f"time budget of {self.cfg.time_budget:.0f} s spent"
                 self.add(row, log)
                 continue
-            self.free()
-            need = self.weights_total + B * self.per_row_bytes(system, n)
-            if self.dev == "cuda" and need > torch.cuda.get_device_properties(0).total_memory:
-                row["skipped"] = f"does not fit: weights + {B} x cache = {need / 2**30:.1f} GiB > the card"
-                self.add(row, log)
-                continue
-            t0 = time.perf_counter()
-            try:
-                res = self.hf_row(system, n, B) if system in HF_SYSTEMS else self.kv_row(system, n, B)
-            except Exception as e:  # noqa: BLE001  (recorded in the row; the grid goes on)
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                log(traceback.format_exc(limit=4))
-                self.add(row, log)
-                continue
-            row.update(res)
-            if self.dev == "cuda":
-                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            if B == 1 and self.cfg.prefill and "prefill_s" in row and system not in HF_SYSTEMS:
-                row["dense_prefill_s"] = self.dense_prefill_s(n)
-                row["prefill_vs_dense"] = row["prefill_s"] / row["dense_prefill_s"]
-            row["ms_per_token"] = row["ms_per_step"]
-            row["tok_per_s"] = 1e3 * B / row["ms_per_step"]
-            row["floor_ms"] = self.floor_ms(row["kv_read_bytes"])
-            row["ratio_to_floor"] = row["ms_per_step"] / row["floor_ms"]
-            row["row_s"] = time.perf_counter() - t0
-            self.add(row, log)
+            self.add(self.measure(system, n, B, bspec, log), log)
         return self.rows
+
+    def row_head(self, system: str, n: int, B: int, bspec: str) -> dict:
+        full = split_system(system)[0] in ("full",) + HF_SYSTEMS
+        return dict(system=system, context=n, batch=B, batch_spec=bspec, budget=None if full else self.cfg.budget,
+                    model=self.cfg.model, new_tokens=self.cfg.new_tokens)
+
+    def measure(self, system: str, n: int, B: int, bspec: str, log=print) -> dict:
+        """One row: its timings, memory and floor, or the reason it was skipped or failed (recorded in the row:
+        the grid goes on)."""
+        row = self.row_head(system, n, B, bspec)
+        self.free()
+        need = self.weights_total + B * self.per_row_bytes(system, n)
+        if self.dev == "cuda" and need > torch.cuda.get_device_properties(0).total_memory:
+            row["skipped"] = f"does not fit: weights + {B} x cache = {need / 2**30:.1f} GiB > the card"
+            return row
+        t0 = time.perf_counter()
+        try:
+            res = self.hf_row(system, n, B) if system in HF_SYSTEMS else self.kv_row(system, n, B)
+        except Exception as e:  # noqa: BLE001  (recorded in the row; the grid goes on)
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            log(traceback.format_exc(limit=4))
+            return row
+        row.update(res)
+        if self.dev == "cuda":
+            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if B == 1 and self.cfg.prefill and "prefill_s" in row and system not in HF_SYSTEMS:
+            row["dense_prefill_s"] = self.dense_prefill_s(n)
+            row["prefill_vs_dense"] = row["prefill_s"] / row["dense_prefill_s"]
+        row["ms_per_token"] = row["ms_per_step"]
+        row["tok_per_s"] = 1e3 * B / row["ms_per_step"]
+        row["floor_ms"] = self.floor_ms(row["kv_read_bytes"])
+        row["ratio_to_floor"] = row["ms_per_step"] / row["floor_ms"]
+        row["copy_gbps"] = self.copy_gbps
+        row["row_s"] = time.perf_counter() - t0
+        return row
 
     def free(self):
         gc.collect()
@@ -875,6 +894,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-cap", type=int, default=128, help="upper bound of 'max' batches (default 128)")
     p.add_argument("--time-budget", type=float, default=math.inf, help="skip rows not started after this many s")
     p.add_argument("--no-prefill", dest="prefill", action="store_false", help="no prefill timing (synthetic state)")
+    p.add_argument("--isolate", action="store_true", help="every row in a fresh process, so no row inherits another's "
+                   "GPU memory; 'max' batches shrink by 15%% after an out-of-memory error, up to 3 tries "
+                   "(bench/e2e_isolated.py)")
     p.add_argument("--fuse-projections", action="store_true", help="kvrewrite rows: one matmul for q/k/v and one for "
                    "gate/up (kvrewrite.apply(fuse_projections=True); rebinds the model's weights as views, same values)")
     p.add_argument("--gemv", action="store_true", help="kvrewrite rows: the decode graphs' matrix-vector products "
@@ -902,7 +924,12 @@ def config_from_args(args) -> BenchConfig:
 def cmd_bench(args) -> int:
     cfg = config_from_args(args)
     cfg.validate()
-    doc = run_bench(cfg, log=lambda s: print(s, flush=True))
+    if args.isolate:
+        from kvrewrite.bench.e2e_isolated import run_isolated
+
+        doc = run_isolated(cfg, log=lambda s: print(s, flush=True))
+    else:
+        doc = run_bench(cfg, log=lambda s: print(s, flush=True))
     from kvrewrite.bench.plot_e2e import plot_e2e
 
     out = args.plot or str(Path(cfg.out).with_suffix(".png"))
