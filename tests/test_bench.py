@@ -12,6 +12,17 @@ from kvrewrite.cli import main
 TINY = ["--model", "tiny-llama", "--device", "cpu", "--reps", "1", "--intervals", "1", "--new-tokens", "98"]
 
 
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """(model, capture): the tiny llama captured once (batch 2, prefill chunks of 32) for the tests that rewrite it
+    (a capture is most of an apply's time)."""
+    from kvrewrite.capture import capture
+    from tests.families import tiny_model
+
+    model = tiny_model("llama")
+    return model, capture(model, batch_size=2, prefill_chunk=32)
+
+
 def _err(capsys, argv):
     assert main(["bench", *argv]) == 2
     return capsys.readouterr().err
@@ -85,14 +96,13 @@ def test_tiny_cpu_run_writes_the_json(tmp_path):
     assert len(table) == 2 + len(doc["rows"]) and all(line.count("|") == table[0].count("|") for line in table)
 
 
-def test_synthetic_fill_matches_a_real_prefill():
+def test_synthetic_fill_matches_a_real_prefill(tiny_llama):
     """The synthetic state has the slot occupancy, schedule and positions a real prefill leaves."""
     import kvrewrite
-    from tests.families import tiny_model
 
-    model = tiny_model("llama")
-    kw = dict(budget=0.5, max_length=300, batch_size=2, prefill_chunk=32, n_sink=2, n_recent=4, chunk=8)
-    real, fake = kvrewrite.apply(model, "chelsea", **kw), kvrewrite.apply(model, "chelsea", **kw)
+    model, captured = tiny_llama
+    kw = dict(budget=0.5, max_length=300, n_sink=2, n_recent=4, chunk=8)
+    real, fake = (kvrewrite.apply(model, "chelsea", captured=captured, **kw) for _ in range(2))
     real.prefill(torch.randint(1, 128, (2, 256)), max_new_tokens=40)
     e2e.synthetic_fill(fake, 256, 40)
     assert real.schedule.fill == fake.schedule.fill and real.schedule.budgets == fake.schedule.budgets
@@ -179,16 +189,14 @@ def test_attention_plot_draws_the_committed_h100_run(tmp_path):
         assert r["result"]["sdpa_bytes"] / r["result"]["bytes_moved"] == pytest.approx(512 / 516, rel=1e-3)
 
 
-def test_ems_synthetic_table_is_valid_and_decodes():
+def test_ems_synthetic_table_is_valid_and_decodes(tiny_llama):
     """EMS's synthetic fill builds a valid token table at its cap (min(gamma * B, n) slots), which the decode steps and the
     decode-time compression accept; ems_read_bytes counts entries and slots."""
     import kvrewrite
-    from tests.families import tiny_model
     from tests.methods.test_ems import check_table
 
-    model = tiny_model("llama")
-    rw = kvrewrite.apply(model, "ems", budget=0.25, max_length=300, batch_size=2, prefill_chunk=32, window=4,
-                         kernel=3, interval=4)
+    model, captured = tiny_llama
+    rw = kvrewrite.apply(model, "ems", budget=0.25, max_length=300, captured=captured, window=4, kernel=3, interval=4)
     e2e.synthetic_fill(rw, 256, 40)
     st = rw.layer_state(0)
     B = int(st["budget"][0])
@@ -204,16 +212,15 @@ def test_ems_synthetic_table_is_valid_and_decodes():
     assert e2e.ems_read_bytes(rw, 2) == pytest.approx(want)
 
 
-def test_clustergen_read_bytes_counts_exact_slots_and_sketch():
+def test_clustergen_read_bytes_counts_exact_slots_and_sketch(tiny_llama):
     """clustergen_read_bytes: per KV head the exact slots (K, V, bias, role) and the sketch (K, bias, role for its S
     slots, V for its value samples): checked against the roles the fold wrote, after a synthetic fill and decode
     steps that fold again."""
     import kvrewrite
-    from tests.families import tiny_model
 
-    model = tiny_model("llama")
-    rw = kvrewrite.apply(model, "clustergen", budget=0.5, max_length=300, batch_size=2, prefill_chunk=32, window=4,
-                         n_sink=2, t=2, interval=4)
+    model, captured = tiny_llama
+    rw = kvrewrite.apply(model, "clustergen", budget=0.5, max_length=300, captured=captured, window=4, n_sink=2, t=2,
+                         interval=4)
     e2e.synthetic_fill(rw, 256, 40)
     dec = e2e.KVDecoder(rw, "eager")
     for _ in range(9):

@@ -57,6 +57,15 @@ def model():
     return m
 
 
+@pytest.fixture(scope="module")
+def captured(model):
+    """One capture (batch 2, chunks of CHUNK) that every test rewrites: a capture is most of an apply's time, and
+    what is compiled here is each rewrite's own graphs."""
+    from kvrewrite.capture import capture
+
+    return capture(model, batch_size=2, prefill_chunk=CHUNK)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
@@ -90,9 +99,9 @@ def _decode(step_fn, rw, tokens):
 
 @pytest.mark.parametrize("method", list(METHODS))
 @torch.no_grad()
-def test_compiled_decode_step_matches_eager(model, method):
+def test_compiled_decode_step_matches_eager(model, captured, method):
     """Eager prefill, then NEW decode steps eager and (from the same state) compiled, fed the same tokens."""
-    rw = kvrewrite.apply(model, method, max_length=MAX_LENGTH, batch_size=2, prefill_chunk=CHUNK, **METHODS[method])
+    rw = kvrewrite.apply(model, method, max_length=MAX_LENGTH, captured=captured, **METHODS[method])
     ids, mask = _inputs()
     rw.prefill(ids, mask, max_new_tokens=NEW)
     saved = [t.clone() for t in rw.state_tensors()]
@@ -126,10 +135,10 @@ def test_compiled_decode_step_matches_eager(model, method):
 
 @pytest.mark.parametrize("method", ["chelsea", "h2o", "snapkv"])
 @torch.no_grad()
-def test_module_compile_in_place_generate_matches_eager(model, method):
+def test_module_compile_in_place_generate_matches_eager(model, captured, method):
     """rw.compile(fullgraph=True) (nn.Module.compile) makes generate run compiled (prefill chunks and decode);
     for H2O and SnapKV the prefill chunks hold the observation op too."""
-    rw = kvrewrite.apply(model, method, max_length=MAX_LENGTH, batch_size=2, prefill_chunk=CHUNK, **METHODS[method])
+    rw = kvrewrite.apply(model, method, max_length=MAX_LENGTH, captured=captured, **METHODS[method])
     ids, mask = _inputs()
     eager = rw.generate(ids, attention_mask=mask, max_new_tokens=NEW)
     torch._dynamo.utils.counters.clear()
@@ -141,11 +150,11 @@ def test_module_compile_in_place_generate_matches_eager(model, method):
 
 
 @torch.no_grad()
-def test_compiled_prefill_does_not_recompile_for_another_prompt_length(model):
+def test_compiled_prefill_does_not_recompile_for_another_prompt_length(model, captured):
     """The prefill chunks reach the compiled step with the same strides whatever the prompt length (Dynamo
     guards on strides: slices of the [B, n] prompt recompiled the whole prefill graph for each new n, which
     cost 70 s per prompt length on a Llama-8B on an H100)."""
-    rw = kvrewrite.apply(model, "chelsea", max_length=64, batch_size=2, prefill_chunk=CHUNK, **CHELSEA)
+    rw = kvrewrite.apply(model, "chelsea", max_length=64, captured=captured, **CHELSEA)
     g = torch.Generator().manual_seed(5)
     short, long = (torch.randint(3, 128, (2, n), generator=g) for n in (20, 40))
     eager = rw.prefill(long, max_new_tokens=4)
@@ -171,7 +180,7 @@ def _state_sized_buffers(code: str, numels: set) -> list:
 @pytest.mark.parametrize("method", ["chelsea", "streamingllm", "h2o", "kvmerger", "ems", "clustergen",
                                     "clustergen-kcenter"])
 @torch.no_grad()
-def test_compiled_decode_updates_state_in_place(model, method):
+def test_compiled_decode_updates_state_in_place(model, captured, method):
     """Both compiled decode variants run cache_append and the compression op on the state's own
     tensors: no state-sized buffer anywhere in the output code, and every compression op is called
     on graph inputs (the state), not on copies. Regression test: with the compression op right after
@@ -182,7 +191,7 @@ def test_compiled_decode_updates_state_in_place(model, method):
     keys/values-sized buffers are looked for; the state arguments of the op are checked as for the others."""
     kwargs = {"chelsea": CHELSEA, "streamingllm": STREAMINGLLM, "h2o": H2O, "kvmerger": KVMERGER, "ems": EMS,
               "clustergen": CLUSTERGEN, "clustergen-kcenter": KCENTER}[method]
-    rw = kvrewrite.apply(model, method, max_length=MAX_LENGTH, batch_size=2, prefill_chunk=CHUNK, **kwargs)
+    rw = kvrewrite.apply(model, method, max_length=MAX_LENGTH, captured=captured, **kwargs)
     ids, mask = _inputs()
     rw.prefill(ids, mask, max_new_tokens=NEW)
     fields = ("keys", "values") if rw.state_specs[0] else BIG_FIELDS

@@ -22,6 +22,15 @@ def smollm2():
 
 
 @pytest.fixture(scope="module")
+def captured(smollm2):
+    """One capture of SmolLM2 (batch 1, apply's default prefill chunk) that every NLL test rewrites: torch.export is
+    most of an apply's time on the real model. test_chelsea_generates_text keeps apply's own capture."""
+    from kvrewrite.capture import capture
+
+    return capture(smollm2[0], batch_size=1, prefill_chunk=256)
+
+
+@pytest.fixture(scope="module")
 def essay_ids(smollm2):
     from kvrewrite.assets import load_text
 
@@ -32,9 +41,9 @@ def essay_ids(smollm2):
 
 
 @pytest.fixture(scope="module")
-def full_nll(smollm2, essay_ids):
+def full_nll(smollm2, captured, essay_ids):
     """The full cache's continuation NLL, the reference of every method's."""
-    rw = kvrewrite.apply(smollm2[0], "full", max_length=1024 + 64)
+    rw = kvrewrite.apply(smollm2[0], "full", max_length=1024 + 64, captured=captured)
     return continuation_nll(rw, *essay_ids)
 
 
@@ -56,10 +65,10 @@ def test_chelsea_generates_text(smollm2):
     assert max(fills) < target + rw.method.interval, f"cache not compressed: fills {fills}, target {target}"
 
 
-def test_chelsea_nll_close_to_full(smollm2, essay_ids, full_nll):
+def test_chelsea_nll_close_to_full(smollm2, captured, essay_ids, full_nll):
     model, _ = smollm2
     context, target = essay_ids
-    rw = kvrewrite.apply(model, "chelsea", max_length=1024 + 64, budget=0.5)
+    rw = kvrewrite.apply(model, "chelsea", max_length=1024 + 64, budget=0.5, captured=captured)
     nll = {"full": full_nll, "chelsea": continuation_nll(rw, context, target)}
     assert nll["chelsea"] - nll["full"] <= NLL_BOUND, f"NLL full={nll['full']:.4f} chelsea={nll['chelsea']:.4f}"
     print(f"continuation NLL: full {nll['full']:.4f}, chelsea@0.5 {nll['chelsea']:.4f}")
@@ -72,10 +81,10 @@ SCORE_BOUNDS = {"h2o": 0.10, "snapkv": 0.20}
 
 
 @pytest.mark.parametrize("method", list(SCORE_BOUNDS))
-def test_score_methods_nll_close_to_full(smollm2, essay_ids, full_nll, method):
+def test_score_methods_nll_close_to_full(smollm2, captured, essay_ids, full_nll, method):
     model, _ = smollm2
     context, target = essay_ids
-    rw = kvrewrite.apply(model, method, max_length=1024 + 64, budget=0.5)
+    rw = kvrewrite.apply(model, method, max_length=1024 + 64, budget=0.5, captured=captured)
     nll = {"full": full_nll, method: continuation_nll(rw, context, target)}
     fills = [int(rw.layer_state(i.index)["fill"].max()) for i in rw.layers]
     assert max(fills) < int(rw.layer_state(0)["budget"][0]) + rw.method.interval, f"not compressed: {fills}"
@@ -89,10 +98,10 @@ def test_score_methods_nll_close_to_full(smollm2, essay_ids, full_nll, method):
 CLUSTERKV_BOUND = 0.10  # nats/token
 
 
-def test_clusterkv_nll_close_to_full(smollm2, essay_ids, full_nll):
+def test_clusterkv_nll_close_to_full(smollm2, captured, essay_ids, full_nll):
     model, _ = smollm2
     context, target = essay_ids
-    rw = kvrewrite.apply(model, "clusterkv", max_length=1024 + 64, budget=0.2, interval=32)
+    rw = kvrewrite.apply(model, "clusterkv", max_length=1024 + 64, budget=0.2, interval=32, captured=captured)
     nll = continuation_nll(rw, context, target)
     print(f"continuation NLL: full {full_nll:.4f}, clusterkv@0.2 {nll:.4f}")
     state = rw.layer_state(rw.layers[-1].index)
@@ -110,10 +119,10 @@ KVMERGER_BOUNDS = {"bias": 0.10, "scale": 0.35}
 
 
 @pytest.mark.parametrize("values", list(KVMERGER_BOUNDS))
-def test_kvmerger_nll_close_to_full(smollm2, essay_ids, full_nll, values):
+def test_kvmerger_nll_close_to_full(smollm2, captured, essay_ids, full_nll, values):
     model, _ = smollm2
     context, target = essay_ids
-    rw = kvrewrite.apply(model, "kvmerger", max_length=1024 + 64, budget=0.5, values=values)
+    rw = kvrewrite.apply(model, "kvmerger", max_length=1024 + 64, budget=0.5, values=values, captured=captured)
     nll = continuation_nll(rw, context, target)
     print(f"continuation NLL: full {full_nll:.4f}, kvmerger@0.5 values={values} {nll:.4f}")
     state = rw.layer_state(rw.layers[-1].index)
@@ -128,10 +137,10 @@ def test_kvmerger_nll_close_to_full(smollm2, essay_ids, full_nll, values):
 EMS_BOUND = 0.15  # nats/token
 
 
-def test_ems_nll_close_to_full(smollm2, essay_ids, full_nll):
+def test_ems_nll_close_to_full(smollm2, captured, essay_ids, full_nll):
     model, _ = smollm2
     context, target = essay_ids
-    rw = kvrewrite.apply(model, "ems", max_length=1024 + 64, budget=0.2)
+    rw = kvrewrite.apply(model, "ems", max_length=1024 + 64, budget=0.2, captured=captured)
     nll = continuation_nll(rw, context, target)
     print(f"continuation NLL: full {full_nll:.4f}, ems@0.2 {nll:.4f}")
     state = rw.layer_state(rw.layers[-1].index)
@@ -150,10 +159,10 @@ def test_ems_nll_close_to_full(smollm2, essay_ids, full_nll):
 CLUSTERGEN_BOUND = 2.0  # nats/token, at budget 0.5
 
 
-def test_clustergen_nll_close_to_full(smollm2, essay_ids, full_nll):
+def test_clustergen_nll_close_to_full(smollm2, captured, essay_ids, full_nll):
     model, _ = smollm2
     context, target = essay_ids
-    rw = kvrewrite.apply(model, "clustergen", max_length=1024 + 64, budget=0.5)
+    rw = kvrewrite.apply(model, "clustergen", max_length=1024 + 64, budget=0.5, captured=captured)
     nll = continuation_nll(rw, context, target)
     print(f"continuation NLL: full {full_nll:.4f}, clustergen@0.5 {nll:.4f}")
     state = rw.layer_state(rw.layers[-1].index)

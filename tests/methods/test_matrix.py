@@ -27,8 +27,9 @@ def test_matrix_is_ordered_and_covers_every_method():
 
 
 @pytest.mark.parametrize("entry", METHODS_MATRIX, ids=[f"{e['name']}-{e['kwargs'].get('budget', 1.0)}" for e in METHODS_MATRIX])
-def test_method_generates(llama, entry):
-    rw = kvrewrite.apply(llama, entry["name"], max_length=64, batch_size=2, prefill_chunk=8, **entry["kwargs"])
+def test_method_generates(llama, captured, entry):
+    assert (captured.batch_size, captured.prefill_chunk) == (2, 8)  # tests/methods/conftest.py's capture
+    rw = kvrewrite.apply(llama, entry["name"], max_length=64, captured=captured, **entry["kwargs"])
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 128, (2, N_PROMPT), generator=g)
     mask = torch.ones(2, N_PROMPT, dtype=torch.long)

@@ -88,9 +88,12 @@ def _ops(gm) -> list:
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: 2 sliding-window layers, k_norm
 def test_hooks_record_pre_rope_keys_and_attend_like_full(family):
+    from kvrewrite.capture import capture
+
     model = tiny_model(family)
-    rw = kvrewrite.apply(model, HooksMethod(), max_length=MAX_LENGTH, prefill_chunk=CHUNK)
-    full = kvrewrite.apply(model, "full", max_length=MAX_LENGTH, prefill_chunk=CHUNK)
+    captured = capture(model, batch_size=1, prefill_chunk=CHUNK)  # one capture, rewritten for both methods
+    rw = kvrewrite.apply(model, HooksMethod(), max_length=MAX_LENGTH, captured=captured)
+    full = kvrewrite.apply(model, "full", max_length=MAX_LENGTH, captured=captured)
     ids = torch.randint(1, 128, (1, N_PROMPT), generator=torch.Generator().manual_seed(0))
     got, seen_tokens = _greedy(rw, ids)
     want, _ = _greedy(full, ids)

@@ -24,6 +24,12 @@ def _apply(model, gemv, batch_size=1, **kw):
                            **CHELSEA, **kw)
 
 
+def _capture(model):
+    from kvrewrite.capture import capture
+
+    return capture(model, batch_size=1, prefill_chunk=16)
+
+
 def _ids(batch=1, seed=3):
     return torch.randint(3, 128, (batch, 24), generator=torch.Generator().manual_seed(seed))
 
@@ -33,7 +39,8 @@ def _ids(batch=1, seed=3):
 def test_every_decode_linear_becomes_a_gemv_and_tokens_are_unchanged(family):
     model = tiny_model(family)
     model.generation_config.eos_token_id = None
-    plain, rw = _apply(model, False), _apply(model, True)
+    captured = _capture(model)  # one capture, rewritten with and without the pass
+    plain, rw = _apply(model, False, captured=captured), _apply(model, True, captured=captured)
     for name in ("decode", "decode_compress"):
         n = _count(getattr(plain, f"{name}_graph"), LINEAR)
         assert n > 0
