@@ -19,7 +19,9 @@ What it does, in HF's terms:
   keeps every slot (`full`) keeps both paddings (docs/context.md, "Sizes"); a call that does not fit is refused
   with the sizes.
 - Questions run in batches of the rewrite's batch size (left-padded); a short last batch is filled with copies of
-  its last question, whose answers are dropped.
+  its last question, whose answers are dropped. With batch_size > 1 the context is compressed on every row of the
+  batch (the graphs are static in the batch): B times the work of a batch-1 rewrite, whose state a batch-B rewrite
+  would take as it is (docs/context.md, "Batches"); the pipeline keeps one rewrite.
 """
 from __future__ import annotations
 
