@@ -340,15 +340,12 @@ class HostGeneration(ContextGeneration):
         `streamer` gets the prompt then each token (put / end). Sampling draws from `generator` if given, else from
         torch's global RNG (as HF). Anything a kvrewrite generation cannot honour (beam search, assisted generation,
         attentions or hidden states out, HF's cache options, an unknown argument) is refused by name before any
-        state is touched. `context`: a compressed context to continue from (see `_start_generation`).
+        state is touched. `context`: a ContextState to continue from (rw.prefill_context; docs/context.md).
 
         Wall-clock prefill/decode seconds of the call are left in `self.last_timings`.
         """
         from kvrewrite.generation import GenerationPlan, decode_loop
 
-        if context is not None and not hasattr(self, "_start_from_context"):
-            raise ValueError(f"{self.model_tag}: context= is not supported by this build of kvrewrite "
-                             f"(no compressed-context support); pass the whole prompt as input_ids")
         device = self._state_device()
         plan = GenerationPlan.build(self, input_ids, attention_mask, generation_config, kwargs, logits_processor,
                                     stopping_criteria, device)
