@@ -12,8 +12,9 @@ What it does, in HF's terms:
   starts: the part before (the template's head and the context) is tokenized once and compressed once
   (`rw.prefill_context`); the part from the question on (the question and the template's tail) is tokenized per
   question and run on a copy of the compressed context (`rw.generate(..., context=state)`). Tokenizing the two
-  parts separately can differ from tokenizing the whole rendering at the boundary (the context ends with a blank
-  line, where BPE tokenizers split anyway); other compression libraries split the same way.
+  parts separately can differ from tokenizing the whole rendering at the boundary, by a token or two: SmolLM2's
+  tokenizer ends the context's blank line as one token where the whole rendering has two newline tokens;
+  Qwen2.5's gives the same ids either way. Other compression libraries split the same way.
 - Sizes: apply's `max_length` must hold the context, the longest question and max_new_tokens, plus
   prefill_chunk - 1: the context and the question are each left-padded to whole prefill chunks, and a method that
   keeps every slot (`full`) keeps both paddings (docs/context.md, "Sizes"); a call that does not fit is refused
