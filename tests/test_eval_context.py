@@ -58,7 +58,7 @@ def test_split_prompt_is_the_prompt_cut_at_the_context():
     tok = CharTokenizer()
     c, q = split_prompt(tok, "some haystack. The secret is here.")
     whole = build_prompt(tok, "some haystack. The secret is here.")
-    assert c.shape[1] == len("some haystack. The secret is here.")
+    assert c.shape[1] == len("some haystack. The secret is here.\n\n")  # the blank line goes with the context
     assert whole[0].tolist() == c[0].tolist() + q[0].tolist()
 
 

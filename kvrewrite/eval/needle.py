@@ -7,10 +7,10 @@ B = round(budget * (prompt tokens + answer_tokens)), then the answer is decoded 
 `answer_tokens`, stopping at EOS). Exact match: the passphrase appears in the answer as a whole word
 (case-insensitive; "The passphrase is 'amber-falcon-42'." counts, "amber-falcon-4" does not).
 
-Mode "context" (`kvrewrite eval --mode context`): the prompt is cut where the haystack ends; the haystack alone is
-compressed (rw.prefill_context: B = round(budget * context tokens)), then the question (the rest of the prompt:
-the template's tail and the question) and the answer run on the compressed cache (kvrewrite/context_cache.py),
-as kvpress evaluates. The two parts are tokenized apart (the cut is a text boundary, so the ids may differ from
+Mode "context" (`kvrewrite eval --mode context`): the prompt is cut after the haystack, where kvrewrite.pipeline
+cuts it (split_prompt); the haystack alone is compressed (rw.prefill_context: B = round(budget * context tokens)),
+then the question (the rest of the prompt: the question and the template's tail) and the answer run on the
+compressed cache (kvrewrite/context_cache.py), as kvpress evaluates. The two parts are tokenized apart (the cut is a text boundary, so the ids may differ from
 the whole prompt's by a merge at the cut); the prompt of that mode is their concatenation.
 """
 from __future__ import annotations
@@ -60,19 +60,15 @@ def build_prompt(tokenizer, context: str) -> torch.Tensor:
 
 
 def split_prompt(tokenizer, context: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(context ids [1, n_c], question ids [1, n_q]): build_prompt's text cut where the context ends, each part
-    tokenized alone (the special tokens of the start go with the context)."""
-    content = f"{context}\n\n{QUESTION}"
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)
-        first = False
-    else:
-        text, first = f"{content}\nAnswer:", True
-    cut = text.index(content) + len(context)
-    ids = tokenizer(text[:cut], add_special_tokens=first)["input_ids"]
-    question = tokenizer(text[cut:], add_special_tokens=False)["input_ids"]
-    return torch.tensor([ids]), torch.tensor([question])
+    """(context ids [1, n_c], question ids [1, n_q]): build_prompt's text cut where kvrewrite.pipeline cuts it
+    (text_pipeline.PromptFormat.encode: the context and the blank line after it, then the question and the
+    template's tail), each part tokenized alone (the special tokens of the start go with the context)."""
+    from kvrewrite.text_pipeline import PromptFormat
+
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    question = QUESTION if templated else f"{QUESTION}\nAnswer:"  # build_prompt's raw-text prompt
+    ids, q = PromptFormat(tokenizer, templated).encode(question, context)
+    return torch.tensor([ids]), torch.tensor([q])
 
 
 def eos_ids(rw, tokenizer) -> set:
