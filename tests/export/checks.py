@@ -47,3 +47,24 @@ def check_loader_generates_like_rw(m, rw, ids, mask, new_tokens: int) -> int:
     assert torch.equal(out, ref), f"loader\n{out[:, n:]}\n!= rw.generate\n{ref[:, n:]}"
     assert all(torch.equal(a, b) for a, b in zip(m.state, rw.state_tensors())), "final state differs"
     return len(calls)
+
+
+def aoti_step_when_due(rw, tmp_path, ids, mask, new_tokens: int) -> tuple:
+    """rw's decode step with compression compiled alone by AOTInductor, run where the host schedule's next
+    compression is due (after a prefill of (ids, mask), decoding until then): the package computes the eager graph's
+    logits and state (tests/export/test_aoti.py `_step_matches_eager`). Returns (state names, the state before the
+    step, the eager step's state)."""
+    import kvrewrite.export
+    from kvrewrite.export import loader
+    from tests.export.test_aoti import _step_matches_eager
+
+    path = kvrewrite.export.aoti(rw, tmp_path, graphs=("decode_compress",))
+    step = loader.load(path).steps["decode_compress"]
+    logits = rw.prefill(ids, mask, max_new_tokens=new_tokens)
+    while not rw.schedule.due(1):
+        logits = rw.decode_step(logits.argmax(-1))
+    args = [logits.argmax(-1)[:, None], rw._next_position[:, None], rw._next_cache_position,
+            torch.ones(ids.shape[0], 1, dtype=torch.bool)]
+    before = [t.clone() for t in rw.state_tensors()]
+    names, eager = _step_matches_eager(rw, step, args)
+    return names, before, eager

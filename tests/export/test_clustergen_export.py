@@ -26,7 +26,7 @@ from kvrewrite.export.common import graph_of, read_metadata
 from kvrewrite.kernels.clustered_attention import reference_clustered_attention
 from kvrewrite.kernels.kcenter_compress import reference_kcenter_compress
 from kvrewrite.kernels.sketch_attention import reference_sketch_attention
-from tests.export.checks import check_decode_compress_when_due, check_loader_generates_like_rw
+from tests.export.checks import aoti_step_when_due, check_decode_compress_when_due, check_loader_generates_like_rw
 from tests.families import tiny_model
 from tests.kernels import clustergen_naive as N
 from tests.kernels.test_clustergen_fold import rows_of, tokens
@@ -340,17 +340,8 @@ def test_aoti_cpu_clustergen_step_matches_eager(tmp_path):
     state one step before a fold: the package computes the eager graph's logits (1e-4) and the same state (integer
     fields equal, floats 1e-5): clustergen_fold (thirteen mutated fields, keyword-only int and float options) and
     sketch_attention through the proxy executor."""
-    from tests.export.test_aoti import _step_matches_eager
-
     rw = _rw("clustergen")
-    path = kvrewrite.export.aoti(rw, tmp_path, graphs=("decode_compress",))
-    step = loader.load(path).steps["decode_compress"]
     ids, mask = _inputs()
-    logits = rw.prefill(ids, mask, max_new_tokens=NEW)
-    while not rw.schedule.due(1):
-        logits = rw.decode_step(logits.argmax(-1))
-    args = [logits.argmax(-1)[:, None], rw._next_position[:, None], rw._next_cache_position,
-            torch.ones(2, 1, dtype=torch.bool)]
-    seen = rw.layer_state(1)["n_seen"].clone()
-    names, eager = _step_matches_eager(rw, step, args)
-    assert bool((eager[names.index("l1_n_seen")] > seen).all()), "the fold did not run"
+    names, before, eager = aoti_step_when_due(rw, tmp_path, ids, mask, NEW)
+    k = names.index("l1_n_seen")
+    assert bool((eager[k] > before[k]).all()), "the fold did not run"

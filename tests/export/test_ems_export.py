@@ -19,7 +19,7 @@ import kvrewrite.export
 from kvrewrite.export import loader
 from kvrewrite.export import tensorrt_export as te
 from kvrewrite.export.common import graph_of
-from tests.export.checks import check_decode_compress_when_due, check_loader_generates_like_rw
+from tests.export.checks import aoti_step_when_due, check_decode_compress_when_due, check_loader_generates_like_rw
 from tests.families import tiny_model
 from tests.kernels import ems_naive as N
 from tests.kernels.expanded_naive import make_state as attention_state
@@ -213,17 +213,8 @@ def test_aoti_cpu_ems_step_matches_eager(tmp_path, rw):
     compression is due: the package computes the eager graph's logits (1e-4) and the same state (integer fields equal,
     floats 1e-5): ems_append, ems_attention and ems_compress (keyword-only int and float options) through the proxy
     executor."""
-    from tests.export.test_aoti import _step_matches_eager
-
-    path = kvrewrite.export.aoti(rw, tmp_path, graphs=("decode_compress",))
-    step = loader.load(path).steps["decode_compress"]
     ids, mask = _inputs()
-    logits = rw.prefill(ids, mask, max_new_tokens=NEW)
-    while not rw.schedule.due(1):
-        logits = rw.decode_step(logits.argmax(-1))
-    args = [logits.argmax(-1)[:, None], rw._next_position[:, None], rw._next_cache_position,
-            torch.ones(2, 1, dtype=torch.bool)]
-    names, eager = _step_matches_eager(rw, step, args)
+    names, _, eager = aoti_step_when_due(rw, tmp_path, ids, mask, NEW)
     fill, slot_fill = eager[names.index("l1_fill")], eager[names.index("l1_slot_fill")]
     assert bool((fill == OPTIONS["budget"]).all()), "the compression did not run"
     assert bool((slot_fill > fill).any()), "nothing merged"
