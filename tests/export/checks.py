@@ -6,6 +6,15 @@ from kvrewrite.export import tensorrt_export as te
 from kvrewrite.export.common import graph_of
 
 
+def left_padded_prompts(n: int) -> tuple:
+    """The export tests' prompts: 2 rows of n random ids (seed 2), the second left-padded by 5."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 128, (2, n), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    return ids, mask
+
+
 def check_functional_equals_in_place(rw, name, args, state) -> tuple:
     """Run graph `name` functionally on `state` (a list of clones of rw's state tensors), then in place on the same
     list: the functional graph leaves its inputs alone and returns exactly the logits and the state the in-place

@@ -11,6 +11,7 @@
 - .pt2 + the loader reproduce rw.generate token for token (final state identical) for both methods; AOTInductor: the
   clustergen decode step with a fold due, compiled alone, equals the eager graph.
 """
+import functools
 import itertools
 import math
 
@@ -26,7 +27,8 @@ from kvrewrite.export.common import graph_of, read_metadata
 from kvrewrite.kernels.clustered_attention import reference_clustered_attention
 from kvrewrite.kernels.kcenter_compress import reference_kcenter_compress
 from kvrewrite.kernels.sketch_attention import reference_sketch_attention
-from tests.export.checks import aoti_step_when_due, check_decode_compress_when_due, check_loader_generates_like_rw
+from tests.export.checks import (aoti_step_when_due, check_decode_compress_when_due, check_loader_generates_like_rw,
+                                  left_padded_prompts)
 from tests.families import tiny_model
 from tests.kernels import clustergen_naive as N
 from tests.kernels.test_clustergen_fold import rows_of, tokens
@@ -49,12 +51,7 @@ def _rw(method):
     return kvrewrite.apply(m, method, max_length=40, batch_size=2, prefill_chunk=16, **METHODS[method])
 
 
-def _inputs():
-    g = torch.Generator().manual_seed(2)
-    ids = torch.randint(3, 128, (2, PROMPT), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0
-    return ids, mask
+_inputs = functools.partial(left_padded_prompts, PROMPT)
 
 
 def _same(a, b):

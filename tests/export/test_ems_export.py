@@ -9,6 +9,7 @@
 - ONNX: the ems_append, ems_attention and ems_compress functions against the ops in onnxruntime, and the whole model
   against the PyTorch runtime (tokens identical).
 """
+import functools
 import math
 
 import pytest
@@ -19,7 +20,8 @@ import kvrewrite.export
 from kvrewrite.export import loader
 from kvrewrite.export import tensorrt_export as te
 from kvrewrite.export.common import graph_of
-from tests.export.checks import aoti_step_when_due, check_decode_compress_when_due, check_loader_generates_like_rw
+from tests.export.checks import (aoti_step_when_due, check_decode_compress_when_due, check_loader_generates_like_rw,
+                                  left_padded_prompts)
 from tests.families import tiny_model
 from tests.kernels import ems_naive as N
 from tests.kernels.expanded_naive import make_state as attention_state
@@ -42,12 +44,7 @@ def _rw(pos="without"):
     return kvrewrite.apply(m, "ems", max_length=40, batch_size=2, prefill_chunk=16, pos=pos, **OPTIONS)
 
 
-def _inputs():
-    g = torch.Generator().manual_seed(2)
-    ids = torch.randint(3, 128, (2, PROMPT), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0
-    return ids, mask
+_inputs = functools.partial(left_padded_prompts, PROMPT)
 
 
 @pytest.fixture(scope="module")

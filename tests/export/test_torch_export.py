@@ -1,6 +1,7 @@
 """torch.export target: .pt2 programs + metadata; the loader (no capture machinery) reproduces
 rw.generate token for token, greedy and sampled, for chelsea (compression in prefill and on the
 decode steps the host schedule picks) and for sliding-window layers (gemma3, streamingllm)."""
+import functools
 import json
 import math
 import re
@@ -12,19 +13,14 @@ import kvrewrite
 import kvrewrite.export
 from kvrewrite.export import loader
 from kvrewrite.export.common import META_FILE, read_metadata
-from tests.export.checks import check_loader_generates_like_rw
+from tests.export.checks import check_loader_generates_like_rw, left_padded_prompts
 from tests.families import tiny_model
 
 PROMPT, NEW = 24, 12
 CHELSEA = dict(budget=0.5, n_sink=2, n_recent=4, chunk=8, interval=4)  # compresses in prefill and at decode steps
 
 
-def _inputs():
-    g = torch.Generator().manual_seed(2)
-    ids = torch.randint(3, 128, (2, PROMPT), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0
-    return ids, mask
+_inputs = functools.partial(left_padded_prompts, PROMPT)
 
 
 def _model(family):
