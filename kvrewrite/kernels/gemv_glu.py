@@ -1,0 +1,201 @@
+"""kvrewrite::gemv_glu — F.linear(act(a) * b, weight, bias) for one row: a gated MLP's down projection in a
+batch-1 decode step, its activation and product included.
+
+    y[..., n] = sum_k (act(a[..., k]) * b[..., k]) * weight[n, k] (+ bias[n])
+
+Args:
+    a, b:   [..., K]  one row each (a.numel() == K), same shape, unit stride along K; weight's dtype
+                      (a: the gate projection's output, b: the up projection's)
+    weight: [N, K]    fp16/bf16/fp32, unit stride along K
+    bias:   [N]       weight's dtype, or None
+    act:    "silu" (Llama, Mistral, Qwen, Phi-3, ...), "gelu_tanh" (Gemma's gelu(approximate="tanh")) or
+            "gelu" (exact, erf)
+Returns:
+    [..., N] in weight's dtype, contiguous. Mutates nothing.
+
+Why: a batch-1 decode step computes act(gate) * up in a small elementwise kernel of its own between the up and
+the down projection (Inductor's triton_poi_fused_mul_silu_slice_view: 1.5 us each and a graph gap, 32 per
+Llama-3.1-8B step). Here the GEMV computes it while loading its input (passes/fuse_glu_into_gemv.py).
+
+Backends: CUDA runs kernels/gemv.py's kernel with a prologue; other devices run the aten ops it replaces,
+in their order (act, mul, F.linear), so a CPU graph is bit-identical before and after the pass.
+
+Rounding of the prologue (what eager ATen does for 16-bit dtypes): act computed in fp32 and rounded to the dtype,
+the product of the rounded act and b computed in fp32 and rounded to the dtype, then the fp32 accumulation of
+kernels/gemv.py (one rounding of the output). The kernel's act is not ATen's bit for bit: Triton's exp and
+division are a few fp32 ulps off, and its gelu is a sigmoid (gelu_tanh) or an erf of Triton's where ATen's
+0.5 a (1 + tanh / erf) cancels for negative a (absolute errors of a few ulps of |a|). So an element of the GEMV's
+input may round the other way (one ulp of the dtype, rarely) or differ by a few dozen fp32 ulps of |a b| (fp32):
+error_bound allows PROLOGUE_ROUNDING[dtype] |a_k b_k| per element (|act(a)| <= |a| for all three).
+"""
+from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.library import wrap_triton
+
+from kvrewrite.kernels import gemv as _gemv
+from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the op runs the aten ops; only triton_gemv_glu raises
+    triton = tl = None
+
+ACTS = ("silu", "gelu_tanh", "gelu")  # index = the kernel's ACT constant
+
+
+def activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    """The aten op of `act` on x (the CPU path and the references): aten.silu / aten.gelu(approximate=...)."""
+    if act == "silu":
+        return F.silu(x)
+    if act == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if act == "gelu":
+        return F.gelu(x)
+    raise ValueError(f"kvrewrite::gemv_glu: act must be one of {ACTS}, got {act!r}")
+
+
+def reference_input(a, b, act: str) -> torch.Tensor:
+    """The GEMV's input the kernel computes, as ATen computes it (fp32 act rounded to the dtype, then the
+    product rounded to the dtype), in fp32: what reference_gemv_glu and error_bound start from."""
+    x = activation(a.float(), act).to(a.dtype).float() * b.float()
+    return x.to(a.dtype).float()
+
+
+def reference_gemv_glu(a, b, weight, bias=None, act="silu"):
+    """What an exact kernel returns: the product of reference_input and weight in fp32 (bias added in fp32), rounded
+    once to the dtype."""
+    return _gemv.reference_gemv(reference_input(a, b, act), weight.float(),
+                                None if bias is None else bias.float()).to(a.dtype)
+
+
+# what an element of the GEMV's input may differ from reference_input's by, relative to |a b| (module docstring):
+# one ulp of bf16 / fp16 (rounded the other way), 32 ulps of fp32
+PROLOGUE_ROUNDING = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-18}
+
+
+def error_bound(a, b, weight, ref, act="silu"):
+    """What the Triton kernel may differ from the fp32 product `ref` of reference_input and weight (before
+    rounding) by, elementwise: gemv.error_bound of that product plus PROLOGUE_ROUNDING[dtype] sum_k |a_k b_k w_nk|
+    (the prologue's own errors, see the module docstring)."""
+    x = reference_input(a, b, act)
+    magnitude = F.linear((a.float() * b.float()).abs(), weight.float().abs())
+    return _gemv.error_bound(x.to(a.dtype), weight, ref) + PROLOGUE_ROUNDING[a.dtype] * magnitude
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton (CUDA): kernels/gemv.py's kernel, its x tile computed from a and b (the prologue)
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton_jit()
+def _gemv_glu_kernel(
+    A, B, W, BIAS, Y,
+    N, K,
+    stride_ak, stride_bk, stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ACT: tl.constexpr,  # index in ACTS
+    HAS_BIAS: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = W + rows[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        k_ok = cols < K
+        a = tl.load(A + cols * stride_ak, mask=k_ok, other=0.0).to(tl.float32)
+        b = tl.load(B + cols * stride_bk, mask=k_ok, other=0.0)
+        if ACT == 0:  # silu: a sigmoid(a)
+            g = a / (1.0 + tl.exp(-a))
+        elif ACT == 1:  # gelu tanh: 0.5 a (1 + tanh(u)) = a sigmoid(2u), u = sqrt(2/pi) (a + 0.044715 a^3)
+            u = 0.7978845608028654 * (a + 0.044715 * a * a * a)
+            g = a / (1.0 + tl.exp(-2.0 * u))
+        else:  # gelu: 0.5 a (1 + erf(a / sqrt(2)))
+            g = 0.5 * a * (1.0 + tl.erf(a * 0.7071067811865476))
+        x = (g.to(b.dtype).to(tl.float32) * b.to(tl.float32)).to(b.dtype).to(tl.float32)  # ATen's two roundings
+        if EVICT_FIRST:
+            w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(BIAS + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
+
+
+def input_problem(a, b, weight, bias, act, name="kvrewrite::gemv_glu"):
+    """The error (ValueError or TypeError naming what is wrong) the op raises for these inputs, or None where it
+    takes them. a and b may be fake tensors: passes/fuse_glu_into_gemv.py asks this of the nodes' traced values."""
+    if not isinstance(act, str) or act not in ACTS:
+        return ValueError(f"{name}: act must be one of {ACTS}, got {act!r}")
+    if tuple(a.shape) != tuple(b.shape):
+        return ValueError(f"{name}: a and b must have one shape [..., K], got a {tuple(a.shape)}, b {tuple(b.shape)}")
+    for label, t in (("a", a), ("b", b)):
+        problem = _gemv.input_problem(t, weight, bias, f"{name} ({label} as the GEMV's input x)")
+        if problem is not None:
+            return problem
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            return ValueError(f"{name}: {label} must have unit stride along K, got strides {t.stride()}")
+    return None
+
+
+def _check_inputs(a, b, weight, bias, act, name="kvrewrite::gemv_glu"):
+    """Shape, dtype and act checks of the op (every device): raises input_problem's error, if any."""
+    problem = input_problem(a, b, weight, bias, act, name)
+    if problem is not None:
+        raise problem
+
+
+def triton_gemv_glu(a, b, weight, bias=None, act="silu", **tuning):
+    """The op on CUDA through Triton (shapes in the module docstring); validates its inputs.
+    ``tuning`` overrides kernels/gemv.py's launch choices (block_n, block_k, num_warps, num_stages, evict_first);
+    for the benchmark, the op never passes it."""
+    if triton is None:
+        raise NotImplementedError("triton_gemv_glu needs Triton (pip install triton); kvrewrite::gemv_glu itself "
+                                  "runs without it")
+    _check_inputs(a, b, weight, bias, act, "triton_gemv_glu")
+    check_one_cuda_device("triton_gemv_glu", (a, b, weight) if bias is None else (a, b, weight, bias))
+    return _launch(a, b, weight, bias, act, **tuning)
+
+
+def _launch(a, b, weight, bias=None, act="silu", **overrides):
+    """Allocate the output and launch; no checks (Triton's interpreter runs it on CPU tensors)."""
+    N, K = (int(n) for n in weight.shape)
+    a1, b1 = a.reshape(K), b.reshape(K)
+    y = torch.empty((*a.shape[:-1], N), dtype=a.dtype, device=a.device)
+    cfg = _gemv._launch_config(N, K, **overrides)
+    wrap_triton(_gemv_glu_kernel)[(triton.cdiv(N, cfg["block_n"]),)](
+        a1, b1, weight, weight if bias is None else bias, y, N, K, a1.stride(0), b1.stride(0), weight.stride(0),
+        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], ACT=ACTS.index(act), HAS_BIAS=bias is not None,
+        EVICT_FIRST=cfg["evict_first"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return y
+
+
+# ---------------------------------------------------------------------------------------------------
+# The op
+# ---------------------------------------------------------------------------------------------------
+
+
+def gemv_glu(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+             act: str = "silu") -> torch.Tensor:
+    """F.linear(act(a) * b, weight, bias) for one row (see the module docstring).
+
+    The op's kernel, fake and what Inductor inlines (see _triton_op.py): CUDA launches the Triton kernel,
+    other devices run the aten ops (act, mul, linear) in that order."""
+    if a.is_cuda and triton is not None:
+        return triton_gemv_glu(a, b, weight, bias, act)
+    _check_inputs(a, b, weight, bias, act)
+    return F.linear(activation(a, act) * b, weight, bias).contiguous()
+
+
+gemv_glu = register_triton_op("kvrewrite::gemv_glu", gemv_glu, (), triton is not None)
