@@ -376,12 +376,23 @@ def unfuse_observed_attention(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def gemv_as_linear(gm: fx.GraphModule) -> fx.GraphModule:
-    """gm with every kvrewrite::gemv (apply(gemv=True)) turned back into the aten.linear it computes, in place:
+    """gm with every kvrewrite::gemv (apply(gemv=True)) turned back into the aten.linear it computes, and every
+    kvrewrite::gemv_glu into its act, mul and linear (the aten ops passes/fuse_glu_into_gemv.py folded), in place:
     for the targets that bring their own matrix kernels (ONNX Runtime, TensorRT) instead of running kvrewrite's
     Triton ones."""
-    for node in gm.graph.nodes:
+    for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target == torch.ops.kvrewrite.gemv.default:
             node.target, node.args, node.kwargs = torch.ops.aten.linear.default, tuple(all_args(node)), {}
+        elif node.op == "call_function" and node.target == torch.ops.kvrewrite.gemv_glu.default:
+            a, b, weight, bias, act = all_args(node)
+            with gm.graph.inserting_before(node):
+                if act == "silu":
+                    g = gm.graph.call_function(torch.ops.aten.silu.default, (a,))
+                else:
+                    g = gm.graph.call_function(torch.ops.aten.gelu.default, (a,),
+                                               {"approximate": "tanh" if act == "gelu_tanh" else "none"})
+                x = gm.graph.call_function(torch.ops.aten.mul.Tensor, (g, b))
+            node.target, node.args, node.kwargs = torch.ops.aten.linear.default, (x, weight, bias), {}
     gm.recompile()
     return gm
 

@@ -1,5 +1,5 @@
-"""replace_linear_with_gemv: decode graphs of batch 1 compute every projection and the lm_head with kvrewrite::gemv,
-nothing else changes (same tokens on the CPU, where the op is F.linear), batch > 1 and prefill graphs are left
+"""replace_linear_with_gemv: decode graphs of batch 1 compute every projection and the lm_head with kvrewrite::gemv
+(the gated MLP's down projection with kvrewrite::gemv_glu, passes/fuse_glu_into_gemv.py), nothing else changes (same tokens on the CPU, where the op is F.linear), batch > 1 and prefill graphs are left
 alone, and the graphs still export (ONNX and TensorRT get the plain linear back). The kernel's numerics on CUDA
 are checked in tests/kernels/test_gemv_gpu.py."""
 import pytest
@@ -11,6 +11,7 @@ from kvrewrite.export import loader
 from tests.families import FAMILIES, tiny_model
 
 GEMV = "kvrewrite.gemv.default"
+GLU = "kvrewrite.gemv_glu.default"  # passes/fuse_glu_into_gemv.py: the gated MLP's down projection
 LINEAR = "aten.linear.default"
 CHELSEA = dict(budget=0.5, n_sink=2, n_recent=4, chunk=8, interval=4)  # compresses in prefill and at decode steps
 
@@ -45,7 +46,8 @@ def test_every_decode_linear_becomes_a_gemv_and_tokens_are_unchanged(family):
         n = _count(getattr(plain, f"{name}_graph"), LINEAR)
         assert n > 0
         gm = getattr(rw, f"{name}_graph")
-        assert (_count(gm, LINEAR), _count(gm, GEMV)) == (0, n), f"{family} {name}"
+        n_layers = len(rw.layers)  # every family's MLP is gated: its down projection is a gemv_glu
+        assert (_count(gm, LINEAR), _count(gm, GEMV), _count(gm, GLU)) == (0, n - n_layers, n_layers), f"{family} {name}"
     assert _count(rw.prefill_graph, GEMV) == 0
     assert _count(rw.prefill_graph, LINEAR) == _count(plain.prefill_graph, LINEAR)
     ids = _ids()
@@ -70,6 +72,7 @@ def test_fused_gemv_graphs_export_and_reproduce_generate(tmp_path):
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     rw = _apply(model, True, fuse_projections=True)
+    assert _count(rw.decode_graph, GLU) == len(rw.layers)  # ONNX gets silu, mul and linear back (gemv_as_linear)
     ids = _ids()
     ref = rw.generate(ids, max_new_tokens=6)
     for target in ("torch_export", "aoti", "onnx"):
@@ -84,3 +87,4 @@ def test_tensorrt_graph_gets_the_plain_linear():
     ep = export_graph(rw, "decode")
     check_op_set(ep)  # ATen ops and the plugin ops only
     assert not [n for n in ep.graph.nodes if "gemv" in str(n.target)]
+    assert _count(rw.decode_graph, GLU) == len(rw.layers)  # and the gemv_glu nodes became silu, mul and linear
