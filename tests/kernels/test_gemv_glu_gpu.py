@@ -23,9 +23,9 @@ pytestmark = [
 OP = torch.ops.kvrewrite.gemv_glu.default
 
 
-def _inputs(N, K, dtype, bias, seed):
+def _inputs(N, K, dtype, bias, seed, scale=2.0):
     gen = torch.Generator().manual_seed(seed)
-    ab = (torch.randn(1, 1, 2 * K, generator=gen) * 2).to(dtype).cuda()
+    ab = (torch.randn(1, 1, 2 * K, generator=gen) * scale).to(dtype).cuda()
     w = (torch.randn(N, K, generator=gen) / K**0.5).to(dtype).cuda()
     b = torch.randn(N, generator=gen).to(dtype).cuda() if bias else None
     return ab[..., :K], ab[..., K:], w, b  # gate and up: slices of one row, as fuse_projections leaves them
@@ -57,17 +57,19 @@ def test_launch_variants_compute_the_same(tuning):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("act", G.ACTS)
 def test_prologue_rounds_like_aten(dtype, act):
-    """Identity weight: out = the kernel's act(a) * b; against eager ATen's on the GPU (F.silu(a) * b in dtype)."""
+    """Identity weight: out = the kernel's act(a) * b; against eager ATen's on the GPU (F.silu(a) * b in dtype),
+    within PROLOGUE_ROUNDING |a b| (and fp16's subnormal spacing). Inputs of scale 1: at larger |a| ATen's gelu
+    cancels (module docstring of gemv_glu.py) and flips more of the 16-bit roundings."""
     K = 4096
-    a, b, _, _ = _inputs(1, K, dtype, False, seed=11)
+    a, b, _, _ = _inputs(1, K, dtype, False, seed=11, scale=1.0)
     out = OP(a, b, torch.eye(K, dtype=dtype, device="cuda"), None, act).float()
     want = (G.activation(a, act) * b).float()
-    if dtype == torch.float32:
-        assert ((out - want).abs() <= G.PROLOGUE_ROUNDING[dtype] * (a * b).abs()).all()
-        return
-    off = out != want
-    assert ((out - want).abs() <= G.PROLOGUE_ROUNDING[dtype] * want.abs()).all()
-    assert off.float().mean().item() <= 0.01, f"{act} {dtype}: {off.sum().item()} of {K} differ from ATen's"
+    info = torch.finfo(dtype)
+    tol = G.PROLOGUE_ROUNDING[dtype] * (a.float() * b.float()).abs() + info.smallest_normal * info.eps
+    assert ((out - want).abs() <= tol).all(), f"{act} {dtype}: max error {(out - want).abs().max().item():.3g}"
+    if dtype != torch.float32:  # a kernel that skips a rounding differs in about a quarter of the elements
+        off = (out != want).float().mean().item()
+        assert off <= 0.01, f"{act} {dtype}: {off:.2%} of the elements differ from ATen's"
 
 
 def test_cuda_errors_name_the_problem():

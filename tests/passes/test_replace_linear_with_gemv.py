@@ -1,6 +1,7 @@
 """replace_linear_with_gemv: decode graphs of batch 1 compute every projection and the lm_head with kvrewrite::gemv
-(the gated MLP's down projection with kvrewrite::gemv_glu, passes/fuse_glu_into_gemv.py), nothing else changes (same tokens on the CPU, where the op is F.linear), batch > 1 and prefill graphs are left
-alone, and the graphs still export (ONNX and TensorRT get the plain linear back). The kernel's numerics on CUDA
+(the gated MLP's down projection with kvrewrite::gemv_glu, passes/fuse_glu_into_gemv.py), nothing else changes
+(same tokens on the CPU, where the ops are the aten ops), batch > 1 and prefill graphs are left alone, and the
+graphs still export (ONNX and TensorRT get the plain linear back). The kernel's numerics on CUDA
 are checked in tests/kernels/test_gemv_gpu.py."""
 import pytest
 import torch
@@ -47,7 +48,8 @@ def test_every_decode_linear_becomes_a_gemv_and_tokens_are_unchanged(family):
         assert n > 0
         gm = getattr(rw, f"{name}_graph")
         n_layers = len(rw.layers)  # every family's MLP is gated: its down projection is a gemv_glu
-        assert (_count(gm, LINEAR), _count(gm, GEMV), _count(gm, GLU)) == (0, n - n_layers, n_layers), f"{family} {name}"
+        got = (_count(gm, LINEAR), _count(gm, GEMV), _count(gm, GLU))
+        assert got == (0, n - n_layers, n_layers), f"{family} {name}"
     assert _count(rw.prefill_graph, GEMV) == 0
     assert _count(rw.prefill_graph, LINEAR) == _count(plain.prefill_graph, LINEAR)
     ids = _ids()
