@@ -39,6 +39,7 @@ def test_unknown_method_is_named(capsys):
     (["--budget", "1.5"], "budget"),
     (["--model", "llama-9000"], "llama-9000"),
     (["--new-tokens", "40"], "new_tokens"),
+    (["--inductor-option", "combo_kernels=True"], "needs --kv-compile inductor"),
 ])
 def test_bad_arguments(capsys, argv, needle):
     assert needle in _err(capsys, [*TINY, *argv])
@@ -157,6 +158,20 @@ def test_profile_decode_refuses_to_run_without_a_gpu():
 
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         profile_decode.main(["--context", "1024"])
+
+
+@pytest.mark.parametrize("option, needle", [("no_such_config=1", "no_such_config"), ("combo_kernels", "NAME=VALUE"),
+                                            ("combo_kernels=yes", "Python literal")])
+def test_bad_inductor_options_are_named(capsys, option, needle):
+    with pytest.raises(SystemExit):
+        main(["bench", *TINY, "--kv-compile", "inductor", "--inductor-option", option])
+    assert needle in capsys.readouterr().err
+
+
+def test_inductor_options_reach_the_config():
+    cfg = e2e.config_from_args(_parse([*TINY, "--kv-compile", "inductor", "--inductor-option", "combo_kernels=True",
+                                       "--inductor-option", "triton.max_tiles=3"]))
+    assert cfg.inductor_options == {"combo_kernels": True, "triton.max_tiles": 3}
 
 
 def test_gemv_flag_reaches_the_config():

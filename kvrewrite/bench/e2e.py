@@ -128,6 +128,32 @@ def parse_budget(text: str):
     return int(v) if "." not in text and "e" not in text.lower() and v == int(v) else v
 
 
+def inductor_option(text: str) -> tuple:
+    """--inductor-option NAME=VALUE: an Inductor config name and its value (a Python literal: True, 8, 'x')."""
+    import ast
+
+    import torch._inductor.config as inductor_config
+
+    name, sep, value = text.partition("=")
+    name = name.strip()
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    if not _has_config(inductor_config, name):
+        raise argparse.ArgumentTypeError(f"{name!r} is not an Inductor config (torch._inductor.config)")
+    try:
+        return name, ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(f"{text!r}: the value must be a Python literal (True, 8, 'name')") from None
+
+
+def _has_config(cfg, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not hasattr(cfg, part):
+            return False
+        cfg = getattr(cfg, part)
+    return True
+
+
 @dataclasses.dataclass
 class BenchConfig:
     model: str = "llama-3.1-8b"
@@ -146,6 +172,7 @@ class BenchConfig:
     prefill: bool = True
     fuse_projections: bool = False  # kvrewrite rows: kvrewrite.apply(..., fuse_projections=True)
     gemv: bool = False  # kvrewrite rows: kvrewrite.apply(..., gemv=True)
+    inductor_options: dict = dataclasses.field(default_factory=dict)  # kvrewrite rows under "inductor": rw.compile(options=)
     out: str = "e2e.json"
     device: str = "cuda"
 
@@ -170,6 +197,8 @@ class BenchConfig:
             raise ValueError(f"bench: budget must be a fraction in (0, 1] or an int >= 1 (slots), got {self.budget!r}")
         if self.kv_compile not in ("graph", "inductor", "eager"):
             raise ValueError(f"bench: kv_compile must be graph, inductor or eager, got {self.kv_compile!r}")
+        if self.inductor_options and self.kv_compile != "inductor":
+            raise ValueError(f"bench: --inductor-option {self.inductor_options} needs --kv-compile inductor")
         if self.intervals < 1 or self.reps < 1:
             raise ValueError("bench: intervals and reps must be >= 1")
         needs = {s: warmup_steps(self.kv_compile, method_interval(s, self.budget))
@@ -307,6 +336,15 @@ def _summarise(per_rep: list, interval: int) -> dict:
                 compress_steps_per_rep=sum(c for _, c in per_rep[0]), steps_per_rep=len(per_rep[0]))
 
 
+def compile_rw(rw, options: dict | None = None) -> None:
+    """rw.compile(fullgraph=True, mode="reduce-overhead"), or with Inductor `options` (config names, e.g.
+    combo_kernels) the same CUDA graphs spelled as an option: torch.compile takes a mode or options, not both."""
+    if options:
+        rw.compile(fullgraph=True, options={"triton.cudagraphs": True, **options})
+    else:
+        rw.compile(fullgraph=True, mode="reduce-overhead")
+
+
 class KVDecoder:
     """Greedy decode steps of a KVRewrittenModel from its current state, with static input buffers.
 
@@ -326,7 +364,7 @@ class KVDecoder:
         self.graphs = {}
         self.compresses = any(thr < 2**62 for _, thr in rw.schedule.budgets)
         if mode == "inductor" and rw._compiled_call_impl is None:  # kv_row compiles before a timed prefill
-            rw.compile(fullgraph=True, mode="reduce-overhead")
+            compile_rw(rw)
 
     def _body(self, compress: bool) -> None:
         if self.mode == "inductor":
@@ -679,7 +717,7 @@ class Bench:
             ids = torch.randint(1, self.mcfg.vocab_size, (1, n), device=self.dev)
             warm = ids[:, :3 * cfg.prefill_chunk] if n >= 3 * cfg.prefill_chunk else ids
             if cfg.kv_compile == "inductor":  # the prefill chunks run compiled too, as after a user's rw.compile
-                rw.compile(fullgraph=True, mode="reduce-overhead")
+                compile_rw(rw, cfg.inductor_options)
             t0 = time.perf_counter()
             try:  # warm-up (Triton; under Inductor the compile and the CUDA-graph record): 3 chunks that compress
                 rw.prefill(warm, max_new_tokens=cfg.new_tokens)
@@ -696,6 +734,8 @@ class Bench:
             synthetic_fill(rw, n, cfg.new_tokens)
             res["state"] = "synthetic fill"
         fill_after_prefill = statistics.mean(f for fills in rw.schedule.fill for f in fills)
+        if cfg.kv_compile == "inductor" and rw._compiled_call_impl is None:
+            compile_rw(rw, cfg.inductor_options)
         dec = KVDecoder(rw, cfg.kv_compile)
         t0 = time.perf_counter()
         res["warmup_steps"] = dec.warm_up(warmup_steps(cfg.kv_compile, rw.method.interval))
@@ -901,6 +941,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "gate/up (kvrewrite.apply(fuse_projections=True); rebinds the model's weights as views, same values)")
     p.add_argument("--gemv", action="store_true", help="kvrewrite rows: the decode graphs' matrix-vector products "
                    "through kvrewrite's Triton GEMV (kvrewrite.apply(gemv=True))")
+    p.add_argument("--inductor-option", dest="inductor_options", action="append", type=inductor_option, default=[],
+                   metavar="NAME=VALUE", help="with --kv-compile inductor: an Inductor config for the kvrewrite rows "
+                   "(repeatable; e.g. combo_kernels=True); rw.compile(options=...) with CUDA graphs")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the code paths")
     p.add_argument("--out", default="out/bench/e2e.json", help="JSON file, rewritten after every row")
     p.add_argument("--plot", default=None, help="image file for the plots (default: the JSON's name, .png)")
@@ -918,7 +961,8 @@ def config_from_args(args) -> BenchConfig:
         new_tokens=args.new_tokens, prefill_chunk=args.prefill_chunk, intervals=args.intervals, reps=args.reps,
         kv_compile=args.kv_compile, hf_compiled_contexts=tuple(args.hf_compiled_contexts) if args.hf_compiled_contexts
         else None, max_batch_cap=args.max_batch_cap, time_budget=args.time_budget, prefill=args.prefill,
-        fuse_projections=args.fuse_projections, gemv=args.gemv, out=args.out, device=args.device)
+        fuse_projections=args.fuse_projections, gemv=args.gemv, inductor_options=dict(args.inductor_options),
+        out=args.out, device=args.device)
 
 
 def cmd_bench(args) -> int:

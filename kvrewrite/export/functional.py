@@ -27,6 +27,7 @@ choice) is split back into clustered_attention and accumulate_attention first.
 
 Importing this module registers the ``kvrewrite_export::`` ops.
 """
+import functools
 import operator
 
 import torch
@@ -377,24 +378,75 @@ def unfuse_observed_attention(gm: fx.GraphModule) -> fx.GraphModule:
 
 def gemv_as_linear(gm: fx.GraphModule) -> fx.GraphModule:
     """gm with every kvrewrite::gemv (apply(gemv=True)) turned back into the aten.linear it computes, and every
-    kvrewrite::gemv_glu into its act, mul and linear (the aten ops passes/fuse_glu_into_gemv.py folded), in place:
-    for the targets that bring their own matrix kernels (ONNX Runtime, TensorRT) instead of running kvrewrite's
-    Triton ones."""
+    kvrewrite::gemv_rms_norm into the add, RMSNorm and linear it fused, and every kvrewrite::gemv_glu into its act,
+    mul and linear (the aten ops passes/fuse_glu_into_gemv.py folded), in place: for the targets that bring their
+    own matrix kernels (ONNX Runtime, TensorRT) instead of running kvrewrite's Triton ones."""
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target == torch.ops.kvrewrite.gemv.default:
             node.target, node.args, node.kwargs = torch.ops.aten.linear.default, tuple(all_args(node)), {}
+        elif node.op == "call_function" and node.target == torch.ops.kvrewrite.gemv_rms_norm.default:
+            _expand_gemv_rms_norm(gm, node)
         elif node.op == "call_function" and node.target == torch.ops.kvrewrite.gemv_glu.default:
-            a, b, weight, bias, act = all_args(node)
-            with gm.graph.inserting_before(node):
-                if act == "silu":
-                    g = gm.graph.call_function(torch.ops.aten.silu.default, (a,))
-                else:
-                    g = gm.graph.call_function(torch.ops.aten.gelu.default, (a,),
-                                               {"approximate": "tanh" if act == "gelu_tanh" else "none"})
-                x = gm.graph.call_function(torch.ops.aten.mul.Tensor, (g, b))
-            node.target, node.args, node.kwargs = torch.ops.aten.linear.default, (x, weight, bias), {}
+            _expand_gemv_glu(gm, node)
     gm.recompile()
     return gm
+
+
+def _dtype(gm: fx.GraphModule, node: fx.Node):
+    """The dtype of a get_attr tensor or of a node's traced value; None where neither is known."""
+    if node.op == "get_attr":
+        return functools.reduce(getattr, node.target.split("."), gm).dtype
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _expand_gemv_rms_norm(gm: fx.GraphModule, node: fx.Node) -> None:
+    """node's aten ops (kernels/gemv_rms_norm.py reference_aten, the ops passes/fuse_rms_norm_into_gemv.py
+    replaced) in its place; its getitems' users read them."""
+    aten, graph = torch.ops.aten, gm.graph
+    x, residual, norm_weight, eps, weight, bias, unit_offset = all_args(node)
+    dtypes = [_dtype(gm, t) for t in (weight, norm_weight, x)]  # one dtype: the op checks that they share it
+    dtype = next((d for d in dtypes if d is not None), None)
+    if dtype is None:
+        raise ValueError(f"{node.name}: kvrewrite::gemv_rms_norm's weight, norm weight and x have no known dtype")
+
+    def call(target, *args):
+        return graph.call_function(target, args)
+
+    with graph.inserting_before(node):
+        h = x if residual is None else call(aten.add.Tensor, x, residual)
+        h32 = call(aten.to.dtype, h, torch.float32)
+        inv_rms = call(aten.rsqrt.default,
+                       call(aten.add.Tensor, call(aten.mean.dim, call(aten.pow.Tensor_Scalar, h32, 2), [-1], True), eps))
+        normed = call(aten.mul.Tensor, h32, inv_rms)
+        if unit_offset:
+            scale = call(aten.add.Tensor, call(aten.to.dtype, norm_weight, torch.float32), 1.0)
+            n = call(aten.to.dtype, call(aten.mul.Tensor, normed, scale), dtype)
+        else:
+            n = call(aten.mul.Tensor, norm_weight, call(aten.to.dtype, normed, dtype))
+        y = call(aten.linear.default, n, weight, bias)
+    for user in list(node.users):
+        if user.target is not operator.getitem:
+            raise ValueError(f"{node.name}: kvrewrite::gemv_rms_norm read by {user.name} ({user.target}), not a getitem")
+        if user.args[1] == 1 and residual is None and user.users:
+            raise ValueError(f"{node.name}: its h (empty without a residual) is read by {list(user.users)}")
+        user.replace_all_uses_with(y if user.args[1] == 0 else h)
+        graph.erase_node(user)
+    graph.erase_node(node)
+
+
+def _expand_gemv_glu(gm: fx.GraphModule, node: fx.Node) -> None:
+    """node as the act, mul and linear it computes (kernels/gemv_glu.py's CPU path, the ops
+    passes/fuse_glu_into_gemv.py replaced), in place."""
+    a, b, weight, bias, act = all_args(node)
+    with gm.graph.inserting_before(node):
+        if act == "silu":
+            g = gm.graph.call_function(torch.ops.aten.silu.default, (a,))
+        else:
+            g = gm.graph.call_function(torch.ops.aten.gelu.default, (a,),
+                                       {"approximate": "tanh" if act == "gelu_tanh" else "none"})
+        x = gm.graph.call_function(torch.ops.aten.mul.Tensor, (g, b))
+    node.target, node.args, node.kwargs = torch.ops.aten.linear.default, (x, weight, bias), {}
 
 
 def functionalize(gm: fx.GraphModule, n_inputs: int = 4, opaque_attention: bool = False) -> fx.GraphModule:

@@ -26,6 +26,7 @@ from kvrewrite.kernels import (  # noqa: F401
     expanded_attention_stats,
     gemv,
     gemv_glu,
+    gemv_rms_norm,
     kcenter_compress,
     indexed_attention,
     kmeans_cluster,

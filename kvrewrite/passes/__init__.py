@@ -13,6 +13,7 @@ from kvrewrite.context import RewriteContext
 from kvrewrite.passes.fuse_attention_observation import fuse_attention_observation
 from kvrewrite.passes.fuse_glu_into_gemv import fuse_glu_into_gemv
 from kvrewrite.passes.fuse_projections import fuse_projections
+from kvrewrite.passes.fuse_rms_norm_into_gemv import fuse_rms_norm_into_gemv
 from kvrewrite.passes.insert_cache_compression import insert_cache_compression
 from kvrewrite.passes.locate_attention_sites import locate_attention_sites
 from kvrewrite.passes.normalize_eager_attention import normalize_eager_attention
@@ -33,6 +34,7 @@ PASSES = [
     fuse_attention_observation,
     fuse_projections,  # opt-in (ctx.fuse_projections)
     replace_linear_with_gemv,  # opt-in (ctx.gemv), decode graphs only
+    fuse_rms_norm_into_gemv,  # with replace_linear_with_gemv (ctx.gemv): the RMSNorm before a gemv, into it
     fuse_glu_into_gemv,  # with replace_linear_with_gemv: act(gate) * up into the down projection's gemv
 ]
 

@@ -20,6 +20,7 @@ Requires: runs after replace_linear_with_gemv (it rewrites its gemv nodes); off 
           and at batch_size > 1, where there are no gemv nodes.
 """
 import logging
+import operator
 
 import torch
 from torch import fx
@@ -49,28 +50,35 @@ def _act(node) -> str | None:
     return None
 
 
-def _val(gm: fx.GraphModule, node, depth: int = 3):
-    """node's traced value: meta["val"], or for nodes a pass added without one (fuse_projections' linear, slices
-    and getitems) its target run in the fake mode of its inputs' values, up to `depth` nodes up (get_attr tensors
-    taken from gm); None if unknown."""
+def _val(gm: fx.GraphModule, node, depth: int = 4):
+    """node's traced value: meta["val"], or where a pass left none (fuse_projections' linear, slices and getitems) or
+    only part of one (fuse_rms_norm_into_gemv's op, whose gemv output it does not know) its target run in the fake
+    mode of its inputs' values, up to `depth` nodes up (get_attr tensors taken from gm); None if unknown."""
     if not isinstance(node, fx.Node):
         return node
-    if "val" in node.meta:
-        return node.meta["val"]
+    val = node.meta.get("val")
+    if val is not None and not (isinstance(val, (tuple, list)) and any(v is None for v in val)):
+        return val
     if node.op == "get_attr":
         return _attr(gm, node)
     if depth == 0 or node.op != "call_function":
         return None
     args = [_val(gm, a, depth - 1) for a in node.args]
-    if any(isinstance(a, fx.Node) and v is None for a, v in zip(node.args, args)):
+    kwargs = {k: _val(gm, v, depth - 1) for k, v in node.kwargs.items()}
+    if any(isinstance(a, fx.Node) and v is None for a, v in [*zip(node.args, args),
+                                                             *((node.kwargs[k], kwargs[k]) for k in kwargs)]):
         return None
-    mode = detect_fake_mode([a for a in args if isinstance(a, torch.Tensor)])
+    if node.target is operator.getitem and isinstance(args[0], (tuple, list)):  # of a multi-output op's value
+        return args[0][args[1]]
+    mode = detect_fake_mode([a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)])
     if mode is None:
         return None
+
+    def fake(a):
+        return mode.from_tensor(a) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) else a
+
     with mode:
-        args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) else a
-                for a in args]
-        return node.target(*args, **node.kwargs)
+        return node.target(*map(fake, args), **{k: fake(v) for k, v in kwargs.items()})
 
 
 def _match(gm: fx.GraphModule, gemv: fx.Node):

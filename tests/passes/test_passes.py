@@ -45,6 +45,7 @@ CHELSEA = "kvrewrite.chelsea_compress.default"
 EVICT = "kvrewrite.evict_to_budget.default"
 LINEAR = "aten.linear.default"
 GEMV = "kvrewrite.gemv.default"
+GEMV_RMS_NORM = "kvrewrite.gemv_rms_norm.default"
 GLU = "kvrewrite.gemv_glu.default"
 OBSERVED = "kvrewrite.observed_attention.default"
 ACCUMULATE = "kvrewrite.accumulate_attention.default"
@@ -161,10 +162,14 @@ def _expected(run, name):
         if run.ctx.graph_kind == "prefill":
             return 0, {LINEAR: 4 * n + 1, GEMV: 0}, set()
         return 4 * n + 1, {GEMV: 4 * n + 1, ATTENTION: n, CACHE_APPEND: n}, {LINEAR}
+    if name == "fuse_rms_norm_into_gemv":  # decode graphs: the norms before qkv and gate_up (each layer), the lm_head
+        if run.ctx.graph_kind == "prefill":
+            return 0, {LINEAR: 4 * n + 1, GEMV_RMS_NORM: 0}, set()
+        return 2 * n + 1, {GEMV_RMS_NORM: 2 * n + 1, GEMV: 2 * n, ATTENTION: n, CACHE_APPEND: n}, {LINEAR}
     if name == "fuse_glu_into_gemv":  # decode graphs: every family's gated MLP, its down projection a gemv_glu
         if run.ctx.graph_kind == "prefill":
             return 0, {GLU: 0, LINEAR: 4 * n + 1}, set()
-        return n, {GLU: n, GEMV: 3 * n + 1, "aten.silu.default": 0, "aten.gelu.default": 0}, {LINEAR}
+        return n, {GLU: n, GEMV: n, GEMV_RMS_NORM: 2 * n + 1, "aten.silu.default": 0, "aten.gelu.default": 0}, {LINEAR}
     raise AssertionError(f"no expectations for pass {name!r}: add them to _expected")
 
 

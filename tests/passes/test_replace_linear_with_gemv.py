@@ -12,6 +12,7 @@ from kvrewrite.export import loader
 from tests.families import FAMILIES, tiny_model
 
 GEMV = "kvrewrite.gemv.default"
+GEMV_RMS_NORM = "kvrewrite.gemv_rms_norm.default"  # passes/fuse_rms_norm_into_gemv.py: the gemvs after an RMSNorm
 GLU = "kvrewrite.gemv_glu.default"  # passes/fuse_glu_into_gemv.py: the gated MLP's down projection
 LINEAR = "aten.linear.default"
 CHELSEA = dict(budget=0.5, n_sink=2, n_recent=4, chunk=8, interval=4)  # compresses in prefill and at decode steps
@@ -48,8 +49,9 @@ def test_every_decode_linear_becomes_a_gemv_and_tokens_are_unchanged(family):
         assert n > 0
         gm = getattr(rw, f"{name}_graph")
         n_layers = len(rw.layers)  # every family's MLP is gated: its down projection is a gemv_glu
-        got = (_count(gm, LINEAR), _count(gm, GEMV), _count(gm, GLU))
-        assert got == (0, n - n_layers, n_layers), f"{family} {name}"
+        got = (_count(gm, LINEAR), _count(gm, GEMV) + _count(gm, GEMV_RMS_NORM) + _count(gm, GLU), _count(gm, GLU))
+        assert got == (0, n, n_layers), f"{family} {name}"
+        assert _count(gm, GEMV_RMS_NORM) > 0, f"{family} {name}"
     assert _count(rw.prefill_graph, GEMV) == 0
     assert _count(rw.prefill_graph, LINEAR) == _count(plain.prefill_graph, LINEAR)
     ids = _ids()
@@ -74,6 +76,7 @@ def test_fused_gemv_graphs_export_and_reproduce_generate(tmp_path):
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     rw = _apply(model, True, fuse_projections=True)
+    assert _count(rw.decode_graph, GEMV_RMS_NORM) == 5  # exported as the aten add, RMSNorm and linear it fused
     assert _count(rw.decode_graph, GLU) == len(rw.layers)  # ONNX gets silu, mul and linear back (gemv_as_linear)
     ids = _ids()
     ref = rw.generate(ids, max_new_tokens=6)
@@ -86,6 +89,7 @@ def test_tensorrt_graph_gets_the_plain_linear():
     from kvrewrite.export.tensorrt_export import check_op_set, export_graph
 
     rw = _apply(tiny_model("llama"), True)
+    assert _count(rw.decode_graph, GEMV_RMS_NORM) > 0
     ep = export_graph(rw, "decode")
     check_op_set(ep)  # ATen ops and the plugin ops only
     assert not [n for n in ep.graph.nodes if "gemv" in str(n.target)]

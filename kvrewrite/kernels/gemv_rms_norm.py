@@ -1,0 +1,267 @@
+"""kvrewrite::gemv_rms_norm — the residual add and the RMSNorm before a projection, fused into its GEMV (one row).
+
+    h = x + residual                    (x's dtype; h = x where residual is None)
+    n = RMSNorm(h)                      HF's spelling, see below
+    y = F.linear(n, weight, bias)
+
+Args:
+    x, residual:  [..., K]  fp16/bf16/fp32, one row (x.numel() == K); residual like x, or None
+    norm_weight:  [K]       x's dtype
+    eps:          the norm's epsilon
+    weight, bias: [N, K], [N] or None, as kvrewrite::gemv takes them (kernels/gemv.py)
+    unit_offset:  False: Llama/Mistral/Qwen/Phi, n = norm_weight * (h32 * rsqrt(mean(h32^2) + eps)).to(dtype)
+                  True:  Gemma,                  n = (h32 * rsqrt(mean(h32^2) + eps) * (1 + norm_weight32)).to(dtype)
+                  (h32 = h.to(float32))
+Returns:
+    (y [..., N] contiguous, h): h = x + residual (shape of x, contiguous), the next layer's residual; without a
+    residual h is an empty tensor (0 elements): h would be x itself, which an op may not return (its outputs may
+    not alias its inputs), and a copy would cost a store and a tensor nobody reads (the pass keeps reading x).
+    Mutates nothing.
+
+Why: a batch-1 decode step of Llama-3.1-8B runs the add + RMSNorm before the qkv, gate_up and lm_head GEMVs as
+65 small Inductor kernels (~2.6 us each, ~170 us a step of ~5.5 ms; docs/bench/e2e_h100_decode_profile_gemv.txt).
+Fused, each GEMV program first sums h^2 over K (fp32), then streams its weight rows with n computed on the fly:
+x, residual and norm_weight (8 KB each at K=4096) are re-read by every program from L1/L2, the weights once; the
+first weight tile is loaded before the sum, so its latency overlaps it. On an H100 (bf16, K=4096,
+docs/bench/sweep_gemv_rms_norm_h100.json) the fused op takes 22.2 / 83.9 / 343.0 us for the qkv / gate_up / lm_head
+shapes where a compiled add + RMSNorm and then kvrewrite::gemv take 23.7 / 85.7 / 344.9 us (1.5-1.9 us saved per
+GEMV, ~0.1 ms a step of 65), and gemv alone 20.4 / 82.0 / 341.3 us.
+
+Backends: CUDA runs the Triton kernel, other devices the aten ops the pass replaced, in their order and dtypes
+(reference_aten), so a CPU graph computes the same bits before and after passes/fuse_rms_norm_into_gemv.py.
+The kernel rounds where eager rounds (h to the dtype after the add; Llama: the normed value, then its product
+with the weight; Gemma: once); it differs from eager by the fp32 summation order of the mean and of the
+product, and by rsqrt's last bits (error_bound).
+"""
+from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.library import wrap_triton
+
+from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
+from kvrewrite.kernels.gemv import ROUNDING, _launch_config, input_problem
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the op runs the aten ops; only triton_gemv_rms_norm raises
+    triton = tl = None
+
+NAME = "kvrewrite::gemv_rms_norm"
+
+
+def reference_aten(x, residual, norm_weight, eps, weight, bias=None, unit_offset=False):
+    """The aten ops the op replaces, in HF's order and dtypes (the CPU path): (y, h), h None without residual."""
+    h = x if residual is None else torch.add(x, residual)
+    h32 = h.to(torch.float32)
+    r = torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        n = (h32 * r * (norm_weight.to(torch.float32) + 1.0)).type_as(h)
+    else:
+        n = norm_weight * (h32 * r).to(h.dtype)
+    return F.linear(n, weight, bias).contiguous(), (None if residual is None else h)
+
+
+def reference_f64(x, residual, norm_weight, eps, weight, bias=None, unit_offset=False):
+    """(y, h, n) with h rounded to x's dtype once (as eager and the kernel do), n and y in float64, unrounded: what
+    the GPU and interpreter tests compare the kernel with, within error_bound."""
+    h = x if residual is None else (x.double() + residual.double()).to(x.dtype)
+    h64 = h.double()
+    r = torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + eps)
+    w64 = norm_weight.double()
+    n = h64 * r * (w64 + 1.0 if unit_offset else w64)
+    y = F.linear(n, weight.double(), None if bias is None else bias.double())
+    return y, h, n
+
+
+# unit roundoff of each dtype: the normed value is rounded to it (Llama: twice)
+UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+
+
+def error_bound(x, weight, n64, y64):
+    """What the kernel's y may differ from reference_f64's y64 by, elementwise:
+
+        ROUNDING[dtype] |y64| + (c_n + 4 sqrt(K) 2^-24) sum_k |n64_k w_nk|,
+        c_n = 2u + 2 sqrt(K) 2^-24 + 2^-21
+
+    The second term is gemv's (kernels/gemv.py: the output's rounding and the fp32 summation order of the product);
+    c_n bounds the relative error of each normed value n_k: at most two roundings to the dtype (u, the unit roundoff:
+    Llama rounds h32*r, then its product with the weight), the rsqrt of an fp32 mean of K squares (half of the mean's
+    summation-order error 4 sqrt(K) 2^-24, gemv's allowance, plus a few ulp for rsqrt) and the fp32 products."""
+    K = weight.shape[1]
+    c_n = 2 * UNIT[x.dtype] + 2 * K**0.5 * 2.0**-24 + 2.0**-21
+    magnitude = F.linear(n64.abs(), weight.double().abs())
+    return ROUNDING[x.dtype] * y64.abs() + (c_n + 4 * K**0.5 * 2.0**-24) * magnitude
+
+
+def input_problem_rms(x, residual, norm_weight, weight, bias, name=NAME):
+    """The error (ValueError or TypeError naming what is wrong) the op raises for these inputs, or None. Takes fake
+    tensors too (passes/fuse_rms_norm_into_gemv.py asks it of the traced values)."""
+    problem = input_problem(x, weight, bias, name)  # shapes, one row, dtypes of x / weight / bias
+    if problem is not None:
+        return problem
+    K = weight.shape[1]
+    if K == 0:
+        return ValueError(f"{name}: K must be >= 1 (the norm's mean over K), got weight {tuple(weight.shape)}")
+    if residual is not None and (tuple(residual.shape) != tuple(x.shape) or residual.dtype != x.dtype):
+        return ValueError(f"{name}: residual must be x's shape {tuple(x.shape)} and dtype {x.dtype}, got "
+                          f"{tuple(residual.shape)} {residual.dtype}")
+    if tuple(norm_weight.shape) != (K,) or norm_weight.dtype != x.dtype:
+        return ValueError(f"{name}: norm_weight must be [K] = ({K},) in x's dtype {x.dtype}, got "
+                          f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
+    return None
+
+
+def _check_inputs(x, residual, norm_weight, weight, bias, name=NAME):
+    problem = input_problem_rms(x, residual, norm_weight, weight, bias, name)
+    if problem is not None:
+        raise problem
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton (CUDA)
+#
+# kernels/gemv.py's kernel with a prologue: each program sums h^2 over K in BLOCK_K tiles (fp32; program 0
+# also stores h), then streams its BLOCK_N weight rows, recomputing h and n per K tile.
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton_jit()
+def _normed(X, RES, NW, cols, K, stride_xk, stride_rk, stride_nk, inv_rms, dtype: tl.constexpr,
+            HAS_RES: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """n at columns `cols` (0 past K), rounded where eager rounds."""
+    k_ok = cols < K
+    h = tl.load(X + cols * stride_xk, mask=k_ok, other=0.0)
+    if HAS_RES:
+        r = tl.load(RES + cols * stride_rk, mask=k_ok, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
+    nw = tl.load(NW + cols * stride_nk, mask=k_ok, other=0.0).to(tl.float32)
+    normed = h.to(tl.float32) * inv_rms
+    if UNIT_OFFSET:
+        return (normed * (nw + 1.0)).to(dtype)
+    return (nw * normed.to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton_jit()
+def _gemv_rms_norm_kernel(
+    X, RES, NW, W, BIAS, Y, H,
+    N, K, eps,
+    stride_xk, stride_rk, stride_nk, stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
+    PRELOAD: tl.constexpr,  # load the first weight tile before the prologue: its latency overlaps the sum
+):
+    pid = tl.program_id(0)
+    dtype = X.dtype.element_ty
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = W + rows[:, None].to(tl.int64) * stride_wn
+    if PRELOAD:
+        cols0 = tl.arange(0, BLOCK_K)
+        w0 = tl.load(w_rows + cols0[None, :], mask=row_ok[:, None] & (cols0 < K)[None, :], other=0.0)
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        k_ok = cols < K
+        h = tl.load(X + cols * stride_xk, mask=k_ok, other=0.0)
+        if HAS_RES:
+            r = tl.load(RES + cols * stride_rk, mask=k_ok, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)  # eager's add: rounded to the dtype
+            tl.store(H + cols, h, mask=k_ok & (pid == 0))
+        h32 = h.to(tl.float32)
+        squares += h32 * h32
+    inv_rms = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
+
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if PRELOAD:
+        n = _normed(X, RES, NW, cols0, K, stride_xk, stride_rk, stride_nk, inv_rms, dtype, HAS_RES, UNIT_OFFSET)
+        acc += w0.to(tl.float32) * n.to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K if PRELOAD else 0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        k_ok = cols < K
+        n = _normed(X, RES, NW, cols, K, stride_xk, stride_rk, stride_nk, inv_rms, dtype, HAS_RES, UNIT_OFFSET)
+        if EVICT_FIRST:
+            w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * n.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(BIAS + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
+
+
+# Rows per program, warps and the first weight tile's preload. From the sweep on an H100 (bf16, qkv 6144, gate/up
+# 28672, lm_head 128256 rows x 4096; kvrewrite/bench/gemv_rms_norm.py --sweep, docs/bench/sweep_gemv_rms_norm_h100.json,
+# 18 variants): gemv's own 2 rows x 8 warps with the preload is the fastest on all three, 22.2 / 83.9 / 343.0 us
+# (gemv alone 20.4 / 82.0 / 341.3; a compiled add + RMSNorm, then gemv: 23.7 / 85.7 / 344.9). Without the preload
+# 2 x 8 takes 23.8 / 86.5 / 350.8 us; the first sweep's 4 rows x 4 warps 22.3 / 84.2 / 343.5 without it, worse with it.
+BLOCK_N, NUM_WARPS, PRELOAD = 2, 8, True
+
+
+def launch_config(N, K, block_n=None, num_warps=None, preload=None, **overrides):
+    """gemv's launch configuration (kernels/gemv.py _launch_config) with this kernel's rows per program, warps
+    and first-tile preload."""
+    cfg = _launch_config(N, K, block_n=BLOCK_N if block_n is None else block_n,
+                         num_warps=NUM_WARPS if num_warps is None else num_warps, **overrides)
+    return dict(cfg, preload=PRELOAD if preload is None else preload)
+
+
+def triton_gemv_rms_norm(x, residual, norm_weight, eps, weight, bias=None, unit_offset=False, **tuning):
+    """The op on CUDA through Triton; validates its inputs. ``tuning`` overrides launch_config (the benchmark's
+    sweep; the op never passes it)."""
+    if triton is None:
+        raise NotImplementedError("triton_gemv_rms_norm needs Triton (pip install triton); "
+                                  "kvrewrite::gemv_rms_norm itself runs without it")
+    _check_inputs(x, residual, norm_weight, weight, bias, "triton_gemv_rms_norm")
+    tensors = [t for t in (x, residual, norm_weight, weight, bias) if t is not None]
+    check_one_cuda_device("triton_gemv_rms_norm", tensors)
+    return _launch(x, residual, norm_weight, eps, weight, bias, unit_offset, **tuning)
+
+
+def _launch(x, residual, norm_weight, eps, weight, bias=None, unit_offset=False, **overrides):
+    """Allocate the outputs and launch; no checks (Triton's interpreter runs it on CPU tensors)."""
+    N, K = (int(n) for n in weight.shape)
+    x1 = x.reshape(K)
+    r1 = x1 if residual is None else residual.reshape(K)
+    y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
+    h = torch.empty(x.shape if residual is not None else (0,), dtype=x.dtype, device=x.device)
+    cfg = launch_config(N, K, **overrides)
+    wrap_triton(_gemv_rms_norm_kernel)[(triton.cdiv(N, cfg["block_n"]),)](
+        x1, r1, norm_weight, weight, weight if bias is None else bias, y, h if residual is not None else y,
+        N, K, float(eps), x1.stride(0), r1.stride(0), norm_weight.stride(0), weight.stride(0),
+        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        UNIT_OFFSET=bool(unit_offset), EVICT_FIRST=cfg["evict_first"], PRELOAD=cfg["preload"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return y, h
+
+
+# ---------------------------------------------------------------------------------------------------
+# The op
+# ---------------------------------------------------------------------------------------------------
+
+
+def gemv_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
+                  weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(F.linear(RMSNorm(x + residual), weight, bias), x + residual) for one row (see the module docstring).
+
+    The op's kernel, fake and what Inductor inlines (see _triton_op.py): CUDA launches the Triton kernel,
+    other devices run reference_aten."""
+    if x.is_cuda and triton is not None:
+        return triton_gemv_rms_norm(x, residual, norm_weight, eps, weight, bias, unit_offset)
+    _check_inputs(x, residual, norm_weight, weight, bias)
+    y, h = reference_aten(x, residual, norm_weight, eps, weight, bias, unit_offset)
+    return y, (x.new_empty(0) if h is None else h.contiguous())
+
+
+gemv_rms_norm = register_triton_op(NAME, gemv_rms_norm, (), triton is not None)
