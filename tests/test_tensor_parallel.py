@@ -134,14 +134,8 @@ def _rank_checks(rank: int, c: _Checks) -> None:
     with torch.no_grad():
         hf_before = llama(ids).logits
     config_before = llama.config.to_json_string()
-    caps = {"llama": capture_rank(llama, WORLD, batch_size=1, prefill_chunk=CHUNK)}
+    shared = capture_rank(llama, WORLD, batch_size=1, prefill_chunk=CHUNK)  # starts the group: no collective before
     reference = capture(llama, batch_size=1, prefill_chunk=CHUNK) if rank == 0 else None
-    others = {"qwen3": _tiny(lambda tf: tf.Qwen3Config(num_hidden_layers=2, **_common())),
-              "gemma3": _tiny(lambda tf: tf.Gemma3TextConfig(
-                  num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=16,
-                  layer_types=["sliding_attention", "sliding_attention", "full_attention"], **_common()))}
-    for name, model in others.items():
-        caps[name] = capture_rank(model, WORLD, batch_size=1, prefill_chunk=CHUNK)
     c.seconds["captures"] = time.perf_counter() - t0
 
     mha = _tiny(lambda tf: tf.LlamaConfig(num_hidden_layers=1, **dict(_common(), num_key_value_heads=4)))
@@ -155,7 +149,7 @@ def _rank_checks(rank: int, c: _Checks) -> None:
         if name in seen or name in TP_REFUSED_METHODS:
             continue
         seen.add(name)
-        rw = kvrewrite.apply(llama, name, captured=caps["llama"], max_length=MAX_LENGTH, tp=WORLD, **kwargs)
+        rw = kvrewrite.apply(llama, name, captured=shared, max_length=MAX_LENGTH, tp=WORLD, **kwargs)
         tokens, logits = _generate(rw, ids)
         c.same_on_ranks(tokens, f"llama {name}")
         if rank == 0:
@@ -180,9 +174,13 @@ def _rank_checks(rank: int, c: _Checks) -> None:
         c.expect(torch.equal(llama(ids).logits, hf_before), "apply(tp=2) changed the user's model's logits")
     c.expect(llama.config.to_json_string() == config_before, "apply(tp=2) changed the user's model's config")
 
-    # the other families: full at tp=2 against HF
+    # the other families: full at tp=2 against HF, through apply's own capture
+    others = {"qwen3": _tiny(lambda tf: tf.Qwen3Config(num_hidden_layers=2, **_common())),
+              "gemma3": _tiny(lambda tf: tf.Gemma3TextConfig(
+                  num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=16,
+                  layer_types=["sliding_attention", "sliding_attention", "full_attention"], **_common()))}
     for name, model in others.items():
-        rw = kvrewrite.apply(model, "full", captured=caps[name], max_length=MAX_LENGTH, tp=WORLD)
+        rw = kvrewrite.apply(model, "full", max_length=MAX_LENGTH, prefill_chunk=CHUNK, tp=WORLD)
         tokens, logits = _generate(rw, ids)
         hf_tokens, hf_logits = _generate(model, ids)
         d = c.diffs[f"{name} full vs HF"] = _max_diff(logits, hf_logits)
