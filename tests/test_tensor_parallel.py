@@ -9,6 +9,7 @@ Inside the ranks (apply initialises the group itself from torchrun's environment
   `full` against HF's own generate too; the user's model unchanged (its logits bit for bit, its config);
 - qwen3 (per-head q/k norms) and gemma3 (sliding-window layers, per-head norms): `full` at tp=2 against HF;
 - every rank generates the same tokens;
+- `kvrewrite bench --tp 2`'s CPU dry run (full and chelsea rows, tiny-llama): rank 0 writes the rows, rank 1 nothing;
 - refusals naming the numbers: indivisible KV heads (MQA), a family outside TP_MODELS (phi3's fused qkv_proj), a
   model HF already sharded, a world size other than tp, verify=True, exporting a tp=2 model.
 """
@@ -119,7 +120,24 @@ def _common():
     return dict(COMMON)
 
 
-def _rank_checks(rank: int, c: _Checks) -> None:
+def _bench_dry_run(rank: int, c: _Checks, out_dir: str) -> None:
+    from kvrewrite.bench.e2e import BenchConfig, run_bench
+
+    out = os.path.join(out_dir, "e2e.json")
+    cfg = BenchConfig(model="tiny-llama", systems=("full", "chelsea:interval=4:n_sink=4:n_recent=16"), contexts=(256,),
+                      batches=("1",), budget=0.2, prefill_chunk=64, intervals=1, reps=1, device="cpu", tp=WORLD, out=out)
+    doc = run_bench(cfg)
+    if rank != 0:
+        c.expect(doc == {}, f"bench --tp: rank {rank} returned a document")
+        return
+    rows = doc.get("rows", [])
+    c.expect(len(rows) == 2 and doc["env"].get("tp") == WORLD, f"bench --tp: rows {rows}, env {doc.get('env')}")
+    for r in rows:
+        c.expect("error" not in r and r.get("tp") == WORLD and r.get("ms_per_token", 0) > 0 and r.get("kv_bytes", 0) > 0,
+                 f"bench --tp: row {r}")
+
+
+def _rank_checks(rank: int, c: _Checks, out_dir: str) -> None:
     import kvrewrite
     from kvrewrite.capture import capture
     from kvrewrite.tensor_parallel import TP_REFUSED_METHODS, capture_rank
@@ -187,6 +205,9 @@ def _rank_checks(rank: int, c: _Checks) -> None:
         c.expect(torch.equal(tokens, hf_tokens) and d <= FULL_TOL, f"{name} full: tp=2 vs HF: logits {d:.3g}, "
                                                                    f"tokens {tokens.tolist()} vs {hf_tokens.tolist()}")
         c.same_on_ranks(tokens, f"{name} full")
+    t2 = time.perf_counter()
+    _bench_dry_run(rank, c, out_dir)
+    c.seconds["bench"] = time.perf_counter() - t2
     c.seconds["total"] = time.perf_counter() - t0
 
 
@@ -200,7 +221,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     warnings.filterwarnings("ignore")
     c = _Checks(rank)
     try:
-        _rank_checks(rank, c)
+        _rank_checks(rank, c, out_dir)
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump({"failures": c.failures, "seconds": c.seconds, "diffs": c.diffs}, f, indent=1)
@@ -230,3 +251,15 @@ def test_tensor_parallel_matches_tp1(tmp_path):
     failures = [f for r in reports for f in r["failures"]]
     print(json.dumps(reports[0], indent=1))
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--systems", "hf-eager,chelsea"], "--tp 2 runs kvrewrite rows only"),
+    (["--systems", "chelsea", "--isolate"], "--isolate"),
+], ids=["hf-rows", "isolate"])
+def test_bench_tp_refusals(capsys, argv, needle):
+    """`kvrewrite bench --tp 2` refuses what it cannot run (no process group is started)."""
+    from kvrewrite.cli import main
+
+    assert main(["bench", "--model", "tiny-llama", "--device", "cpu", "--tp", "2", *argv]) == 2
+    assert needle in capsys.readouterr().err
