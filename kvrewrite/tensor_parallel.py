@@ -32,7 +32,7 @@ from kvrewrite.errors import RewriteError
 # Model types whose sharding the tensor-parallel test (tests/test_tensor_parallel.py) checks: the Llama layout
 # (separate q/k/v/o and gate/up/down projections, attention that reshapes with -1 heads, per-head q/k norms at
 # most). Any other type is refused rather than sharded by guess.
-TP_MODELS = frozenset({"llama", "qwen3", "gemma3_text"})
+TP_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text"})
 
 # Methods whose tp>1 run does not reproduce tp=1 (measured by tests/test_tensor_parallel.py's run of every method),
 # with the reason. Both draw their random choices from a hash keyed by the KV head's index in the layer's state: a
@@ -75,7 +75,10 @@ def init_distributed(tp: int, device: torch.device):
                                f"set: launch every rank with `torchrun --nproc-per-node {tp} ...` (or call "
                                f"torch.distributed.init_process_group first)")
         backend = "nccl" if device.type == "cuda" else "gloo"
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        kwargs = {}
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL and the functional collectives run on the current device
+            kwargs["device_id"] = device
         dist.init_process_group(backend, **kwargs)
     world = dist.get_world_size()
     if world != tp:

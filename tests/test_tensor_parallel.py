@@ -7,7 +7,8 @@ Inside the ranks (apply initialises the group itself from torchrun's environment
   tests/methods_matrix.py (its first settings per name) at tp=2 against tp=1 on rank 0: greedy tokens identical,
   logits within FULL_TOL for `full` and METHOD_TOL for the others; the methods of TP_REFUSED_METHODS refused;
   `full` against HF's own generate too; the user's model unchanged (its logits bit for bit, its config);
-- qwen3 (per-head q/k norms) and gemma3 (sliding-window layers, per-head norms): `full` at tp=2 against HF;
+- mistral (a window on every layer), qwen2 (q/k/v biases, windows on the upper layers), qwen3 (per-head q/k norms)
+  and gemma3 (sliding-window layers, per-head norms): `full` at tp=2 against HF;
 - every rank generates the same tokens;
 - `kvrewrite bench --tp 2`'s CPU dry run (full and chelsea rows, tiny-llama): rank 0 writes the rows, rank 1 nothing;
 - refusals naming the numbers: indivisible KV heads (MQA), a family outside TP_MODELS (phi3's fused qkv_proj), a
@@ -40,8 +41,12 @@ def _llama_with_biases():
 
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(num_hidden_layers=2, attention_bias=True, mlp_bias=True, **COMMON)
-    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
-    with torch.no_grad():  # HF initialises biases to zero: random ones make the bias handling observable
+    return _random_biases(tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval())
+
+
+def _random_biases(model):
+    """HF initialises biases to zero: random ones make the bias handling observable."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0, 0.1)
@@ -193,7 +198,10 @@ def _rank_checks(rank: int, c: _Checks, out_dir: str) -> None:
     c.expect(llama.config.to_json_string() == config_before, "apply(tp=2) changed the user's model's config")
 
     # the other families: full at tp=2 against HF, through apply's own capture
-    others = {"qwen3": _tiny(lambda tf: tf.Qwen3Config(num_hidden_layers=2, **_common())),
+    others = {"mistral": _tiny(lambda tf: tf.MistralConfig(num_hidden_layers=2, sliding_window=8, **_common())),
+              "qwen2": _random_biases(_tiny(lambda tf: tf.Qwen2Config(
+                  num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1, **_common()))),
+              "qwen3": _tiny(lambda tf: tf.Qwen3Config(num_hidden_layers=2, **_common())),
               "gemma3": _tiny(lambda tf: tf.Gemma3TextConfig(
                   num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=16,
                   layer_types=["sliding_attention", "sliding_attention", "full_attention"], **_common()))}
