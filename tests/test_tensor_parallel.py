@@ -6,7 +6,8 @@ Inside the ranks (apply initialises the group itself from torchrun's environment
 - llama with random q/k/v/o and gate/up/down biases (column- and row-parallel biases both): every method of
   tests/methods_matrix.py (its first settings per name) at tp=2 against tp=1 on rank 0: greedy tokens identical,
   logits within FULL_TOL for `full` and METHOD_TOL for the others; the methods of TP_REFUSED_METHODS refused;
-  `full` against HF's own generate too; the user's model unchanged (its logits bit for bit, its config);
+  `full` against HF's own generate too, with two all-reduces per layer in each graph, and with
+  fuse_projections=True and gemv=True; the user's model unchanged (its logits bit for bit, its config);
 - mistral (a window on every layer), qwen2 (q/k/v biases, windows on the upper layers), qwen3 (per-head q/k norms)
   and gemma3 (sliding-window layers, per-head norms): `full` at tp=2 against HF;
 - every rank generates the same tokens;
@@ -184,6 +185,14 @@ def _rank_checks(rank: int, c: _Checks, out_dir: str) -> None:
             tol = FULL_TOL if name == "full" else METHOD_TOL
             c.expect(d <= tol, f"llama {name}: tp=2 logits differ from tp=1 by {d:.3g} > {tol}")
         if name == "full":
+            all_reduces = [sum(n.target == torch.ops._c10d_functional.all_reduce.default for n in g.graph.nodes)
+                           for g in (rw.prefill_graph, rw.decode_graph, rw.decode_compress_graph)]
+            c.expect(all_reduces == [2 * 2] * 3, f"llama full: all-reduces per graph {all_reduces}, expected 2 per layer")
+            fused = kvrewrite.apply(llama, name, captured=shared, max_length=MAX_LENGTH, tp=WORLD, fuse_projections=True,
+                                    gemv=True)
+            fused_tokens, fused_logits = _generate(fused, ids)
+            d = c.diffs["llama full fuse_projections+gemv"] = _max_diff(fused_logits, logits)
+            c.expect(torch.equal(fused_tokens, tokens) and d <= FULL_TOL, f"llama full fused+gemv at tp=2: {d:.3g}")
             hf_tokens, hf_logits = _generate(llama, ids)
             d = c.diffs["llama full vs HF"] = _max_diff(logits, hf_logits)
             c.expect(torch.equal(tokens, hf_tokens) and d <= FULL_TOL, f"llama full: tp=2 vs HF: logits {d:.3g}")
