@@ -17,7 +17,7 @@ with tp=1, so a method whose decisions are per KV head reproduces tp=1; the rest
 
 Memory: the rank model shares every replicated tensor with the user's model and the column-parallel slices are row
 views of its weights (no copy); the row-parallel slices are column slices, copied once to be contiguous
-(o_proj + down_proj / N per layer). The user's model is left as it was: its modules, parameters and config are
+(1/N of o_proj and of down_proj per layer). The user's model is left as it was: its modules, parameters and config are
 untouched (the rank model has its own module objects and config).
 """
 import copy
@@ -91,10 +91,12 @@ def refuse_hf_tensor_parallel(model, tag: str) -> None:
     """RewriteError for a model HF already sharded (`from_pretrained(..., tp_plan="auto")`): its weights are
     DTensors or local shards with HF's own collectives in hooks, which the capture cannot see as a whole model;
     kvrewrite's sharding lives in the rewrite (the rank's heads decide the state and the method's work)."""
-    from torch.distributed.tensor import DTensor
-
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without torch.distributed: init_distributed names it
+        DTensor = ()
     hf_tp = (getattr(model, "_tp_size", None) or 1) > 1 or getattr(model, "_device_mesh", None) is not None
-    if hf_tp or any(isinstance(p, DTensor) for p in model.parameters()):
+    if hf_tp or (DTensor and any(isinstance(p, DTensor) for p in model.parameters())):
         raise RewriteError(f"{tag}: the model is already tensor-parallel (loaded with tp_plan=...): load it "
                            f"without tp_plan on every rank and pass tp=N to kvrewrite.apply, which shards it itself")
 
