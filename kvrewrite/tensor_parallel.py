@@ -32,7 +32,7 @@ from kvrewrite.errors import RewriteError
 # Model types whose sharding the tensor-parallel test (tests/test_tensor_parallel.py) checks: the Llama layout
 # (separate q/k/v/o and gate/up/down projections, attention that reshapes with -1 heads, per-head q/k norms at
 # most). Any other type is refused rather than sharded by guess.
-TP_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text"})
+TP_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma", "granite", "smollm3", "olmo"})
 
 # Methods whose tp>1 run does not reproduce tp=1 (measured by tests/test_tensor_parallel.py's run of every method),
 # with the reason. Both draw their random choices from a hash keyed by the KV head's index in the layer's state: a
