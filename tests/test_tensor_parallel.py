@@ -43,7 +43,8 @@ def _llama_with_biases():
 
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(num_hidden_layers=2, attention_bias=True, mlp_bias=True, **COMMON)
-    return _random_biases(tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval())
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
+    return _random_biases(model)
 
 
 def _random_biases(model):
@@ -132,7 +133,8 @@ def _bench_dry_run(rank: int, c: _Checks, out_dir: str) -> None:
 
     out = os.path.join(out_dir, "e2e.json")
     cfg = BenchConfig(model="tiny-llama", systems=("full", "chelsea:interval=4:n_sink=4:n_recent=16"), contexts=(256,),
-                      batches=("1",), budget=0.2, prefill_chunk=64, intervals=1, reps=1, device="cpu", tp=WORLD, out=out)
+                      batches=("1",), budget=0.2, prefill_chunk=64, intervals=1, reps=1, device="cpu", tp=WORLD,
+                      out=out)
     doc = run_bench(cfg)
     if rank != 0:
         c.expect(doc == {}, f"bench --tp: rank {rank} returned a document")
@@ -140,8 +142,8 @@ def _bench_dry_run(rank: int, c: _Checks, out_dir: str) -> None:
     rows = doc.get("rows", [])
     c.expect(len(rows) == 2 and doc["env"].get("tp") == WORLD, f"bench --tp: rows {rows}, env {doc.get('env')}")
     for r in rows:
-        c.expect("error" not in r and r.get("tp") == WORLD and r.get("ms_per_token", 0) > 0 and r.get("kv_bytes", 0) > 0,
-                 f"bench --tp: row {r}")
+        ok = "error" not in r and r.get("tp") == WORLD and r.get("ms_per_token", 0) > 0 and r.get("kv_bytes", 0) > 0
+        c.expect(ok, f"bench --tp: row {r}")
 
 
 def _rank_checks(rank: int, c: _Checks, out_dir: str) -> None:
@@ -188,9 +190,9 @@ def _rank_checks(rank: int, c: _Checks, out_dir: str) -> None:
         if name == "full":
             all_reduces = [sum(n.target == torch.ops._c10d_functional.all_reduce.default for n in g.graph.nodes)
                            for g in (rw.prefill_graph, rw.decode_graph, rw.decode_compress_graph)]
-            c.expect(all_reduces == [2 * 2] * 3, f"llama full: all-reduces per graph {all_reduces}, expected 2 per layer")
-            fused = kvrewrite.apply(llama, name, captured=shared, max_length=MAX_LENGTH, tp=WORLD, fuse_projections=True,
-                                    gemv=True)
+            c.expect(all_reduces == [2 * 2] * 3, f"llama full: all-reduces per graph {all_reduces}, not 2 per layer")
+            fused = kvrewrite.apply(llama, name, captured=shared, max_length=MAX_LENGTH, tp=WORLD,
+                                    fuse_projections=True, gemv=True)
             fused_tokens, fused_logits = _generate(fused, ids)
             d = c.diffs["llama full fuse_projections+gemv"] = _max_diff(fused_logits, logits)
             c.expect(torch.equal(fused_tokens, tokens) and d <= FULL_TOL, f"llama full fused+gemv at tp=2: {d:.3g}")
