@@ -23,7 +23,7 @@ DEFAULT_MAX_LENGTH = 4096
 
 
 def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1, prefill_chunk=256, captured=None,
-          fuse_projections=False, gemv=False, verify="auto", **method_kwargs):
+          fuse_projections=False, gemv=False, verify="auto", tp=1, **method_kwargs):
     """Capture `model`, rewrite its attention and KV cache for `method`, return a KVRewrittenModel.
 
     Args:
@@ -50,6 +50,14 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
             layer; a few seconds, once per config and process); a mismatch raises RewriteError with the
             report, a pass is logged at INFO. Tested types cost nothing extra. True: verify whatever the type.
             False: skip it; an untested type then logs a WARNING that its rewrite is untrusted.
+        tp: tensor-parallel ranks (docs/tensor-parallel.md). With tp=N > 1, call apply on every rank of a
+            `torchrun --nproc-per-node N` launch, each rank holding the whole model as loaded (without HF's
+            tp_plan): torch.distributed is initialised from torchrun's environment if it is not yet (NCCL on
+            CUDA, gloo on the CPU), the rank keeps its share of the KV heads (GQA groups whole) and of the MLP,
+            and its state holds only its heads. Every rank then calls rw.generate with the same inputs and gets
+            the same tokens. Refused (naming the numbers) when N does not divide the KV heads, query heads or
+            intermediate size, for model types outside kvrewrite.tensor_parallel.TP_MODELS, for the methods of
+            TP_REFUSED_METHODS, and with verify=True. tp=1 (default) is the single-device path, unchanged.
         **method_kwargs: the method's own options (see its class, e.g. ChelseaMethod).
     """
     from kvrewrite.capture import capture, check_causal_lm, model_tag
@@ -66,6 +74,8 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
             raise ValueError(f"kvrewrite.apply: {flag} must be True or False, got {value!r}")
     if not (isinstance(verify, bool) or (isinstance(verify, str) and verify == "auto")):
         raise ValueError(f"kvrewrite.apply: verify must be 'auto', True or False, got {verify!r}")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"kvrewrite.apply: tp must be an int >= 1, got {tp!r}")
     check_causal_lm(model)  # before reading model.config
     tag = model_tag(model)
     if max_length is None:
@@ -74,16 +84,29 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"kvrewrite.apply: max_length must be an int >= 1, got {max_length!r}")
     check_max_length(model, max_length, tag)
+    if tp > 1:
+        from kvrewrite.tensor_parallel import check_tp_method
+
+        check_tp_method(m, tp, verify, tag)
     if captured is None:
-        captured = capture(model, batch_size=batch_size, prefill_chunk=prefill_chunk)
-    auto_verify(model, captured, captured.prefill_chunk, verify)
+        if tp > 1:
+            from kvrewrite.tensor_parallel import capture_rank
+
+            captured = capture_rank(model, tp, batch_size=batch_size, prefill_chunk=prefill_chunk)
+        else:
+            captured = capture(model, batch_size=batch_size, prefill_chunk=prefill_chunk)
+    if captured.tp != tp:
+        raise ValueError(f"kvrewrite.apply: captured is a capture for tp={captured.tp}, but tp={tp}: capture "
+                         f"with the same tp (kvrewrite.tensor_parallel.capture_rank for tp > 1)")
+    if tp == 1:
+        auto_verify(model, captured, captured.prefill_chunk, verify)  # tp > 1: TP_MODELS are all tested types
     return _rewrite(model, m, captured, max_length, fuse_projections=fuse_projections, gemv=gemv)
 
 
 def _rewrite(model, m, captured, max_length: int, fuse_projections: bool = False, gemv: bool = False):
     """The KVRewrittenModel of `captured` for method instance `m` (apply's last step; verify's too)."""
     from kvrewrite.context import RewriteContext
-    from kvrewrite.passes import run_passes
+    from kvrewrite.passes import TP_PASSES, run_passes
     from kvrewrite.capture import copy_graph_module
     from kvrewrite.runtime import KVRewrittenModel
 
@@ -96,8 +119,10 @@ def _rewrite(model, m, captured, max_length: int, fuse_projections: bool = False
     for name, (kind, compress) in variants.items():
         ctx = RewriteContext(captured.model_tag, m, captured.layers, graph_kind=kind, compress=compress,
                              cache_buffers=captured.cache_buffers, fuse_projections=fuse_projections,
-                             fused_weights=captured.fused_weights, gemv=gemv, max_length=max_length)
-        graphs[name] = run_passes(copy_graph_module(captured.graphs[kind]), ctx)
+                             fused_weights=captured.fused_weights, gemv=gemv, max_length=max_length, tp=captured.tp,
+                             tp_group=captured.tp_group, tp_row_parallel=captured.tp_row_parallel)
+        graphs[name] = run_passes(copy_graph_module(captured.graphs[kind]), ctx,
+                                  passes=TP_PASSES if captured.tp > 1 else None)
     rw = KVRewrittenModel(captured, graphs, m, max_length, config=model.config)
     rw.generation_config = model.generation_config
     return rw

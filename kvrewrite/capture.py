@@ -54,6 +54,9 @@ class Captured:
     device: torch.device
     vocab_size: int
     fused_weights: dict = field(default_factory=dict)  # passes/fuse_projections.py: made once, shared by every apply
+    tp: int = 1  # tensor-parallel ranks: > 1 is one rank's capture (kvrewrite/tensor_parallel.py capture_rank)
+    tp_group: str = ""  # the torch.distributed group its all-reduces run on
+    tp_row_parallel: tuple = ()  # its row-parallel weight names, summed over the ranks
 
 
 def model_tag(model) -> str:

@@ -47,6 +47,7 @@ class KVRewrittenModel(HostGeneration, nn.Module):
         self.max_length = max_length
         self.vocab_size = captured.vocab_size
         self.config = config
+        self.tp = captured.tp  # tensor-parallel ranks: > 1 holds this rank's heads only (kvrewrite/tensor_parallel.py)
         self.capacities = []
         self.state_specs = []  # per layer, the method's own state fields (Method.state_fields)
         self.host_fields = [tuple(method.host_fields(info)) for info in self.layers]  # per layer, in host memory

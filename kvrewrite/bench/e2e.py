@@ -47,6 +47,12 @@ Decisions (what exactly is timed):
   ratio = measured ms / floor ms.
 - `--isolate` runs every row in a fresh process (bench/e2e_isolated.py): no row inherits another's GPU memory, and
   "max" batches are found by trying (15% fewer after an out-of-memory error, up to 3 tries).
+- `--tp N` (kvrewrite rows only; every rank a process of `torchrun --nproc-per-node N -m kvrewrite.cli bench ...`,
+  one GPU each, cuda:LOCAL_RANK): the rows apply with tp=N (docs/tensor-parallel.md), every rank times its own steps
+  and rank 0 logs and writes the JSON. Per rank: weights read = the replicated weights + 1/N of q/k/v/o and
+  gate/up/down, KV read = its Hkv/N heads, so the floor is one rank's; the prompt and the first decode token are
+  rank 0's (broadcast). The dense prefill baseline is one device's (the rank's whole model). `--device cpu`
+  with gloo is the dry run (tests/test_tensor_parallel.py).
 - Rows run in order and the JSON is rewritten after each one, so a run cut by a timeout keeps what it has;
   `--time-budget` skips the rows not started once that many seconds have passed. A row that fails (out of
   memory, say) is recorded with its error and the run goes on.
@@ -175,6 +181,7 @@ class BenchConfig:
     inductor_options: dict = dataclasses.field(default_factory=dict)  # kvrewrite rows under "inductor": rw.compile(options=)
     out: str = "e2e.json"
     device: str = "cuda"
+    tp: int = 1  # tensor-parallel ranks of the kvrewrite rows (launched under torchrun; module docstring)
 
     def validate(self) -> None:
         from kvrewrite.methods import METHODS
@@ -212,6 +219,12 @@ class BenchConfig:
                                  f"x {self.intervals} intervals of {g} steps; give at least {need}")
         if self.prefill_chunk < 2:
             raise ValueError(f"bench: prefill_chunk must be >= 2, got {self.prefill_chunk}")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"bench: tp must be an int >= 1, got {self.tp!r}")
+        hf = [s for s in self.systems if s in HF_SYSTEMS]
+        if self.tp > 1 and hf:
+            raise ValueError(f"bench: --tp {self.tp} runs kvrewrite rows only; {hf} run HF's model on one device: "
+                             f"take them from a tp=1 run")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("bench: CUDA is not available (use --device cpu with --model tiny-llama for a dry run)")
 
@@ -257,6 +270,40 @@ def build_model(name: str, device: str, dtype: torch.dtype | None = None):
         torch.set_default_dtype(prev)
     model.generation_config.eos_token_id = None
     return model.eval().requires_grad_(False)
+
+
+def split_weight_bytes(model) -> int:
+    """Bytes of the projections tensor parallelism splits (q/k/v/o, gate/up/down of every decoder layer)."""
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.split(".")[-2] in names)
+
+
+def row_parallel_bytes(model) -> int:
+    """Bytes of o_proj and down_proj: a tp rank copies 1/tp of them (kvrewrite/tensor_parallel.py)."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if n.split(".")[-2] in ("o_proj", "down_proj"))
+
+
+def start_ranks(cfg: BenchConfig) -> int:
+    """tp > 1: the rank's GPU (cuda:LOCAL_RANK) made current and the process group started; returns the rank."""
+    import os
+
+    from kvrewrite.tensor_parallel import init_distributed
+
+    device = torch.device("cpu")
+    if cfg.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    return init_distributed(cfg.tp, device)[0]
+
+
+def same_on_ranks(t: torch.Tensor, tp: int) -> torch.Tensor:
+    """`t` as rank 0 drew it, on every rank (tp > 1): the ranks must feed the same tokens."""
+    if tp > 1:
+        import torch.distributed as dist
+
+        dist.broadcast(t, 0)
+    return t
 
 
 def weight_bytes_read(model) -> int:
@@ -357,7 +404,7 @@ class KVDecoder:
         dev = rw.l0_fill.device
         B = rw.batch_size
         self.device = dev.type
-        self.tok = torch.randint(1, rw.vocab_size, (B, 1), device=dev)
+        self.tok = same_on_ranks(torch.randint(1, rw.vocab_size, (B, 1), device=dev), rw.tp)
         self.pos = rw._next_position.reshape(B, 1).clone()
         self.cpos = rw._next_cache_position.reshape(1).clone()
         self.valid = torch.ones(B, 1, dtype=torch.bool, device=dev)
@@ -620,12 +667,20 @@ class Bench:
     def __init__(self, cfg: BenchConfig, planner: bool = False):
         self.cfg = cfg
         self.dev = cfg.device
+        self.tp, self.rank = cfg.tp, 0
+        if cfg.tp > 1 and not planner:
+            self.rank = start_ranks(cfg)
         self.model = build_model(cfg.model, "meta" if planner else self.dev, model_dtype(self.dev))
         self.mcfg = self.model.config
-        self.weights_read = weight_bytes_read(self.model)
-        self.weights_total = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # one rank's share (tp > 1): the split projections count 1/tp; the rank holds the whole model + its copies
+        split = split_weight_bytes(self.model)
+        self.weights_read = weight_bytes_read(self.model) - split + split // self.tp
+        self.weights_total = sum(p.numel() * p.element_size() for p in self.model.parameters()) + \
+            (row_parallel_bytes(self.model) // self.tp if self.tp > 1 else 0)
         self.copy_gbps = None if planner else copy_gbps(self.dev)
         self.env = env_info(self.dev)
+        if self.tp > 1:
+            self.env.update(tp=self.tp, rank=self.rank)
         self.captures = {}  # batch size -> (Captured, capture seconds)
         self.dense_prefill = {}  # n -> seconds
         self.rows = []
@@ -634,12 +689,12 @@ class Bench:
     def kv_token_bytes(self) -> int:
         """Bytes of one token in HF's dense cache, all layers: K and V."""
         c = self.mcfg
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.model.dtype.itemsize
+        return 2 * c.num_hidden_layers * c.num_key_value_heads // self.tp * c.head_dim * self.model.dtype.itemsize
 
     def slot_bytes(self) -> int:
-        """Bytes of one kvrewrite slot in one layer, all KV heads: K and V, fp32 bias, int64 position."""
+        """Bytes of one kvrewrite slot in one layer, all KV heads (the rank's): K and V, fp32 bias, int64 position."""
         c = self.mcfg
-        return c.num_key_value_heads * (2 * c.head_dim * self.model.dtype.itemsize + 12)
+        return c.num_key_value_heads // self.tp * (2 * c.head_dim * self.model.dtype.itemsize + 12)
 
     def floor_ms(self, kv_read: float) -> float:
         return (self.weights_read + kv_read) / self.copy_gbps / 1e6
@@ -653,7 +708,8 @@ class Bench:
         from kvrewrite.capture import layer_infos
 
         m = make_system_method(system, self.cfg.budget)
-        infos = layer_infos(self.model)
+        infos = [dataclasses.replace(i, num_heads=i.num_heads // self.tp, num_kv_heads=i.num_kv_heads // self.tp)
+                 for i in layer_infos(self.model)]
         if hasattr(m, "bind"):
             m.bind(infos)
         cap = m.capacity(infos[0], L, self.cfg.prefill_chunk)
@@ -687,7 +743,12 @@ class Bench:
             self.captures.clear()
             gc.collect()
             t0 = time.perf_counter()
-            cap = capture(self.model, batch_size=B, prefill_chunk=self.cfg.prefill_chunk)
+            if self.tp > 1:
+                from kvrewrite.tensor_parallel import capture_rank
+
+                cap = capture_rank(self.model, self.tp, batch_size=B, prefill_chunk=self.cfg.prefill_chunk)
+            else:
+                cap = capture(self.model, batch_size=B, prefill_chunk=self.cfg.prefill_chunk)
             for g in cap.graphs.values():  # the scratch StaticCache: the rewrite drops it from every graph
                 for name in cap.cache_buffers:
                     if hasattr(g, name):
@@ -707,14 +768,14 @@ class Bench:
             opts["budget"] = cfg.budget
         t0 = time.perf_counter()
         rw = kvrewrite.apply(self.model, name, max_length=n + cfg.new_tokens, captured=cap,
-                             fuse_projections=cfg.fuse_projections, gemv=cfg.gemv, **opts)
+                             fuse_projections=cfg.fuse_projections, gemv=cfg.gemv, tp=self.tp, **opts)
         apply_s = time.perf_counter() - t0
         mem = rw.cache_bytes()
         res = dict(capture_s=cap_s, apply_s=apply_s, kv_bytes=mem["kvrewrite"], kv_host_bytes=mem["host"],
                    prefill_chunk=cfg.prefill_chunk, kv_compile=cfg.kv_compile, fuse_projections=cfg.fuse_projections,
                    gemv=cfg.gemv)
         if B == 1 and cfg.prefill:
-            ids = torch.randint(1, self.mcfg.vocab_size, (1, n), device=self.dev)
+            ids = same_on_ranks(torch.randint(1, self.mcfg.vocab_size, (1, n), device=self.dev), self.tp)
             warm = ids[:, :3 * cfg.prefill_chunk] if n >= 3 * cfg.prefill_chunk else ids
             if cfg.kv_compile == "inductor":  # the prefill chunks run compiled too, as after a user's rw.compile
                 compile_rw(rw, cfg.inductor_options)
@@ -821,7 +882,7 @@ class Bench:
     def row_head(self, system: str, n: int, B: int, bspec: str) -> dict:
         full = split_system(system)[0] in ("full",) + HF_SYSTEMS
         return dict(system=system, context=n, batch=B, batch_spec=bspec, budget=None if full else self.cfg.budget,
-                    model=self.cfg.model, new_tokens=self.cfg.new_tokens)
+                    model=self.cfg.model, new_tokens=self.cfg.new_tokens, tp=self.tp)
 
     def measure(self, system: str, n: int, B: int, bspec: str, log=print) -> dict:
         """One row: its timings, memory and floor, or the reason it was skipped or failed (recorded in the row:
@@ -865,6 +926,8 @@ class Bench:
         self.write()
 
     def write(self) -> None:
+        if self.rank != 0:  # tp > 1: rank 0 writes
+            return
         doc = dict(env=self.env, copy_gbps=self.copy_gbps, weight_bytes_read=self.weights_read,
                    weight_bytes=self.weights_total, config=dataclasses.asdict(self.cfg), rows=self.rows)
         path = Path(self.cfg.out)
@@ -897,8 +960,13 @@ def format_row(r: dict) -> str:
 
 
 def run_bench(cfg: BenchConfig, log=print) -> dict:
+    """Every row; returns the JSON document written (tp > 1: {} on the ranks other than 0, which log nothing)."""
     cfg.validate()
     bench = Bench(cfg)
+    if bench.rank != 0:
+        with torch.no_grad():
+            bench.run(lambda _s: None)
+        return {}
     log(f"{bench.env.get('gpu')} | torch {bench.env['torch']} | transformers {bench.env['transformers']} | "
         f"triton {bench.env.get('triton', '-')} | git {bench.env['git_sha'][:12]} | copy {bench.copy_gbps:.0f} GB/s | "
         f"weights read/step {bench.weights_read / 1e9:.2f} GB")
@@ -945,6 +1013,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="NAME=VALUE", help="with --kv-compile inductor: an Inductor config for the kvrewrite rows "
                    "(repeatable; e.g. combo_kernels=True); rw.compile(options=...) with CUDA graphs")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the code paths")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the kvrewrite rows: launch with "
+                   "`torchrun --nproc-per-node N -m kvrewrite.cli bench --tp N ...` (docs/tensor-parallel.md)")
     p.add_argument("--out", default="out/bench/e2e.json", help="JSON file, rewritten after every row")
     p.add_argument("--plot", default=None, help="image file for the plots (default: the JSON's name, .png)")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
@@ -962,18 +1032,23 @@ def config_from_args(args) -> BenchConfig:
         kv_compile=args.kv_compile, hf_compiled_contexts=tuple(args.hf_compiled_contexts) if args.hf_compiled_contexts
         else None, max_batch_cap=args.max_batch_cap, time_budget=args.time_budget, prefill=args.prefill,
         fuse_projections=args.fuse_projections, gemv=args.gemv, inductor_options=dict(args.inductor_options),
-        out=args.out, device=args.device)
+        out=args.out, device=args.device, tp=args.tp)
 
 
 def cmd_bench(args) -> int:
     cfg = config_from_args(args)
     cfg.validate()
+    if args.isolate and cfg.tp > 1:
+        raise ValueError("bench: --isolate runs rows in processes of its own, --tp in the ranks torchrun started: "
+                         "use one of them")
     if args.isolate:
         from kvrewrite.bench.e2e_isolated import run_isolated
 
         doc = run_isolated(cfg, log=lambda s: print(s, flush=True))
     else:
         doc = run_bench(cfg, log=lambda s: print(s, flush=True))
+    if not doc:  # tp > 1, a rank other than 0
+        return 0
     from kvrewrite.bench.plot_e2e import plot_e2e
 
     out = args.plot or str(Path(cfg.out).with_suffix(".png"))

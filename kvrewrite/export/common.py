@@ -17,7 +17,17 @@ GRAPHS = ("prefill", "decode", "decode_compress")  # rw.<name>_graph
 INPUT_NAMES = ("input_ids", "position_ids", "cache_position", "token_valid")
 
 
+def check_exportable(rw) -> None:
+    """NotImplementedError for a tensor-parallel model (tp > 1): a per-rank export would hold the rank's graphs
+    (its all-reduces included), its weight shards and state layout, and a loader that starts the process group
+    (docs/tensor-parallel.md); none of that exists yet."""
+    if getattr(rw, "tp", 1) > 1:
+        raise NotImplementedError(f"{rw.model_tag}: exporting a tensor-parallel model (tp={rw.tp}) is not supported "
+                                  f"yet: apply the model with tp=1 (the default) and export that one")
+
+
 def graph_of(rw, name: str):
+    check_exportable(rw)  # every target reads its graphs here
     if name not in GRAPHS:
         raise ValueError(f"unknown graph {name!r}; the graphs are {GRAPHS}")
     return getattr(rw, f"{name}_graph")
@@ -122,6 +132,7 @@ def write_export(rw, path, graphs, target: str, suffix: str, save, **extra) -> P
     """What every target's entry point does around its own export: check `graphs` (default: all three),
     create the directory `path`, `save(name, file)` each graph to <path>/<name><suffix>, then write the
     metadata JSON (target, files, `extra`). Returns the directory."""
+    check_exportable(rw)  # before the directory is made
     graphs = check_graphs(graphs)
     d = out_dir(path)
     files = {}

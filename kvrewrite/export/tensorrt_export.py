@@ -32,8 +32,8 @@ import operator
 
 import torch
 
-from kvrewrite.export.common import INPUT_NAMES, check_graphs, example_inputs, graph_of, metadata, out_dir, \
-    write_metadata
+from kvrewrite.export.common import INPUT_NAMES, check_exportable, check_graphs, example_inputs, graph_of, metadata, \
+    out_dir, write_metadata
 from kvrewrite.export.functional import functionalize, gemv_as_linear
 
 PLUGIN_OPS = (
@@ -190,6 +190,7 @@ def tensorrt(rw, path, graphs=None, **compile_kwargs):
     save <path>/<graph>.ep plus <path>/kvrewrite_export.json. CUDA only. Returns the directory.
 
     `compile_kwargs` go to torch_tensorrt.dynamo.compile (e.g. enabled_precisions)."""
+    check_exportable(rw)
     require_tensorrt()
     import torch_tensorrt
 

@@ -1,0 +1,231 @@
+"""Tensor parallelism: the rank's share of a Hugging Face model, built before capture (docs/tensor-parallel.md).
+
+`kvrewrite.apply(model, ..., tp=N)` runs on every rank of a `torchrun --nproc-per-node N` launch, each rank
+holding the whole model as loaded. `rank_model` builds the rank's model from it:
+
+    q_proj, k_proj, v_proj (+ biases)  rows of the rank's KV heads [r*Hkv/N, (r+1)*Hkv/N) and of their G query
+                                       heads each (a GQA group never straddles two ranks)        column-parallel
+    o_proj                             the same heads' input columns                             row-parallel
+    gate_proj, up_proj                 rows [r*I/N, (r+1)*I/N)                                   column-parallel
+    down_proj                          the same input columns                                    row-parallel
+    embedding, norms, q_norm/k_norm over head_dim, lm_head                                       replicated
+
+and a config copy saying Hq/N, Hkv/N and I/N, so the capture, the layer facts and every method's state are sized
+for the rank's heads. The row-parallel outputs are partial sums; passes/insert_tensor_parallel_all_reduce.py adds
+the all-reduce after them. Every head is attended and compressed on exactly one rank, by the same per-head code as
+with tp=1, so a method whose decisions are per KV head reproduces tp=1; the rest are refused (TP_REFUSED_METHODS).
+
+Memory: the rank model shares every replicated tensor with the user's model and the column-parallel slices are row
+views of its weights (no copy); the row-parallel slices are column slices, copied once to be contiguous
+(1/N of o_proj and of down_proj per layer). The user's model is left as it was: its modules, parameters and config are
+untouched (the rank model has its own module objects and config).
+"""
+import copy
+import itertools
+import os
+
+import torch
+from torch import nn
+
+from kvrewrite.errors import RewriteError
+
+# Model types whose sharding the tensor-parallel test (tests/test_tensor_parallel.py) checks: the Llama layout
+# (separate q/k/v/o and gate/up/down projections, attention that reshapes with -1 heads, per-head q/k norms at
+# most). Any other type is refused rather than sharded by guess.
+TP_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma", "granite", "smollm3", "olmo"})
+
+# Methods whose tp>1 run does not reproduce tp=1 (measured by tests/test_tensor_parallel.py's run of every method),
+# with the reason. Both draw their random choices from a hash keyed by the KV head's index in the layer's state: a
+# rank's heads are numbered from 0 there, so rank 1's head 0 draws what tp=1's head Hkv/N drew. Passing the rank's
+# first head to their ops (a head offset in the hash) would make them reproduce tp=1.
+_HEAD_KEYED = ("its seeded hash is keyed by the KV head's index in the layer's state, and a rank numbers its heads "
+               "from 0, so its random choices differ from tp=1's ({})")
+TP_REFUSED_METHODS = {
+    "clustergen": _HEAD_KEYED.format("the value reservoirs"),
+    "clusterkv": _HEAD_KEYED.format("the k-means initialisation"),
+}
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+_HEAD_NORMS = ("q_norm", "k_norm")  # RMSNorm over head_dim (Qwen3, Gemma-3): the same on every head, replicated
+
+
+def check_tp_method(method, tp: int, verify, tag: str) -> None:
+    """ValueError for a method refused under tp > 1 (TP_REFUSED_METHODS) and for verify=True (the reduced-copy
+    verification runs one process's model; verify the tp=1 model instead)."""
+    if method.name in TP_REFUSED_METHODS:
+        raise ValueError(f"{tag}: method '{method.name}' is not supported with tp={tp}: "
+                         f"{TP_REFUSED_METHODS[method.name]}; use tp=1")
+    if verify is True:
+        raise ValueError(f"{tag}: verify=True is not supported with tp={tp}: verify the model with tp=1 "
+                         f"(kvrewrite.verify(model)), then apply it with tp={tp}")
+
+
+def init_distributed(tp: int, device: torch.device):
+    """The default process group, initialised from torchrun's environment if it is not yet ("nccl" for a model
+    on CUDA, "gloo" on the CPU); ValueError unless its world size is `tp`. Returns (rank, group name)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise RuntimeError(f"kvrewrite.apply(tp={tp}): this torch build has no torch.distributed")
+    if not dist.is_initialized():
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise RuntimeError(f"kvrewrite.apply(tp={tp}): torch.distributed is not initialised and {missing} are not "
+                               f"set: launch every rank with `torchrun --nproc-per-node {tp} ...` (or call "
+                               f"torch.distributed.init_process_group first)")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = {}
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL and the functional collectives run on the current device
+            kwargs["device_id"] = device
+        dist.init_process_group(backend, **kwargs)
+    world = dist.get_world_size()
+    if world != tp:
+        raise ValueError(f"kvrewrite.apply: tp={tp} but the torch.distributed world size is {world}: launch "
+                         f"`torchrun --nproc-per-node {tp}` or pass tp={world}")
+    return dist.get_rank(), dist.group.WORLD.group_name
+
+
+def refuse_hf_tensor_parallel(model, tag: str) -> None:
+    """RewriteError for a model HF already sharded (`from_pretrained(..., tp_plan="auto")`): its weights are
+    DTensors or local shards with HF's own collectives in hooks, which the capture cannot see as a whole model;
+    kvrewrite's sharding lives in the rewrite (the rank's heads decide the state and the method's work)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without torch.distributed: init_distributed names it
+        DTensor = ()
+    hf_tp = (getattr(model, "_tp_size", None) or 1) > 1 or getattr(model, "_device_mesh", None) is not None
+    if hf_tp or (DTensor and any(isinstance(p, DTensor) for p in model.parameters())):
+        raise RewriteError(f"{tag}: the model is already tensor-parallel (loaded with tp_plan=...): load it "
+                           f"without tp_plan on every rank and pass tp=N to kvrewrite.apply, which shards it itself")
+
+
+def _decoder_layers(model, tag: str):
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise RewriteError(f"{tag}: tensor parallelism needs the decoder layers at model.model.layers; "
+                           f"{type(model).__name__} has none")
+    return layers
+
+
+def _check_layout(layer, i: int, cfg, tag: str) -> tuple:
+    """(Hq, Hkv, D, I) of decoder layer i; RewriteError for anything the sharding does not handle."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None:
+        raise RewriteError(f"{tag}: layer {i}: tensor parallelism needs self_attn and mlp modules")
+    for mod, names, where in ((attn, _ATTN, "self_attn"), (mlp, _MLP, "mlp")):
+        for n in names:
+            if not isinstance(getattr(mod, n, None), nn.Linear):
+                raise RewriteError(f"{tag}: layer {i}: {where}.{n} is not an nn.Linear: tensor parallelism handles "
+                                   f"separate {'/'.join(names)} projections only (a fused one is not split yet)")
+        allowed = set(names) | (set(_HEAD_NORMS) if where == "self_attn" else set())
+        for n, child in mod.named_children():
+            if n not in allowed and any(True for _ in child.parameters()):
+                raise RewriteError(f"{tag}: layer {i}: {where}.{n} holds weights the tensor-parallel sharding does "
+                                   f"not know how to split")
+    D = attn.head_dim
+    Hq, Hkv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    if attn.q_proj.out_features != Hq * D or attn.k_proj.out_features != Hkv * D or \
+            attn.v_proj.out_features != Hkv * D or attn.o_proj.in_features != Hq * D:
+        raise RewriteError(f"{tag}: layer {i}: q/k/v/o shapes do not match Hq={Hq}, Hkv={Hkv}, head_dim={D}")
+    for n in _HEAD_NORMS:
+        norm = getattr(attn, n, None)
+        if norm is not None and any(p.numel() != D for p in norm.parameters()):
+            raise RewriteError(f"{tag}: layer {i}: self_attn.{n} normalises over more than one head (weights not of "
+                               f"head_dim={D}): it cannot be split by head")
+    I = mlp.gate_proj.out_features
+    if mlp.up_proj.out_features != I or mlp.down_proj.in_features != I:
+        raise RewriteError(f"{tag}: layer {i}: gate/up/down shapes do not agree on the intermediate size")
+    return Hq, Hkv, D, I
+
+
+def check_shardable(model, tp: int, tag: str) -> list:
+    """[(Hq, Hkv, D, I)] per layer; RewriteError/ValueError naming the model type and the number when `model`
+    cannot be split over `tp` ranks."""
+    from kvrewrite.capture import refuse_alibi, text_config
+
+    refuse_hf_tensor_parallel(model, tag)
+    cfg = text_config(model)
+    if cfg.model_type not in TP_MODELS:
+        raise RewriteError(f"{tag}: tp={tp} is not supported for model type '{cfg.model_type}' yet (tensor "
+                           f"parallelism covers {sorted(TP_MODELS)}): use tp=1")
+    refuse_alibi(model, tag)
+    shapes = [_check_layout(layer, i, cfg, tag) for i, layer in enumerate(_decoder_layers(model, tag))]
+    if len(set(shapes)) != 1:
+        raise RewriteError(f"{tag}: layers differ in heads, head_dim or intermediate size {sorted(set(shapes))}: "
+                           f"tensor parallelism handles uniform layers only")
+    Hq, Hkv, _, I = shapes[0]
+    for name, value in (("num_key_value_heads", Hkv), ("num_attention_heads", Hq), ("intermediate_size", I)):
+        if value % tp:
+            raise ValueError(f"{tag}: tp={tp} does not divide {name}={value} of {cfg.model_type}")
+    return shapes
+
+
+def _param(t: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=like.requires_grad)
+
+
+@torch.no_grad()
+def _split_linear(lin: nn.Linear, a: int, z: int, rows: bool) -> None:
+    """Keep output rows [a, z) (column-parallel: a view, no copy) or input columns [a, z) (row-parallel: a
+    contiguous copy; the bias stays whole, added once after the all-reduce)."""
+    if rows:
+        lin.weight = _param(lin.weight[a:z], lin.weight)
+        if lin.bias is not None:
+            lin.bias = _param(lin.bias[a:z], lin.bias)
+        lin.out_features = z - a
+    else:
+        lin.weight = _param(lin.weight[:, a:z].contiguous(), lin.weight)
+        lin.in_features = z - a
+
+
+def rank_model(model, tp: int, rank: int, tag: str):
+    """(the rank's model, names of its row-parallel weights) built from `model` (module docstring).
+
+    The copy shares every tensor of `model` (a deepcopy whose memo maps each parameter and buffer to itself),
+    then its q/k/v/o and gate/up/down get new parameters holding the rank's slices, and its config the rank's
+    head and intermediate counts.
+    """
+    from kvrewrite.capture import text_config
+
+    shapes = check_shardable(model, tp, tag)
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    shard = copy.deepcopy(model, memo)
+    row_parallel = []
+    for i, layer in enumerate(_decoder_layers(shard, tag)):
+        Hq, Hkv, D, I = shapes[i]
+        hk, G = Hkv // tp, Hq // Hkv
+        attn, mlp = layer.self_attn, layer.mlp
+        kv = (rank * hk * D, (rank + 1) * hk * D)
+        q = (rank * hk * G * D, (rank + 1) * hk * G * D)
+        inter = (rank * I // tp, (rank + 1) * I // tp)
+        _split_linear(attn.q_proj, *q, rows=True)
+        _split_linear(attn.k_proj, *kv, rows=True)
+        _split_linear(attn.v_proj, *kv, rows=True)
+        _split_linear(attn.o_proj, *q, rows=False)
+        _split_linear(mlp.gate_proj, *inter, rows=True)
+        _split_linear(mlp.up_proj, *inter, rows=True)
+        _split_linear(mlp.down_proj, *inter, rows=False)
+        row_parallel += [f"model.layers.{i}.self_attn.o_proj.weight", f"model.layers.{i}.mlp.down_proj.weight"]
+    cfg = text_config(shard)
+    Hq, Hkv, D, I = shapes[0]
+    cfg.head_dim = D  # explicit: some configs derive it from hidden_size // num_attention_heads
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size = Hq // tp, Hkv // tp, I // tp
+    return shard, tuple(row_parallel)
+
+
+def capture_rank(model, tp: int, *, batch_size: int, prefill_chunk: int):
+    """The rank's Captured of `model` (the whole HF model, on every rank): torch.distributed initialised
+    (init_distributed), the rank's model built (rank_model) and captured, the group and the row-parallel weights
+    recorded for insert_tensor_parallel_all_reduce."""
+    from kvrewrite.capture import capture, model_tag
+
+    tag = model_tag(model)
+    check_shardable(model, tp, tag)  # refusals before anything distributed starts
+    rank, group = init_distributed(tp, model.device)
+    shard, row_parallel = rank_model(model, tp, rank, tag)
+    captured = capture(shard, batch_size=batch_size, prefill_chunk=prefill_chunk)
+    captured.tp, captured.tp_group, captured.tp_row_parallel = tp, group, row_parallel
+    return captured
