@@ -234,7 +234,10 @@ class HostGeneration(ContextGeneration):
 
     def reset(self, n_prompt: int, max_new_tokens: int, prompt_slots: int | None = None) -> None:
         """Empty every layer's state and set this generation's targets (B, B + g). prompt_slots: the slots the
-        prompt will fill (its padded length; default n_prompt rounded up to whole prefill chunks)."""
+        prompt will fill (its padded length; default n_prompt rounded up to whole prefill chunks). Refuses targets the
+        method cannot run with (its check_generation) before any state is touched: callers that fill the state
+        themselves (the bench's synthetic fill) get the refusal a prefill gives."""
+        self.method.check_generation(n_prompt, max_new_tokens)
         if prompt_slots is None:
             prompt_slots = math.ceil(n_prompt / self.prefill_chunk) * self.prefill_chunk
         budgets = layer_budgets(self.method, self.layers, n_prompt, max_new_tokens, prompt_slots)

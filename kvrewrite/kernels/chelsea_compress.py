@@ -174,6 +174,9 @@ def chelsea_rows(K, V, n, pos, target, n_sink, n_recent, chunk, r_init, r_alpha,
     i = 0
     while L > target:
         M = L - n_sink - n_recent
+        if M < 1:  # the method's check_generation refuses such budgets; a direct call must not loop forever
+            raise ValueError(f"chelsea_compress: a target of {target} slots cannot hold the {n_sink} sink + {n_recent} "
+                             f"recent slots plus a compressible middle (rows of {L} slots); raise the budget")
         r = max(r_init - r_alpha * min(r_steps, i), r_min)
         # floor(r * M); the 1e-9 absorbs binary rounding (0.35 - 0.1 * 2 == 0.1499..., floor(0.15 * 20) is 3)
         n_merge = min(max(1, int(r * M + 1e-9)), L - target)

@@ -124,3 +124,20 @@ def test_opcheck():
     a = SMALL
     torch.library.opcheck(OP, (s["keys"], s["values"], s["bias"], s["slot_pos"], s["fill"], s["budget"], a["n_sink"],
                                a["n_recent"], a["chunk"], a["r_init"], a["r_alpha"], a["r_steps"], a["r_min"], [1]))
+
+
+def test_a_target_below_sink_plus_recent_is_refused_not_looped_on():
+    # rows of 4 slots over a target of 3 < n_sink 2 + n_recent 3: the CPU op names it (it used to loop forever,
+    # the empty middle's concatenation growing the rows)
+    s = filled_state(1, 1, 16, 4, [[4]], target=3, threshold=4)
+    with pytest.raises(ValueError, match="target of 3 slots cannot hold the 2 sink \\+ 3 recent"):
+        call(s)
+
+
+def test_reset_refuses_a_budget_the_method_cannot_run_with():
+    from tests.families import tiny_model
+
+    # callers that fill the state themselves (the bench's synthetic fill) get a prefill's refusal from reset
+    rw = kvrewrite.apply(tiny_model("llama"), "chelsea", 0.1, max_length=128, prefill_chunk=16, n_sink=16, n_recent=64)
+    with pytest.raises(ValueError, match="cannot hold the 16 sink \\+ 64 recent"):
+        rw.reset(64, 32)
