@@ -62,7 +62,8 @@ def test_cuda_errors_name_the_problem():
         OP(torch.randn(5, 32, device="cuda", dtype=torch.bfloat16), w)
 
 
-def test_compiled_decode_with_gemv_generates_the_same_tokens():
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fuse_projections"])
+def test_compiled_decode_with_gemv_generates_the_same_tokens(fused):
     """A tiny Llama with gemv=True under rw.compile(fullgraph, reduce-overhead) generates the tokens of the same
     model without it; every linear of its decode graph became a gemv, gemv_rms_norm or gemv_glu (fp32: the two differ by
     summation order only, far from a greedy near-tie)."""
@@ -73,8 +74,8 @@ def test_compiled_decode_with_gemv_generates_the_same_tokens():
     ids = torch.randint(0, model.config.vocab_size, (1, 24), device="cuda")
     outs, counts = {}, {}
     for flag in (False, True):
-        rw = kvrewrite.apply(model, "chelsea", 0.5, max_length=64, prefill_chunk=8, gemv=flag, n_sink=2, n_recent=4,
-                             chunk=8)
+        rw = kvrewrite.apply(model, "chelsea", 0.5, max_length=64, prefill_chunk=8, gemv=flag, fuse_projections=fused,
+                             n_sink=2, n_recent=4, chunk=8)
         counts[flag] = {t: sum(str(n.target) == t for n in rw.decode_graph.graph.nodes)
                         for t in ("aten.linear.default", "kvrewrite.gemv.default", "kvrewrite.gemv_rms_norm.default",
                                   "kvrewrite.gemv_glu.default")}
@@ -83,8 +84,12 @@ def test_compiled_decode_with_gemv_generates_the_same_tokens():
         outs[flag] = rw.generate(ids, max_new_tokens=16)
     # passes/fuse_rms_norm_into_gemv.py turns the gemvs after an RMSNorm into kvrewrite::gemv_rms_norm,
     # passes/fuse_glu_into_gemv.py the down projections into kvrewrite::gemv_glu
+    L = model.config.num_hidden_layers
     assert counts[True]["aten.linear.default"] == 0
-    assert counts[True]["kvrewrite.gemv_glu.default"] == model.config.num_hidden_layers
+    assert counts[True]["kvrewrite.gemv_glu.default"] == L
     assert counts[True]["kvrewrite.gemv.default"] + counts[True]["kvrewrite.gemv_rms_norm.default"] + \
         counts[True]["kvrewrite.gemv_glu.default"] == counts[False]["aten.linear.default"]
+    if fused:  # q/k/v and gate/up of every layer, and the lm_head, after an RMSNorm; o_proj alone
+        assert counts[True]["kvrewrite.gemv_rms_norm.default"] == 2 * L + 1
+        assert counts[True]["kvrewrite.gemv.default"] == L
     assert torch.equal(outs[False], outs[True])
