@@ -19,14 +19,13 @@ Requires: runs after replace_linear_with_gemv (it rewrites the kvrewrite::gemv n
 """
 import logging
 import operator
-from functools import reduce
 
 import torch
 from torch import fx
 
 from kvrewrite.context import RewriteContext
 from kvrewrite.kernels.gemv_rms_norm import input_problem_rms
-from kvrewrite.passes.utils import clean_up
+from kvrewrite.passes.utils import attr_tensor, clean_up
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +53,9 @@ def _val(node):
 
 
 def _attr(gm, node):
-    if node is None:
-        return None
-    if node.op == "get_attr":
-        return reduce(getattr, node.target.split("."), gm)
+    """A get_attr node's tensor, else the node's traced value (None for None)."""
+    if node is None or node.op == "get_attr":
+        return attr_tensor(gm, node)
     return _val(node)
 
 

@@ -16,20 +16,17 @@ Requires: runs after fuse_projections (so the fused matmuls are replaced too); p
           (the kernel re-reads the weights per row; cuBLAS was faster from 2 rows on).
 """
 import logging
-from functools import reduce
 
 import torch
 from torch import fx
 
 from kvrewrite.context import RewriteContext
 from kvrewrite.kernels.gemv import input_problem
-from kvrewrite.passes.utils import clean_up
+from kvrewrite.passes.utils import attr_tensor, clean_up
 
 logger = logging.getLogger(__name__)
 
 LINEAR = torch.ops.aten.linear.default
-def _attr(gm: fx.GraphModule, node):
-    return None if node is None else reduce(getattr, node.target.split("."), gm)
 
 
 def _fits(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -40,7 +37,7 @@ def _fits(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.kwargs or not isinstance(x, fx.Node) or w_node.op != "get_attr" or \
             (b_node is not None and b_node.op != "get_attr"):
         return False
-    w, b, val = _attr(gm, w_node), _attr(gm, b_node), x.meta.get("val")
+    w, b, val = attr_tensor(gm, w_node), attr_tensor(gm, b_node), x.meta.get("val")
     if not isinstance(val, torch.Tensor) or not isinstance(val.numel(), int):  # a symbolic size is not known to fit
         return False
     return input_problem(val, w, b) is None

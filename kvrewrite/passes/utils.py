@@ -1,4 +1,6 @@
 """Helpers shared by the passes."""
+import functools
+
 import torch
 from torch import fx
 
@@ -43,6 +45,11 @@ def clean_up(gm: fx.GraphModule) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def attr_tensor(gm: fx.GraphModule, node):
+    """The tensor a get_attr node names (a weight, a bias), or None for None."""
+    return None if node is None else functools.reduce(getattr, node.target.split("."), gm)
 
 
 def val_shape(node) -> tuple:
