@@ -19,8 +19,14 @@ Memory: the rank model shares every replicated tensor with the user's model and 
 views of its weights (no copy); the row-parallel slices are column slices, copied once to be contiguous
 (1/N of o_proj and of down_proj per layer). The user's model is left as it was: its modules, parameters and config are
 untouched (the rank model has its own module objects and config).
+
+Loading only the rank's share: `rank_model` works on a model built on the meta device too (no memory); the rank
+materialises the result (`to_empty`), fills its weights and non-persistent buffers, and passes it to
+`apply(..., tp=N)`, which recognises a rank model (its `kvrewrite_shard`) and captures it as it is. A 70B model
+then never exists whole on one GPU (the bench does this for every tp > 1 run: bench/e2e.py, build_rank_model).
 """
 import copy
+import dataclasses
 import itertools
 import os
 
@@ -48,6 +54,15 @@ TP_REFUSED_METHODS = {
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 _HEAD_NORMS = ("q_norm", "k_norm")  # RMSNorm over head_dim (Qwen3, Gemma-3): the same on every head, replicated
+
+
+@dataclasses.dataclass(frozen=True)
+class RankShard:
+    """What `rank_model` records on the rank's model (`kvrewrite_shard`): apply(tp=N) captures such a model as it
+    is instead of sharding it again."""
+    tp: int
+    rank: int
+    row_parallel: tuple  # names of its row-parallel weights (insert_tensor_parallel_all_reduce)
 
 
 def check_tp_method(method, tp: int, verify, tag: str) -> None:
@@ -213,19 +228,34 @@ def rank_model(model, tp: int, rank: int, tag: str):
     Hq, Hkv, D, I = shapes[0]
     cfg.head_dim = D  # explicit: some configs derive it from hidden_size // num_attention_heads
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size = Hq // tp, Hkv // tp, I // tp
+    shard.kvrewrite_shard = RankShard(tp, rank, tuple(row_parallel))
     return shard, tuple(row_parallel)
 
 
 def capture_rank(model, tp: int, *, batch_size: int, prefill_chunk: int):
-    """The rank's Captured of `model` (the whole HF model, on every rank): torch.distributed initialised
-    (init_distributed), the rank's model built (rank_model) and captured, the group and the row-parallel weights
-    recorded for insert_tensor_parallel_all_reduce."""
+    """The rank's Captured of `model` (the whole HF model on every rank, or the rank's own model that `rank_model`
+    made): torch.distributed initialised (init_distributed), the rank's model built (rank_model) and captured, the
+    group and the row-parallel weights recorded for insert_tensor_parallel_all_reduce."""
     from kvrewrite.capture import capture, model_tag
 
     tag = model_tag(model)
-    check_shardable(model, tp, tag)  # refusals before anything distributed starts
+    marked = getattr(model, "kvrewrite_shard", None)
+    if marked is None:
+        check_shardable(model, tp, tag)  # refusals before anything distributed starts
+    elif marked.tp != tp:
+        raise ValueError(f"{tag}: the model is rank {marked.rank}'s share of a tp={marked.tp} split, but tp={tp}")
+    else:
+        meta = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+        if meta:
+            raise ValueError(f"{tag}: the rank's model still has {len(meta)} tensors on the meta device "
+                             f"(first: {meta[0]}): materialise it (to_empty) and fill its weights and buffers first")
     rank, group = init_distributed(tp, model.device)
-    shard, row_parallel = rank_model(model, tp, rank, tag)
+    if marked is None:
+        shard, row_parallel = rank_model(model, tp, rank, tag)
+    elif marked.rank != rank:
+        raise ValueError(f"{tag}: the model is rank {marked.rank}'s share, but this process is rank {rank}")
+    else:
+        shard, row_parallel = model, marked.row_parallel
     captured = capture(shard, batch_size=batch_size, prefill_chunk=prefill_chunk)
     captured.tp, captured.tp_group, captured.tp_row_parallel = tp, group, row_parallel
     return captured

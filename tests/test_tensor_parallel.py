@@ -12,10 +12,17 @@ Inside the ranks (apply initialises the group itself from torchrun's environment
   gemma, granite (residual and attention multipliers), smollm3 (layers without RoPE), olmo (clip_qkv) and gemma3
   (sliding-window layers, per-head norms): `full` at tp=2 against HF's forward over the generated tokens;
 - every rank generates the same tokens;
+- apply of the rank's own model (tensor_parallel.rank_model, what a rank that loads only its share passes) equals
+  apply of the whole model; a share of another split, of another rank or left on the meta device is refused;
 - `kvrewrite bench --tp 2`'s CPU dry run (full and chelsea rows, tiny-llama): rank 0 writes the rows, rank 1 nothing;
 - refusals naming the numbers: indivisible KV heads (MQA), a family outside TP_MODELS (phi3's fused qkv_proj), a
   model HF already sharded, a world size other than tp, verify=True, exporting a tp=2 model.
+
+The GPU test (2 GPUs, marked gpu) runs the same checks in a 2-process NCCL group, each rank on its own GPU: once
+in fp32 with the CPU's tolerances (the Triton kernels on both sides), then every method again in bf16 against tp=1
+in bf16 (BF16_TOL on the relative logits error; NCCL sums the two ranks' partial outputs in bf16).
 """
+import copy
 import json
 import os
 import socket
@@ -29,7 +36,8 @@ PROMPT, NEW = 26, 8  # the sizes tests/methods_matrix.py's settings fit
 CHUNK, MAX_LENGTH = 8, 64
 FULL_TOL = 1e-5  # fp32: the sums over ranks reorder the o_proj/down_proj reductions, nothing else
 METHOD_TOL = 1e-4  # the same arithmetic; a looser bound only because a method's choices follow the scores
-DEADLINE_S = 300  # a rank stuck in a collective is killed and the test fails
+BF16_TOL = 1e-2  # bf16: ||tp2 - tp1|| / ||tp1|| of the logits; tp=1 against the fp32 model is of the same order
+DEADLINE_S = {"cpu": 300, "cuda": 480}  # a rank stuck in a collective is killed and the test fails (GPU: Triton JIT)
 
 dist = pytest.importorskip("torch.distributed")
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
@@ -71,6 +79,10 @@ def _generate(model_or_rw, ids):
 
 def _max_diff(a, b) -> float:
     return float((a - b).abs().max()) if a.shape == b.shape else float("inf")
+
+
+def _rel_err(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm()) if a.shape == b.shape else float("inf")
 
 
 class _Checks:
@@ -128,12 +140,12 @@ def _common():
     return dict(COMMON)
 
 
-def _bench_dry_run(rank: int, c: _Checks, out_dir: str) -> None:
+def _bench_dry_run(rank: int, c: _Checks, out_dir: str, device: str = "cpu") -> None:
     from kvrewrite.bench.e2e import BenchConfig, run_bench
 
     out = os.path.join(out_dir, "e2e.json")
     cfg = BenchConfig(model="tiny-llama", systems=("full", "chelsea:interval=4:n_sink=4:n_recent=16"), contexts=(256,),
-                      batches=("1",), budget=0.2, prefill_chunk=64, intervals=1, reps=1, device="cpu", tp=WORLD,
+                      batches=("1",), budget=0.2, prefill_chunk=64, intervals=1, reps=1, device=device, tp=WORLD,
                       out=out)
     doc = run_bench(cfg)
     if rank != 0:
@@ -146,7 +158,69 @@ def _bench_dry_run(rank: int, c: _Checks, out_dir: str) -> None:
         c.expect(ok, f"bench --tp: row {r}")
 
 
-def _rank_checks(rank: int, c: _Checks, out_dir: str) -> None:
+def _first_methods():
+    """(name, kwargs) of every method of tests/methods_matrix.py (its first settings per name)."""
+    from tests.methods_matrix import METHODS_MATRIX
+
+    seen = {}
+    for entry in METHODS_MATRIX:
+        seen.setdefault(entry["name"], entry["kwargs"])
+    return list(seen.items())
+
+
+def _rank_model_checks(rank: int, c: _Checks, llama, ids, logits) -> None:
+    """apply(tp=2) of the rank's own model (rank_model: what a rank that loads only its share passes) equals apply of
+    the whole model, bit for bit; a share of another split, of another rank or still on the meta device is refused."""
+    import kvrewrite
+    from kvrewrite.tensor_parallel import rank_model
+
+    own, _ = rank_model(llama, WORLD, rank, "test")
+    rw = kvrewrite.apply(own, "full", max_length=MAX_LENGTH, prefill_chunk=CHUNK, tp=WORLD)
+    own_logits = _generate(rw, ids)[1]
+    c.expect(torch.equal(own_logits, logits), f"apply of the rank's model: logits {_max_diff(own_logits, logits):.3g} "
+                                              f"off the whole model's")
+    c.raises(ValueError, ["rank 0's share of a tp=2 split", "tp=4"],
+             lambda: kvrewrite.apply(rank_model(llama, WORLD, 0, "test")[0], "full", tp=4), "share of another split")
+    c.raises(ValueError, [f"rank {1 - rank}'s share", f"this process is rank {rank}"],
+             lambda: kvrewrite.apply(rank_model(llama, WORLD, 1 - rank, "test")[0], "full", tp=WORLD),
+             "another rank's share")
+    meta, _ = rank_model(copy.deepcopy(llama).to("meta"), WORLD, rank, "test")
+    c.raises(ValueError, ["meta device", "to_empty"], lambda: kvrewrite.apply(meta, "full", tp=WORLD),
+             "a share on the meta device")
+
+
+def _bf16_checks(rank: int, c: _Checks, dev) -> None:
+    """Every method in bf16 on the GPUs: tp=2 against tp=1 (rank 0) by the relative error of the logits over the
+    steps both runs fed the same tokens (a near-tie may pick another token in bf16; after it the runs differ)."""
+    import kvrewrite
+    from kvrewrite.capture import capture
+    from kvrewrite.tensor_parallel import TP_REFUSED_METHODS, capture_rank
+
+    t0 = time.perf_counter()
+    ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(2)).to(dev)
+    llama = _llama_with_biases().to(dev, torch.bfloat16)
+    shared = capture_rank(llama, WORLD, batch_size=1, prefill_chunk=CHUNK)
+    reference = capture(llama, batch_size=1, prefill_chunk=CHUNK) if rank == 0 else None
+    for name, kwargs in _first_methods():
+        if name in TP_REFUSED_METHODS:
+            continue
+        tokens, logits = _generate(kvrewrite.apply(llama, name, captured=shared, max_length=MAX_LENGTH, tp=WORLD,
+                                                   **kwargs), ids)
+        c.same_on_ranks(tokens, f"bf16 llama {name}")
+        if rank == 0:
+            ref_tokens, ref_logits = _generate(kvrewrite.apply(llama, name, captured=reference,
+                                                               max_length=MAX_LENGTH, **kwargs), ids)
+            gen, ref_gen = tokens[0, PROMPT:], ref_tokens[0, PROMPT:]
+            same = int((gen == ref_gen).int().cumprod(0).sum()) if gen.shape == ref_gen.shape else 0
+            steps = min(same + 1, NEW)  # the step that picked the first different token had the same inputs
+            d = c.diffs[f"bf16 llama {name}"] = _rel_err(logits[:steps].float(), ref_logits[:steps].float())
+            c.diffs[f"bf16 llama {name}: same tokens"] = same
+            c.expect(d <= BF16_TOL, f"bf16 llama {name}: tp=2 logits differ from tp=1 by {d:.3g} (relative) > "
+                                    f"{BF16_TOL} over {steps} steps")
+    c.seconds["bf16"] = time.perf_counter() - t0
+
+
+def _rank_checks(rank: int, c: _Checks, out_dir: str, dev=torch.device("cpu")) -> None:
     import kvrewrite
     from kvrewrite.capture import capture
     from kvrewrite.tensor_parallel import TP_REFUSED_METHODS, capture_rank
@@ -154,10 +228,10 @@ def _rank_checks(rank: int, c: _Checks, out_dir: str) -> None:
 
     t0 = time.perf_counter()
     _refusals(c, kvrewrite)
-    ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1)).to(dev)
 
     # every capture first (no collective runs in a capture but the group's start): rank 0 also makes tp=1's
-    llama = _llama_with_biases()
+    llama = _llama_with_biases().to(dev)
     with torch.no_grad():
         hf_before = llama(ids).logits
     config_before = llama.config.to_json_string()
@@ -165,7 +239,7 @@ def _rank_checks(rank: int, c: _Checks, out_dir: str) -> None:
     reference = capture(llama, batch_size=1, prefill_chunk=CHUNK) if rank == 0 else None
     c.seconds["captures"] = time.perf_counter() - t0
 
-    mha = _tiny(lambda tf: tf.LlamaConfig(num_hidden_layers=1, **dict(_common(), num_key_value_heads=4)))
+    mha = _tiny(lambda tf: tf.LlamaConfig(num_hidden_layers=1, **dict(_common(), num_key_value_heads=4))).to(dev)
     c.raises(ValueError, ["tp=4", "world size is 2"], lambda: kvrewrite.apply(mha, "full", tp=4), "world size")
 
     # every method on llama: tp=2 against tp=1 (rank 0 holds tp=1's run)
@@ -196,6 +270,7 @@ def _rank_checks(rank: int, c: _Checks, out_dir: str) -> None:
             fused_tokens, fused_logits = _generate(fused, ids)
             d = c.diffs["llama full fuse_projections+gemv"] = _max_diff(fused_logits, logits)
             c.expect(torch.equal(fused_tokens, tokens) and d <= FULL_TOL, f"llama full fused+gemv at tp=2: {d:.3g}")
+            _rank_model_checks(rank, c, llama, ids, logits)
             hf_tokens, hf_logits = _generate(llama, ids)
             d = c.diffs["llama full vs HF"] = _max_diff(logits, hf_logits)
             c.expect(torch.equal(tokens, hf_tokens) and d <= FULL_TOL, f"llama full: tp=2 vs HF: logits {d:.3g}")
@@ -223,6 +298,7 @@ def _rank_checks(rank: int, c: _Checks, out_dir: str) -> None:
                   num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=16,
                   layer_types=["sliding_attention", "sliding_attention", "full_attention"], **_common()))}
     for name, model in others.items():
+        model = model.to(dev)
         rw = kvrewrite.apply(model, "full", max_length=MAX_LENGTH, prefill_chunk=CHUNK, tp=WORLD)
         tokens, logits = _generate(rw, ids)
         # HF's forward over the generated sequence (not HF's generate: with OLMo's clip_qkv, HF's generate differs
@@ -234,13 +310,14 @@ def _rank_checks(rank: int, c: _Checks, out_dir: str) -> None:
         c.expect(greedy and d <= FULL_TOL, f"{name} full: tp=2 vs HF's forward: logits {d:.3g}, greedy {greedy}")
         c.same_on_ranks(tokens, f"{name} full")
     t2 = time.perf_counter()
-    _bench_dry_run(rank, c, out_dir)
+    _bench_dry_run(rank, c, out_dir, dev.type)
     c.seconds["bench"] = time.perf_counter() - t2
     c.seconds["total"] = time.perf_counter() - t0
 
 
-def _rank_main(rank: int, port: int, out_dir: str) -> None:
-    """One rank: torchrun's environment, then every check; what failed goes to <out_dir>/rank<r>.json."""
+def _rank_main(rank: int, port: int, out_dir: str, device: str = "cpu") -> None:
+    """One rank: torchrun's environment, then every check; what failed goes to <out_dir>/rank<r>.json. On "cuda"
+    the rank runs on GPU `rank` (NCCL), then the bf16 checks."""
     import warnings
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -248,8 +325,14 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     c = _Checks(rank)
+    dev = torch.device("cpu")
+    if device == "cuda":
+        dev = torch.device("cuda", rank)
+        torch.cuda.set_device(dev)
     try:
-        _rank_checks(rank, c, out_dir)
+        _rank_checks(rank, c, out_dir, dev)
+        if device == "cuda":
+            _bf16_checks(rank, c, dev)
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump({"failures": c.failures, "seconds": c.seconds, "diffs": c.diffs}, f, indent=1)
@@ -263,22 +346,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_tensor_parallel_matches_tp1(tmp_path):
-    """Every check above, in one spawned 2-process gloo group (module docstring)."""
+def _run_group(tmp_path, device: str) -> None:
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_rank_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False,
+    ctx = mp.start_processes(_rank_main, args=(_free_port(), str(tmp_path), device), nprocs=WORLD, join=False,
                              start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
+    deadline = time.monotonic() + DEADLINE_S[device]
     while not ctx.join(timeout=5):  # raises (and ends the other rank) when a rank fails
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            pytest.fail(f"the 2-process group did not finish in {DEADLINE_S} s")
+            pytest.fail(f"the 2-process group did not finish in {DEADLINE_S[device]} s")
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     failures = [f for r in reports for f in r["failures"]]
     print(json.dumps(reports[0], indent=1))
     assert not failures, "\n".join(failures)
+
+
+def test_tensor_parallel_matches_tp1(tmp_path):
+    """Every check above, in one spawned 2-process gloo group (module docstring)."""
+    _run_group(tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
+                    reason="needs 2 GPUs and NCCL")
+def test_tensor_parallel_gpu_nccl(tmp_path):
+    """The same checks in a 2-process NCCL group on 2 GPUs, fp32, then every method in bf16 (module docstring)."""
+    _run_group(tmp_path, "cuda")
 
 
 @pytest.mark.parametrize("argv, needle", [

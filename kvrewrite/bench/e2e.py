@@ -51,7 +51,8 @@ Decisions (what exactly is timed):
   one GPU each, cuda:LOCAL_RANK): the rows apply with tp=N (docs/tensor-parallel.md), every rank times its own steps
   and rank 0 logs and writes the JSON. Per rank: weights read = the replicated weights + 1/N of q/k/v/o and
   gate/up/down, KV read = its Hkv/N heads, so the floor is one rank's; the prompt and the first decode token are
-  rank 0's (broadcast). The dense prefill baseline is one device's (the rank's whole model). `--device cpu`
+  rank 0's (broadcast). Every rank builds only its share of the model (build_rank_model), so no dense prefill
+  baseline is run (prefill_vs_dense is a tp=1 number). `--device cpu`
   with gloo is the dry run (tests/test_tensor_parallel.py).
 - Rows run in order and the JSON is rewritten after each one, so a run cut by a timeout keeps what it has;
   `--time-budget` skips the rows not started once that many seconds have passed. A row that fails (out of
@@ -80,6 +81,10 @@ MODELS = {
                          rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=8192)),
+    # Llama-3-70B: weights 141 GB in bf16, so it runs only split over ranks (--tp 2 on two H200s)
+    "llama-3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+                        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
     "tiny-llama": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, max_position_embeddings=8192, tie_word_embeddings=False),
 }
@@ -272,16 +277,37 @@ def build_model(name: str, device: str, dtype: torch.dtype | None = None):
     return model.eval().requires_grad_(False)
 
 
+@torch.no_grad()
+def build_rank_model(name: str, tp: int, rank: int, device: str, dtype: torch.dtype | None = None):
+    """The rank's share of the named random-weight model, built without the whole model ever existing on the device:
+    the model on the meta device, sharded (tensor_parallel.rank_model), materialised on `device`, its weights drawn
+    (normal(0, 0.02), norms 1: HF's Llama init) from a generator seeded by the parameter's name, so every rank holds
+    the same replicated weights, and its rotary buffers rebuilt."""
+    import zlib
+
+    from kvrewrite.tensor_parallel import rank_model
+
+    dtype = dtype or model_dtype(device)
+    shard, _ = rank_model(build_model(name, "meta", dtype), tp, rank, f"bench {name}")
+    shard.to_empty(device=device)
+    gen = torch.Generator(device=device)
+    for pname, p in shard.named_parameters():
+        if pname.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            gen.manual_seed(zlib.crc32(pname.encode()))
+            p.normal_(0.0, 0.02, generator=gen)
+    for mname, mod in list(shard.named_modules()):
+        if hasattr(mod, "inv_freq"):  # non-persistent buffers computed at init: what to_empty left is garbage
+            with torch.device(device):
+                shard.set_submodule(mname, type(mod)(config=mod.config))
+    return shard
+
+
 def split_weight_bytes(model) -> int:
     """Bytes of the projections tensor parallelism splits (q/k/v/o, gate/up/down of every decoder layer)."""
     names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.split(".")[-2] in names)
-
-
-def row_parallel_bytes(model) -> int:
-    """Bytes of o_proj and down_proj: a tp rank copies 1/tp of them (kvrewrite/tensor_parallel.py)."""
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-               if n.split(".")[-2] in ("o_proj", "down_proj"))
 
 
 def start_ranks(cfg: BenchConfig) -> int:
@@ -667,16 +693,22 @@ class Bench:
     def __init__(self, cfg: BenchConfig, planner: bool = False):
         self.cfg = cfg
         self.dev = cfg.device
-        self.tp, self.rank = cfg.tp, 0
+        self.tp, self.rank, self.owns_group = cfg.tp, 0, False
         if cfg.tp > 1 and not planner:
+            import torch.distributed as dist
+
+            self.owns_group = not dist.is_initialized()  # started here: ended by run_bench (else the launch hangs)
             self.rank = start_ranks(cfg)
-        self.model = build_model(cfg.model, "meta" if planner else self.dev, model_dtype(self.dev))
+        # tp > 1: the whole model on the meta device (shapes, for the bytes) and the rank's share built alone
+        tp_split = cfg.tp > 1 and not planner
+        self.model = build_model(cfg.model, "meta" if planner or tp_split else self.dev, model_dtype(self.dev))
+        self.shard = build_rank_model(cfg.model, cfg.tp, self.rank, self.dev) if tp_split else None
         self.mcfg = self.model.config
-        # one rank's share (tp > 1): the split projections count 1/tp; the rank holds the whole model + its copies
+        # one rank's share (tp > 1): the split projections count 1/tp, the rest whole (replicated)
         split = split_weight_bytes(self.model)
         self.weights_read = weight_bytes_read(self.model) - split + split // self.tp
-        self.weights_total = sum(p.numel() * p.element_size() for p in self.model.parameters()) + \
-            (row_parallel_bytes(self.model) // self.tp if self.tp > 1 else 0)
+        self.weights_total = sum(p.numel() * p.element_size() for p in self.model.parameters()) - split + \
+            split // self.tp
         self.copy_gbps = None if planner else copy_gbps(self.dev)
         self.env = env_info(self.dev)
         if self.tp > 1:
@@ -746,7 +778,7 @@ class Bench:
             if self.tp > 1:
                 from kvrewrite.tensor_parallel import capture_rank
 
-                cap = capture_rank(self.model, self.tp, batch_size=B, prefill_chunk=self.cfg.prefill_chunk)
+                cap = capture_rank(self.shard, self.tp, batch_size=B, prefill_chunk=self.cfg.prefill_chunk)
             else:
                 cap = capture(self.model, batch_size=B, prefill_chunk=self.cfg.prefill_chunk)
             for g in cap.graphs.values():  # the scratch StaticCache: the rewrite drops it from every graph
@@ -767,7 +799,7 @@ class Bench:
         if name != "full":
             opts["budget"] = cfg.budget
         t0 = time.perf_counter()
-        rw = kvrewrite.apply(self.model, name, max_length=n + cfg.new_tokens, captured=cap,
+        rw = kvrewrite.apply(self.shard if self.tp > 1 else self.model, name, max_length=n + cfg.new_tokens, captured=cap,
                              fuse_projections=cfg.fuse_projections, gemv=cfg.gemv, tp=self.tp, **opts)
         apply_s = time.perf_counter() - t0
         mem = rw.cache_bytes()
@@ -903,7 +935,7 @@ class Bench:
         row.update(res)
         if self.dev == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        if B == 1 and self.cfg.prefill and "prefill_s" in row and system not in HF_SYSTEMS:
+        if B == 1 and self.cfg.prefill and "prefill_s" in row and system not in HF_SYSTEMS and self.tp == 1:
             row["dense_prefill_s"] = self.dense_prefill_s(n)
             row["prefill_vs_dense"] = row["prefill_s"] / row["dense_prefill_s"]
         row["ms_per_token"] = row["ms_per_step"]
@@ -963,6 +995,16 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     """Every row; returns the JSON document written (tp > 1: {} on the ranks other than 0, which log nothing)."""
     cfg.validate()
     bench = Bench(cfg)
+    try:
+        return _run_rows(bench, cfg, log)
+    finally:
+        if bench.owns_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _run_rows(bench: Bench, cfg: BenchConfig, log) -> dict:
     if bench.rank != 0:
         with torch.no_grad():
             bench.run(lambda _s: None)
