@@ -282,3 +282,25 @@ def test_isolated_rows_run_in_their_own_process_and_max_batches_shrink_after_an_
     assert "error" in rows["1"] and "max_batch_tries" not in rows["1"]
     assert rows["max"]["max_batch_tries"] == [3, 2, 1] and rows["max"]["batch"] == 1 and doc["copy_gbps"] == 7.0
     assert not iso.out_of_memory({"error": "RuntimeError: shapes do not match"})
+
+
+def test_plot_tp(tmp_path):
+    """plot_tp draws tp=1 and tp=2 JSONs side by side: one bar per row label, repeated runs of a label as a range;
+    rows that did not run are left out."""
+    pytest.importorskip("matplotlib")
+    from kvrewrite.bench import plot_tp
+
+    def doc(tp, ms):
+        row = dict(system="chelsea", model="llama-3.1-8b", batch=1, kv_compile="graph", ms_per_token=ms,
+                   floor_ms=2.0, tok_per_s=1e3 / ms)
+        return dict(env=dict(gpu="G", torch="t", **({"tp": tp} if tp > 1 else {})),
+                    rows=[row, dict(system="full", model="llama-3.1-8b", batch=4, error="OutOfMemoryError")])
+
+    paths = []
+    for name, tp, ms in (("a", 1, 4.0), ("b", 2, 3.0), ("c", 2, 3.2)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(doc(tp, ms)))
+    labels = [r["label"] for r in plot_tp._rows(paths)]
+    assert labels == ["8b chelsea\nB=1 tp=1\nCUDA graphs"] + ["8b chelsea\nB=1 tp=2\nCUDA graphs"] * 2
+    assert plot_tp.main([*map(str, paths), "--out", str(tmp_path / "tp.png")]) == 0
+    assert (tmp_path / "tp.png").stat().st_size > 0
