@@ -270,14 +270,15 @@ class GenerationPlan:
 
 
 def decode_loop(plan: GenerationPlan, logits, history, decode_step, *, streamer=None, generator=None,
-                progress=False):
+                progress=False, same_sample=None):
     """HF's `_sample` loop from the first logits [B, V] on: process, pick (argmax, or softmax + torch.multinomial
     on `generator` or the global RNG), pad finished rows, stream, stop; `decode_step(tokens [B]) -> logits [B, V]`.
     Returns (new tokens [B, steps], scores, logits) (the two lists when return_dict_in_generate asked for them).
 
     Greedy with no processor, no scores and only HF's max-length / EOS criteria (the default) takes argmax with
     greedy_tokens on the raw logits (the same token: a float32 copy changes no order) and tests EOS itself
-    (EosTokenCriteria's isin); with no EOS it never reads the device until the end."""
+    (EosTokenCriteria's isin); with no EOS it never reads the device until the end. `same_sample(tokens) ->
+    tokens`, if given, replaces each sampled draw (tensor parallelism: rank 0's draw on every rank)."""
     from tqdm.auto import tqdm
 
     gc, processors, criteria = plan.config, plan.processors, plan.criteria
@@ -313,6 +314,8 @@ def decode_loop(plan: GenerationPlan, logits, history, decode_step, *, streamer=
                 raw.append(x)
             if gc.do_sample:
                 tok = torch.multinomial(torch.softmax(s, dim=-1), num_samples=1, generator=generator).squeeze(1)
+                if same_sample is not None:
+                    tok = same_sample(tok)
             else:
                 tok = greedy_tokens(s)  # torch.argmax's token, in fewer passes over a long row
         if has_eos:

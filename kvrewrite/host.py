@@ -341,7 +341,7 @@ class HostGeneration(ContextGeneration):
         over `self.generation_config` as HF merges them; HF's `tokenizer` (for stop_strings) and
         `prefix_allowed_tokens_fn` are taken too. `logits_processor` / `stopping_criteria` extend HF's lists,
         `streamer` gets the prompt then each token (put / end). Sampling draws from `generator` if given, else from
-        torch's global RNG (as HF). Anything a kvrewrite generation cannot honour (beam search, assisted generation,
+        torch's global RNG (as HF); with tensor parallelism every rank takes rank 0's draws. Anything a kvrewrite generation cannot honour (beam search, assisted generation,
         attentions or hidden states out, HF's cache options, an unknown argument) is refused by name before any
         state is touched. `context`: a ContextState to continue from (rw.prefill_context; docs/context.md).
 
@@ -360,8 +360,11 @@ class HostGeneration(ContextGeneration):
         t1 = time.perf_counter()
         if streamer is not None:
             streamer.put(plan.input_ids.cpu())
+        same_sample = None
+        if getattr(self, "tp", 1) > 1:  # every rank must feed the same tokens: rank 0's draws (greedy ones agree)
+            from kvrewrite.tensor_parallel import rank0_tokens as same_sample
         new, scores, raw = decode_loop(plan, logits, history.to(device), self.decode_step, streamer=streamer,
-                                       generator=generator, progress=progress)
+                                       generator=generator, progress=progress, same_sample=same_sample)
         # host-side wall clock; decode_loop synchronises at its end
         self.last_timings = {"prefill_s": t1 - t0, "decode_s": time.perf_counter() - t1, "new_tokens": new.shape[1]}
         return plan.output(torch.cat([plan.input_ids, new], dim=1), scores, raw)

@@ -102,6 +102,16 @@ def init_distributed(tp: int, device: torch.device):
     return dist.get_rank(), dist.group.WORLD.group_name
 
 
+def rank0_tokens(tokens: torch.Tensor) -> torch.Tensor:
+    """`tokens` as rank 0 drew them, on every rank (a broadcast on the default group, which init_distributed starts
+    and the all-reduces use): sampling draws from each rank's own generator, and ranks that fed different tokens
+    would no longer compute the same model. Greedy picks need none: every rank holds the same logits."""
+    import torch.distributed as dist
+
+    dist.broadcast(tokens, src=0)
+    return tokens
+
+
 def refuse_hf_tensor_parallel(model, tag: str) -> None:
     """RewriteError for a model HF already sharded (`from_pretrained(..., tp_plan="auto")`): its weights are
     DTensors or local shards with HF's own collectives in hooks, which the capture cannot see as a whole model;

@@ -11,7 +11,7 @@ Inside the ranks (apply initialises the group itself from torchrun's environment
 - mistral (a window on every layer), qwen2 (q/k/v biases, windows on the upper layers), qwen3 (per-head q/k norms),
   gemma, granite (residual and attention multipliers), smollm3 (layers without RoPE), olmo (clip_qkv) and gemma3
   (sliding-window layers, per-head norms): `full` at tp=2 against HF's forward over the generated tokens;
-- every rank generates the same tokens;
+- every rank generates the same tokens, greedy and sampled (each rank seeded differently: rank 0's draws win);
 - apply of the rank's own model (tensor_parallel.rank_model, what a rank that loads only its share passes) equals
   apply of the whole model; a share of another split, of another rank or left on the meta device is refused;
 - `kvrewrite bench --tp 2`'s CPU dry run (full and chelsea rows, tiny-llama): rank 0 writes the rows, rank 1 nothing;
@@ -271,6 +271,9 @@ def _rank_checks(rank: int, c: _Checks, out_dir: str, dev=torch.device("cpu")) -
             d = c.diffs["llama full fuse_projections+gemv"] = _max_diff(fused_logits, logits)
             c.expect(torch.equal(fused_tokens, tokens) and d <= FULL_TOL, f"llama full fused+gemv at tp=2: {d:.3g}")
             _rank_model_checks(rank, c, llama, ids, logits)
+            torch.manual_seed(100 + rank)  # each rank its own draws: rw.generate takes rank 0's
+            sampled = rw.generate(ids, max_new_tokens=NEW, do_sample=True, temperature=2.0)
+            c.same_on_ranks(sampled, "llama full, sampled with a different seed on each rank")
             hf_tokens, hf_logits = _generate(llama, ids)
             d = c.diffs["llama full vs HF"] = _max_diff(logits, hf_logits)
             c.expect(torch.equal(tokens, hf_tokens) and d <= FULL_TOL, f"llama full: tp=2 vs HF: logits {d:.3g}")
