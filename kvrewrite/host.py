@@ -341,9 +341,10 @@ class HostGeneration(ContextGeneration):
         over `self.generation_config` as HF merges them; HF's `tokenizer` (for stop_strings) and
         `prefix_allowed_tokens_fn` are taken too. `logits_processor` / `stopping_criteria` extend HF's lists,
         `streamer` gets the prompt then each token (put / end). Sampling draws from `generator` if given, else from
-        torch's global RNG (as HF); with tensor parallelism every rank takes rank 0's draws. Anything a kvrewrite generation cannot honour (beam search, assisted generation,
-        attentions or hidden states out, HF's cache options, an unknown argument) is refused by name before any
-        state is touched. `context`: a ContextState to continue from (rw.prefill_context; docs/context.md).
+        torch's global RNG (as HF); with tensor parallelism every rank takes rank 0's draws. Anything a kvrewrite
+        generation cannot honour (beam search, assisted generation, attentions or hidden states out, HF's cache
+        options, an unknown argument) is refused by name before any state is touched. `context`: a ContextState to
+        continue from (rw.prefill_context; docs/context.md).
 
         Wall-clock prefill/decode seconds of the call are left in `self.last_timings`.
         """

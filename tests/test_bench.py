@@ -291,7 +291,8 @@ def test_plot_tp(tmp_path):
     from kvrewrite.bench import plot_tp
 
     def doc(tp, ms):
-        row = dict(system="chelsea", model="llama-3.1-8b", batch=1, kv_compile="graph", ms_per_token=ms,
+        row = dict(system="chelsea", model="llama-3.1-8b", batch=1, context=32768, budget=0.2, kv_compile="graph",
+                   ms_per_token=ms,
                    floor_ms=2.0, tok_per_s=1e3 / ms)
         return dict(env=dict(gpu="G", torch="t", **({"tp": tp} if tp > 1 else {})),
                     rows=[row, dict(system="full", model="llama-3.1-8b", batch=4, error="OutOfMemoryError")])

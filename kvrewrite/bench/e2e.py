@@ -52,8 +52,8 @@ Decisions (what exactly is timed):
   and rank 0 logs and writes the JSON. Per rank: weights read = the replicated weights + 1/N of q/k/v/o and
   gate/up/down, KV read = its Hkv/N heads, so the floor is one rank's; the prompt and the first decode token are
   rank 0's (broadcast). Every rank builds only its share of the model (build_rank_model), so no dense prefill
-  baseline is run (prefill_vs_dense is a tp=1 number). `--device cpu`
-  with gloo is the dry run (tests/test_tensor_parallel.py).
+  baseline is run (prefill_vs_dense is a tp=1 number). `--device cpu` with gloo is the dry run
+  (tests/test_tensor_parallel.py).
 - Rows run in order and the JSON is rewritten after each one, so a run cut by a timeout keeps what it has;
   `--time-budget` skips the rows not started once that many seconds have passed. A row that fails (out of
   memory, say) is recorded with its error and the run goes on.
@@ -799,7 +799,8 @@ class Bench:
         if name != "full":
             opts["budget"] = cfg.budget
         t0 = time.perf_counter()
-        rw = kvrewrite.apply(self.shard if self.tp > 1 else self.model, name, max_length=n + cfg.new_tokens, captured=cap,
+        model = self.shard if self.tp > 1 else self.model
+        rw = kvrewrite.apply(model, name, max_length=n + cfg.new_tokens, captured=cap,
                              fuse_projections=cfg.fuse_projections, gemv=cfg.gemv, tp=self.tp, **opts)
         apply_s = time.perf_counter() - t0
         mem = rw.cache_bytes()

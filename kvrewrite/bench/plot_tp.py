@@ -9,8 +9,8 @@ from pathlib import Path
 
 
 def _rows(paths) -> list:
-    """Measured rows of every JSON, labelled "<model> tp=<N> <system> B=<batch> (<decode>)"; repeated runs of the
-    same label are kept apart (their spread is the plot's error bar)."""
+    """Measured rows of every JSON, each labelled by model, system, batch, tp and decode path; repeated runs of a
+    label are kept apart (the plot shows their range)."""
     out = []
     for p in paths:
         doc = json.loads(Path(p).read_text())
@@ -52,8 +52,10 @@ def plot_tp(paths, out) -> None:
     ax_t.set_ylabel("ms / token (bar: slowest run; dark: fastest; line: floor)")
     ax_x.set_ylabel("decode tokens / s (slowest run)")
     env = json.loads(Path(paths[0]).read_text())["env"]
-    ax_t.set_title(f"{env.get('gpu')} x2 (tp=2: orange) | torch {env['torch']} | context 32k, budget 0.2 | "
-                   f"x = time over the rank's floor")
+    contexts = "/".join(f"{n // 1024}k" for n in sorted({r["context"] for r in rows}))
+    budgets = "/".join(str(b) for b in sorted({r["budget"] for r in rows if r.get("budget") is not None}))
+    ax_t.set_title(f"{env.get('gpu')} (tp > 1: orange) | torch {env['torch']} | context {contexts}, budget "
+                   f"{budgets or '-'} | x = time over the rank's floor")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
