@@ -55,9 +55,10 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
             tp_plan) or only its share (kvrewrite.tensor_parallel.rank_model's result): torch.distributed is
             initialised from torchrun's environment if it is not yet (NCCL on CUDA, gloo on the CPU), the rank
             keeps its share of the KV heads (GQA groups whole) and of the MLP, and its state holds only its heads.
-            Every rank then calls rw.generate with the same inputs and gets the same tokens. Refused (naming the numbers) when N does not divide the KV heads, query heads or
-            intermediate size, for model types outside kvrewrite.tensor_parallel.TP_MODELS, for the methods of
-            TP_REFUSED_METHODS, and with verify=True. tp=1 (default) is the single-device path, unchanged.
+            Every rank then calls rw.generate with the same inputs and gets the same tokens. Refused (naming the
+            numbers) when N does not divide the KV heads, query heads or intermediate size, for model types
+            outside kvrewrite.tensor_parallel.TP_MODELS, for the methods of TP_REFUSED_METHODS, and with
+            verify=True. tp=1 (default) is the single-device path, unchanged.
         **method_kwargs: the method's own options (see its class, e.g. ChelseaMethod).
     """
     from kvrewrite.capture import capture, check_causal_lm, model_tag
