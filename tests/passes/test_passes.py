@@ -30,7 +30,7 @@ from tests.families import FAMILIES, golden_cases, tiny_model
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 UPDATE = os.environ.get("KVREWRITE_UPDATE_GOLDEN") == "1"
-_TF_VERSION = ".".join(__import__("transformers").__version__.split(".")[:2])
+_TF_VERSION = tuple(int(x) for x in __import__("transformers").__version__.split(".")[:2])
 KINDS = ("prefill", "decode")
 PASS_NAMES = [p.__name__ for p in PASSES]
 PREFILL_CHUNK = 8
@@ -215,14 +215,24 @@ def test_golden_diff_matrix_family(runs, case, kind, name):
     _check_golden(runs, case, kind, name)
 
 
+def _golden_path(base: Path) -> Path:
+    """The golden for the installed transformers: the variant `<pass>.transformers-<major.minor>.txt` of the lowest
+    version at or above it (a variant holds what its version and the older ones down to the next variant write),
+    else the base, which the newest transformers writes."""
+    variants = sorted((tuple(int(x) for x in p.name.split(".transformers-")[1][:-len(".txt")].split(".")), p)
+                      for p in base.parent.glob(f"{base.stem}.transformers-*.txt"))
+    return next((p for v, p in variants if v >= _TF_VERSION), base)
+
+
 def _check_golden(runs, family, kind, name):
-    """Against golden/<family>/<kind>/<pass>.txt, or its transformers-<major.minor> variant where HF's graph of
-    that version differs (e.g. dead mask arithmetic of Gemma-2 and GPT-J on 5.17): an update writes the variant
-    only where the diff differs from the base golden, which the newest transformers writes."""
+    """Against golden/<family>/<kind>/<pass>.txt, or the transformers-<major.minor> variant that covers the installed
+    version where HF's graph differs (_golden_path; e.g. dead mask arithmetic of Gemma-2 and GPT-J on 5.17, GPT-J's
+    scale as a division up to 5.23): an update with KVREWRITE_GOLDEN_VARIANT=1 writes the installed version's
+    variant only where the diff differs from the base golden, which the newest transformers writes."""
     got = runs.get(family, kind).steps[name].diff
     base = GOLDEN / family / kind / f"{name}.txt"
-    variant = base.with_name(f"{name}.transformers-{_TF_VERSION}.txt")
-    path = variant if variant.exists() else base
+    variant = base.with_name(f"{name}.transformers-{'.'.join(map(str, _TF_VERSION))}.txt")
+    path = _golden_path(base)
     if UPDATE:
         base.parent.mkdir(parents=True, exist_ok=True)
         if os.environ.get("KVREWRITE_GOLDEN_VARIANT") == "1" and base.exists() and base.read_text() != got:
@@ -316,3 +326,18 @@ def test_graph_diff_format():
         "                       -> mul = mul(x, 2)",
     ]
     assert graph_diff(before, before, "same").endswith("[no change]\n")
+
+
+def test_golden_variant_lookup(tmp_path, monkeypatch):
+    """A transformers-<v> variant covers v and the versions down to the next older variant; newer ones read the
+    base."""
+    import tests.passes.test_passes as me
+
+    base = tmp_path / "p.txt"
+    for name in ("p.txt", "p.transformers-5.17.txt", "p.transformers-5.23.txt", "q.transformers-5.9.txt"):
+        (tmp_path / name).write_text(name)
+    for version, want in (((5, 9), "p.transformers-5.17.txt"), ((5, 17), "p.transformers-5.17.txt"),
+                          ((5, 20), "p.transformers-5.23.txt"), ((5, 23), "p.transformers-5.23.txt"),
+                          ((5, 24), "p.txt"), ((6, 0), "p.txt")):
+        monkeypatch.setattr(me, "_TF_VERSION", version)
+        assert me._golden_path(base).name == want, version
