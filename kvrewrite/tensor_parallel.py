@@ -207,7 +207,8 @@ def _split_linear(lin: nn.Linear, a: int, z: int, rows: bool) -> None:
 
 
 def rank_model(model, tp: int, rank: int, tag: str):
-    """(the rank's model, names of its row-parallel weights) built from `model` (module docstring).
+    """The rank's model built from `model` (module docstring), marked with its `kvrewrite_shard` (RankShard: tp,
+    rank and the names of its row-parallel weights).
 
     The copy shares every tensor of `model` (a deepcopy whose memo maps each parameter and buffer to itself),
     then its q/k/v/o and gate/up/down get new parameters holding the rank's slices, and its config the rank's
@@ -239,7 +240,7 @@ def rank_model(model, tp: int, rank: int, tag: str):
     cfg.head_dim = D  # explicit: some configs derive it from hidden_size // num_attention_heads
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size = Hq // tp, Hkv // tp, I // tp
     shard.kvrewrite_shard = RankShard(tp, rank, tuple(row_parallel))
-    return shard, tuple(row_parallel)
+    return shard
 
 
 def capture_rank(model, tp: int, *, batch_size: int, prefill_chunk: int):
@@ -260,12 +261,10 @@ def capture_rank(model, tp: int, *, batch_size: int, prefill_chunk: int):
             raise ValueError(f"{tag}: the rank's model still has {len(meta)} tensors on the meta device "
                              f"(first: {meta[0]}): materialise it (to_empty) and fill its weights and buffers first")
     rank, group = init_distributed(tp, model.device)
-    if marked is None:
-        shard, row_parallel = rank_model(model, tp, rank, tag)
-    elif marked.rank != rank:
-        raise ValueError(f"{tag}: the model is rank {marked.rank}'s share, but this process is rank {rank}")
-    else:
-        shard, row_parallel = model, marked.row_parallel
+    shard = rank_model(model, tp, rank, tag) if marked is None else model
+    if shard.kvrewrite_shard.rank != rank:
+        raise ValueError(f"{tag}: the model is rank {shard.kvrewrite_shard.rank}'s share, but this process is "
+                         f"rank {rank}")
     captured = capture(shard, batch_size=batch_size, prefill_chunk=prefill_chunk)
-    captured.tp, captured.tp_group, captured.tp_row_parallel = tp, group, row_parallel
+    captured.tp, captured.tp_group, captured.tp_row_parallel = tp, group, shard.kvrewrite_shard.row_parallel
     return captured

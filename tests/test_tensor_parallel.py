@@ -174,17 +174,17 @@ def _rank_model_checks(rank: int, c: _Checks, llama, ids, logits) -> None:
     import kvrewrite
     from kvrewrite.tensor_parallel import rank_model
 
-    own, _ = rank_model(llama, WORLD, rank, "test")
+    own = rank_model(llama, WORLD, rank, "test")
     rw = kvrewrite.apply(own, "full", max_length=MAX_LENGTH, prefill_chunk=CHUNK, tp=WORLD)
     own_logits = _generate(rw, ids)[1]
     c.expect(torch.equal(own_logits, logits), f"apply of the rank's model: logits {_max_diff(own_logits, logits):.3g} "
                                               f"off the whole model's")
     c.raises(ValueError, ["rank 0's share of a tp=2 split", "tp=4"],
-             lambda: kvrewrite.apply(rank_model(llama, WORLD, 0, "test")[0], "full", tp=4), "share of another split")
+             lambda: kvrewrite.apply(rank_model(llama, WORLD, 0, "test"), "full", tp=4), "share of another split")
     c.raises(ValueError, [f"rank {1 - rank}'s share", f"this process is rank {rank}"],
-             lambda: kvrewrite.apply(rank_model(llama, WORLD, 1 - rank, "test")[0], "full", tp=WORLD),
+             lambda: kvrewrite.apply(rank_model(llama, WORLD, 1 - rank, "test"), "full", tp=WORLD),
              "another rank's share")
-    meta, _ = rank_model(copy.deepcopy(llama).to("meta"), WORLD, rank, "test")
+    meta = rank_model(copy.deepcopy(llama).to("meta"), WORLD, rank, "test")
     c.raises(ValueError, ["meta device", "to_empty"], lambda: kvrewrite.apply(meta, "full", tp=WORLD),
              "a share on the meta device")
 
@@ -245,9 +245,8 @@ def _rank_checks(rank: int, c: _Checks, out_dir: str, dev=torch.device("cpu")) -
     # every method on llama: tp=2 against tp=1 (rank 0 holds tp=1's run)
     t1 = time.perf_counter()
     seen = set()
-    for entry in METHODS_MATRIX:
-        name, kwargs = entry["name"], entry["kwargs"]
-        if name in seen or name in TP_REFUSED_METHODS:
+    for name, kwargs in _first_methods():
+        if name in TP_REFUSED_METHODS:
             continue
         seen.add(name)
         rw = kvrewrite.apply(llama, name, captured=shared, max_length=MAX_LENGTH, tp=WORLD, **kwargs)

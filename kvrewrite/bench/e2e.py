@@ -288,7 +288,7 @@ def build_rank_model(name: str, tp: int, rank: int, device: str, dtype: torch.dt
     from kvrewrite.tensor_parallel import rank_model
 
     dtype = dtype or model_dtype(device)
-    shard, _ = rank_model(build_model(name, "meta", dtype), tp, rank, f"bench {name}")
+    shard = rank_model(build_model(name, "meta", dtype), tp, rank, f"bench {name}")
     shard.to_empty(device=device)
     gen = torch.Generator(device=device)
     for pname, p in shard.named_parameters():
