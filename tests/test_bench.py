@@ -1,6 +1,7 @@
 """`kvrewrite bench` (kvrewrite/bench/e2e.py): argument errors, method names joining by name, and one tiny
 CPU run through every code path (HF eager baseline, a kvrewrite method with real prefill and with the
 synthetic state) whose JSON is checked field by field. Speed is not tested here (docs/bench.md)."""
+import argparse
 import json
 
 import pytest
@@ -188,6 +189,40 @@ def test_gemv_bench_plot_draws_from_json_rows(tmp_path):
     gemv.plot(rows, tmp_path / "g.png")
     assert (tmp_path / "g.png").stat().st_size > 0
     assert [c.name for c in gemv.get_configs()][-1] == "lm_head"
+
+
+def test_kernel_option_sets_a_launch_constant_and_refuses_the_rest(monkeypatch):
+    from kvrewrite.kernels import gemv_rms_norm
+
+    args = _parse([*TINY, "--kernel-option", "gemv_rms_norm.BLOCK_N=2", "--kernel-option", "gemv_rms_norm.PRELOAD=True"])
+    cfg = e2e.config_from_args(args)
+    assert cfg.kernel_options == {"gemv_rms_norm.BLOCK_N": 2, "gemv_rms_norm.PRELOAD": True}
+    monkeypatch.setattr(gemv_rms_norm, "BLOCK_N", gemv_rms_norm.BLOCK_N)  # restored after the test
+    monkeypatch.setattr(gemv_rms_norm, "PRELOAD", gemv_rms_norm.PRELOAD)
+    import torch.compiler.config
+
+    monkeypatch.setattr(torch.compiler.config, "force_disable_caches", False)
+    e2e.apply_kernel_options({})
+    assert torch.compiler.config.force_disable_caches is False
+    e2e.apply_kernel_options(cfg.kernel_options)
+    assert gemv_rms_norm.BLOCK_N == 2 and gemv_rms_norm.PRELOAD is True
+    assert torch.compiler.config.force_disable_caches is True  # no compiled step shared with other constants
+    for bad, why in [("gemv_rms_norm.BLOCK_N=x", "Python literal"), ("nope.X=1", "not a module"),
+                     ("gemv_rms_norm.launch_config=1", "not a launch constant"), ("BLOCK_N=1", "MODULE.NAME=VALUE"),
+                     ("gemv_rms_norm.BLOCK_N=True", "holds a int")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            e2e.kernel_option(bad)
+
+
+def test_gemv_sweep_grid_parses_and_refuses_unknown_knobs():
+    from kvrewrite.bench import gemv
+
+    assert gemv.parse_grid("block_n=1,2;num_stages=3") == {"block_n": [1, 2], "num_stages": [3]}
+    assert set(gemv.parse_grid(gemv.DEFAULT_GRID)) == {"block_n", "block_k", "num_warps", "num_stages", "evict_first"}
+    with pytest.raises(SystemExit, match="unknown knob 'warps'"):
+        gemv.parse_grid("warps=4")
+    with pytest.raises(SystemExit, match="block_k takes comma-separated integers"):
+        gemv.parse_grid("block_k=big")
 
 
 def test_attention_plot_draws_the_committed_h100_run(tmp_path):

@@ -310,15 +310,32 @@ def sweep(configs, copy: float) -> list[dict]:
     return records
 
 
+SWEEP_SHAPES = ((8, 32768), (1, 32768), (1, 4096), (8, 131072), (8, 4096), (2, 65536), (4, 16384), (16, 16384))
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    """--sweep-shapes: 'B:C,B:C' -> [(B, C), ...], each >= 1."""
+    try:
+        pairs = [tuple(int(v) for v in part.split(":")) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected B:C pairs of ints, e.g. 1:6554,8:32768; got {text!r}") from None
+    if any(len(p) != 2 or min(p) < 1 for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected B:C pairs of ints >= 1, e.g. 1:6554; got {text!r}")
+    return pairs
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="attention.json", help="JSON list of {config, result, env}")
     parser.add_argument("--sweep", default=None, help="also time launch variants, written to this JSON file")
+    parser.add_argument("--sweep-shapes", default=None, type=_shapes, metavar="B:C,...",
+                        help="the sweep's (batch, slots) pairs, e.g. 1:6554 (default: eight from 1:4096 to 8:131072)")
+    parser.add_argument("--no-table", action="store_true", help="the sweep only (no per-size table)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="For dense input")  # SDPA's efficient backend refusing GQA
     env, copy = start_run()
     rows = []
-    for cfg in get_configs():
+    for cfg in [] if args.no_table else get_configs():
         res = run(cfg, copy)
         rows.append(dict(config=dataclasses.asdict(cfg), result=dataclasses.asdict(res), env=env))
         if res.skipped:
@@ -333,8 +350,7 @@ def main():
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
     if args.sweep:
-        sweep_configs = [Config(B=8, C=32768), Config(B=1, C=32768), Config(B=1, C=4096), Config(B=8, C=131072),
-                         Config(B=8, C=4096), Config(B=2, C=65536), Config(B=4, C=16384), Config(B=16, C=16384)]
+        sweep_configs = [Config(B=b, C=c) for b, c in args.sweep_shapes or SWEEP_SHAPES]
         records = sweep(sweep_configs, copy)
         with open(args.sweep, "w") as f:
             json.dump([dict(r, env=env, copy_gbps=copy) for r in records], f, indent=1)

@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import importlib
 import json
 import math
 import statistics
@@ -157,6 +158,47 @@ def inductor_option(text: str) -> tuple:
         raise argparse.ArgumentTypeError(f"{text!r}: the value must be a Python literal (True, 8, 'name')") from None
 
 
+def kernel_option(text: str) -> tuple:
+    """--kernel-option MODULE.NAME=VALUE: a launch constant of a kernel module (kvrewrite/kernels/MODULE.py, an
+    UPPER_CASE int, float or bool, e.g. gemv_rms_norm.BLOCK_N=2) and its value, for A/B rows."""
+    import ast
+
+    name, sep, value = text.partition("=")
+    name = name.strip()
+    module, _, attr = name.rpartition(".")
+    if not sep or not module or not attr:
+        raise argparse.ArgumentTypeError(f"expected MODULE.NAME=VALUE, got {text!r}")
+    try:
+        mod = importlib.import_module(f"kvrewrite.kernels.{module}")
+    except ImportError:
+        raise argparse.ArgumentTypeError(f"{module!r} is not a module of kvrewrite/kernels") from None
+    current = getattr(mod, attr, None)
+    if not attr.isupper() or not isinstance(current, (int, float)):
+        raise argparse.ArgumentTypeError(f"{name!r} is not a launch constant (an UPPER_CASE int, float or bool "
+                                         f"of kvrewrite/kernels/{module}.py)")
+    try:
+        parsed = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(f"{text!r}: the value must be a Python literal (True, 8, 0.5)") from None
+    if type(parsed) is not type(current):
+        raise argparse.ArgumentTypeError(f"{name} holds a {type(current).__name__} ({current!r}); got {parsed!r}")
+    return name, parsed
+
+
+def apply_kernel_options(options: dict) -> None:
+    """Set each kernel module's launch constant (kernel_option); kernels read them when a graph is traced. With any
+    option set, torch.compile's caches are off for this process: their keys hold the traced graph, which names the
+    op, not the constants its kernel was traced with, so a cached step compiled under other constants would be
+    reused (seen: an A/B pair on a warm cache timed the same) and this row's step would be stored for others."""
+    if options:
+        import torch.compiler.config
+
+        torch.compiler.config.force_disable_caches = True
+    for name, value in options.items():
+        module, _, attr = name.rpartition(".")
+        setattr(importlib.import_module(f"kvrewrite.kernels.{module}"), attr, value)
+
+
 def _has_config(cfg, dotted: str) -> bool:
     for part in dotted.split("."):
         if not hasattr(cfg, part):
@@ -184,6 +226,7 @@ class BenchConfig:
     fuse_projections: bool = False  # kvrewrite rows: kvrewrite.apply(..., fuse_projections=True)
     gemv: bool = False  # kvrewrite rows: kvrewrite.apply(..., gemv=True)
     inductor_options: dict = dataclasses.field(default_factory=dict)  # kvrewrite rows under "inductor": rw.compile(options=)
+    kernel_options: dict = dataclasses.field(default_factory=dict)  # "module.NAME": value (kernel_option), set at start
     out: str = "e2e.json"
     device: str = "cuda"
     tp: int = 1  # tensor-parallel ranks of the kvrewrite rows (launched under torchrun; module docstring)
@@ -693,6 +736,7 @@ class Bench:
     def __init__(self, cfg: BenchConfig, planner: bool = False):
         self.cfg = cfg
         self.dev = cfg.device
+        apply_kernel_options(cfg.kernel_options)
         self.tp, self.rank, self.owns_group = cfg.tp, 0, False
         if cfg.tp > 1 and not planner:
             import torch.distributed as dist
@@ -1055,6 +1099,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inductor-option", dest="inductor_options", action="append", type=inductor_option, default=[],
                    metavar="NAME=VALUE", help="with --kv-compile inductor: an Inductor config for the kvrewrite rows "
                    "(repeatable; e.g. combo_kernels=True); rw.compile(options=...) with CUDA graphs")
+    p.add_argument("--kernel-option", dest="kernel_options", action="append", type=kernel_option, default=[],
+                   metavar="MODULE.NAME=VALUE", help="a kernel module's launch constant for every kvrewrite row "
+                   "(repeatable; e.g. gemv_rms_norm.BLOCK_N=2), recorded in the JSON's config")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the code paths")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the kvrewrite rows: launch with "
                    "`torchrun --nproc-per-node N -m kvrewrite.cli bench --tp N ...` (docs/tensor-parallel.md)")
@@ -1075,7 +1122,7 @@ def config_from_args(args) -> BenchConfig:
         kv_compile=args.kv_compile, hf_compiled_contexts=tuple(args.hf_compiled_contexts) if args.hf_compiled_contexts
         else None, max_batch_cap=args.max_batch_cap, time_budget=args.time_budget, prefill=args.prefill,
         fuse_projections=args.fuse_projections, gemv=args.gemv, inductor_options=dict(args.inductor_options),
-        out=args.out, device=args.device, tp=args.tp)
+        kernel_options=dict(args.kernel_options), out=args.out, device=args.device, tp=args.tp)
 
 
 def cmd_bench(args) -> int:

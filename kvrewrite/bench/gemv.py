@@ -13,6 +13,7 @@ Run:  python -m kvrewrite.bench.gemv --out gemv.json [--sweep sweep.json]     (w
 """
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import statistics
@@ -77,26 +78,47 @@ def run(cfg: Config, copy: float) -> dict:
     return res
 
 
-def sweep(configs, copy: float) -> list[dict]:
-    """Launch variants of the kernel on each config: weight rows per program, K tile, warps, stages, eviction hint.
-    (A first sweep over rows 2-16, K tiles 256-1024, 4 or 8 warps left its corner, 2 rows x 1024 x 4 warps, the
-    best everywhere; this one is centred on it.)"""
+DEFAULT_GRID = "block_n=1,2,4;block_k=512,1024,2048;num_warps=2,4,8;num_stages=3,1;evict_first=0,1"
+
+
+def parse_grid(text: str) -> dict:
+    """'name=v,v;name=v' -> {name: [ints]} over _launch_config's keywords; anything else is refused by name."""
+    keys = ("block_n", "block_k", "num_warps", "num_stages", "evict_first")
+    grid = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, _, values = part.partition("=")
+        if name not in keys:
+            raise SystemExit(f"--grid: unknown knob {name!r}; knobs are {', '.join(keys)}")
+        try:
+            grid[name] = [int(v) for v in values.split(",")]
+        except ValueError:
+            raise SystemExit(f"--grid: {name} takes comma-separated integers, got {values!r}") from None
+    return grid
+
+
+def sweep(configs, copy: float, grid: str = DEFAULT_GRID) -> list[dict]:
+    """Launch variants of the kernel on each config: the product of `grid`'s values (parse_grid) over weight rows
+    per program, K tile, warps, stages and the eviction hint. (A first sweep over rows 2-16, K tiles 256-1024, 4 or
+    8 warps left its corner, 2 rows x 1024 x 4 warps, the best everywhere; the default grid is centred on it; the
+    eviction hint is timed with 3 stages only.)"""
+    knobs = parse_grid(grid)
+    names = list(knobs)
     records = []
     for cfg in configs:
         sets = _make_sets(cfg)
-        for block_n in (1, 2, 4):
-            for block_k in (512, 1024, 2048):
-                for num_warps in (2, 4, 8):
-                    for num_stages, evict_first in ((3, False), (1, False), (3, True)):
-                        t = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                                 evict_first=evict_first)
+        for values in itertools.product(*(knobs[n] for n in names)):
+            t = dict(zip(names, values))
+            if t.get("evict_first") and t.get("num_stages", 3) != 3:
+                continue
+            if "evict_first" in t:
+                t["evict_first"] = bool(t["evict_first"])
 
-                        def fn(x, w, t=t):
-                            with set_wrap_triton_enabled(False):
-                                return g._launch(x, w, **t)
-                        us = _graph_us(fn, sets, quick=True)
-                        records.append(dict(config=dataclasses.asdict(cfg), tuning=t, us=us,
-                                            frac_of_copy=cfg.N * cfg.K * 2 / us / 1e3 / copy))
+            def fn(x, w, t=t):
+                with set_wrap_triton_enabled(False):
+                    return g._launch(x, w, **t)
+            us = _graph_us(fn, sets, quick=True)
+            records.append(dict(config=dataclasses.asdict(cfg), tuning=t, us=us,
+                                frac_of_copy=cfg.N * cfg.K * 2 / us / 1e3 / copy))
         best = min((r for r in records if r["config"]["name"] == cfg.name), key=lambda r: r["us"])
         print(f"sweep {cfg.name} {cfg.N}x{cfg.K}: best {best['tuning']} {best['us']:.1f} us "
               f"{best['frac_of_copy']:.3f} of copy", flush=True)
@@ -130,10 +152,21 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gemv.json", help="JSON list of {config, result, env}; the plot goes next to it")
     parser.add_argument("--sweep", default=None, help="also time launch variants, written to this JSON file")
+    parser.add_argument("--grid", default=DEFAULT_GRID, help="the sweep's launch variants, e.g. "
+                        "'block_n=1,2,4;block_k=1024,2048;num_warps=8;num_stages=3,4' (knobs left out take the default)")
+    parser.add_argument("--shapes", default=None, help=f"comma-separated subset of: {', '.join(SHAPES)}")
     args = parser.parse_args()
+    parse_grid(args.grid)  # refuse a bad grid before any GPU work
+    configs = get_configs()
+    if args.shapes:
+        wanted = [s.strip() for s in args.shapes.split(",")]
+        unknown = [s for s in wanted if s not in SHAPES]
+        if unknown:
+            raise SystemExit(f"--shapes: unknown {unknown}; choose from {', '.join(SHAPES)}")
+        configs = [c for c in configs if c.name in wanted]
     env, copy = start_run()
     rows = []
-    for cfg in get_configs():
+    for cfg in configs:
         res = run(cfg, copy)
         rows.append(dict(config=dataclasses.asdict(cfg), result=res, env=env))
         print(f"{cfg.name:14s} {cfg.N:6d}x{cfg.K:<5d} gemv {res['gemv_us']:7.1f} us "
@@ -145,7 +178,7 @@ def main():
     Path(args.out).write_text(json.dumps(rows, indent=1))
     plot(rows, Path(args.out).with_suffix(".png"))
     if args.sweep:
-        records = sweep(get_configs(), copy)
+        records = sweep(configs, copy, args.grid)
         Path(args.sweep).write_text(json.dumps([dict(r, env=env, copy_gbps=copy) for r in records], indent=1))
 
 

@@ -22,10 +22,11 @@ Why: a batch-1 decode step of Llama-3.1-8B runs the add + RMSNorm before the qkv
 65 small Inductor kernels (~2.6 us each, ~170 us a step of ~5.5 ms; docs/bench/e2e_h100_decode_profile_gemv.txt).
 Fused, each GEMV program first sums h^2 over K (fp32), then streams its weight rows with n computed on the fly:
 x, residual and norm_weight (8 KB each at K=4096) are re-read by every program from L1/L2, the weights once; the
-first weight tile is loaded before the sum, so its latency overlaps it. On an H100 (bf16, K=4096,
-docs/bench/sweep_gemv_rms_norm_h100.json) the fused op takes 22.2 / 83.9 / 343.0 us for the qkv / gate_up / lm_head
-shapes where a compiled add + RMSNorm and then kvrewrite::gemv take 23.7 / 85.7 / 344.9 us (1.5-1.9 us saved per
-GEMV, ~0.1 ms a step of 65), and gemv alone 20.4 / 82.0 / 341.3 us.
+first weight tile can be loaded before the sum (PRELOAD), so its latency overlaps it. Against a compiled add +
+RMSNorm and then kvrewrite::gemv (bf16, K=4096, qkv / gate_up / lm_head; launch choices: the comment at BLOCK_N):
+on an H100 22.3 / 84.2 / 343.5 us vs 23.7 / 85.7 / 344.9 (1.4-1.5 us saved per GEMV); on an H200, where the
+re-read inputs cost more against the faster weight stream, 18.6 / 65.1 / 259.2 vs 19.3 / 63.2 / 243.9 (qkv gains,
+gate_up and the lm_head lose 1.9 and 15 us).
 
 Backends: CUDA runs the Triton kernel, other devices the aten ops the pass replaced, in their order and dtypes
 (reference_aten), so a CPU graph computes the same bits before and after passes/fuse_rms_norm_into_gemv.py.
@@ -199,12 +200,16 @@ def _gemv_rms_norm_kernel(
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
 
 
-# Rows per program, warps and the first weight tile's preload. From the sweep on an H100 (bf16, qkv 6144, gate/up
-# 28672, lm_head 128256 rows x 4096; kvrewrite/bench/gemv_rms_norm.py --sweep, docs/bench/sweep_gemv_rms_norm_h100.json,
-# 18 variants): gemv's own 2 rows x 8 warps with the preload is the fastest on all three, 22.2 / 83.9 / 343.0 us
-# (gemv alone 20.4 / 82.0 / 341.3; a compiled add + RMSNorm, then gemv: 23.7 / 85.7 / 344.9). Without the preload
-# 2 x 8 takes 23.8 / 86.5 / 350.8 us; the first sweep's 4 rows x 4 warps 22.3 / 84.2 / 343.5 without it, worse with it.
-BLOCK_N, NUM_WARPS, PRELOAD = 2, 8, True
+# Rows per program, warps and the first weight tile's preload, from the sweeps (bf16, qkv 6144, gate/up 28672, lm_head
+# 128256 rows x 4096; kvrewrite/bench/gemv_rms_norm.py --sweep). 4 rows x 4 warps without the preload:
+# - H200 (docs/bench/sweep_gemv_rms_norm_h200.json, 34 variants): the fastest on all three, 18.6 / 65.1 / 259.2 us,
+#   where the H100's choice below takes 19.5 / 72.7 / 302.6 (gemv alone 16.1 / 59.7 / 240.2; a compiled add + RMSNorm,
+#   then gemv: 19.3 / 63.2 / 243.9). A persistent variant (one prologue per program, then a flat loop over its row
+#   blocks x K tiles) was 1.3-5x slower there and was dropped.
+# - H100 (docs/bench/sweep_gemv_rms_norm_h100.json): 22.3 / 84.2 / 343.5 us, within 0.5% of that sweep's fastest, 2 rows
+#   x 8 warps with the preload (22.2 / 83.9 / 343.0; gemv alone 20.4 / 82.0 / 341.3; compiled add + RMSNorm, then
+#   gemv: 23.7 / 85.7 / 344.9).
+BLOCK_N, NUM_WARPS, PRELOAD = 4, 4, False
 
 
 def launch_config(N, K, block_n=None, num_warps=None, preload=None, **overrides):
