@@ -57,7 +57,7 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
             keeps its share of the KV heads (GQA groups whole) and of the MLP, and its state holds only its heads.
             Every rank then calls rw.generate with the same inputs and gets the same tokens. Refused (naming the
             numbers) when N does not divide the KV heads, query heads or intermediate size, for model types
-            outside kvrewrite.tensor_parallel.TP_MODELS, for the methods of TP_REFUSED_METHODS, and with
+            outside kvrewrite.tensor_parallel.TP_MODELS, for the methods of TP_REFUSED_METHODS (none today), and with
             verify=True. tp=1 (default) is the single-device path, unchanged.
         **method_kwargs: the method's own options (see its class, e.g. ChelseaMethod).
     """
@@ -121,7 +121,8 @@ def _rewrite(model, m, captured, max_length: int, fuse_projections: bool = False
         ctx = RewriteContext(captured.model_tag, m, captured.layers, graph_kind=kind, compress=compress,
                              cache_buffers=captured.cache_buffers, fuse_projections=fuse_projections,
                              fused_weights=captured.fused_weights, gemv=gemv, max_length=max_length, tp=captured.tp,
-                             tp_group=captured.tp_group, tp_row_parallel=captured.tp_row_parallel)
+                             tp_group=captured.tp_group, tp_row_parallel=captured.tp_row_parallel,
+                             tp_rank=captured.tp_rank)
         graphs[name] = run_passes(copy_graph_module(captured.graphs[kind]), ctx,
                                   passes=TP_PASSES if captured.tp > 1 else None)
     rw = KVRewrittenModel(captured, graphs, m, max_length, config=model.config)

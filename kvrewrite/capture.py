@@ -55,6 +55,7 @@ class Captured:
     vocab_size: int
     fused_weights: dict = field(default_factory=dict)  # passes/fuse_projections.py: made once, shared by every apply
     tp: int = 1  # tensor-parallel ranks: > 1 is one rank's capture (kvrewrite/tensor_parallel.py capture_rank)
+    tp_rank: int = 0  # that rank: its KV heads of each layer start at tp_rank * the layer's (rank's) Hkv
     tp_group: str = ""  # the torch.distributed group its all-reduces run on
     tp_row_parallel: tuple = ()  # its row-parallel weight names, summed over the ranks
 

@@ -49,6 +49,7 @@ class RewriteContext:
     gemv: bool = False  # run passes/replace_linear_with_gemv.py (opt-in: rounding differs from cuBLAS)
     tp: int = 1  # tensor-parallel ranks (kvrewrite/tensor_parallel.py); > 1 runs insert_tensor_parallel_all_reduce
     tp_group: str = ""  # the torch.distributed group name of the all-reduces
+    tp_rank: int = 0  # this rank: its first KV head of a layer is tp_rank * Hkv (the rank's), the head_offset of ops
     tp_row_parallel: tuple = ()  # the HF model's row-parallel weight names (o_proj, down_proj), summed over ranks
     max_length: int = 0  # the longest prompt + generation the state is sized for (Method.select_call's sizes)
     sites: dict = field(default_factory=dict)

@@ -13,7 +13,8 @@ holding the whole model as loaded. `rank_model` builds the rank's model from it:
 and a config copy saying Hq/N, Hkv/N and I/N, so the capture, the layer facts and every method's state are sized
 for the rank's heads. The row-parallel outputs are partial sums; passes/insert_tensor_parallel_all_reduce.py adds
 the all-reduce after them. Every head is attended and compressed on exactly one rank, by the same per-head code as
-with tp=1, so a method whose decisions are per KV head reproduces tp=1; the rest are refused (TP_REFUSED_METHODS).
+with tp=1, so a method whose decisions are per KV head reproduces tp=1 (ops that hash a head's index are told the
+rank's first head: `head_offset`); the rest would be refused (TP_REFUSED_METHODS, empty today).
 
 Memory: the rank model shares every replicated tensor with the user's model and the column-parallel slices are row
 views of its weights (no copy); the row-parallel slices are column slices, copied once to be contiguous
@@ -40,16 +41,11 @@ from kvrewrite.errors import RewriteError
 # most). Any other type is refused rather than sharded by guess.
 TP_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma", "granite", "smollm3", "olmo"})
 
-# Methods whose tp>1 run does not reproduce tp=1 (measured by tests/test_tensor_parallel.py's run of every method),
-# with the reason. Both draw their random choices from a hash keyed by the KV head's index in the layer's state: a
-# rank's heads are numbered from 0 there, so rank 1's head 0 draws what tp=1's head Hkv/N drew. Passing the rank's
-# first head to their ops (a head offset in the hash) would make them reproduce tp=1.
-_HEAD_KEYED = ("its seeded hash is keyed by the KV head's index in the layer's state, and a rank numbers its heads "
-               "from 0, so its random choices differ from tp=1's ({})")
-TP_REFUSED_METHODS = {
-    "clustergen": _HEAD_KEYED.format("the value reservoirs"),
-    "clusterkv": _HEAD_KEYED.format("the k-means initialisation"),
-}
+# Methods whose tp>1 run would not reproduce tp=1, with the reason: apply refuses them at tp > 1 (check_tp_method).
+# None today. clustergen and clusterkv were here until their ops took a `head_offset`: both draw random choices from a
+# hash keyed by the KV head's index, a rank numbers its heads from 0, and insert_cache_compression now passes the
+# rank's first head (tp_rank * Hkv) so that every head draws what it draws at tp=1 (tests/test_tensor_parallel.py).
+TP_REFUSED_METHODS: dict = {}
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -267,4 +263,5 @@ def capture_rank(model, tp: int, *, batch_size: int, prefill_chunk: int):
                          f"rank {rank}")
     captured = capture(shard, batch_size=batch_size, prefill_chunk=prefill_chunk)
     captured.tp, captured.tp_group, captured.tp_row_parallel = tp, group, shard.kvrewrite_shard.row_parallel
+    captured.tp_rank = rank
     return captured

@@ -123,13 +123,14 @@ def _(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only=
 def kmeans_cluster(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, budget: _T, centroids: _T,
                    cluster_size: _T, cluster_start: _T, members: _T, n_clusters: _T, cluster_end: _T, n_sink: int,
                    tokens_per_cluster: int, window: int, window_clusters: int, iters: int,
-                   seed: int) -> tuple[_T, _T, _T, _T, _T, _T]:
+                   seed: int, head_offset: int = 0) -> tuple[_T, _T, _T, _T, _T, _T]:
     """kvrewrite::kmeans_cluster returning the updated (centroids, cluster_size, cluster_start, members, n_clusters,
     cluster_end); the base state is only read."""
     out = _clones(centroids, cluster_size, cluster_start, members, n_clusters, cluster_end)
     torch.ops.kvrewrite.kmeans_cluster(keys, values, bias, slot_pos, fill, budget, *out, n_sink=n_sink,
                                        tokens_per_cluster=tokens_per_cluster, window=window,
-                                       window_clusters=window_clusters, iters=iters, seed=seed)
+                                       window_clusters=window_clusters, iters=iters, seed=seed,
+                                       head_offset=head_offset)
     return tuple(out)
 
 
@@ -190,14 +191,14 @@ def _(keys, values, bias, slot_pos, fill, budget, score, degree, deficit, *args,
 @torch.library.custom_op("kvrewrite_export::clustergen_fold", mutates_args=())
 def clustergen_fold(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, budget: _T, role: _T, rep: _T, count: _T,
                     n_clusters: _T, mu: _T, delta: _T, n_seen: _T, n_forced: _T, n_sink: int, window: int, t: int,
-                    value_share: float, cluster_target: float, seed: int, layer: int) -> _Out13:
+                    value_share: float, cluster_target: float, seed: int, layer: int, head_offset: int = 0) -> _Out13:
     """kvrewrite::clustergen_fold (ClusterGen) returning the updated (keys, values, bias, slot_pos, fill, role, rep,
     count, n_clusters, mu, delta, n_seen, n_forced); budget is only read; the options are positional here (the
     in-place op's are keyword-only)."""
     out = _clones(keys, values, bias, slot_pos, fill, role, rep, count, n_clusters, mu, delta, n_seen, n_forced)
     torch.ops.kvrewrite.clustergen_fold(*out[:5], budget, *out[5:], n_sink=n_sink, window=window, t=t,
                                         value_share=value_share, cluster_target=cluster_target, seed=seed,
-                                        layer=layer)
+                                        layer=layer, head_offset=head_offset)
     return tuple(out)
 
 

@@ -3,7 +3,7 @@ lists them with the others (FUNCTIONS, SYMBOLIC) and docs/deploy.md has their ta
 
     kvrewrite::kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size,
                               cluster_start, members, n_clusters, cluster_end;
-                              n_sink, tokens_per_cluster, window, window_clusters, iters, seed)
+                              n_sink, tokens_per_cluster, window, window_clusters, iters, seed, head_offset)
         -> (centroids, cluster_size, cluster_start, members, n_clusters, cluster_end)
         the functional form of the in-place op (kvrewrite.export.functional); values and slot_pos are
         inputs by the op's schema and not read. Calls kvrewrite::mix32 (also in the model).
@@ -71,7 +71,7 @@ def mix32(x: INT64) -> INT64:
 def kmeans_cluster(keys: TFloat, values: TFloat, bias: FLOAT, slot_pos: INT64, fill: INT64, budget: INT64,
                    centroids: TFloat, cluster_size: INT32, cluster_start: INT32, members: INT32, n_clusters: INT32,
                    cluster_end: INT64, n_sink: int, tokens_per_cluster: int, window: int, window_clusters: int,
-                   iters: int, seed: int) -> tuple[TFloat, INT32, INT32, INT32, INT32, INT64]:
+                   iters: int, seed: int, head_offset: int = 0) -> tuple[TFloat, INT32, INT32, INT32, INT32, INT64]:
     zero = op.Constant(value_int=0)
     one = op.Constant(value_int=1)
     two = op.Constant(value_int=2)
@@ -115,7 +115,7 @@ def kmeans_cluster(keys: TFloat, values: TFloat, bias: FLOAT, slot_pos: INT64, f
     X = op.Cast(op.GatherElements(keys, op.Expand(op.Unsqueeze(pts, [3]), op.Shape(keys)), axis=2), to=FLOAT.dtype)
     # initialisation: centroid k = point lo_k + r_k mod (lo_{k+1} - lo_k), lo_k = k L // n
     seed32 = op.BitwiseAnd(op.Constant(value_int=seed), op.Constant(value_int=4294967295))
-    hs = op.Range(zero, op.Squeeze(H), one)
+    hs = op.Add(op.Range(zero, op.Squeeze(H), one), op.Constant(value_int=head_offset))  # the layer's head index
     r = mix32(op.BitwiseXor(mix32(op.BitwiseXor(mix32(seed32), hs)), offset))  # [B, H]
     r = mix32(op.BitwiseXor(op.Unsqueeze(r, [2]), kr))  # [B, H, K]
     n3 = op.Unsqueeze(op.Max(n, one), [2])

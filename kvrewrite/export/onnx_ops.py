@@ -477,12 +477,14 @@ def sym_evict_by_score(keys, values, bias, slot_pos, fill, budget, score, n_rece
 
 
 def sym_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members,
-                       n_clusters, cluster_end, n_sink, tokens_per_cluster, window, window_clusters, iters, seed):
+                       n_clusters, cluster_end, n_sink, tokens_per_cluster, window, window_clusters, iters, seed,
+                       head_offset=0):
     return tuple(torch.onnx.ops.symbolic_multi_out(
         f"{DOMAIN}::kmeans_cluster", [keys, values, bias, slot_pos, fill, budget, centroids, cluster_size,
                                       cluster_start, members, n_clusters, cluster_end],
         {"n_sink": int(n_sink), "tokens_per_cluster": int(tokens_per_cluster), "window": int(window),
-         "window_clusters": int(window_clusters), "iters": int(iters), "seed": int(seed)},
+         "window_clusters": int(window_clusters), "iters": int(iters), "seed": int(seed),
+         "head_offset": int(head_offset)},
         **_state_like(centroids, cluster_size, cluster_start, members, n_clusters, cluster_end)))
 
 

@@ -312,9 +312,10 @@ def _cg_resolve_kernel(K, FS, INFO, NCL, DELTA, MU, PD, PI, W, P, ASSIGN, NL, JC
 
 
 # -- launch 5: reservoirs, sketch bias and role ------------------------------------------------------
-@triton_jit(do_not_specialize=["C", "D", "Mmax", "H", "n_sink", "window", "t", "vs_bits", "ct_bits", "hbase"])
+@triton_jit(do_not_specialize=["C", "D", "Mmax", "H", "n_sink", "window", "t", "vs_bits", "ct_bits", "hbase",
+                               "hoff"])
 def _cg_reservoir_kernel(K, V, BIAS, POS, ROLE, FS, INFO, COUNT, JC, ASSIGN, P, MU, NSEEN, BUDGET, C, D, Mmax, H,
-                         n_sink, window, t, vs_bits, ct_bits, hbase, BS: tl.constexpr, SCH: tl.constexpr,
+                         n_sink, window, t, vs_bits, ct_bits, hbase, hoff, BS: tl.constexpr, SCH: tl.constexpr,
                          LOG_C: tl.constexpr, DCOPY: tl.constexpr):
     blk = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -329,9 +330,10 @@ def _cg_reservoir_kernel(K, V, BIAS, POS, ROLE, FS, INFO, COUNT, JC, ASSIGN, P, 
             slot = (C - S + j).to(tl.int64)
             nc_new = tl.load(INFO + row * 8 + 3)
             n_seen_new = tl.load(NSEEN + row) + nF
-            # u = h24 * 2^-24, h = mix32(mix32(mix32(kv_head ^ hbase) ^ n_seen) ^ j)
+            # u = h24 * 2^-24, h = mix32(mix32(mix32(kv_head ^ hbase) ^ n_seen) ^ j), kv_head = hoff + row % H
+            # (the head's index in the model layer: the op's head_offset)
             hb = (hbase.to(tl.int64) & 0xFFFFFFFF).to(tl.uint32)
-            kvh = (row % H).to(tl.uint32)
+            kvh = (row % H + hoff).to(tl.uint32)
             h = mix32_triton(kvh ^ hb)
             h = mix32_triton(h ^ n_seen_new.to(tl.uint32))
             h = mix32_triton(h ^ j.to(tl.uint32))
@@ -472,7 +474,8 @@ def _bits(x: float) -> int:
 
 def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep, count, n_clusters, mu, delta,
                            n_seen, n_forced, *, n_sink: int, window: int, t: int, value_share: float,
-                           cluster_target: float, seed: int, layer: int, dist_bm: int = DIST_BM, dist_fo: int = DIST_FO,
+                           cluster_target: float, seed: int, layer: int, head_offset: int = 0,
+                           dist_bm: int = DIST_BM, dist_fo: int = DIST_FO,
                            res_b: int = RES_B, res_bl: int = RES_BL, num_warps_seq: int = 4) -> None:
     """Launch the six kernels (module docstring); mutates the state as the op. The inputs are checked by the op
     (kvrewrite/kernels/clustergen_fold.py); here only what the kernels add: contiguous tensors. Knobs (powers of
@@ -522,7 +525,7 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
                                 num_warps=num_warps_seq)
     _cg_reservoir_kernel[(triton.cdiv(C, SK_BS), rows)](keys, values, bias, slot_pos, role, fs, info, count, jc,
                                                         assign, p, mu, n_seen, budget, C, D, Mmax, H, *sz, hbase,
-                                                        BS=SK_BS, SCH=SCAN_CH, LOG_C=max(C, 1).bit_length(),
-                                                        DCOPY=min(block_d, 32))
+                                                        head_offset, BS=SK_BS, SCH=SCAN_CH,
+                                                        LOG_C=max(C, 1).bit_length(), DCOPY=min(block_d, 32))
     _cg_pack_kernel[(rows,)](keys, values, bias, slot_pos, role, fill, rep, count, jc, n_clusters, n_forced, n_seen,
                              mu, ks, fs, nl, info, p, xk, xv, xp, C, D, Mmax, nk, PB=PACK_B, BLOCK_D=block_d)

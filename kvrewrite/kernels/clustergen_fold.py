@@ -17,7 +17,9 @@ at j in [i t, (i + 1) t), the s value samples at j in [M t, M t + s), the (S - s
       join i* if ||x_{i*} - k||^2 <= δ^2 (δ^2 = fp32(delta)^2), else open cluster n_clusters with x = k; no free
       cluster (n_clusters >= M): force-assign to i*, n_forced += 1. count[i] += 1 for the cluster joined.
    c. Reservoirs (§1.8-1.9), one uniform per sketch slot: u = h24 * 2^-24, h24 = h >> 8,
-      h = mix32(mix32(mix32(mix32(mix32(seed) ^ layer) ^ kv_head) ^ n_seen_after) ^ j) (_hash.py).
+      h = mix32(mix32(mix32(mix32(mix32(seed) ^ layer) ^ kv_head) ^ n_seen_after) ^ j) (_hash.py), kv_head =
+      head_offset + the state's head index: the head's index in the model layer, so that under tensor parallelism
+      a rank draws for its heads what tp=1 draws for the same heads.
       Key slot of open cluster i (n_old members before, c_i joining now as m_1..m_c, n = n_old + c_i):
       p = floor(u n), computed exactly as (h24 * n) >> 24; keeps its sample if p < n_old, else takes m_{p - n_old + 1}.
       Value slot (w = ||v||^2 in fp32 from the stored values; fp64 prefix sums P_l = mu_old + sum_{l' <= l} w_l',
@@ -34,7 +36,9 @@ at j in [i t, (i + 1) t), the s value samples at j in [M t, M t + s), the (S - s
 State (mutated): keys, values [B, Hkv, C, D] (model dtype); bias [B, Hkv, C] fp32; slot_pos [B, Hkv, C] int64;
 fill [B, Hkv] int64; role [B, Hkv, C] int8; rep [B, Hkv, M_max, D] keys' dtype; count [B, Hkv, M_max] int32;
 n_clusters, n_seen, n_forced [B, Hkv] int64; mu, delta [B, Hkv] fp32. Read: budget [2] int64 (target, threshold).
-Args: n_sink, window (ints >= 0), t (int >= 1), value_share in (0, 1), cluster_target in (0, 1], seed, layer.
+Args: n_sink, window (ints >= 0), t (int >= 1), value_share in (0, 1), cluster_target in (0, 1], seed, layer,
+head_offset (int in [0, 2^31), default 0: the model layer's index of the state's first KV head; a tensor-parallel
+rank passes its first head, so its hash keys are tp=1's).
 
 Decisions where the contract is silent (tell the lead):
 - Preconditions M >= 1, s >= 1, M <= M_max, B_t <= C and fill <= C - S for due rows (the method's check_generation
@@ -102,7 +106,7 @@ def sketch_sizes(budget, n_sink, window, t, value_share, cluster_target):
 
 
 def _check_inputs(keys, values, bias, slot_pos, fill, budget, role, rep, count, n_clusters, mu, delta, n_seen,
-                  n_forced, n_sink, window, t, value_share, cluster_target, seed, layer):
+                  n_forced, n_sink, window, t, value_share, cluster_target, seed, layer, head_offset=0):
     if keys.dim() != 4 or not keys.dtype.is_floating_point:
         raise ValueError(f"{NAME}: keys must be a floating [B, Hkv, C, D] tensor, got {keys.dtype} {list(keys.shape)}")
     B, H, C, D = keys.shape
@@ -125,6 +129,8 @@ def _check_inputs(keys, values, bias, slot_pos, fill, budget, role, rep, count, 
     for field, v, lo in (("n_sink", n_sink, 0), ("window", window, 0), ("t", t, 1), ("layer", layer, 0)):
         if v < lo:
             raise ValueError(f"{NAME}: {field} must be an int >= {lo}, got {v}")
+    if not 0 <= head_offset < 2 ** 31:
+        raise ValueError(f"{NAME}: head_offset must be an int in [0, 2**31), got {head_offset}")
     if not 0 < value_share < 1:
         raise ValueError(f"{NAME}: value_share must be in (0, 1), got {value_share}")
     if not 0 < cluster_target <= 1:
@@ -144,7 +150,8 @@ def _check_inputs(keys, values, bias, slot_pos, fill, budget, role, rep, count, 
 
 
 def reference_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep, count, n_clusters, mu, delta,
-                              n_seen, n_forced, n_sink, window, t, value_share, cluster_target, seed, layer):
+                              n_seen, n_forced, n_sink, window, t, value_share, cluster_target, seed, layer,
+                              head_offset=0):
     B, H, C, D = keys.shape
     N, Mmax, dev = B * H, rep.shape[2], keys.device
     S, s, M, M_target = sketch_sizes(budget, n_sink, window, t, value_share, cluster_target)
@@ -209,7 +216,7 @@ def reference_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, 
 
         # 2c. reservoirs: one uniform per sketch slot
         n_seen_new = n_seen.view(N) + nF
-        kv_head = torch.arange(H, device=dev).repeat(B)
+        kv_head = torch.arange(H, device=dev).repeat(B) + head_offset  # the model layer's head (tp ranks)
         j = ar - base
         h24 = clustergen_hash24(seed, layer, kv_head[:, None], n_seen_new[:, None], j[None, :])
         is_key = (j >= 0) & (j < M * t)
@@ -277,17 +284,19 @@ def clustergen_fold(keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
                     fill: torch.Tensor, budget: torch.Tensor, role: torch.Tensor, rep: torch.Tensor,
                     count: torch.Tensor, n_clusters: torch.Tensor, mu: torch.Tensor, delta: torch.Tensor,
                     n_seen: torch.Tensor, n_forced: torch.Tensor, *, n_sink: int, window: int, t: int,
-                    value_share: float, cluster_target: float, seed: int, layer: int) -> None:
+                    value_share: float, cluster_target: float, seed: int, layer: int, head_offset: int = 0) -> None:
     """Fold the due rows' tokens that left the window into the sketches, then pack (module docstring)."""
     args = (keys, values, bias, slot_pos, fill, budget, role, rep, count, n_clusters, mu, delta, n_seen, n_forced,
-            n_sink, window, t, value_share, cluster_target, seed, layer)
+            n_sink, window, t, value_share, cluster_target, seed, layer, head_offset)
     _check_inputs(*args)
     reference_clustergen_fold(*args)
 
 
 # -- the CUDA path -----------------------------------------------------------------------------------
 _WARNED = []
-KERNELS_CHECKED_ON_GPU = True  # tests/kernels/test_clustergen_fold_gpu.py: 6 passed on an H100 (torch 2.11, Triton 3.6)
+# tests/kernels/test_clustergen_fold_gpu.py: 6 passed on an H100 (torch 2.11, Triton 3.6);
+KERNELS_CHECKED_ON_GPU = True
+# head_offset (the reservoir hash's + hoff, added later) is checked by the interpreter test only so far
 
 
 def _cuda_impl():
@@ -305,14 +314,14 @@ def _cuda_impl():
 
 @clustergen_fold.register_kernel("cuda")
 def _(keys, values, bias, slot_pos, fill, budget, role, rep, count, n_clusters, mu, delta, n_seen, n_forced, *,
-      n_sink, window, t, value_share, cluster_target, seed, layer):
+      n_sink, window, t, value_share, cluster_target, seed, layer, head_offset=0):
     args = (keys, values, bias, slot_pos, fill, budget, role, rep, count, n_clusters, mu, delta, n_seen, n_forced,
-            n_sink, window, t, value_share, cluster_target, seed, layer)
+            n_sink, window, t, value_share, cluster_target, seed, layer, head_offset)
     _check_inputs(*args)
     launcher = _cuda_impl()
     if launcher is not None:
         launcher(*args[:14], n_sink=n_sink, window=window, t=t, value_share=value_share,
-                 cluster_target=cluster_target, seed=seed, layer=layer)
+                 cluster_target=cluster_target, seed=seed, layer=layer, head_offset=head_offset)
         return
     if not _WARNED:
         _WARNED.append(True)
@@ -324,5 +333,5 @@ def _(keys, values, bias, slot_pos, fill, budget, role, rep, count, n_clusters, 
 
 @clustergen_fold.register_fake
 def _(keys, values, bias, slot_pos, fill, budget, role, rep, count, n_clusters, mu, delta, n_seen, n_forced, *,
-      n_sink, window, t, value_share, cluster_target, seed, layer):
+      n_sink, window, t, value_share, cluster_target, seed, layer, head_offset=0):
     return None

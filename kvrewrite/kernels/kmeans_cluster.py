@@ -13,7 +13,10 @@ clusterkv_spec.md); in short, per row (b, kv-head):
   slots of [cluster_end, fill) into min(window_clusters, L)). Rows not due are untouched, bit for bit;
 - initialisation: centroid k = point floor(k L / C_new) + r_k mod w_k, w_k = floor((k+1) L / C_new) -
   floor(k L / C_new) the width of stratum k, r_k a seeded hash of (seed, head, points clustered before, k)
-  (init_points): one point in each of C_new disjoint strata of the sequence, so never a repeat; reproducible;
+  (init_points): one point in each of C_new disjoint strata of the sequence, so never a repeat; reproducible.
+  The head hashed is head_offset + the state's head index: head_offset is the model layer's index of the
+  state's first KV head (a tensor-parallel rank's state numbers its heads from 0), so a rank's heads draw the
+  initial points that tp=1 draws for the same heads;
 - `iters` rounds of assignment (argmax_k x . c_k / (|c_k| + 1e-8), ties to the lower k, fp32) and update
   (fp32 mean of the raw keys of each cluster, rounded to the centroids' dtype; an empty cluster keeps its
   centroid), then a final assignment;
@@ -127,7 +130,8 @@ def mix32(x: int) -> int:
 
 
 def init_points(L: int, n: int, seed: int, h: int, offset: int) -> list[int]:
-    """Indices (among the L points) of the n <= L initial centroids of KV head h, `offset` points clustered before:
+    """Indices (among the L points) of the n <= L initial centroids of KV head h (the layer's: head_offset + the
+    state's head), `offset` points clustered before:
     i_k = floor(k L / n) + r_k mod (floor((k+1) L / n) - floor(k L / n)), one point in each of the n disjoint
     strata (distinct: no two centroids start tied), r_k = mix32(mix32(mix32(mix32(seed mod 2^32) ^ h) ^ offset)
     ^ k)."""
@@ -136,7 +140,7 @@ def init_points(L: int, n: int, seed: int, h: int, offset: int) -> list[int]:
 
 
 def _check_inputs(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members,
-                  n_clusters, cluster_end, n_sink, tokens_per_cluster, window, window_clusters, iters):
+                  n_clusters, cluster_end, n_sink, tokens_per_cluster, window, window_clusters, iters, head_offset=0):
     """ValueError naming the op and the field unless the shapes and dtypes are the spec's."""
     if keys.dim() != 4 or not keys.dtype.is_floating_point:
         raise ValueError(f"{NAME}: keys must be a floating [B, Hkv, C, D] tensor, got {keys.dtype} {list(keys.shape)}")
@@ -163,6 +167,8 @@ def _check_inputs(keys, values, bias, slot_pos, fill, budget, centroids, cluster
     if n_sink < 0 or tokens_per_cluster < 1 or window < 1 or window_clusters < 1 or iters < 0:
         raise ValueError(f"{NAME}: expected n_sink >= 0, tokens_per_cluster >= 1, window >= 1, window_clusters >= 1,"
                          f" iters >= 0, got {n_sink}, {tokens_per_cluster}, {window}, {window_clusters}, {iters}")
+    if not 0 <= head_offset < 2**31:  # (head_offset + h stays a uint32 in the hash)
+        raise ValueError(f"{NAME}: expected 0 <= head_offset < 2^31, got {head_offset}")
 
 
 def _assign(x, cent):
@@ -173,9 +179,10 @@ def _assign(x, cent):
 
 def reference_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start,
                              members, n_clusters, cluster_end, n_sink, tokens_per_cluster, window, window_clusters,
-                             iters, seed, clamp: bool = False) -> None:
+                             iters, seed, clamp: bool = False, head_offset: int = 0) -> None:
     """The CPU path and the ground truth (module docstring), row by row. clamp=True clamps the cluster count to
-    the free ids as the kernel does (for its tests) instead of raising."""
+    the free ids as the kernel does (for its tests) instead of raising. head_offset: the layer's index of the
+    state's head 0 (hashed as head_offset + h)."""
     B, H, C, D = keys.shape
     K = centroids.shape[2]
     threshold = int(budget[1])
@@ -201,7 +208,7 @@ def reference_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroi
             offset = int(cluster_size[b, h, :nc].sum())
             if n > 0:
                 x = keys[b, h, slots].float()  # [L, D]
-                cent = keys[b, h, slots[init_points(L, n, seed, h, offset)]]  # [n, D], the state's dtype
+                cent = keys[b, h, slots[init_points(L, n, seed, head_offset + h, offset)]]  # [n, D], the state's dtype
                 for _ in range(iters):
                     label = _assign(x, cent)
                     sums = torch.zeros(n, D, dtype=torch.float32, device=keys.device).index_add_(0, label, x)
@@ -318,14 +325,15 @@ def _count_chunk(row64, j, FILL, BUDGET, NCL, CEND, BIAS, CSIZE, INFO, VC, C, K,
 
 @triton_jit()
 def _write_chunk(row64, j, KEYS, FILL, BUDGET, NCL, CEND, BIAS, CENT, MEMBERS, INFO, VC, PTS, XP, INVN,
-                 C, K, D, H, NS, NCH, n_sink, tpc, window, wc, seed_hi, seed_lo,
+                 C, K, D, H, NS, NCH, n_sink, tpc, window, wc, seed_hi, seed_lo, hoff,
                  DP: tl.constexpr, CH: tl.constexpr, NCHP: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr,
                  ALIGN: tl.constexpr):
     """Phase 1, chunk j of a due row: its valid slots ranked (the chunks before it counted in phase 0): the first
     n_sink of the row are sinks (members), the others points: PTS[row, i] = slot of point i, XP[row, i] = its keys;
     the initial centroids that are points of this chunk (k: point floor(k L / n) + r_k mod stratum k's width,
-    r_k a hash of (seed, head, offset, k): init_points) and their reciprocal norms. Chunk 0 writes INFO[row, 1:7] =
-    [L, C_new, first id, first member offset, split size, splits used] and the -1 of sinks the row lacks."""
+    r_k a hash of (seed, hoff + the state's head, offset, k): init_points) and their reciprocal norms. Chunk 0
+    writes INFO[row, 1:7] = [L, C_new, first id, first member offset, split size, splits used] and the -1 of sinks
+    the row lacks."""
     due, pre, lo, hi, nc = _row_rule(row64, FILL, BUDGET, NCL, CEND, C, window)
     nch = tl.cdiv(hi - lo, CH)
     if due & ((j < nch) | (j == 0)):
@@ -373,7 +381,7 @@ def _write_chunk(row64, j, KEYS, FILL, BUDGET, NCL, CEND, BIAS, CENT, MEMBERS, I
         if (n > 0) & (a < b):
             tl.debug_barrier()  # PTS written above by other threads of the program
             seed = (tl.cast(seed_hi, tl.int64) << 16) | seed_lo
-            base = _mix32(_mix32(seed ^ (row64 % H)) ^ offset)
+            base = _mix32(_mix32(seed ^ ((row64 % H) + hoff)) ^ offset)
             k_lo = tl.maximum(a.to(tl.int64) * n // L - 1, 0).to(tl.int32)  # k of point i: ~ i n / L
             k_hi = tl.minimum((b.to(tl.int64) - 1) * n // L + 2, n).to(tl.int32)
             for k0 in range(k_lo, k_hi, BK):
@@ -574,7 +582,8 @@ def _scatter_item(row64, s, PTS, LAB, MEMBERS, CURSOR, L, chunk, C, K, NS, BP: t
 @triton_jit()
 def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, CEND,
                    INFO, VC, PTS, XP, LAB, INVN, PART, PCNT, FCNT, UCNT, CHG, BAR, SCR,
-                   R, H, C, K, D, NS, NCB, NCH, n_sink, tpc, window, wc, seed_hi, seed_lo, iters, p_begin, p_end,
+                   R, H, C, K, D, NS, NCB, NCH, n_sink, tpc, window, wc, seed_hi, seed_lo, hoff, iters,
+                   p_begin, p_end,
                    RP: tl.constexpr, DP: tl.constexpr, PREC: tl.constexpr, GRID_SYNC: tl.constexpr,
                    CH: tl.constexpr, NCHP: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BPA: tl.constexpr,
                    BCA: tl.constexpr, BCU: tl.constexpr, BPU: tl.constexpr, BSU: tl.constexpr, BCF: tl.constexpr,
@@ -611,7 +620,7 @@ def _kmeans_kernel(KEYS, BIAS, FILL, BUDGET, CENT, CSIZE, CSTART, MEMBERS, NCL, 
                             if kind == 1:
                                 _write_chunk(row64, j, KEYS, FILL, BUDGET, NCL, CEND, BIAS, CENT, MEMBERS, INFO, VC,
                                              PTS, XP, INVN, C, K, D, H, NS, NCH, n_sink, tpc, window, wc, seed_hi,
-                                             seed_lo, DP, CH, NCHP, BW, BK, BPU)
+                                             seed_lo, hoff, DP, CH, NCHP, BW, BK, BPU)
             if (KINDS & 4) != 0:
                 if kind == 2:
                     Lmax = tl.max(tl.load(INFO + r * 8 + 1, mask=rm, other=0, cache_modifier=".cg"), axis=0)
@@ -709,14 +718,15 @@ def _persistent_programs(args, meta, dev) -> int:
 
 def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members,
                           n_clusters, cluster_end, n_sink: int, tokens_per_cluster: int, window: int,
-                          window_clusters: int, iters: int, seed: int, *, persistent: bool = True,
+                          window_clusters: int, iters: int, seed: int, *, head_offset: int = 0, persistent: bool = True,
                           programs: int | None = None, splits: int | None = None, block_p: int | None = None,
                           block_c: int | None = None, update_c: int = UPDATE_C, update_p: int | None = None,
                           update_sub: int = UPDATE_SUB, final_c: int = FINAL_C, scatter_p: int = SCATTER_P,
                           prep_chunk: int = PREP_CHUNK, write_p: int = WRITE_P, init_k: int = INIT_K,
                           num_warps: int = 8, num_stages: int | None = None, maxnreg: int | None = MAXNREG,
                           assign_elem: bool = False, stop_when_converged: bool = True, on_launch=None) -> None:
-    """Launch the kernel (module docstring). persistent: one launch with grid barriers (programs: all resident,
+    """Launch the kernel (module docstring). head_offset: the layer's index of the state's head 0 (hashed as
+    head_offset + h, as the reference). persistent: one launch with grid barriers (programs: all resident,
     _persistent_programs, on CUDA; 1 elsewhere: the interpreter runs programs one after the other) or one launch per
     phase (programs: 4 per SM, 3 elsewhere). The other keywords tune it (block sizes: powers of two >= 16; splits
     >= 1); the defaults halve the point and centroid blocks (and pipeline 2 stages) for rows of more than 256 bytes
@@ -731,7 +741,7 @@ def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids,
     if triton is None:
         raise NotImplementedError("triton_kmeans_cluster needs Triton (pip install triton)")
     _check_inputs(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members,
-                  n_clusters, cluster_end, n_sink, tokens_per_cluster, window, window_clusters, iters)
+                  n_clusters, cluster_end, n_sink, tokens_per_cluster, window, window_clusters, iters, head_offset)
     B, H, C, D = keys.shape
     K = centroids.shape[2]
     R = B * H
@@ -767,7 +777,7 @@ def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids,
     n_phases = 2 * iters + 5
     args = (keys, bias, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end,
             info, vc, pts, xp, lab, invn, part, pcnt, fcnt, ucnt, chg, bar, scr, R, H, C, K, D, NS, NCB, NCH, n_sink,
-            tokens_per_cluster, window, window_clusters, seed_mix >> 16, seed_mix & 0xFFFF, iters)
+            tokens_per_cluster, window, window_clusters, seed_mix >> 16, seed_mix & 0xFFFF, head_offset, iters)
     meta = dict(RP=triton.next_power_of_2(R), DP=DP, PREC=prec, CH=prep_chunk, NCHP=triton.next_power_of_2(NCH),
                 BW=write_p, BK=init_k, BPA=block_p, BCA=block_c, BCU=update_c, BPU=update_p, BSU=update_sub,
                 BCF=final_c, BPS=scatter_p, STOP=bool(stop_when_converged), AEL=bool(assign_elem),
@@ -817,32 +827,34 @@ def kmeans_cluster(
     window_clusters: int,
     iters: int,
     seed: int,
+    head_offset: int = 0,
 ) -> None:
-    """ClusterKV's k-means of the due rows, appended to the CSR cluster index (module docstring)."""
+    """ClusterKV's k-means of the due rows, appended to the CSR cluster index (module docstring). head_offset: the
+    layer's index of the state's first KV head (tensor parallelism: the initialisation hashes the layer's head)."""
     args = (keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members,
             n_clusters, cluster_end, n_sink, tokens_per_cluster, window, window_clusters, iters)
-    _check_inputs(*args)
-    reference_kmeans_cluster(*args, seed)
+    _check_inputs(*args, head_offset)
+    reference_kmeans_cluster(*args, seed, head_offset=head_offset)
 
 
 @kmeans_cluster.register_kernel("cuda")
 def _(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters,
-      cluster_end, *, n_sink, tokens_per_cluster, window, window_clusters, iters, seed):
+      cluster_end, *, n_sink, tokens_per_cluster, window, window_clusters, iters, seed, head_offset=0):
     args = (keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members,
             n_clusters, cluster_end, n_sink, tokens_per_cluster, window, window_clusters, iters)
-    _check_inputs(*args)
+    _check_inputs(*args, head_offset)
     if supports_triton(*args[:12]):
-        triton_kmeans_cluster(*args, seed)
+        triton_kmeans_cluster(*args, seed, head_offset=head_offset)
         return
     key = (keys.dtype, keys.shape[3])
     if triton is not None and key not in _WARNED:
         _WARNED.add(key)
         logger.warning("kmeans_cluster: no Triton kernel for this state (%s, D=%d, or its layout); running the "
                        "tensor code (host syncs)", keys.dtype, keys.shape[3])
-    reference_kmeans_cluster(*args, seed)
+    reference_kmeans_cluster(*args, seed, head_offset=head_offset)
 
 
 @kmeans_cluster.register_fake
 def _(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters,
-      cluster_end, *, n_sink, tokens_per_cluster, window, window_clusters, iters, seed):
+      cluster_end, *, n_sink, tokens_per_cluster, window, window_clusters, iters, seed, head_offset=0):
     return None

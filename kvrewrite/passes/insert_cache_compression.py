@@ -6,6 +6,9 @@ Emits:    what the method asks for (Method.compression_call), e.g. kvrewrite.che
           state fields that the op's schema names (Method.state_fields, e.g. evict_by_score's score); for
           sliding-window layers, kvrewrite.evict_to_budget(n_sink=0), which keeps exactly the window. The ops mutate the state and run only on rows whose fill reached the
           threshold in l<i>_budget, so the same graph serves every step (no host sync).
+Tensor parallel (ctx.tp > 1): an op whose schema has `head_offset` (kmeans_cluster, clustergen_fold: their seeded
+          hashes key on the KV head) gets the rank's first head, tp_rank * Hkv, so each head draws what it draws at
+          tp=1; at tp=1 the argument is left out (its default, 0).
 Skips:    full-attention layers of the `full` method (no op is emitted); every layer when
           ctx.compress is False: the plain decode-step variant, which the runtime runs on steps where
           its host-side schedule knows no layer is due (so non-compressing steps launch nothing extra).
@@ -33,6 +36,11 @@ from kvrewrite.passes.utils import clean_up, named_fields
 logger = logging.getLogger(__name__)
 
 
+def takes_head_offset(op) -> bool:
+    """Whether the op's schema has a `head_offset` argument (ops that hash the KV head's index)."""
+    return any(a.name == "head_offset" for a in op._schema.arguments)
+
+
 def insert_cache_compression(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     graph = gm.graph
     output = next(n for n in graph.nodes if n.op == "output")
@@ -46,6 +54,8 @@ def insert_cache_compression(gm: fx.GraphModule, ctx: RewriteContext) -> fx.Grap
         if call is None:
             continue
         op, kwargs = call
+        if ctx.tp > 1 and takes_head_offset(op):  # the rank's heads hash as tp=1's (module docstring)
+            kwargs = dict(kwargs, head_offset=ctx.tp_rank * info.num_kv_heads)
         s = site.state
         fields = named_fields(op, {name: s[name] for name in layer_state_fields(info, ctx.method)})
         with graph.inserting_before(output):

@@ -115,13 +115,15 @@ def test_kmeans_cluster_function_empty_cluster_and_ties():
 
 def test_kmeans_initialisation_matches_init_points():
     """iters = 0: the centroids are the initial points, i.e. init_points' seeded strata (the 32-bit mixer in the
-    function's int64 arithmetic, large seeds and offsets included)."""
+    function's int64 arithmetic, large seeds and offsets included), with the head hashed as head_offset + h (a
+    tensor-parallel rank's heads)."""
     g = torch.Generator().manual_seed(11)
     B, H, C, D = 1, 3, 40, 4
     base = _base(B, H, C, D, g, [0])
     base["bias"].zero_()
-    for seed in (0, 123456789, 2**32 + 5, 2**40 + 77):
-        opts = dict(n_sink=0, tokens_per_cluster=3, window=4, window_clusters=2, iters=0, seed=seed)
+    for seed, head_offset in ((0, 0), (123456789, 0), (2**32 + 5, 7), (2**40 + 77, 0), (0, 5)):
+        opts = dict(n_sink=0, tokens_per_cluster=3, window=4, window_clusters=2, iters=0, seed=seed,
+                    head_offset=head_offset)
         index = _index_state(B, H, C, D, 20)
         index["cluster_size"][..., 0] = torch.tensor([7, 2**20 + 3, 5], dtype=torch.int32)  # points clustered before
         index["n_clusters"][:] = 1
@@ -131,7 +133,7 @@ def test_kmeans_initialisation_matches_init_points():
         _assert_index_equal(out, ref)
         for h in range(H):
             offset = int(index["cluster_size"][0, h, 0])
-            first = [8 + i for i in init_points(9, 2, seed, h, offset)]
+            first = [8 + i for i in init_points(9, 2, seed, head_offset + h, offset)]
             assert torch.equal(ref["centroids"][0, h, 1:3], base["keys"][0, h, first])
 
 

@@ -11,6 +11,7 @@ import torch
 
 import kvrewrite  # noqa: F401  (registers the ops)
 from kvrewrite.kernels._hash import clustergen_hash24, mix32_tensor
+from kvrewrite.kernels.clustergen_fold import MUTATED
 from kvrewrite.kernels.kcenter import greedy_kcenter
 from kvrewrite.kernels.kmeans_cluster import mix32
 from tests.kernels import clustergen_naive as N
@@ -426,6 +427,35 @@ def test_batch_fold_has_the_law_of_token_by_token_folds():
         assert abs(a - b) <= Z * math.sqrt(pool * (1 - pool) * 2 / runs) + 1e-12, f"slot {j} token {x}: {a} vs {b}"
 
 
+# -- head_offset (tensor parallelism) ------------------------------------------------------------------------
+def same_bits(a, b):
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.shape == b.shape and torch.equal(a.view(bits), b.view(bits))
+
+
+def test_head_offset_hashes_the_model_layers_heads():
+    """A rank's state (the layer's heads [h0:], numbered from 0 there) folded with head_offset = h0 is the full
+    state's fold of those heads bit for bit; head_offset = 0 is the default; another offset draws other samples
+    (every head holds the same tokens: the head index alone tells their draws apart)."""
+    p = N.Params(Bt=12, n_sink=1, window=1, t=2, seed=4, layer=2)
+    rng = np.random.default_rng(13)
+    keys, vals = tokens(14, 4, rng, groups=3)
+    st0 = N.to_state(rows_of(p, 2, 3, keys, vals), 14 + p.S, 4, p.M + 1)
+    run = lambda st, **kw: OP(*(st[f] for f in N.STATE), **p.kwargs(**kw))  # noqa: E731
+    full, zero, other = ({f: x.clone() for f, x in st0.items()} for _ in range(3))
+    run(full)
+    run(zero, head_offset=0)
+    run(other, head_offset=1)
+    for h0 in (1, 2):
+        part = {f: x.clone() if f == "budget" else x[:, h0:].contiguous() for f, x in st0.items()}
+        run(part, head_offset=h0)
+        for f in MUTATED:
+            assert same_bits(part[f], full[f][:, h0:]), f"head_offset {h0}: {f}"
+    assert all(same_bits(zero[f], full[f]) for f in MUTATED)
+    vslot = full["role"] == 2
+    assert vslot.any() and not torch.equal(other["slot_pos"][vslot], full["slot_pos"][vslot])
+
+
 # -- hash, errors, opcheck -----------------------------------------------------------------------------------
 def test_mix32_tensor_equals_mix32():
     rng = np.random.default_rng(11)
@@ -469,6 +499,8 @@ def test_bad_fields_are_named(field, change, match):
     (dict(t=0), "t must be"), (dict(n_sink=-1), "n_sink must be"), (dict(window=-2), "window must be"),
     (dict(value_share=1.0), "value_share must be"), (dict(cluster_target=0.0), "cluster_target must be"),
     (dict(layer=-1), "layer must be"), (dict(t=9), "M >= 1"), (dict(value_share=0.01), "s >= 1"),
+    (dict(head_offset=-1), r"head_offset must be an int in \[0, 2\*\*31\), got -1"),
+    (dict(head_offset=2 ** 31), "head_offset must be"),
 ])
 def test_bad_options_are_named(over, match):
     p, st = small_state()

@@ -170,11 +170,12 @@ def test_cuda_graph_replays_on_new_state():
 
 def test_op_cuda_dispatch_runs_the_kernels(monkeypatch):
     """torch.ops.kvrewrite.clustergen_fold on CUDA with KERNELS_CHECKED_ON_GPU set: the kernels' result (a call
-    through the op, compared with the reference)."""
+    through the op, compared with the reference), head_offset passed through to the kernels' hash."""
     monkeypatch.setattr(op_mod, "KERNELS_CHECKED_ON_GPU", True)
     assert op_mod._cuda_impl() is kk.triton_clustergen_fold
     dtype, B, H, D, n_sink, window, t, Bt, g, groups, lens, pads = CASES["fp16-B3-H2-D64"]
-    kw = dict(n_sink=n_sink, window=window, t=t, value_share=0.5, cluster_target=0.5, seed=1, layer=2)
+    kw = dict(n_sink=n_sink, window=window, t=t, value_share=0.5, cluster_target=0.5, seed=1, layer=2,
+              head_offset=6)
     st = new_state(B, H, 800, D, 210, Bt, dtype)
     src = Stream(B, H, D, groups, 5)
     for r in range(B * H):

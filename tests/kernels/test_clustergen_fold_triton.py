@@ -140,3 +140,18 @@ def test_matches_reference_prefill_then_decode_folds(name):
         fold_both(st, kw, n_sink + window + g)
     if name == "uniform-overflow":
         assert int(st["n_forced"].max()) > 0
+
+
+def test_head_offset_matches_reference():
+    """A tensor-parallel rank's fold (head_offset: the layer's index of its first head): the reservoirs hash the
+    same heads as the reference."""
+    kw = dict(n_sink=1, window=2, t=2, value_share=0.5, cluster_target=0.5, seed=7, layer=3, head_offset=5)
+    gen = torch.Generator().manual_seed(1)
+    B, H, D, Bt, L = 1, 3, 4, 20, 24
+    S = Bt - 3
+    st = new_state(B, H, L + S, D, (S - round(0.5 * S)) // 2 + 1, Bt)
+    keys, vals = tokens(L, D, gen, 3)
+    for h in range(H):
+        for n in range(L):
+            append(st, 0, h, keys[(n + 5 * h) % L], vals[(n + 5 * h) % L], n)
+    fold_both(st, kw, 0)

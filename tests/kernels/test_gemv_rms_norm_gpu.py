@@ -55,7 +55,8 @@ def test_spellings_bias_and_no_residual(residual, unit_offset):
 
 
 @pytest.mark.parametrize("tuning", [dict(block_n=1), dict(block_n=8, num_warps=8), dict(block_k=256),
-                                    dict(preload=False), dict(block_n=2, block_k=4096)])
+                                    dict(preload=True), dict(block_n=2, block_k=4096),
+                                    dict(block_n=2, num_warps=8, preload=True)])  # the H100-tuned launch
 def test_launch_variants_compute_the_same(tuning):
     _check(515, 3000, torch.bfloat16, True, False, bias=True, seed=5, **tuning)
 

@@ -56,8 +56,8 @@ def make_state(B, H, C, D, K, fills, pads=None, threshold=None, dtype=torch.floa
         n_clusters=torch.zeros(B, H, dtype=torch.int32), cluster_end=torch.zeros(B, H, dtype=torch.int64))
 
 
-def call(s, a: Args):
-    OP(*(s[f] for f in FIELDS), **a.kwargs())
+def call(s, a: Args, **kw):
+    OP(*(s[f] for f in FIELDS), **a.kwargs(), **kw)
 
 
 def clone(s):
@@ -102,9 +102,9 @@ def plan(s, a: Args, clamp=False):
     return out
 
 
-def plant(s, a: Args, seed=1, noise=0.02, clamp=False) -> Args:
+def plant(s, a: Args, seed=1, noise=0.02, clamp=False, head_offset=0) -> Args:
     """Well-separated keys for the points of every due row (module docstring), one direction per initial point
-    (distinct: one per stratum); returns `a`."""
+    (distinct: one per stratum; of the op called with head_offset); returns `a`."""
     g = torch.Generator().manual_seed(seed)
     D = s["keys"].shape[3]
     rows = plan(s, a, clamp)
@@ -114,7 +114,7 @@ def plant(s, a: Args, seed=1, noise=0.02, clamp=False) -> Args:
         L = len(points)
         dirs = F.normalize(torch.randn(n, D, generator=g), dim=-1)
         label = torch.randint(0, n, (L,), generator=g)
-        label[naive_init(L, n, a.seed, h, offset)] = torch.arange(n)
+        label[naive_init(L, n, a.seed, head_offset + h, offset)] = torch.arange(n)
         norm = 0.5 + 1.5 * torch.rand(L, 1, generator=g)
         x = norm * (dirs[label] + noise * torch.randn(L, D, generator=g))
         s["keys"][b, h, points] = x.to(s["keys"].dtype)
@@ -336,6 +336,32 @@ def test_initialisation():
     for h in range(2):
         idx = km.init_points(40, 8, 123, h, 0)
         assert torch.equal(runs[0]["centroids"][0, h], s["keys"][0, h, idx])
+
+
+def test_head_offset_hashes_the_layers_head():
+    """Tensor parallelism: the state of heads [h0:] run with head_offset=h0 gives what the whole state gives for
+    those heads, bit for bit; head_offset=0 is the default; another head_offset draws other initial points."""
+    h0 = 2
+    s = make_state(2, 4, 30, 8, 6, [[30, 27, 30, 24], [30, 30, 29, 30]], pads=[0, 2], threshold=25, seed=11)
+    a = Args(n_sink=2, tokens_per_cluster=6, iters=2, seed=4)
+    full, zero, shifted = clone(s), clone(s), clone(s)
+    call(full, a)
+    call(zero, a, head_offset=0)
+    call(shifted, a, head_offset=h0)
+    part = {f: t if f == "budget" else t[:, h0:].contiguous() for f, t in clone(s).items()}
+    call(part, a, head_offset=h0)
+    for f in FIELDS:
+        assert torch.equal(zero[f], full[f]), f
+        assert torch.equal(part[f], full[f] if f == "budget" else full[f][:, h0:]), f
+    assert not torch.equal(shifted["centroids"], full["centroids"])
+
+
+@pytest.mark.parametrize("head_offset", [-1, 2**31])
+def test_bad_head_offset_is_named(head_offset):
+    s = make_state(1, 1, 24, 16, 6, [[24]])
+    with pytest.raises(ValueError, match=f"kvrewrite::kmeans_cluster: expected 0 <= head_offset < 2\\^31, got "
+                                         f"{head_offset}"):
+        call(s, Args(), head_offset=head_offset)
 
 
 def test_too_many_clusters_raise():

@@ -30,21 +30,21 @@ def triton_path(monkeypatch):
     monkeypatch.setattr(km, "reference_kmeans_cluster", refuse)
 
 
-def run(s, a: Args, **knobs):
+def run(s, a: Args, head_offset=0, **knobs):
     """The op on s's tensors (CPU: the reference; CUDA: the op, or triton_kmeans_cluster with knobs)."""
     tensors = [s[f] for f in FIELDS]
     if not s["keys"].is_cuda:
-        cpu_reference(*tensors, *a.kwargs().values())
+        cpu_reference(*tensors, *a.kwargs().values(), head_offset=head_offset)
     elif knobs:
-        km.triton_kmeans_cluster(*tensors, *a.kwargs().values(), **knobs)
+        km.triton_kmeans_cluster(*tensors, *a.kwargs().values(), head_offset=head_offset, **knobs)
     else:
-        OP(*tensors, **a.kwargs())
+        OP(*tensors, **a.kwargs(), head_offset=head_offset)
 
 
-def cpu_and_cuda(s, a, **knobs):
+def cpu_and_cuda(s, a, head_offset=0, **knobs):
     cpu, gpu = clone(s), {f: t.cuda() for f, t in s.items()}
-    run(cpu, a)
-    run(gpu, a, **knobs)
+    run(cpu, a, head_offset)
+    run(gpu, a, head_offset, **knobs)
     return cpu, {f: t.cpu() for f, t in gpu.items()}
 
 
@@ -69,6 +69,15 @@ def test_prefill_matches_cpu(B, H, C, D, K, fills, pads, threshold, dtype, args,
     args = plant(s, args, seed=D)
     cpu, gpu = cpu_and_cuda(s, args)
     assert_state(gpu, cpu, dtype)
+
+
+@pytest.mark.parametrize("knobs", [{}, dict(persistent=False)], ids=["op", "launches"])
+def test_head_offset_matches_cpu(knobs, triton_path):
+    """A tensor-parallel rank's state (head_offset 12: the layer's heads 12..15) against the reference."""
+    s = make_state(2, 4, 900, 64, 40, [[900, 850, 899, 700], [900] * 4], [0, 21], 800, torch.bfloat16, seed=13)
+    a = plant(s, Args(n_sink=4, tokens_per_cluster=40, iters=6, seed=2), seed=14, head_offset=12)
+    cpu, gpu = cpu_and_cuda(s, a, head_offset=12, **knobs)
+    assert_state(gpu, cpu, torch.bfloat16)
 
 
 def test_llama_layer_8k(triton_path):

@@ -30,10 +30,10 @@ MODES = {"persistent": dict(persistent=True),  # (launches: also every iteration
          "elementwise argmax": dict(persistent=True, assign_elem=True)}
 
 
-def check(s, a: Args, clamp=False, what="", **knobs):
+def check(s, a: Args, clamp=False, what="", head_offset=0, **knobs):
     want, got = clone(s), clone(s)
-    reference_kmeans_cluster(*(want[f] for f in FIELDS), *a.kwargs().values(), clamp=clamp)
-    triton_kmeans_cluster(*(got[f] for f in FIELDS), *a.kwargs().values(), **knobs)
+    reference_kmeans_cluster(*(want[f] for f in FIELDS), *a.kwargs().values(), clamp=clamp, head_offset=head_offset)
+    triton_kmeans_cluster(*(got[f] for f in FIELDS), *a.kwargs().values(), head_offset=head_offset, **knobs)
     assert_state(got, want, s["keys"].dtype, what)
     return got
 
@@ -61,6 +61,14 @@ def test_unplanted_fp32_keeps_moving(mode):
     a = Args(n_sink=2, tokens_per_cluster=10, iters=8, seed=4)
     s = make_state(1, 3, 90, 16, 16, [[90, 85, 77]], dtype=torch.float32, seed=5)
     check(s, a, **SMALL, **MODES[mode])
+
+
+@pytest.mark.parametrize("mode", ["persistent", "launches"])
+def test_head_offset(mode):
+    """head_offset (a tensor-parallel rank's first KV head) hashed with the state's head as the reference does."""
+    s = make_state(2, 2, 40, 16, 10, [[40, 33], [38, 40]], pads=[0, 3], dtype=torch.bfloat16, seed=12)
+    a = plant(s, Args(n_sink=2, tokens_per_cluster=5, iters=2, seed=6), head_offset=5)
+    check(s, a, head_offset=5, **SMALL, **MODES[mode])
 
 
 def test_default_blocks_many_clusters():
