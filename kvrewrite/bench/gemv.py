@@ -10,6 +10,7 @@ that each replay reads >= 256 MiB (more than 4x the L2), median of do_bench; lau
 a CUDA-graphed decode step. GB/s counts the weight bytes (x and y are < 0.1% of them).
 
 Run:  python -m kvrewrite.bench.gemv --out gemv.json [--sweep sweep.json]     (writes gemv.json and gemv.png)
+      [--grid 'block_n=1,2,4;block_k=1024,2048,4096;num_warps=4,8;num_stages=3,4'] [--shapes 'qkv fused,down']
 """
 import argparse
 import dataclasses
