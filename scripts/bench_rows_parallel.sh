@@ -2,7 +2,8 @@
 # Several `kvrewrite bench` invocations at once, one per GPU (CUDA_VISIBLE_DEVICES=i for the i-th), on a multi-GPU
 # machine: rows that would run one after another on one GPU (A/B variants of a kernel option, methods, repeat runs)
 # take the wall time of the slowest. Each row is measured on its own GPU against its own floor (the bench measures
-# that GPU's copy bandwidth), so compare ratios, and same-GPU A/B pairs only by their ratios.
+# that GPU's copy bandwidth), so the two sides of an A/B pair ran on two GPUs of one host: compare their ms/token
+# (and the spread of their floors, ~4% on the 4 H200s of docs/bench.md "Stop 33 runs").
 #
 #   scripts/bench_rows_parallel.sh OUT "name::bench args" ["name::bench args" ...]
 #
