@@ -214,6 +214,20 @@ def test_kernel_option_sets_a_launch_constant_and_refuses_the_rest(monkeypatch):
             e2e.kernel_option(bad)
 
 
+def test_bench_rows_parallel_refuses_more_rows_than_gpus(tmp_path):
+    """scripts/bench_rows_parallel.sh gives each row a GPU of its own: more rows than GPUs are refused before any
+    bench starts (this CPU has none)."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "scripts/bench_rows_parallel.sh"
+    n_gpu = torch.cuda.device_count()
+    rows = [f"r{i}::--device cpu" for i in range(n_gpu + 1)]
+    out = subprocess.run(["bash", str(script), str(tmp_path / "out"), *rows], capture_output=True, text=True)
+    assert out.returncode == 2 and f"{n_gpu + 1} rows for {n_gpu} GPUs" in out.stderr, out
+    assert not (tmp_path / "out" / "rows.json").exists()
+
+
 def test_gemv_sweep_grid_parses_and_refuses_unknown_knobs():
     from kvrewrite.bench import gemv
 
