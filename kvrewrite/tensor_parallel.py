@@ -262,6 +262,6 @@ def capture_rank(model, tp: int, *, batch_size: int, prefill_chunk: int):
         raise ValueError(f"{tag}: the model is rank {shard.kvrewrite_shard.rank}'s share, but this process is "
                          f"rank {rank}")
     captured = capture(shard, batch_size=batch_size, prefill_chunk=prefill_chunk)
-    captured.tp, captured.tp_group, captured.tp_row_parallel = tp, group, shard.kvrewrite_shard.row_parallel
-    captured.tp_rank = rank
+    captured.tp, captured.tp_rank, captured.tp_group = tp, rank, group
+    captured.tp_row_parallel = shard.kvrewrite_shard.row_parallel
     return captured

@@ -350,7 +350,9 @@ def test_plot_tp(tmp_path):
     for name, tp, ms in (("a", 1, 4.0), ("b", 2, 3.0), ("c", 2, 3.2)):
         paths.append(tmp_path / f"{name}.json")
         paths[-1].write_text(json.dumps(doc(tp, ms)))
-    labels = [r["label"] for r in plot_tp._rows(paths)]
+    rows, env = plot_tp._rows(paths)
+    labels = [r["label"] for r in rows]
+    assert env == dict(gpu="G", torch="t")  # the first JSON's (the title's)
     assert labels == ["8b chelsea\nB=1 tp=1\nCUDA graphs"] + ["8b chelsea\nB=1 tp=2\nCUDA graphs"] * 2
     assert plot_tp.main([*map(str, paths), "--out", str(tmp_path / "tp.png")]) == 0
     assert (tmp_path / "tp.png").stat().st_size > 0

@@ -8,12 +8,13 @@ import json
 from pathlib import Path
 
 
-def _rows(paths) -> list:
-    """Measured rows of every JSON, each labelled by model, system, batch, tp and decode path; repeated runs of a
-    label are kept apart (the plot shows their range)."""
-    out = []
+def _rows(paths) -> tuple[list, dict]:
+    """(measured rows of every JSON, each labelled by model, system, batch, tp and decode path, the first JSON's
+    env); repeated runs of a label are kept apart (the plot shows their range)."""
+    out, env = [], None
     for p in paths:
         doc = json.loads(Path(p).read_text())
+        env = env or doc["env"]
         tp = doc["env"].get("tp", 1)
         for r in doc["rows"]:
             if "ms_per_token" not in r:
@@ -21,7 +22,7 @@ def _rows(paths) -> list:
             decode = "Inductor" if r.get("kv_compile") == "inductor" else "CUDA graphs"
             model = r["model"].replace("llama-3.1-", "").replace("llama-3-", "")
             out.append(dict(r, tp=tp, label=f"{model} {r['system']}\nB={r['batch']} tp={tp}\n{decode}"))
-    return out
+    return out, env
 
 
 def plot_tp(paths, out) -> None:
@@ -30,7 +31,7 @@ def plot_tp(paths, out) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = _rows(paths)
+    rows, env = _rows(paths)
     labels = list(dict.fromkeys(r["label"] for r in rows))
     fig, (ax_t, ax_x) = plt.subplots(2, 1, figsize=(max(10, 1.15 * len(labels)), 9))
     for i, lab in enumerate(labels):
@@ -51,7 +52,6 @@ def plot_tp(paths, out) -> None:
         ax.set_xticks(range(len(labels)), labels, fontsize=7)
     ax_t.set_ylabel("ms / token (bar: slowest run; dark: fastest; line: floor)")
     ax_x.set_ylabel("decode tokens / s (slowest run)")
-    env = json.loads(Path(paths[0]).read_text())["env"]
     contexts = "/".join(f"{n // 1024}k" for n in sorted({r["context"] for r in rows}))
     budgets = "/".join(str(b) for b in sorted({r["budget"] for r in rows if r.get("budget") is not None}))
     ax_t.set_title(f"{env.get('gpu')} (tp > 1: orange) | torch {env['torch']} | context {contexts}, budget "

@@ -45,6 +45,13 @@ def check_attention_shapes(name: str, q, keys, bias, slot_pos, cache_position) -
     return B, Hq, T, D, Hkv, C
 
 
+def check_head_offset(name: str, head_offset: int) -> None:
+    """ValueError naming the op unless 0 <= head_offset < 2**31: the layer's index of the state's first KV head, which
+    ops that hash a head's index add to it (tensor parallelism), so head_offset + h stays a uint32 in the hash."""
+    if not 0 <= head_offset < 2**31:
+        raise ValueError(f"{name}: head_offset must be an int in [0, 2**31), got {head_offset}")
+
+
 def check_one_cuda_device(name: str, tensors) -> None:
     """ValueError naming the op and the devices unless every tensor is on one and the same CUDA device."""
     devices = {t.device for t in tensors}

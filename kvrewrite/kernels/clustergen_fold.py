@@ -85,6 +85,7 @@ import logging
 import torch
 
 from kvrewrite.kernels._hash import clustergen_hash24
+from kvrewrite.kernels._triton_op import check_head_offset
 from kvrewrite.kernels.kcenter import greedy_kcenter
 
 logger = logging.getLogger(__name__)
@@ -129,8 +130,7 @@ def _check_inputs(keys, values, bias, slot_pos, fill, budget, role, rep, count, 
     for field, v, lo in (("n_sink", n_sink, 0), ("window", window, 0), ("t", t, 1), ("layer", layer, 0)):
         if v < lo:
             raise ValueError(f"{NAME}: {field} must be an int >= {lo}, got {v}")
-    if not 0 <= head_offset < 2 ** 31:
-        raise ValueError(f"{NAME}: head_offset must be an int in [0, 2**31), got {head_offset}")
+    check_head_offset(NAME, head_offset)
     if not 0 < value_share < 1:
         raise ValueError(f"{NAME}: value_share must be in (0, 1), got {value_share}")
     if not 0 < cluster_target <= 1:

@@ -102,7 +102,7 @@ import os
 
 import torch
 
-from kvrewrite.kernels._triton_op import triton_jit
+from kvrewrite.kernels._triton_op import check_head_offset, triton_jit
 
 try:
     import triton
@@ -167,8 +167,7 @@ def _check_inputs(keys, values, bias, slot_pos, fill, budget, centroids, cluster
     if n_sink < 0 or tokens_per_cluster < 1 or window < 1 or window_clusters < 1 or iters < 0:
         raise ValueError(f"{NAME}: expected n_sink >= 0, tokens_per_cluster >= 1, window >= 1, window_clusters >= 1,"
                          f" iters >= 0, got {n_sink}, {tokens_per_cluster}, {window}, {window_clusters}, {iters}")
-    if not 0 <= head_offset < 2**31:  # (head_offset + h stays a uint32 in the hash)
-        raise ValueError(f"{NAME}: expected 0 <= head_offset < 2^31, got {head_offset}")
+    check_head_offset(NAME, head_offset)
 
 
 def _assign(x, cent):

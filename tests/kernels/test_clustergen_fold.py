@@ -75,6 +75,12 @@ def assert_row(got, want, where):
             assert g == w, f"{where}: {k} {g} != {w}"
 
 
+def same_bits(a, b):
+    """a and b hold the same bits (NaNs included)."""
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.shape == b.shape and torch.equal(a.view(bits), b.view(bits))
+
+
 def check_all(st, rows, p, where):
     for b, h in itertools.product(range(len(rows)), range(len(rows[0]))):
         assert_row(N.read_row(st, b, h, p), rows[b][h].view(), f"{where} row {(b, h)}")
@@ -154,9 +160,7 @@ def test_rows_not_due_untouched_bit_for_bit():
     for f in N.STATE:
         if f == "budget":
             continue
-        a, b = before[f][0, 1], st[f][0, 1]
-        bits = {1: torch.int8, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        assert torch.equal(a.view(bits), b.view(bits)), f"{f} of the row not due changed"
+        assert same_bits(before[f][0, 1], st[f][0, 1]), f"{f} of the row not due changed"
     for h in (0, 2):
         rows[0][h].fold_hash()
         assert_row(N.read_row(st, 0, h, p), rows[0][h].view(), f"due row {h}")
@@ -428,11 +432,6 @@ def test_batch_fold_has_the_law_of_token_by_token_folds():
 
 
 # -- head_offset (tensor parallelism) ------------------------------------------------------------------------
-def same_bits(a, b):
-    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return a.shape == b.shape and torch.equal(a.view(bits), b.view(bits))
-
-
 def test_head_offset_hashes_the_model_layers_heads():
     """A rank's state (the layer's heads [h0:], numbered from 0 there) folded with head_offset = h0 is the full
     state's fold of those heads bit for bit; head_offset = 0 is the default; another offset draws other samples

@@ -359,8 +359,8 @@ def test_head_offset_hashes_the_layers_head():
 @pytest.mark.parametrize("head_offset", [-1, 2**31])
 def test_bad_head_offset_is_named(head_offset):
     s = make_state(1, 1, 24, 16, 6, [[24]])
-    with pytest.raises(ValueError, match=f"kvrewrite::kmeans_cluster: expected 0 <= head_offset < 2\\^31, got "
-                                         f"{head_offset}"):
+    with pytest.raises(ValueError, match=f"kvrewrite::kmeans_cluster: head_offset must be an int in \\[0, 2\\*\\*31\\), "
+                                         f"got {head_offset}"):
         call(s, Args(), head_offset=head_offset)
 
 
