@@ -38,6 +38,7 @@ def profile_steps(dec, rw, n_steps: int, compressing: bool, top: int) -> None:
         for _ in range(n_steps):
             dec.step()
         torch.cuda.synchronize()
+    timeline(p, n_steps)
     events = [e for e in p.key_averages() if e.device_time_total > 0]
     total = sum(e.device_time_total for e in events) / n_steps
     kernels = sum(e.count for e in events) / n_steps
@@ -46,6 +47,29 @@ def profile_steps(dec, rw, n_steps: int, compressing: bool, top: int) -> None:
     for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
         print(f"  {e.device_time_total / n_steps:9.1f} us/step {e.count / n_steps:6.1f}/step  "
               f"{e.device_time_total / e.count:8.1f} us/call  {e.key[:100]}", flush=True)
+
+
+def timeline(p, n_steps: int) -> None:
+    """The kernels in launch order: per step the span from the first kernel's start to the last one's end, the idle
+    time between kernels, and how many kernels started before the previous one ended (what programmatic dependent
+    launch allows, kernels/_pdl.py; without it none do)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in p.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if len(spans) < 2:
+        return
+    busy = sum(e - s for s, e in spans)
+    idle = overlap = 0.0
+    early = 0
+    for (_, e0), (s1, _) in zip(spans, spans[1:]):
+        if s1 < e0:
+            early += 1
+            overlap += e0 - s1
+        else:
+            idle += s1 - e0
+    span = spans[-1][1] - spans[0][0]
+    print(f"timeline: {len(spans) / n_steps:.0f} kernels/step, span {span / n_steps:.1f} us/step (kernels busy "
+          f"{busy / n_steps:.1f}), idle between kernels {idle / n_steps:.1f} us/step, {early / n_steps:.0f} kernels/step "
+          f"started before the previous one ended (overlapping {overlap / n_steps:.1f} us/step)", flush=True)
 
 
 def main(argv=None):
@@ -61,12 +85,19 @@ def main(argv=None):
     parser.add_argument("--fuse-projections", action="store_true")
     parser.add_argument("--gemv", action="store_true")
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="launch without programmatic dependent launch (kernels/_pdl.py; rw.compile uses it)")
+    parser.add_argument("--no-gemv-timings", action="store_true", help="skip the bare GEMV timings")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode: needs a CUDA GPU")
     bw = copy_gbps("cuda")
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | copy {bw:.0f} GB/s", flush=True)
-    for n, k in GEMV_SHAPES:
+    if args.no_pdl:
+        from kvrewrite.kernels import _pdl
+
+        _pdl.set_enabled(False)
+    for n, k in () if args.no_gemv_timings else GEMV_SHAPES:
         us = gemv_us(n, k)
         gbs = n * k * 2 / us / 1e3
         print(f"gemv {n}x{k}: {us:7.1f} us  {gbs:6.0f} GB/s  {gbs / bw * 100:5.1f}% of copy", flush=True)

@@ -369,7 +369,7 @@ def unfuse_observed_attention(gm: fx.GraphModule) -> fx.GraphModule:
                                           {"past_only": True} if past_only else {})
             gm.graph.call_function(torch.ops.kvrewrite.accumulate_attention.default,
                                    (q, keys, bias, slot_pos, cache_position, score),
-                                   {"scale": scale, "window": window, "mode": mode, "last": last})
+                                   {"scale": scale, "window": window, "stats_mode": mode, "last": last})
         attn.meta.update(node.meta)
         node.replace_all_uses_with(attn)
         gm.graph.erase_node(node)

@@ -2,7 +2,9 @@
 
 A triton_op's body is its kernel, its fake (it is traced on fake tensors) and, under torch.compile,
 what Inductor inlines: CUDA launches Triton through ``wrap_triton`` (Inductor sees the kernel, CUDA
-graphs capture it), other devices run plain PyTorch.
+graphs capture it), other devices run plain PyTorch. `rw.compile` keeps the ops whole instead (Inductor
+calls the op, whose body launches the kernel: runtime.py KVRewrittenModel.compile); torch.compile of
+the model by hand, torch.export and AOTInductor inline the body.
 """
 import logging
 

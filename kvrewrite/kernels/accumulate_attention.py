@@ -23,7 +23,9 @@ Args:
     q: [B, Hq, T, D]; keys: [B, Hkv, C, D]; bias, slot_pos: [B, Hkv, C]; cache_position: [T]
     score: [B, Hkv, C] fp32 (mutated)
     scale: the attention's softmax scale; window: its sliding window (0: none)
-    mode: "all" or "window"; last: the observation window in queries (mode "window"; >= 1)
+    stats_mode: "all" or "window"; last: the observation window in queries (mode "window"; >= 1). (Not named
+        "mode": a mutating custom op's argument of that name collides with torch's fake-tensor dispatch of
+        auto_functionalized, which rw.compile's opaque ops go through.)
 Returns: nothing; `score` is updated in place.
 
 Backends: CUDA runs attention_column_stats' Triton kernels (triton_attention_column_stats, fp16/bf16/
@@ -94,14 +96,14 @@ def accumulate_attention(
     score: torch.Tensor,
     scale: float,
     window: int,
-    mode: str,
+    stats_mode: str,
     last: int = 0,
 ) -> None:
     """Add (or, for a prefill chunk in mode "window", set) the step's attention column sums into `score`.
 
     The op's kernel, fake and what Inductor inlines (see _triton_op.py); shapes in the module docstring."""
-    _check_inputs(q, keys, bias, slot_pos, cache_position, score, window, mode, last)
-    reference_accumulate_attention(q, keys, bias, slot_pos, cache_position, score, scale, window, mode, last)
+    _check_inputs(q, keys, bias, slot_pos, cache_position, score, window, stats_mode, last)
+    reference_accumulate_attention(q, keys, bias, slot_pos, cache_position, score, scale, window, stats_mode, last)
 
 
 accumulate_attention = register_triton_op("kvrewrite::accumulate_attention", accumulate_attention, ("score",),

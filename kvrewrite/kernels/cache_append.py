@@ -32,6 +32,8 @@ from __future__ import annotations  # the kernels' `tl.constexpr` annotations st
 import torch
 from torch.library import wrap_triton
 
+from kvrewrite.kernels import _pdl
+from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
 from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
 
 try:
@@ -80,7 +82,11 @@ def _cache_append_kernel(
     Hkv, T, D, C,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     UPDATE_FILL: tl.constexpr,  # the grid has one token block per row: this program advances the fill
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any load (kernels/_pdl.py)
 ):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     b = (row // Hkv).to(tl.int64)
     h = (row % Hkv).to(tl.int64)
@@ -177,11 +183,13 @@ def _launch(keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, to
         block_t = max(BLOCK_ELEMENTS // block_d, 1)
     t_blocks = triton.cdiv(T, block_t)
     num_warps = min(max(block_t * block_d // (32 * ELEMENTS_PER_THREAD), 4), 16)
+    pdl, launch = _pdl.launch_options(keys)
     wrap_triton(_cache_append_kernel)[(B * Hkv, t_blocks)](
         keys, values, bias, slot_pos, fill, k_new, v_new, cache_position, token_valid,
         *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(), *fill.stride(),
         *k_new.stride(), *v_new.stride(), *cache_position.stride(), *token_valid.stride(),
-        Hkv, T, D, C, BLOCK_T=block_t, BLOCK_D=block_d, UPDATE_FILL=t_blocks == 1, num_warps=num_warps,
+        Hkv, T, D, C, BLOCK_T=block_t, BLOCK_D=block_d, UPDATE_FILL=t_blocks == 1, PDL=pdl, num_warps=num_warps,
+        **launch,
     )
     if t_blocks > 1:  # after every program has read the old fill (stream order); one launch, like fill.add_(T)
         wrap_triton(_cache_append_fill_kernel)[(B * Hkv,)](fill, *fill.stride(), Hkv, T, C, num_warps=1)

@@ -52,6 +52,8 @@ import functools
 import torch
 from torch.library import wrap_triton
 
+from kvrewrite.kernels import _pdl
+from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
 from kvrewrite.kernels._triton_op import check_attention_shapes, check_one_cuda_device, register_triton_op, triton_jit
 
 try:
@@ -209,8 +211,12 @@ def _clustered_attention_fwd_kernel(
     NPEND: tl.constexpr,  # pending entries (PENDING; 1 otherwise)
     DEFER: tl.constexpr,  # fold only at a step with c mod NPEND == 0 (else every entry: the empty ones add 0)
     SAVE_Q: tl.constexpr,  # store q and its lse as entry c mod NPEND, emptying the others after a fold (no SPLIT)
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any load (kernels/_pdl.py)
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
+    if PDL:  # every input (q, the slots, the bias the append just wrote) comes from earlier kernels
+        gdc_wait()
+        gdc_launch_dependents()
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -412,7 +418,11 @@ def _clustered_attention_combine_kernel(
     WRITE_LSE: tl.constexpr,
     SAVE_Q: tl.constexpr,  # q and lse into entry c mod NPEND; the other entries emptied at c mod NPEND == 0
     NPEND: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL: wait for the split kernel first (kernels/_pdl.py)
 ):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     if SAVE_Q:  # loaded first, stored last: their latency overlaps the partials'
         offs_d = tl.arange(0, HEAD_DIM)
@@ -552,11 +562,13 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past
                                                   past_only, softcap, causal_skip, lse=lse, pending=pending,
                                                   save_q=save_q, **overrides)
     if part is not None:
+        pdl, launch = _pdl.launch_options(q)
         wrap_triton(_clustered_attention_combine_kernel)[(out.numel() // out.shape[-1],)](
             part, m_part, l_part, out, out if lse is None else lse, q, out if save_q is None else save_q,
             cache_position, q.stride(0), q.stride(1), q.stride(3), S, q.shape[1], q.shape[1] // keys.shape[1],
             HEAD_DIM=out.shape[-1], BLOCK_S=max(triton.next_power_of_2(S), 2), WRITE_LSE=lse is not None,
-            SAVE_Q=save_q is not None, NPEND=1 if save_q is None else int(save_q.shape[2]), num_warps=4,
+            SAVE_Q=save_q is not None, NPEND=1 if save_q is None else int(save_q.shape[2]), PDL=pdl, num_warps=4,
+            **launch,
         )
     return out
 
@@ -615,6 +627,7 @@ def launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, windo
     else:
         pq, plse, score, fill = pending["q"], pending["lse"], pending["score"], pending["fill"]
         score_strides, fill_strides, pend_scale = score.stride(), fill.stride(), float(pending["scale"])
+    pdl, launch = _pdl.launch_options(q)
     wrap_triton(_clustered_attention_fwd_kernel)[(S, B * Hkv, cfg["m_blocks"])](
         q, keys, values, bias, slot_pos, cache_position, part, m_part, l_part,
         out if logits is None else logits, out if lse is None else lse,
@@ -625,8 +638,8 @@ def launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, windo
         LOAD_POS=load_pos, HAS_WINDOW=window > 0, CAUSAL_SKIP=causal_skip, SOFTCAP=softcap > 0,
         WRITE_LOGITS=logits is not None, WRITE_LSE=lse is not None and not split,
         PENDING=pending is not None, NPEND=1 if pending is None else npend, DEFER=save_q is not None,
-        SAVE_Q=save_q is not None and not split,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SAVE_Q=save_q is not None and not split, PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )
     if not split:
         return out, None, None, None, S

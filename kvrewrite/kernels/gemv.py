@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.library import wrap_triton
 
+from kvrewrite.kernels import _pdl
+from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
 from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
 
 try:
@@ -67,7 +69,8 @@ def error_bound(x, weight, ref):
 #
 # One program computes BLOCK_N outputs: it streams its BLOCK_N weight rows in [BLOCK_N, BLOCK_K] tiles,
 # multiplies them by the matching slice of x and keeps an fp32 [BLOCK_N, BLOCK_K] accumulator, reduced
-# along K once at the end (no split-K, so no second kernel).
+# along K once at the end (no split-K, so no second kernel). Launched with PDL (kernels/_pdl.py), it waits for
+# the previous kernel first.
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -80,11 +83,15 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVICT_FIRST: tl.constexpr,  # hint that the weight lines will not be read again
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any load (kernels/_pdl.py)
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = W + rows[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         k_ok = cols < K
@@ -163,10 +170,11 @@ def _launch(x, weight, bias=None, **overrides):
     x1 = x.reshape(K)
     y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     cfg = _launch_config(N, K, **overrides)
+    pdl, launch = _pdl.launch_options(x)
     wrap_triton(_gemv_kernel)[(triton.cdiv(N, cfg["block_n"]),)](
         x1, weight, weight if bias is None else bias, y, N, K, x1.stride(0), weight.stride(0),
         BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], HAS_BIAS=bias is not None, EVICT_FIRST=cfg["evict_first"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )
     return y
 

@@ -42,6 +42,8 @@ import torch.nn.functional as F
 from torch.library import wrap_triton
 
 from kvrewrite.kernels import gemv as _gemv
+from kvrewrite.kernels import _pdl
+from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
 from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
 
 try:
@@ -99,6 +101,22 @@ def error_bound(a, b, weight, ref, act="silu"):
 
 
 @triton_jit()
+def _glu_input(A, B, cols, K, stride_ak, stride_bk, ACT: tl.constexpr):
+    """act(a) * b at columns `cols` (0 past K), in fp32, rounded where ATen rounds."""
+    k_ok = cols < K
+    a = tl.load(A + cols * stride_ak, mask=k_ok, other=0.0).to(tl.float32)
+    b = tl.load(B + cols * stride_bk, mask=k_ok, other=0.0)
+    if ACT == 0:  # silu: a sigmoid(a)
+        g = a / (1.0 + tl.exp(-a))
+    elif ACT == 1:  # gelu tanh: 0.5 a (1 + tanh(u)) = a sigmoid(2u), u = sqrt(2/pi) (a + 0.044715 a^3)
+        u = 0.7978845608028654 * (a + 0.044715 * a * a * a)
+        g = a / (1.0 + tl.exp(-2.0 * u))
+    else:  # gelu: 0.5 a (1 + erf(a / sqrt(2)))
+        g = 0.5 * a * (1.0 + tl.erf(a * 0.7071067811865476))
+    return (g.to(b.dtype).to(tl.float32) * b.to(tl.float32)).to(b.dtype).to(tl.float32)  # ATen's two roundings
+
+
+@triton_jit()
 def _gemv_glu_kernel(
     A, B, W, BIAS, Y,
     N, K,
@@ -108,24 +126,19 @@ def _gemv_glu_kernel(
     ACT: tl.constexpr,  # index in ACTS
     HAS_BIAS: tl.constexpr,
     EVICT_FIRST: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any load (kernels/_pdl.py)
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = W + rows[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         k_ok = cols < K
-        a = tl.load(A + cols * stride_ak, mask=k_ok, other=0.0).to(tl.float32)
-        b = tl.load(B + cols * stride_bk, mask=k_ok, other=0.0)
-        if ACT == 0:  # silu: a sigmoid(a)
-            g = a / (1.0 + tl.exp(-a))
-        elif ACT == 1:  # gelu tanh: 0.5 a (1 + tanh(u)) = a sigmoid(2u), u = sqrt(2/pi) (a + 0.044715 a^3)
-            u = 0.7978845608028654 * (a + 0.044715 * a * a * a)
-            g = a / (1.0 + tl.exp(-2.0 * u))
-        else:  # gelu: 0.5 a (1 + erf(a / sqrt(2)))
-            g = 0.5 * a * (1.0 + tl.erf(a * 0.7071067811865476))
-        x = (g.to(b.dtype).to(tl.float32) * b.to(tl.float32)).to(b.dtype).to(tl.float32)  # ATen's two roundings
+        x = _glu_input(A, B, cols, K, stride_ak, stride_bk, ACT)
         if EVICT_FIRST:
             w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
                         eviction_policy="evict_first")
@@ -190,10 +203,11 @@ def _launch(a, b, weight, bias=None, act="silu", **overrides):
     a1, b1 = a.reshape(K), b.reshape(K)
     y = torch.empty((*a.shape[:-1], N), dtype=a.dtype, device=a.device)
     cfg = launch_config(N, K, **overrides)
+    pdl, launch = _pdl.launch_options(a)
     wrap_triton(_gemv_glu_kernel)[(triton.cdiv(N, cfg["block_n"]),)](
         a1, b1, weight, weight if bias is None else bias, y, N, K, a1.stride(0), b1.stride(0), weight.stride(0),
         BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], ACT=ACTS.index(act), HAS_BIAS=bias is not None,
-        EVICT_FIRST=cfg["evict_first"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        EVICT_FIRST=cfg["evict_first"], PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )
     return y
 

@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch.library import wrap_triton
 
+from kvrewrite.kernels import _pdl
+from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
 from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
 from kvrewrite.kernels.gemv import ROUNDING, _launch_config, input_problem
 
@@ -158,12 +160,16 @@ def _gemv_rms_norm_kernel(
     UNIT_OFFSET: tl.constexpr,
     EVICT_FIRST: tl.constexpr,
     PRELOAD: tl.constexpr,  # load the first weight tile before the prologue: its latency overlaps the sum
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any load (kernels/_pdl.py)
 ):
     pid = tl.program_id(0)
     dtype = X.dtype.element_ty
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = W + rows[:, None].to(tl.int64) * stride_wn
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     if PRELOAD:
         cols0 = tl.arange(0, BLOCK_K)
         w0 = tl.load(w_rows + cols0[None, :], mask=row_ok[:, None] & (cols0 < K)[None, :], other=0.0)
@@ -205,7 +211,13 @@ def _gemv_rms_norm_kernel(
 # - H200 (docs/bench/sweep_gemv_rms_norm_h200.json, 34 variants): the fastest on all three, 18.6 / 65.1 / 259.2 us,
 #   where the H100's choice below takes 19.5 / 72.7 / 302.6 (gemv alone 16.1 / 59.7 / 240.2; a compiled add + RMSNorm,
 #   then gemv: 19.3 / 63.2 / 243.9). A persistent variant (one prologue per program, then a flat loop over its row
-#   blocks x K tiles) was 1.3-5x slower there and was dropped.
+#   blocks x K tiles) was 1.3-5x slower there and was dropped. So was a one-pass form (no prologue: the sum of
+#   squares accumulated along the product, the row sums scaled by rsqrt at the end; docs/bench/
+#   sweep_gemv_rms_norm_h200_onepass.json, 16 launches): at 4 rows x 4 warps 18.9 / 67.9 / 267.2 us against this
+#   kernel's 18.6 / 65.5 / 261.5 in the same run, its best per shape 18.9 / 65.8 / 255.1 (8 rows, the lm_head only
+#   faster), and end to end (snapkv, rw.compile with PDL) 4.96-4.99 ms/token against 4.92-4.94. So the prologue is not
+#   what costs against gemv alone (16.1 / 59.7 / 240.2): the main loop, which reads x, the residual and the norm
+#   weight with every weight tile, is.
 # - H100 (docs/bench/sweep_gemv_rms_norm_h100.json): 22.3 / 84.2 / 343.5 us, within 0.5% of that sweep's fastest, 2 rows
 #   x 8 warps with the preload (22.2 / 83.9 / 343.0; gemv alone 20.4 / 82.0 / 341.3; compiled add + RMSNorm, then
 #   gemv: 23.7 / 85.7 / 344.9).
@@ -240,12 +252,13 @@ def _launch(x, residual, norm_weight, eps, weight, bias=None, unit_offset=False,
     y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     h = torch.empty(x.shape if residual is not None else (0,), dtype=x.dtype, device=x.device)
     cfg = launch_config(N, K, **overrides)
+    pdl, launch = _pdl.launch_options(x)
     wrap_triton(_gemv_rms_norm_kernel)[(triton.cdiv(N, cfg["block_n"]),)](
         x1, r1, norm_weight, weight, weight if bias is None else bias, y, h if residual is not None else y,
         N, K, float(eps), x1.stride(0), r1.stride(0), norm_weight.stride(0), weight.stride(0),
         BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], HAS_RES=residual is not None, HAS_BIAS=bias is not None,
         UNIT_OFFSET=bool(unit_offset), EVICT_FIRST=cfg["evict_first"], PRELOAD=cfg["preload"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )
     return y, h
 

@@ -305,8 +305,8 @@ def observed_attention_eager(
 ) -> torch.Tensor:
     """The op off CUDA, an opaque op of its own (its checks read the data, which an inlined body cannot): the
     reference fold of the pending entries, kvrewrite::clustered_attention, then kvrewrite::accumulate_attention or
-    this step's save as a pending entry. (`stats_mode` is the op's `mode`: an argument named "mode" collides with torch's
-    fake-tensor dispatch of a custom op.)"""
+    this step's save as a pending entry. (`stats_mode`, as in the fused op: an argument named "mode" collides with
+    torch's fake-tensor dispatch of a custom op.)"""
     return _steps(q, keys, values, bias, slot_pos, cache_position, scale, window, score, pending_q, pending_lse, fill,
                   stats_mode, last, past_only, defer, torch.ops.kvrewrite.clustered_attention,
                   torch.ops.kvrewrite.accumulate_attention)
@@ -331,7 +331,7 @@ def observed_attention(
     pending_q: torch.Tensor,
     pending_lse: torch.Tensor,
     fill: torch.Tensor,
-    mode: str,
+    stats_mode: str,
     last: int = 0,
     past_only: bool = False,
     defer: bool = False,
@@ -343,9 +343,9 @@ def observed_attention(
     kvrewrite::clustered_attention and kvrewrite::accumulate_attention around the reference fold."""
     if q.is_cuda and triton is not None:
         return triton_observed_attention(q, keys, values, bias, slot_pos, cache_position, scale, window, score,
-                                         pending_q, pending_lse, fill, mode, last, past_only, defer)
+                                         pending_q, pending_lse, fill, stats_mode, last, past_only, defer)
     return torch.ops.kvrewrite.observed_attention_eager(q, keys, values, bias, slot_pos, cache_position, scale,
-                                                        window, score, pending_q, pending_lse, fill, mode, last,
+                                                        window, score, pending_q, pending_lse, fill, stats_mode, last,
                                                         past_only, defer)
 
 

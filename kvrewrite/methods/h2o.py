@@ -60,7 +60,7 @@ class H2OMethod(Method):
         return observed_state_fields(layer)
 
     def observe_call(self, layer):
-        return torch.ops.kvrewrite.accumulate_attention.default, {"mode": "all"}
+        return torch.ops.kvrewrite.accumulate_attention.default, {"stats_mode": "all"}
 
     def compression_call(self, layer):
         return torch.ops.kvrewrite.evict_by_score.default, {

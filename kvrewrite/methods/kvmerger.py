@@ -114,7 +114,7 @@ class KVMergerMethod(Method):
                 "deficit": StateField(("B", "Hkv"), torch.int64, 0)}
 
     def observe_call(self, layer):
-        return torch.ops.kvrewrite.accumulate_attention.default, {"mode": "all"}
+        return torch.ops.kvrewrite.accumulate_attention.default, {"stats_mode": "all"}
 
     def compression_call(self, layer):
         return torch.ops.kvrewrite.kvmerger_compress.default, {

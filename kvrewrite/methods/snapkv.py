@@ -71,7 +71,7 @@ class SnapKVMethod(Method):
         return observed_state_fields(layer)
 
     def observe_call(self, layer):
-        return torch.ops.kvrewrite.accumulate_attention.default, {"mode": "window", "last": self.window}
+        return torch.ops.kvrewrite.accumulate_attention.default, {"stats_mode": "window", "last": self.window}
 
     def compression_call(self, layer):
         return torch.ops.kvrewrite.evict_by_score.default, {

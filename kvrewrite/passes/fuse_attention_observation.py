@@ -60,7 +60,7 @@ def fuse_attention_observation(gm: fx.GraphModule, ctx: RewriteContext) -> fx.Gr
         with graph.inserting_before(attn):
             fused = graph.call_function(FUSED, (
                 a["q"], a["keys"], a["values"], a["bias"], a["slot_pos"], a["cache_position"], a["scale"],
-                a["window"], o["score"], state["pending_q"], state["pending_lse"], state["fill"], o["mode"],
+                a["window"], o["score"], state["pending_q"], state["pending_lse"], state["fill"], o["stats_mode"],
                 o["last"], a["past_only"], defer))
         fused.meta.update({k: v for k, v in attn.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
         fused.meta["kvrewrite"] = {"layer": layer, "role": "observed_attention"}

@@ -149,5 +149,5 @@ def test_calls_state_and_targets():
     op, kw = m.compression_call(layer)
     assert op is torch.ops.kvrewrite.evict_by_score.default
     assert kw == {"n_recent": 0, "recent_ratio": 0.25, "pool": 1, "reset_score": False}
-    assert m.observe_call(layer) == (torch.ops.kvrewrite.accumulate_attention.default, {"mode": "all"})
+    assert m.observe_call(layer) == (torch.ops.kvrewrite.accumulate_attention.default, {"stats_mode": "all"})
     assert list(m.state_fields(layer)) == ["score", "pending_q", "pending_lse"]

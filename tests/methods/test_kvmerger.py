@@ -85,7 +85,7 @@ def test_calls_state_and_targets():
     assert op is torch.ops.kvrewrite.kvmerger_compress.default
     assert kw == {"recent_ratio": 0.34, "hh_ratio": 0.24, "n_sink": 2, "epsilon": 0.75, "sigma": 5.0,
                   "sigma_mode": "fixed", "values_mode": "bias", "reading": "anchor", "budget_mode": "exact"}
-    assert m.observe_call(layer) == (torch.ops.kvrewrite.accumulate_attention.default, {"mode": "all"})
+    assert m.observe_call(layer) == (torch.ops.kvrewrite.accumulate_attention.default, {"stats_mode": "all"})
     fields = m.state_fields(layer)
     assert list(fields) == ["score", "pending_q", "pending_lse", "degree", "deficit"]
     assert fields["degree"].dtype == torch.int32 and fields["degree"].reset == 1

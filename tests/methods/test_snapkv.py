@@ -147,6 +147,6 @@ def test_calls_state_and_targets():
     op, kw = m.compression_call(layer)
     assert op is torch.ops.kvrewrite.evict_by_score.default
     assert kw == {"n_recent": 32, "recent_ratio": 0.0, "pool": 7, "reset_score": True}
-    assert m.observe_call(layer) == (torch.ops.kvrewrite.accumulate_attention.default, {"mode": "window", "last": 32})
+    assert m.observe_call(layer) == (torch.ops.kvrewrite.accumulate_attention.default, {"stats_mode": "window", "last": 32})
     assert list(m.state_fields(layer)) == ["score", "pending_q", "pending_lse"]
     assert math.isclose(SnapKVMethod().budget, 0.2)

@@ -1,0 +1,79 @@
+"""Programmatic dependent launch (PDL): a kernel is launched while the one before it in the stream is finishing.
+
+Why: a batch-1 decode step is ~300 kernel launches (Llama-3.1-8B shape), and between two of them the GPU drains
+the first kernel's last wave, then launches and ramps up the next: under CUDA graphs still about a microsecond
+each. With PDL (Hopper and later) a kernel launched with the attribute may be scheduled as soon as the kernel
+before it signals (`gdc_launch_dependents`, or its programs exit), and waits at `gdc_wait` for that kernel to
+complete and its writes to be visible.
+
+The rule every kernel launched with PDL here follows: `gdc_wait()` before any load and any store. The kernel is
+then ordered exactly as without PDL (what it gains is its launch and scheduling, overlapped with the previous
+kernel's tail); `gdc_launch_dependents()` right after the wait lets the next kernel be scheduled on the SMs this
+one frees. Loading weights before the wait would gain more (measured below) but is not safe for a public op: a
+caller may pass a weight that the kernel just before it wrote (a merged LoRA, a dequantized matrix), and the early
+load would read the old values. The ops cannot tell, so they do not.
+
+Measured (kvrewrite/bench/pdl.py; docs/bench.md "Stop 34 runs"), with the GEMVs' first weight tile loaded before
+the wait (the form this rule replaced):
+- 128 decode GEMVs of the Llama-3.1-8B shapes in one CUDA graph: on an H100 4.685 ms without PDL, 4.615 with the
+  wait first (-1.5%), 4.542 with the first tile before it (-3.1%); on an H200 3.43-3.61 without, 3.31-3.35 with the
+  tile first (-3.4 to -7.2%).
+- End to end (H200, snapkv, 32k, batch 1, rw.compile): 4.921-4.935 ms/token with it against 4.936-4.943 without
+  (two runs each; within 0.4%); not timed with the wait first. The fused norm GEMVs (65 of the ~300 kernels, the
+  largest) waited first in both.
+
+When: `launch_options(t)` gives the launch keywords and the kernels' PDL constexpr. PDL is used where the op
+launches its kernel itself (eager calls, and under `rw.compile`, which keeps the ops opaque to Inductor:
+runtime.py), on a CUDA device of compute capability >= 9, unless `set_enabled(False)`. Where Inductor or
+AOTInductor trace the op (torch.compile of the model by hand, exports), the kernel is traced without it
+(PDL = False: the wait and launch instructions are not compiled in), since their launchers do not take the
+attribute for user kernels; the kernel is then the same as before.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401 (the kernels' import)
+except ImportError:  # CPU-only installs, and Triton builds without the CUDA extras: no PDL
+    triton = tl = None
+    gdc_wait = gdc_launch_dependents = None
+
+_enabled = True
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn PDL launches on or off for launches from now on (a CUDA graph or compiled step keeps what it captured):
+    for A/B benchmarks and for ruling PDL out when debugging an ordering bug."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+@functools.cache
+def _device_supports(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _launching_directly() -> bool:
+    """True where a wrap_triton launch runs the kernel itself (a triton_op's real call), False while torch traces
+    it into a graph (the launch attribute would not reach the launch there)."""
+    from torch._library.triton import is_wrap_triton_enabled
+
+    return not is_wrap_triton_enabled()
+
+
+def launch_options(t: torch.Tensor) -> tuple[bool, dict]:
+    """(PDL, launch keywords) for a kernel launch on t's device: (True, {"launch_pdl": True}) where PDL applies
+    (module docstring), else (False, {})."""
+    if (not _enabled or gdc_wait is None or not t.is_cuda or not _launching_directly()
+            or not _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device())):
+        return False, {}
+    return True, {"launch_pdl": True}

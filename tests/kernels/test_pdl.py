@@ -1,0 +1,55 @@
+"""kernels/_pdl.py and rw.compile's opaque ops on the CPU: when PDL applies, the switch, and that the compiled call
+restores the two configs it sets (after a call and after a failing one). The launches themselves: test_pdl_gpu.py."""
+import pytest
+import torch
+import torch._functorch.config
+import torch._inductor.config
+
+from kvrewrite.kernels import _pdl
+from kvrewrite.runtime import _OpaqueOpsCall
+
+
+def test_no_pdl_off_cuda_or_when_switched_off():
+    assert _pdl.launch_options(torch.zeros(1)) == (False, {})
+    assert _pdl.enabled()
+    _pdl.set_enabled(False)
+    try:
+        assert not _pdl.enabled()
+        assert _pdl.launch_options(torch.zeros(1)) == (False, {})
+    finally:
+        _pdl.set_enabled(True)
+    assert _pdl.enabled()
+
+
+def _configs():
+    return torch._functorch.config.decompose_custom_triton_ops, torch._inductor.config.triton.enable_pdl
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_opaque_call_sets_and_restores_the_configs(pdl):
+    before = _configs()
+    seen = []
+    call = _OpaqueOpsCall(lambda x: seen.append(_configs()) or x + 1)
+    _pdl.set_enabled(pdl)
+    try:
+        assert call(1) == 2
+    finally:
+        _pdl.set_enabled(True)
+    assert seen == [(False, pdl)]  # ops kept whole; Inductor's own kernels with PDL as kernels/_pdl.py says
+    assert _configs() == before
+
+    def fail(x):
+        raise RuntimeError("compile failed")
+
+    with pytest.raises(RuntimeError, match="compile failed"):
+        _OpaqueOpsCall(fail)(1)
+    assert _configs() == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_the_benchmark_refuses_a_machine_without_cuda(tmp_path):
+    from kvrewrite.bench import pdl as bench
+
+    with pytest.raises(SystemExit, match="measures a CUDA device; none is available"):
+        bench.main(["--out", str(tmp_path / "pdl.json")])
+    assert not (tmp_path / "pdl.json").exists()
