@@ -20,7 +20,8 @@ Decisions (what exactly is timed):
   Inductor compile, so one export per batch size serves every method and context in seconds. The step
   choice comes from the runtime's host-side schedule (`rw.schedule.due`), as in `rw.decode_step`.
   `--kv-compile inductor` instead runs `rw.compile(fullgraph=True, mode="reduce-overhead")` (Inductor
-  fusion + CUDA graphs; minutes of compile per shape): the README's fastest path.
+  fusion + CUDA graphs, the kvrewrite ops kept whole; about a minute of compile per shape at the 8B shape on an
+  H200, 46-68 s): the README's fastest path.
 - State before decode: at batch 1, the real chunked prefill of n random tokens (timed, compression
   included) leaves the state. At batch > 1 the state is filled synthetically (speed does not depend on
   values): each layer holds exactly the slots the method has after a real prefill (min(n, B) with
