@@ -11,11 +11,10 @@ happens inside the step without reading the device.
 import logging
 
 import torch
-import torch._inductor.config  # noqa: F401  (torch._inductor.config.triton: _OpaqueOpsCall)
+import torch._functorch.config  # noqa: F401  (_OpaqueOpsCall)
 from torch import nn
 
 from kvrewrite import offload
-from kvrewrite.kernels import _pdl
 from kvrewrite.host import (  # noqa: F401  (HostSchedule and WINDOW_INTERVAL are re-exported)
     WINDOW_INTERVAL,
     HostGeneration,
@@ -144,19 +143,22 @@ class KVRewrittenModel(HostGeneration, nn.Module):
 class _OpaqueOpsCall:
     """A compiled step called with torch._functorch.config.decompose_custom_triton_ops off (the switch
     torch.export uses for the same purpose): AOTAutograd, which compiles on a call, then keeps each
-    torch.library.triton_op as an op of the graph instead of decomposing it into its kernel launches. Inductor's
-    own kernels get PDL too (its triton.enable_pdl, read when it compiles) unless kernels._pdl is switched off:
-    a PDL kernel after one launched without it gains nothing (kernels/_pdl.py)."""
+    torch.library.triton_op as an op of the graph instead of decomposing it into its kernel launches.
+
+    Inductor's own kernels keep Inductor's PDL setting (triton.enable_pdl, off unless TORCHINDUCTOR_ENABLE_PDL=1 or
+    rw.compile(options={"triton.enable_pdl": True})). With it on, an Inductor kernel loads before its gdc_wait
+    whatever the scheduler's previous node did not write; which buffers an opaque op that mutates its inputs
+    counts as written there is Inductor's bookkeeping, not something this library can check, and the whole of PDL
+    measured 0.1-0.3% end to end (kernels/_pdl.py). So it is not turned on here."""
 
     def __init__(self, fn):
         self.fn = fn
 
     def __call__(self, *args, **kwargs):
-        functorch, inductor = torch._functorch.config, torch._inductor.config.triton
-        old = functorch.decompose_custom_triton_ops, inductor.enable_pdl
-        functorch.decompose_custom_triton_ops = False
-        inductor.enable_pdl = _pdl.enabled()
+        config = torch._functorch.config
+        old = config.decompose_custom_triton_ops
+        config.decompose_custom_triton_ops = False
         try:
             return self.fn(*args, **kwargs)
         finally:
-            functorch.decompose_custom_triton_ops, inductor.enable_pdl = old
+            config.decompose_custom_triton_ops = old

@@ -14,7 +14,7 @@ caller may pass a weight that the kernel just before it wrote (a merged LoRA, a 
 load would read the old values. The ops cannot tell, so they do not.
 
 Measured (kvrewrite/bench/pdl.py; docs/bench.md "Stop 34 runs"), with the GEMVs' first weight tile loaded before
-the wait (the form this rule replaced):
+the wait and, end to end, Inductor's own kernels launched with PDL too (the form this module replaced):
 - 128 decode GEMVs of the Llama-3.1-8B shapes in one CUDA graph: on an H100 4.685 ms without PDL, 4.615 with the
   wait first (-1.5%), 4.542 with the first tile before it (-3.1%); on an H200 3.43-3.61 without, 3.31-3.35 with the
   tile first (-3.4 to -7.2%).
@@ -24,7 +24,9 @@ the wait (the form this rule replaced):
 
 When: `launch_options(t)` gives the launch keywords and the kernels' PDL constexpr. PDL is used where the op
 launches its kernel itself (eager calls, and under `rw.compile`, which keeps the ops opaque to Inductor:
-runtime.py), on a CUDA device of compute capability >= 9, unless `set_enabled(False)`. Where Inductor or
+runtime.py), on a CUDA device of compute capability >= 9, unless `set_enabled(False)`. Inductor's own kernels
+keep Inductor's switch (off by default; runtime.py _OpaqueOpsCall says why rw.compile does not turn it on). A
+kernel of ours after one launched without PDL starts when that one completes, as without PDL. Where Inductor or
 AOTInductor trace the op (torch.compile of the model by hand, exports), the kernel is traced without it
 (PDL = False: the wait and launch instructions are not compiled in), since their launchers do not take the
 attribute for user kernels; the kernel is then the same as before.
