@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from kvrewrite.bench.cuda_graphs import capture, warm_up
 from kvrewrite.bench.e2e import apply_kernel_options, kernel_option
 
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # qkv, o, gate/up, down: out x in
@@ -50,17 +51,13 @@ def gemv_chain(reps: int = 30, repeats: int = 5) -> dict:
 
     def run(pdl: bool) -> tuple[dict, torch.Tensor]:
         _pdl.set_enabled(pdl)
+        outs = []
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                chain()  # warm-up: compiles
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                out = chain()
+            warm_up(chain)  # compiles
+            g = capture(lambda: outs.append(chain()))
         finally:
             _pdl.set_enabled(True)
+        out = outs[0]
         g.replay()
         torch.cuda.synchronize()
         times = []

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import kvrewrite
+from kvrewrite.bench.cuda_graphs import capture, warm_up
 from kvrewrite.kernels import _pdl
 
 pytestmark = [
@@ -59,15 +60,10 @@ def _chain(t):
 def _graph_run(pdl):
     t = _chain_inputs()
     _pdl.set_enabled(pdl)
+    outs = []
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            _chain(_chain_inputs())  # compiles the kernels, on other tensors
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = _chain(t)
+        warm_up(lambda: _chain(_chain_inputs()))  # compiles the kernels, on other tensors
+        graph = capture(lambda: outs.extend(_chain(t)))
     finally:
         _pdl.set_enabled(True)
     graph.replay()
