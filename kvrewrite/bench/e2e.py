@@ -141,10 +141,18 @@ def parse_budget(text: str):
     return int(v) if "." not in text and "e" not in text.lower() and v == int(v) else v
 
 
-def inductor_option(text: str) -> tuple:
-    """--inductor-option NAME=VALUE: an Inductor config name and its value (a Python literal: True, 8, 'x')."""
+def _literal(text: str, value: str, examples: str):
+    """The Python literal `value` of the option `text` (NAME=VALUE), or the argparse error naming it."""
     import ast
 
+    try:
+        return ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(f"{text!r}: the value must be a Python literal ({examples})") from None
+
+
+def inductor_option(text: str) -> tuple:
+    """--inductor-option NAME=VALUE: an Inductor config name and its value (a Python literal: True, 8, 'x')."""
     import torch._inductor.config as inductor_config
 
     name, sep, value = text.partition("=")
@@ -153,17 +161,12 @@ def inductor_option(text: str) -> tuple:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
     if not _has_config(inductor_config, name):
         raise argparse.ArgumentTypeError(f"{name!r} is not an Inductor config (torch._inductor.config)")
-    try:
-        return name, ast.literal_eval(value.strip())
-    except (ValueError, SyntaxError):
-        raise argparse.ArgumentTypeError(f"{text!r}: the value must be a Python literal (True, 8, 'name')") from None
+    return name, _literal(text, value, "True, 8, 'name'")
 
 
 def kernel_option(text: str) -> tuple:
     """--kernel-option MODULE.NAME=VALUE: a launch constant of a kernel module (kvrewrite/kernels/MODULE.py, an
     UPPER_CASE int, float or bool, e.g. gemv_rms_norm.BLOCK_N=2) and its value, for A/B rows."""
-    import ast
-
     name, sep, value = text.partition("=")
     name = name.strip()
     module, _, attr = name.rpartition(".")
@@ -177,10 +180,7 @@ def kernel_option(text: str) -> tuple:
     if not attr.isupper() or not isinstance(current, (int, float)):
         raise argparse.ArgumentTypeError(f"{name!r} is not a launch constant (an UPPER_CASE int, float or bool "
                                          f"of kvrewrite/kernels/{module}.py)")
-    try:
-        parsed = ast.literal_eval(value.strip())
-    except (ValueError, SyntaxError):
-        raise argparse.ArgumentTypeError(f"{text!r}: the value must be a Python literal (True, 8, 0.5)") from None
+    parsed = _literal(text, value, "True, 8, 0.5")
     if type(parsed) is not type(current):
         raise argparse.ArgumentTypeError(f"{name} holds a {type(current).__name__} ({current!r}); got {parsed!r}")
     return name, parsed
