@@ -294,8 +294,8 @@ def clustergen_fold(keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
 
 # -- the CUDA path -----------------------------------------------------------------------------------
 _WARNED = []
-# tests/kernels/test_clustergen_fold_gpu.py: 6 passed on an H100 (torch 2.11, Triton 3.6); head_offset (the reservoir
-# hash's + hoff, added later) is checked by the interpreter test only so far (the GPU file has a case for it)
+# tests/kernels/test_clustergen_fold_gpu.py: 6 passed on an H100 (torch 2.11, Triton 3.6), and again on an H200 with
+# its head_offset case (the reservoir hash's + hoff, added later)
 KERNELS_CHECKED_ON_GPU = True
 
 
