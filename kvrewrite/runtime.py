@@ -106,8 +106,9 @@ class KVRewrittenModel(HostGeneration, nn.Module):
         torch.compile's (e.g. fullgraph=True, mode="reduce-overhead").
 
         Why: measured on H200s (Llama-3.1-8B shape, 32k, batch 1, snapkv, Inductor + CUDA graphs; docs/bench.md
-        "Stop 34 runs"), the decode step is 3-5% faster than with the kernels traced in (same run: 5.31 vs 5.48
-        ms/token, PDL off) and compiles in a third of the time (warm-up 46-68 s against 142-165 s). And Inductor's
+        "Stop 34 runs"), the decode step is faster than with the kernels traced in (one run with both, on an earlier
+        commit: 5.31 vs 5.48 ms/token, PDL off; on this code 4.94 against other runs' 5.17-5.19) and compiles in a
+        third of the time (warm-up 46-68 s against 142-165 s). And Inductor's
         launcher does not pass launch attributes to user kernels, so this is what lets them run with programmatic
         dependent launch (kernels/_pdl.py). torch.compile of the model by hand and the exporters still trace the
         kernels in (kernels/_triton_op.py)."""
