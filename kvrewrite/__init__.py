@@ -23,7 +23,7 @@ DEFAULT_MAX_LENGTH = 4096
 
 
 def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1, prefill_chunk=256, captured=None,
-          fuse_projections=False, gemv=False, verify="auto", tp=1, **method_kwargs):
+          fuse_projections=False, gemv=False, verify="auto", tp=1, tp_all_reduce="auto", **method_kwargs):
     """Capture `model`, rewrite its attention and KV cache for `method`, return a KVRewrittenModel.
 
     Args:
@@ -59,6 +59,10 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
             numbers) when N does not divide the KV heads, query heads or intermediate size, for model types
             outside kvrewrite.tensor_parallel.TP_MODELS, for the methods of TP_REFUSED_METHODS (none today), and with
             verify=True. tp=1 (default) is the single-device path, unchanged.
+        tp_all_reduce: with tp > 1, how the ranks' partial sums are added (two per layer): "auto" (default) runs
+            kvrewrite::tp_all_reduce, one kernel over symmetric memory, where it can (CUDA, NCCL, a torch with
+            torch.ops.symm_mem), and the group's all-reduce elsewhere; "one_shot" insists on the former (ValueError
+            naming why it cannot run), "collective" takes the latter. rw.tp_all_reduce says which ran.
         **method_kwargs: the method's own options (see its class, e.g. ChelseaMethod).
     """
     from kvrewrite.capture import capture, check_causal_lm, model_tag
@@ -99,12 +103,17 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
     if captured.tp != tp:
         raise ValueError(f"kvrewrite.apply: captured is a capture for tp={captured.tp}, but tp={tp}: capture "
                          f"with the same tp (kvrewrite.tensor_parallel.capture_rank for tp > 1)")
+    from kvrewrite.tensor_parallel import prepare_all_reduce
+
+    all_reduce = prepare_all_reduce(tp_all_reduce, tp, captured.tp_group, captured.device, f"kvrewrite.apply ({tag})")
     if tp == 1:
         auto_verify(model, captured, captured.prefill_chunk, verify)  # tp > 1: TP_MODELS are all tested types
-    return _rewrite(model, m, captured, max_length, fuse_projections=fuse_projections, gemv=gemv)
+    return _rewrite(model, m, captured, max_length, fuse_projections=fuse_projections, gemv=gemv,
+                    tp_all_reduce=all_reduce)
 
 
-def _rewrite(model, m, captured, max_length: int, fuse_projections: bool = False, gemv: bool = False):
+def _rewrite(model, m, captured, max_length: int, fuse_projections: bool = False, gemv: bool = False,
+             tp_all_reduce: str = "collective"):
     """The KVRewrittenModel of `captured` for method instance `m` (apply's last step; verify's too)."""
     from kvrewrite.context import RewriteContext
     from kvrewrite.passes import TP_PASSES, run_passes
@@ -122,9 +131,10 @@ def _rewrite(model, m, captured, max_length: int, fuse_projections: bool = False
                              cache_buffers=captured.cache_buffers, fuse_projections=fuse_projections,
                              fused_weights=captured.fused_weights, gemv=gemv, max_length=max_length, tp=captured.tp,
                              tp_group=captured.tp_group, tp_row_parallel=captured.tp_row_parallel,
-                             tp_rank=captured.tp_rank)
+                             tp_rank=captured.tp_rank, tp_all_reduce=tp_all_reduce)
         graphs[name] = run_passes(copy_graph_module(captured.graphs[kind]), ctx,
                                   passes=TP_PASSES if captured.tp > 1 else None)
     rw = KVRewrittenModel(captured, graphs, m, max_length, config=model.config)
+    rw.tp_all_reduce = tp_all_reduce
     rw.generation_config = model.generation_config
     return rw

@@ -50,6 +50,7 @@ class KVRewrittenModel(HostGeneration, nn.Module):
         self.vocab_size = captured.vocab_size
         self.config = config
         self.tp = captured.tp  # tensor-parallel ranks: > 1 holds this rank's heads only (kvrewrite/tensor_parallel.py)
+        self.tp_all_reduce = "collective"  # how tp > 1 sums over the ranks: apply sets what it chose (prepare_all_reduce)
         self.capacities = []
         self.state_specs = []  # per layer, the method's own state fields (Method.state_fields)
         self.host_fields = [tuple(method.host_fields(info)) for info in self.layers]  # per layer, in host memory

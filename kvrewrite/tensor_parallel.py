@@ -12,9 +12,11 @@ holding the whole model as loaded. `rank_model` builds the rank's model from it:
 
 and a config copy saying Hq/N, Hkv/N and I/N, so the capture, the layer facts and every method's state are sized
 for the rank's heads. The row-parallel outputs are partial sums; passes/insert_tensor_parallel_all_reduce.py adds
-the all-reduce after them. Every head is attended and compressed on exactly one rank, by the same per-head code as
-with tp=1, so a method whose decisions are per KV head reproduces tp=1 (ops that hash a head's index are told the
-rank's first head: `head_offset`); the rest would be refused (TP_REFUSED_METHODS, empty today).
+the all-reduce after them: on CUDA kvrewrite::tp_all_reduce's one-shot kernel over symmetric memory, elsewhere the
+group's all-reduce (apply's `tp_all_reduce`, prepare_all_reduce below). Every head is attended and compressed on
+exactly one rank, by the same per-head code as with tp=1, so a method whose decisions are per KV head reproduces
+tp=1 (ops that hash a head's index are told the rank's first head: `head_offset`); the rest would be refused
+(TP_REFUSED_METHODS, empty today).
 
 Memory: the rank model shares every replicated tensor with the user's model and the column-parallel slices are row
 views of its weights (no copy); the row-parallel slices are column slices, copied once to be contiguous
@@ -96,6 +98,36 @@ def init_distributed(tp: int, device: torch.device):
         raise ValueError(f"kvrewrite.apply: tp={tp} but the torch.distributed world size is {world}: launch "
                          f"`torchrun --nproc-per-node {tp}` or pass tp={world}")
     return dist.get_rank(), dist.group.WORLD.group_name
+
+
+# apply's `tp_all_reduce`: how the row-parallel partial sums are added over the ranks (module docstring)
+TP_ALL_REDUCES = ("auto", "one_shot", "collective")
+
+
+def prepare_all_reduce(choice, tp: int, group_name: str, device: torch.device, tag: str) -> str:
+    """The all-reduce of the rank's graphs for apply's `tp_all_reduce`: "collective" (the group's all-reduce, NCCL
+    or gloo, as functional collectives in the graph) or "one_shot" (kvrewrite::tp_all_reduce: one kernel over
+    symmetric memory on CUDA, its buffer prepared here: a collective, so every rank calls apply alike). "auto" takes
+    the one-shot wherever it can run (CUDA, an NCCL group, a torch with symmetric memory) and says which it took
+    in rw.tp_all_reduce; an explicit "one_shot" that cannot run is a ValueError with the reason."""
+    from kvrewrite.kernels.tp_all_reduce import one_shot_unavailable, prepare
+
+    if not isinstance(choice, str) or choice not in TP_ALL_REDUCES:
+        raise ValueError(f"{tag}: tp_all_reduce must be one of {TP_ALL_REDUCES}, got {choice!r}")
+    if tp == 1:
+        if choice != "auto":
+            raise ValueError(f"{tag}: tp_all_reduce={choice!r} needs tp > 1 (tp=1 sums nothing over ranks)")
+        return "collective"
+    if choice == "collective":
+        return choice
+    why = one_shot_unavailable(device, group_name)
+    if why is not None:
+        if choice == "one_shot":
+            raise ValueError(f"{tag}: tp_all_reduce='one_shot' cannot run here: {why}; use tp_all_reduce="
+                             f"'collective' (or 'auto', which picks it)")
+        return "collective"
+    prepare(group_name, device)
+    return "one_shot"
 
 
 def rank0_tokens(tokens: torch.Tensor) -> torch.Tensor:

@@ -17,11 +17,16 @@ Inside the ranks (apply initialises the group itself from torchrun's environment
   apply of the whole model; a share of another split, of another rank or left on the meta device is refused;
 - `kvrewrite bench --tp 2`'s CPU dry run (full and chelsea rows, tiny-llama): rank 0 writes the rows, rank 1 nothing;
 - refusals naming the numbers: indivisible KV heads (MQA), a family outside TP_MODELS (phi3's fused qkv_proj), a
-  model HF already sharded, a world size other than tp, verify=True, exporting a tp=2 model.
+  model HF already sharded, a world size other than tp, verify=True, exporting a tp=2 model;
+- apply's tp_all_reduce: "auto" runs the group's all-reduce on the CPU ("one_shot" is refused there, by name) and
+  gives the same logits as "collective".
 
 The GPU test (2 GPUs, marked gpu) runs the same checks in a 2-process NCCL group, each rank on its own GPU: once
 in fp32 with the CPU's tolerances (the Triton kernels on both sides), then every method again in bf16 against tp=1
-in bf16 (BF16_TOL on the relative logits error; NCCL sums the two ranks' partial outputs in bf16).
+in bf16 (BF16_TOL on the relative logits error; the ranks' partial outputs are summed in bf16). There "auto" takes
+kvrewrite::tp_all_reduce's one-shot kernel, so every check runs through it; its logits equal "collective"'s bit for
+bit, and the op itself equals NCCL's all-reduce bit for bit over dtypes and sizes and inside a CUDA graph
+(_one_shot_op_checks).
 """
 import copy
 import json
@@ -185,6 +190,66 @@ def _rank_model_checks(rank: int, c: _Checks, llama, ids, logits) -> None:
              "a share on the meta device")
 
 
+def _all_reduce_choice_checks(c: _Checks, kvrewrite, llama, shared, ids, tokens, logits, dev) -> None:
+    """apply's tp_all_reduce: "collective" gives the same tokens and, at tp=2 (a + b in either order), the same
+    logits bit for bit as "auto"; on the CPU "one_shot" is refused by name; on the GPUs the op itself (below)."""
+    rw = kvrewrite.apply(llama, "full", captured=shared, max_length=MAX_LENGTH, tp=WORLD, tp_all_reduce="collective")
+    c.expect(rw.tp_all_reduce == "collective", f"tp_all_reduce='collective' ran {rw.tp_all_reduce}")
+    other_tokens, other_logits = _generate(rw, ids)
+    c.diffs["llama full auto vs collective"] = _max_diff(logits, other_logits)
+    c.expect(torch.equal(other_tokens, tokens) and torch.equal(other_logits, logits),
+             f"llama full: tp_all_reduce 'auto' and 'collective' differ by {_max_diff(logits, other_logits):.3g}")
+    if dev.type == "cpu":
+        c.raises(ValueError, ["tp_all_reduce='one_shot'", "CUDA only", "'collective'"],
+                 lambda: kvrewrite.apply(llama, "full", captured=shared, tp=WORLD, tp_all_reduce="one_shot"),
+                 "one_shot on the CPU")
+    else:
+        _one_shot_op_checks(c, dev)
+
+
+def _one_shot_op_checks(c: _Checks, dev) -> None:
+    """kvrewrite::tp_all_reduce on the GPUs against the group's all-reduce, bit for bit (2 ranks): float32, bf16
+    and fp16 (the collective's dtype), sizes around the 16-byte rule and the one-shot cut, each rank its own
+    values; then three chained calls in one CUDA graph, replayed with new inputs (the buffer is reused)."""
+    from kvrewrite.kernels.tp_all_reduce import ONE_SHOT_MAX_BYTES, one_shot_buffer
+
+    group = dist.group.WORLD.group_name
+    c10d = torch.ops._c10d_functional
+    gen = torch.Generator(device=dev).manual_seed(10 + dist.get_rank())
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        size = torch.tensor([], dtype=dtype).element_size()
+        for numel in (1, 8, 4096, 3 * 4096 + 8, ONE_SHOT_MAX_BYTES // size, ONE_SHOT_MAX_BYTES // size + 8):
+            x = torch.randn(numel, generator=gen, device=dev).to(dtype)
+            took = "one-shot" if one_shot_buffer(x, group) is not None else "collective"
+            want = (dtype != torch.float16 and numel * size % 16 == 0 and numel * size <= ONE_SHOT_MAX_BYTES)
+            c.expect((took == "one-shot") == want, f"tp_all_reduce {dtype} x {numel}: took the {took} path")
+            got, ref = torch.ops.kvrewrite.tp_all_reduce(x, group), c10d.wait_tensor(c10d.all_reduce(x, "sum", group))
+            c.expect(torch.equal(got, ref), f"tp_all_reduce {dtype} x {numel} ({took}): differs from the group's "
+                                            f"all-reduce by {_max_diff(got.float(), ref.float()):.3g}")
+    x = torch.empty(2, 4096, device=dev, dtype=torch.bfloat16)
+
+    def chain():
+        y = torch.ops.kvrewrite.tp_all_reduce(x, group)
+        return torch.ops.kvrewrite.tp_all_reduce(torch.ops.kvrewrite.tp_all_reduce(y * 0.5, group) - x, group)
+
+    x.normal_(generator=gen)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for replay in range(2):
+        x.normal_(generator=gen)
+        expected = chain()
+        out.fill_(float("nan"))
+        graph.replay()
+        c.expect(torch.equal(out, expected), f"tp_all_reduce in a CUDA graph, replay {replay}: differs by "
+                                             f"{_max_diff(out.float(), expected.float()):.3g}")
+
+
 def _bf16_checks(rank: int, c: _Checks, dev) -> None:
     """Every method in bf16 on the GPUs: tp=2 against tp=1 (rank 0) by the relative error of the logits over the
     steps both runs fed the same tokens (a near-tie may pick another token in bf16; after it the runs differ)."""
@@ -257,9 +322,14 @@ def _rank_checks(rank: int, c: _Checks, out_dir: str, dev=torch.device("cpu")) -
             tol = FULL_TOL if name == "full" else METHOD_TOL
             c.expect(d <= tol, f"llama {name}: tp=2 logits differ from tp=1 by {d:.3g} > {tol}")
         if name == "full":
-            all_reduces = [sum(n.target == torch.ops._c10d_functional.all_reduce.default for n in g.graph.nodes)
+            expected = {"cpu": "collective", "cuda": "one_shot"}[dev.type]  # tp_all_reduce="auto"
+            c.expect(rw.tp_all_reduce == expected, f"llama full: tp_all_reduce {rw.tp_all_reduce}, not {expected}")
+            op = {"collective": torch.ops._c10d_functional.all_reduce.default,
+                  "one_shot": torch.ops.kvrewrite.tp_all_reduce.default}[rw.tp_all_reduce]
+            all_reduces = [sum(n.target == op for n in g.graph.nodes)
                            for g in (rw.prefill_graph, rw.decode_graph, rw.decode_compress_graph)]
             c.expect(all_reduces == [2 * 2] * 3, f"llama full: all-reduces per graph {all_reduces}, not 2 per layer")
+            _all_reduce_choice_checks(c, kvrewrite, llama, shared, ids, tokens, logits, dev)
             fused = kvrewrite.apply(llama, name, captured=shared, max_length=MAX_LENGTH, tp=WORLD,
                                     fuse_projections=True, gemv=True)
             fused_tokens, fused_logits = _generate(fused, ids)
@@ -402,3 +472,26 @@ def test_bench_tp_refusals(capsys, argv, needle):
 
     assert main(["bench", "--model", "tiny-llama", "--device", "cpu", "--tp", "2", *argv]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_tp_all_reduce_choice_is_checked(capsys):
+    """apply's tp_all_reduce, outside a group: a value not in TP_ALL_REDUCES and a choice other than "auto" at tp=1
+    are refused by name (by `kvrewrite bench --tp-all-reduce` too); "collective", and "auto" on the CPU, run the
+    group's all-reduce."""
+    from kvrewrite.cli import main
+    from kvrewrite.tensor_parallel import prepare_all_reduce
+
+    assert main(["bench", "--model", "tiny-llama", "--device", "cpu", "--systems", "chelsea", "--tp-all-reduce",
+                 "one_shot"]) == 2
+    assert "--tp-all-reduce must be one of auto, one_shot, collective, and other than auto only with --tp > 1" \
+        in capsys.readouterr().err
+
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match=r"apply: tp_all_reduce must be one of \('auto', 'one_shot', 'collective'\), "
+                                         r"got 'nccl'"):
+        prepare_all_reduce("nccl", 2, "0", cpu, "apply")
+    with pytest.raises(ValueError, match=r"tp_all_reduce='one_shot' needs tp > 1"):
+        prepare_all_reduce("one_shot", 1, "", cpu, "apply")
+    assert prepare_all_reduce("auto", 1, "", cpu, "apply") == "collective"
+    assert prepare_all_reduce("collective", 2, "0", cpu, "apply") == "collective"
+    assert prepare_all_reduce("auto", 2, "0", cpu, "apply") == "collective"

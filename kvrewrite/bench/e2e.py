@@ -54,7 +54,8 @@ Decisions (what exactly is timed):
   gate/up/down, KV read = its Hkv/N heads, so the floor is one rank's; the prompt and the first decode token are
   rank 0's (broadcast). Every rank builds only its share of the model (build_rank_model), so no dense prefill
   baseline is run (prefill_vs_dense is a tp=1 number). `--device cpu` with gloo is the dry run
-  (tests/test_tensor_parallel.py).
+  (tests/test_tensor_parallel.py). `--tp-all-reduce` is apply's tp_all_reduce (auto, one_shot, collective); each
+  row records the one that ran (tp_all_reduce).
 - Rows run in order and the JSON is rewritten after each one, so a run cut by a timeout keeps what it has;
   `--time-budget` skips the rows not started once that many seconds have passed. A row that fails (out of
   memory, say) is recorded with its error and the run goes on.
@@ -231,6 +232,7 @@ class BenchConfig:
     out: str = "e2e.json"
     device: str = "cuda"
     tp: int = 1  # tensor-parallel ranks of the kvrewrite rows (launched under torchrun; module docstring)
+    tp_all_reduce: str = "auto"  # tp > 1: kvrewrite.apply(..., tp_all_reduce=)
 
     def validate(self) -> None:
         from kvrewrite.methods import METHODS
@@ -270,6 +272,11 @@ class BenchConfig:
             raise ValueError(f"bench: prefill_chunk must be >= 2, got {self.prefill_chunk}")
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"bench: tp must be an int >= 1, got {self.tp!r}")
+        from kvrewrite.tensor_parallel import TP_ALL_REDUCES
+
+        if self.tp_all_reduce not in TP_ALL_REDUCES or (self.tp == 1 and self.tp_all_reduce != "auto"):
+            raise ValueError(f"bench: --tp-all-reduce must be one of {', '.join(TP_ALL_REDUCES)}, and other than "
+                             f"auto only with --tp > 1; got {self.tp_all_reduce!r} with --tp {self.tp}")
         hf = [s for s in self.systems if s in HF_SYSTEMS]
         if self.tp > 1 and hf:
             raise ValueError(f"bench: --tp {self.tp} runs kvrewrite rows only; {hf} run HF's model on one device: "
@@ -846,12 +853,13 @@ class Bench:
         t0 = time.perf_counter()
         model = self.shard if self.tp > 1 else self.model
         rw = kvrewrite.apply(model, name, max_length=n + cfg.new_tokens, captured=cap,
-                             fuse_projections=cfg.fuse_projections, gemv=cfg.gemv, tp=self.tp, **opts)
+                             fuse_projections=cfg.fuse_projections, gemv=cfg.gemv, tp=self.tp,
+                             tp_all_reduce=cfg.tp_all_reduce, **opts)
         apply_s = time.perf_counter() - t0
         mem = rw.cache_bytes()
         res = dict(capture_s=cap_s, apply_s=apply_s, kv_bytes=mem["kvrewrite"], kv_host_bytes=mem["host"],
                    prefill_chunk=cfg.prefill_chunk, kv_compile=cfg.kv_compile, fuse_projections=cfg.fuse_projections,
-                   gemv=cfg.gemv)
+                   gemv=cfg.gemv, tp_all_reduce=rw.tp_all_reduce)
         if B == 1 and cfg.prefill:
             ids = same_on_ranks(torch.randint(1, self.mcfg.vocab_size, (1, n), device=self.dev), self.tp)
             warm = ids[:, :3 * cfg.prefill_chunk] if n >= 3 * cfg.prefill_chunk else ids
@@ -1047,7 +1055,23 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         if bench.owns_group:
             import torch.distributed as dist
 
+            _free_cuda_graphs(bench)
             dist.destroy_process_group()
+
+
+def _free_cuda_graphs(bench) -> None:
+    """Drop the run's CUDA graphs before the group ends: ncclCommDestroy hangs while a graph that captured NCCL
+    kernels is alive (pytorch/pytorch#115388; seen here with --tp-all-reduce collective under Inductor, whose CUDA
+    graph trees outlive the rows)."""
+    import gc
+
+    if bench.dev == "cuda":
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+        torch.cuda.synchronize()
+        reset_cudagraph_trees()
+        gc.collect()
+        torch.cuda.synchronize()
 
 
 def _run_rows(bench: Bench, cfg: BenchConfig, log) -> dict:
@@ -1106,6 +1130,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the code paths")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the kvrewrite rows: launch with "
                    "`torchrun --nproc-per-node N -m kvrewrite.cli bench --tp N ...` (docs/tensor-parallel.md)")
+    p.add_argument("--tp-all-reduce", default="auto", choices=("auto", "one_shot", "collective"),
+                   help="with --tp > 1: how the ranks' partial sums are added (kvrewrite.apply's tp_all_reduce)")
     p.add_argument("--out", default="out/bench/e2e.json", help="JSON file, rewritten after every row")
     p.add_argument("--plot", default=None, help="image file for the plots (default: the JSON's name, .png)")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
@@ -1123,7 +1149,8 @@ def config_from_args(args) -> BenchConfig:
         kv_compile=args.kv_compile, hf_compiled_contexts=tuple(args.hf_compiled_contexts) if args.hf_compiled_contexts
         else None, max_batch_cap=args.max_batch_cap, time_budget=args.time_budget, prefill=args.prefill,
         fuse_projections=args.fuse_projections, gemv=args.gemv, inductor_options=dict(args.inductor_options),
-        kernel_options=dict(args.kernel_options), out=args.out, device=args.device, tp=args.tp)
+        kernel_options=dict(args.kernel_options), out=args.out, device=args.device, tp=args.tp,
+        tp_all_reduce=args.tp_all_reduce)
 
 
 def cmd_bench(args) -> int:

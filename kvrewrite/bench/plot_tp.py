@@ -21,6 +21,8 @@ def _rows(paths) -> tuple[list, dict]:
                 continue
             decode = "Inductor" if r.get("kv_compile") == "inductor" else "CUDA graphs"
             model = r["model"].replace("llama-3.1-", "").replace("llama-3-", "")
+            if tp > 1 and "tp_all_reduce" in r:  # the sum over ranks (apply's tp_all_reduce); older rows: NCCL
+                decode += ", one-shot" if r["tp_all_reduce"] == "one_shot" else ", NCCL"
             out.append(dict(r, tp=tp, label=f"{model} {r['system']}\nB={r['batch']} tp={tp}\n{decode}"))
     return out, env
 

@@ -34,4 +34,5 @@ from kvrewrite.kernels import (  # noqa: F401
     observed_attention,
     select_clusters,
     sketch_attention,
+    tp_all_reduce,
 )

@@ -7,6 +7,9 @@ Emits:    linear(x, w) -> _c10d_functional.all_reduce(., "sum", ctx.tp_group) ->
           same graph (adding it on rank 0 only would give the ranks different graphs for the same result).
           The functional collectives are graph ops that torch.compile (Inductor) and CUDA graphs keep; the
           same graph runs on gloo (CPU) and NCCL (GPU).
+          With ctx.tp_all_reduce == "one_shot" (apply's tp_all_reduce, tensor_parallel.prepare_all_reduce):
+          linear(x, w) -> kvrewrite::tp_all_reduce(., ctx.tp_group) instead, one kernel over symmetric memory
+          (kernels/tp_all_reduce.py).
 Errors:   a row-parallel weight that no linear reads, or one read by something else than a linear (the
           sharding and the graph disagree): RewriteError naming it.
 Requires: nothing of the other passes; runs before replace_linear_with_gemv (which replaces aten.linear).
@@ -18,6 +21,7 @@ from torch import fx
 
 from kvrewrite.context import RewriteContext
 from kvrewrite.errors import RewriteError
+import kvrewrite.kernels.tp_all_reduce  # noqa: F401  (registers kvrewrite::tp_all_reduce)
 from kvrewrite.passes.utils import clean_up
 
 logger = logging.getLogger(__name__)
@@ -42,12 +46,16 @@ def insert_tensor_parallel_all_reduce(gm: fx.GraphModule, ctx: RewriteContext) -
             x, bias = user.args[0], (user.args[2] if len(user.args) > 2 else None)
             with graph.inserting_before(user):
                 partial = graph.call_function(LINEAR, (x, node))
-                summed = graph.call_function(torch.ops._c10d_functional.all_reduce.default,
-                                             (partial, "sum", ctx.tp_group))
-                out = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (summed,))
+                if ctx.tp_all_reduce == "one_shot":
+                    summed = out = graph.call_function(torch.ops.kvrewrite.tp_all_reduce.default,
+                                                       (partial, ctx.tp_group))
+                else:
+                    summed = graph.call_function(torch.ops._c10d_functional.all_reduce.default,
+                                                 (partial, "sum", ctx.tp_group))
+                    out = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (summed,))
                 if bias is not None:
                     out = graph.call_function(torch.ops.aten.add.Tensor, (out, bias))
-            for new in (partial, summed, out):
+            for new in {partial: 0, summed: 0, out: 0}:
                 new.meta["nn_module_stack"] = user.meta.get("nn_module_stack", {})
             user.replace_all_uses_with(out)
             graph.erase_node(user)
