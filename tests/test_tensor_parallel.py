@@ -211,6 +211,7 @@ def _one_shot_op_checks(c: _Checks, dev) -> None:
     """kvrewrite::tp_all_reduce on the GPUs against the group's all-reduce, bit for bit (2 ranks): float32, bf16
     and fp16 (the collective's dtype), sizes around the 16-byte rule and the one-shot cut, each rank its own
     values; then three chained calls in one CUDA graph, replayed with new inputs (the buffer is reused)."""
+    from kvrewrite.bench.cuda_graphs import capture, warm_up
     from kvrewrite.kernels.tp_all_reduce import ONE_SHOT_MAX_BYTES, one_shot_buffer
 
     group = dist.group.WORLD.group_name
@@ -226,21 +227,15 @@ def _one_shot_op_checks(c: _Checks, dev) -> None:
             got, ref = torch.ops.kvrewrite.tp_all_reduce(x, group), c10d.wait_tensor(c10d.all_reduce(x, "sum", group))
             c.expect(torch.equal(got, ref), f"tp_all_reduce {dtype} x {numel} ({took}): differs from the group's "
                                             f"all-reduce by {_max_diff(got.float(), ref.float()):.3g}")
-    x = torch.empty(2, 4096, device=dev, dtype=torch.bfloat16)
+    x, out = (torch.empty(2, 4096, device=dev, dtype=torch.bfloat16) for _ in range(2))
 
     def chain():
         y = torch.ops.kvrewrite.tp_all_reduce(x, group)
         return torch.ops.kvrewrite.tp_all_reduce(torch.ops.kvrewrite.tp_all_reduce(y * 0.5, group) - x, group)
 
     x.normal_(generator=gen)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
+    warm_up(chain)
+    graph = capture(lambda: out.copy_(chain()))
     for replay in range(2):
         x.normal_(generator=gen)
         expected = chain()
