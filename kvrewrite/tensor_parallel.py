@@ -109,7 +109,9 @@ def prepare_all_reduce(choice, tp: int, group_name: str, device: torch.device, t
     or gloo, as functional collectives in the graph) or "one_shot" (kvrewrite::tp_all_reduce: one kernel over
     symmetric memory on CUDA, its buffer prepared here: a collective, so every rank calls apply alike). "auto" takes
     the one-shot wherever it can run (CUDA, an NCCL group, a torch with symmetric memory) and says which it took
-    in rw.tp_all_reduce; an explicit "one_shot" that cannot run is a ValueError with the reason."""
+    in rw.tp_all_reduce; an explicit "one_shot" that cannot run is a ValueError with the reason, and a buffer that
+    cannot be set up (GPUs without peer access, say) a RuntimeError naming tp_all_reduce="collective": never a silent
+    switch, which could leave the ranks running different graphs."""
     from kvrewrite.kernels.tp_all_reduce import one_shot_unavailable, prepare
 
     if not isinstance(choice, str) or choice not in TP_ALL_REDUCES:
@@ -126,7 +128,12 @@ def prepare_all_reduce(choice, tp: int, group_name: str, device: torch.device, t
             raise ValueError(f"{tag}: tp_all_reduce='one_shot' cannot run here: {why}; use tp_all_reduce="
                              f"'collective' (or 'auto', which picks it)")
         return "collective"
-    prepare(group_name, device)
+    try:
+        prepare(group_name, device)
+    except Exception as e:  # e.g. GPUs without peer access: name the way out instead of torch's internals
+        raise RuntimeError(f"{tag}: tp_all_reduce={choice!r}: the symmetric-memory buffer of the one-shot all-reduce "
+                           f"could not be set up on {device} ({type(e).__name__}: {e}); pass "
+                           f"tp_all_reduce='collective' to sum with the group's all-reduce") from e
     return "one_shot"
 
 

@@ -469,11 +469,12 @@ def test_bench_tp_refusals(capsys, argv, needle):
     assert needle in capsys.readouterr().err
 
 
-def test_tp_all_reduce_choice_is_checked(capsys):
+def test_tp_all_reduce_choice_is_checked(capsys, monkeypatch):
     """apply's tp_all_reduce, outside a group: a value not in TP_ALL_REDUCES and a choice other than "auto" at tp=1
     are refused by name (by `kvrewrite bench --tp-all-reduce` too); "collective", and "auto" on the CPU, run the
-    group's all-reduce."""
+    group's all-reduce; a buffer that cannot be set up is an error naming the way out, never a silent switch."""
     from kvrewrite.cli import main
+    from kvrewrite.kernels import tp_all_reduce as op
     from kvrewrite.tensor_parallel import prepare_all_reduce
 
     assert main(["bench", "--model", "tiny-llama", "--device", "cpu", "--systems", "chelsea", "--tp-all-reduce",
@@ -490,3 +491,12 @@ def test_tp_all_reduce_choice_is_checked(capsys):
     assert prepare_all_reduce("auto", 1, "", cpu, "apply") == "collective"
     assert prepare_all_reduce("collective", 2, "0", cpu, "apply") == "collective"
     assert prepare_all_reduce("auto", 2, "0", cpu, "apply") == "collective"
+    def no_peer_access(group, device):
+        raise RuntimeError("no peer access")
+
+    monkeypatch.setattr(op, "one_shot_unavailable", lambda device, group: None)
+    monkeypatch.setattr(op, "prepare", no_peer_access)
+    with pytest.raises(RuntimeError, match=r"apply: tp_all_reduce='auto': the symmetric-memory buffer of the one-shot "
+                                           r"all-reduce could not be set up on cpu \(RuntimeError: no peer access\); "
+                                           r"pass tp_all_reduce='collective'"):
+        prepare_all_reduce("auto", 2, "0", cpu, "apply")
