@@ -61,8 +61,9 @@ def apply(model, method="chelsea", budget=None, *, max_length=None, batch_size=1
             verify=True. tp=1 (default) is the single-device path, unchanged.
         tp_all_reduce: with tp > 1, how the ranks' partial sums are added (two per layer): "auto" (default) runs
             kvrewrite::tp_all_reduce, one kernel over symmetric memory, where it can (CUDA, NCCL, a torch with
-            torch.ops.symm_mem), and the group's all-reduce elsewhere; "one_shot" insists on the former (ValueError
-            naming why it cannot run), "collective" takes the latter. rw.tp_all_reduce says which ran.
+            torch.ops.symm_mem), and the group's all-reduce elsewhere (a CUDA machine where its buffer cannot be
+            set up, e.g. GPUs without peer access, raises naming "collective"); "one_shot" insists on the former
+            (ValueError naming why it cannot run), "collective" takes the latter. rw.tp_all_reduce says which ran.
         **method_kwargs: the method's own options (see its class, e.g. ChelseaMethod).
     """
     from kvrewrite.capture import capture, check_causal_lm, model_tag
