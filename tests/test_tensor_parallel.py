@@ -31,6 +31,7 @@ bit, and the op itself equals NCCL's all-reduce bit for bit over dtypes and size
 import copy
 import json
 import os
+import re
 import socket
 import time
 
@@ -500,3 +501,17 @@ def test_tp_all_reduce_choice_is_checked(capsys, monkeypatch):
                                            r"all-reduce could not be set up on cpu \(RuntimeError: no peer access\); "
                                            r"pass tp_all_reduce='collective'"):
         prepare_all_reduce("auto", 2, "0", cpu, "apply")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--variants", "nccl,ring"], "--variants: unknown ['ring']"),
+    (["--sizes", "8192,100"], "every size must be a positive multiple of 16 bytes"),
+    ([], "runs on GPUs under torchrun"),
+], ids=["variant", "size", "no-torchrun"])
+def test_all_reduce_bench_refusals(argv, needle, monkeypatch):
+    """python -m kvrewrite.bench.all_reduce refuses, by name, what it cannot measure (nothing starts)."""
+    from kvrewrite.bench.all_reduce import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit, match=re.escape(needle)):
+        main(argv)
