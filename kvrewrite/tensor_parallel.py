@@ -26,7 +26,8 @@ untouched (the rank model has its own module objects and config).
 Loading only the rank's share: `rank_model` works on a model built on the meta device too (no memory); the rank
 materialises the result (`to_empty`), fills its weights and non-persistent buffers, and passes it to
 `apply(..., tp=N)`, which recognises a rank model (its `kvrewrite_shard`) and captures it as it is. A 70B model
-then never exists whole on one GPU (the bench does this for every tp > 1 run: bench/e2e.py, build_rank_model).
+then never exists whole on one GPU (the bench does this for every tp > 1 run: bench/e2e.py, build_rank_model;
+tensor_parallel_loading.load_rank_model does it from a safetensors checkpoint, reading only the rank's slices).
 """
 import copy
 import dataclasses
@@ -61,6 +62,7 @@ class RankShard:
     tp: int
     rank: int
     row_parallel: tuple  # names of its row-parallel weights (insert_tensor_parallel_all_reduce)
+    slices: tuple = ()  # (parameter name, dim, start, stop): what each split tensor keeps (tensor_parallel_loading.py)
 
 
 def check_tp_method(method, tp: int, verify, tag: str) -> None:
@@ -228,16 +230,20 @@ def _param(t: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
 
 
 @torch.no_grad()
-def _split_linear(lin: nn.Linear, a: int, z: int, rows: bool) -> None:
+def _split_linear(lin: nn.Linear, a: int, z: int, rows: bool, name: str, slices: list) -> None:
     """Keep output rows [a, z) (column-parallel: a view, no copy) or input columns [a, z) (row-parallel: a
-    contiguous copy; the bias stays whole, added once after the all-reduce)."""
+    contiguous copy; the bias stays whole, added once after the all-reduce); record each slice in `slices` as
+    (parameter name, dim, a, z), `name` being the module's."""
     if rows:
         lin.weight = _param(lin.weight[a:z], lin.weight)
+        slices.append((f"{name}.weight", 0, a, z))
         if lin.bias is not None:
             lin.bias = _param(lin.bias[a:z], lin.bias)
+            slices.append((f"{name}.bias", 0, a, z))
         lin.out_features = z - a
     else:
         lin.weight = _param(lin.weight[:, a:z].contiguous(), lin.weight)
+        slices.append((f"{name}.weight", 1, a, z))
         lin.in_features = z - a
 
 
@@ -254,7 +260,7 @@ def rank_model(model, tp: int, rank: int, tag: str):
     shapes = check_shardable(model, tp, tag)
     memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
     shard = copy.deepcopy(model, memo)
-    row_parallel = []
+    row_parallel, slices = [], []
     for i, layer in enumerate(_decoder_layers(shard, tag)):
         Hq, Hkv, D, I = shapes[i]
         hk, G = Hkv // tp, Hq // Hkv
@@ -262,19 +268,20 @@ def rank_model(model, tp: int, rank: int, tag: str):
         kv = (rank * hk * D, (rank + 1) * hk * D)
         q = (rank * hk * G * D, (rank + 1) * hk * G * D)
         inter = (rank * I // tp, (rank + 1) * I // tp)
-        _split_linear(attn.q_proj, *q, rows=True)
-        _split_linear(attn.k_proj, *kv, rows=True)
-        _split_linear(attn.v_proj, *kv, rows=True)
-        _split_linear(attn.o_proj, *q, rows=False)
-        _split_linear(mlp.gate_proj, *inter, rows=True)
-        _split_linear(mlp.up_proj, *inter, rows=True)
-        _split_linear(mlp.down_proj, *inter, rows=False)
-        row_parallel += [f"model.layers.{i}.self_attn.o_proj.weight", f"model.layers.{i}.mlp.down_proj.weight"]
+        at, ml = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        _split_linear(attn.q_proj, *q, True, f"{at}.q_proj", slices)
+        _split_linear(attn.k_proj, *kv, True, f"{at}.k_proj", slices)
+        _split_linear(attn.v_proj, *kv, True, f"{at}.v_proj", slices)
+        _split_linear(attn.o_proj, *q, False, f"{at}.o_proj", slices)
+        _split_linear(mlp.gate_proj, *inter, True, f"{ml}.gate_proj", slices)
+        _split_linear(mlp.up_proj, *inter, True, f"{ml}.up_proj", slices)
+        _split_linear(mlp.down_proj, *inter, False, f"{ml}.down_proj", slices)
+        row_parallel += [f"{at}.o_proj.weight", f"{ml}.down_proj.weight"]
     cfg = text_config(shard)
     Hq, Hkv, D, I = shapes[0]
     cfg.head_dim = D  # explicit: some configs derive it from hidden_size // num_attention_heads
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size = Hq // tp, Hkv // tp, I // tp
-    shard.kvrewrite_shard = RankShard(tp, rank, tuple(row_parallel))
+    shard.kvrewrite_shard = RankShard(tp, rank, tuple(row_parallel), tuple(slices))
     return shard
 
 
