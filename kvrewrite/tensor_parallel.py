@@ -258,6 +258,8 @@ def rank_model(model, tp: int, rank: int, tag: str):
     from kvrewrite.capture import text_config
 
     shapes = check_shardable(model, tp, tag)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp:
+        raise ValueError(f"{tag}: rank must be an int in [0, {tp}) for tp={tp}, got {rank!r}")
     memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
     shard = copy.deepcopy(model, memo)
     row_parallel, slices = [], []

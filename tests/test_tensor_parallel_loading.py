@@ -76,6 +76,8 @@ def test_refusals(tmp_path):
     folder = _saved(model, tmp_path)
     with pytest.raises(ValueError, match="tp=3 does not divide num_key_value_heads=2"):
         load_rank_model(folder, 3, 0)
+    with pytest.raises(ValueError, match=r"rank must be an int in \[0, 2\) for tp=2, got 2"):
+        load_rank_model(folder, TP, 2)
     tensors = load_file(folder / "model.safetensors")
     (folder / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="no model.safetensors.index.json and no \\*.safetensors file"):
