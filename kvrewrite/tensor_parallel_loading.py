@@ -87,11 +87,8 @@ def load_rank_model(path, tp: int, rank: int, *, device="cpu", dtype: torch.dtyp
         raise FileNotFoundError(f"load_rank_model: {path} has no config.json (a Hugging Face model folder, e.g. "
                                 f"what save_pretrained or huggingface_hub.snapshot_download wrote)")
     config = AutoConfig.from_pretrained(path)
-    dtype = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with _parameters_on_meta():  # dtype None: from_config takes the checkpoint's (config.dtype)
+        model = AutoModelForCausalLM.from_config(config, **({} if dtype is None else {"dtype": dtype}))
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     tag = f"load_rank_model({path.name})"

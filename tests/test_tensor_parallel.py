@@ -492,6 +492,7 @@ def test_tp_all_reduce_choice_is_checked(capsys, monkeypatch):
     assert prepare_all_reduce("auto", 1, "", cpu, "apply") == "collective"
     assert prepare_all_reduce("collective", 2, "0", cpu, "apply") == "collective"
     assert prepare_all_reduce("auto", 2, "0", cpu, "apply") == "collective"
+
     def no_peer_access(group, device):
         raise RuntimeError("no peer access")
 

@@ -1055,17 +1055,17 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         if bench.owns_group:
             import torch.distributed as dist
 
-            _free_cuda_graphs(bench)
+            _free_cuda_graphs(bench.dev)
             dist.destroy_process_group()
 
 
-def _free_cuda_graphs(bench) -> None:
+def _free_cuda_graphs(dev: str) -> None:
     """Drop the run's CUDA graphs before the group ends: ncclCommDestroy hangs while a graph that captured NCCL
     kernels is alive (pytorch/pytorch#115388; seen here with --tp-all-reduce collective under Inductor, whose CUDA
     graph trees outlive the rows)."""
     import gc
 
-    if bench.dev == "cuda":
+    if dev == "cuda":
         from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 
         torch.cuda.synchronize()
@@ -1090,6 +1090,7 @@ def _run_rows(bench: Bench, cfg: BenchConfig, log) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvrewrite.cli import _csv
+    from kvrewrite.tensor_parallel import TP_ALL_REDUCES
 
     p.add_argument("--grid", choices=sorted(GRIDS), help="preset: full (16k/32k/64k x batch 1, 16, max) or quick "
                    "(32k, batch 1); explicit flags override it")
@@ -1130,7 +1131,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of the code paths")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the kvrewrite rows: launch with "
                    "`torchrun --nproc-per-node N -m kvrewrite.cli bench --tp N ...` (docs/tensor-parallel.md)")
-    p.add_argument("--tp-all-reduce", default="auto", choices=("auto", "one_shot", "collective"),
+    p.add_argument("--tp-all-reduce", default="auto", choices=TP_ALL_REDUCES,
                    help="with --tp > 1: how the ranks' partial sums are added (kvrewrite.apply's tp_all_reduce)")
     p.add_argument("--out", default="out/bench/e2e.json", help="JSON file, rewritten after every row")
     p.add_argument("--plot", default=None, help="image file for the plots (default: the JSON's name, .png)")

@@ -55,7 +55,7 @@ def insert_tensor_parallel_all_reduce(gm: fx.GraphModule, ctx: RewriteContext) -
                     out = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (summed,))
                 if bias is not None:
                     out = graph.call_function(torch.ops.aten.add.Tensor, (out, bias))
-            for new in {partial: 0, summed: 0, out: 0}:
+            for new in dict.fromkeys((partial, summed, out)):  # summed is out for the one-shot op
                 new.meta["nn_module_stack"] = user.meta.get("nn_module_stack", {})
             user.replace_all_uses_with(out)
             graph.erase_node(user)
