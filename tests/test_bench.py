@@ -161,6 +161,28 @@ def test_profile_decode_refuses_to_run_without_a_gpu():
         profile_decode.main(["--context", "1024"])
 
 
+@pytest.mark.parametrize("argv, needle", [(["--batch", "0"], "--batch must be >= 1"),
+                                          (["--batch", "4", "--gemv"], "--gemv is batch 1 only")])
+def test_profile_decode_refuses_bad_batches(capsys, argv, needle):
+    from kvrewrite.bench import profile_decode
+
+    with pytest.raises(SystemExit):
+        profile_decode.main(argv)
+    assert needle in capsys.readouterr().err
+
+
+def test_observed_attention_bench_parses_configs_and_names_bad_ones(capsys):
+    from kvrewrite.bench import observed_attention
+
+    assert observed_attention.parse_configs("1x6656, 40x6656") == [(1, 6656), (40, 6656)]
+    for bad in ("40", "0x6656", "4xC", "1x6656,"):
+        with pytest.raises(ValueError, match="is not BxC"):
+            observed_attention.parse_configs(bad)
+    with pytest.raises(SystemExit):
+        observed_attention.main(["--configs", "40by6656"])
+    assert "'40by6656' is not BxC" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("option, needle", [("no_such_config=1", "no_such_config"), ("combo_kernels", "NAME=VALUE"),
                                             ("combo_kernels=yes", "Python literal")])
 def test_bad_inductor_options_are_named(capsys, option, needle):

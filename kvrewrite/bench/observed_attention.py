@@ -15,15 +15,22 @@ same work whether a query is pending or not. Extra traffic per slot and KV head,
 and values: deferred, the score state's read and write (8 bytes) at one step in P; folded, also the G score rows'
 write and read (8 * G bytes).
 
-Run:  python -m kvrewrite.bench.observed_attention --out observed_attention.json
+With --sweep-splits, per config instead: the attention kernel alone and with the pending rows (a step that only
+saves its query, and one that folds) at split counts 1, 2, 3, 4, 6, 8 and the op's own, with 128- and 64-slot
+tiles, the kernel launched directly with those choices (docs/bench/attention_notes.md, "Large batches").
+
+Run:  python -m kvrewrite.bench.observed_attention --out observed_attention.json [--configs 1x6656,40x6656]
+      [--sweep-splits]
 """
 import argparse
 import json
 
 import torch
+from torch._library.triton import set_wrap_triton_enabled
 
 import kvrewrite  # noqa: F401  (registers the ops)
 from kvrewrite.bench.attention import Config, _graph_us, _make_sets, start_run
+from kvrewrite.kernels import clustered_attention as ca
 from kvrewrite.kernels.observed_attention import pending_entries
 
 CONFIGS = [(1, 4096), (1, 6656), (1, 16384), (1, 32768), (1, 131072), (8, 6656), (8, 32768)]
@@ -79,13 +86,81 @@ def run(B: int, C: int) -> dict:
     return row
 
 
-def main():
+def sweep_splits(B: int, C: int) -> list:
+    """Rows of (splits, block_n) -> us of the decode kernel alone ("attention"), with P pending queries at a step
+    that only saves its own ("save") and at one that folds them ("fold"); the launch choices forced, the rest of
+    the launch the op's (module docstring)."""
+    cfg = Config(B=B, C=C)
+    G = cfg.Hq // cfg.Hkv
+    P = pending_entries(G)
+    sets = _make_sets(cfg)
+    states = [dict(q=torch.randn(B, cfg.Hkv, P, G, cfg.D, device="cuda"),
+                   lse=torch.full((B, cfg.Hkv, P, G), 30.0, device="cuda"),
+                   score=torch.zeros(B, cfg.Hkv, C, device="cuda"),
+                   fill=torch.full((B, cfg.Hkv), C, device="cuda"), scale=1.0) for _ in sets]
+    cycle = P * (C // P + 1)  # a position that folds (c mod P == 0); cycle + 1 only saves its query
+
+    def call(pending, fold, **tuning):
+        def fn(i):
+            q, k, v, bias, pos, cp = sets[i]
+            cp = torch.full_like(cp, cycle if fold else cycle + 1)
+            st = states[i]
+            with set_wrap_triton_enabled(False):  # launch the kernel itself, with the forced choices
+                if pending:
+                    return ca._launch(q, k, v, bias, pos, cp, cfg.D**-0.5, 0, True, lse=st["lse"], pending=st,
+                                      save_q=st["q"], **tuning)
+                return ca._launch(q, k, v, bias, pos, cp, cfg.D**-0.5, 0, True, **tuning)
+        return fn
+
+    sms = ca._num_sms(torch.device("cuda"))
+    own = {name: ca._launch_config(B, cfg.Hkv, G, 1, C, cfg.D, sms, resident=r)["num_splits"]
+           for name, r in (("attention", ca.RESIDENT_PROGRAMS), ("pending", ca.RESIDENT_PROGRAMS_PENDING))}
+    index = [(i,) for i in range(len(sets))]
+    rows = []
+    for splits in sorted({1, 2, 3, 4, 6, 8, *own.values()}):
+        for block_n in (128, 64):
+            tuning = dict(num_splits=splits, block_n=block_n)
+            us = dict(attention=_graph_us(call(False, False, **tuning), index),
+                      save=_graph_us(call(True, False, **tuning), index),
+                      fold=_graph_us(call(True, True, **tuning), index))
+            rows.append(dict(B=B, C=C, splits=splits, block_n=block_n, own_splits=own, us=us))
+            print(f"B={B:<3} C={C:<6} splits {splits} block_n {block_n:3}: attention {us['attention']:7.1f} us, "
+                  f"pending save {us['save']:7.1f}, fold {us['fold']:7.1f} (the op's splits: {own})", flush=True)
+    del sets, states
+    torch.cuda.empty_cache()
+    return rows
+
+
+def parse_configs(text: str) -> list:
+    """"BxC,BxC,..." (batch x slots, e.g. "1x6656,40x6656") as [(B, C)]; ValueError naming a bad item."""
+    out = []
+    for item in text.split(","):
+        b, _, c = item.strip().partition("x")
+        if not (b.isdigit() and c.isdigit() and int(b) > 0 and int(c) > 0):
+            raise ValueError(f"--configs: {item!r} is not BxC with positive integers (e.g. 40x6656)")
+        out.append((int(b), int(c)))
+    return out
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="observed_attention.json")
     parser.add_argument("--reruns", type=int, default=2, help="times the whole grid is measured (a range)")
-    args = parser.parse_args()
+    parser.add_argument("--sweep-splits", action="store_true",
+                        help="time the kernel at forced split counts and tile sizes instead (module docstring)")
+    parser.add_argument("--configs", default=None,
+                        help="BxC,... batch x slots to measure instead of the default grid " +
+                        ",".join(f"{b}x{c}" for b, c in CONFIGS))
+    args = parser.parse_args(argv)
+    try:
+        configs = CONFIGS if args.configs is None else parse_configs(args.configs)
+    except ValueError as e:
+        parser.error(str(e))
     env, copy = start_run()
-    rows = [dict(run(B, C), rerun=i) for i in range(args.reruns) for B, C in CONFIGS]
+    if args.sweep_splits:
+        rows = [dict(row, rerun=i) for i in range(args.reruns) for B, C in configs for row in sweep_splits(B, C)]
+    else:
+        rows = [dict(run(B, C), rerun=i) for i in range(args.reruns) for B, C in configs]
     with open(args.out, "w") as f:
         json.dump(dict(env=env, copy_gbps=copy, rows=rows), f, indent=1)
 

@@ -1,10 +1,11 @@
 """Where the time of a kvrewrite decode step goes (torch.profiler, CUDA kernels), and how fast bare GEMVs are.
 
-    python -m kvrewrite.bench.profile_decode --method chelsea --context 32768 [--fuse-projections] [--gemv]
+    python -m kvrewrite.bench.profile_decode --method chelsea --context 32768 [--batch B] [--fuse-projections] [--gemv]
 
 Same random Llama-3.1-8B-shaped model as `kvrewrite bench`. First the GEMVs of its shapes alone (batch 1,
 bf16, each weight read from HBM: enough copies rotated past the L2, replayed as one CUDA graph), as a share
-of the measured copy bandwidth. Then a real chunked prefill of `--context` random tokens, the decode steps
+of the measured copy bandwidth. Then a real chunked prefill of `--context` random tokens (at `--batch` > 1 the
+state `kvrewrite bench` fills synthetically for such rows: e2e.synthetic_fill), the decode steps
 through rw.compile(fullgraph=True, mode="reduce-overhead") (or `--kv-compile graph`), and a profile of one
 compressing step and of 16 plain steps: device time per kernel per step, most expensive first.
 Output: docs/bench/e2e_h100_decode_profile.txt is one such run.
@@ -74,11 +75,12 @@ def timeline(p, n_steps: int) -> None:
 
 def main(argv=None):
     import kvrewrite
-    from kvrewrite.bench.e2e import KVDecoder, _time_steps, build_model, copy_gbps
+    from kvrewrite.bench.e2e import KVDecoder, _time_steps, build_model, copy_gbps, synthetic_fill
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", default="chelsea")
     parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step (> 1: synthetic state, no prefill)")
     parser.add_argument("--budget", type=float, default=0.2)
     parser.add_argument("--prefill-chunk", type=int, default=1024)
     parser.add_argument("--kv-compile", default="inductor", choices=("inductor", "graph"))
@@ -89,6 +91,10 @@ def main(argv=None):
                         help="launch without programmatic dependent launch (kernels/_pdl.py; rw.compile uses it)")
     parser.add_argument("--no-gemv-timings", action="store_true", help="skip the bare GEMV timings")
     args = parser.parse_args(argv)
+    if args.batch < 1:
+        parser.error(f"--batch must be >= 1, got {args.batch}")
+    if args.batch > 1 and args.gemv:
+        parser.error("--gemv is batch 1 only (kvrewrite::gemv takes one row); drop it with --batch > 1")
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode: needs a CUDA GPU")
     bw = copy_gbps("cuda")
@@ -106,10 +112,12 @@ def main(argv=None):
     model = build_model("llama-3.1-8b", "cuda")
     opts = {} if args.method == "full" else {"budget": args.budget}
     rw = kvrewrite.apply(model, args.method, max_length=args.context + 320, prefill_chunk=args.prefill_chunk,
-                         fuse_projections=args.fuse_projections, gemv=args.gemv, **opts)
-    ids = torch.randint(1, model.config.vocab_size, (1, args.context), device="cuda")
+                         batch_size=args.batch, fuse_projections=args.fuse_projections, gemv=args.gemv, **opts)
     with torch.no_grad():
-        rw.prefill(ids, max_new_tokens=320)
+        if args.batch == 1:
+            rw.prefill(torch.randint(1, model.config.vocab_size, (1, args.context), device="cuda"), max_new_tokens=320)
+        else:
+            synthetic_fill(rw, args.context, 320)
         dec = KVDecoder(rw, args.kv_compile)
         t0 = time.perf_counter()
         dec.warm_up(3 * 32 + 2)

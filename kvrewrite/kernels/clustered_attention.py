@@ -452,8 +452,26 @@ def _num_sms_of(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# Programs of the decode kernel one SM holds at once (bf16, D = 128, Hopper: 65536 registers and 227 KB of shared
+# memory per SM; Triton 3.6 compiles the plain kernel to 152 registers a thread and 73.7 KB, three per SM, and the one
+# with observed_attention's pending rows to 196 registers, two per SM; H200 sweep, docs/bench/attention_notes.md
+# "Large batches"). launch_forward passes them to _launch_config for grids that overflow two programs per SM.
+RESIDENT_PROGRAMS, RESIDENT_PROGRAMS_PENDING = 3, 2
+
+
+def fewest_waves_splits(programs: int, capacity: int, max_splits: int = 8) -> int:
+    """The split count S in [1, max_splits] whose grid of programs * S programs, each 1/S of the work, ends soonest
+    when capacity of them run at once: the least ceil(programs * S / capacity) / S (whole waves of S-times shorter
+    programs), the smallest such S on ties (fewer partials to combine)."""
+    best = 1
+    for S in range(2, max_splits + 1):
+        if -(-programs * S // capacity) * best < -(-programs * best // capacity) * S:
+            best = S
+    return best
+
+
 def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_n=None, num_splits=None,
-                   num_warps=None, num_stages=None, skip_unseen=None):
+                   num_warps=None, num_stages=None, skip_unseen=None, resident=None):
     """Block sizes, split count and launch options from the shapes alone (never the data, so CUDA graphs
     and Inductor see one fixed launch). The keyword overrides are for the benchmark's tuning sweep.
 
@@ -467,6 +485,13 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_
       previous launch at T = 1024 (1.49 -> 0.49-0.59 ms) and 20% faster than 128-slot tiles with skip_unseen;
       128-row tiles and 8 warps were no faster. Reading empty slots is why their K/V must be finite
       (module docstring).
+    resident: programs one SM holds at once (RESIDENT_PROGRAMS...). Where a decode grid at one split has more
+    programs than the SMs hold (B * Hkv > resident * SMs: large batches; the last of them would run in a
+    second, partial wave), the split count is fewest_waves_splits over that capacity instead of 1: on an H200
+    at 6.7k slots the pending rows' kernel (two per SM) took 367 us at B = 40 with 1 split and 287 with the
+    rule's 4, at B = 48 377 and 332 (2); the plain kernel (three per SM) at B = 64 455 and 417 (3), and at
+    B = 40 and 48, where its grid fits, 1 split stays the fastest. None keeps 1 (the other kernels that share
+    this config have not been measured there).
     """
     rows = G * T  # M rows of one (b, kv head): every query head of the group at every query
     if block_m is None:
@@ -492,6 +517,8 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_
             # splits = 256 programs; 5 splits (320) ran 3-5% slower, 32 splits 1-3%;
             # docs/bench/attention_notes.md)
             num_splits = max(1, 2 * num_sms // (B * Hkv * m_blocks))
+            if resident is not None and B * Hkv * m_blocks > resident * num_sms:  # not all resident at 1 split
+                num_splits = fewest_waves_splits(B * Hkv * m_blocks, resident * num_sms)
         else:
             num_splits = triton.cdiv(2 * num_sms, B * Hkv * m_blocks)  # prefill: cover the SMs twice
         num_splits = min(num_splits, tiles // 2)  # >= 2 tiles per split
@@ -606,6 +633,7 @@ def launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, windo
         if (npend + 1) * G > overrides["block_m"]:
             raise ValueError(f"launch_forward: {npend} pending entries of {G} heads do not fit a "
                              f"{overrides['block_m']}-row tile next to the step's own {G} rows")
+    overrides.setdefault("resident", RESIDENT_PROGRAMS if pending is None else RESIDENT_PROGRAMS_PENDING)
     cfg = _launch_config(B, Hkv, G, T, C, D, num_sms, q.element_size(), **overrides)
     S = cfg["num_splits"]
     split = S > 1 or logits is not None

@@ -378,3 +378,38 @@ def test_softcap_opcheck():
         q = (30 * torch.randn(2, Hq, T, 16, generator=g)).to(dtype)
         torch.library.opcheck(OP, (q, keys, values, bias, slot_pos, cp, 0.25, window),
                               {"past_only": past_only, "softcap": 30.0})
+
+
+def test_fewest_waves_splits_against_brute_force():
+    """The split rule for grids that overflow the SMs: the S of least ceil(programs * S / capacity) / S, the smallest
+    on ties, checked against exact fractions over many grids; and the H200 cases that set it."""
+    from fractions import Fraction
+
+    from kvrewrite.kernels.clustered_attention import fewest_waves_splits
+
+    for programs in range(1, 700, 7):
+        for capacity in (132, 264, 396):
+            cost = {S: Fraction(-(-programs * S // capacity), S) for S in range(1, 9)}
+            assert fewest_waves_splits(programs, capacity) == min(cost, key=lambda S: (cost[S], S))
+    assert fewest_waves_splits(320, 264) == 4  # B = 40, Hkv = 8, pending rows (two per SM): 367 -> 287 us
+    assert fewest_waves_splits(384, 264) == 2  # B = 48: 377 -> 332 us
+    assert fewest_waves_splits(512, 396) == 3  # B = 64, plain kernel (three per SM): 455 -> 417 us
+    assert fewest_waves_splits(512, 264) == 1  # B = 64, pending rows: two full waves, splitting gains nothing
+
+
+def test_decode_splits_change_only_where_the_grid_overflows_the_sms():
+    """`resident` changes the decode split count only where B * Hkv exceeds what the SMs hold at one split; below,
+    the two-programs-per-SM rule stands (and without `resident`, one split as before)."""
+    pytest.importorskip("triton")
+    from kvrewrite.kernels.clustered_attention import _launch_config, fewest_waves_splits
+
+    for B in (1, 4, 8, 16, 32, 33, 34, 40, 48, 50, 64, 100):
+        base = _launch_config(B, 8, 4, 1, 6656, 128, 132)["num_splits"]
+        for resident in (2, 3):
+            S = _launch_config(B, 8, 4, 1, 6656, 128, 132, resident=resident)["num_splits"]
+            if B * 8 <= resident * 132:
+                assert S == base, (B, resident)
+            else:
+                assert base == 1 and S == fewest_waves_splits(B * 8, resident * 132), (B, resident, S)
+    prefill = _launch_config(64, 8, 4, 64, 6656, 128, 132, resident=2)
+    assert prefill == _launch_config(64, 8, 4, 64, 6656, 128, 132)  # prefill chunks keep their rule
