@@ -455,7 +455,8 @@ def _num_sms_of(device_index: int) -> int:
 # Programs of the decode kernel one SM holds at once (bf16, D = 128, Hopper: 65536 registers and 227 KB of shared
 # memory per SM; Triton 3.6 compiles the plain kernel to 152 registers a thread and 73.7 KB, three per SM, and the one
 # with observed_attention's pending rows to 196 registers, two per SM; H200 sweep, docs/bench/attention_notes.md
-# "Large batches"). launch_forward passes them to _launch_config, which splits a decode grid the SMs cannot hold.
+# "Large batches"; kvrewrite/bench/occupancy.py recomputes them without a GPU and a test holds these to it).
+# launch_forward passes them to _launch_config, which splits a decode grid the SMs cannot hold.
 RESIDENT_PROGRAMS, RESIDENT_PROGRAMS_PENDING = 3, 2
 
 

@@ -413,3 +413,21 @@ def test_decode_splits_change_only_where_the_grid_overflows_the_sms():
                 assert base == 1 and S == fewest_waves_splits(B * 8, resident * 132), (B, resident, S)
     prefill = _launch_config(64, 8, 4, 64, 6656, 128, 132, resident=2)
     assert prefill == _launch_config(64, 8, 4, 64, 6656, 128, 132)  # prefill chunks keep their rule
+
+
+def test_resident_program_counts_match_the_kernel_compiled_for_hopper():
+    """RESIDENT_PROGRAMS(_PENDING), which size large-batch decode grids, are what the decode kernel compiled for sm_90
+    by this Triton allows (registers and shared memory per SM; kvrewrite/bench/occupancy.py, no GPU needed): a Triton
+    whose code generation changes them fails here. The occupancy arithmetic is checked on known cases first."""
+    pytest.importorskip("triton")
+    from kvrewrite.bench import occupancy
+    from kvrewrite.kernels import clustered_attention as ca
+
+    assert occupancy.programs_per_sm(152, 73728, 4) == 3  # 19456 registers a program; 74752 B with the reserve
+    assert occupancy.programs_per_sm(196, 73728, 4) == 2  # 200 registers (whole 256-register units a warp)
+    assert occupancy.programs_per_sm(32, 0, 4) == 16  # threads: 2048 a SM
+    assert occupancy.programs_per_sm(32, 228 * 1024, 4) == 0  # more shared memory than a block may take
+    for pending, want in ((False, ca.RESIDENT_PROGRAMS), (True, ca.RESIDENT_PROGRAMS_PENDING)):
+        for split in (False, True):
+            regs, shared, warps = occupancy.attention_decode_resources(pending, split)
+            assert occupancy.programs_per_sm(regs, shared, warps) == want, (pending, split, regs, shared)

@@ -1,0 +1,119 @@
+"""Registers, shared memory and programs per SM of a Triton kernel compiled for Hopper (sm_90), without a GPU.
+
+    python -m kvrewrite.bench.occupancy          # the decode attention kernel's variants
+
+Triton compiles for a named target on any machine (its wheel carries ptxas and cuobjdump): this reads the
+registers a thread from the cubin (cuobjdump --dump-resource-usage) and the shared memory from the compile's
+metadata, and derives how many programs one SM holds. The launch heuristics that depend on it
+(clustered_attention.RESIDENT_PROGRAMS, RESIDENT_PROGRAMS_PENDING) are checked against it in
+tests/kernels/test_clustered_attention.py, so a Triton upgrade that changes the code generation fails a test
+instead of silently mis-sizing the grids. The register counts match what the same kernels report on an H200
+(docs/bench/attention_notes.md, "Large batches"). Pointers are taken as 16-byte aligned and the
+integers named in `aligned` as multiples of 16, as Triton specialises them at launch for the state's tensors.
+"""
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+
+# Hopper (compute capability 9.0): per SM 65536 32-bit registers and 228 KB of shared memory, at most 227 KB to one
+# block and 1 KB reserved per block; registers are allocated per warp in units of 256 (CUDA occupancy calculator)
+SM90 = dict(registers=65536, reg_unit=256, shared=228 * 1024, shared_per_block=227 * 1024, reserved=1024,
+            max_blocks=32, max_threads=2048)
+
+
+def programs_per_sm(regs_per_thread: int, shared_bytes: int, num_warps: int, sm: dict = SM90) -> int:
+    """Programs (CTAs) of num_warps warps one SM holds at once, by registers, shared memory and threads."""
+    per_warp = -(-regs_per_thread * 32 // sm["reg_unit"]) * sm["reg_unit"]
+    by_regs = sm["registers"] // (per_warp * num_warps)
+    by_shared = sm["shared"] // (shared_bytes + sm["reserved"]) if shared_bytes else sm["max_blocks"]
+    by_threads = sm["max_threads"] // (32 * num_warps)
+    if shared_bytes > sm["shared_per_block"]:
+        return 0
+    return min(by_regs, by_shared, by_threads, sm["max_blocks"])
+
+
+def sm90_resources(jit_fn, types: dict, constexprs: dict, aligned=(), num_warps: int = 4, num_stages: int = 2,
+                   **options) -> tuple:
+    """(registers a thread, shared bytes) of `jit_fn` compiled for sm_90. types: Triton type of every argument that
+    is not a constexpr ("*bf16", "i32", "fp32", ...); constexprs: name -> value; aligned: integer arguments taken
+    as multiples of 16 (pointers always are 16-byte aligned)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(jit_fn.fn).parameters)
+    unknown = set(types) | set(constexprs) | set(aligned)
+    unknown -= set(names)
+    if unknown:
+        raise ValueError(f"sm90_resources: {sorted(unknown)} are not arguments of {jit_fn.fn.__name__}")
+    missing = [n for n in names if n not in types and n not in constexprs]
+    if missing:
+        raise ValueError(f"sm90_resources: give a type or a constexpr value for {missing}")
+    signature = {n: "constexpr" if n in constexprs else types[n] for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in constexprs and (types[n].startswith("*") or n in aligned)}
+    src = ASTSource(fn=jit_fn, signature=signature, attrs=attrs,
+                    constexprs={(names.index(n),): v for n, v in constexprs.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages, **options))
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True,
+                               check=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    if regs is None:
+        raise RuntimeError(f"sm90_resources: no register count in cuobjdump's output:\n{usage}")
+    return int(regs.group(1)), int(compiled.metadata.shared)
+
+
+def attention_decode_resources(pending: bool, split: bool, head_dim: int = 128, dtype: str = "bf16") -> tuple:
+    """sm90_resources of clustered_attention's decode kernel as launch_forward launches it for a decode step of
+    the Llama layout (past_only, no window; with observed_attention's pending rows: deferring, 3 entries of 4
+    heads), and its launch's warps and stages."""
+    from kvrewrite.kernels import clustered_attention as ca
+
+    cfg = ca._launch_config(1, 8, 4, 1, 6656, head_dim, 132, itemsize=2 if dtype in ("bf16", "fp16") else 4)
+    kernel = ca._clustered_attention_fwd_kernel
+    names = list(inspect.signature(kernel.fn).parameters)
+    pointers = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "BIAS": "*fp32", "POS": "*i64", "CPOS": "*i64",
+                "OUT": "*fp32" if split else f"*{dtype}", "M_PART": "*fp32", "L_PART": "*fp32", "LOGITS": "*fp32",
+                "LSE": "*fp32", "PEND_Q": "*fp32", "PEND_LSE": "*fp32", "SCORE": "*fp32", "FILL": "*i64"}
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], SPLIT=split,
+                      SKIP_UNSEEN=cfg["skip_unseen"], LOAD_POS=False, HAS_WINDOW=False, CAUSAL_SKIP=True,
+                      SOFTCAP=False, WRITE_LOGITS=False, WRITE_LSE=pending and not split, PENDING=pending,
+                      NPEND=3 if pending else 1, DEFER=pending, SAVE_Q=pending and not split, PDL=True)
+    # unit strides along the innermost dimension become constexprs at launch (Triton specialises 1)
+    constexprs.update({n: 1 for n in ("stride_qd", "stride_kd", "stride_vd", "stride_bc", "stride_pc", "stride_sc",
+                                      "stride_fh")})
+    types = {}
+    for n in names:
+        if n in constexprs:
+            continue
+        if n in pointers:
+            types[n] = pointers[n]
+        else:
+            types[n] = "fp32" if n in ("qk_scale", "softcap_log2", "pend_scale") else "i32"
+    aligned = [n for n in types if n.startswith("stride") or n in ("C", "slots_per_split")]
+    regs, shared = sm90_resources(kernel, types, constexprs, aligned, cfg["num_warps"], cfg["num_stages"],
+                                  launch_pdl=True)
+    return regs, shared, cfg["num_warps"]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args(argv)
+    for pending in (False, True):
+        for split in (False, True):
+            regs, shared, warps = attention_decode_resources(pending, split)
+            print(f"decode attention, pending rows {pending!s:5}, split {split!s:5}: {regs} registers, {shared} B shared, "
+                  f"{warps} warps: {programs_per_sm(regs, shared, warps)} programs per SM", flush=True)
+
+
+if __name__ == "__main__":
+    main()
