@@ -98,6 +98,40 @@ def test_tiny_cpu_run_writes_the_json(tmp_path):
     assert len(table) == 2 + len(doc["rows"]) and all(line.count("|") == table[0].count("|") for line in table)
 
 
+def test_batch_prefill_times_the_batch_against_the_dense_prefill_of_the_same_batch(tmp_path, monkeypatch):
+    """--batch-prefill: the batch-2 rows prefill for real (no synthetic state) and compare with HF's dense prefill of a
+    [2, n] batch, measured once per (n, B); a dense prefill that fails is recorded in the row, which keeps its own
+    numbers. Refused with --no-prefill."""
+    from kvrewrite.bench import e2e
+
+    shapes = []
+    real = e2e.hf_prefill_s
+
+    def spy(model, n, B=1):
+        shapes.append((n, B))
+        return real(model, n, B)
+
+    monkeypatch.setattr(e2e, "hf_prefill_s", spy)
+    out = tmp_path / "e2e.json"
+    argv = [*TINY, "--systems", "streamingllm", "--contexts", "200", "--batches", "2", "--prefill-chunk", "64",
+            "--budget", "0.5", "--batch-prefill", "--out", str(out), "--plot", str(tmp_path / "e2e.png")]
+    assert main(["bench", *argv]) == 0
+    row, = json.loads(out.read_text())["rows"]
+    assert row["state"] == "real prefill" and row["prefill_s"] > 0 and row["dense_prefill_s"] > 0
+    assert row["prefill_vs_dense"] == pytest.approx(row["prefill_s"] / row["dense_prefill_s"])
+    assert shapes == [(200, 2)]
+    parser = argparse.ArgumentParser()
+    e2e.add_arguments(parser)
+    cfg = e2e.config_from_args(parser.parse_args([*argv, "--systems", "hf-eager"]))
+    cfg.validate()
+    bench = e2e.Bench(cfg)
+    bench.dense_prefill[(200, 2)] = RuntimeError("CUDA out of memory (simulated)")
+    row = bench.measure("hf-eager", 200, 2, "2")
+    assert row["prefill_error"].startswith("RuntimeError: CUDA out of memory") and row["ms_per_token"] > 0
+    with pytest.raises(ValueError, match="--batch-prefill .* cannot go with --no-prefill"):
+        e2e.config_from_args(parser.parse_args([*argv, "--no-prefill"])).validate()
+
+
 def test_synthetic_fill_matches_a_real_prefill(tiny_llama):
     """The synthetic state has the slot occupancy, schedule and positions a real prefill leaves."""
     import kvrewrite

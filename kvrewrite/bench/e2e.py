@@ -22,18 +22,20 @@ Decisions (what exactly is timed):
   `--kv-compile inductor` instead runs `rw.compile(fullgraph=True, mode="reduce-overhead")` (Inductor
   fusion + CUDA graphs, the kvrewrite ops kept whole; about a minute of compile per shape at the 8B shape on an
   H200, 46-68 s): the README's fastest path.
-- State before decode: at batch 1, the real chunked prefill of n random tokens (timed, compression
-  included) leaves the state. At batch > 1 the state is filled synthetically (speed does not depend on
-  values): each layer holds exactly the slots the method has after a real prefill (min(n, B) with
+- State before decode: at batch 1 (at every batch with `--batch-prefill`), the real chunked prefill of n random
+  tokens a row (timed, compression included) leaves the state. At batch > 1 the state is otherwise filled
+  synthetically (speed does not depend on values): each layer holds exactly the slots the method has after a real prefill (min(n, B) with
   B = round(budget * (n + new)); n for full), random keys/values, bias 0, increasing slot positions; the
   host schedule mirrors it, so re-compression happens every g steps as in a real run.
 - HF rows: the StaticCache is filled with random keys/values (HF reads all max_cache_len slots every step
   whatever they hold; the mask hides the unwritten ones).
-- Prefill (batch 1): kvrewrite's real chunked prefill (`--prefill-chunk`, compression inside; eager graphs,
-  or under `--kv-compile inductor` the compiled step, as after a user's rw.compile; one warm-up prefill of
-  3 chunks before, which also compiles and records the CUDA graph: `prefill_warmup_s`) vs dense HF prefill:
-  one forward of n tokens, SDPA (causal, DynamicCache), logits of the last position only; one warm-up forward of 2048 tokens before. Wall clock
-  with synchronisation, one run each.
+- Prefill (batch 1; every batch with `--batch-prefill`): kvrewrite's real chunked prefill of the batch
+  (`--prefill-chunk`, compression inside; eager graphs, or under `--kv-compile inductor` the compiled step, as
+  after a user's rw.compile; one warm-up prefill of 3 chunks before, which also compiles and records the CUDA
+  graph: `prefill_warmup_s`) vs dense HF prefill of the same batch: one forward of B x n tokens, SDPA (causal,
+  DynamicCache), logits of the last position only; one warm-up forward of 2048 tokens a row before. Wall clock
+  with synchronisation, one run each. A dense prefill that does not fit is recorded in the row
+  (`dense_prefill_error`), not run again for that batch and context.
 - Memory: peak = torch.cuda.max_memory_allocated over the row (weights included); KV bytes = the cache as
   allocated (kvrewrite: every state tensor at its static capacity; HF: the StaticCache). The export of the
   model's graphs is setup: its time is reported (`capture_s`) and not counted; its scratch StaticCache
@@ -225,6 +227,7 @@ class BenchConfig:
     max_batch_cap: int = 128
     time_budget: float = math.inf
     prefill: bool = True
+    batch_prefill: bool = False  # batch > 1 too: the real prefill of the batch, timed against HF's dense one
     fuse_projections: bool = False  # kvrewrite rows: kvrewrite.apply(..., fuse_projections=True)
     gemv: bool = False  # kvrewrite rows: kvrewrite.apply(..., gemv=True)
     inductor_options: dict = dataclasses.field(default_factory=dict)  # kvrewrite rows under "inductor": rw.compile(options=)
@@ -268,6 +271,8 @@ class BenchConfig:
             if self.new_tokens < need:
                 raise ValueError(f"bench: new_tokens={self.new_tokens} is too few for {s}'s warm-up + {self.reps} reps "
                                  f"x {self.intervals} intervals of {g} steps; give at least {need}")
+        if self.batch_prefill and not self.prefill:
+            raise ValueError("bench: --batch-prefill times the prefill of a batch; it cannot go with --no-prefill")
         if self.prefill_chunk < 2:
             raise ValueError(f"bench: prefill_chunk must be >= 2, got {self.prefill_chunk}")
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
@@ -722,9 +727,10 @@ def hf_decode(model, cache, B: int, n: int, compiled: bool, cfg: BenchConfig) ->
 
 # -- prefill --------------------------------------------------------------------------------------------------
 
-def hf_prefill_s(model, n: int) -> float:
+def hf_prefill_s(model, n: int, B: int = 1) -> float:
+    """Wall-clock seconds of HF's dense prefill of a [B, n] batch of random tokens (module docstring)."""
     dev = model.device
-    ids = torch.randint(1, model.config.vocab_size, (1, n), device=dev)
+    ids = torch.randint(1, model.config.vocab_size, (B, n), device=dev)
     with torch.no_grad():
         model(input_ids=ids[:, :min(n, 2048)], use_cache=True, logits_to_keep=1)  # warm-up
         _sync(dev.type)
@@ -766,7 +772,7 @@ class Bench:
         if self.tp > 1:
             self.env.update(tp=self.tp, rank=self.rank)
         self.captures = {}  # batch size -> (Captured, capture seconds)
-        self.dense_prefill = {}  # n -> seconds
+        self.dense_prefill = {}  # (n, B) -> seconds, or the error the dense prefill raised
         self.rows = []
 
     # bytes -------------------------------------------------------------------------------------------------
@@ -860,8 +866,8 @@ class Bench:
         res = dict(capture_s=cap_s, apply_s=apply_s, kv_bytes=mem["kvrewrite"], kv_host_bytes=mem["host"],
                    prefill_chunk=cfg.prefill_chunk, kv_compile=cfg.kv_compile, fuse_projections=cfg.fuse_projections,
                    gemv=cfg.gemv, tp_all_reduce=rw.tp_all_reduce)
-        if B == 1 and cfg.prefill:
-            ids = same_on_ranks(torch.randint(1, self.mcfg.vocab_size, (1, n), device=self.dev), self.tp)
+        if self.times_prefill(B):
+            ids = same_on_ranks(torch.randint(1, self.mcfg.vocab_size, (B, n), device=self.dev), self.tp)
             warm = ids[:, :3 * cfg.prefill_chunk] if n >= 3 * cfg.prefill_chunk else ids
             if cfg.kv_compile == "inductor":  # the prefill chunks run compiled too, as after a user's rw.compile
                 compile_rw(rw, cfg.inductor_options)
@@ -913,9 +919,12 @@ class Bench:
     # hf ------------------------------------------------------------------------------------------------------
     def hf_row(self, system: str, n: int, B: int) -> dict:
         res = dict(state="random StaticCache")
-        if B == 1 and self.cfg.prefill and system == "hf-eager":
-            res["prefill_s"] = self.dense_prefill_s(n)
-            if self.dev == "cuda":
+        if self.times_prefill(B) and system == "hf-eager":
+            try:
+                res["prefill_s"] = self.dense_prefill_s(n, B)
+            except Exception as e:  # noqa: BLE001  (recorded; the decode row still runs)
+                res["prefill_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            if self.dev == "cuda" and "prefill_s" in res:
                 res["prefill_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             self.free()  # the row's peak is the decode's: weights + StaticCache + step workspace
         cache = hf_cache(self.model, B, n + self.cfg.new_tokens)
@@ -929,10 +938,23 @@ class Bench:
     def cache_layers(cache):
         return [(layer.keys, layer.values) for layer in cache.layers]
 
-    def dense_prefill_s(self, n: int) -> float:
-        if n not in self.dense_prefill:
-            self.dense_prefill[n] = hf_prefill_s(self.model, n)
-        return self.dense_prefill[n]
+    def times_prefill(self, B: int) -> bool:
+        """Whether rows of batch B time a real prefill (module docstring)."""
+        return self.cfg.prefill and (B == 1 or self.cfg.batch_prefill)
+
+    def dense_prefill_s(self, n: int, B: int = 1) -> float:
+        """HF's dense prefill of [B, n], measured once per (n, B); an error it raised (out of memory, say) is kept
+        and raised again for that (n, B) instead of a second try."""
+        if (n, B) not in self.dense_prefill:
+            try:
+                self.dense_prefill[(n, B)] = hf_prefill_s(self.model, n, B)
+            except Exception as e:  # noqa: BLE001  (the caller records it in its row)
+                self.dense_prefill[(n, B)] = e
+                self.free()
+        got = self.dense_prefill[(n, B)]
+        if isinstance(got, Exception):
+            raise got
+        return got
 
     # driver --------------------------------------------------------------------------------------------------
     def plan(self) -> list:
@@ -989,9 +1011,12 @@ class Bench:
         row.update(res)
         if self.dev == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        if B == 1 and self.cfg.prefill and "prefill_s" in row and system not in HF_SYSTEMS and self.tp == 1:
-            row["dense_prefill_s"] = self.dense_prefill_s(n)
-            row["prefill_vs_dense"] = row["prefill_s"] / row["dense_prefill_s"]
+        if self.times_prefill(B) and "prefill_s" in row and system not in HF_SYSTEMS and self.tp == 1:
+            try:
+                row["dense_prefill_s"] = self.dense_prefill_s(n, B)
+                row["prefill_vs_dense"] = row["prefill_s"] / row["dense_prefill_s"]
+            except Exception as e:  # noqa: BLE001  (recorded; the row's own numbers stand)
+                row["dense_prefill_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         row["ms_per_token"] = row["ms_per_step"]
         row["tok_per_s"] = 1e3 * B / row["ms_per_step"]
         row["floor_ms"] = self.floor_ms(row["kv_read_bytes"])
@@ -1115,6 +1140,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-cap", type=int, default=128, help="upper bound of 'max' batches (default 128)")
     p.add_argument("--time-budget", type=float, default=math.inf, help="skip rows not started after this many s")
     p.add_argument("--no-prefill", dest="prefill", action="store_false", help="no prefill timing (synthetic state)")
+    p.add_argument("--batch-prefill", action="store_true", help="at batch > 1 too: the real chunked prefill of the "
+                   "batch (not the synthetic state), timed against HF's dense prefill of the same batch")
     p.add_argument("--isolate", action="store_true", help="every row in a fresh process, so no row inherits another's "
                    "GPU memory; 'max' batches shrink by 15%% after an out-of-memory error, up to 3 tries "
                    "(bench/e2e_isolated.py)")
@@ -1149,6 +1176,7 @@ def config_from_args(args) -> BenchConfig:
         new_tokens=args.new_tokens, prefill_chunk=args.prefill_chunk, intervals=args.intervals, reps=args.reps,
         kv_compile=args.kv_compile, hf_compiled_contexts=tuple(args.hf_compiled_contexts) if args.hf_compiled_contexts
         else None, max_batch_cap=args.max_batch_cap, time_budget=args.time_budget, prefill=args.prefill,
+        batch_prefill=args.batch_prefill,
         fuse_projections=args.fuse_projections, gemv=args.gemv, inductor_options=dict(args.inductor_options),
         kernel_options=dict(args.kernel_options), out=args.out, device=args.device, tp=args.tp,
         tp_all_reduce=args.tp_all_reduce)
