@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole `kvrewrite bench` grid on one GPU, in phases; each phase is cut by its own timeout and
 # rewrites its JSON after every row, so a cut run keeps its rows.
-#   scripts/bench_gpu.sh [OUTDIR] [PHASES]     (PHASES: any of a b c d e, default "a b c d")
+#   scripts/bench_gpu.sh [OUTDIR] [PHASES]     (PHASES: any of a b c d e f, default "a b c d")
 # a: batch 1, 16k/32k/64k, HF eager + kvrewrite methods (real prefill), hf-compiled at 32k
 # b: 32k, batch 16 and the largest batch that fits per system, every system (synthetic state)
 # c: 32k batch 1 and 16 (CB=1: batch 1 only), kvrewrite decode through rw.compile(mode="reduce-overhead") (Inductor)
@@ -9,6 +9,7 @@
 #    and compiled prefill in chunks of 2048 (docs/bench.md, "Later runs")
 # e: the prefill of a batch (issue 21): 32k, batch ${EB:-8}, the real compiled prefill of snapkv and chelsea in chunks
 #    of 2048 against HF's dense prefill of the same batch (--batch-prefill; not part of the default phases)
+# f: 128k at batch ${FB:-4} (issue 21's long row): full, snapkv and chelsea, compiled decode, synthetic state (not default)
 set -o pipefail
 OUT=${1:-out/bench}
 PHASES=${2:-a b c d}
@@ -29,6 +30,9 @@ for p in $PHASES; do
     e) timeout ${TE:-500} $B --systems hf-eager,snapkv,chelsea --contexts 32768 --batches ${EB:-8} --batch-prefill \
          --prefill-chunk 2048 --fuse-projections --kv-compile inductor --out "$OUT/e2e_batch_prefill.json" \
          --plot /tmp/e2e_e.png 2>&1 | tee -a "$OUT/log.txt" ;;
+    f) timeout ${TF:-500} $B --systems full,snapkv,chelsea --contexts 131072 --batches ${FB:-4} --no-prefill \
+         --fuse-projections --kv-compile inductor --out "$OUT/e2e_128k_batch.json" --plot /tmp/e2e_f.png 2>&1 \
+         | tee -a "$OUT/log.txt" ;;
   esac
 done
 python - "$OUT" <<'PY'
