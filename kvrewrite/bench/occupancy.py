@@ -1,6 +1,6 @@
 """Registers, shared memory and programs per SM of a Triton kernel compiled for Hopper (sm_90), without a GPU.
 
-    python -m kvrewrite.bench.occupancy          # the decode attention kernel's variants
+    python -m kvrewrite.bench.occupancy          # the decode attention kernels' variants (clustered_attention, EMS)
 
 Triton compiles for a named target on any machine (its wheel carries ptxas and cuobjdump): this reads the
 registers a thread from the cubin (cuobjdump --dump-resource-usage) and the shared memory from the compile's
@@ -105,6 +105,29 @@ def attention_decode_resources(pending: bool, split: bool, head_dim: int = 128, 
     return regs, shared, cfg["num_warps"]
 
 
+def expanded_decode_resources(split: bool, write_s: bool, head_dim: int = 128, dtype: str = "bf16") -> tuple:
+    """sm90_resources of EMS's expanded-attention kernel (kernels/_expanded_attention_kernels.py) as
+    launch_expanded_forward launches it for a decode step of the Llama layout (past_only; write_s: the decode fold's
+    S output), and its launch's warps."""
+    from kvrewrite.kernels import _expanded_attention_kernels as xk
+    from kvrewrite.kernels import expanded_attention as xa
+
+    cfg = xa._launch_config(1, 8, 4, 1, 6656, head_dim, 132, 2 if dtype in ("bf16", "fp16") else 4)
+    kernel = xk._expanded_attention_fwd_kernel
+    pointers = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "BIAS": "*fp32", "POS": "*i64", "CPOS": "*i64",
+                "ESTART": "*i32", "LUT": "*i32", "KSCALE": "*fp32", "SFILL": "*i64",
+                "OUT": "*fp32" if split else f"*{dtype}", "M_PART": "*fp32", "L_PART": "*fp32", "LSE": "*fp32",
+                "S_OUT": "*fp32"}
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_J=cfg["block_j"],
+                      SPLIT=split, LOAD_POS=False, SOFTCAP=False, WRITE_S=write_s, GATHER=cfg["gather"],
+                      SCATTER=cfg["scatter"], stride_qd=1, stride_kd=1, stride_vd=1)
+    types = {n: pointers.get(n, "fp32" if n in ("qk_scale", "softcap_log2", "s_scale") else "i32")
+             for n in inspect.signature(kernel.fn).parameters if n not in constexprs}
+    regs, shared = sm90_resources(kernel, types, constexprs, [n for n in types if n.startswith("stride")],
+                                  cfg["num_warps"], cfg["num_stages"])
+    return regs, shared, cfg["num_warps"]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.parse_args(argv)
@@ -113,6 +136,11 @@ def main(argv=None):
             regs, shared, warps = attention_decode_resources(pending, split)
             print(f"decode attention, pending rows {pending!s:5}, split {split!s:5}: {regs} registers, {shared} B shared, "
                   f"{warps} warps: {programs_per_sm(regs, shared, warps)} programs per SM", flush=True)
+    for write_s in (False, True):
+        for split in (False, True):
+            regs, shared, warps = expanded_decode_resources(split, write_s)
+            print(f"EMS expanded attention, S written {write_s!s:5}, split {split!s:5}: {regs} registers, {shared} B "
+                  f"shared, {warps} warps: {programs_per_sm(regs, shared, warps)} programs per SM", flush=True)
 
 
 if __name__ == "__main__":
