@@ -102,8 +102,6 @@ def test_batch_prefill_times_the_batch_against_the_dense_prefill_of_the_same_bat
     """--batch-prefill: the batch-2 rows prefill for real (no synthetic state) and compare with HF's dense prefill of a
     [2, n] batch, measured once per (n, B); a dense prefill that fails is recorded in the row, which keeps its own
     numbers. Refused with --no-prefill."""
-    from kvrewrite.bench import e2e
-
     shapes = []
     real = e2e.hf_prefill_s
 
@@ -125,9 +123,19 @@ def test_batch_prefill_times_the_batch_against_the_dense_prefill_of_the_same_bat
     cfg = e2e.config_from_args(parser.parse_args([*argv, "--systems", "hf-eager"]))
     cfg.validate()
     bench = e2e.Bench(cfg)
-    bench.dense_prefill[(200, 2)] = RuntimeError("CUDA out of memory (simulated)")
+    tries = []
+
+    def out_of_memory(*args):
+        tries.append(args[1:])
+        raise MemoryError("out of memory (simulated)")
+
+    monkeypatch.setattr(e2e, "hf_prefill_s", out_of_memory)
     row = bench.measure("hf-eager", 200, 2, "2")
-    assert row["prefill_error"].startswith("RuntimeError: CUDA out of memory") and row["ms_per_token"] > 0
+    assert row["prefill_error"] == "MemoryError: out of memory (simulated)" and row["ms_per_token"] > 0
+    assert bench.dense_prefill[(200, 2)] == row["prefill_error"]  # kept as text, not as the exception
+    with pytest.raises(e2e.DensePrefillFailed, match="simulated"):
+        bench.dense_prefill_s(200, 2)
+    assert tries == [(200, 2)]  # not tried again
     with pytest.raises(ValueError, match="--batch-prefill .* cannot go with --no-prefill"):
         e2e.config_from_args(parser.parse_args([*argv, "--no-prefill"])).validate()
 

@@ -727,6 +727,10 @@ def hf_decode(model, cache, B: int, n: int, compiled: bool, cfg: BenchConfig) ->
 
 # -- prefill --------------------------------------------------------------------------------------------------
 
+class DensePrefillFailed(RuntimeError):
+    """HF's dense prefill of a (context, batch) failed; the message is its error's type and first line."""
+
+
 def hf_prefill_s(model, n: int, B: int = 1) -> float:
     """Wall-clock seconds of HF's dense prefill of a [B, n] batch of random tokens (module docstring)."""
     dev = model.device
@@ -772,7 +776,7 @@ class Bench:
         if self.tp > 1:
             self.env.update(tp=self.tp, rank=self.rank)
         self.captures = {}  # batch size -> (Captured, capture seconds)
-        self.dense_prefill = {}  # (n, B) -> seconds, or the error the dense prefill raised
+        self.dense_prefill = {}  # (n, B) -> seconds, or the text of the error the dense prefill raised
         self.rows = []
 
     # bytes -------------------------------------------------------------------------------------------------
@@ -922,8 +926,8 @@ class Bench:
         if self.times_prefill(B) and system == "hf-eager":
             try:
                 res["prefill_s"] = self.dense_prefill_s(n, B)
-            except Exception as e:  # noqa: BLE001  (recorded; the decode row still runs)
-                res["prefill_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            except DensePrefillFailed as e:  # recorded; the decode row still runs
+                res["prefill_error"] = str(e)
             if self.dev == "cuda" and "prefill_s" in res:
                 res["prefill_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             self.free()  # the row's peak is the decode's: weights + StaticCache + step workspace
@@ -943,17 +947,18 @@ class Bench:
         return self.cfg.prefill and (B == 1 or self.cfg.batch_prefill)
 
     def dense_prefill_s(self, n: int, B: int = 1) -> float:
-        """HF's dense prefill of [B, n], measured once per (n, B); an error it raised (out of memory, say) is kept
-        and raised again for that (n, B) instead of a second try."""
+        """HF's dense prefill of [B, n], measured once per (n, B). An error it raised (out of memory, say) is kept as
+        text, not as the exception, whose traceback would hold the failed forward's tensors, and raised as
+        DensePrefillFailed for that (n, B) instead of a second try."""
         if (n, B) not in self.dense_prefill:
             try:
                 self.dense_prefill[(n, B)] = hf_prefill_s(self.model, n, B)
-            except Exception as e:  # noqa: BLE001  (the caller records it in its row)
-                self.dense_prefill[(n, B)] = e
-                self.free()
+            except Exception as e:  # noqa: BLE001  (its text goes into the rows)
+                self.dense_prefill[(n, B)] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            self.free()
         got = self.dense_prefill[(n, B)]
-        if isinstance(got, Exception):
-            raise got
+        if isinstance(got, str):
+            raise DensePrefillFailed(got)
         return got
 
     # driver --------------------------------------------------------------------------------------------------
@@ -1015,8 +1020,8 @@ class Bench:
             try:
                 row["dense_prefill_s"] = self.dense_prefill_s(n, B)
                 row["prefill_vs_dense"] = row["prefill_s"] / row["dense_prefill_s"]
-            except Exception as e:  # noqa: BLE001  (recorded; the row's own numbers stand)
-                row["dense_prefill_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            except DensePrefillFailed as e:  # recorded; the row's own numbers stand
+                row["dense_prefill_error"] = str(e)
         row["ms_per_token"] = row["ms_per_step"]
         row["tok_per_s"] = 1e3 * B / row["ms_per_step"]
         row["floor_ms"] = self.floor_ms(row["kv_read_bytes"])
