@@ -182,8 +182,16 @@ GATHERS = {"onehot": 0, "onehot_tf32x3": 1, "gather": 2}  # the in-tile gather o
 SCATTERS = {"onehot": 0, "cumsum": 1}  # the per-entry segment sum of p (kernel module docstring)
 
 
+# Programs of the expanded kernel one SM holds, for clustered_attention's large-batch split rule (its `resident`):
+# kvrewrite/bench/occupancy.py finds 230-255 registers and 41 KB at bf16, D = 128, two per SM on Hopper. 0 keeps one
+# split where a decode grid overflows the SMs, the launch measured so far; the rule for this kernel is unmeasured
+# (docs/bench/attention_notes.md, "Large batches"): A/B it with `kvrewrite bench --kernel-option
+# expanded_attention.RESIDENT_PROGRAMS=2` before making it the default.
+RESIDENT_PROGRAMS = 0
+
+
 def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=None, block_n=None, block_j=None,
-                   num_splits=None, num_warps=None, num_stages=None, gather="gather", scatter="onehot"):
+                   num_splits=None, num_warps=None, num_stages=None, gather="gather", scatter="onehot", resident=None):
     """Tile sizes, split count and launch options from the shapes alone (one fixed launch for CUDA graphs and
     Inductor). Splits and query blocks follow clustered_attention's _launch_config (its rule counts entry tiles:
     >= 2 per split); the slots of a row are divided among the splits on the device. Overrides: the benchmark's
@@ -198,7 +206,8 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=None, block_n=
         block_n = 64
     cfg = ca._launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=block_m, block_n=block_n,
                             num_splits=num_splits, num_warps=num_warps if num_warps is not None else
-                            (4 if decode else 8), num_stages=num_stages)
+                            (4 if decode else 8), num_stages=num_stages,
+                            resident=resident if resident is not None else (RESIDENT_PROGRAMS or None))
     cfg["block_j"] = block_j if block_j is not None else (128 if decode else 64)
     cfg["gather"], cfg["scatter"] = GATHERS[gather], SCATTERS[scatter]
     return cfg

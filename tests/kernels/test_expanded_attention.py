@@ -135,3 +135,22 @@ def test_bad_softcap_raises():
 def test_opcheck(case, dtype, past_only, softcap):
     st, q, scale, _ = build(case, dtype)
     torch.library.opcheck(OP, (*st.attention_args(q), scale), {"past_only": past_only, "softcap": softcap})
+
+
+def test_large_batch_split_rule_is_opt_in(monkeypatch):
+    """expanded_attention.RESIDENT_PROGRAMS = 0 (the default) keeps one split where a decode grid overflows the SMs;
+    set (e.g. by `kvrewrite bench --kernel-option expanded_attention.RESIDENT_PROGRAMS=2`) it takes
+    clustered_attention's fewest-waves split count there, and nothing changes where the grid fits."""
+    pytest.importorskip("triton")
+    from kvrewrite.kernels import expanded_attention as xa
+    from kvrewrite.kernels.clustered_attention import fewest_waves_splits
+
+    def splits(B):
+        return xa._launch_config(B, 8, 4, 1, 6656, 128, 132, 2)["num_splits"]
+
+    assert xa.RESIDENT_PROGRAMS == 0
+    before = {B: splits(B) for B in (1, 8, 33, 34, 40)}
+    assert before[34] == before[40] == 1
+    monkeypatch.setattr(xa, "RESIDENT_PROGRAMS", 2)
+    assert {B: splits(B) for B in (1, 8, 33)} == {B: before[B] for B in (1, 8, 33)}
+    assert splits(34) == fewest_waves_splits(34 * 8, 2 * 132) > 1 and splits(40) == fewest_waves_splits(320, 264)
