@@ -49,7 +49,7 @@ def measure(sizes, variants, chain: int, replays: int = 12) -> list:
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
-    from kvrewrite.bench.cuda_graphs import capture, warm_up
+    from kvrewrite.bench.cuda_graphs import capture, timed_replays_us, warm_up
 
     group = dist.group.WORLD.group_name
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -72,16 +72,7 @@ def measure(sizes, variants, chain: int, replays: int = 12) -> list:
 
             warm_up(run, 2)
             graph = capture(run)
-            times = []
-            for _ in range(replays):
-                dist.barrier()
-                torch.cuda.synchronize()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3 / chain)
+            times = timed_replays_us(graph, replays, chain, before=lambda: (dist.barrier(), torch.cuda.synchronize()))
             out = run()  # eagerly, for the comparison
             if ref is None:
                 ref = out

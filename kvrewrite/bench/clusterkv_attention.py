@@ -25,6 +25,7 @@ import statistics
 import torch
 
 import kvrewrite.kernels  # noqa: F401  (registers the ops)
+from kvrewrite.bench.cuda_graphs import timed_replays_us
 from kvrewrite.bench.e2e import env_info
 from kvrewrite.kernels.indexed_attention import triton_indexed_attention
 from kvrewrite.kernels.select_clusters import triton_select_clusters
@@ -48,15 +49,7 @@ def _graph_us(fn, calls: int, reps: int) -> float:
     with torch.cuda.graph(g):
         for _ in range(calls):
             fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
+    return statistics.median(timed_replays_us(g, reps, calls))
 
 
 def case(n: int, B: int, budget: int, per_query_head: bool, calls: int, reps: int, m: int = 320, n_sink: int = 16,

@@ -26,22 +26,32 @@ def capture(fn, pool=None) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def timed_replays_us(graph: torch.cuda.CUDAGraph, replays: int, per: int = 1, before=None) -> list:
+    """Microseconds of each of `replays` replays of `graph` (CUDA events around the replay alone), divided by `per`
+    (the calls the graph holds); `before()`, if given, runs before each replay, outside the timed span."""
+    times = []
+    for _ in range(replays):
+        if before is not None:
+            before()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / per)
+    return times
+
+
 def replay_us(call, reset, replays: int = 12, skip: int = 2) -> float:
     """Median microseconds of one CUDA-graph replay of `call` (warmed up by the caller), `reset()` restoring the
     inputs before the capture and before each replay (an in-place op must see the same state every time); a 1 ms
     device sleep before each timed replay keeps the launch off the critical path; the first `skip` are dropped."""
     import statistics
 
+    def before():
+        reset()
+        torch.cuda._sleep(1_000_000)
+
     reset()
     graph = capture(call)
-    times = []
-    for _ in range(replays):
-        reset()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times[skip:])
+    return statistics.median(timed_replays_us(graph, replays, before=before)[skip:])
