@@ -728,7 +728,12 @@ def hf_decode(model, cache, B: int, n: int, compiled: bool, cfg: BenchConfig) ->
 # -- prefill --------------------------------------------------------------------------------------------------
 
 class DensePrefillFailed(RuntimeError):
-    """HF's dense prefill of a (context, batch) failed; the message is its error's type and first line."""
+    """HF's dense prefill of a (context, batch) failed; the message is its error's error_text."""
+
+
+def error_text(e: BaseException) -> str:
+    """What a row records of an error: its type and the first 300 characters of its message's first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
 def hf_prefill_s(model, n: int, B: int = 1) -> float:
@@ -954,7 +959,7 @@ class Bench:
             try:
                 self.dense_prefill[(n, B)] = hf_prefill_s(self.model, n, B)
             except Exception as e:  # noqa: BLE001  (its text goes into the rows)
-                self.dense_prefill[(n, B)] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                self.dense_prefill[(n, B)] = error_text(e)
             self.free()
         got = self.dense_prefill[(n, B)]
         if isinstance(got, str):
@@ -1010,7 +1015,7 @@ class Bench:
         try:
             res = self.hf_row(system, n, B) if system in HF_SYSTEMS else self.kv_row(system, n, B)
         except Exception as e:  # noqa: BLE001  (recorded in the row; the grid goes on)
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            row["error"] = error_text(e)
             log(traceback.format_exc(limit=4))
             return row
         row.update(res)
