@@ -72,6 +72,16 @@ def sm90_resources(jit_fn, types: dict, constexprs: dict, aligned=(), num_warps:
     return int(regs.group(1)), int(compiled.metadata.shared)
 
 
+# the attention kernels' float scalars; every other non-pointer, non-constexpr argument is an int32
+FLOAT_ARGS = ("qk_scale", "softcap_log2", "pend_scale", "s_scale")
+
+
+def _argument_types(kernel, pointers: dict, constexprs: dict) -> dict:
+    """sm90_resources' `types` of `kernel`: the pointers' given types, fp32 for FLOAT_ARGS, int32 otherwise."""
+    return {n: pointers.get(n, "fp32" if n in FLOAT_ARGS else "i32")
+            for n in inspect.signature(kernel.fn).parameters if n not in constexprs}
+
+
 def attention_decode_resources(pending: bool, split: bool, head_dim: int = 128, dtype: str = "bf16") -> tuple:
     """sm90_resources of clustered_attention's decode kernel as launch_forward launches it for a decode step of
     the Llama layout (past_only, no window; with observed_attention's pending rows: deferring, 3 entries of 4
@@ -80,7 +90,6 @@ def attention_decode_resources(pending: bool, split: bool, head_dim: int = 128, 
 
     cfg = ca._launch_config(1, 8, 4, 1, 6656, head_dim, 132, itemsize=2 if dtype in ("bf16", "fp16") else 4)
     kernel = ca._clustered_attention_fwd_kernel
-    names = list(inspect.signature(kernel.fn).parameters)
     pointers = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "BIAS": "*fp32", "POS": "*i64", "CPOS": "*i64",
                 "OUT": "*fp32" if split else f"*{dtype}", "M_PART": "*fp32", "L_PART": "*fp32", "LOGITS": "*fp32",
                 "LSE": "*fp32", "PEND_Q": "*fp32", "PEND_LSE": "*fp32", "SCORE": "*fp32", "FILL": "*i64"}
@@ -91,14 +100,7 @@ def attention_decode_resources(pending: bool, split: bool, head_dim: int = 128, 
     # unit strides along the innermost dimension become constexprs at launch (Triton specialises 1)
     constexprs.update({n: 1 for n in ("stride_qd", "stride_kd", "stride_vd", "stride_bc", "stride_pc", "stride_sc",
                                       "stride_fh")})
-    types = {}
-    for n in names:
-        if n in constexprs:
-            continue
-        if n in pointers:
-            types[n] = pointers[n]
-        else:
-            types[n] = "fp32" if n in ("qk_scale", "softcap_log2", "pend_scale") else "i32"
+    types = _argument_types(kernel, pointers, constexprs)
     aligned = [n for n in types if n.startswith("stride") or n in ("C", "slots_per_split")]
     regs, shared = sm90_resources(kernel, types, constexprs, aligned, cfg["num_warps"], cfg["num_stages"],
                                   launch_pdl=True)
@@ -121,8 +123,7 @@ def expanded_decode_resources(split: bool, write_s: bool, head_dim: int = 128, d
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_J=cfg["block_j"],
                       SPLIT=split, LOAD_POS=False, SOFTCAP=False, WRITE_S=write_s, GATHER=cfg["gather"],
                       SCATTER=cfg["scatter"], stride_qd=1, stride_kd=1, stride_vd=1)
-    types = {n: pointers.get(n, "fp32" if n in ("qk_scale", "softcap_log2", "s_scale") else "i32")
-             for n in inspect.signature(kernel.fn).parameters if n not in constexprs}
+    types = _argument_types(kernel, pointers, constexprs)
     regs, shared = sm90_resources(kernel, types, constexprs, [n for n in types if n.startswith("stride")],
                                   cfg["num_warps"], cfg["num_stages"])
     return regs, shared, cfg["num_warps"]
