@@ -36,18 +36,25 @@ from kvrewrite.kernels.observed_attention import pending_entries
 CONFIGS = [(1, 4096), (1, 6656), (1, 16384), (1, 32768), (1, 131072), (8, 6656), (8, 32768)]
 
 
+def method_state(cfg: Config, P: int) -> tuple:
+    """(score, pending q, pending lse, fill) of one input set: P pending queries (finite lse: something to fold)."""
+    B, Hkv, C, G = cfg.B, cfg.Hkv, cfg.C, cfg.Hq // cfg.Hkv
+    return (torch.zeros(B, Hkv, C, device="cuda"), torch.randn(B, Hkv, P, G, cfg.D, device="cuda"),
+            torch.full((B, Hkv, P, G), 30.0, device="cuda"), torch.full((B, Hkv), C, device="cuda"))
+
+
+def folding_position(C: int, P: int) -> int:
+    """A step position that folds the pending entries (c mod P == 0); the one after it only saves its query."""
+    return P * (C // P + 1)
+
+
 def run(B: int, C: int) -> dict:
     cfg = Config(B=B, C=C)
     G = cfg.Hq // cfg.Hkv
 
     P = pending_entries(G)
-
-    def method_state():  # score, P pending queries (finite lse: something to fold), fill
-        return (torch.zeros(B, cfg.Hkv, C, device="cuda"), torch.randn(B, cfg.Hkv, P, G, cfg.D, device="cuda"),
-                torch.full((B, cfg.Hkv, P, G), 30.0, device="cuda"), torch.full((B, cfg.Hkv), C, device="cuda"))
-
-    sets = [(*s, *method_state()) for s in _make_sets(cfg)]
-    cycle = P * (C // P + 1)  # a position that folds (c mod P == 0); cycle + 1 only saves its query
+    sets = [(*s, *method_state(cfg, P)) for s in _make_sets(cfg)]
+    cycle = folding_position(C, P)
 
     def at(c):  # the sets with the step's position c (past_only: it only picks fold or save)
         return [(*s[:5], torch.full_like(s[5], c), *s[6:]) for s in sets]
@@ -94,11 +101,8 @@ def sweep_splits(B: int, C: int) -> list:
     G = cfg.Hq // cfg.Hkv
     P = pending_entries(G)
     sets = _make_sets(cfg)
-    states = [dict(q=torch.randn(B, cfg.Hkv, P, G, cfg.D, device="cuda"),
-                   lse=torch.full((B, cfg.Hkv, P, G), 30.0, device="cuda"),
-                   score=torch.zeros(B, cfg.Hkv, C, device="cuda"),
-                   fill=torch.full((B, cfg.Hkv), C, device="cuda"), scale=1.0) for _ in sets]
-    cycle = P * (C // P + 1)  # a position that folds (c mod P == 0); cycle + 1 only saves its query
+    states = [dict(zip(("score", "q", "lse", "fill"), method_state(cfg, P)), scale=1.0) for _ in sets]
+    cycle = folding_position(C, P)
 
     def call(pending, fold, **tuning):
         def fn(i):
