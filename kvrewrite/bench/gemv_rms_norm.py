@@ -5,6 +5,10 @@ Shapes: the GEMVs of a Llama-3.1-8B batch-1 decode step that follow an RMSNorm (
 (6144), gate/up fused (28672), the lm_head (128256). Each fused output is checked against the float64 reference
 (kernels/gemv_rms_norm.py error_bound) and its h against the eager add; the run stops if one is off.
 
+Also timed with the weight marked constant (constant_weight=True: the first weight tile loaded before the PDL
+wait): the fused kernel, the split norm's two launches (the norm, then gemv's kernel; the op's choice from
+kernels/gemv_rms_norm.py SPLIT_NORM_MIN_N rows on) and gemv alone. "fused" is the fused kernel at any N.
+
 Timing as in kvrewrite/bench/gemv.py: N calls inside one CUDA graph over N weight copies rotated so that each
 replay reads >= 256 MiB; median of do_bench. `--sweep` first times launch variants of the fused kernel (rows per
 program, warps, first-tile preload, K tile); each row then also notes the sweep's best.
@@ -52,7 +56,9 @@ def add_rms_norm(x, residual, norm_weight):
 
 
 def fused(x, r, nw, w):
-    return torch.ops.kvrewrite.gemv_rms_norm(x, r, nw, EPS, w)
+    """The fused kernel (one launch; the op's choice below SPLIT_NORM_MIN_N rows)."""
+    with set_wrap_triton_enabled(False):
+        return m._launch(x, r, nw, EPS, w, split_norm=False)
 
 
 def unfused(x, r, nw, w):
@@ -60,26 +66,42 @@ def unfused(x, r, nw, w):
     return torch.ops.kvrewrite.gemv(n, w), h
 
 
-def check(x, r, nw, w) -> float:
-    """Largest error of the fused op over error_bound (<= 1 passes); raises if its h is not the eager add."""
-    y, h = fused(x, r, nw, w)
+def check(x, r, nw, w, fn=None) -> float:
+    """Largest error of the fused kernel (or fn, a variant of it) over error_bound (<= 1 passes); raises if its h is not
+    the eager add."""
+    y, h = (fn or fused)(x, r, nw, w)
     if not torch.equal(h, x + r):
         raise SystemExit("kvrewrite::gemv_rms_norm: h differs from x + residual")
     y64, _, n64 = m.reference_f64(x, r, nw, EPS, w)
     return ((y.double() - y64).abs() / m.error_bound(x, w, n64, y64)).max().item()
 
 
+def fused_constant(x, r, nw, w):
+    """The fused kernel with the weight marked constant (its first tile loaded before the PDL wait)."""
+    with set_wrap_triton_enabled(False):
+        return m._launch(x, r, nw, EPS, w, None, False, True, split_norm=False)
+
+
+def split_constant(x, r, nw, w):
+    """The split norm's two launches (the norm, then gemv's kernel), the weight marked constant."""
+    with set_wrap_triton_enabled(False):
+        return m._launch(x, r, nw, EPS, w, None, False, True, split_norm=True)
+
+
 def run(cfg: Config, copy: float) -> dict:
     sets = _make_sets(cfg)
     err = check(*sets[0])
+    err_split = max(check(*sets[0], fn) for fn in (fused_constant, split_constant))
     ours = _median_us(fused, sets)
     base = _median_us(unfused, sets)
     gemv_only = _median_us(lambda x, r, nw, w: torch.ops.kvrewrite.gemv(x, w), sets)
     norm_only = _median_us(lambda x, r, nw, w: add_rms_norm(x, r, nw), sets)
     nbytes = cfg.N * cfg.K * 2
     res = dict(fused_us=ours, unfused_us=base, gemv_only_us=gemv_only, add_rms_norm_only_us=norm_only,
+               fused_constant_us=_median_us(fused_constant, sets), split_constant_us=_median_us(split_constant, sets),
+               gemv_constant_us=_median_us(lambda x, r, nw, w: torch.ops.kvrewrite.gemv(x, w, None, True), sets),
                saved_us=base - ours, fused_over_gemv=ours / gemv_only, fused_frac_of_copy=nbytes / ours / 1e3 / copy,
-               error_over_bound=err, launch=m.launch_config(cfg.N, cfg.K), copy_gbps=copy)
+               error_over_bound=max(err, err_split), launch=m.launch_config(cfg.N, cfg.K), copy_gbps=copy)
     del sets
     torch.cuda.empty_cache()
     return res
@@ -131,7 +153,8 @@ def main():
         print(f"{cfg.name:14s} {cfg.N:6d}x{cfg.K:<5d} fused {res['fused_us']:7.2f} us | add+rms_norm (compiled) + gemv "
               f"{res['unfused_us']:7.2f} us (norm alone {res['add_rms_norm_only_us']:.2f}, gemv alone "
               f"{res['gemv_only_us']:.2f}) | saved {res['saved_us']:.2f} us | fused/gemv {res['fused_over_gemv']:.3f} | "
-              f"error/bound {res['error_over_bound']:.2f}", flush=True)
+              f"error/bound {res['error_over_bound']:.2f} | constant weight: fused {res['fused_constant_us']:.2f}, "
+              f"split norm {res['split_constant_us']:.2f}, gemv alone {res['gemv_constant_us']:.2f}", flush=True)
         if res["error_over_bound"] > 1:
             raise SystemExit(f"kvrewrite::gemv_rms_norm is wrong on {cfg}: error {res['error_over_bound']:.2f}x the bound")
     Path(args.out).write_text(json.dumps(rows, indent=1))

@@ -5,10 +5,13 @@
 
 1. chain: the 128 projections of a Llama-3.1-8B decode step (32 layers x qkv 6144x4096, o 4096x4096, gate/up
    28672x4096, down 4096x14336, bf16) as kvrewrite::gemv calls in one CUDA graph, each reading the previous one's
-   output; PDL off, on, off, on (the order cancels drift). Outputs are compared bit for bit: PDL changes only when
-   a kernel starts, never what it computes.
+   output; PDL off, on, on with constant weights (constant_weight=True: the first weight tile before the wait),
+   twice (the order cancels drift). Outputs are compared bit for bit: PDL changes only when a kernel starts,
+   never what it computes.
 2. e2e (--e2e): kvrewrite bench's decode row (32k, B = 1, budget 0.2, Inductor + CUDA graphs, fused projections,
-   gemv) per method and variant: "pdl" (rw.compile: the kvrewrite kernels with PDL, as by default), "no-pdl"
+   gemv) per method and variant: "pdl" (rw.compile: the kvrewrite kernels with PDL, as by default: the model's
+   weights are constant, so the GEMVs load their first tile before the wait), "pdl-wait-first" (the same with
+   kernels.gemv.EARLY_WEIGHT off: every load after the wait), "no-pdl"
    (rw.compile after kernels._pdl.set_enabled(False)), "inductor-pdl" (PDL on Inductor's own kernels too:
    rw.compile(options={"triton.enable_pdl": True}), an experiment: runtime.py _OpaqueOpsCall says why it is not
    the default) and "decomposed" (nn.Module.compile, as before rw.compile kept the ops whole: Inductor traces them
@@ -42,19 +45,19 @@ def gemv_chain(reps: int = 30, repeats: int = 5) -> dict:
     x0 = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16, generator=gen)
     weight_bytes = sum(w.numel() * w.element_size() for layer in ws for w in layer)
 
-    def chain():
+    def chain(constant: bool):
         x = x0
         for layer in ws:
             for w in layer:
-                x = torch.ops.kvrewrite.gemv(x[..., : w.shape[1]].contiguous(), w)
+                x = torch.ops.kvrewrite.gemv(x[..., : w.shape[1]].contiguous(), w, None, constant)
         return x
 
-    def run(pdl: bool) -> tuple[dict, torch.Tensor]:
+    def run(pdl: bool, constant: bool) -> tuple[dict, torch.Tensor]:
         _pdl.set_enabled(pdl)
         outs = []
         try:
-            warm_up(chain)  # compiles
-            g = capture(lambda: outs.append(chain()))
+            warm_up(lambda: chain(constant))  # compiles
+            g = capture(lambda: outs.append(chain(constant)))
         finally:
             _pdl.set_enabled(True)
         out = outs[0]
@@ -69,20 +72,21 @@ def gemv_chain(reps: int = 30, repeats: int = 5) -> dict:
             e1.record()
             torch.cuda.synchronize()
             times.append(e0.elapsed_time(e1) / reps)
-        return dict(pdl=pdl, ms=times, ms_median=statistics.median(times),
+        return dict(pdl=pdl, constant_weight=constant, ms=times, ms_median=statistics.median(times),
                     gbps=weight_bytes / (statistics.median(times) * 1e-3) / 1e9), out.clone()
 
     rows, outs = [], []
-    for pdl in (False, True, False, True):
-        row, out = run(pdl)
+    for pdl, constant in ((False, False), (True, False), (True, True)) * 2:
+        row, out = run(pdl, constant)
         rows.append(row)
         outs.append(out)
-        print(f"chain pdl={pdl}: {row['ms_median']:.3f} ms ({row['gbps']:.0f} GB/s)", flush=True)
+        print(f"chain pdl={pdl} constant_weight={constant}: {row['ms_median']:.3f} ms ({row['gbps']:.0f} GB/s)",
+              flush=True)
     return dict(weight_bytes=weight_bytes, kernels=LAYERS * len(SHAPES), rows=rows,
                 outputs_identical=all(torch.equal(outs[0], o) for o in outs[1:]))
 
 
-VARIANTS = ("pdl", "no-pdl", "inductor-pdl", "decomposed")
+VARIANTS = ("pdl", "pdl-wait-first", "no-pdl", "inductor-pdl", "decomposed")
 
 
 def e2e(methods: list[str], context: int, variants=VARIANTS, done=lambda rows, bench: None) -> tuple:
@@ -90,6 +94,7 @@ def e2e(methods: list[str], context: int, variants=VARIANTS, done=lambda rows, b
 
     from kvrewrite.bench.e2e import Bench, BenchConfig
     from kvrewrite.kernels import _pdl
+    from kvrewrite.kernels import gemv as gemv_kernel
     from kvrewrite.runtime import KVRewrittenModel
 
     cfg = BenchConfig(systems=tuple(methods), contexts=(context,), batches=("1",), kv_compile="inductor",
@@ -101,7 +106,9 @@ def e2e(methods: list[str], context: int, variants=VARIANTS, done=lambda rows, b
     for method in methods:
         for variant in variants:
             torch._dynamo.reset()
-            _pdl.set_enabled(variant in ("pdl", "inductor-pdl"))
+            _pdl.set_enabled(variant in ("pdl", "pdl-wait-first", "inductor-pdl"))
+            early = gemv_kernel.EARLY_WEIGHT
+            gemv_kernel.EARLY_WEIGHT = early and variant != "pdl-wait-first"
             cfg.inductor_options = {"triton.enable_pdl": True} if variant == "inductor-pdl" else {}
             KVRewrittenModel.compile = nn.Module.compile if variant == "decomposed" else own_compile
             try:
@@ -110,6 +117,7 @@ def e2e(methods: list[str], context: int, variants=VARIANTS, done=lambda rows, b
             finally:
                 KVRewrittenModel.compile = own_compile
                 _pdl.set_enabled(True)
+                gemv_kernel.EARLY_WEIGHT = early
             row.update(variant=variant, wall_s=time.perf_counter() - t0)
             rows.append(row)
             done(rows, bench)

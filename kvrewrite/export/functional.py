@@ -384,7 +384,7 @@ def gemv_as_linear(gm: fx.GraphModule) -> fx.GraphModule:
     own matrix kernels (ONNX Runtime, TensorRT) instead of running kvrewrite's Triton ones."""
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target == torch.ops.kvrewrite.gemv.default:
-            node.target, node.args, node.kwargs = torch.ops.aten.linear.default, tuple(all_args(node)), {}
+            node.target, node.args, node.kwargs = torch.ops.aten.linear.default, tuple(all_args(node)[:3]), {}
         elif node.op == "call_function" and node.target == torch.ops.kvrewrite.gemv_rms_norm.default:
             _expand_gemv_rms_norm(gm, node)
         elif node.op == "call_function" and node.target == torch.ops.kvrewrite.gemv_glu.default:
@@ -405,7 +405,7 @@ def _expand_gemv_rms_norm(gm: fx.GraphModule, node: fx.Node) -> None:
     """node's aten ops (kernels/gemv_rms_norm.py reference_aten, the ops passes/fuse_rms_norm_into_gemv.py
     replaced) in its place; its getitems' users read them."""
     aten, graph = torch.ops.aten, gm.graph
-    x, residual, norm_weight, eps, weight, bias, unit_offset = all_args(node)
+    x, residual, norm_weight, eps, weight, bias, unit_offset, _ = all_args(node)  # _: constant_weight
     dtypes = [_dtype(gm, t) for t in (weight, norm_weight, x)]  # one dtype: the op checks that they share it
     dtype = next((d for d in dtypes if d is not None), None)
     if dtype is None:
@@ -439,7 +439,7 @@ def _expand_gemv_rms_norm(gm: fx.GraphModule, node: fx.Node) -> None:
 def _expand_gemv_glu(gm: fx.GraphModule, node: fx.Node) -> None:
     """node as the act, mul and linear it computes (kernels/gemv_glu.py's CPU path, the ops
     passes/fuse_glu_into_gemv.py replaced), in place."""
-    a, b, weight, bias, act = all_args(node)
+    a, b, weight, bias, act, _ = all_args(node)  # _: constant_weight
     with gm.graph.inserting_before(node):
         if act == "silu":
             g = gm.graph.call_function(torch.ops.aten.silu.default, (a,))

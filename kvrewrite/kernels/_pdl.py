@@ -9,12 +9,21 @@ complete and its writes to be visible.
 The rule every kernel launched with PDL here follows: `gdc_wait()` before any load and any store. The kernel is
 then ordered exactly as without PDL (what it gains is its launch and scheduling, overlapped with the previous
 kernel's tail); `gdc_launch_dependents()` right after the wait lets the next kernel be scheduled on the SMs this
-one frees. Loading weights before the wait would gain more (measured below) but is not safe for a public op: a
-caller may pass a weight that the kernel just before it wrote (a merged LoRA, a dequantized matrix), and the early
-load would read the old values. The ops cannot tell, so they do not.
+one frees.
+
+Constant weights: the one exception. Loading weights before the wait gains more (measured below), and is not safe
+for a weight that the kernel just before may have written (a merged LoRA, a dequantized matrix): the early load
+would read the old values, and an op cannot tell. So the GEMV ops (gemv, gemv_rms_norm, gemv_glu) take the
+caller's word: `constant_weight=True` says no kernel of the graph writes the weight, and their kernels then load
+the first weight tile before `gdc_wait` (EARLY_W; everything else still waits). passes/replace_linear_with_gemv.py
+gives that word for a get_attr weight that no node of the graph writes in place (passes/utils.written_sources); a
+weight changed between calls (load_state_dict) is written by kernels that completed before the step's first kernel
+(the embedding's gather) started, so the early loads see it. `kernels.gemv.EARLY_WEIGHT = False` turns the early
+loads off (an A/B switch: `--kernel-option gemv.EARLY_WEIGHT=False`).
 
 Measured (kvrewrite/bench/pdl.py; docs/bench.md "Stop 34 runs"), with the GEMVs' first weight tile loaded before
-the wait and, end to end, Inductor's own kernels launched with PDL too (the form this module replaced):
+the wait and, end to end, Inductor's own kernels launched with PDL too (the form before stop 34 made every load wait;
+the early tile came back for constant weights in stop 37, docs/bench.md "Stop 37 runs"):
 - 128 decode GEMVs of the Llama-3.1-8B shapes in one CUDA graph: on an H100 4.685 ms without PDL, 4.615 with the
   wait first (-1.5%), 4.542 with the first tile before it (-3.1%); on an H200 3.43-3.61 without, 3.31-3.35 with the
   tile first (-3.4 to -7.2%).

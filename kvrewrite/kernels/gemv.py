@@ -6,6 +6,10 @@ Args:
     x:      [..., K]  fp16/bf16/fp32, one row (x.numel() == K; e.g. [1, 1, K])
     weight: [N, K]    x's dtype, unit stride along K
     bias:   [N]       x's dtype, or None
+    constant_weight: the caller's word that no kernel writes weight while the graph calling the op runs (a model
+            constant); the kernel then loads its first weight tile before it waits for the kernel before it
+            (kernels/_pdl.py, "Constant weights"). passes/replace_linear_with_gemv.py sets it for get_attr weights
+            that no node of the graph writes. False: every load waits.
 Returns:
     [..., N] in x's dtype, contiguous. Mutates nothing.
 
@@ -70,8 +74,25 @@ def error_bound(x, weight, ref):
 # One program computes BLOCK_N outputs: it streams its BLOCK_N weight rows in [BLOCK_N, BLOCK_K] tiles,
 # multiplies them by the matching slice of x and keeps an fp32 [BLOCK_N, BLOCK_K] accumulator, reduced
 # along K once at the end (no split-K, so no second kernel). Launched with PDL (kernels/_pdl.py), it waits for
-# the previous kernel first.
+# the previous kernel first; with EARLY_W (a constant weight) its first weight tile is loaded before that wait.
 # ---------------------------------------------------------------------------------------------------
+
+EARLY_WEIGHT = True  # constant_weight=True loads the first weight tile before the PDL wait (A/B: --kernel-option)
+
+
+@triton_jit()
+def _weight_tile(w_rows, cols, row_ok, K, EVICT_FIRST: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at columns `cols` (0 outside the rows and K)."""
+    mask = row_ok[:, None] & (cols < K)[None, :]
+    if EVICT_FIRST:
+        return tl.load(w_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+    return tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
+
+
+def early_weight(constant_weight: bool) -> bool:
+    """The EARLY_W of gemv's, gemv_rms_norm's and gemv_glu's kernels: the first weight tile before the PDL wait, for
+    a constant weight while EARLY_WEIGHT is on. Independent of PDL: without the wait it only moves a load earlier."""
+    return bool(constant_weight) and EARLY_WEIGHT
 
 
 @triton_jit()
@@ -83,24 +104,26 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVICT_FIRST: tl.constexpr,  # hint that the weight lines will not be read again
-    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any load (kernels/_pdl.py)
+    EARLY_W: tl.constexpr,  # a constant weight: its first tile is loaded before the PDL wait (kernels/_pdl.py)
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any other load (kernels/_pdl.py)
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = W + rows[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if EARLY_W:
+        cols0 = tl.arange(0, BLOCK_K)
+        w0 = _weight_tile(w_rows, cols0, row_ok, K, EVICT_FIRST)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    for k0 in range(0, K, BLOCK_K):
+    if EARLY_W:
+        x0 = tl.load(X + cols0 * stride_xk, mask=cols0 < K, other=0.0).to(tl.float32)
+        acc += w0.to(tl.float32) * x0[None, :]
+    for k0 in range(BLOCK_K if EARLY_W else 0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        k_ok = cols < K
-        x = tl.load(X + cols * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-        if EVICT_FIRST:
-            w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-                        eviction_policy="evict_first")
-        else:
-            w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(X + cols * stride_xk, mask=cols < K, other=0.0).to(tl.float32)
+        w = _weight_tile(w_rows, cols, row_ok, K, EVICT_FIRST)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -153,7 +176,7 @@ def _check_inputs(x, weight, bias, name="kvrewrite::gemv"):
         raise problem
 
 
-def triton_gemv(x, weight, bias=None, **tuning):
+def triton_gemv(x, weight, bias=None, constant_weight=False, **tuning):
     """The op on CUDA through Triton (shapes in the module docstring); validates its inputs.
     ``tuning`` overrides the launch choices (block_n, block_k, num_warps, num_stages, evict_first); for the
     benchmark's sweep, the op never passes it."""
@@ -161,10 +184,10 @@ def triton_gemv(x, weight, bias=None, **tuning):
         raise NotImplementedError("triton_gemv needs Triton (pip install triton); kvrewrite::gemv itself runs without it")
     _check_inputs(x, weight, bias, "triton_gemv")
     check_one_cuda_device("triton_gemv", (x, weight) if bias is None else (x, weight, bias))
-    return _launch(x, weight, bias, **tuning)
+    return _launch(x, weight, bias, constant_weight, **tuning)
 
 
-def _launch(x, weight, bias=None, **overrides):
+def _launch(x, weight, bias=None, constant_weight=False, **overrides):
     """Allocate the output and launch; no checks (Triton's interpreter runs it on CPU tensors)."""
     N, K = (int(n) for n in weight.shape)
     x1 = x.reshape(K)
@@ -174,7 +197,8 @@ def _launch(x, weight, bias=None, **overrides):
     wrap_triton(_gemv_kernel)[(triton.cdiv(N, cfg["block_n"]),)](
         x1, weight, weight if bias is None else bias, y, N, K, x1.stride(0), weight.stride(0),
         BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], HAS_BIAS=bias is not None, EVICT_FIRST=cfg["evict_first"],
-        PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
+        EARLY_W=early_weight(constant_weight), PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **launch,
     )
     return y
 
@@ -184,13 +208,15 @@ def _launch(x, weight, bias=None, **overrides):
 # ---------------------------------------------------------------------------------------------------
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for one row of x (see the module docstring).
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+         constant_weight: bool = False) -> torch.Tensor:
+    """F.linear(x, weight, bias) for one row of x (see the module docstring; constant_weight changes only when the
+    kernel loads the weight, never the result).
 
     The op's kernel, fake and what Inductor inlines (see _triton_op.py): CUDA launches the Triton kernel,
     other devices run F.linear."""
     if x.is_cuda and triton is not None:
-        return triton_gemv(x, weight, bias)
+        return triton_gemv(x, weight, bias, constant_weight)
     _check_inputs(x, weight, bias)
     return F.linear(x, weight, bias).contiguous()
 

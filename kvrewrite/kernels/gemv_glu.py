@@ -10,6 +10,7 @@ Args:
     bias:   [N]       weight's dtype, or None
     act:    "silu" (Llama, Mistral, Qwen, Phi-3, ...), "gelu_tanh" (Gemma's gelu(approximate="tanh")) or
             "gelu" (exact, erf)
+    constant_weight: as kvrewrite::gemv's (kernels/gemv.py): the first weight tile is loaded before the PDL wait
 Returns:
     [..., N] in weight's dtype, contiguous. Mutates nothing.
 
@@ -45,6 +46,7 @@ from kvrewrite.kernels import gemv as _gemv
 from kvrewrite.kernels import _pdl
 from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
 from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
+from kvrewrite.kernels.gemv import _weight_tile
 
 try:
     import triton
@@ -126,24 +128,25 @@ def _gemv_glu_kernel(
     ACT: tl.constexpr,  # index in ACTS
     HAS_BIAS: tl.constexpr,
     EVICT_FIRST: tl.constexpr,
-    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any load (kernels/_pdl.py)
+    EARLY_W: tl.constexpr,  # a constant weight: its first tile is loaded before the PDL wait (kernels/_pdl.py)
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any other load (kernels/_pdl.py)
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = W + rows[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if EARLY_W:
+        cols0 = tl.arange(0, BLOCK_K)
+        w0 = _weight_tile(w_rows, cols0, row_ok, K, EVICT_FIRST)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    for k0 in range(0, K, BLOCK_K):
+    if EARLY_W:
+        acc += w0.to(tl.float32) * _glu_input(A, B, cols0, K, stride_ak, stride_bk, ACT)[None, :]
+    for k0 in range(BLOCK_K if EARLY_W else 0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        k_ok = cols < K
         x = _glu_input(A, B, cols, K, stride_ak, stride_bk, ACT)
-        if EVICT_FIRST:
-            w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-                        eviction_policy="evict_first")
-        else:
-            w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = _weight_tile(w_rows, cols, row_ok, K, EVICT_FIRST)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -185,7 +188,7 @@ def _check_inputs(a, b, weight, bias, act, name="kvrewrite::gemv_glu"):
         raise problem
 
 
-def triton_gemv_glu(a, b, weight, bias=None, act="silu", **tuning):
+def triton_gemv_glu(a, b, weight, bias=None, act="silu", constant_weight=False, **tuning):
     """The op on CUDA through Triton (shapes in the module docstring); validates its inputs.
     ``tuning`` overrides launch_config's choices (block_n, block_k, num_warps, num_stages, evict_first);
     for the benchmark, the op never passes it."""
@@ -194,10 +197,10 @@ def triton_gemv_glu(a, b, weight, bias=None, act="silu", **tuning):
                                   "runs without it")
     _check_inputs(a, b, weight, bias, act, "triton_gemv_glu")
     check_one_cuda_device("triton_gemv_glu", (a, b, weight) if bias is None else (a, b, weight, bias))
-    return _launch(a, b, weight, bias, act, **tuning)
+    return _launch(a, b, weight, bias, act, constant_weight, **tuning)
 
 
-def _launch(a, b, weight, bias=None, act="silu", **overrides):
+def _launch(a, b, weight, bias=None, act="silu", constant_weight=False, **overrides):
     """Allocate the output and launch; no checks (Triton's interpreter runs it on CPU tensors)."""
     N, K = (int(n) for n in weight.shape)
     a1, b1 = a.reshape(K), b.reshape(K)
@@ -207,7 +210,8 @@ def _launch(a, b, weight, bias=None, act="silu", **overrides):
     wrap_triton(_gemv_glu_kernel)[(triton.cdiv(N, cfg["block_n"]),)](
         a1, b1, weight, weight if bias is None else bias, y, N, K, a1.stride(0), b1.stride(0), weight.stride(0),
         BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], ACT=ACTS.index(act), HAS_BIAS=bias is not None,
-        EVICT_FIRST=cfg["evict_first"], PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
+        EVICT_FIRST=cfg["evict_first"], EARLY_W=_gemv.early_weight(constant_weight), PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )
     return y
 
@@ -218,13 +222,13 @@ def _launch(a, b, weight, bias=None, act="silu", **overrides):
 
 
 def gemv_glu(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-             act: str = "silu") -> torch.Tensor:
+             act: str = "silu", constant_weight: bool = False) -> torch.Tensor:
     """F.linear(act(a) * b, weight, bias) for one row (see the module docstring).
 
     The op's kernel, fake and what Inductor inlines (see _triton_op.py): CUDA launches the Triton kernel,
     other devices run the aten ops (act, mul, linear) in that order."""
     if a.is_cuda and triton is not None:
-        return triton_gemv_glu(a, b, weight, bias, act)
+        return triton_gemv_glu(a, b, weight, bias, act, constant_weight)
     _check_inputs(a, b, weight, bias, act)
     return F.linear(activation(a, act) * b, weight, bias).contiguous()
 

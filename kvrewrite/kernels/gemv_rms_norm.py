@@ -12,6 +12,7 @@ Args:
     unit_offset:  False: Llama/Mistral/Qwen/Phi, n = norm_weight * (h32 * rsqrt(mean(h32^2) + eps)).to(dtype)
                   True:  Gemma,                  n = (h32 * rsqrt(mean(h32^2) + eps) * (1 + norm_weight32)).to(dtype)
                   (h32 = h.to(float32))
+    constant_weight: as kvrewrite::gemv's (kernels/gemv.py): the first weight tile is loaded before the PDL wait
 Returns:
     (y [..., N] contiguous, h): h = x + residual (shape of x, contiguous), the next layer's residual; without a
     residual h is an empty tensor (0 elements): h would be x itself, which an op may not return (its outputs may
@@ -45,7 +46,8 @@ from torch.library import wrap_triton
 from kvrewrite.kernels import _pdl
 from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
 from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
-from kvrewrite.kernels.gemv import ROUNDING, _launch_config, input_problem
+from kvrewrite.kernels.gemv import ROUNDING, _launch_config, _weight_tile, early_weight, input_problem
+from kvrewrite.kernels.gemv import _launch as _gemv_launch
 
 try:
     import triton
@@ -128,7 +130,9 @@ def _check_inputs(x, residual, norm_weight, weight, bias, name=NAME):
 # Triton (CUDA)
 #
 # kernels/gemv.py's kernel with a prologue: each program sums h^2 over K in BLOCK_K tiles (fp32; program 0
-# also stores h), then streams its BLOCK_N weight rows, recomputing h and n per K tile.
+# also stores h), then streams its BLOCK_N weight rows, recomputing h and n per K tile. With a constant weight
+# (EARLY_W) the first weight tile is loaded before the PDL wait, so it streams in during the previous kernel's tail
+# and the prologue.
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -160,19 +164,23 @@ def _gemv_rms_norm_kernel(
     UNIT_OFFSET: tl.constexpr,
     EVICT_FIRST: tl.constexpr,
     PRELOAD: tl.constexpr,  # load the first weight tile before the prologue: its latency overlaps the sum
-    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any load (kernels/_pdl.py)
+    EARLY_W: tl.constexpr,  # PRELOAD's load before the PDL wait, for a constant weight (the launch sets PRELOAD too)
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any other load (kernels/_pdl.py)
 ):
     pid = tl.program_id(0)
     dtype = X.dtype.element_ty
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = W + rows[:, None].to(tl.int64) * stride_wn
+    cols0 = tl.arange(0, BLOCK_K)
+    if EARLY_W:
+        w0 = _weight_tile(w_rows, cols0, row_ok, K, EVICT_FIRST)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     if PRELOAD:
-        cols0 = tl.arange(0, BLOCK_K)
-        w0 = tl.load(w_rows + cols0[None, :], mask=row_ok[:, None] & (cols0 < K)[None, :], other=0.0)
+        if not EARLY_W:
+            w0 = _weight_tile(w_rows, cols0, row_ok, K, EVICT_FIRST)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
@@ -192,19 +200,57 @@ def _gemv_rms_norm_kernel(
         acc += w0.to(tl.float32) * n.to(tl.float32)[None, :]
     for k0 in range(BLOCK_K if PRELOAD else 0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        k_ok = cols < K
         n = _normed(X, RES, NW, cols, K, stride_xk, stride_rk, stride_nk, inv_rms, dtype, HAS_RES, UNIT_OFFSET)
-        if EVICT_FIRST:
-            w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-                        eviction_policy="evict_first")
-        else:
-            w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = _weight_tile(w_rows, cols, row_ok, K, EVICT_FIRST)
         acc += w.to(tl.float32) * n.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(BIAS + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
 
+
+@triton_jit()
+def _rms_norm_row_kernel(
+    X, RES, NW, NORMED, H,
+    K, eps,
+    stride_xk, stride_rk, stride_nk,
+    BLOCK_K: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The split norm's first launch, one program: h (stored with a residual) and n = RMSNorm(h) (stored to NORMED), the
+    fused kernel's prologue and _normed in the same tiles, so n is the value each fused program computes."""
+    dtype = X.dtype.element_ty
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()  # the GEMV launches now and loads its first (constant) weight tile during the norm
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        k_ok = cols < K
+        h = tl.load(X + cols * stride_xk, mask=k_ok, other=0.0)
+        if HAS_RES:
+            r = tl.load(RES + cols * stride_rk, mask=k_ok, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
+            tl.store(H + cols, h, mask=k_ok)
+        h32 = h.to(tl.float32)
+        squares += h32 * h32
+    inv_rms = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        n = _normed(X, RES, NW, cols, K, stride_xk, stride_rk, stride_nk, inv_rms, dtype, HAS_RES, UNIT_OFFSET)
+        tl.store(NORMED + cols, n, mask=cols < K)
+
+
+# SPLIT_NORM_MIN_N: from this many output rows on, the op runs as two launches, the norm in one program
+# (_rms_norm_row_kernel) and then kernels/gemv.py's kernel on n. Under PDL with a constant weight the GEMV's
+# programs launch while the norm runs and load their first weight tile before they wait for it; the weight stream
+# then runs at plain gemv's rate, without every program re-reading x, the residual and the norm weight with every
+# weight tile (what the fused kernel pays: 1.10-1.18x gemv alone on an H200). See the measurements below;
+# A/B: --kernel-option gemv_rms_norm.SPLIT_NORM_MIN_N=0 (always split) or a value above every N (never).
+SPLIT_NORM_MIN_N = 16384
+NORM_WARPS = 4
 
 # Rows per program, warps and the first weight tile's preload, from the sweeps (bf16, qkv 6144, gate/up 28672, lm_head
 # 128256 rows x 4096; kvrewrite/bench/gemv_rms_norm.py --sweep). 4 rows x 4 warps without the preload:
@@ -224,15 +270,21 @@ def _gemv_rms_norm_kernel(
 BLOCK_N, NUM_WARPS, PRELOAD = 4, 4, False
 
 
-def launch_config(N, K, block_n=None, num_warps=None, preload=None, **overrides):
+def launch_config(N, K, block_n=None, num_warps=None, preload=None, split_norm=None, **overrides):
     """gemv's launch configuration (kernels/gemv.py _launch_config) with this kernel's rows per program, warps
-    and first-tile preload."""
+    and first-tile preload; with split_norm (default: N >= SPLIT_NORM_MIN_N), gemv's own launch configuration for
+    the GEMV after the norm's launch."""
+    split_norm = N >= SPLIT_NORM_MIN_N if split_norm is None else split_norm
+    if split_norm:
+        return dict(_launch_config(N, K, block_n=block_n, num_warps=num_warps, **overrides), preload=False,
+                    split_norm=True)
     cfg = _launch_config(N, K, block_n=BLOCK_N if block_n is None else block_n,
                          num_warps=NUM_WARPS if num_warps is None else num_warps, **overrides)
-    return dict(cfg, preload=PRELOAD if preload is None else preload)
+    return dict(cfg, preload=PRELOAD if preload is None else preload, split_norm=False)
 
 
-def triton_gemv_rms_norm(x, residual, norm_weight, eps, weight, bias=None, unit_offset=False, **tuning):
+def triton_gemv_rms_norm(x, residual, norm_weight, eps, weight, bias=None, unit_offset=False, constant_weight=False,
+                         **tuning):
     """The op on CUDA through Triton; validates its inputs. ``tuning`` overrides launch_config (the benchmark's
     sweep; the op never passes it)."""
     if triton is None:
@@ -241,24 +293,33 @@ def triton_gemv_rms_norm(x, residual, norm_weight, eps, weight, bias=None, unit_
     _check_inputs(x, residual, norm_weight, weight, bias, "triton_gemv_rms_norm")
     tensors = [t for t in (x, residual, norm_weight, weight, bias) if t is not None]
     check_one_cuda_device("triton_gemv_rms_norm", tensors)
-    return _launch(x, residual, norm_weight, eps, weight, bias, unit_offset, **tuning)
+    return _launch(x, residual, norm_weight, eps, weight, bias, unit_offset, constant_weight, **tuning)
 
 
-def _launch(x, residual, norm_weight, eps, weight, bias=None, unit_offset=False, **overrides):
+def _launch(x, residual, norm_weight, eps, weight, bias=None, unit_offset=False, constant_weight=False, **overrides):
     """Allocate the outputs and launch; no checks (Triton's interpreter runs it on CPU tensors)."""
     N, K = (int(n) for n in weight.shape)
     x1 = x.reshape(K)
     r1 = x1 if residual is None else residual.reshape(K)
-    y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     h = torch.empty(x.shape if residual is not None else (0,), dtype=x.dtype, device=x.device)
     cfg = launch_config(N, K, **overrides)
+    early = early_weight(constant_weight)
     pdl, launch = _pdl.launch_options(x)
+    if cfg["split_norm"]:
+        normed = torch.empty_like(x1)
+        wrap_triton(_rms_norm_row_kernel)[(1,)](
+            x1, r1, norm_weight, normed, h if residual is not None else normed, K, float(eps), x1.stride(0),
+            r1.stride(0), norm_weight.stride(0), BLOCK_K=cfg["block_k"], HAS_RES=residual is not None,
+            UNIT_OFFSET=bool(unit_offset), PDL=pdl, num_warps=NORM_WARPS, **launch)
+        gemv_tuning = {k: cfg[k] for k in ("block_n", "block_k", "num_warps", "num_stages", "evict_first")}
+        return _gemv_launch(normed.view(x.shape), weight, bias, constant_weight, **gemv_tuning), h
+    y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     wrap_triton(_gemv_rms_norm_kernel)[(triton.cdiv(N, cfg["block_n"]),)](
         x1, r1, norm_weight, weight, weight if bias is None else bias, y, h if residual is not None else y,
         N, K, float(eps), x1.stride(0), r1.stride(0), norm_weight.stride(0), weight.stride(0),
         BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-        UNIT_OFFSET=bool(unit_offset), EVICT_FIRST=cfg["evict_first"], PRELOAD=cfg["preload"],
-        PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
+        UNIT_OFFSET=bool(unit_offset), EVICT_FIRST=cfg["evict_first"], PRELOAD=cfg["preload"] or early,
+        EARLY_W=early, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )
     return y, h
 
@@ -269,14 +330,14 @@ def _launch(x, residual, norm_weight, eps, weight, bias=None, unit_offset=False,
 
 
 def gemv_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
-                  weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                  unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  weight: torch.Tensor, bias: Optional[torch.Tensor] = None, unit_offset: bool = False,
+                  constant_weight: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(F.linear(RMSNorm(x + residual), weight, bias), x + residual) for one row (see the module docstring).
 
     The op's kernel, fake and what Inductor inlines (see _triton_op.py): CUDA launches the Triton kernel,
     other devices run reference_aten."""
     if x.is_cuda and triton is not None:
-        return triton_gemv_rms_norm(x, residual, norm_weight, eps, weight, bias, unit_offset)
+        return triton_gemv_rms_norm(x, residual, norm_weight, eps, weight, bias, unit_offset, constant_weight)
     _check_inputs(x, residual, norm_weight, weight, bias)
     y, h = reference_aten(x, residual, norm_weight, eps, weight, bias, unit_offset)
     return y, (x.new_empty(0) if h is None else h.contiguous())

@@ -7,7 +7,7 @@ Matches:  in decode graphs with ctx.gemv, a kvrewrite::gemv node whose input x i
           input_problem decides). In the families' decode graphs: gate and up are slices of the fused gate/up
           projection (passes/fuse_projections.py; getitems of a chunk for Phi-3 and GLM-4 which ship it fused) or
           two gemvs, and the gemv is the down projection.
-Emits:    kvrewrite::gemv_glu(a, b, weight, bias, act) in place of the gemv; the act and mul nodes are removed.
+Emits:    kvrewrite::gemv_glu(a, b, weight, bias, act, constant_weight) in place of the gemv (the gemv's flag); the act and mul nodes are removed.
           The same function: the CPU path runs the aten ops it replaces, in their order, so a CPU graph is
           bit-identical before and after.
 Why:      a batch-1 decode step computes act(gate) * up in an elementwise kernel of its own (Inductor's
@@ -83,7 +83,7 @@ def _val(gm: fx.GraphModule, node, depth: int = 4):
 
 def _match(gm: fx.GraphModule, gemv: fx.Node):
     """(mul, act node, a, b, act name) when gemv's input is mul(act(a), b) that gemv_glu takes, else None."""
-    x, w_node, b_node = all_args(gemv)
+    x, w_node, b_node, _ = all_args(gemv)
     if not isinstance(x, fx.Node) or x.op != "call_function" or x.target is not MUL or x.kwargs or len(x.users) != 1:
         return None
     for act_node, other in ((x.args[0], x.args[1]), (x.args[1], x.args[0])):
@@ -110,9 +110,10 @@ def fuse_glu_into_gemv(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModul
         if found is None:
             continue
         mul, act_node, a, b, act = found
-        _, w_node, b_node = all_args(node)
+        _, w_node, b_node, constant_weight = all_args(node)
         with graph.inserting_before(node):
-            new = graph.call_function(torch.ops.kvrewrite.gemv_glu.default, (a, b, w_node, b_node, act))
+            new = graph.call_function(torch.ops.kvrewrite.gemv_glu.default,
+                                      (a, b, w_node, b_node, act, constant_weight))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         for dead in (node, mul, act_node):

@@ -7,7 +7,8 @@ Matches:  in decode graphs with ctx.gemv, HF's aten spellings of RMSNorm whose o
             Gemma:                   out = type_as(mul(mul(h32, r), add(to(norm_weight, f32), 1.0)), h)
           h32 may have more users only where h is fp32 (to(h, f32) is h itself). The norm's input h is
           fused too where it is aten.add(a, b) of two tensors of h's shape and dtype (the residual add).
-Emits:    y, h' = kvrewrite::gemv_rms_norm(a, b, norm_weight, eps, weight, bias, unit_offset) per gemv (getitems):
+Emits:    y, h' = kvrewrite::gemv_rms_norm(a, b, norm_weight, eps, weight, bias, unit_offset, constant_weight) per gemv
+          (getitems; constant_weight is the gemv's):
           the gemv's uses read y, the add's other users read h'. With several gemv users (q, k, v unfused) the
           first takes the add, the others (h', None, ...): one add. Without the add: (h, None, ...) each.
           On the CPU the op runs the replaced aten ops themselves: the graph computes the same bits.
@@ -25,7 +26,7 @@ from torch import fx
 
 from kvrewrite.context import RewriteContext
 from kvrewrite.kernels.gemv_rms_norm import input_problem_rms
-from kvrewrite.passes.utils import attr_tensor, clean_up
+from kvrewrite.passes.utils import all_args, attr_tensor, clean_up
 
 logger = logging.getLogger(__name__)
 
@@ -167,15 +168,15 @@ def fuse_rms_norm_into_gemv(gm: fx.GraphModule, ctx: RewriteContext) -> fx.Graph
             add = None  # a reader of h before the first gemv: leave the add as it is
         x, residual = (src, None) if add is None else add
         nw_val = _val(norm["nw"])
-        if any(input_problem_rms(_val(x), _val(residual), nw_val, _attr(gm, g.args[1]),
-                                 _attr(gm, g.args[2] if len(g.args) > 2 else None)) is not None for g in gemvs):
+        if any(input_problem_rms(_val(x), _val(residual), nw_val, _attr(gm, all_args(g)[1]),
+                                 _attr(gm, all_args(g)[2])) is not None for g in gemvs):
             continue
         h_out = None
         for gemv in gemvs:
-            weight, bias = gemv.args[1], (gemv.args[2] if len(gemv.args) > 2 else None)
-            args = (x, residual, norm["nw"], norm["eps"], weight, bias)
+            _, weight, bias, constant_weight = all_args(gemv)
+            args = (x, residual, norm["nw"], norm["eps"], weight, bias, norm["unit_offset"], constant_weight)
             with graph.inserting_before(gemv):
-                op = graph.call_function(OP, args, {"unit_offset": True} if norm["unit_offset"] else {})
+                op = graph.call_function(OP, args)
                 y = graph.call_function(operator.getitem, (op, 0))
                 h = graph.call_function(operator.getitem, (op, 1)) if residual is not None else None
             y_val = _val(gemv)

@@ -4,7 +4,10 @@ Matches:  in decode graphs only, aten.linear nodes whose weight (and bias, if an
           the weight 2-D with unit stride along K, whose input's traced value is one row (batch_size 1,
           one token; kernels/gemv.py) of one dtype of fp16/bf16/fp32 with the weight: every projection,
           the fused ones of passes/fuse_projections.py, and the lm_head.
-Emits:    kvrewrite::gemv(x, weight, bias) in place of each: the same function (F.linear on the CPU).
+Emits:    kvrewrite::gemv(x, weight, bias, constant_weight) in place of each: the same function (F.linear on the
+          CPU). constant_weight is True where no node of the graph writes the weight's get_attr (utils.written_sources:
+          only the state is written), so the kernel may load its first weight tile before it waits for the
+          kernel before it (kernels/_pdl.py, "Constant weights").
 Why:      a batch-1 decode step is a string of matrix-vector products that read every weight once;
           cuBLAS runs them as split-K GEMMs plus a reduction kernel, the Triton GEMV is 1.07-1.57x as fast
           on an H100 in one launch (kernels/gemv.py, docs/bench/gemv_h100.json): a batch-1 decode step of
@@ -22,7 +25,7 @@ from torch import fx
 
 from kvrewrite.context import RewriteContext
 from kvrewrite.kernels.gemv import input_problem
-from kvrewrite.passes.utils import attr_tensor, clean_up
+from kvrewrite.passes.utils import attr_tensor, clean_up, written_sources
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +50,15 @@ def replace_linear_with_gemv(gm: fx.GraphModule, ctx: RewriteContext) -> fx.Grap
     if not ctx.gemv or ctx.graph_kind != "decode":
         return gm
     graph = gm.graph
+    written = {n.target for n in written_sources(gm) if n.op == "get_attr"}  # one attr may have several nodes
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not LINEAR or not _fits(gm, node):
             continue
+        x, w_node = node.args[:2]
+        b_node = node.args[2] if len(node.args) > 2 else None
         with graph.inserting_before(node):
-            new = graph.call_function(torch.ops.kvrewrite.gemv.default, tuple(node.args))
+            new = graph.call_function(torch.ops.kvrewrite.gemv.default,
+                                      (x, w_node, b_node, w_node.target not in written))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)

@@ -52,6 +52,22 @@ def attr_tensor(gm: fx.GraphModule, node):
     return None if node is None else functools.reduce(getattr, node.target.split("."), gm)
 
 
+def written_sources(gm: fx.GraphModule) -> set:
+    """The placeholder and get_attr nodes that some call of the graph writes in place (an argument its schema marks
+    as written, traced up through views): the state. A get_attr not in it is a constant of the graph (a weight)."""
+    written = set()
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None:
+            continue
+        for arg, value in zip(schema.arguments, all_args(node)):
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
+                source = trace_to_source(value)
+                if source.op in ("placeholder", "get_attr"):
+                    written.add(source)
+    return written
+
+
 def val_shape(node) -> tuple:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return tuple(val.shape) if val is not None else ()

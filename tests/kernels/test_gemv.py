@@ -1,10 +1,13 @@
 """kvrewrite::gemv on the CPU: it is F.linear there, and every device checks its shapes and dtypes with errors
 that name what is wrong. The Triton kernel is checked in test_gemv_gpu.py."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import kvrewrite  # noqa: F401  (registers the ops)
+from kvrewrite.kernels import gemv as gemv_module
 from kvrewrite.kernels.gemv import error_bound, reference_gemv
 
 OP = torch.ops.kvrewrite.gemv.default
@@ -21,6 +24,7 @@ def test_cpu_is_f_linear(lead, bias, dtype):
     out = OP(x, w, b)
     assert out.shape == (*lead, 40) and out.dtype == dtype and out.is_contiguous()
     assert torch.equal(out, F.linear(x, w, b))
+    assert torch.equal(OP(x, w, b, True), out)  # constant_weight: when the kernel loads, not what it computes
 
 
 def test_reference_rounds_once_from_fp32():
@@ -67,3 +71,18 @@ def test_mixed_dtypes_are_named():
 def test_weight_must_be_unit_stride_along_k():
     with pytest.raises(ValueError, match=r"unit stride along K"):
         OP(torch.randn(1, 32), torch.randn(32, 24).T)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or gemv_module.triton is None,
+                    reason="runs Triton's interpreter on the CPU: set TRITON_INTERPRET=1, install Triton")
+@pytest.mark.parametrize("K, block_k", [(100, 32), (64, 64), (5, 16)])
+def test_interpreted_kernel_with_a_constant_weight_computes_the_same_bits(K, block_k):
+    """constant_weight loads the first weight tile before the PDL wait (EARLY_W): the same product in the same
+    order, within gemv's bound of the fp32 product."""
+    g = torch.Generator().manual_seed(K)
+    x, w, b = torch.randn(1, 1, K, generator=g), torch.randn(9, K, generator=g), torch.randn(9, generator=g)
+    plain = gemv_module._launch(x, w, b, False, block_k=block_k)
+    early = gemv_module._launch(x, w, b, True, block_k=block_k)
+    assert torch.equal(early, plain)
+    ref = F.linear(x, w, b)
+    assert ((early - ref).abs() <= error_bound(x, w, ref) + 2.0**-22 * b.abs()).all()

@@ -106,6 +106,14 @@ def test_interpreted_kernel_within_the_bound(act, dtype, N, K, tuning):
 
 
 @interpreted
+def test_interpreted_constant_weight_computes_the_same_bits():
+    """constant_weight loads the first weight tile before the PDL wait (EARLY_W): the same product, same order."""
+    a, b, w, bias = _inputs(45, 5, torch.float32, bias=True, seed=4)
+    plain = G._launch(a, b, w, bias, "silu", False, block_n=4, block_k=16)
+    assert torch.equal(G._launch(a, b, w, bias, "silu", True, block_n=4, block_k=16), plain)
+
+
+@interpreted
 @pytest.mark.parametrize("act", G.ACTS)
 def test_interpreted_prologue_is_the_aten_input(act):
     """Identity weight: the output is the kernel's own act(a) * b, within PROLOGUE_ROUNDING |a b| of ATen's."""

@@ -56,9 +56,18 @@ def test_spellings_bias_and_no_residual(residual, unit_offset):
 
 @pytest.mark.parametrize("tuning", [dict(block_n=1), dict(block_n=8, num_warps=8), dict(block_k=256),
                                     dict(preload=True), dict(block_n=2, block_k=4096),
-                                    dict(block_n=2, num_warps=8, preload=True)])  # the H100-tuned launch
+                                    dict(block_n=2, num_warps=8, preload=True),  # the H100-tuned launch
+                                    dict(constant_weight=True),  # the first weight tile before the PDL wait
+                                    dict(split_norm=True), dict(split_norm=True, constant_weight=True)])
 def test_launch_variants_compute_the_same(tuning):
     _check(515, 3000, torch.bfloat16, True, False, bias=True, seed=5, **tuning)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_split_norm_spellings(residual, unit_offset):
+    """The split norm's two launches (the norm kernel, then gemv's): Gemma's spelling and no residual too."""
+    _check(333, 1500, torch.bfloat16, residual, unit_offset, bias=True, seed=7, split_norm=True, constant_weight=True)
 
 
 def test_cuda_errors_name_the_problem():
@@ -68,3 +77,9 @@ def test_cuda_errors_name_the_problem():
         m.triton_gemv_rms_norm(torch.randn(1, 32, dtype=torch.bfloat16), None, nw, 1e-5, w)
     with pytest.raises(ValueError, match=r"norm_weight must be \[K\]"):
         OP(torch.randn(1, 32, device="cuda", dtype=torch.bfloat16), None, nw[:5], 1e-5, w)
+
+
+@pytest.mark.parametrize("split_norm", [False, True])
+def test_either_form_at_the_lm_head_shape(split_norm):
+    """From SPLIT_NORM_MIN_N rows on the op splits by default; the fused kernel still computes such shapes right."""
+    _check(128256, 4096, torch.bfloat16, True, False, bias=False, seed=3, split_norm=split_norm, constant_weight=True)

@@ -26,7 +26,9 @@ from kvrewrite.kernels import gemv_rms_norm as m  # noqa: E402
 @pytest.mark.parametrize("unit_offset", [False, True])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("N, K, tuning", [(37, 700, dict(block_k=256)), (5, 77, dict(block_k=32, preload=False)),
-                                          (9, 4096, dict()), (3, 100, dict(block_k=128, block_n=4))])
+                                          (9, 4096, dict()), (3, 100, dict(block_k=128, block_n=4)),
+                                          (37, 700, dict(block_k=256, split_norm=True)),  # the split norm's two launches
+                                          (5, 77, dict(block_k=32, split_norm=True))])
 def test_kernel_within_the_bound_of_float64(N, K, tuning, residual, unit_offset, dtype):
     g = torch.Generator().manual_seed(N + K)
     x = torch.randn(1, 1, K, generator=g).to(dtype)
@@ -43,3 +45,17 @@ def test_kernel_within_the_bound_of_float64(N, K, tuning, residual, unit_offset,
         assert h.numel() == 0
     err = ((y.double() - y64).abs() / m.error_bound(x, w, n64, y64)).max().item()
     assert err <= 1, f"{err:.2f}x the bound"
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("tuning", [dict(block_k=32), dict(block_k=32, preload=True)])
+def test_constant_weight_loads_earlier_and_computes_the_same_bits(residual, tuning):
+    """constant_weight moves the first weight tile's load before the PDL wait (EARLY_W, which sets PRELOAD): the
+    same product in the same order."""
+    g = torch.Generator().manual_seed(5)
+    x, r = torch.randn(1, 1, 100, generator=g), (torch.randn(1, 1, 100, generator=g) if residual else None)
+    nw, w = torch.randn(100, generator=g), torch.randn(7, 100, generator=g) / 10
+    with set_wrap_triton_enabled(False):
+        plain = m._launch(x, r, nw, 1e-5, w, None, False, False, **tuning)
+        early = m._launch(x, r, nw, 1e-5, w, None, False, True, **tuning)
+    assert torch.equal(plain[0], early[0]) and torch.equal(plain[1], early[1])

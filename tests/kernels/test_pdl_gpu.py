@@ -2,7 +2,8 @@
 
 1. A chain of the PDL kernels (gemv_rms_norm, gemv, gemv_glu, cache_append, clustered_attention with its combine), each reading the one before, captured in one CUDA graph with PDL and without: the same bits, and
    the same as the eager calls. A kernel that loaded or stored another kernel's data before its gdc_wait would read
-   stale values here (the chain's tensors are all written by the kernel before).
+   stale values here (the chain's tensors are all written by the kernel before). Again with the GEMVs' weights
+   marked constant (constant_weight=True: their first weight tile is loaded before the wait).
 2. rw.compile(fullgraph, reduce-overhead) of a tiny bf16 Llama (snapkv: observed attention; gemv, fused projections)
    with PDL and without: the same logits at every step, bit for bit.
 Skipped without CUDA, Triton or a GPU of compute capability >= 9 (no PDL there: the kernels run as before).
@@ -39,10 +40,11 @@ def _chain_inputs(seed=0, K=1536, N_QKV=2048, C=333, Hkv=4, G=2, D=128):
                 shape=(Hkv, G, D))
 
 
-def _chain(t):
-    """One decoder layer's kernels, each fed by the one before. Mutates t["cache"] (cache_append)."""
+def _chain(t, constant=False):
+    """One decoder layer's kernels, each fed by the one before (the GEMVs' weights marked constant or not). Mutates
+    t["cache"] (cache_append)."""
     Hkv, G, D = t["shape"]
-    qkv, h = OPS.gemv_rms_norm(t["x"], t["res"], t["nw"], 1e-5, t["w_qkv"])
+    qkv, h = OPS.gemv_rms_norm(t["x"], t["res"], t["nw"], 1e-5, t["w_qkv"], None, False, constant)
     q, k, v = qkv.split([Hkv * G * D, Hkv * D, Hkv * D], dim=-1)
     q = q.reshape(1, 1, Hkv * G, D).transpose(1, 2).contiguous()
     k = k.reshape(1, 1, Hkv, D).transpose(1, 2).contiguous()
@@ -51,19 +53,19 @@ def _chain(t):
     OPS.cache_append(c["keys"], c["values"], c["bias"], c["slot_pos"], c["fill"], k, v, t["cpos"],
                      torch.ones(1, 1, dtype=torch.bool, device="cuda"))
     attn = OPS.clustered_attention(q, c["keys"], c["values"], c["bias"], c["slot_pos"], t["cpos"], D**-0.5, 0)
-    o = OPS.gemv(attn.transpose(1, 2).reshape(1, 1, -1), t["w_o"])
-    gu, h2 = OPS.gemv_rms_norm(o, h, t["nw"], 1e-5, t["w_gu"])
+    o = OPS.gemv(attn.transpose(1, 2).reshape(1, 1, -1), t["w_o"], None, constant)
+    gu, h2 = OPS.gemv_rms_norm(o, h, t["nw"], 1e-5, t["w_gu"], None, False, constant)
     gate, up = gu.chunk(2, dim=-1)
-    return OPS.gemv_glu(gate.contiguous(), up.contiguous(), t["w_down"]), h2, c["keys"].clone()
+    return OPS.gemv_glu(gate.contiguous(), up.contiguous(), t["w_down"], None, "silu", constant), h2, c["keys"].clone()
 
 
-def _graph_run(pdl):
+def _graph_run(pdl, constant=False):
     t = _chain_inputs()
     _pdl.set_enabled(pdl)
     outs = []
     try:
-        warm_up(lambda: _chain(_chain_inputs()))  # compiles the kernels, on other tensors
-        graph = capture(lambda: outs.extend(_chain(t)))
+        warm_up(lambda: _chain(_chain_inputs(), constant))  # compiles the kernels, on other tensors
+        graph = capture(lambda: outs.extend(_chain(t, constant)))
     finally:
         _pdl.set_enabled(True)
     graph.replay()
@@ -71,9 +73,10 @@ def _graph_run(pdl):
     return [o.clone() for o in outs]
 
 
-def test_a_chain_in_a_cuda_graph_computes_the_same_bits_with_pdl():
+@pytest.mark.parametrize("constant", [False, True])
+def test_a_chain_in_a_cuda_graph_computes_the_same_bits_with_pdl(constant):
     eager = _chain(_chain_inputs())
-    with_pdl, without = _graph_run(True), _graph_run(False)
+    with_pdl, without = _graph_run(True, constant), _graph_run(False, constant)
     for a, b, e in zip(with_pdl, without, eager):
         assert torch.equal(a, b) and torch.equal(a, e)
 

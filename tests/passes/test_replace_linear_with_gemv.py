@@ -94,3 +94,47 @@ def test_tensorrt_graph_gets_the_plain_linear():
     check_op_set(ep)  # ATen ops and the plugin ops only
     assert not [n for n in ep.graph.nodes if "gemv" in str(n.target)]
     assert _count(rw.decode_graph, GLU) == len(rw.layers)  # and the gemv_glu nodes became silu, mul and linear
+
+
+def _constant_weight_flags(gm) -> list:
+    from kvrewrite.passes.utils import all_args
+
+    return [all_args(n)[-1] for n in gm.graph.nodes if str(n.target) in (GEMV, GEMV_RMS_NORM, GLU)]
+
+
+def test_model_weights_are_marked_constant_and_the_state_is_written():
+    """Every GEMV of a decode graph reads a weight no node writes (constant_weight=True: its kernel may load the first
+    tile before the PDL wait), and what the graph writes is its state (placeholders), which no GEMV reads."""
+    from kvrewrite.passes.utils import written_sources
+
+    rw = _apply(tiny_model("llama"), True, fuse_projections=True)
+    for gm in (rw.decode_graph, rw.decode_compress_graph):
+        flags = _constant_weight_flags(gm)
+        assert flags and all(f is True for f in flags)
+        written = {n.name for n in written_sources(gm)}
+        assert {"l0_keys", "l0_values", "l1_keys", "l1_values"} <= written, written
+        assert not [n for n in written if "weight" in n]
+
+
+def test_a_weight_the_graph_writes_is_not_constant():
+    """A linear whose weight some node of the graph writes in place gets constant_weight=False (every load waits)."""
+    from torch import fx
+
+    from kvrewrite.context import RewriteContext
+    from kvrewrite.passes.replace_linear_with_gemv import replace_linear_with_gemv
+
+    def rewritten(write: bool):
+        root = torch.nn.Module()
+        root.w = torch.nn.Parameter(torch.randn(3, 4), requires_grad=False)
+        graph = fx.Graph()
+        x, new = graph.placeholder("x"), graph.placeholder("new")
+        x.meta["val"] = torch.empty(1, 1, 4)
+        if write:  # through a view of its own get_attr node
+            view = graph.call_function(torch.ops.aten.view.default, (graph.get_attr("w"), [3, 4]))
+            graph.call_function(torch.ops.aten.copy_.default, (view, new))
+        graph.output(graph.call_function(torch.ops.aten.linear.default, (x, graph.get_attr("w"))))
+        gm = replace_linear_with_gemv(fx.GraphModule(root, graph), RewriteContext("t", None, [], gemv=True))
+        return _constant_weight_flags(gm)
+
+    assert rewritten(False) == [True]
+    assert rewritten(True) == [False]
