@@ -1,12 +1,16 @@
-"""evict_by_score's rule row by row in plain Python, on the temporal view: what the op leaves, read through `order`.
+"""evict_by_score's rule in the layout it had before `order`: what the op must leave, read through `order`.
 
 Before `order` existed the op packed the kept slots at the front of each row in temporal order. That layout is the
-spec the op's new one must match when viewed through `order` (kvrewrite/kernels/evict_by_score.py): `packed_evict`
-applies it, row by row, to a state whose slots are in temporal order, and `temporal` reads any state that way.
+spec the op's new one must match when viewed through `order` (kvrewrite/kernels/evict_by_score.py), in two forms:
+`packed_evict` applies the rule row by row in plain Python (finite and +inf scores: its max and sort do not rank NaN
+as the op does, and it keeps exactly B - R older slots, where the op's stable sort, at a threshold of -inf, also
+counts the row's padding ranks among the -inf ones and can keep fewer), and `packed_reference` is the op's tensor
+code as it was then (the selection and the packing, copied), for every input. `temporal` reads any state in order.
 """
 import math
 
 import torch
+import torch.nn.functional as F
 
 PER_SLOT = ("keys", "values", "bias", "slot_pos", "score")  # the fields `order` permutes
 
@@ -96,3 +100,46 @@ def check_view(got, want) -> None:
             assert not bad, f"row ({b}, {h}): {bad} differ from the packed rule"
             assert bool((view["bias"][b, h, n:] == -math.inf).all()), (b, h)
             assert same(view["score"][b, h, n:], want["score"][b, h, n:]), (b, h)
+
+
+def packed_reference(keys, values, bias, slot_pos, fill, budget, score, n_recent, recent_ratio, pool, reset_score):
+    """The op's reference before `order` (main at cfcb29a), on a state in temporal order: selection, then the kept
+    slots packed in order by one gather per tensor (through integer views, so that NaN payloads stay as they are)."""
+    B, H, C, D = keys.shape
+    ar = torch.arange(C)
+    target = budget[0]
+    due = fill >= budget[1]
+    valid = (ar < fill[..., None]) & (bias > -math.inf)
+    L = valid.sum(dim=-1, keepdim=True)
+    rank = valid.long().cumsum(dim=-1) - 1
+    recent = torch.minimum(n_recent + torch.floor(recent_ratio * target.double()).long(), target)
+    n_old = (L - recent).clamp_min(0)
+    old = valid & (rank < n_old)
+    s = score.masked_fill(~old, -math.inf)
+    if pool > 1:
+        dest = torch.where(old, rank, C)
+        packed = torch.full((B, H, C + 1), -math.inf).scatter(-1, dest, s)[..., :C]
+        pooled = F.max_pool1d(packed.reshape(B * H, 1, C), pool, stride=1, padding=pool // 2).view(B, H, C)
+        s = pooled.gather(-1, rank.clamp(0, C - 1)).masked_fill(~old, -math.inf)
+    ranked = torch.sort(s, dim=-1, descending=True, stable=True).indices
+    place = torch.empty_like(ranked).scatter_(-1, ranked, ar.expand(B, H, C))
+    keep = valid & ((rank >= n_old) | (place < target - recent))
+    keep = torch.where(L > target, keep, valid) & due[..., None]
+    n_kept = keep.sum(dim=-1)
+    dest = torch.where(keep, keep.long().cumsum(dim=-1) - 1, C + ar)
+    src = torch.cat([ar, ar]).expand(B, H, 2 * C).scatter(-1, dest, ar.expand(B, H, C))[..., :C]
+    src = torch.where(due[..., None], src, ar)
+    freed = due[..., None] & (ar >= n_kept[..., None])
+
+    def gathered(x, index):
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+        return x.view(bits).gather(2, index).view(x.dtype) if x.dtype.is_floating_point else x.gather(2, index)
+
+    src4 = src[..., None].expand(B, H, C, D)
+    keys.copy_(gathered(keys, src4))
+    values.copy_(gathered(values, src4))
+    slot_pos.copy_(slot_pos.gather(2, src))
+    bias.copy_(gathered(bias, src).masked_fill(freed, -math.inf))
+    moved = gathered(score, src).masked_fill(freed, 0.0)
+    score.copy_(moved.masked_fill(due[..., None], 0.0) if reset_score else moved)
+    fill.copy_(torch.where(due, n_kept, fill))

@@ -7,7 +7,8 @@ import torch
 
 import kvrewrite  # noqa: F401  (registers the ops)
 from kvrewrite.kernels.evict_by_score import reference_evict_by_score
-from tests.kernels.evict_by_score_naive import PER_SLOT, check_view, expected_row, packed_evict, same, temporal
+from tests.kernels.evict_by_score_naive import (PER_SLOT, check_view, expected_row, packed_evict, packed_reference,
+                                                same, temporal)
 from tests.kernels.test_evict_to_budget import filled_state
 
 OP = torch.ops.kvrewrite.evict_by_score.default
@@ -118,6 +119,35 @@ def test_calls_in_a_row_with_appends(settings, dtype):
         check_view(s, want)
         append([s, want], 12, seed=step)
     assert not bool((s["order"] == 0).all())  # the layout is no longer temporal
+
+
+@pytest.mark.parametrize("scores", ["special", "mostly_minus_inf"])
+@pytest.mark.parametrize("settings", [(0, 0.5, 1, False), (2, 0.0, 3, True), (1, 0.25, 7, False)],
+                         ids=lambda v: str(v))
+def test_view_matches_the_old_reference_on_special_scores(scores, settings):
+    """NaN, +-inf and -0.0 scores, and rows with fewer older scores above -inf than the older slots kept (a -inf
+    threshold, where the stable sort counts the row's padding ranks too): beyond the row rule, against the op's
+    tensor code from before `order` (packed_reference), bit for bit, over calls in a row with appends."""
+    s = scored_state(2, 2, 40, 8, [[40, 38], [36, 40]], 16, 36, pads=[0, 3], seed=9, shuffled=True,
+                     dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(10)
+    if scores == "special":
+        values = torch.tensor([0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, math.nan, -math.nan, 2.5])
+        s["score"] = values[torch.randint(0, len(values), (2, 2, 40), generator=g)]
+    else:
+        s["score"] = s["score"].masked_fill(torch.rand(2, 2, 40, generator=g) < 0.85, -math.inf)
+        s["score"][1, 0] = -math.inf  # whatever the pooling: a -inf threshold, behind 3 padding ranks
+    s["bias"][0, 0, 7] = -math.inf  # a padding slot among the older ones
+    want = temporal(s)
+    short = False
+    for step in range(3):
+        due = s["fill"] >= s["budget"][1]
+        call(s, *settings)
+        packed_reference(*(want[f] for f in FIELDS[:5]), want["budget"], want["score"], *settings)
+        check_view(s, want)
+        short |= bool((due & (s["fill"] < s["budget"][0])).any())
+        append([s, want], 12, seed=step)
+    assert short or scores == "special", "no row kept fewer than B: the -inf threshold case is not reached"
 
 
 def holes_and_movers(before, b, h, settings) -> tuple[list, list]:
