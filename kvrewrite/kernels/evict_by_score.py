@@ -348,7 +348,7 @@ def _evict_select_kernel(BIAS, POS, SCORE, ORDER, FILL, BUDGET, SOR, TOR, SCR, K
             else:
                 flag = tl.where(at_neg, old & (k > _KEY_NEG_INF), old & (k == thr)).to(tl.int32)
                 before = carry + tl.cumsum(flag, axis=0) - flag
-                tie_rank = tl.where(at_neg, tl.load(TOR + base + j, mask=ranked, other=0) - before, before)
+                tie_rank = tl.where(at_neg, tl.load(TOR + base + j, mask=ranked & at_neg, other=0) - before, before)
                 keep = ranked & ((j >= n_old) | (k > thr) | ((k == thr) & (tie_rank < need)))
             ki = keep.to(tl.int32)
             new = n_kept + tl.cumsum(ki, axis=0) - ki
