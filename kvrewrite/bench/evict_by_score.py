@@ -2,18 +2,22 @@
 
 One compressing call of one layer, the way H2O and SnapKV decode runs it (every g = 32 steps, every layer):
 Llama-3.1-8B layout (Hkv 8, D 128, bf16), capacity C, every row at the threshold (fill = target + 32, so 32 slots
-go per row), random distinct scores (the evicted slots fall anywhere: nearly every kept slot moves, the costly
-case). Settings: h2o (n_recent 0, recent_ratio 0.5, pool 1) and snapkv (n_recent 32, pool 7, reset_score).
+go per row), random distinct scores (the evicted slots fall anywhere among the older ones), the state's `order` the
+identity (a fresh layout; the op's cost does not depend on it beyond the gathers of the select pass). The kept
+slots past the target fill the evicted ones' places: at most 32 keys and values move per row. Settings: h2o
+(n_recent 0, recent_ratio 0.5, pool 1) and snapkv (n_recent 32, pool 7, reset_score). --batch B times batch B
+(C 8600, target 6554) instead of the default configs.
 
 Timing (as kvrewrite.bench.attention): N calls inside one CUDA graph, over N states rotated so that the state
 data per replay is >= 4x the L2, median replay time / N. Each call first restores the state's metadata (bias,
-slot_pos, score, fill: what the op decides from; the keys and values move the same whatever they hold), and the
-same graph of the restores alone is timed and subtracted. The result is checked bit for bit against the tensor
-code before timing. Also: device time per kernel (torch.profiler over eager calls: select, stage, move), and
-with --sweep the Triton path under a few tuning knobs (triton_evict_by_score's keyword arguments).
-GB/s: the keys and values of the slots that move, read and written once, over the Triton time.
+slot_pos, score, order, fill: what the op decides from; the keys and values move the same whatever they hold), and
+the same graph of the restores alone is timed and subtracted. The result is checked bit for bit against the tensor
+code before timing. Also: device time per kernel (torch.profiler over eager calls: select, move), and with
+--sweep the Triton path under a few tuning knobs (triton_evict_by_score's keyword arguments).
+GB/s: the keys and values of the slots that can move (the evicted count a row), read and written once, over the
+Triton time.
 
-Run:  python -m kvrewrite.bench.evict_by_score --out evict_by_score.json [--sweep]
+Run:  python -m kvrewrite.bench.evict_by_score --out evict_by_score.json [--sweep] [--batch 40]
 """
 import argparse
 import json
@@ -28,12 +32,13 @@ from kvrewrite.bench.cuda_graphs import capture, warm_up
 from kvrewrite.kernels import evict_by_score as ebs
 from kvrewrite.state import allocate_layer_state
 
-FIELDS = ("keys", "values", "bias", "slot_pos", "fill", "score")
-METADATA = ("bias", "slot_pos", "score", "fill")
+FIELDS = ("keys", "values", "bias", "slot_pos", "fill", "score", "order")
+METADATA = ("bias", "slot_pos", "score", "order", "fill")
 SETTINGS = {"h2o": (0, 0.5, 1, False), "snapkv": (32, 0.0, 7, True)}
 SWEEP = [  # triton_evict_by_score's tuning knobs (the defaults first)
     {}, dict(select_warps=8), dict(select_warps=32), dict(select_chunk=2048), dict(select_chunk=8192),
-    dict(move_slots=128), dict(move_slots=512), dict(move_columns=128), dict(move_warps=4),
+    dict(move_slots=32), dict(move_slots=64), dict(move_slots=256), dict(move_columns=128), dict(move_warps=2),
+    dict(move_warps=8),
 ]
 
 
@@ -54,9 +59,9 @@ class Config:
 
     @property
     def moved_bytes(self) -> int:
-        """Keys and values of every kept slot, read and written once (an upper bound: those before the row's first
-        dropped slot stay; with random scores that slot is near the row's start)."""
-        return 2 * 2 * self.B * self.Hkv * self.target * self.D * DTYPES[self.dtype].itemsize
+        """Keys and values of the slots that can move, read and written once: at most the `interval` evicted ones a
+        row (each kept slot past the target fills an evicted one's place)."""
+        return 2 * 2 * self.B * self.Hkv * min(self.interval, self.target) * self.D * DTYPES[self.dtype].itemsize
 
 
 @dataclass
@@ -70,9 +75,10 @@ class Result:
     sweep_us: list = field(default_factory=list)  # [(knobs, triton_us)] with --sweep
 
 
-def get_configs() -> list[Config]:
-    return [Config(B, C, target, method) for B, C, target in ((1, 8600, 6554), (8, 8600, 6554), (1, 32768, 26214))
-            for method in SETTINGS]
+def get_configs(batches: list[int] | None = None) -> list[Config]:
+    """The default layouts, or with `batches` batch B at C 8600, target 6554 for each B."""
+    shapes = [(B, 8600, 6554) for B in batches] if batches else [(1, 8600, 6554), (8, 8600, 6554), (1, 32768, 26214)]
+    return [Config(B, C, target, method) for B, C, target in shapes for method in SETTINGS]
 
 
 def make_state(cfg: Config, seed: int) -> dict:
@@ -86,11 +92,12 @@ def make_state(cfg: Config, seed: int) -> dict:
     s["fill"].fill_(fill)
     s["budget"].copy_(torch.tensor([cfg.target, fill]))
     s["score"] = torch.rand(cfg.B, cfg.Hkv, cfg.C, device="cuda", generator=g).masked_fill(s["bias"] == -math.inf, 0)
+    s["order"] = torch.zeros(cfg.B, cfg.Hkv, cfg.C, dtype=torch.int32, device="cuda")
     return s
 
 
 def _call(s, settings, knobs=None):
-    args = (*(s[f] for f in FIELDS[:5]), s["budget"], s["score"], *settings)
+    args = (*(s[f] for f in FIELDS[:5]), s["budget"], s["score"], s["order"], *settings)
     if knobs is None:
         ebs.reference_evict_by_score(*args)
     else:
@@ -177,9 +184,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="evict_by_score.json")
     parser.add_argument("--sweep", action="store_true", help="also time the Triton path under the SWEEP knobs")
+    parser.add_argument("--batch", type=int, nargs="+", help="time these batch sizes (C 8600, target 6554) instead "
+                                                             "of the default configs, e.g. --batch 40")
     args = parser.parse_args()
     env, copy = start_run()
-    rows = [run(cfg, args.sweep) for cfg in get_configs()]
+    rows = [run(cfg, args.sweep) for cfg in get_configs(args.batch)]
     with open(args.out, "w") as f:
         json.dump(dict(env=env, copy_gbps=copy, rows=rows), f, indent=1)
 

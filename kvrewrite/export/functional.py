@@ -7,7 +7,7 @@ state updated in place, output logits) becomes a graph with the same inputs whos
 evict_by_score / accumulate_attention becomes the op of the same name in the namespace
 ``kvrewrite_export``, which takes the same arguments (chelsea's outlier heads as a bit mask) and returns
 the tensors it would write instead of mutating them: (keys, values, bias, slot_pos, fill) for the first
-three, those plus the score for evict_by_score, the score for accumulate_attention (FUNCTIONAL lists the
+three, those plus the score and the order for evict_by_score, the score for accumulate_attention (FUNCTIONAL lists the
 mutated argument positions), kvrewrite::kmeans_cluster (ClusterKV) becomes kvrewrite_export::kmeans_cluster,
 which returns its six index fields (centroids, cluster_size, cluster_start, members, n_clusters, cluster_end),
 and kvrewrite::kvmerger_compress (KVMerger) becomes kvrewrite_export::kvmerger_compress, which returns (keys,
@@ -77,12 +77,12 @@ def chelsea_compress(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, bud
 
 
 @torch.library.custom_op("kvrewrite_export::evict_by_score", mutates_args=())
-def evict_by_score(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, budget: _T, score: _T, n_recent: int,
-                   recent_ratio: float = 0.0, pool: int = 1,
-                   reset_score: bool = False) -> tuple[_T, _T, _T, _T, _T, _T]:
-    """kvrewrite::evict_by_score returning the updated (keys, values, bias, slot_pos, fill, score)."""
-    out = _clones(keys, values, bias, slot_pos, fill, score)
-    torch.ops.kvrewrite.evict_by_score(*out[:5], budget, out[5], n_recent, recent_ratio, pool, reset_score)
+def evict_by_score(keys: _T, values: _T, bias: _T, slot_pos: _T, fill: _T, budget: _T, score: _T, order: _T,
+                   n_recent: int, recent_ratio: float = 0.0, pool: int = 1,
+                   reset_score: bool = False) -> tuple[_T, _T, _T, _T, _T, _T, _T]:
+    """kvrewrite::evict_by_score returning the updated (keys, values, bias, slot_pos, fill, score, order)."""
+    out = _clones(keys, values, bias, slot_pos, fill, score, order)
+    torch.ops.kvrewrite.evict_by_score(*out[:5], budget, *out[5:], n_recent, recent_ratio, pool, reset_score)
     return tuple(out)
 
 
@@ -96,8 +96,8 @@ def accumulate_attention(q: _T, keys: _T, bias: _T, slot_pos: _T, cache_position
 
 
 @evict_by_score.register_fake
-def _(keys, values, bias, slot_pos, fill, budget, score, *args, **kwargs):
-    return tuple(torch.empty_like(t) for t in (keys, values, bias, slot_pos, fill, score))
+def _(keys, values, bias, slot_pos, fill, budget, score, order, *args, **kwargs):
+    return tuple(torch.empty_like(t) for t in (keys, values, bias, slot_pos, fill, score, order))
 
 
 @accumulate_attention.register_fake
@@ -324,7 +324,7 @@ FUNCTIONAL = {
     torch.ops.kvrewrite.chelsea_compress.default: (torch.ops.kvrewrite_export.chelsea_compress.default,
                                                    (0, 1, 2, 3, 4)),
     torch.ops.kvrewrite.evict_by_score.default: (torch.ops.kvrewrite_export.evict_by_score.default,
-                                                 (0, 1, 2, 3, 4, 6)),
+                                                 (0, 1, 2, 3, 4, 6, 7)),
     torch.ops.kvrewrite.accumulate_attention.default: (torch.ops.kvrewrite_export.accumulate_attention.default, (5,)),
     torch.ops.kvrewrite.kmeans_cluster.default: (torch.ops.kvrewrite_export.kmeans_cluster.default,
                                                  (6, 7, 8, 9, 10, 11)),

@@ -23,9 +23,10 @@ are the functional forms (kvrewrite.export.functional): they return the updated
                                     last) -> score
         window_mode 0: mode "all" (score += column sums over every query and the group); 1: mode "window"
         (the last `last` queries, averaged over the group; set when T > 1, added when T = 1).
-    kvrewrite::evict_by_score(keys, values, bias, slot_pos, fill, budget, score, ratio;
-                              n_recent, pool, reset_score) -> (keys, ..., fill, score)
-        ratio: float64 [recent_ratio] (the recent count floor(recent_ratio * B) needs the reference's double).
+    kvrewrite::evict_by_score(keys, values, bias, slot_pos, fill, budget, score, order, ratio;
+                              n_recent, pool, reset_score) -> (keys, ..., fill, score, order)
+        ratio: float64 [recent_ratio] (the recent count floor(recent_ratio * B) needs the reference's double);
+        order: int32, the slots' temporal order (kvrewrite/kernels/evict_by_score.py).
 
     kvrewrite::kmeans_cluster, select_clusters, indexed_attention (ClusterKV): kvrewrite/export/onnx_clusterkv.py.
     kvrewrite::kvmerger_compress, and the helper top_flags it calls (KVMerger): kvrewrite/export/onnx_kvmerger.py.
@@ -47,7 +48,7 @@ tests' random states it matches the reference bit for bit.
 from typing import TypeVar, Union
 
 import torch
-from onnxscript import BFLOAT16, BOOL, DOUBLE, FLOAT, FLOAT16, INT64, script
+from onnxscript import BFLOAT16, BOOL, DOUBLE, FLOAT, FLOAT16, INT32, INT64, script
 from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
@@ -321,8 +322,8 @@ def accumulate_attention(q: TFloat, keys: TFloat, bias: FLOAT, slot_pos: INT64, 
 
 @script(kv, default_opset=op)
 def evict_by_score(keys: TFloat, values: TFloat, bias: FLOAT, slot_pos: INT64, fill: INT64, budget: INT64,
-                   score: FLOAT, ratio: DOUBLE, n_recent: int, pool: int,
-                   reset_score: int) -> tuple[TFloat, TFloat, FLOAT, INT64, INT64, FLOAT]:
+                   score: FLOAT, order: INT32, ratio: DOUBLE, n_recent: int, pool: int,
+                   reset_score: int) -> tuple[TFloat, TFloat, FLOAT, INT64, INT64, FLOAT, INT32]:
     zero = op.Constant(value_int=0)
     one = op.Constant(value_int=1)
     two = op.Constant(value_int=2)
@@ -330,6 +331,7 @@ def evict_by_score(keys: TFloat, values: TFloat, bias: FLOAT, slot_pos: INT64, f
     fzero = op.Constant(value_float=0.0)
     C = op.Shape(keys, start=2, end=3)
     ar = op.Range(zero, op.Squeeze(C), one)  # [C]
+    arC = op.Add(ar, C)  # past the slots: where the scatters below put what they drop
     rows = op.Shape(fill)  # [B, H]
     RC = op.Concat(rows, C, axis=0)
     CC = op.Concat(rows, op.Add(C, C), axis=0)
@@ -338,18 +340,20 @@ def evict_by_score(keys: TFloat, values: TFloat, bias: FLOAT, slot_pos: INT64, f
     target = op.Gather(budget, zero)
     threshold = op.Gather(budget, one)
     due = op.GreaterOrEqual(fill3, threshold)  # [B, H, 1]
-    valid = op.And(op.Less(ar, fill3), op.Greater(bias, neg_inf))
+    # the row in temporal order: rank r is slot r + order[r]
+    slot = op.Add(ar, op.Cast(order, to=INT64.dtype))
+    valid = op.And(op.Less(ar, fill3), op.Greater(op.GatherElements(bias, slot, axis=2), neg_inf))
     vi = op.Cast(valid, to=INT64.dtype)
-    rank = op.Sub(op.CumSum(vi, two), one)  # temporal rank among the valid slots
+    rank = op.Sub(op.CumSum(vi, two), one)  # rank among the valid slots, oldest first
     L = op.ReduceSum(vi, op.Constant(value_ints=[2]), keepdims=1)
     scaled = op.Mul(op.Gather(ratio, zero), op.Cast(target, to=DOUBLE.dtype))
     recent = op.Min(op.Add(op.Constant(value_int=n_recent), op.Cast(op.Floor(scaled), to=INT64.dtype)), target)
     n_old = op.Max(op.Sub(L, recent), zero)
     old = op.And(valid, op.Less(rank, n_old))
-    s = op.Where(old, score, neg_inf)
+    s = op.Where(old, op.GatherElements(score, slot, axis=2), neg_inf)
     # max-pool the older slots' scores in temporal order: pack them, take the max over `pool` neighbours
     # (a [C, pool] index window, out-of-range neighbours -inf), read each slot's pooled score back
-    dest = op.Where(old, rank, op.Add(ar, C))
+    dest = op.Where(old, rank, arC)
     packed = op.Slice(op.ScatterElements(op.Expand(neg_inf, CC), dest, s, axis=2), op.Constant(value_ints=[0]), C,
                       op.Constant(value_ints=[2]))
     k = op.Constant(value_int=pool)
@@ -359,18 +363,32 @@ def evict_by_score(keys: TFloat, values: TFloat, bias: FLOAT, slot_pos: INT64, f
     window = op.Gather(packed, op.Clip(nb, zero, op.Squeeze(op.Sub(C, one))), axis=2)  # [B, H, C, pool]
     pooled = op.ReduceMax(op.Where(inside, window, neg_inf), op.Constant(value_ints=[3]), keepdims=0)
     s = op.Where(old, op.GatherElements(pooled, op.Max(rank, zero), axis=2), neg_inf)
-    _, order = op.TopK(s, C, axis=2, largest=1, sorted=1)  # ties: the lower index (the earlier slot) first
-    place = op.ScatterElements(ar_rows, order, ar_rows, axis=2)
+    _, top = op.TopK(s, C, axis=2, largest=1, sorted=1)  # ties: the lower index (the earlier rank) first
+    place = op.ScatterElements(ar_rows, top, ar_rows, axis=2)
     keep = op.And(valid, op.Or(op.GreaterOrEqual(rank, n_old), op.Less(place, op.Sub(target, recent))))
     over = op.Greater(L, target)  # (no Where on bools: onnxruntime has no bool kernel for it)
-    keep = op.And(op.Or(op.And(over, keep), op.And(op.Not(over), valid)), due)
+    keep = op.And(op.Or(op.And(over, keep), op.And(op.Not(over), valid)), due)  # by rank
     ki = op.Cast(keep, to=INT64.dtype)
     L_new = op.ReduceSum(ki, op.Constant(value_ints=[2]), keepdims=1)
-    dest = op.Where(keep, op.Sub(op.CumSum(ki, two), one), op.Add(ar, C))
+    # compaction: the kept slots at or past L_new (movers, slot order) fill the slots below it not kept (holes)
+    kept_at = op.ScatterElements(op.Expand(zero, RC), slot, ki, axis=2)  # by slot
+    below = op.Less(ar, L_new)
+    hole = op.And(below, op.Equal(kept_at, zero))
+    mover = op.And(op.Not(below), op.Equal(kept_at, one))
+    hole_dest = op.Where(hole, op.Sub(op.CumSum(op.Cast(hole, to=INT64.dtype), two), one), arC)
+    holes = op.Slice(op.ScatterElements(op.Expand(zero, CC), hole_dest, ar_rows, axis=2),
+                     op.Constant(value_ints=[0]), C, op.Constant(value_ints=[2]))  # the j-th hole at j
+    nth = op.Max(op.Sub(op.CumSum(op.Cast(mover, to=INT64.dtype), two), one), zero)
+    to_hole = op.GatherElements(holes, nth, axis=2)
     base = op.Expand(op.Concat(ar, ar, axis=0), CC)
-    src = op.Slice(op.ScatterElements(base, dest, ar_rows, axis=2), op.Constant(value_ints=[0]), C,
-                   op.Constant(value_ints=[2]))
-    src = op.Where(due, src, ar)
+    src = op.Slice(op.ScatterElements(base, op.Where(mover, to_hole, arC), ar_rows, axis=2),
+                   op.Constant(value_ints=[0]), C, op.Constant(value_ints=[2]))
+    # order: the j-th kept rank's new slot minus j below L_new, 0 past it (rows not due keep theirs)
+    new_rank = op.Where(keep, op.Sub(op.CumSum(ki, two), one), arC)
+    delta = op.Sub(op.GatherElements(op.Where(mover, to_hole, ar), slot, axis=2), new_rank)
+    new_order = op.Slice(op.ScatterElements(op.Expand(zero, CC), new_rank, delta, axis=2),
+                         op.Constant(value_ints=[0]), C, op.Constant(value_ints=[2]))
+    order2 = op.Where(due, op.Cast(new_order, to=INT32.dtype), order)
     src4 = op.Expand(op.Unsqueeze(src, [3]), op.Shape(keys))
     freed = op.And(due, op.GreaterOrEqual(ar, L_new))
     keys2 = op.GatherElements(keys, src4, axis=2)
@@ -381,7 +399,7 @@ def evict_by_score(keys: TFloat, values: TFloat, bias: FLOAT, slot_pos: INT64, f
     restart = op.And(due, op.Greater(op.Constant(value_int=reset_score), zero))
     score2 = op.Where(restart, fzero, moved)
     fill2 = op.Where(op.Squeeze(due, [2]), op.Squeeze(L_new, [2]), fill)
-    return keys2, values2, bias2, slot_pos2, fill2, score2
+    return keys2, values2, bias2, slot_pos2, fill2, score2, order2
 
 
 FUNCTIONS = {"clustered_attention": clustered_attention, "cache_append": cache_append,
@@ -466,14 +484,14 @@ def sym_accumulate_attention(q, keys, bias, slot_pos, cache_position, score, sca
                                    attrs, dtype=score.dtype, shape=score.shape, version=1)
 
 
-def sym_evict_by_score(keys, values, bias, slot_pos, fill, budget, score, n_recent, recent_ratio=0.0, pool=1,
+def sym_evict_by_score(keys, values, bias, slot_pos, fill, budget, score, order, n_recent, recent_ratio=0.0, pool=1,
                        reset_score=False):
     # the ratio travels as a float64 tensor: floor(recent_ratio * B) must see the reference's double
     ratio = torch.tensor([recent_ratio], dtype=torch.float64, device=keys.device)
     return tuple(torch.onnx.ops.symbolic_multi_out(
-        f"{DOMAIN}::evict_by_score", [keys, values, bias, slot_pos, fill, budget, score, ratio],
+        f"{DOMAIN}::evict_by_score", [keys, values, bias, slot_pos, fill, budget, score, order, ratio],
         {"n_recent": int(n_recent), "pool": int(pool), "reset_score": int(reset_score)},
-        **_state_like(keys, values, bias, slot_pos, fill, score)))
+        **_state_like(keys, values, bias, slot_pos, fill, score, order)))
 
 
 def sym_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, cluster_start, members,

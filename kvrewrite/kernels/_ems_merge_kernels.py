@@ -34,10 +34,10 @@ every output element has exactly one writer and no float atomics (deterministic)
    reset, slot_order, slot_fill.
 7. entry metadata (grid entry blocks x rows): entry_start, bias 0, slot_pos = max token_pos of the new slots of
    each kept entry; freed entries bias -inf, entry_start 0; fill.
-8. stage and 9. move (grid entry blocks x rows x column slices of keys, values, raw keys): evict_by_score's staged
-   block move (the kept entries only shift left): launch 8 copies each block's halo (sources past the block) to
-   the staging copy, launch 9 moves every block in place (loads, a CTA barrier, stores) and takes the merged
-   centres' new rows from the staging copy that launch 3 wrote. Entries that neither move nor merge are not
+8. stage and 9. move (grid entry blocks x rows x column slices of keys, values, raw keys): the staged block move of
+   kernels/_shift_kernels.py (the kept entries only shift left): launch 8 copies each block's halo (sources past
+   the block) to the staging copy, launch 9 moves every block in place (loads, a CTA barrier, stores) and takes the
+   merged centres' new rows from the staging copy that launch 3 wrote. Entries that neither move nor merge are not
    touched.
 
 The per-row launches 2 and 4 are serial chunked passes in one program per row (8 SMs at B = 1). Measured on

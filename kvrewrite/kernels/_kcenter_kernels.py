@@ -36,7 +36,7 @@ Launches (nothing is read on the host; grids depend on shapes only, so a call is
 3. pack (grid rows): flags of the chosen slots from ORDER; kept = recent ranks [n, V) or chosen; destinations by
    cumsum; slot_pos from POR, bias 0 on [0, kept), -inf on [kept, C), fill; SRC[dest] = slot and INFO[row] =
    [first destination that moves, kept] for 4-5.
-4-5. kvrewrite/kernels/evict_by_score.py's stage and move launches move the kept keys and values in place.
+4-5. kvrewrite/kernels/_shift_kernels.py's stage and move launches shift the kept keys and values in place.
 
 Cost: k sequential steps per row, each an update of the slice's d2 (n / P keys x D, fp32 on the CUDA cores) and of
 the list's, plus one exchange (through L2) per round of ~P T / 2 steps: bound by the steps' arithmetic and latency,
@@ -50,8 +50,8 @@ import torch
 
 from kvrewrite.kernels._slot_kernels import _check_state
 from kvrewrite.kernels._triton_op import triton_jit
-from kvrewrite.kernels.evict_by_score import (MOVE_COLUMNS, MOVE_SLOTS, _evict_move_kernel, _evict_stage_kernel,
-                                              _f64)
+from kvrewrite.kernels._shift_kernels import MOVE_COLUMNS, MOVE_SLOTS, _shift_move_kernel, _shift_stage_kernel
+from kvrewrite.kernels.evict_by_score import _f64
 
 try:
     import triton
@@ -394,5 +394,5 @@ def triton_kcenter_compress(keys, values, bias, slot_pos, fill, budget, *, recen
     stage_k = torch.empty_like(keys)  # of each block only the halo is written and read
     stage_v = torch.empty_like(values)
     grid = (triton.cdiv(C, bs), rows, 2 * nslice)
-    for kernel in (_evict_stage_kernel, _evict_move_kernel):
+    for kernel in (_shift_stage_kernel, _shift_move_kernel):
         kernel[grid](keys, values, stage_k, stage_v, src, info, C, D, BLOCK_S=bs, DS=ds, NSLICE=nslice, num_warps=8)

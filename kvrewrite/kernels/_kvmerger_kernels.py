@@ -56,7 +56,7 @@ int32 words + 1 int64 of scratch per slot. Measured (H100, 8 KV heads, D 128, bf
 python -m kvrewrite.bench.kvmerger_knobs): the decode-time call at the 32k / budget 0.2 state (6688 -> 6656
 slots) 127 us at B = 1, of which launches 1 and 3 (one program per row: 8 SMs at B = 1) take ~80; after a
 prefill chunk of 2048, 190-207 us. At B = 8 (~450 us) launches 4 and 5 are ~70% and the staging copy
-matters: an in-place move (as evict_by_score's stage/move launches) is the next step there.
+matters: an in-place move (as kernels/_shift_kernels.py's stage/move launches) is the next step there.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 

@@ -185,3 +185,12 @@ def observed_state_fields(layer) -> dict:
         "pending_q": StateField(("B", "Hkv", P, G, "D"), torch.float32, 0.0),
         "pending_lse": StateField(("B", "Hkv", P, G), torch.float32, float("inf")),
     }
+
+
+def evicting_state_fields(layer) -> dict:
+    """The state of a method whose compression op is kvrewrite::evict_by_score (H2O, SnapKV): observed_state_fields
+    plus `order` int32 [B, Hkv, C], each row's slots in temporal order (slot of the r-th oldest minus r), which the
+    op keeps instead of packing the kept slots in order, so that a compression moves only the slots it frees room
+    for (its module docstring). Reset 0: an empty or fresh row is in slot order, and cache_append's slots at the
+    fill need no entry. 4 bytes per slot, next to the score's 4."""
+    return {**observed_state_fields(layer), "order": StateField(("B", "Hkv", "C"), torch.int32, 0)}

@@ -1,7 +1,8 @@
 """H2O: heavy hitters by accumulated attention + a recent window. Based on https://arxiv.org/abs/2306.14048.
 
-State: `score` [B, Hkv, C] fp32 per full-attention layer, the attention each slot has received (plus the
-pending queries of the fused op's deferred decode statistics: methods.base.observed_state_fields).
+State: `score` [B, Hkv, C] fp32 per full-attention layer, the attention each slot has received, plus the
+pending queries of the fused op's deferred decode statistics and `order`, the slots' temporal order
+(methods.base.evicting_state_fields).
 Observation (kvrewrite::accumulate_attention, mode "all", right after the attention of every prefill
 chunk and decode step): score_j += sum over the step's queries and the G query heads of the KV head of
 their softmax probability on slot j. Compression (kvrewrite::evict_by_score, at the end of the step
@@ -31,7 +32,7 @@ from typing import ClassVar
 
 import torch
 
-from kvrewrite.methods.base import Method, observed_state_fields
+from kvrewrite.methods.base import Method, evicting_state_fields
 
 
 @dataclass
@@ -57,7 +58,7 @@ class H2OMethod(Method):
         self.recent_ratio = float(self.recent_ratio)
 
     def state_fields(self, layer):
-        return observed_state_fields(layer)
+        return evicting_state_fields(layer)
 
     def observe_call(self, layer):
         return torch.ops.kvrewrite.accumulate_attention.default, {"stats_mode": "all"}

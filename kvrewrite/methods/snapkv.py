@@ -1,10 +1,10 @@
 """SnapKV: the observation window picks what to keep. Based on https://arxiv.org/abs/2404.14469.
 
-State: `score` [B, Hkv, C] fp32 per full-attention layer (plus the pending queries of the fused op's deferred
-decode statistics: methods.base.observed_state_fields). Observation (kvrewrite::accumulate_attention,
-mode "window", right after the attention): a prefill chunk SETS score_j to the attention slot j receives
-from the chunk's last w queries; a decode step ADDS its query's; both averaged over the G query heads of
-the KV head. Compression (kvrewrite::evict_by_score, at the end of the step on rows at B + g slots):
+State: `score` [B, Hkv, C] fp32 per full-attention layer, plus the pending queries of the fused op's deferred
+decode statistics and `order`, the slots' temporal order (methods.base.evicting_state_fields). Observation
+(kvrewrite::accumulate_attention, mode "window", right after the attention): a prefill chunk SETS score_j to the
+attention slot j receives from the chunk's last w queries; a decode step ADDS its query's; both averaged over the
+G query heads of the KV head. Compression (kvrewrite::evict_by_score, at the end of the step on rows at B + g slots):
 keep the w most recent slots (the observation window itself) and, among the older slots, the B - w with
 the largest score after max pooling over `kernel` neighbours; then the kept scores restart at 0.
 
@@ -40,7 +40,7 @@ from typing import ClassVar
 
 import torch
 
-from kvrewrite.methods.base import Method, observed_state_fields
+from kvrewrite.methods.base import Method, evicting_state_fields
 
 
 @dataclass
@@ -68,7 +68,7 @@ class SnapKVMethod(Method):
             raise ValueError(f"SnapKVMethod.kernel must be an odd int >= 1 (1: no pooling), got {self.kernel!r}")
 
     def state_fields(self, layer):
-        return observed_state_fields(layer)
+        return evicting_state_fields(layer)
 
     def observe_call(self, layer):
         return torch.ops.kvrewrite.accumulate_attention.default, {"stats_mode": "window", "last": self.window}

@@ -172,14 +172,22 @@ def test_evict_by_score_function(B, H, C, D, target, n_recent, ratio, pool, rese
         fill.view(-1)[-1] = max(threshold - 1, 0)  # and one that is not due
     st = _state(B, H, C, D, fill, g)
     score = torch.randint(0, 3, (B, H, C), generator=g).float() if ties else torch.rand(B, H, C, generator=g)
+    # a layout behind `order`: each row's ranks [0, fill) in random slots, delta 0 past the fill
+    slot = torch.arange(C).repeat(B, H, 1)
+    for b in range(B):
+        for h in range(H):
+            slot[b, h, :fill[b, h]] = torch.randperm(int(fill[b, h]), generator=g)
+    order = (slot - torch.arange(C)).int()
     budget = torch.tensor([target, threshold])
-    ref = {k: v.clone() for k, v in {**st, "score": score}.items()}
-    reference_evict_by_score(*[ref[k] for k in STATE], budget, ref["score"], n_recent, ratio, pool, reset)
+    ref = {k: v.clone() for k, v in {**st, "score": score, "order": order}.items()}
+    reference_evict_by_score(*[ref[k] for k in STATE], budget, ref["score"], ref["order"], n_recent, ratio, pool,
+                             reset)
     assert int(ref["fill"][0, 0]) < threshold, "the due row was not compressed: the case tests nothing"
-    out = _run_function("evict_by_score", {**st, "budget": budget, "score": score,
+    written = (*STATE, "score", "order")
+    out = _run_function("evict_by_score", {**st, "budget": budget, "score": score, "order": order,
                                            "ratio": torch.tensor([ratio], dtype=torch.float64)},
-                        [ref[k] for k in (*STATE, "score")], n_recent=n_recent, pool=pool, reset_score=int(reset))
-    for name, o in zip((*STATE, "score"), out):
+                        [ref[k] for k in written], n_recent=n_recent, pool=pool, reset_score=int(reset))
+    for name, o in zip(written, out):
         assert torch.equal(o, ref[name]), f"evict_by_score: {name} differs\n{o}\n{ref[name]}"
 
 

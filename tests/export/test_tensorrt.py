@@ -86,7 +86,7 @@ def test_plugin_descriptions(prepared):
 
 def test_score_ops_plugin_descriptions(rw_snapkv):
     """SnapKV's graphs: accumulate_attention in every graph (it returns the score), evict_by_score in the
-    compressing ones (the five state tensors and the score come back with their own shapes)."""
+    compressing ones (the five state tensors, the score and the order come back with their own shapes)."""
     prepared = te.prepare(rw_snapkv)
     base = ["kvrewrite_export::cache_append", "kvrewrite_export::clustered_attention"]
     assert te.check_op_set(prepared["decode"][0]) == sorted([*base, "kvrewrite_export::accumulate_attention"])
@@ -95,7 +95,7 @@ def test_score_ops_plugin_descriptions(rw_snapkv):
     assert te.check_op_set(prepared["prefill"][0]) == sorted(no_chelsea)
     descs = prepared["decode_compress"][1]
     ins = descs["kvrewrite_export::evict_by_score"]["inputs"]
-    assert descs["kvrewrite_export::evict_by_score"]["outputs"] == ins[:5] + [ins[6]]
+    assert descs["kvrewrite_export::evict_by_score"]["outputs"] == ins[:5] + ins[6:8]
     ins = descs["kvrewrite_export::accumulate_attention"]["inputs"]
     assert descs["kvrewrite_export::accumulate_attention"]["outputs"] == [ins[5]]
 

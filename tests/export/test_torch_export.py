@@ -124,15 +124,17 @@ def test_bad_paths_and_graph_names(tmp_path, chelsea):
 
 @torch.no_grad()
 def test_method_state_travels_with_the_export(tmp_path):
-    """H2O's own state (a score per slot) is recorded in the metadata, allocated by the loader after each layer's
-    base fields, and updated by the exported observation and compression ops exactly as in the runtime."""
+    """H2O's own state (a score per slot, the pending queries, the slots' temporal order) is recorded in the
+    metadata, allocated by the loader after each layer's base fields, and updated by the exported observation and
+    compression ops exactly as in the runtime."""
     rw = kvrewrite.apply(_model("llama"), "h2o", max_length=40, batch_size=2, prefill_chunk=16, budget=12, interval=4)
     path = kvrewrite.export.torch_export(rw, tmp_path)
     meta = read_metadata(path)
     C = rw.capacities[0]
     assert meta["method_state"] == [{"score": {"shape": [2, 2, C], "dtype": "float32", "reset": 0.0},
                                      "pending_q": {"shape": [2, 2, 7, 2, 16], "dtype": "float32", "reset": 0.0},
-                                     "pending_lse": {"shape": [2, 2, 7, 2], "dtype": "float32", "reset": math.inf}}] * 2
+                                     "pending_lse": {"shape": [2, 2, 7, 2], "dtype": "float32", "reset": math.inf},
+                                     "order": {"shape": [2, 2, C], "dtype": "int32", "reset": 0}}] * 2
     m = loader.load(path)
     assert [tuple(t.shape) for t in m.state] == [tuple(t.shape) for t in rw.state_tensors()]
     ids, mask = _inputs()

@@ -3,9 +3,10 @@ bit (every state field, NaN payloads included).
 
 Runs only under the interpreter: `TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_evict_by_score_triton.py`
 (with Triton installed; it is skipped otherwise, e.g. on the CPU CI). The tuning knobs are set small in some cases
-(chunks of 8 slots, moves of 4-slot blocks) so that a few dozen slots cross every chunk and block boundary: the
-select kernel's chunked passes and carries, halos longer than a block. The GPU test (test_score_ops_gpu.py) runs the
-same kernels compiled.
+(chunks of 8 slots, moves in 4-slot blocks) so that a few dozen slots cross every chunk and block boundary: the
+select kernel's chunked passes and carries, the holes and movers passes, several move blocks a row. States come in
+temporal order (order all 0) and shuffled (a random layout behind `order`), with the slots past the fill poisoned
+(NaN keys and values, garbage positions). The GPU test (test_score_ops_gpu.py) runs the same kernels compiled.
 """
 import math
 import os
@@ -19,24 +20,28 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 pytest.importorskip("triton")
 
 from kvrewrite.kernels.evict_by_score import reference_evict_by_score, triton_evict_by_score  # noqa: E402
-from tests.kernels.test_evict_by_score import FIELDS, scored_state  # noqa: E402
+from tests.kernels.evict_by_score_naive import same  # noqa: E402
+from tests.kernels.test_evict_by_score import FIELDS, append, scored_state, state_args  # noqa: E402
 
 SMALL = dict(select_chunk=8, move_slots=4, move_columns=32)  # many chunks and blocks on a few dozen slots
 
 
-def same(a, b) -> bool:
-    """Bit equality (NaN == NaN of the same bits, -0.0 != 0.0)."""
-    if a.dtype.is_floating_point:
-        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        a, b = a.view(bits), b.view(bits)
-    return a.shape == b.shape and torch.equal(a, b)
+def poisoned(s):
+    """s with the slots past each row's fill poisoned: NaN keys and values, positions -7 (bias -inf stays: the
+    state's invariant), so a read of one that the rule does not make shows up."""
+    C = s["bias"].shape[-1]
+    past = torch.arange(C) >= s["fill"][..., None]
+    s["keys"].masked_fill_(past[..., None], math.nan)
+    s["values"].masked_fill_(past[..., None], math.nan)
+    s["slot_pos"].masked_fill_(past, -7)
+    return s
 
 
 def check(s, settings, **knobs):
     want = {f: t.clone() for f, t in s.items()}
     got = {f: t.clone() for f, t in s.items()}
-    reference_evict_by_score(*(want[f] for f in FIELDS[:5]), want["budget"], want["score"], *settings)
-    triton_evict_by_score(*(got[f] for f in FIELDS[:5]), got["budget"], got["score"], *settings, **knobs)
+    reference_evict_by_score(*state_args(want), *settings)
+    triton_evict_by_score(*state_args(got), *settings, **knobs)
     bad = [f for f in FIELDS if not same(got[f], want[f])]
     assert not bad, f"{bad} differ from the reference (fill {s['fill'].tolist()} -> {want['fill'].tolist()})"
 
@@ -55,16 +60,33 @@ SETTINGS = [  # n_recent, recent_ratio, pool, reset_score: snapkv-like, h2o-like
 @pytest.mark.parametrize("knobs", [{}, SMALL], ids=["default", "small"])
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda v: str(v))
 @pytest.mark.parametrize("B,H,C,D,fills,target,threshold,pads,dtype", CASES, ids=lambda v: str(v))
-def test_matches_reference(B, H, C, D, fills, target, threshold, pads, dtype, settings, knobs):
-    s = scored_state(B, H, C, D, fills, target, threshold, pads=pads, seed=C + D, dtype=dtype)
-    check(s, settings, **knobs)
+@pytest.mark.parametrize("shuffled", [False, True], ids=["in_order", "shuffled"])
+def test_matches_reference(B, H, C, D, fills, target, threshold, pads, dtype, settings, knobs, shuffled):
+    s = scored_state(B, H, C, D, fills, target, threshold, pads=pads, seed=C + D, dtype=dtype, shuffled=shuffled)
+    check(poisoned(s), settings, **knobs)
+
+
+@pytest.mark.parametrize("settings", [(2, 0.0, 3, True), (0, 0.5, 1, False)], ids=lambda v: str(v))
+def test_calls_in_a_row_with_appends(settings):
+    """Compressions with tokens appended in between, the kernels' state fed back each time: it stays the
+    reference's, bit for bit, as the layout drifts from temporal order."""
+    got = scored_state(2, 2, 30, 16, [[24, 20], [24, 22]], 10, 20, pads=[0, 3], seed=5, ties=True,
+                       dtype=torch.bfloat16)
+    want = {f: t.clone() for f, t in got.items()}
+    for step in range(3):
+        reference_evict_by_score(*state_args(want), *settings)
+        triton_evict_by_score(*state_args(got), *settings, **SMALL)
+        bad = [f for f in FIELDS if not same(got[f], want[f])]
+        assert not bad, f"call {step}: {bad} differ from the reference"
+        append([got, want], 12, seed=step)
+    assert not bool((got["order"] == 0).all())
 
 
 @pytest.mark.parametrize("settings", [(0, 0.5, 1, False), (1, 0.0, 3, True), (0, 0.0, 7, False)],
                          ids=lambda v: str(v))
 def test_ties_and_padding_inside_rows(settings):
     """Integer scores (many ties at the threshold, to the earlier slot) and padding slots scattered in the rows."""
-    s = scored_state(2, 2, 50, 16, [[50, 47], [44, 50]], 20, 44, seed=7, ties=True)
+    s = scored_state(2, 2, 50, 16, [[50, 47], [44, 50]], 20, 44, seed=7, ties=True, shuffled=True)
     g = torch.Generator().manual_seed(8)
     s["bias"].masked_fill_(torch.rand(2, 2, 50, generator=g) < 0.2, -math.inf)
     check(s, settings, **SMALL)
@@ -74,7 +96,7 @@ def test_ties_and_padding_inside_rows(settings):
 def test_special_scores(kind):
     """NaN, +-inf, -0.0 in the scores. With fewer than B - R older scores above -inf the threshold is -inf, and the
     reference's sort then ranks the row's other slots (recent, padding, past the fill) among the -inf ones."""
-    s = scored_state(2, 2, 40, 16, [[40, 38], [36, 40]], 16, 36, pads=[0, 3], seed=9)
+    s = scored_state(2, 2, 40, 16, [[40, 38], [36, 40]], 16, 36, pads=[0, 3], seed=9, shuffled=True)
     g = torch.Generator().manual_seed(10)
     if kind == "special":
         values = torch.tensor([0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, math.nan, -math.nan, 2.5])
@@ -87,9 +109,9 @@ def test_special_scores(kind):
         check(s, settings, **SMALL)
 
 
-def test_large_shift_and_not_due_limit():
-    """Most of a row is padding (sources far past their block: halos of whole blocks), and a state whose budget
-    is the NO_LIMIT default (never due)."""
+def test_mostly_padding_and_not_due_limit():
+    """Most of a row is padding (more holes than a move block, the row's every kept slot a mover), and a state
+    whose budget is the NO_LIMIT default (never due)."""
     s = scored_state(1, 2, 60, 16, [[60, 60]], 10, 50, seed=11)
     s["bias"][0, 0, 3:45] = -math.inf
     check(s, (2, 0.0, 3, False), **SMALL)

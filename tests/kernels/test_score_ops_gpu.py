@@ -18,7 +18,7 @@ from kvrewrite.kernels.evict_by_score import reference_evict_by_score as cpu_ref
 from kvrewrite.state import allocate_layer_state
 from tests.kernels.poisoned import poisoned
 from tests.kernels.test_clustered_attention import make_state
-from tests.kernels.test_evict_by_score import FIELDS, scored_state
+from tests.kernels.test_evict_by_score import FIELDS, scored_state, shuffle, state_args
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -48,7 +48,7 @@ def test_accumulate_attention_matches_cpu(dtype, mode, last, T):
 
 def _evict_state(seed):
     return scored_state(3, 4, 300, 64, [[300, 200, 250, 299], [300] * 4, [120, 299, 300, 10]], 180, 250,
-                        pads=[0, 7, 3], seed=seed, dtype=torch.bfloat16)
+                        pads=[0, 7, 3], seed=seed, dtype=torch.bfloat16, shuffled=True)
 
 
 @pytest.mark.parametrize("settings", [(32, 0.0, 7, True), (0, 0.5, 1, False)], ids=["snapkv", "h2o"])
@@ -57,7 +57,7 @@ def test_evict_by_score_bit_identical_to_cpu(settings):
     cpu = {k: v.clone() for k, v in s.items()}
     gpu = {k: v.cuda() for k, v in s.items()}
     for st in (cpu, gpu):
-        EVICT(*(st[f] for f in FIELDS[:5]), st["budget"], st["score"], *settings)
+        EVICT(*state_args(st), *settings)
     for f in FIELDS:
         assert torch.equal(gpu[f].cpu(), cpu[f]), f"{f} differs on CUDA"
 
@@ -77,7 +77,7 @@ def _assert_same(cpu, gpu, what=""):
 
 def _evict(st, settings, **knobs):
     """The op on st's tensors; with knobs, triton_evict_by_score called directly with them."""
-    args = (*(st[f] for f in FIELDS[:5]), st["budget"], st["score"], *settings)
+    args = (*state_args(st), *settings)
     if knobs:
         ebs.triton_evict_by_score(*args, **knobs)
     elif st["keys"].is_cuda:
@@ -106,7 +106,7 @@ def triton_path(monkeypatch):
 
 def _llama_state(B, C, target, interval, seed, Hkv=8, D=128):
     """A Llama-3.1-8B-like layer (Hkv 8, D 128, bf16), rows at the threshold (fill = target + interval), random
-    distinct scores; for B > 1, batch row 1 is one slot short (not due)."""
+    distinct scores, in temporal order (order 0); for B > 1, batch row 1 is one slot short (not due)."""
     fill = target + interval
     g = torch.Generator().manual_seed(seed)
     s = allocate_layer_state(B, Hkv, C, D, torch.bfloat16, "cpu")
@@ -119,6 +119,7 @@ def _llama_state(B, C, target, interval, seed, Hkv=8, D=128):
         s["fill"][1] = fill - 1
     s["budget"].copy_(torch.tensor([target, fill]))
     s["score"] = torch.rand(B, Hkv, C, generator=g).masked_fill(s["bias"] == -math.inf, 0.0)
+    s["order"] = torch.zeros(B, Hkv, C, dtype=torch.int32)
     return s
 
 
@@ -138,12 +139,15 @@ EVICT_SETTINGS = [(32, 0.0, 7, True), (0, 0.5, 1, False), (4, 0.25, 3, False), (
 @pytest.mark.parametrize("B,H,C,D,fills,target,threshold,pads,dtype", EVICT_SHAPES,
                          ids=lambda v: "fills" if isinstance(v, list) else str(v))
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("shuffled", [False, True], ids=["in_order", "shuffled"])
 def test_evict_by_score_triton_bit_identical_to_cpu(B, H, C, D, fills, target, threshold, pads, dtype, settings,
-                                                    ties, triton_path):
+                                                    ties, shuffled, triton_path):
     s = scored_state(B, H, C, D, fills, target, threshold, pads=pads, seed=C, dtype=dtype, ties=ties)
     hole = torch.rand(B, H, C, generator=torch.Generator().manual_seed(D)) < 0.02  # padding inside the rows
     s["bias"].masked_fill_(hole, -math.inf)
     s["score"].masked_fill_(hole, 0.0)
+    if shuffled:  # a layout behind order, as after earlier compressions
+        shuffle(s, seed=C)
     _assert_same(*_cpu_and_cuda(s, settings))
 
 
@@ -165,7 +169,7 @@ def test_evict_by_score_triton_llama_layout(B, C, target, settings, triton_path)
 def test_evict_by_score_triton_knobs_change_nothing(knobs):
     s = scored_state(2, 4, 3001, 128, [[3001, 2990, 2999, 3000], [3001] * 4], 2000, 2990, pads=[0, 40], seed=5,
                      dtype=torch.bfloat16)
-    s["bias"][:, :, 100:400:3] = -math.inf  # long padding stretches: large shifts, halos of whole blocks
+    s["bias"][:, :, 100:400:3] = -math.inf  # long padding stretches: many holes, several move blocks a row
     for settings in EVICT_SETTINGS[:3]:
         _assert_same(*_cpu_and_cuda(s, settings, **knobs), str((knobs, settings)))
 
@@ -185,8 +189,8 @@ def test_evict_by_score_triton_special_scores(triton_path):
 
 @pytest.mark.skipif(ebs.triton is None, reason="needs Triton")
 def test_evict_by_score_triton_poisoned_and_rows_not_due(triton_path):
-    """The op's scratch and stage buffers are taken from NaN-filled memory (an entry read before it is written
-    shows up), and the rows below the threshold come out unchanged, bit for bit."""
+    """The op's scratch buffers are taken from NaN-filled memory (an entry read before it is written shows up), and
+    the rows below the threshold come out unchanged, bit for bit."""
     s = _llama_state(2, 8600, 6554, 32, seed=3)
     cpu = {k: v.clone() for k, v in s.items()}
     _evict(cpu, (0, 0.5, 1, False))
@@ -219,7 +223,7 @@ def test_no_host_sync_and_cuda_graph_replay(triton_path):
 
     def step():
         ACC(q, s["keys"], s["bias"], s["slot_pos"], cp, s["score"], 0.125, 0, "window", 32)
-        EVICT(*(s[f] for f in FIELDS[:5]), s["budget"], s["score"], 32, 0.0, 7, True)
+        EVICT(*state_args(s), 32, 0.0, 7, True)
 
     saved = {k: v.clone() for k, v in s.items()}
     step()  # compile the kernels first (compilation may sync)
@@ -248,7 +252,7 @@ def test_no_host_sync_and_cuda_graph_replay(triton_path):
         want = {k: v.cuda() for k, v in new.items()}
         before = want["fill"].clone()
         ACC(q, want["keys"], want["bias"], want["slot_pos"], cp, want["score"], 0.125, 0, "window", 32)
-        EVICT(*(want[f] for f in FIELDS[:5]), want["budget"], want["score"], 32, 0.0, 7, True)
+        EVICT(*state_args(want), 32, 0.0, 7, True)
         torch.cuda.synchronize()
         due = before >= 250  # the threshold: rows below it are untouched
         assert due.any() and (want["fill"][due] == 180).all() and torch.equal(want["fill"][~due], before[~due]), \

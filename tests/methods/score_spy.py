@@ -4,7 +4,7 @@ import contextlib
 import torch
 
 EVICT = torch.ops.kvrewrite.evict_by_score.default
-STATE = ("keys", "values", "bias", "slot_pos", "fill", "budget", "score")
+STATE = ("keys", "values", "bias", "slot_pos", "fill", "budget", "score", "order")
 
 
 class _Spy(torch.fx.Interpreter):
@@ -31,7 +31,8 @@ class _Wrapped(torch.nn.Module):
 @contextlib.contextmanager
 def spy_compressions(rw, graph="decode_compress_graph"):
     """Inside, every run of rw's `graph` records {layer: (state before its evict_by_score, kwargs)} in the dict
-    yielded (the last run's)."""
+    yielded (the last run's); the state in its layout (tests.kernels.evict_by_score_naive.temporal reads it in
+    temporal order)."""
     seen = {}
     gm = getattr(rw, graph)
     setattr(rw, graph, _Wrapped(gm, seen))

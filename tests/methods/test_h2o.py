@@ -15,6 +15,7 @@ import kvrewrite
 from kvrewrite.kernels.observed_attention import fold_pending
 from kvrewrite.methods import make_method
 from kvrewrite.methods.h2o import H2OMethod
+from tests.kernels.evict_by_score_naive import temporal
 
 CHUNK = 8
 N_PROMPT, PAD_ROW1 = 21, 4  # left-padded to 3 chunks of 8; row 1 has 4 more padding tokens
@@ -93,7 +94,7 @@ def test_budget_exact_per_head_recent_half_and_heaviest_rest(llama, captured, bu
     """After every compression each KV head of each row holds exactly B slots: its floor(B / 2) most recent tokens
     and the B - floor(B / 2) older ones with the largest score, as the state the compression op received says
     (int budgets count slots, fractions take round(0.4 * (21 + 9)) = 12)."""
-    from tests.kernels.test_evict_by_score import expected_row
+    from tests.kernels.evict_by_score_naive import expected_row
     from tests.methods.score_spy import spy_compressions
 
     rw = kvrewrite.apply(llama, "h2o", budget=budget, interval=3, max_length=64, captured=captured)
@@ -101,7 +102,7 @@ def test_budget_exact_per_head_recent_half_and_heaviest_rest(llama, captured, bu
     logits = rw.prefill(ids, mask, max_new_tokens=9)
     R = B // 2
     for info in rw.layers:
-        st = rw.layer_state(info.index)
+        st = temporal(rw.layer_state(info.index))
         assert torch.equal(st["fill"], torch.full_like(st["fill"], B))
         assert bool((st["bias"][:, :, :B] == 0).all())  # B real tokens, no padding left
         last = torch.arange(N_PROMPT - R, N_PROMPT).expand(2, st["fill"].shape[1], R)
@@ -116,8 +117,9 @@ def test_budget_exact_per_head_recent_half_and_heaviest_rest(llama, captured, bu
         compressions += 1
         for info in rw.layers:
             before, kw = seen[info.index]
+            before = temporal(before)
             assert kw == {"n_recent": 0, "recent_ratio": 0.5, "pool": 1, "reset_score": False}
-            st = rw.layer_state(info.index)
+            st = temporal(rw.layer_state(info.index))
             assert torch.equal(st["fill"], torch.full_like(st["fill"], B))
             for b in range(2):
                 for h in range(st["fill"].shape[1]):
@@ -150,4 +152,4 @@ def test_calls_state_and_targets():
     assert op is torch.ops.kvrewrite.evict_by_score.default
     assert kw == {"n_recent": 0, "recent_ratio": 0.25, "pool": 1, "reset_score": False}
     assert m.observe_call(layer) == (torch.ops.kvrewrite.accumulate_attention.default, {"stats_mode": "all"})
-    assert list(m.state_fields(layer)) == ["score", "pending_q", "pending_lse"]
+    assert list(m.state_fields(layer)) == ["score", "pending_q", "pending_lse", "order"]

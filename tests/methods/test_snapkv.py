@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import kvrewrite
 from kvrewrite.methods import make_method
 from kvrewrite.methods.snapkv import SnapKVMethod
+from tests.kernels.evict_by_score_naive import temporal
 from tests.families import tiny_model
 
 N_PROMPT, PAD_ROW1, CHUNK = 30, 5, 32
@@ -75,7 +76,7 @@ def test_prefill_keeps_the_window_and_the_top_pooled_scores(llama, captured, bud
         pad = int((mask[b] == 0).sum())
         expected = paper_selection(llama, ids[b:b + 1, pad:], B, W, KERNEL)
         for info, heads in zip(rw.layers, expected):
-            st = rw.layer_state(info.index)
+            st = temporal(rw.layer_state(info.index))
             assert torch.equal(st["fill"][b], torch.full_like(st["fill"][b], B))
             assert bool((st["score"][b] == 0).all())  # the window restarts after the compression
             for h, (kept, pooled) in enumerate(heads):
@@ -91,7 +92,7 @@ def test_decode_recompression_restarts_the_window(llama, captured):
     """Decode steps add one unit of attention per query (averaged over the group) to the scores, which restart
     at 0 after each compression: the state the compression op receives sums to the queries since the last one,
     and the kept slots are the window + top pooled older slots (tests/kernels/test_evict_by_score.expected_row)."""
-    from tests.kernels.test_evict_by_score import expected_row
+    from tests.kernels.evict_by_score_naive import expected_row
     from tests.methods.score_spy import spy_compressions
 
     rw = kvrewrite.apply(llama, "snapkv", budget=12, window=W, kernel=KERNEL, interval=3, max_length=64,
@@ -108,9 +109,10 @@ def test_decode_recompression_restarts_the_window(llama, captured):
         compressions += 1
         for info in rw.layers:
             before, kw = seen[info.index]
+            before = temporal(before)
             assert kw == {"n_recent": W, "recent_ratio": 0.0, "pool": KERNEL, "reset_score": True}
             torch.testing.assert_close(before["score"].sum(-1), torch.full((2, 2), 3.0), atol=1e-5, rtol=0)
-            st = rw.layer_state(info.index)
+            st = temporal(rw.layer_state(info.index))
             assert bool((st["score"] == 0).all()) and torch.equal(st["fill"], torch.full_like(st["fill"], 12))
             for b in range(2):
                 for h in range(2):
@@ -148,5 +150,5 @@ def test_calls_state_and_targets():
     assert op is torch.ops.kvrewrite.evict_by_score.default
     assert kw == {"n_recent": 32, "recent_ratio": 0.0, "pool": 7, "reset_score": True}
     assert m.observe_call(layer) == (torch.ops.kvrewrite.accumulate_attention.default, {"stats_mode": "window", "last": 32})
-    assert list(m.state_fields(layer)) == ["score", "pending_q", "pending_lse"]
+    assert list(m.state_fields(layer)) == ["score", "pending_q", "pending_lse", "order"]
     assert math.isclose(SnapKVMethod().budget, 0.2)
