@@ -29,7 +29,13 @@ on an H100 22.3 / 84.2 / 343.5 us vs 23.7 / 85.7 / 344.9 (1.4-1.5 us saved per G
 re-read inputs cost more against the faster weight stream, 18.6 / 65.1 / 259.2 vs 19.3 / 63.2 / 243.9 (qkv gains,
 gate_up and the lm_head lose 1.9 and 15 us).
 
-Backends: CUDA runs the Triton kernel, other devices the aten ops the pass replaced, in their order and dtypes
+From SPLIT_NORM_MIN_N output rows on (Llama-3.1-8B's gate/up and lm_head) the op runs as two launches instead: the
+norm in one program, then kernels/gemv.py's kernel on n, which under PDL loads its constant weight's first tile while
+the norm runs (H200: 63.3 / 247.0 us against the fused kernel's 66.1 / 266.1; snapkv end to end 4.68-4.69 ms/token
+against 4.95-4.96 fused everywhere; docs/bench.md "Stop 37 runs"). The redundant re-reads grow with the grid, so
+the fused kernel stays below it (q/k/v: 17.7 us fused with a constant weight, 18.9 split).
+
+Backends: CUDA runs the Triton kernel(s), other devices the aten ops the pass replaced, in their order and dtypes
 (reference_aten), so a CPU graph computes the same bits before and after passes/fuse_rms_norm_into_gemv.py.
 The kernel rounds where eager rounds (h to the dtype after the add; Llama: the normed value, then its product
 with the weight; Gemma: once); it differs from eager by the fp32 summation order of the mean and of the
