@@ -159,6 +159,25 @@ def _normed(X, RES, NW, cols, K, stride_xk, stride_rk, stride_nk, inv_rms, dtype
 
 
 @triton_jit()
+def _inv_rms(X, RES, H, K, eps, stride_xk, stride_rk, store_h, dtype: tl.constexpr, BLOCK_K: tl.constexpr,
+             HAS_RES: tl.constexpr):
+    """rsqrt(mean(h^2) + eps) of h = x + residual over K in BLOCK_K tiles (fp32); with a residual, h (rounded to the
+    dtype, as eager's add) is stored to H where store_h."""
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        k_ok = cols < K
+        h = tl.load(X + cols * stride_xk, mask=k_ok, other=0.0)
+        if HAS_RES:
+            r = tl.load(RES + cols * stride_rk, mask=k_ok, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)  # eager's add: rounded to the dtype
+            tl.store(H + cols, h, mask=k_ok & store_h)
+        h32 = h.to(tl.float32)
+        squares += h32 * h32
+    return tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
+
+
+@triton_jit()
 def _gemv_rms_norm_kernel(
     X, RES, NW, W, BIAS, Y, H,
     N, K, eps,
@@ -187,18 +206,7 @@ def _gemv_rms_norm_kernel(
     if PRELOAD:
         if not EARLY_W:
             w0 = _weight_tile(w_rows, cols0, row_ok, K, EVICT_FIRST)
-    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        k_ok = cols < K
-        h = tl.load(X + cols * stride_xk, mask=k_ok, other=0.0)
-        if HAS_RES:
-            r = tl.load(RES + cols * stride_rk, mask=k_ok, other=0.0)
-            h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)  # eager's add: rounded to the dtype
-            tl.store(H + cols, h, mask=k_ok & (pid == 0))
-        h32 = h.to(tl.float32)
-        squares += h32 * h32
-    inv_rms = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    inv_rms = _inv_rms(X, RES, H, K, eps, stride_xk, stride_rk, pid == 0, dtype, BLOCK_K, HAS_RES)
 
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if PRELOAD:
@@ -231,18 +239,7 @@ def _rms_norm_row_kernel(
     if PDL:
         gdc_wait()
         gdc_launch_dependents()  # the GEMV launches now and loads its first (constant) weight tile during the norm
-    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        k_ok = cols < K
-        h = tl.load(X + cols * stride_xk, mask=k_ok, other=0.0)
-        if HAS_RES:
-            r = tl.load(RES + cols * stride_rk, mask=k_ok, other=0.0)
-            h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
-            tl.store(H + cols, h, mask=k_ok)
-        h32 = h.to(tl.float32)
-        squares += h32 * h32
-    inv_rms = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    inv_rms = _inv_rms(X, RES, H, K, eps, stride_xk, stride_rk, True, dtype, BLOCK_K, HAS_RES)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         n = _normed(X, RES, NW, cols, K, stride_xk, stride_rk, stride_nk, inv_rms, dtype, HAS_RES, UNIT_OFFSET)
