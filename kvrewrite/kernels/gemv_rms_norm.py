@@ -250,8 +250,8 @@ def _rms_norm_row_kernel(
 # (_rms_norm_row_kernel) and then kernels/gemv.py's kernel on n. Under PDL with a constant weight the GEMV's
 # programs launch while the norm runs and load their first weight tile before they wait for it; the weight stream
 # then runs at plain gemv's rate, without every program re-reading x, the residual and the norm weight with every
-# weight tile (what the fused kernel pays: 1.10-1.18x gemv alone on an H200). See the measurements below;
-# A/B: --kernel-option gemv_rms_norm.SPLIT_NORM_MIN_N=0 (always split) or a value above every N (never).
+# weight tile (what the fused kernel pays: 1.10-1.18x gemv alone on an H200). Measured: the module docstring and
+# docs/bench.md "Stop 37 runs" (H200 only). A/B: --kernel-option gemv_rms_norm.SPLIT_NORM_MIN_N=0 (always split) or a value above every N (never).
 SPLIT_NORM_MIN_N = 16384
 NORM_WARPS = 4
 
