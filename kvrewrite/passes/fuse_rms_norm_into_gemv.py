@@ -14,7 +14,9 @@ Emits:    y, h' = kvrewrite::gemv_rms_norm(a, b, norm_weight, eps, weight, bias,
           On the CPU the op runs the replaced aten ops themselves: the graph computes the same bits.
 Why:      a batch-1 decode step of Llama-3.1-8B runs these as 65 Inductor kernels of ~2.6 us each (~170 us of
           ~5.5 ms, docs/bench/e2e_h100_decode_profile_gemv.txt); fused, each GEMV program normalises its input
-          first (kernels/gemv_rms_norm.py, docs/bench/gemv_rms_norm_h100.json).
+          first (kernels/gemv_rms_norm.py, docs/bench/gemv_rms_norm_h100.json). From the op's SPLIT_NORM_MIN_N
+          output rows on (the gate/up projection, the lm_head), the op runs the norm as one program of its own that
+          the GEMV's early weight loads overlap: still one node here, the op decides at launch.
 Requires: runs after replace_linear_with_gemv (it rewrites the kvrewrite::gemv nodes that pass inserts). Anything
           that does not match exactly stays as it is (an optimisation, never a refusal).
 """
