@@ -120,7 +120,7 @@ def sweep(configs, copy: float) -> list[dict]:
         for t in variants:
             def fn(x, r, nw, w, t=t):
                 with set_wrap_triton_enabled(False):
-                    return m._launch(x, r, nw, EPS, w, **t)
+                    return m._launch(x, r, nw, EPS, w, split_norm=False, **t)  # the fused kernel at every N
             us = _graph_us(fn, sets, quick=True)
             records.append(dict(config=dataclasses.asdict(cfg), tuning=t, us=us,
                                 frac_of_copy=cfg.N * cfg.K * 2 / us / 1e3 / copy))

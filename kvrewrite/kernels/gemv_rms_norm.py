@@ -279,6 +279,10 @@ def launch_config(N, K, block_n=None, num_warps=None, preload=None, split_norm=N
     the GEMV after the norm's launch."""
     split_norm = N >= SPLIT_NORM_MIN_N if split_norm is None else split_norm
     if split_norm:
+        if preload is not None:  # a sweep of the fused kernel would otherwise time the split form unawares
+            raise ValueError(f"gemv_rms_norm launch_config: preload={preload} tunes the fused kernel, but N = {N} "
+                             f"runs the split norm (N >= SPLIT_NORM_MIN_N = {SPLIT_NORM_MIN_N} or split_norm=True); "
+                             f"pass split_norm=False to tune the fused kernel")
         return dict(_launch_config(N, K, block_n=block_n, num_warps=num_warps, **overrides), preload=False,
                     split_norm=True)
     cfg = _launch_config(N, K, block_n=BLOCK_N if block_n is None else block_n,

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import kvrewrite  # noqa: F401  (registers the ops)
+from kvrewrite.kernels import gemv_rms_norm as m
 from kvrewrite.kernels.gemv_rms_norm import error_bound, reference_f64
 
 OP = torch.ops.kvrewrite.gemv_rms_norm.default
@@ -109,3 +110,14 @@ def test_error_bound_holds_for_the_cpu_op_and_not_for_a_wrong_norm(unit_offset):
     y64, _, n64 = reference_f64(*tiny, nw, 1e-6, w, b, unit_offset)
     wrong, _ = OP(*tiny, nw, 1e-4, w, b, unit_offset=unit_offset)
     assert ((wrong.double() - y64).abs() / error_bound(tiny[0], w, n64, y64)).max() > 10
+
+
+@pytest.mark.skipif(m.triton is None, reason="launch_config sizes Triton tiles")
+def test_preload_on_the_split_form_is_refused():
+    """From SPLIT_NORM_MIN_N rows on the op splits its norm, which has no prologue to preload for: a fused-kernel
+    tuning there is an error naming the way out, not a silent time of the other form."""
+    N = m.SPLIT_NORM_MIN_N
+    with pytest.raises(ValueError, match=r"preload=True tunes the fused kernel.*pass split_norm=False"):
+        m.launch_config(N, 4096, preload=True)
+    assert m.launch_config(N, 4096, preload=True, split_norm=False)["preload"] is True
+    assert m.launch_config(N, 4096)["split_norm"] and not m.launch_config(N - 1, 4096)["split_norm"]
