@@ -32,7 +32,7 @@ gate_up and the lm_head lose 1.9 and 15 us).
 From SPLIT_NORM_MIN_N output rows on (Llama-3.1-8B's gate/up and lm_head) the op runs as two launches instead: the
 norm in one program, then kernels/gemv.py's kernel on n, which under PDL loads its constant weight's first tile while
 the norm runs (H200: 63.3 / 247.0 us against the fused kernel's 66.1 / 266.1; snapkv end to end 4.68-4.69 ms/token
-against 4.95-4.96 fused everywhere; docs/bench.md "Stop 37 runs"). The redundant re-reads grow with the grid, so
+against 4.95-4.96 fused everywhere, in earlier calls of the same session; docs/bench.md "Stop 37 runs"). The redundant re-reads grow with the grid, so
 the fused kernel stays below it (q/k/v: 17.7 us fused with a constant weight, 18.9 split).
 
 Backends: CUDA runs the Triton kernel(s), other devices the aten ops the pass replaced, in their order and dtypes
