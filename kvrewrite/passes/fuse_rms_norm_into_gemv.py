@@ -170,8 +170,8 @@ def fuse_rms_norm_into_gemv(gm: fx.GraphModule, ctx: RewriteContext) -> fx.Graph
             add = None  # a reader of h before the first gemv: leave the add as it is
         x, residual = (src, None) if add is None else add
         nw_val = _val(norm["nw"])
-        if any(input_problem_rms(_val(x), _val(residual), nw_val, _attr(gm, all_args(g)[1]),
-                                 _attr(gm, all_args(g)[2])) is not None for g in gemvs):
+        if any(input_problem_rms(_val(x), _val(residual), nw_val, *(_attr(gm, a) for a in all_args(g)[1:3]))
+               is not None for g in gemvs):
             continue
         h_out = None
         for gemv in gemvs:
