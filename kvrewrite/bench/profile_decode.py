@@ -29,7 +29,7 @@ def gemv_us(n: int, k: int) -> float:
     return _graph_us(F.linear, [(x, torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)])
 
 
-def profile_steps(dec, rw, n_steps: int, compressing: bool, top: int) -> None:
+def profile_steps(dec, rw, n_steps: int, compressing: bool, top: int, trace: int = 0) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     while rw.schedule.due(1) != compressing:  # advance to the wanted kind of step
@@ -40,6 +40,8 @@ def profile_steps(dec, rw, n_steps: int, compressing: bool, top: int) -> None:
             dec.step()
         torch.cuda.synchronize()
     timeline(p, n_steps)
+    if trace:
+        layer_trace(p, trace)
     events = [e for e in p.key_averages() if e.device_time_total > 0]
     total = sum(e.device_time_total for e in events) / n_steps
     kernels = sum(e.count for e in events) / n_steps
@@ -73,6 +75,23 @@ def timeline(p, n_steps: int) -> None:
           f"started before the previous one ended (overlapping {overlap / n_steps:.1f} us/step)", flush=True)
 
 
+def layer_trace(p, kernels: int = 14, skip: int = 40) -> None:
+    """One stretch of a step's kernels in launch order (from the `skip`-th kernel: a layer in the middle of the
+    step): each kernel's start relative to the stretch, its duration and the gap since the previous kernel
+    ended (negative: it started before that one ended, programmatic dependent launch)."""
+    events = sorted((e.time_range.start, e.time_range.end, e.name) for e in p.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    stretch = events[skip:skip + kernels]
+    if not stretch:
+        return
+    t0, prev_end = stretch[0][0], stretch[0][0]
+    print(f"\nkernels {skip}-{skip + len(stretch) - 1} of the profile (us: start, duration, gap since the previous end)")
+    for s, e, name in stretch:
+        print(f"  {s - t0:8.2f} {e - s:8.2f} {s - prev_end:+7.2f}  {name[:90]}")
+        prev_end = e
+    print(f"  stretch: {stretch[-1][1] - t0:.2f} us, kernels busy {sum(e - s for s, e, _ in stretch):.2f} us", flush=True)
+
+
 def main(argv=None):
     import kvrewrite
     from kvrewrite.bench.e2e import KVDecoder, _time_steps, build_model, copy_gbps, synthetic_fill
@@ -89,6 +108,8 @@ def main(argv=None):
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--no-pdl", action="store_true",
                         help="launch without programmatic dependent launch (kernels/_pdl.py; rw.compile uses it)")
+    parser.add_argument("--layer-trace", type=int, default=0, metavar="N",
+                        help="print N kernels of a plain step in launch order, with their starts, durations and gaps")
     parser.add_argument("--no-gemv-timings", action="store_true", help="skip the bare GEMV timings")
     args = parser.parse_args(argv)
     if args.batch < 1:
@@ -130,7 +151,7 @@ def main(argv=None):
               f"{statistics.median(plain):.3f}  compressing mean {statistics.mean(comp) if comp else float('nan'):.3f}")
         if dec.compresses:
             profile_steps(dec, rw, 1, True, args.top)
-        profile_steps(dec, rw, 16, False, args.top)
+        profile_steps(dec, rw, 16, False, args.top, args.layer_trace)
 
 
 if __name__ == "__main__":
