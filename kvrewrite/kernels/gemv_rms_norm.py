@@ -229,21 +229,52 @@ def _rms_norm_row_kernel(
     K, eps,
     stride_xk, stride_rk, stride_nk,
     BLOCK_K: tl.constexpr,
+    ROW_TILES: tl.constexpr,  # > 0: the row in registers as [ROW_TILES, BLOCK_K], one load of each input; 0: loops
     HAS_RES: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
     PDL: tl.constexpr,
+    TRIGGER_FIRST: tl.constexpr,  # with PDL: let the GEMV launch before the wait (_pdl.TRIGGER_FIRST)
 ):
     """The split norm's first launch, one program: h (stored with a residual) and n = RMSNorm(h) (stored to NORMED), the
-    fused kernel's prologue and _normed in the same tiles, so n is the value each fused program computes."""
+    fused kernel's prologue and _normed in the same tiles, so n is the value each fused program computes. With
+    ROW_TILES the row's K tiles sit in registers side by side: every load is issued at once and h is read once (the
+    loops wait on one tile's loads after another, twice; this launch is on the step's critical path), and the sum of
+    squares still adds the tiles in _inv_rms's order, so n has the same bits."""
     dtype = X.dtype.element_ty
-    if PDL:
+    if PDL:  # the GEMV launches and loads its first (constant) weight tile during the norm (and, TRIGGER_FIRST, the wait)
+        if TRIGGER_FIRST:
+            gdc_launch_dependents()
         gdc_wait()
-        gdc_launch_dependents()  # the GEMV launches now and loads its first (constant) weight tile during the norm
-    inv_rms = _inv_rms(X, RES, H, K, eps, stride_xk, stride_rk, True, dtype, BLOCK_K, HAS_RES)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        n = _normed(X, RES, NW, cols, K, stride_xk, stride_rk, stride_nk, inv_rms, dtype, HAS_RES, UNIT_OFFSET)
-        tl.store(NORMED + cols, n, mask=cols < K)
+        if not TRIGGER_FIRST:
+            gdc_launch_dependents()
+    if ROW_TILES > 0:
+        tile = tl.arange(0, ROW_TILES)[:, None]
+        cols = tile * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+        k_ok = cols < K
+        h = tl.load(X + cols * stride_xk, mask=k_ok, other=0.0)
+        if HAS_RES:
+            r = tl.load(RES + cols * stride_rk, mask=k_ok, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)  # eager's add: rounded to the dtype
+            tl.store(H + cols, h, mask=k_ok)
+        nw = tl.load(NW + cols * stride_nk, mask=k_ok, other=0.0).to(tl.float32)
+        h32 = h.to(tl.float32)
+        sq = h32 * h32
+        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for i in tl.static_range(ROW_TILES):  # tile i alone (the others add exact zeros): _inv_rms's order
+            squares += tl.sum(tl.where(tile == i, sq, 0.0), axis=0)
+        inv_rms = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        normed = h32 * inv_rms
+        if UNIT_OFFSET:  # _normed's roundings
+            n = (normed * (nw + 1.0)).to(dtype)
+        else:
+            n = (nw * normed.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(NORMED + cols, n, mask=k_ok)
+    else:
+        inv_rms = _inv_rms(X, RES, H, K, eps, stride_xk, stride_rk, True, dtype, BLOCK_K, HAS_RES)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            n = _normed(X, RES, NW, cols, K, stride_xk, stride_rk, stride_nk, inv_rms, dtype, HAS_RES, UNIT_OFFSET)
+            tl.store(NORMED + cols, n, mask=cols < K)
 
 
 # SPLIT_NORM_MIN_N: from this many output rows on, the op runs as two launches, the norm in one program
@@ -254,6 +285,9 @@ def _rms_norm_row_kernel(
 # docs/bench.md "Stop 37 runs" (H200 only). A/B: --kernel-option gemv_rms_norm.SPLIT_NORM_MIN_N=0 (always split) or a value above every N (never).
 SPLIT_NORM_MIN_N = 16384
 NORM_WARPS = 4
+# The norm kernel holds the row in registers (ROW_TILES) up to this many elements, with a warp per 1024 of them
+# (at least NORM_WARPS): 32 elements of each input a thread. Longer rows loop over their tiles.
+NORM_REGISTER_ELEMENTS = 8192
 
 # Rows per program, warps and the first weight tile's preload, from the sweeps (bf16, qkv 6144, gate/up 28672, lm_head
 # 128256 rows x 4096; kvrewrite/bench/gemv_rms_norm.py --sweep). 4 rows x 4 warps without the preload:
@@ -273,18 +307,27 @@ NORM_WARPS = 4
 BLOCK_N, NUM_WARPS, PRELOAD = 4, 4, False
 
 
-def launch_config(N, K, block_n=None, num_warps=None, preload=None, split_norm=None, **overrides):
+def launch_config(N, K, block_n=None, num_warps=None, preload=None, split_norm=None, norm_row_tiles=None,
+                  **overrides):
     """gemv's launch configuration (kernels/gemv.py _launch_config) with this kernel's rows per program, warps
     and first-tile preload; with split_norm (default: N >= SPLIT_NORM_MIN_N), gemv's own launch configuration for
-    the GEMV after the norm's launch."""
+    the GEMV after the norm's launch, and the norm kernel's: norm_row_tiles (the row's K tiles held in registers,
+    0 = loop over them; default: every tile where the row has at most NORM_REGISTER_ELEMENTS) and norm_warps."""
     split_norm = N >= SPLIT_NORM_MIN_N if split_norm is None else split_norm
     if split_norm:
+        cfg = _launch_config(N, K, block_n=block_n, num_warps=num_warps, **overrides)
+        if norm_row_tiles is None:
+            tiles = triton.next_power_of_2(triton.cdiv(K, cfg["block_k"]))
+            norm_row_tiles = tiles if tiles * cfg["block_k"] <= NORM_REGISTER_ELEMENTS else 0
+        norm_warps = max(NORM_WARPS, norm_row_tiles * cfg["block_k"] // 1024)
         if preload is not None:  # a sweep of the fused kernel would otherwise time the split form unawares
             raise ValueError(f"gemv_rms_norm launch_config: preload={preload} tunes the fused kernel, but N = {N} "
                              f"runs the split norm (N >= SPLIT_NORM_MIN_N = {SPLIT_NORM_MIN_N} or split_norm=True); "
                              f"pass split_norm=False to tune the fused kernel")
-        return dict(_launch_config(N, K, block_n=block_n, num_warps=num_warps, **overrides), preload=False,
-                    split_norm=True)
+        return dict(cfg, preload=False, split_norm=True, norm_row_tiles=norm_row_tiles, norm_warps=norm_warps)
+    if norm_row_tiles is not None:
+        raise ValueError(f"gemv_rms_norm launch_config: norm_row_tiles tunes the split norm's kernel, but N = {N} runs "
+                         f"the fused kernel (N < SPLIT_NORM_MIN_N = {SPLIT_NORM_MIN_N}); pass split_norm=True")
     cfg = _launch_config(N, K, block_n=BLOCK_N if block_n is None else block_n,
                          num_warps=NUM_WARPS if num_warps is None else num_warps, **overrides)
     return dict(cfg, preload=PRELOAD if preload is None else preload, split_norm=False)
@@ -316,8 +359,9 @@ def _launch(x, residual, norm_weight, eps, weight, bias=None, unit_offset=False,
         normed = torch.empty_like(x1)
         wrap_triton(_rms_norm_row_kernel)[(1,)](
             x1, r1, norm_weight, normed, h if residual is not None else normed, K, float(eps), x1.stride(0),
-            r1.stride(0), norm_weight.stride(0), BLOCK_K=cfg["block_k"], HAS_RES=residual is not None,
-            UNIT_OFFSET=bool(unit_offset), PDL=pdl, num_warps=NORM_WARPS, **launch)
+            r1.stride(0), norm_weight.stride(0), BLOCK_K=cfg["block_k"], ROW_TILES=cfg["norm_row_tiles"],
+            HAS_RES=residual is not None, UNIT_OFFSET=bool(unit_offset), PDL=pdl, TRIGGER_FIRST=_pdl.TRIGGER_FIRST,
+            num_warps=cfg["norm_warps"], **launch)
         gemv_tuning = {k: cfg[k] for k in ("block_n", "block_k", "num_warps", "num_stages", "evict_first")}
         return _gemv_launch(normed.view(x.shape), weight, bias, constant_weight, **gemv_tuning), h
     y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)

@@ -121,3 +121,17 @@ def test_preload_on_the_split_form_is_refused():
         m.launch_config(N, 4096, preload=True)
     assert m.launch_config(N, 4096, preload=True, split_norm=False)["preload"] is True
     assert m.launch_config(N, 4096)["split_norm"] and not m.launch_config(N - 1, 4096)["split_norm"]
+
+
+def test_norm_row_tiles_hold_rows_up_to_the_register_limit():
+    """The split norm's kernel holds a row of up to NORM_REGISTER_ELEMENTS in registers (a warp per 1024 elements,
+    at least NORM_WARPS) and loops over longer ones; norm_row_tiles tunes only that kernel."""
+    pytest.importorskip("triton")
+    N = m.SPLIT_NORM_MIN_N
+    cfg = m.launch_config(N, 4096)
+    assert (cfg["norm_row_tiles"] * cfg["block_k"], cfg["norm_warps"]) == (4096, m.NORM_WARPS)
+    cfg = m.launch_config(N, 8192)
+    assert (cfg["norm_row_tiles"] * cfg["block_k"], cfg["norm_warps"]) == (8192, 8)
+    assert m.launch_config(N, 16384)["norm_row_tiles"] == 0
+    with pytest.raises(ValueError, match="norm_row_tiles tunes the split norm's kernel"):
+        m.launch_config(N - 1, 4096, norm_row_tiles=0)

@@ -28,7 +28,8 @@ from kvrewrite.kernels import gemv_rms_norm as m  # noqa: E402
 @pytest.mark.parametrize("N, K, tuning", [(37, 700, dict(block_k=256)), (5, 77, dict(block_k=32, preload=False)),
                                           (9, 4096, dict()), (3, 100, dict(block_k=128, block_n=4)),
                                           (37, 700, dict(block_k=256, split_norm=True)),  # the split norm's two launches
-                                          (5, 77, dict(block_k=32, split_norm=True))])
+                                          (5, 77, dict(block_k=32, split_norm=True)),  # its row in registers
+                                          (5, 77, dict(block_k=32, split_norm=True, norm_row_tiles=0))])  # its loops
 def test_kernel_within_the_bound_of_float64(N, K, tuning, residual, unit_offset, dtype):
     g = torch.Generator().manual_seed(N + K)
     x = torch.randn(1, 1, K, generator=g).to(dtype)
@@ -59,3 +60,18 @@ def test_constant_weight_loads_earlier_and_computes_the_same_bits(residual, tuni
         plain = m._launch(x, r, nw, 1e-5, w, None, False, False, **tuning)
         early = m._launch(x, r, nw, 1e-5, w, None, False, True, **tuning)
     assert torch.equal(plain[0], early[0]) and torch.equal(plain[1], early[1])
+
+
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+def test_split_norm_row_in_registers_computes_the_loops_bits(residual, unit_offset):
+    """The norm kernel's row held in registers (ROW_TILES, the default up to NORM_REGISTER_ELEMENTS) adds the tiles'
+    squares in its loops' order: the same n, so the same y and h."""
+    g = torch.Generator().manual_seed(11)
+    x, r = torch.randn(1, 1, 300, generator=g), (torch.randn(1, 1, 300, generator=g) if residual else None)
+    nw, w = torch.randn(300, generator=g), torch.randn(7, 300, generator=g) / 20
+    with set_wrap_triton_enabled(False):
+        loops = m._launch(x, r, nw, 1e-5, w, None, unit_offset, split_norm=True, block_k=64, norm_row_tiles=0)
+        regs = m._launch(x, r, nw, 1e-5, w, None, unit_offset, split_norm=True, block_k=64)
+    assert m.launch_config(7, 300, split_norm=True, block_k=64)["norm_row_tiles"] == 8  # 5 tiles, padded
+    assert torch.equal(loops[0], regs[0]) and torch.equal(loops[1], regs[1])
