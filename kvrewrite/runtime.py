@@ -112,9 +112,15 @@ class KVRewrittenModel(HostGeneration, nn.Module):
         third of the time (warm-up 46-68 s against 142-165 s). And Inductor's
         launcher does not pass launch attributes to user kernels, so this is what lets them run with programmatic
         dependent launch (kernels/_pdl.py). torch.compile of the model by hand and the exporters still trace the
-        kernels in (kernels/_triton_op.py)."""
+        kernels in (kernels/_triton_op.py).
+
+        On CUDA, Inductor's combo kernels are on unless `options` say otherwise (COMPILE_INDUCTOR_DEFAULTS): they
+        launch the rotary embeddings of q and k as one kernel, so the cache append and the attention follow each
+        other with programmatic dependent launch. Measured on an H200 (snapkv, 32k, batch 1; docs/bench.md
+        "Stop 38 runs"): 4.56 against 4.63 ms/token in one device call."""
         super().compile(*args, **kwargs)
-        self._compiled_call_impl = _OpaqueOpsCall(self._compiled_call_impl)
+        defaults = COMPILE_INDUCTOR_DEFAULTS if self._state_device().type == "cuda" else {}
+        self._compiled_call_impl = _OpaqueOpsCall(self._compiled_call_impl, defaults)
 
     # -- one step ------------------------------------------------------------------------------------
     def forward(self, input_ids, position_ids, cache_position, token_valid, compress: bool = True):
@@ -142,10 +148,17 @@ class KVRewrittenModel(HostGeneration, nn.Module):
         return self(ids, pos, cpos, valid, name == "decode_compress")
 
 
+# Inductor configs rw.compile sets on CUDA (see KVRewrittenModel.compile); torch.compile(options=...) overrides them
+# (its options are patched in inside these).
+COMPILE_INDUCTOR_DEFAULTS = {"combo_kernels": True}
+
+
 class _OpaqueOpsCall:
     """A compiled step called with torch._functorch.config.decompose_custom_triton_ops off (the switch
     torch.export uses for the same purpose): AOTAutograd, which compiles on a call, then keeps each
     torch.library.triton_op as an op of the graph instead of decomposing it into its kernel launches.
+    `inductor`: Inductor configs patched in around the call (Dynamo and Inductor compile inside it, on a first
+    call or a recompile), under the ones torch.compile's `options` patch in.
 
     Inductor's own kernels keep Inductor's PDL setting (triton.enable_pdl, off unless TORCHINDUCTOR_ENABLE_PDL=1 or
     rw.compile(options={"triton.enable_pdl": True})). With it on, an Inductor kernel loads before its gdc_wait
@@ -153,14 +166,18 @@ class _OpaqueOpsCall:
     counts as written there is Inductor's bookkeeping, not something this library can check, and the whole of PDL
     measured 0.1-0.3% end to end (kernels/_pdl.py). So it is not turned on here."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, inductor=None):
         self.fn = fn
+        self.inductor = dict(inductor or {})
 
     def __call__(self, *args, **kwargs):
+        import torch._inductor.config as inductor_config
+
         config = torch._functorch.config
         old = config.decompose_custom_triton_ops
         config.decompose_custom_triton_ops = False
         try:
-            return self.fn(*args, **kwargs)
+            with inductor_config.patch(self.inductor):
+                return self.fn(*args, **kwargs)
         finally:
             config.decompose_custom_triton_ops = old

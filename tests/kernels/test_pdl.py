@@ -55,3 +55,30 @@ def test_the_benchmark_refuses_a_machine_without_cuda(tmp_path):
     with pytest.raises(SystemExit, match="measures a CUDA device; none is available"):
         bench.main(["--out", str(tmp_path / "pdl.json")])
     assert not (tmp_path / "pdl.json").exists()
+
+
+def test_compile_defaults_sit_under_the_callers_options():
+    """rw.compile's Inductor defaults (runtime.COMPILE_INDUCTOR_DEFAULTS, on CUDA) are patched in around the call, so
+    Inductor compiles with them, torch.compile(options=...) still overrides them, and the config is restored."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from kvrewrite.runtime import COMPILE_INDUCTOR_DEFAULTS
+
+    assert COMPILE_INDUCTOR_DEFAULTS == {"combo_kernels": True}
+    seen = []
+
+    class Record(CustomGraphPass):
+        def __call__(self, graph):
+            seen.append(torch._inductor.config.combo_kernels)
+
+        def uuid(self):
+            return None  # not cacheable: Inductor compiles every time
+
+    before = torch._inductor.config.combo_kernels
+    overridden = torch.compile(lambda x: x.sin() + 1, options={"combo_kernels": False,
+                                                               "post_grad_custom_post_pass": Record()})
+    defaulted = torch.compile(lambda x: x.cos() + 1, options={"post_grad_custom_post_pass": Record()})
+    _OpaqueOpsCall(overridden, COMPILE_INDUCTOR_DEFAULTS)(torch.ones(3))
+    _OpaqueOpsCall(defaulted, COMPILE_INDUCTOR_DEFAULTS)(torch.ones(3))
+    assert seen == [False, True]
+    assert torch._inductor.config.combo_kernels == before
