@@ -31,6 +31,16 @@ the early tile came back for constant weights in stop 37, docs/bench.md "Stop 37
   (two runs each; within 0.4%); not timed with the wait first. The fused norm GEMVs (65 of the ~300 kernels, the
   largest) waited first in both.
 
+Trigger first: the two one-wave kernels whose successor is a GEMV with a constant weight, clustered_attention's
+combine (then the o-projection) and gemv_rms_norm's split norm (then gate/up or the lm_head), call
+`gdc_launch_dependents()` before their `gdc_wait()`. The GEMV's programs then launch while the kernel before the
+combine (the attention, latency-bound: half the copy bandwidth) still runs, and load their first weight tiles
+beside it. The order stays the rule's: the GEMV's wait returns only when the combine has completed, which its own
+wait put after the attention. A kernel launched with PDL is scheduled only once every program of the kernel before
+it has signalled or exited, so programs waiting early never keep that kernel's programs off the SMs.
+`TRIGGER_FIRST = False` restores wait-then-signal (an A/B switch: `--kernel-option _pdl.TRIGGER_FIRST=False`).
+Measured: docs/bench.md "Stop 38 runs".
+
 When: `launch_options(t)` gives the launch keywords and the kernels' PDL constexpr. PDL is used where the op
 launches its kernel itself (eager calls, and under `rw.compile`, which keeps the ops opaque to Inductor:
 runtime.py), on a CUDA device of compute capability >= 9, unless `set_enabled(False)`. Inductor's own kernels
@@ -55,6 +65,7 @@ except ImportError:  # CPU-only installs, and Triton builds without the CUDA ext
     gdc_wait = gdc_launch_dependents = None
 
 _enabled = True
+TRIGGER_FIRST = True  # the module docstring, "Trigger first"
 
 
 def set_enabled(enabled: bool) -> None:

@@ -419,10 +419,14 @@ def _clustered_attention_combine_kernel(
     SAVE_Q: tl.constexpr,  # q and lse into entry c mod NPEND; the other entries emptied at c mod NPEND == 0
     NPEND: tl.constexpr,
     PDL: tl.constexpr,  # launched with PDL: wait for the split kernel first (kernels/_pdl.py)
+    TRIGGER_FIRST: tl.constexpr,  # with PDL: let the next kernel launch before the wait (_pdl.TRIGGER_FIRST)
 ):
     if PDL:
+        if TRIGGER_FIRST:
+            gdc_launch_dependents()
         gdc_wait()
-        gdc_launch_dependents()
+        if not TRIGGER_FIRST:
+            gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     if SAVE_Q:  # loaded first, stored last: their latency overlaps the partials'
         offs_d = tl.arange(0, HEAD_DIM)
@@ -595,8 +599,8 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past
             part, m_part, l_part, out, out if lse is None else lse, q, out if save_q is None else save_q,
             cache_position, q.stride(0), q.stride(1), q.stride(3), S, q.shape[1], q.shape[1] // keys.shape[1],
             HEAD_DIM=out.shape[-1], BLOCK_S=max(triton.next_power_of_2(S), 2), WRITE_LSE=lse is not None,
-            SAVE_Q=save_q is not None, NPEND=1 if save_q is None else int(save_q.shape[2]), PDL=pdl, num_warps=4,
-            **launch,
+            SAVE_Q=save_q is not None, NPEND=1 if save_q is None else int(save_q.shape[2]), PDL=pdl,
+            TRIGGER_FIRST=_pdl.TRIGGER_FIRST, num_warps=4, **launch,
         )
     return out
 

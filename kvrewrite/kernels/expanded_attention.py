@@ -267,7 +267,7 @@ def launch_expanded_forward(q, keys, values, bias, slot_pos, cache_position, ent
         wrap_triton(ca._clustered_attention_combine_kernel)[(B * Hq * T,)](
             part, m_part, l_part, out, lse, q, out, cache_position, q.stride(0), q.stride(1), q.stride(3), n_splits,
             Hq, G, HEAD_DIM=D, BLOCK_S=max(triton.next_power_of_2(n_splits), 2), WRITE_LSE=True, SAVE_Q=False,
-            NPEND=1, PDL=False, num_warps=4,
+            NPEND=1, PDL=False, TRIGGER_FIRST=False, num_warps=4,
         )
     return out, lse
 

@@ -434,7 +434,7 @@ def _launch(q, keys, values, bias, index, scale, softcap=0.0, **overrides):
         wrap_triton(_clustered_attention_combine_kernel)[(B * Hq * T,)](
             part, m_part, l_part, out, out, q, out, index, q.stride(0), q.stride(1), q.stride(3), n_splits, Hq,
             Hq // Hkv, HEAD_DIM=D, BLOCK_S=max(triton.next_power_of_2(n_splits), 2), WRITE_LSE=False,
-            SAVE_Q=False, NPEND=1, PDL=False, num_warps=4,
+            SAVE_Q=False, NPEND=1, PDL=False, TRIGGER_FIRST=False, num_warps=4,
         )
     return out
 
