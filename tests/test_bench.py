@@ -76,6 +76,7 @@ def test_tiny_cpu_run_writes_the_json(tmp_path):
     assert main(["bench", *argv]) == 0
     doc = json.loads(out.read_text())
     assert doc["env"]["torch"] == torch.__version__ and doc["copy_gbps"] > 0 and doc["weight_bytes_read"] > 0
+    assert len(doc["copy_gbps_rounds"]) == 3 and doc["copy_gbps"] == max(doc["copy_gbps_rounds"])  # the best round
     rows = {(r["system"], r["batch"]): r for r in doc["rows"]}
     assert set(rows) == {("hf-eager", 1), ("hf-eager", 2), ("streamingllm", 1), ("streamingllm", 2)}
     for (system, B), r in rows.items():
