@@ -7,7 +7,9 @@ bf16, each weight read from HBM: enough copies rotated past the L2, replayed as 
 of the measured copy bandwidth. Then a real chunked prefill of `--context` random tokens (at `--batch` > 1 the
 state `kvrewrite bench` fills synthetically for such rows: e2e.synthetic_fill), the decode steps
 through rw.compile(fullgraph=True, mode="reduce-overhead") (or `--kv-compile graph`), and a profile of one
-compressing step and of 16 plain steps: device time per kernel per step, most expensive first.
+compressing step and of 16 plain steps: device time per kernel per step, most expensive first; with
+`--layer-trace N`, N kernels of a plain step from the middle of the step in launch order, with their starts,
+durations and the gaps between them (what one layer costs, PDL overlaps included).
 Output: docs/bench/e2e_h100_decode_profile.txt is one such run.
 """
 import argparse

@@ -286,7 +286,10 @@ def _rms_norm_row_kernel(
 SPLIT_NORM_MIN_N = 16384
 NORM_WARPS = 4
 # The norm kernel holds the row in registers (ROW_TILES) up to this many elements, with a warp per 1024 of them
-# (at least NORM_WARPS): 32 elements of each input a thread. Longer rows loop over their tiles.
+# (at least NORM_WARPS): 32 elements of each input a thread. Longer rows loop over their tiles. Why: on an H200 the
+# loops' form ended 4.4 us after the GEMV before it, on the step's critical path (docs/bench.md "Stop 38 runs"); the
+# register form was timed end to end only together with two other launch changes (-0.9% there), not alone.
+# A/B: --kernel-option gemv_rms_norm.NORM_REGISTER_ELEMENTS=0 (always the loops).
 NORM_REGISTER_ELEMENTS = 8192
 
 # Rows per program, warps and the first weight tile's preload, from the sweeps (bf16, qkv 6144, gate/up 28672, lm_head
