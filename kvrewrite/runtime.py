@@ -177,6 +177,8 @@ class _OpaqueOpsCall:
         old = config.decompose_custom_triton_ops
         config.decompose_custom_triton_ops = False
         try:
+            if not self.inductor:
+                return self.fn(*args, **kwargs)
             with inductor_config.patch(self.inductor):
                 return self.fn(*args, **kwargs)
         finally:
