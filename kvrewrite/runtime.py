@@ -114,10 +114,11 @@ class KVRewrittenModel(HostGeneration, nn.Module):
         dependent launch (kernels/_pdl.py). torch.compile of the model by hand and the exporters still trace the
         kernels in (kernels/_triton_op.py).
 
-        On CUDA, Inductor's combo kernels are on unless `options` say otherwise (COMPILE_INDUCTOR_DEFAULTS): they
-        launch the rotary embeddings of q and k as one kernel, so the cache append and the attention follow each
-        other with programmatic dependent launch. Measured on an H200 (snapkv, 32k, batch 1; docs/bench.md
-        "Stop 38 runs"): 4.56 against 4.63 ms/token in one device call."""
+        On CUDA, the batch-1 decode steps compile with Inductor's combo kernels unless `options` say otherwise
+        (COMPILE_INDUCTOR_DEFAULTS): they launch the rotary embeddings of q and k as one kernel, so the cache append
+        and the attention follow each other with programmatic dependent launch. Measured on an H200 (snapkv, 32k,
+        batch 1; docs/bench.md "Stop 38 runs"): 4.56 against 4.63 ms/token in one device call. Prefill chunks and
+        larger batches compile as before: combo kernels were not timed there."""
         super().compile(*args, **kwargs)
         defaults = COMPILE_INDUCTOR_DEFAULTS if self._state_device().type == "cuda" else {}
         self._compiled_call_impl = _OpaqueOpsCall(self._compiled_call_impl, defaults)
@@ -148,8 +149,8 @@ class KVRewrittenModel(HostGeneration, nn.Module):
         return self(ids, pos, cpos, valid, name == "decode_compress")
 
 
-# Inductor configs rw.compile sets on CUDA (see KVRewrittenModel.compile); torch.compile(options=...) overrides them
-# (its options are patched in inside these).
+# Inductor configs rw.compile sets on CUDA for the steps whose input_ids are one token of one sequence (see
+# KVRewrittenModel.compile); torch.compile(options=...) overrides them (its options are patched in inside these).
 COMPILE_INDUCTOR_DEFAULTS = {"combo_kernels": True}
 
 
@@ -157,8 +158,9 @@ class _OpaqueOpsCall:
     """A compiled step called with torch._functorch.config.decompose_custom_triton_ops off (the switch
     torch.export uses for the same purpose): AOTAutograd, which compiles on a call, then keeps each
     torch.library.triton_op as an op of the graph instead of decomposing it into its kernel launches.
-    `inductor`: Inductor configs patched in around the call (Dynamo and Inductor compile inside it, on a first
-    call or a recompile), under the ones torch.compile's `options` patch in.
+    `inductor`: Inductor configs patched in around a call whose first argument (input_ids) is [1, 1], a batch-1
+    decode step (Dynamo and Inductor compile inside the call, on a first call or a recompile, so each compiled
+    graph keeps the configs of its shapes), under the ones torch.compile's `options` patch in.
 
     Inductor's own kernels keep Inductor's PDL setting (triton.enable_pdl, off unless TORCHINDUCTOR_ENABLE_PDL=1 or
     rw.compile(options={"triton.enable_pdl": True})). With it on, an Inductor kernel loads before its gdc_wait
@@ -177,7 +179,7 @@ class _OpaqueOpsCall:
         old = config.decompose_custom_triton_ops
         config.decompose_custom_triton_ops = False
         try:
-            if not self.inductor:
+            if not self.inductor or tuple(getattr(args[0] if args else None, "shape", ())) != (1, 1):
                 return self.fn(*args, **kwargs)
             with inductor_config.patch(self.inductor):
                 return self.fn(*args, **kwargs)

@@ -58,8 +58,9 @@ def test_the_benchmark_refuses_a_machine_without_cuda(tmp_path):
 
 
 def test_compile_defaults_sit_under_the_callers_options():
-    """rw.compile's Inductor defaults (runtime.COMPILE_INDUCTOR_DEFAULTS, on CUDA) are patched in around the call, so
-    Inductor compiles with them, torch.compile(options=...) still overrides them, and the config is restored."""
+    """rw.compile's Inductor defaults (runtime.COMPILE_INDUCTOR_DEFAULTS, on CUDA) are patched in around a batch-1
+    decode step's call, so Inductor compiles it with them; torch.compile(options=...) still overrides them, other
+    shapes compile without them, and the config is restored."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     from kvrewrite.runtime import COMPILE_INDUCTOR_DEFAULTS
@@ -78,7 +79,10 @@ def test_compile_defaults_sit_under_the_callers_options():
     overridden = torch.compile(lambda x: x.sin() + 1, options={"combo_kernels": False,
                                                                "post_grad_custom_post_pass": Record()})
     defaulted = torch.compile(lambda x: x.cos() + 1, options={"post_grad_custom_post_pass": Record()})
-    _OpaqueOpsCall(overridden, COMPILE_INDUCTOR_DEFAULTS)(torch.ones(3))
-    _OpaqueOpsCall(defaulted, COMPILE_INDUCTOR_DEFAULTS)(torch.ones(3))
-    assert seen == [False, True]
+    decode = torch.ones(1, 1)  # input_ids of a batch-1 decode step; other shapes compile without the defaults
+    _OpaqueOpsCall(overridden, COMPILE_INDUCTOR_DEFAULTS)(decode)
+    _OpaqueOpsCall(defaulted, COMPILE_INDUCTOR_DEFAULTS)(decode)
+    _OpaqueOpsCall(defaulted, COMPILE_INDUCTOR_DEFAULTS)(torch.ones(2, 1))  # a recompile: batch 2
+    _OpaqueOpsCall(defaulted, COMPILE_INDUCTOR_DEFAULTS)(torch.ones(1, 64))  # a prefill chunk
+    assert seen[:2] == [False, True] and seen[2:] == [before] * (len(seen) - 2) and len(seen) >= 3
     assert torch._inductor.config.combo_kernels == before
