@@ -8,7 +8,7 @@ of the measured copy bandwidth. Then a real chunked prefill of `--context` rando
 state `kvrewrite bench` fills synthetically for such rows: e2e.synthetic_fill), the decode steps
 through rw.compile(fullgraph=True, mode="reduce-overhead") (or `--kv-compile graph`), and a profile of one
 compressing step and of 16 plain steps: device time per kernel per step, most expensive first; with
-`--layer-trace N`, N kernels of a plain step from the middle of the step in launch order, with their starts,
+`--layer-trace N`, N kernels of a plain step (from its 40th) in launch order, with their starts,
 durations and the gaps between them (what one layer costs, PDL overlaps included).
 Output: docs/bench/e2e_h100_decode_profile.txt is one such run.
 """
@@ -78,8 +78,8 @@ def timeline(p, n_steps: int) -> None:
 
 
 def layer_trace(p, kernels: int = 14, skip: int = 40) -> None:
-    """One stretch of a step's kernels in launch order (from the `skip`-th kernel: a layer in the middle of the
-    step): each kernel's start relative to the stretch, its duration and the gap since the previous kernel
+    """One stretch of a step's kernels in launch order (from the `skip`-th kernel of the profile: past the embedding
+    and the first layers, a layer like the others): each kernel's start relative to the stretch, its duration and the gap since the previous kernel
     ended (negative: it started before that one ended, programmatic dependent launch)."""
     events = sorted((e.time_range.start, e.time_range.end, e.name) for e in p.events()
                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
