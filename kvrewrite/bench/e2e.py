@@ -1048,7 +1048,7 @@ class Bench:
         row["tok_per_s"] = 1e3 * B / row["ms_per_step"]
         row["floor_ms"] = self.floor_ms(row["kv_read_bytes"])
         row["ratio_to_floor"] = row["ms_per_step"] / row["floor_ms"]
-        row["copy_gbps"] = self.copy_gbps
+        row["copy_gbps"], row["copy_gbps_rounds"] = self.copy_gbps, self.copy_rounds
         row["row_s"] = time.perf_counter() - t0
         return row
 

@@ -90,6 +90,7 @@ def run_isolated(cfg: BenchConfig, log=print, run_row=row_in_process) -> dict:
             row["max_batch_tries"] = tries
         if row.get("copy_gbps"):
             planner.copy_gbps = row["copy_gbps"]  # the document's figure: the latest row's own measurement
+            planner.copy_rounds = row.get("copy_gbps_rounds")
         planner.add(row, log)
     return json.loads(Path(cfg.out).read_text())
 
