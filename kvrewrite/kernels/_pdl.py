@@ -56,6 +56,8 @@ import functools
 
 import torch
 
+from kvrewrite.kernels._triton_op import triton_jit
+
 try:
     import triton
     import triton.language as tl
@@ -66,6 +68,17 @@ except ImportError:  # CPU-only installs, and Triton builds without the CUDA ext
 
 _enabled = True
 TRIGGER_FIRST = True  # the module docstring, "Trigger first"
+
+
+@triton_jit()
+def wait_and_signal(TRIGGER_FIRST: tl.constexpr):
+    """A PDL kernel's prologue: gdc_wait() then gdc_launch_dependents() (the rule), or with TRIGGER_FIRST the
+    signal before the wait (the module docstring, "Trigger first")."""
+    if TRIGGER_FIRST:
+        gdc_launch_dependents()
+    gdc_wait()
+    if not TRIGGER_FIRST:
+        gdc_launch_dependents()
 
 
 def set_enabled(enabled: bool) -> None:

@@ -53,7 +53,7 @@ import torch
 from torch.library import wrap_triton
 
 from kvrewrite.kernels import _pdl
-from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
+from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait, wait_and_signal
 from kvrewrite.kernels._triton_op import check_attention_shapes, check_one_cuda_device, register_triton_op, triton_jit
 
 try:
@@ -430,11 +430,7 @@ def _clustered_attention_combine_kernel(
     TRIGGER_FIRST: tl.constexpr,  # with PDL: let the next kernel launch before the wait (_pdl.TRIGGER_FIRST)
 ):
     if PDL:
-        if TRIGGER_FIRST:
-            gdc_launch_dependents()
-        gdc_wait()
-        if not TRIGGER_FIRST:
-            gdc_launch_dependents()
+        wait_and_signal(TRIGGER_FIRST)
     row = tl.program_id(0).to(tl.int64)
     if SAVE_Q:  # loaded first, stored last: their latency overlaps the partials'
         offs_d = tl.arange(0, HEAD_DIM)

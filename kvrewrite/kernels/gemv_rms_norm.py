@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch.library import wrap_triton
 
 from kvrewrite.kernels import _pdl
-from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
+from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait, wait_and_signal
 from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
 from kvrewrite.kernels.gemv import ROUNDING, _launch_config, _weight_tile, early_weight, input_problem
 from kvrewrite.kernels.gemv import _launch as _gemv_launch
@@ -242,11 +242,7 @@ def _rms_norm_row_kernel(
     squares still adds the tiles in _inv_rms's order, so n has the same bits."""
     dtype = X.dtype.element_ty
     if PDL:  # the GEMV launches and loads its first (constant) weight tile during the norm (and, TRIGGER_FIRST, the wait)
-        if TRIGGER_FIRST:
-            gdc_launch_dependents()
-        gdc_wait()
-        if not TRIGGER_FIRST:
-            gdc_launch_dependents()
+        wait_and_signal(TRIGGER_FIRST)
     if ROW_TILES > 0:
         tile = tl.arange(0, ROW_TILES)[:, None]
         cols = tile * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
