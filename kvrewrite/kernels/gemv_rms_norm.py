@@ -143,19 +143,32 @@ def _check_inputs(x, residual, norm_weight, weight, bias, name=NAME):
 
 
 @triton_jit()
-def _normed(X, RES, NW, cols, K, stride_xk, stride_rk, stride_nk, inv_rms, dtype: tl.constexpr,
-            HAS_RES: tl.constexpr, UNIT_OFFSET: tl.constexpr):
-    """n at columns `cols` (0 past K), rounded where eager rounds."""
-    k_ok = cols < K
+def _h(X, RES, cols, k_ok, stride_xk, stride_rk, dtype: tl.constexpr, HAS_RES: tl.constexpr):
+    """h = x + residual at columns `cols` (any shape; 0 where not k_ok), rounded to the dtype as eager's add."""
     h = tl.load(X + cols * stride_xk, mask=k_ok, other=0.0)
     if HAS_RES:
         r = tl.load(RES + cols * stride_rk, mask=k_ok, other=0.0)
         h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
-    nw = tl.load(NW + cols * stride_nk, mask=k_ok, other=0.0).to(tl.float32)
+    return h
+
+
+@triton_jit()
+def _scaled(h, nw, inv_rms, dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """n from h, the norm weight nw (fp32) and rsqrt(mean(h^2) + eps), rounded where eager rounds."""
     normed = h.to(tl.float32) * inv_rms
     if UNIT_OFFSET:
         return (normed * (nw + 1.0)).to(dtype)
     return (nw * normed.to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton_jit()
+def _normed(X, RES, NW, cols, K, stride_xk, stride_rk, stride_nk, inv_rms, dtype: tl.constexpr,
+            HAS_RES: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """n at columns `cols` (0 past K), rounded where eager rounds."""
+    k_ok = cols < K
+    h = _h(X, RES, cols, k_ok, stride_xk, stride_rk, dtype, HAS_RES)
+    nw = tl.load(NW + cols * stride_nk, mask=k_ok, other=0.0).to(tl.float32)
+    return _scaled(h, nw, inv_rms, dtype, UNIT_OFFSET)
 
 
 @triton_jit()
@@ -167,10 +180,8 @@ def _inv_rms(X, RES, H, K, eps, stride_xk, stride_rk, store_h, dtype: tl.constex
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         k_ok = cols < K
-        h = tl.load(X + cols * stride_xk, mask=k_ok, other=0.0)
+        h = _h(X, RES, cols, k_ok, stride_xk, stride_rk, dtype, HAS_RES)
         if HAS_RES:
-            r = tl.load(RES + cols * stride_rk, mask=k_ok, other=0.0)
-            h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)  # eager's add: rounded to the dtype
             tl.store(H + cols, h, mask=k_ok & store_h)
         h32 = h.to(tl.float32)
         squares += h32 * h32
@@ -247,10 +258,8 @@ def _rms_norm_row_kernel(
         tile = tl.arange(0, ROW_TILES)[:, None]
         cols = tile * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
         k_ok = cols < K
-        h = tl.load(X + cols * stride_xk, mask=k_ok, other=0.0)
+        h = _h(X, RES, cols, k_ok, stride_xk, stride_rk, dtype, HAS_RES)
         if HAS_RES:
-            r = tl.load(RES + cols * stride_rk, mask=k_ok, other=0.0)
-            h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)  # eager's add: rounded to the dtype
             tl.store(H + cols, h, mask=k_ok)
         nw = tl.load(NW + cols * stride_nk, mask=k_ok, other=0.0).to(tl.float32)
         h32 = h.to(tl.float32)
@@ -259,12 +268,7 @@ def _rms_norm_row_kernel(
         for i in tl.static_range(ROW_TILES):  # tile i alone (the others add exact zeros): _inv_rms's order
             squares += tl.sum(tl.where(tile == i, sq, 0.0), axis=0)
         inv_rms = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
-        normed = h32 * inv_rms
-        if UNIT_OFFSET:  # _normed's roundings
-            n = (normed * (nw + 1.0)).to(dtype)
-        else:
-            n = (nw * normed.to(dtype).to(tl.float32)).to(dtype)
-        tl.store(NORMED + cols, n, mask=k_ok)
+        tl.store(NORMED + cols, _scaled(h, nw, inv_rms, dtype, UNIT_OFFSET), mask=k_ok)
     else:
         inv_rms = _inv_rms(X, RES, H, K, eps, stride_xk, stride_rk, True, dtype, BLOCK_K, HAS_RES)
         for k0 in range(0, K, BLOCK_K):
