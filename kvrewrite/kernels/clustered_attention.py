@@ -546,14 +546,14 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_
             num_splits = min(num_splits, tiles // 2)  # >= 2 tiles per split
     if balance:  # splits of C / num_splits slots, to BALANCE (the kernel), at least a tile each on average
         num_splits = max(1, min(num_splits, C // block_n))
-        return dict(block_m=block_m, m_blocks=m_blocks, block_n=block_n, num_splits=num_splits,
-                    slots_per_split=triton.cdiv(C, num_splits), num_warps=num_warps, num_stages=num_stages,
-                    skip_unseen=skip_unseen, balance=balance)
-    tiles_per_split = triton.cdiv(tiles, min(max(num_splits, 1), tiles))
-    num_splits = triton.cdiv(tiles, tiles_per_split)  # no empty split
+        slots_per_split = triton.cdiv(C, num_splits)  # unread by the kernel then: it computes its own boundaries
+    else:
+        tiles_per_split = triton.cdiv(tiles, min(max(num_splits, 1), tiles))
+        num_splits = triton.cdiv(tiles, tiles_per_split)  # no empty split
+        slots_per_split = tiles_per_split * block_n
     return dict(block_m=block_m, m_blocks=m_blocks, block_n=block_n, num_splits=num_splits,
-                slots_per_split=tiles_per_split * block_n, num_warps=num_warps, num_stages=num_stages,
-                skip_unseen=skip_unseen, balance=0)
+                slots_per_split=slots_per_split, num_warps=num_warps, num_stages=num_stages,
+                skip_unseen=skip_unseen, balance=balance)
 
 
 def _check_inputs(q, keys, values, bias, slot_pos, cache_position, window, softcap=0.0):
