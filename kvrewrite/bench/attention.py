@@ -295,17 +295,17 @@ def sweep(configs, copy: float) -> list[dict]:
                 stage1[tuple(t.items())] = time_variant(first, sets, **t)
     best = dict(min((k for k in stage1 if not math.isnan(stage1[k])), key=stage1.get))
     del sets
+    sms = ca._num_sms(torch.device("cuda"))
     for cfg in configs:
         sets = _make_sets(cfg)
         G = cfg.Hq // cfg.Hkv
-        default = ca._launch_config(cfg.B, cfg.Hkv, G, cfg.T, cfg.C, cfg.D, ca._num_sms(torch.device("cuda")),
-                                    DTYPES[cfg.dtype].itemsize, block_n=best["block_n"])["num_splits"]
+        default = ca._launch_config(cfg.B, cfg.Hkv, G, cfg.T, cfg.C, cfg.D, sms, DTYPES[cfg.dtype].itemsize,
+                                    block_n=best["block_n"])["num_splits"]
         for splits in sorted({max(1, default // 4), max(1, default // 2), max(1, default - 1), default,
                               default + 1, 2 * default, 4 * default, 8 * default}):
             time_variant(cfg, sets, **best, num_splits=splits)
         # balanced split boundaries (kernels/clustered_attention.py BALANCE): the op's two-per-SM count, the
         # whole-tile count, three per SM
-        sms = ca._num_sms(torch.device("cuda"))
         bal = ca._launch_config(cfg.B, cfg.Hkv, G, cfg.T, cfg.C, cfg.D, sms, DTYPES[cfg.dtype].itemsize,
                                 block_n=best["block_n"], balance=16)["num_splits"]
         for splits in sorted({bal, default, max(1, 3 * sms // (cfg.B * cfg.Hkv))}):

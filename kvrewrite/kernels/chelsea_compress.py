@@ -220,12 +220,13 @@ MAX_HEAD_DIM = 256
 MERGE_COLUMNS = 32  # head-dim columns per program of chelsea's round-0 merge (a power of two >= 16)
 SELECT_BLOCK = 2048  # edges per block of chelsea's round-0 selection (its histogram passes)
 # Rows (B x Hkv) from which a call runs every round in the one-program-per-row kernel (a decode call's one round
-# there merges from the state into the state: each slot read and written once), instead of round 0's parallel launches (the merge writes every row's K/V to a staging copy and a
-# second launch copies it back: each slot read twice and written twice; at batch 40 on an H200 merge 1278 us and
-# write-back 552 us of the 2.5 ms a layer's call took, docs/bench/e2e_h200_decode_profile_b40_chelsea.txt, the
-# compressing step 93.4 ms against 13.7 for a plain one). At batch 1 (8 rows) the parallel
-# launches are what fill the GPU; at batch 40 the rows alone do (320 rows on 132 SMs). 0 = never: off until a GPU
-# run times it (an A/B switch: --kernel-option chelsea_compress.ROWS_PATH_MIN_ROWS=264).
+# there merges from the state into the state: each slot read and written once), instead of round 0's parallel
+# launches (the merge writes every row's K/V to a staging copy and a second launch copies it back: each slot read
+# twice and written twice; at batch 40 on an H200 merge 1278 us and write-back 552 us of the 2.5 ms a layer's call
+# took, docs/bench/e2e_h200_decode_profile_b40_chelsea.txt, the compressing step 93.4 ms against 13.7 for a plain
+# one). At batch 1 (8 rows) the parallel launches are what fill the GPU; at batch 40 the rows alone do (320 rows on
+# 132 SMs). 0 = never: off until a GPU run times it (an A/B switch: --kernel-option
+# chelsea_compress.ROWS_PATH_MIN_ROWS=264).
 ROWS_PATH_MIN_ROWS = 0
 
 
