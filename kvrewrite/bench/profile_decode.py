@@ -54,12 +54,17 @@ def profile_steps(dec, rw, n_steps: int, compressing: bool, top: int, trace: int
               f"{e.device_time_total / e.count:8.1f} us/call  {e.key[:100]}", flush=True)
 
 
+def kernel_events(p) -> list:
+    """The profile's CUDA kernels as (start, end, name) in launch order (us)."""
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in p.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+
+
 def timeline(p, n_steps: int) -> None:
     """The kernels in launch order: per step the span from the first kernel's start to the last one's end, the idle
     time between kernels, and how many kernels started before the previous one ended (what programmatic dependent
     launch allows, kernels/_pdl.py; without it none do)."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in p.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    spans = [(s, e) for s, e, _ in kernel_events(p)]
     if len(spans) < 2:
         return
     busy = sum(e - s for s, e in spans)
@@ -79,11 +84,10 @@ def timeline(p, n_steps: int) -> None:
 
 def layer_trace(p, kernels: int = 14, skip: int = 40) -> None:
     """One stretch of a step's kernels in launch order (from the `skip`-th kernel of the profile: past the embedding
-    and the first layers, a layer like the others): each kernel's start relative to the stretch, its duration and the gap since the previous kernel
-    ended (negative: it started before that one ended, programmatic dependent launch)."""
-    events = sorted((e.time_range.start, e.time_range.end, e.name) for e in p.events()
-                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    stretch = events[skip:skip + kernels]
+    and the first layers, a layer like the others): each kernel's start relative to the stretch, its duration and
+    the gap since the previous kernel ended (negative: it started before that one ended, programmatic dependent
+    launch)."""
+    stretch = kernel_events(p)[skip:skip + kernels]
     if not stretch:
         return
     t0, prev_end = stretch[0][0], stretch[0][0]
