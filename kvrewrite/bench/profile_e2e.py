@@ -1,10 +1,13 @@
 """Where the time of a kvrewrite prefill goes, next to a dense HF prefill (torch.profiler, CUDA kernels).
 
-    python -m kvrewrite.bench.profile_e2e --methods chelsea,full --context 32768
+    python -m kvrewrite.bench.profile_e2e --methods chelsea,full --context 32768 [--batch 8] [--compile]
+                                          [--fuse-projections] [--prefill-chunk 2048]
 
 Same random Llama-3.1-8B-shaped model as `kvrewrite bench`; one warm-up prefill, then one profiled prefill
-per method and one dense HF forward. Prints, per run, the wall time and the CUDA kernels with the most
-device time, grouped into attention / compression / matmul / other.
+per method and one dense HF forward, of a [batch, context] prompt. --compile: the prefill chunks run through
+rw.compile, as `kvrewrite bench --kv-compile inductor` runs them (its warm-up compiles and records the graphs).
+Prints, per run, the wall time and the CUDA kernels with the most device time, grouped into attention /
+compression / matmul / other.
 """
 import argparse
 import time
@@ -47,7 +50,7 @@ def profile(fn, label: str, top: int) -> None:
 
 def main():
     import kvrewrite
-    from kvrewrite.bench.e2e import build_model
+    from kvrewrite.bench.e2e import build_model, compile_rw
     from kvrewrite.cli import _csv
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -56,17 +59,24 @@ def main():
     parser.add_argument("--prefill-chunk", type=int, default=1024)
     parser.add_argument("--budget", type=float, default=0.2)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--compile", action="store_true", help="rw.compile (Inductor + CUDA graphs) before prefill")
+    parser.add_argument("--fuse-projections", action="store_true")
     args = parser.parse_args()
     model = build_model("llama-3.1-8b", "cuda")
     n = args.context
-    ids = torch.randint(1, model.config.vocab_size, (1, n), device="cuda")
+    ids = torch.randint(1, model.config.vocab_size, (args.batch, n), device="cuda")
+    shape = f"n={n} batch={args.batch}"
     with torch.no_grad():
-        profile(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1), f"dense HF prefill n={n}", args.top)
+        profile(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1), f"dense HF prefill {shape}", args.top)
         for m in args.methods:
             opts = {} if m == "full" else {"budget": args.budget}
-            rw = kvrewrite.apply(model, m, max_length=n + 320, prefill_chunk=args.prefill_chunk, **opts)
-            profile(lambda rw=rw: rw.prefill(ids, max_new_tokens=320), f"kvrewrite {m} prefill n={n} chunk "
-                    f"{args.prefill_chunk}", args.top)
+            rw = kvrewrite.apply(model, m, max_length=n + 320, batch_size=args.batch,
+                                 prefill_chunk=args.prefill_chunk, fuse_projections=args.fuse_projections, **opts)
+            if args.compile:
+                compile_rw(rw)
+            profile(lambda rw=rw: rw.prefill(ids, max_new_tokens=320), f"kvrewrite {m} prefill {shape} chunk "
+                    f"{args.prefill_chunk}{' compiled' if args.compile else ''}", args.top)
             rw = None  # free the state before the next method
             torch.cuda.empty_cache()
 

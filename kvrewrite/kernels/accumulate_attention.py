@@ -60,17 +60,28 @@ def _triton_ok(q, keys) -> bool:
             and q.shape[-1] <= acs.MAX_HEAD_DIM)
 
 
-def column_sums(q, keys, bias, slot_pos, cache_position, scale, window, last):
-    """(total, recent) [B, Hq, C] fp32 of attention_column_stats, by the backend of the device."""
+def column_sums(q, keys, bias, slot_pos, cache_position, scale, window, last, need_total=True):
+    """(total, recent) [B, Hq, C] fp32 of attention_column_stats, by the backend of the device; need_total=False:
+    (None, recent), from the last `last` queries' blocks only (attention_column_stats' module docstring)."""
     if _triton_ok(q, keys):
-        return acs.triton_attention_column_stats(q, keys, bias, slot_pos, cache_position, None, scale, window, last)
-    return acs.reference_attention_column_stats(q, keys, bias, slot_pos, cache_position, None, scale, window, last)
+        return acs.triton_attention_column_stats(q, keys, bias, slot_pos, cache_position, None, scale, window, last,
+                                                 need_total)
+    return acs.reference_attention_column_stats(q, keys, bias, slot_pos, cache_position, None, scale, window, last,
+                                                need_total)
+
+
+def needs_total(mode: str, T: int) -> bool:
+    """Whether fold_into_score reads `total`: all but a prefill chunk (T > 1) in mode "window", which sets the
+    score from `recent` alone."""
+    return not (mode == "window" and T > 1)
 
 
 def reference_accumulate_attention(q, keys, bias, slot_pos, cache_position, score, scale, window, mode, last=0):
     """The op on any device (the CPU path): column sums, reduced over the group, added or set."""
-    total, recent = column_sums(q, keys, bias, slot_pos, cache_position, scale, window, last if mode == "window" else 0)
-    fold_into_score(score, total, recent, mode, q.shape[2])
+    T = q.shape[2]
+    total, recent = column_sums(q, keys, bias, slot_pos, cache_position, scale, window,
+                                last if mode == "window" else 0, needs_total(mode, T))
+    fold_into_score(score, total, recent, mode, T)
 
 
 def fold_into_score(score, total, recent, mode, T):
@@ -78,7 +89,7 @@ def fold_into_score(score, total, recent, mode, T):
     (module docstring): mode "all" adds total summed over the group; mode "window" sets recent averaged over
     it after a prefill chunk (T > 1), adds total averaged over it after a decode step."""
     B, Hkv, C = score.shape
-    G = total.shape[1] // Hkv
+    G = recent.shape[1] // Hkv
     if mode == "all":
         score.add_(total.view(B, Hkv, G, C).sum(dim=2))
     elif T > 1:

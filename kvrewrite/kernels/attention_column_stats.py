@@ -20,6 +20,12 @@ Returns:
     (total, recent), each [B, Hq, C] fp32; invisible and empty slots get 0; queries that see no
     slot contribute nothing.
 
+Callers that read only `recent` (SnapKV's window after a prefill chunk: mode "window" of accumulate_attention
+and observed_attention) launch with need_total=False (`_launch`, `column_sums`): the kernels then walk only the
+query blocks that hold the last `last` queries, so a 2048-query chunk with a 32-query window costs a block of
+64 queries instead of 32 (and `total` is not returned). On an H200 at batch 8 and 32k the full walk was 7.4 s of
+snapkv's 17.7 s compiled prefill (docs/bench.md, "Stop 39").
+
 Backends: CUDA runs the Triton kernels below (fp16/bf16/fp32, D <= 256); other devices run the
 reference. The op is a `torch.library.triton_op`, so Inductor sees the launches and CUDA graphs work.
 """
@@ -53,14 +59,16 @@ def _visible_logits(q, keys, bias, slot_pos, cache_position, scale, window):
     return logits.masked_fill(~visible, float("-inf")).reshape(B, Hq, T, -1)
 
 
-def reference_attention_column_stats(q, keys, bias, slot_pos, cache_position, lse, scale, window, last):
-    """Plain-PyTorch reference, blockwise over queries; fp32 throughout."""
+def reference_attention_column_stats(q, keys, bias, slot_pos, cache_position, lse, scale, window, last,
+                                     need_total=True):
+    """Plain-PyTorch reference, blockwise over queries; fp32 throughout. need_total=False: (None, recent), from
+    the block that holds the first of the last `last` queries on."""
     B, Hq, T, _ = q.shape
     C = keys.shape[2]
     total = torch.zeros(B, Hq, C, dtype=torch.float32, device=q.device)
     recent = torch.zeros_like(total)
     first_recent = T - min(max(last, 0), T)
-    for t0 in range(0, T, BLOCK_T):
+    for t0 in range(0 if need_total else first_recent // BLOCK_T * BLOCK_T, T, BLOCK_T):
         t1 = min(t0 + BLOCK_T, T)
         logits = _visible_logits(q[:, :, t0:t1], keys, bias, slot_pos, cache_position[t0:t1], scale, window)
         block_lse = logits.logsumexp(dim=-1) if lse is None else lse[:, :, t0:t1].float()
@@ -69,7 +77,7 @@ def reference_attention_column_stats(q, keys, bias, slot_pos, cache_position, ls
         total += p.sum(dim=2)
         if t1 > first_recent:
             recent += p[:, :, max(first_recent - t0, 0) :].sum(dim=2)
-    return total, recent
+    return (total if need_total else None), recent
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -98,7 +106,7 @@ def _scores(q, k, qk_scale, bias, FP32: tl.constexpr):
     return (qk * qk_scale).to(tl.float32) + bias[None, :] * LOG2E
 
 
-@triton_jit(do_not_specialize=["Hq", "G", "T", "C", "D", "window"])
+@triton_jit(do_not_specialize=["Hq", "G", "T", "C", "D", "window", "t_begin"])
 def _column_stats_lse_kernel(
     Q, K, BIAS, POS, CPOS, LSE,  # LSE: out, contiguous [B, Hq, T] fp32, natural log
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -107,6 +115,7 @@ def _column_stats_lse_kernel(
     stride_pb, stride_ph, stride_pc,
     stride_cp,
     Hq, G, T, C, D, window, qk_scale,
+    t_begin,  # the first query whose lse is needed (rows before it are not written)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     FP32: tl.constexpr,  # fp32 inputs: ieee dots (no TF32)
 ):
@@ -116,7 +125,7 @@ def _column_stats_lse_kernel(
     b = (pid_bh // Hq).to(tl.int64)
     hq = (pid_bh % Hq).to(tl.int64)
     h = hq // G
-    offs_t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_t = t_begin + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     t_ok = offs_t < T
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -146,10 +155,10 @@ def _column_stats_lse_kernel(
     tl.store(LSE + (b * Hq + hq) * T + offs_t, lse, mask=t_ok)
 
 
-@triton_jit(do_not_specialize=["Hq", "G", "T", "C", "D", "window", "first_recent"])
+@triton_jit(do_not_specialize=["Hq", "G", "T", "C", "D", "window", "first_recent", "t_begin"])
 def _column_stats_kernel(
     Q, K, BIAS, POS, CPOS, LSE,
-    TOTAL, RECENT,  # out, contiguous [B, Hq, C] fp32
+    TOTAL, RECENT,  # out, contiguous [B, Hq, C] fp32 (TOTAL: only with NEED_TOTAL)
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kc, stride_kd,
     stride_bb, stride_bh, stride_bc,
@@ -157,8 +166,10 @@ def _column_stats_kernel(
     stride_cp,
     stride_lb, stride_lh, stride_lt,
     Hq, G, T, C, D, window, first_recent, qk_scale,
+    t_begin,  # the first query block walked: 0, or without NEED_TOTAL first_recent's block
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     FP32: tl.constexpr,  # fp32 inputs: ieee dots (no TF32)
+    NEED_TOTAL: tl.constexpr,  # compute and store TOTAL (False: only RECENT, from query t_begin on)
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     pid_n = tl.program_id(0)
@@ -184,7 +195,7 @@ def _column_stats_kernel(
     recent = tl.zeros([BLOCK_N], dtype=tl.float32)
     q_base = Q + b * stride_qb + hq * stride_qh
     lse_base = LSE + b * stride_lb + hq * stride_lh
-    for t0 in range(0, T, BLOCK_M):
+    for t0 in range(t_begin, T, BLOCK_M):
         offs_t = t0 + tl.arange(0, BLOCK_M)
         t_ok = offs_t < T
         qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=0)
@@ -198,10 +209,12 @@ def _column_stats_kernel(
             vis = vis & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
             s = _scores(q, k, qk_scale, bias, FP32) - lse[:, None]
             p = tl.where(vis, tl.exp2(s), 0.0)
-            total += tl.sum(p, axis=0)
+            if NEED_TOTAL:
+                total += tl.sum(p, axis=0)
             recent += tl.sum(tl.where((offs_t >= first_recent)[:, None], p, 0.0), axis=0)
     out = (b * Hq + hq) * C + offs_n
-    tl.store(TOTAL + out, total, mask=n_ok)
+    if NEED_TOTAL:
+        tl.store(TOTAL + out, total, mask=n_ok)
     tl.store(RECENT + out, recent, mask=n_ok)
 
 
@@ -245,41 +258,45 @@ def _launch_config(T: int, D: int) -> dict:
     )
 
 
-def triton_attention_column_stats(q, keys, bias, slot_pos, cache_position, lse, scale, window, last):
-    """The op on CUDA through Triton (shapes in the module docstring); validates its inputs."""
+def triton_attention_column_stats(q, keys, bias, slot_pos, cache_position, lse, scale, window, last, need_total=True):
+    """The op on CUDA through Triton (shapes in the module docstring); validates its inputs. need_total=False:
+    (None, recent) (_launch)."""
     if triton is None:
         raise NotImplementedError("triton_attention_column_stats needs Triton (pip install triton); "
                                   "kvrewrite::attention_column_stats itself runs without it")
     _check_inputs(q, keys, bias, slot_pos, cache_position, lse, window, last)
     _check_cuda_inputs(q, keys, bias, slot_pos, cache_position, lse)
-    return _launch(q, keys, bias, slot_pos, cache_position, lse, scale, window, last)
+    return _launch(q, keys, bias, slot_pos, cache_position, lse, scale, window, last, need_total)
 
 
-def _launch(q, keys, bias, slot_pos, cache_position, lse, scale, window, last):
+def _launch(q, keys, bias, slot_pos, cache_position, lse, scale, window, last, need_total=True):
+    """(total, recent) through the kernels, unchecked; need_total=False: (None, recent), walking only the query
+    blocks that hold the last `last` queries (module docstring)."""
     # int(): the launch depends on the shapes, so a dynamic-shape trace specialises on them (a guard)
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, C = int(keys.shape[1]), int(keys.shape[2])
     G = Hq // Hkv
-    total = torch.empty((B, Hq, C), dtype=torch.float32, device=q.device)
+    total = torch.empty((B, Hq, C), dtype=torch.float32, device=q.device) if need_total else None
     recent = torch.empty((B, Hq, C), dtype=torch.float32, device=q.device)
+    first_recent = T - min(last, T)
     if B * Hq * C == 0:
         return total, recent
-    if T == 0:
-        return total.zero_(), recent.zero_()
+    if T == 0 or (not need_total and first_recent == T):  # no query to walk
+        return (total.zero_() if need_total else None), recent.zero_()
     cfg = _launch_config(T, D)
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_D=cfg["block_d"], num_warps=cfg["num_warps"],
                 num_stages=2, FP32=q.dtype == torch.float32)
+    t_begin = 0 if need_total else first_recent // cfg["block_m"] * cfg["block_m"]
     common = (*q.stride(), *keys.stride(), *bias.stride(), *slot_pos.stride(), *cache_position.stride())
     qk_scale = scale * LOG2E
     if lse is None:
         lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
-        wrap_triton(_column_stats_lse_kernel)[(triton.cdiv(T, cfg["block_m"]), B * Hq)](
-            q, keys, bias, slot_pos, cache_position, lse, *common, Hq, G, T, C, D, window, qk_scale, **meta,
+        wrap_triton(_column_stats_lse_kernel)[(triton.cdiv(T - t_begin, cfg["block_m"]), B * Hq)](
+            q, keys, bias, slot_pos, cache_position, lse, *common, Hq, G, T, C, D, window, qk_scale, t_begin, **meta,
         )
-    first_recent = T - min(last, T)
     wrap_triton(_column_stats_kernel)[(triton.cdiv(C, cfg["block_n"]), B * Hq)](
-        q, keys, bias, slot_pos, cache_position, lse, total, recent, *common, *lse.stride(),
-        Hq, G, T, C, D, window, first_recent, qk_scale, **meta,
+        q, keys, bias, slot_pos, cache_position, lse, recent if total is None else total, recent, *common,
+        *lse.stride(), Hq, G, T, C, D, window, first_recent, qk_scale, t_begin, **meta, NEED_TOTAL=need_total,
     )
     return total, recent
 

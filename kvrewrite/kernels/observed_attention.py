@@ -229,7 +229,7 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, scale, window, scor
         lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
         out = ca._launch(q, keys, values, bias, slot_pos, cache_position, scale, window, past_only, lse=lse)
         total, recent = acs._launch(q, keys, bias, slot_pos, cache_position, lse, scale, window,
-                                    last if mode == "window" else 0)
+                                    last if mode == "window" else 0, aa.needs_total(mode, T))
         aa.fold_into_score(score, total, recent, mode, T)
         pending_lse.fill_(float("inf"))
         return out

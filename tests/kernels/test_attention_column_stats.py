@@ -52,6 +52,20 @@ def test_matches_dense_softmax(B, Hq, Hkv, T, C, window, last, with_lse):
     torch.testing.assert_close(total.double().sum(-1), seeing, **TOL)
 
 
+@pytest.mark.parametrize("T,last", [(300, 64), (300, 1), (130, 130), (5, 9), (40, 0)], ids=lambda v: str(v))
+def test_reference_recent_only(T, last):
+    """need_total=False walks only the blocks of the last `last` queries: no total, the same recent."""
+    from kvrewrite.kernels.attention_column_stats import reference_attention_column_stats
+
+    g = torch.Generator().manual_seed(T + last)
+    keys, _, bias, slot_pos, cp = make_state(2, 2, 60, 16, T, torch.float32, gen=g)
+    q = torch.randn(2, 4, T, 16, generator=g)
+    total, recent = reference_attention_column_stats(q, keys, bias, slot_pos, cp, None, 0.25, 0, last, need_total=False)
+    assert total is None
+    p = dense_probs(q, keys, bias, slot_pos, cp, 0.25, 0)
+    torch.testing.assert_close(recent.double(), p[:, :, T - min(last, T):].sum(dim=2), **TOL)
+
+
 def test_empty_and_invisible_slots_get_nothing():
     g = torch.Generator().manual_seed(7)
     keys, _, bias, slot_pos, cp = make_state(1, 1, 50, 16, 4, torch.float32, gen=g, empty_frac=0.0)

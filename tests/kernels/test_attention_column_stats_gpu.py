@@ -110,6 +110,28 @@ def test_small_and_odd_head_dims(D):
         _run_and_compare(2, 8, 2, 33, 150, D, dtype, 0, 7, with_lse=i % 2 == 0, seed=10 * D + i)
 
 
+@pytest.mark.parametrize("case", [(2, 8, 2, 2048, 700, 128, 32, True), (1, 4, 1, 130, 300, 64, 70, False),
+                                  (3, 7, 7, 65, 90, 80, 1, True), (1, 4, 2, 40, 64, 256, 40, False)],
+                         ids=["chunk-2048-w32-lse", "w70-spans-blocks", "odd-D80-w1-lse", "D256-whole-chunk"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_recent_only_matches_dense(case, dtype):
+    """need_total=False (SnapKV's prefill chunk): no total, and `recent` the dense window sums, with and without
+    the caller's lse; the LSE kernel then writes only the walked rows, so a poisoned lse elsewhere is never read."""
+    B, Hq, Hkv, T, C, D, last, with_lse = case
+    q, keys, bias, slot_pos, cp = _inputs(B, Hq, Hkv, T, C, D, dtype, seed=T + C + D)
+    scale = D**-0.5
+    p = dense_probs(q, keys, bias, slot_pos, cp, scale, 0)
+    lse = _dense_lse(q, keys, bias, slot_pos, cp, scale, 0).float() if with_lse else None
+    if lse is not None:
+        lse[:, :, : T - last - 64] = float("nan")  # rows the recent-only walk must not read
+    total, recent = _poisoned(lambda: acs.triton_attention_column_stats(q, keys, bias, slot_pos, cp, lse, scale, 0,
+                                                                        last, need_total=False), 2 * B * Hq * C * 4)
+    assert total is None
+    torch.testing.assert_close(recent.double(), p[:, :, T - last:].sum(dim=2), **TOL[dtype])
+    torch.testing.assert_close(recent.double().sum(-1), torch.full_like(recent[..., 0], float(last), dtype=torch.double),
+                               atol=1e-6 * C, rtol=5e-5)
+
+
 def test_empty_invisible_and_blind_queries():
     """Empty and future slots get exactly 0; a query that sees nothing contributes nothing (no NaN)."""
     D = 64
