@@ -421,3 +421,14 @@ def test_plot_tp(tmp_path):
     assert labels == ["8b chelsea\nB=1 tp=1\nCUDA graphs"] + ["8b chelsea\nB=1 tp=2\nCUDA graphs"] * 2
     assert plot_tp.main([*map(str, paths), "--out", str(tmp_path / "tp.png")]) == 0
     assert (tmp_path / "tp.png").stat().st_size > 0
+
+
+def test_column_stats_sweep_variants_and_flops():
+    """bench.column_stats: the default launch first, then the override grid; q·k flops of every (query, slot)."""
+    from kvrewrite.bench.column_stats import VARIANTS, qk_tflops, variants
+
+    full, quick = variants(), variants(quick=True)
+    assert full[0] == {} and quick[0] == {}
+    assert len(full) == 1 + 16 and len(quick) == 1 + 8
+    assert all(set(v) == set(VARIANTS) for v in full[1:]) and {v["num_stages"] for v in quick[1:]} == {2}
+    assert qk_tflops(8, 32, 2048, 8704, 128, 1e6) == pytest.approx(2 * 8 * 32 * 2048 * 8704 * 128 / 1e12)

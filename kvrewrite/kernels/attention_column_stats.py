@@ -246,16 +246,22 @@ def _check_cuda_inputs(q, keys, bias, slot_pos, cache_position, lse):
     check_one_cuda_device(name, [q, keys, bias, slot_pos, cache_position] + ([] if lse is None else [lse]))
 
 
-def _launch_config(T: int, D: int) -> dict:
-    """Tile sizes from the shapes alone (never the data: one fixed launch for CUDA graphs and Inductor)."""
+def _launch_config(T: int, D: int, tuning: dict | None = None) -> dict:
+    """Tile sizes from the shapes alone (never the data: one fixed launch for CUDA graphs and Inductor); `tuning`
+    (block_m, block_n, num_warps, num_stages) overrides them for the benchmark's sweep (bench/column_stats.py)."""
     block_d = max(16, triton.next_power_of_2(D))
     wide = block_d > 128  # D = 256: smaller tiles keep q and k in registers
-    return dict(
+    cfg = dict(
         block_d=block_d,
         block_m=min(32 if wide else 64, max(16, triton.next_power_of_2(T))),  # tl.dot needs M >= 16
         block_n=32 if wide else 64,
         num_warps=4 if block_d <= 64 else 8,
+        num_stages=2,
     )
+    unknown = set(tuning or {}) - {"block_m", "block_n", "num_warps", "num_stages"}
+    if unknown:
+        raise ValueError(f"attention_column_stats: unknown launch overrides {sorted(unknown)}")
+    return {**cfg, **(tuning or {})}
 
 
 def triton_attention_column_stats(q, keys, bias, slot_pos, cache_position, lse, scale, window, last, need_total=True):
@@ -269,9 +275,9 @@ def triton_attention_column_stats(q, keys, bias, slot_pos, cache_position, lse, 
     return _launch(q, keys, bias, slot_pos, cache_position, lse, scale, window, last, need_total)
 
 
-def _launch(q, keys, bias, slot_pos, cache_position, lse, scale, window, last, need_total=True):
+def _launch(q, keys, bias, slot_pos, cache_position, lse, scale, window, last, need_total=True, tuning=None):
     """(total, recent) through the kernels, unchecked; need_total=False: (None, recent), walking only the query
-    blocks that hold the last `last` queries (module docstring)."""
+    blocks that hold the last `last` queries (module docstring); tuning: _launch_config's overrides."""
     # int(): the launch depends on the shapes, so a dynamic-shape trace specialises on them (a guard)
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, C = int(keys.shape[1]), int(keys.shape[2])
@@ -283,9 +289,9 @@ def _launch(q, keys, bias, slot_pos, cache_position, lse, scale, window, last, n
         return total, recent
     if T == 0 or (not need_total and first_recent == T):  # no query to walk
         return (total.zero_() if need_total else None), recent.zero_()
-    cfg = _launch_config(T, D)
+    cfg = _launch_config(T, D, tuning)
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_D=cfg["block_d"], num_warps=cfg["num_warps"],
-                num_stages=2, FP32=q.dtype == torch.float32)
+                num_stages=cfg["num_stages"], FP32=q.dtype == torch.float32)
     t_begin = 0 if need_total else first_recent // cfg["block_m"] * cfg["block_m"]
     common = (*q.stride(), *keys.stride(), *bias.stride(), *slot_pos.stride(), *cache_position.stride())
     qk_scale = scale * LOG2E

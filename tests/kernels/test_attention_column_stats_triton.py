@@ -4,7 +4,7 @@
 Runs only under the interpreter:
 `TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_attention_column_stats_triton.py` (with Triton
 installed; skipped otherwise). fp32 only (the 3.6 interpreter's 16-bit tl.dot is wrong). T of 130 puts the window's
-first query inside the last 64-query block or across two.
+first query inside the last 64-query block or across two; 16-query tiles (the launch override) move it across more.
 """
 import os
 
@@ -23,17 +23,23 @@ from tests.kernels.test_clustered_attention import make_state  # noqa: E402
 
 @pytest.mark.parametrize("last", [1, 2, 70, 130, 0], ids=lambda v: f"last{v}")
 @pytest.mark.parametrize("with_lse", [True, False], ids=["lse", "no-lse"])
-def test_recent_only_matches_dense_and_full_walk(last, with_lse):
+@pytest.mark.parametrize("tuning", [None, dict(block_m=16, block_n=32, num_stages=3)], ids=["default", "16x32"])
+def test_recent_only_matches_dense_and_full_walk(last, with_lse, tuning):
     B, Hq, Hkv, T, C, D = 1, 4, 2, 130, 90, 16
     g = torch.Generator().manual_seed(last)
     keys, _, bias, slot_pos, cp = make_state(B, Hkv, C, D, T, torch.float32, gen=g)
     q = torch.randn(B, Hq, T, D, generator=g)
     p = dense_probs(q, keys, bias, slot_pos, cp, 0.25, 0)
     lse = acs._visible_logits(q, keys, bias, slot_pos, cp, 0.25, 0).logsumexp(-1) if with_lse else None
-    total, recent = acs._launch(q, keys, bias, slot_pos, cp, lse, 0.25, 0, last, need_total=False)
+    total, recent = acs._launch(q, keys, bias, slot_pos, cp, lse, 0.25, 0, last, need_total=False, tuning=tuning)
     assert total is None
     want = p[:, :, T - last:].sum(dim=2)
     torch.testing.assert_close(recent.double(), want, **TOL)
-    full_total, full_recent = acs._launch(q, keys, bias, slot_pos, cp, lse, 0.25, 0, last)
+    full_total, full_recent = acs._launch(q, keys, bias, slot_pos, cp, lse, 0.25, 0, last, tuning=tuning)
     torch.testing.assert_close(full_total.double(), p.sum(dim=2), **TOL)
     torch.testing.assert_close(full_recent, recent, atol=1e-6, rtol=1e-6)
+
+
+def test_unknown_launch_override_is_named():
+    with pytest.raises(ValueError, match="unknown launch overrides \\['block_k'\\]"):
+        acs._launch_config(128, 64, dict(block_k=32))

@@ -1,0 +1,107 @@
+"""kvrewrite::attention_column_stats at a prefill chunk's shape: launch variants, next to the chunk's attention.
+
+    python -m kvrewrite.bench.column_stats [--out s.json] [--batch 8] [--chunk 2048] [--slots 8704] [--quick]
+
+Why: H2O's prefill chunk sums every query's probabilities (the full walk: as many q·k products as the chunk's
+attention); on an H200 at batch 8 and 32k that walk was 7.4 s of a 17.7 s compiled prefill, where the chunk's
+attention took 4.9 s for twice the products (docs/bench.md, "Stop 39"). This sweeps the kernel's tiles, warps and
+stages (attention_column_stats._launch_config's overrides) on the Llama-3.1-8B layout (32 query heads, 8 KV heads,
+D = 128, bf16) over `slots` visible slots whose last `chunk` are the chunk's own (causal), with the attention's lse
+given, as kvrewrite::observed_attention calls it; and the recent-only walk of SnapKV's 32-query window. Each
+variant is timed by CUDA-graph replay (bench/attention.py's timing); a variant Triton cannot compile (shared memory,
+registers) is recorded with its error. Writes JSON: the machine, every variant's microseconds and q·k TFLOP/s, and
+the attention's time on the same inputs.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+from torch._library.triton import set_wrap_triton_enabled
+
+VARIANTS = dict(block_m=(64, 128), block_n=(64, 128), num_warps=(4, 8), num_stages=(2, 3))
+
+
+def variants(quick: bool = False) -> list:
+    """The launch overrides to time: {} (the default launch) first, then the grid of VARIANTS (quick: num_stages 2
+    only)."""
+    grid = dict(VARIANTS, num_stages=(2,)) if quick else VARIANTS
+    return [{}] + [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+
+
+def qk_tflops(B: int, Hq: int, T: int, C: int, D: int, us: float) -> float:
+    """q·k products of every (query, slot) pair, in TFLOP/s (2 flops a multiply-add)."""
+    return 2 * B * Hq * T * C * D / us / 1e6
+
+
+def _direct(launch):
+    """`launch` with its kernels launched themselves, not through wrap_triton's tracing wrapper (bench/attention.py
+    _op)."""
+    def call(*args):
+        with set_wrap_triton_enabled(False):
+            return launch(*args)
+
+    return call
+
+
+def _inputs(B, Hq, Hkv, T, C, D, dtype):
+    q = torch.randn(B, Hq, T, D, device="cuda", dtype=dtype)
+    k = torch.randn(B, Hkv, C, D, device="cuda", dtype=dtype)
+    v = torch.randn(B, Hkv, C, D, device="cuda", dtype=dtype)
+    bias = torch.zeros(B, Hkv, C, device="cuda")
+    pos = torch.arange(C, device="cuda").expand(B, Hkv, C).contiguous()
+    cp = torch.arange(C - T, C, device="cuda")
+    return q, k, v, bias, pos, cp
+
+
+def main(argv=None):
+    from kvrewrite.bench.attention import _graph_us, start_run
+    from kvrewrite.kernels import attention_column_stats as acs
+    from kvrewrite.kernels import clustered_attention as ca
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="JSON file to write")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--chunk", type=int, default=2048, help="queries of the chunk (T)")
+    p.add_argument("--slots", type=int, default=8704, help="slots the chunk sees, its own included (C)")
+    p.add_argument("--window", type=int, default=32, help="SnapKV's observation window for the recent-only row")
+    p.add_argument("--quick", action="store_true", help="fewer variants (2 stages only)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.column_stats needs a CUDA GPU")
+    B, Hq, Hkv, T, C, D = args.batch, 32, 8, args.chunk, args.slots, 128
+    if T > C:
+        raise SystemExit(f"bench.column_stats: --chunk {T} must be <= --slots {C} (the chunk's own slots are among them)")
+    env, copy = start_run()
+    q, k, v, bias, pos, cp = _inputs(B, Hq, Hkv, T, C, D, torch.bfloat16)
+    scale = D**-0.5
+    lse = torch.empty(B, Hq, T, device="cuda")
+    attn_us = _graph_us(_direct(lambda *s: ca._launch(*s, scale, 0, False, lse=lse)), [(q, k, v, bias, pos, cp)])
+    print(f"attention of the chunk (lse written): {attn_us:.0f} us, {2 * qk_tflops(B, Hq, T, C, D, attn_us):.0f} "
+          f"TFLOP/s (q·k and p·v)", flush=True)
+    rows = []
+    for tuning, need_total in [(t, True) for t in variants(args.quick)] + [({}, False)]:
+        row = dict(tuning=tuning, need_total=need_total, last=T if need_total else args.window)
+        try:
+            launch = _direct(lambda *s: acs._launch(*s, lse, scale, 0, row["last"], need_total, tuning))
+            us = _graph_us(launch, [(q, k, bias, pos, cp)])
+            row.update(us=us, tflops=qk_tflops(B, Hq, T, C, D, us), vs_attention=us / attn_us)
+            print(f"{'full walk' if need_total else 'recent only'} {tuning or 'default'}: {us:.0f} us, "
+                  f"{row['tflops']:.0f} TFLOP/s q·k, {row['vs_attention']:.2f}x the attention", flush=True)
+        except Exception as e:  # noqa: BLE001  (a variant that does not compile is recorded, not fatal)
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            print(f"{tuning}: {row['error']}", flush=True)
+        rows.append(row)
+    doc = dict(env=env, copy_gbps=copy, shape=dict(B=B, Hq=Hq, Hkv=Hkv, T=T, C=C, D=D, dtype="bf16"),
+               attention_us=attn_us, rows=rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {args.out}")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
