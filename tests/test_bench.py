@@ -429,6 +429,7 @@ def test_column_stats_sweep_variants_and_flops():
 
     full, quick = variants(), variants(quick=True)
     assert full[0] == {} and quick[0] == {}
-    assert len(full) == 1 + 16 and len(quick) == 1 + 8
-    assert all(set(v) == set(VARIANTS) for v in full[1:]) and {v["num_stages"] for v in quick[1:]} == {2}
+    assert len(full) == 1 + 32 + 2 and len(quick) == 1 + 16 + 2
+    assert all(set(v) == set(VARIANTS) for v in full[1:-2]) and {v["even_d"] for v in quick[1:-2]} == {True}
+    assert [v["num_stages"] for v in full[-2:]] == [3, 3]
     assert qk_tflops(8, 32, 2048, 8704, 128, 1e6) == pytest.approx(2 * 8 * 32 * 2048 * 8704 * 128 / 1e12)

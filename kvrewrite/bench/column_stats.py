@@ -3,14 +3,15 @@
     python -m kvrewrite.bench.column_stats [--out s.json] [--batch 8] [--chunk 2048] [--slots 8704] [--quick]
 
 Why: H2O's prefill chunk sums every query's probabilities (the full walk: as many q·k products as the chunk's
-attention); on an H200 at batch 8 and 32k that walk was 7.4 s of a 17.7 s compiled prefill, where the chunk's
-attention took 4.9 s for twice the products (docs/bench.md, "Stop 39"). This sweeps the kernel's tiles, warps and
-stages (attention_column_stats._launch_config's overrides) on the Llama-3.1-8B layout (32 query heads, 8 KV heads,
-D = 128, bf16) over `slots` visible slots whose last `chunk` are the chunk's own (causal), with the attention's lse
-given, as kvrewrite::observed_attention calls it; and the recent-only walk of SnapKV's 32-query window. Each
-variant is timed by CUDA-graph replay (bench/attention.py's timing); a variant Triton cannot compile (shared memory,
-registers) is recorded with its error. Writes JSON: the machine, every variant's microseconds and q·k TFLOP/s, and
-the attention's time on the same inputs.
+attention has q·k products); on an H200 at batch 8 and 32k that walk took 7.4 s of a 17.7 s compiled prefill, the
+chunk's attention (q·k and p·v) 4.9 s (docs/bench.md, "Stop 39 runs"). This sweeps the stats kernel's tiles, warps
+and stages and two code paths, attention_column_stats._launch_config's overrides, off by default until this times
+them: even_d (q and key tiles loaded as 16-byte vectors) and sum_once (column sums reduced once after the walk).
+Layout: Llama-3.1-8B's (32 query heads, 8 KV heads, D = 128, bf16), `slots` visible slots whose last `chunk` are the
+chunk's own (causal), the attention's lse given, as kvrewrite::observed_attention calls it; plus the recent-only
+walk of SnapKV's 32-query window. Each variant is timed by CUDA-graph replay (bench/attention.py's timing); a
+variant Triton cannot compile (shared memory, registers) is recorded with its error. Writes JSON: the machine,
+every variant's microseconds and q·k TFLOP/s, and the attention's time on the same inputs.
 """
 from __future__ import annotations
 
@@ -21,14 +22,15 @@ import json
 import torch
 from torch._library.triton import set_wrap_triton_enabled
 
-VARIANTS = dict(block_m=(64, 128), block_n=(64, 128), num_warps=(4, 8), num_stages=(2, 3))
+VARIANTS = dict(block_m=(64, 128), block_n=(64, 128), num_warps=(4, 8), even_d=(False, True), sum_once=(False, True))
 
 
 def variants(quick: bool = False) -> list:
-    """The launch overrides to time: {} (the default launch) first, then the grid of VARIANTS (quick: num_stages 2
-    only)."""
-    grid = dict(VARIANTS, num_stages=(2,)) if quick else VARIANTS
-    return [{}] + [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+    """The launch overrides to time: {} (the default launch) first, then the grid of VARIANTS (2 stages; quick:
+    even_d on only), then the default tiles with 3 stages, with and without even_d and sum_once."""
+    grid = dict(VARIANTS, even_d=(True,)) if quick else VARIANTS
+    return ([{}] + [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+            + [dict(num_stages=3), dict(num_stages=3, even_d=True, sum_once=True)])
 
 
 def qk_tflops(B: int, Hq: int, T: int, C: int, D: int, us: float) -> float:
@@ -73,7 +75,8 @@ def main(argv=None):
         raise SystemExit("bench.column_stats needs a CUDA GPU")
     B, Hq, Hkv, T, C, D = args.batch, 32, 8, args.chunk, args.slots, 128
     if T > C:
-        raise SystemExit(f"bench.column_stats: --chunk {T} must be <= --slots {C} (the chunk's own slots are among them)")
+        raise SystemExit(f"bench.column_stats: --chunk {T} must be <= --slots {C} (the chunk's own slots are among "
+                         f"them)")
     env, copy = start_run()
     q, k, v, bias, pos, cp = _inputs(B, Hq, Hkv, T, C, D, torch.bfloat16)
     scale = D**-0.5

@@ -106,6 +106,18 @@ def _scores(q, k, qk_scale, bias, FP32: tl.constexpr):
     return (qk * qk_scale).to(tl.float32) + bias[None, :] * LOG2E
 
 
+@triton_jit()
+def _load_rows(ptrs, row_ok, d_ok, EVEN_D: tl.constexpr):
+    """A [rows, BLOCK_D] tile of q or keys, masked by row; by column only when D < BLOCK_D. EVEN_D (D == BLOCK_D):
+    a row's mask is the same for all its columns, so they load as 16-byte vectors; the column mask, against the
+    runtime D, made every element a 2-byte load of its own (the sm_90 SASS: LDG.E.U16)."""
+    if EVEN_D:
+        tile = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    return tile
+
+
 @triton_jit(do_not_specialize=["Hq", "G", "T", "C", "D", "window", "t_begin"])
 def _column_stats_lse_kernel(
     Q, K, BIAS, POS, CPOS, LSE,  # LSE: out, contiguous [B, Hq, T] fp32, natural log
@@ -118,6 +130,7 @@ def _column_stats_lse_kernel(
     t_begin,  # the first query whose lse is needed (rows before it are not written)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     FP32: tl.constexpr,  # fp32 inputs: ieee dots (no TF32)
+    EVEN_D: tl.constexpr,  # D == BLOCK_D (_load_rows)
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     pid_m = tl.program_id(0)
@@ -129,8 +142,8 @@ def _column_stats_lse_kernel(
     t_ok = offs_t < T
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    q = tl.load(Q + b * stride_qb + hq * stride_qh + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+    q = _load_rows(Q + b * stride_qb + hq * stride_qh + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                   t_ok, d_ok, EVEN_D)
     qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=0)
     k_base = K + b * stride_kb + h * stride_kh
     bias_base = BIAS + b * stride_bb + h * stride_bh
@@ -142,8 +155,7 @@ def _column_stats_lse_kernel(
         bias = tl.load(bias_base + offs_n * stride_bc, mask=offs_n < C, other=float("-inf"))
         pos = tl.load(pos_base + offs_n * stride_pc, mask=offs_n < C, other=0)
         live = bias > float("-inf")
-        k = tl.load(k_base + offs_n[:, None] * stride_kc + offs_d[None, :] * stride_kd,
-                    mask=live[:, None] & d_ok[None, :], other=0.0)
+        k = _load_rows(k_base + offs_n[:, None] * stride_kc + offs_d[None, :] * stride_kd, live, d_ok, EVEN_D)
         vis = live[None, :] & (pos[None, :] <= qpos[:, None]) & t_ok[:, None]
         vis = vis & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
         s = tl.where(vis, _scores(q, k, qk_scale, bias, FP32), float("-inf"))
@@ -170,6 +182,8 @@ def _column_stats_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     FP32: tl.constexpr,  # fp32 inputs: ieee dots (no TF32)
     NEED_TOTAL: tl.constexpr,  # compute and store TOTAL (False: only RECENT, from query t_begin on)
+    EVEN_D: tl.constexpr,  # D == BLOCK_D (_load_rows)
+    SUM_ONCE: tl.constexpr,  # add p into [BLOCK_M, BLOCK_N] tiles, summed over their rows once after the walk
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     pid_n = tl.program_id(0)
@@ -186,13 +200,16 @@ def _column_stats_kernel(
     bias = tl.load(BIAS + b * stride_bb + h * stride_bh + offs_n * stride_bc, mask=n_ok, other=float("-inf"))
     pos = tl.load(POS + b * stride_pb + h * stride_ph + offs_n * stride_pc, mask=n_ok, other=0)
     live = bias > float("-inf")
-    k = tl.load(K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kc + offs_d[None, :] * stride_kd,
-                mask=live[:, None] & d_ok[None, :], other=0.0)
+    k = _load_rows(K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kc + offs_d[None, :] * stride_kd,
+                   live, d_ok, EVEN_D)
     pos_min = tl.min(tl.where(live, pos, 2**62), axis=0)
     pos_max = tl.max(tl.where(live, pos, -(2**62)), axis=0)
 
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     recent = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # SUM_ONCE: the walk's sums stay per row (no reduction across the warps, and its barriers, at every block)
+    total_rows = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    recent_rows = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     q_base = Q + b * stride_qb + hq * stride_qh
     lse_base = LSE + b * stride_lb + hq * stride_lh
     for t0 in range(t_begin, T, BLOCK_M):
@@ -202,16 +219,24 @@ def _column_stats_kernel(
         qpos_max = tl.max(tl.where(t_ok, qpos, -(2**62)), axis=0)
         qpos_min = tl.min(tl.where(t_ok, qpos, 2**62), axis=0)
         if (qpos_max >= pos_min) & ((window <= 0) | (pos_max > qpos_min - window)):  # some row sees some slot
-            q = tl.load(q_base + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                        mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+            q = _load_rows(q_base + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd, t_ok, d_ok, EVEN_D)
             lse = tl.load(lse_base + offs_t * stride_lt, mask=t_ok, other=float("-inf")) * LOG2E
             vis = live[None, :] & (pos[None, :] <= qpos[:, None]) & (lse > float("-inf"))[:, None]
             vis = vis & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
             s = _scores(q, k, qk_scale, bias, FP32) - lse[:, None]
             p = tl.where(vis, tl.exp2(s), 0.0)
-            if NEED_TOTAL:
-                total += tl.sum(p, axis=0)
-            recent += tl.sum(tl.where((offs_t >= first_recent)[:, None], p, 0.0), axis=0)
+            in_window = tl.where((offs_t >= first_recent)[:, None], p, 0.0)
+            if SUM_ONCE:
+                if NEED_TOTAL:
+                    total_rows += p
+                recent_rows += in_window
+            else:
+                if NEED_TOTAL:
+                    total += tl.sum(p, axis=0)
+                recent += tl.sum(in_window, axis=0)
+    if SUM_ONCE:
+        total = tl.sum(total_rows, axis=0)
+        recent = tl.sum(recent_rows, axis=0)
     out = (b * Hq + hq) * C + offs_n
     if NEED_TOTAL:
         tl.store(TOTAL + out, total, mask=n_ok)
@@ -248,7 +273,13 @@ def _check_cuda_inputs(q, keys, bias, slot_pos, cache_position, lse):
 
 def _launch_config(T: int, D: int, tuning: dict | None = None) -> dict:
     """Tile sizes from the shapes alone (never the data: one fixed launch for CUDA graphs and Inductor); `tuning`
-    (block_m, block_n, num_warps, num_stages) overrides them for the benchmark's sweep (bench/column_stats.py)."""
+    (block_m, block_n, num_warps, num_stages, even_d, sum_once) overrides them for the benchmark's sweep
+    (bench/column_stats.py).
+
+    even_d and sum_once are off until that sweep times them: compiled for sm_90 (bf16, D = 128, the default tiles
+    and 8 warps; bench.occupancy's compile) the stats kernel's loop has 753 instructions, 37 of them global loads
+    (q's 2-byte loads), 16 barriers and 75 shuffles; with even_d 624 (9 loads), with sum_once too 465 (10 barriers,
+    23 shuffles). But even_d takes the kernel from 128 to 132 registers a thread, one program an SM instead of two."""
     block_d = max(16, triton.next_power_of_2(D))
     wide = block_d > 128  # D = 256: smaller tiles keep q and k in registers
     cfg = dict(
@@ -257,8 +288,10 @@ def _launch_config(T: int, D: int, tuning: dict | None = None) -> dict:
         block_n=32 if wide else 64,
         num_warps=4 if block_d <= 64 else 8,
         num_stages=2,
+        even_d=False,  # both kernels' EVEN_D when D == block_d (else always off)
+        sum_once=False,  # the stats kernel's SUM_ONCE
     )
-    unknown = set(tuning or {}) - {"block_m", "block_n", "num_warps", "num_stages"}
+    unknown = set(tuning or {}) - (set(cfg) - {"block_d"})
     if unknown:
         raise ValueError(f"attention_column_stats: unknown launch overrides {sorted(unknown)}")
     return {**cfg, **(tuning or {})}
@@ -291,7 +324,8 @@ def _launch(q, keys, bias, slot_pos, cache_position, lse, scale, window, last, n
         return (total.zero_() if need_total else None), recent.zero_()
     cfg = _launch_config(T, D, tuning)
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_D=cfg["block_d"], num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"], FP32=q.dtype == torch.float32)
+                num_stages=cfg["num_stages"], FP32=q.dtype == torch.float32,
+                EVEN_D=bool(cfg["even_d"]) and D == cfg["block_d"])
     t_begin = 0 if need_total else first_recent // cfg["block_m"] * cfg["block_m"]
     common = (*q.stride(), *keys.stride(), *bias.stride(), *slot_pos.stride(), *cache_position.stride())
     qk_scale = scale * LOG2E
@@ -303,6 +337,7 @@ def _launch(q, keys, bias, slot_pos, cache_position, lse, scale, window, last, n
     wrap_triton(_column_stats_kernel)[(triton.cdiv(C, cfg["block_n"]), B * Hq)](
         q, keys, bias, slot_pos, cache_position, lse, recent if total is None else total, recent, *common,
         *lse.stride(), Hq, G, T, C, D, window, first_recent, qk_scale, t_begin, **meta, NEED_TOTAL=need_total,
+        SUM_ONCE=bool(cfg["sum_once"]),
     )
     return total, recent
 

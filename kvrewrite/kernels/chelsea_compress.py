@@ -225,7 +225,10 @@ SELECT_BLOCK = 2048  # edges per block of chelsea's round-0 selection (its histo
 # twice and written twice; at batch 40 on an H200 merge 1278 us and write-back 552 us of the 2.5 ms a layer's call
 # took, docs/bench/e2e_h200_decode_profile_b40_chelsea.txt, the compressing step 93.4 ms against 13.7 for a plain
 # one). At batch 1 (8 rows) the parallel launches are what fill the GPU; at batch 40 the rows alone do (320 rows on
-# 132 SMs). 0 = never: off until a GPU run times it (an A/B switch: --kernel-option
+# 132 SMs). 0 = never: off, measured slower. At batch 40 and 32k on an H200 (chelsea, Inductor, one run each,
+# docs/bench/e2e_h200_chelsea_b40_stop39_*.json) the compressing step took 186.5 ms this way against 93.4 with
+# round 0's parallel launches (plain steps 13.45 both): one program per row runs the merge's rounds serially where
+# the parallel launches spread each row over many programs. Kept as an A/B switch (--kernel-option
 # chelsea_compress.ROWS_PATH_MIN_ROWS=264).
 ROWS_PATH_MIN_ROWS = 0
 

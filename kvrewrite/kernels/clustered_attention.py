@@ -468,8 +468,11 @@ def _num_sms_of(device_index: int) -> int:
 RESIDENT_PROGRAMS, RESIDENT_PROGRAMS_PENDING = 3, 2
 
 # Balanced decode splits (_launch_config's `balance`): the split boundaries' unit in slots, 0 = whole tiles per
-# split. Off until a GPU run decides (an A/B switch: --kernel-option clustered_attention.BALANCE=16;
-# `python -m kvrewrite.bench.attention --sweep-shapes ...` times both).
+# split. Off: measured slower. On an H200 at B = 1 and 6554 slots (bench/attention.py sweep,
+# docs/bench/sweep_attention_h200_balance_stop39.json) the default launch took 15.3 us a call, balanced splits
+# 16.6 (26 splits), 16.2 (33) and 18.8 (49); at B = 40, 265.5 against 265.6. The default's time did not move
+# from 26 to 208 whole-tile splits either, so the busiest SM's bytes are not what bounds a batch-1 call. Kept as
+# an A/B switch (--kernel-option clustered_attention.BALANCE=16) for other GPUs and shapes.
 BALANCE = 0
 
 
@@ -510,8 +513,8 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_
     rounded down to `balance` slots (the kernel's BALANCE), instead of whole tiles per split: the split count
     is then the two-programs-per-SM count itself (33 at B = 1, 8 KV heads, 132 SMs) rather than what whole
     tiles allow (26 at 6.6k slots: 52 tiles of 128, two per split), so each SM gets two programs of ~200 slots
-    where, now, 76 SMs get two of 256 and 56 one (a decode call's time is its busiest SM's bytes). 0 (or any
-    other kernel's config: expanded_attention's) keeps the whole-tile splits.
+    where, by default, 76 SMs get two of 256 and 56 one. Measured slower on an H200 (BALANCE's comment), so off
+    by default. 0 (or any other kernel's config: expanded_attention's) keeps the whole-tile splits.
     """
     rows = G * T  # M rows of one (b, kv head): every query head of the group at every query
     if block_m is None:

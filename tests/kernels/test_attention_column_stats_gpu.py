@@ -139,6 +139,27 @@ def test_recent_only_matches_dense(case, dtype):
     torch.testing.assert_close(recent.double().sum(-1), seeing, atol=1e-6 * C, rtol=5e-5)
 
 
+@pytest.mark.parametrize("tuning", [dict(even_d=True), dict(even_d=True, sum_once=True), dict(sum_once=True),
+                                    dict(block_m=128, block_n=128, num_warps=8, even_d=True, sum_once=True),
+                                    dict(num_stages=3, even_d=True)],
+                         ids=lambda t: "-".join(f"{k}{v}" for k, v in t.items()))
+@pytest.mark.parametrize("D", (64, 128, 80), ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_launch_overrides_match_dense(tuning, D, dtype):
+    """bench/column_stats.py's variants (even_d: vector loads where D is a whole tile; sum_once: one reduction after
+    the walk) give the dense sums; D = 80 keeps its column mask whatever even_d says."""
+    B, Hq, Hkv, T, C, last = 2, 8, 2, 200, 333, 40
+    q, keys, bias, slot_pos, cp = _inputs(B, Hq, Hkv, T, C, D, dtype, seed=D + T)
+    scale = D**-0.5
+    p = dense_probs(q, keys, bias, slot_pos, cp, scale, 0)
+    lse = _dense_lse(q, keys, bias, slot_pos, cp, scale, 0).float()
+    for with_lse in (lse, None):
+        total, recent = _poisoned(lambda: acs._launch(q, keys, bias, slot_pos, cp, with_lse, scale, 0, last,
+                                                      tuning=tuning), 2 * B * Hq * C * 4 + B * Hq * T * 4)
+        torch.testing.assert_close(total.double(), p.sum(dim=2), **TOL[dtype])
+        torch.testing.assert_close(recent.double(), p[:, :, T - last:].sum(dim=2), **TOL[dtype])
+
+
 def test_empty_invisible_and_blind_queries():
     """Empty and future slots get exactly 0; a query that sees nothing contributes nothing (no NaN)."""
     D = 64
