@@ -433,3 +433,12 @@ def test_column_stats_sweep_variants_and_flops():
     assert all(set(v) == set(VARIANTS) for v in full[1:-2]) and {v["even_d"] for v in quick[1:-2]} == {True}
     assert [v["num_stages"] for v in full[-2:]] == [3, 3]
     assert qk_tflops(8, 32, 2048, 8704, 128, 1e6) == pytest.approx(2 * 8 * 32 * 2048 * 8704 * 128 / 1e12)
+
+
+def test_attention_sweep_kernel_means():
+    """bench.attention.kernel_means: each kernel's device time per call, summed over its launches."""
+    from kvrewrite.bench.attention import kernel_means
+
+    events = [(0.0, 10.0, "fwd"), (9.0, 12.0, "combine"), (20.0, 31.0, "fwd"), (30.0, 34.0, "combine")]
+    assert kernel_means(events, 2) == {"fwd": 10.5, "combine": 3.5}
+    assert kernel_means([], 3) == {}

@@ -153,14 +153,33 @@ def _make_sets(cfg: Config):
     return sets
 
 
-def _graph_us(fn, sets, quick=False) -> float:
-    """Per-call time of fn over the rotated input sets, captured in one CUDA graph."""
+def _graph_us(fn, sets, quick=False, kernels: dict | None = None) -> float:
+    """Per-call time of fn over the rotated input sets, captured in one CUDA graph. `kernels` (a dict): filled with
+    each kernel's own device time per call (kernel_means), from a profile of one more replay."""
     outs = []
     warm_up(lambda: [fn(*s) for s in sets])
     graph = capture(lambda: outs.extend(fn(*s) for s in sets))  # outs keeps the outputs alive while replaying
     ms = _bench_ms(graph.replay, quick)
+    if kernels is not None:
+        from torch.profiler import ProfilerActivity, profile
+
+        from kvrewrite.bench.profile_decode import kernel_events
+
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            graph.replay()
+            torch.cuda.synchronize()
+        kernels.update(kernel_means(kernel_events(p), len(sets)))
     del graph, outs
     return ms * 1e3 / len(sets)
+
+
+def kernel_means(events, calls: int) -> dict:
+    """{kernel name: device us per call} from (start, end, name) events of `calls` calls: a kernel's own time, where
+    the graph's per-call time also holds the gaps and overlaps between kernels."""
+    out = {}
+    for start, end, name in events:
+        out[name] = out.get(name, 0.0) + (end - start) / calls
+    return out
 
 
 def _op(scale, past_only, **tuning):
@@ -265,7 +284,8 @@ def run(cfg: Config, copy: float) -> Result:
 
 def sweep(configs, copy: float) -> list[dict]:
     """Launch variants of the Triton op (tile, warps, stages, splits, balanced splits, skip_unseen, past_only),
-    CUDA-graph timed.
+    CUDA-graph timed, each with its kernels' own device times (kernels_us: the attention kernel apart from its
+    combine and from the gaps between them, which the per-call time holds).
     Stage 1 crosses tile / warps / stages on the first config; stage 2 varies the split count and the
     predicated loads around the best of stage 1 on every config (the op's split count, one less and one
     more, and multiples of it)."""
@@ -273,16 +293,19 @@ def sweep(configs, copy: float) -> list[dict]:
 
     def time_variant(cfg, sets, past_only=None, **tuning):
         cfg = cfg if past_only is None else dataclasses.replace(cfg, past_only=past_only)  # its bytes too
+        kernels = {}
         try:
-            us = _graph_us(_op(cfg.D**-0.5, cfg.past_only, **tuning), sets, quick=True)
+            us = _graph_us(_op(cfg.D**-0.5, cfg.past_only, **tuning), sets, quick=True, kernels=kernels)
         except Exception as e:  # e.g. out of shared memory for a large tile with many stages
             us = math.nan
             tuning = dict(tuning, error=str(e).splitlines()[0][:80])
         tuning = dict(tuning, past_only=cfg.past_only)
         rec = dict(config=dataclasses.asdict(cfg), tuning=tuning, us=us, gbps=cfg.bytes_moved / us / 1e3,
-                   frac_of_copy=cfg.bytes_moved / us / 1e3 / copy)
+                   frac_of_copy=cfg.bytes_moved / us / 1e3 / copy, kernels_us=kernels)
         records.append(rec)
-        print(f"sweep B{cfg.B} C{cfg.C} {tuning}: {us:.1f} us, {rec['frac_of_copy']:.2f} of copy", flush=True)
+        own = ", ".join(f"{name.replace('_clustered_attention_', '')} {t:.1f}" for name, t in kernels.items())
+        print(f"sweep B{cfg.B} C{cfg.C} {tuning}: {us:.1f} us, {rec['frac_of_copy']:.2f} of copy"
+              f"{f' (kernels: {own} us)' if own else ''}", flush=True)
         return us
 
     first = configs[0]
