@@ -8,8 +8,8 @@ chunk's attention (q·k and p·v) 4.9 s (docs/bench.md, "Stop 39 runs"). This sw
 and stages and two code paths, attention_column_stats._launch_config's overrides, off by default until this times
 them: even_d (q and key tiles loaded as 16-byte vectors) and sum_once (column sums reduced once after the walk).
 Layout: Llama-3.1-8B's (32 query heads, 8 KV heads, D = 128, bf16), `slots` visible slots whose last `chunk` are the
-chunk's own (causal), the attention's lse given, as kvrewrite::observed_attention calls it; plus the recent-only
-walk of SnapKV's 32-query window. Each variant is timed by CUDA-graph replay (bench/attention.py's timing); a
+chunk's own (causal), the attention's lse given, as kvrewrite::observed_attention calls it for h2o (last 0: no
+recent sums); plus the recent-only walk of SnapKV's 32-query window. Each variant is timed by CUDA-graph replay (bench/attention.py's timing); a
 variant Triton cannot compile (shared memory, registers) is recorded with its error. Writes JSON: the machine,
 every variant's microseconds and q·k TFLOP/s, and the attention's time on the same inputs.
 """
@@ -69,7 +69,7 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=2048, help="queries of the chunk (T)")
     p.add_argument("--slots", type=int, default=8704, help="slots the chunk sees, its own included (C)")
     p.add_argument("--window", type=int, default=32, help="SnapKV's observation window for the recent-only row")
-    p.add_argument("--quick", action="store_true", help="fewer variants (2 stages only)")
+    p.add_argument("--quick", action="store_true", help="fewer variants (even_d on only)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.column_stats needs a CUDA GPU")
@@ -86,7 +86,7 @@ def main(argv=None):
           f"TFLOP/s (q·k and p·v)", flush=True)
     rows = []
     for tuning, need_total in [(t, True) for t in variants(args.quick)] + [({}, False)]:
-        row = dict(tuning=tuning, need_total=need_total, last=T if need_total else args.window)
+        row = dict(tuning=tuning, need_total=need_total, last=0 if need_total else args.window)  # as h2o, snapkv
         try:
             launch = _direct(lambda *s: acs._launch(*s, lse, scale, 0, row["last"], need_total, tuning))
             us = _graph_us(launch, [(q, k, bias, pos, cp)])

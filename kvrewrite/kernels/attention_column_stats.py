@@ -22,9 +22,9 @@ Returns:
 
 Callers that read only `recent` (SnapKV's window after a prefill chunk: mode "window" of accumulate_attention
 and observed_attention) launch with need_total=False (`_launch`, `column_sums`): the kernels then walk only the
-query blocks that hold the last `last` queries, so a 2048-query chunk with a 32-query window costs a block of
-64 queries instead of 32 (and `total` is not returned). On an H200 at batch 8 and 32k the full walk was 7.4 s of
-snapkv's 17.7 s compiled prefill (docs/bench.md, "Stop 39").
+query blocks that hold the last `last` queries, so a 2048-query chunk with a 32-query window costs one block of
+64 queries instead of 32 blocks (and `total` is not returned). On an H200 at batch 8 and 32k the full walk was
+7.4 s of snapkv's 17.7 s compiled prefill (docs/bench.md, "Stop 39 runs").
 
 Backends: CUDA runs the Triton kernels below (fp16/bf16/fp32, D <= 256); other devices run the
 reference. The op is a `torch.library.triton_op`, so Inductor sees the launches and CUDA graphs work.
@@ -182,6 +182,7 @@ def _column_stats_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     FP32: tl.constexpr,  # fp32 inputs: ieee dots (no TF32)
     NEED_TOTAL: tl.constexpr,  # compute and store TOTAL (False: only RECENT, from query t_begin on)
+    NEED_RECENT: tl.constexpr,  # some query is recent (first_recent < T); False: RECENT stores zeros, no sums
     EVEN_D: tl.constexpr,  # D == BLOCK_D (_load_rows)
     SUM_ONCE: tl.constexpr,  # add p into [BLOCK_M, BLOCK_N] tiles, summed over their rows once after the walk
 ):
@@ -229,11 +230,13 @@ def _column_stats_kernel(
             if SUM_ONCE:
                 if NEED_TOTAL:
                     total_rows += p
-                recent_rows += in_window
+                if NEED_RECENT:
+                    recent_rows += in_window
             else:
                 if NEED_TOTAL:
                     total += tl.sum(p, axis=0)
-                recent += tl.sum(in_window, axis=0)
+                if NEED_RECENT:
+                    recent += tl.sum(in_window, axis=0)
     if SUM_ONCE:
         total = tl.sum(total_rows, axis=0)
         recent = tl.sum(recent_rows, axis=0)
@@ -276,10 +279,13 @@ def _launch_config(T: int, D: int, tuning: dict | None = None) -> dict:
     (block_m, block_n, num_warps, num_stages, even_d, sum_once) overrides them for the benchmark's sweep
     (bench/column_stats.py).
 
-    even_d and sum_once are off until that sweep times them: compiled for sm_90 (bf16, D = 128, the default tiles
-    and 8 warps; bench.occupancy's compile) the stats kernel's loop has 753 instructions, 37 of them global loads
-    (q's 2-byte loads), 16 barriers and 75 shuffles; with even_d 624 (9 loads), with sum_once too 465 (10 barriers,
-    23 shuffles). But even_d takes the kernel from 128 to 132 registers a thread, one program an SM instead of two."""
+    even_d and sum_once are off until that sweep times them. Compiled for sm_90 (bf16, D = 128, the default tiles
+    and 8 warps; bench.occupancy's compile), the stats kernel's loop with recent sums (SnapKV's window) has 753
+    instructions, 37 of them global loads (q's 2-byte loads), 16 barriers and 75 shuffles; with even_d 624 (9
+    loads), with sum_once too 465 (10 barriers, 23 shuffles), but even_d takes it from 128 to 132 registers a
+    thread, one program an SM instead of two. Without recent sums (h2o's calls, last 0: the kernel's NEED_RECENT
+    follows from `last`, no switch) the loop has 631 instructions at 117 registers, with even_d and sum_once 453
+    at 119: two programs an SM either way."""
     block_d = max(16, triton.next_power_of_2(D))
     wide = block_d > 128  # D = 256: smaller tiles keep q and k in registers
     cfg = dict(
@@ -337,7 +343,7 @@ def _launch(q, keys, bias, slot_pos, cache_position, lse, scale, window, last, n
     wrap_triton(_column_stats_kernel)[(triton.cdiv(C, cfg["block_n"]), B * Hq)](
         q, keys, bias, slot_pos, cache_position, lse, recent if total is None else total, recent, *common,
         *lse.stride(), Hq, G, T, C, D, window, first_recent, qk_scale, t_begin, **meta, NEED_TOTAL=need_total,
-        SUM_ONCE=bool(cfg["sum_once"]),
+        NEED_RECENT=first_recent < T, SUM_ONCE=bool(cfg["sum_once"]),
     )
     return total, recent
 

@@ -148,12 +148,12 @@ def test_recent_only_matches_dense(case, dtype):
 def test_launch_overrides_match_dense(tuning, D, dtype):
     """bench/column_stats.py's variants (even_d: vector loads where D is a whole tile; sum_once: one reduction after
     the walk) give the dense sums; D = 80 keeps its column mask whatever even_d says."""
-    B, Hq, Hkv, T, C, last = 2, 8, 2, 200, 333, 40
+    B, Hq, Hkv, T, C = 2, 8, 2, 200, 333
     q, keys, bias, slot_pos, cp = _inputs(B, Hq, Hkv, T, C, D, dtype, seed=D + T)
     scale = D**-0.5
     p = dense_probs(q, keys, bias, slot_pos, cp, scale, 0)
     lse = _dense_lse(q, keys, bias, slot_pos, cp, scale, 0).float()
-    for with_lse in (lse, None):
+    for with_lse, last in ((lse, 40), (None, 40), (lse, 0)):  # last 0: H2O's call, no recent sums (zeros)
         total, recent = _poisoned(lambda: acs._launch(q, keys, bias, slot_pos, cp, with_lse, scale, 0, last,
                                                       tuning=tuning), 2 * B * Hq * C * 4 + B * Hq * T * 4)
         torch.testing.assert_close(total.double(), p.sum(dim=2), **TOL[dtype])
