@@ -227,9 +227,9 @@ SELECT_BLOCK = 2048  # edges per block of chelsea's round-0 selection (its histo
 # one). At batch 1 (8 rows) the parallel launches are what fill the GPU; at batch 40 the rows alone do (320 rows on
 # 132 SMs). 0 = never: off, measured slower. At batch 40 and 32k on an H200 (chelsea, Inductor, one run each,
 # docs/bench/e2e_h200_chelsea_b40_stop39_*.json) the compressing step took 186.5 ms this way against 93.4 with
-# round 0's parallel launches (plain steps 13.45 both): one program per row runs the merge's rounds serially where
-# the parallel launches spread each row over many programs. Kept as an A/B switch (--kernel-option
-# chelsea_compress.ROWS_PATH_MIN_ROWS=264).
+# round 0's parallel launches (plain steps 13.45 both); likely (not profiled) because one program per row runs the
+# merge serially where the parallel launches spread each row over many programs. Kept as an A/B switch
+# (--kernel-option chelsea_compress.ROWS_PATH_MIN_ROWS=264).
 ROWS_PATH_MIN_ROWS = 0
 
 
