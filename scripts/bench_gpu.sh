@@ -10,6 +10,8 @@
 # e: the prefill of a batch (issue 21): 32k, batch ${EB:-8}, the real compiled prefill of snapkv and chelsea in chunks
 #    of 2048 against HF's dense prefill of the same batch (--batch-prefill; not part of the default phases)
 # f: 128k at batch ${FB:-4} (issue 21's long row): full, snapkv and chelsea, compiled decode, synthetic state (not default)
+# g: kernel sweeps (not default): attention_column_stats' launch variants at h2o's batch-8 prefill chunk
+#    (bench/column_stats.py), and the decode attention's variants at 32k batch 1 with each kernel's own time
 set -o pipefail
 OUT=${1:-out/bench}
 PHASES=${2:-a b c d}
@@ -33,6 +35,10 @@ for p in $PHASES; do
     f) timeout ${TF:-500} $B --systems full,snapkv,chelsea --contexts 131072 --batches ${FB:-4} --no-prefill \
          --fuse-projections --kv-compile inductor --out "$OUT/e2e_128k_batch.json" --plot /tmp/e2e_f.png 2>&1 \
          | tee -a "$OUT/log.txt" ;;
+    g) timeout ${TG:-300} python -m kvrewrite.bench.column_stats --out "$OUT/sweep_column_stats.json" 2>&1 \
+         | tee -a "$OUT/log.txt"
+       timeout ${TG:-300} python -m kvrewrite.bench.attention --sweep "$OUT/sweep_attention_b1.json" \
+         --sweep-shapes 1:6554 --no-table 2>&1 | tee -a "$OUT/log.txt" ;;
   esac
 done
 python - "$OUT" <<'PY'
