@@ -283,7 +283,7 @@ def run(cfg: Config, copy: float) -> Result:
 
 
 def sweep(configs, copy: float) -> list[dict]:
-    """Launch variants of the Triton op (tile, warps, stages, splits, balanced splits, skip_unseen, past_only),
+    """Launch variants of the Triton op (tile, warps, stages, splits, skip_unseen, past_only),
     CUDA-graph timed, each with its kernels' own device times (kernels_us: the attention kernel apart from its
     combine and from the gaps between them, which the per-call time holds).
     Stage 1 crosses tile / warps / stages on the first config; stage 2 varies the split count and the
@@ -327,12 +327,6 @@ def sweep(configs, copy: float) -> list[dict]:
         for splits in sorted({max(1, default // 4), max(1, default // 2), max(1, default - 1), default,
                               default + 1, 2 * default, 4 * default, 8 * default}):
             time_variant(cfg, sets, **best, num_splits=splits)
-        # balanced split boundaries (kernels/clustered_attention.py BALANCE): the op's two-per-SM count, the
-        # whole-tile count, three per SM
-        bal = ca._launch_config(cfg.B, cfg.Hkv, G, cfg.T, cfg.C, cfg.D, sms, DTYPES[cfg.dtype].itemsize,
-                                block_n=best["block_n"], balance=16)["num_splits"]
-        for splits in sorted({bal, default, max(1, 3 * sms // (cfg.B * cfg.Hkv))}):
-            time_variant(cfg, sets, **best, num_splits=splits, balance=16)
         time_variant(cfg, sets, **best, skip_unseen=False)
         time_variant(cfg, sets, **best, past_only=not cfg.past_only)  # what reading slot_pos costs
         time_variant(cfg, sets)  # the op's own choice

@@ -96,8 +96,7 @@ def attention_decode_resources(pending: bool, split: bool, head_dim: int = 128, 
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], SPLIT=split,
                       SKIP_UNSEEN=cfg["skip_unseen"], LOAD_POS=False, HAS_WINDOW=False, CAUSAL_SKIP=True,
                       SOFTCAP=False, WRITE_LOGITS=False, WRITE_LSE=pending and not split, PENDING=pending,
-                      NPEND=3 if pending else 1, DEFER=pending, SAVE_Q=pending and not split, PDL=True,
-                      BALANCE=ca.BALANCE)
+                      NPEND=3 if pending else 1, DEFER=pending, SAVE_Q=pending and not split, PDL=True)
     # unit strides along the innermost dimension become constexprs at launch (Triton specialises 1)
     constexprs.update({n: 1 for n in ("stride_qd", "stride_kd", "stride_vd", "stride_bc", "stride_pc", "stride_sc",
                                       "stride_fh")})

@@ -219,18 +219,6 @@ MAX_CHUNK = 512  # chunk sizes above this run the reference (a chunk's A x B til
 MAX_HEAD_DIM = 256
 MERGE_COLUMNS = 32  # head-dim columns per program of chelsea's round-0 merge (a power of two >= 16)
 SELECT_BLOCK = 2048  # edges per block of chelsea's round-0 selection (its histogram passes)
-# Rows (B x Hkv) from which a call runs every round in the one-program-per-row kernel (a decode call's one round
-# there merges from the state into the state: each slot read and written once), instead of round 0's parallel
-# launches (the merge writes every row's K/V to a staging copy and a second launch copies it back: each slot read
-# twice and written twice; at batch 40 on an H200 merge 1278 us and write-back 552 us of the 2.5 ms a layer's call
-# took, docs/bench/e2e_h200_decode_profile_b40_chelsea.txt, the compressing step 93.4 ms against 13.7 for a plain
-# one). At batch 1 (8 rows) the parallel launches are what fill the GPU; at batch 40 the rows alone do (320 rows on
-# 132 SMs). 0 = never: off, measured slower. At batch 40 and 32k on an H200 (chelsea, Inductor, one run each,
-# docs/bench/e2e_h200_chelsea_b40_stop39_*.json) the compressing step took 186.5 ms this way against 93.4 with
-# round 0's parallel launches (plain steps 13.45 both); likely (not profiled) because one program per row runs the
-# merge serially where the parallel launches spread each row over many programs. Kept as an A/B switch
-# (--kernel-option chelsea_compress.ROWS_PATH_MIN_ROWS=264).
-ROWS_PATH_MIN_ROWS = 0
 
 
 # -- helpers -----------------------------------------------------------------------------------------
@@ -993,11 +981,11 @@ def scratch_slots(C: int, n_sink: int, n_recent: int, r_init: float, r_min: floa
 
 def triton_chelsea_compress(keys, values, bias, slot_pos, fill, budget, n_sink: int, n_recent: int, chunk: int,
                             r_init: float, r_alpha: float, r_steps: int, r_min: float, outlier_heads,
-                            parallel_round0: bool | None = None, edge_block: int = 2048, sim_block: int = 32,
+                            parallel_round0: bool = True, edge_block: int = 2048, sim_block: int = 32,
                             merge_columns: int | None = None, select_block: int | None = None) -> None:
     """Launch the kernels (see the module docstring). parallel_round0=False runs every round in the
-    one-program-per-row kernel (in place; slow where the rows are fewer than the SMs, and the tests' cross-check);
-    None: False from ROWS_PATH_MIN_ROWS rows on (when that is > 0), else True. edge_block: edges per block of that
+    one-program-per-row kernel (the slow path, kept as a cross-check: at batch 40 on an H200 it made chelsea's
+    compressing step 186.5 ms against 93.4, docs/bench.md "Stop 39 runs"). edge_block: edges per block of that
     kernel's selection; sim_block: A (and B) slots per similarity tile of that kernel; merge_columns,
     select_block: the round-0 merge's columns per program and selection's edges per block (defaults
     MERGE_COLUMNS, SELECT_BLOCK)."""
@@ -1010,8 +998,6 @@ def triton_chelsea_compress(keys, values, bias, slot_pos, fill, budget, n_sink: 
     R = B * H
     if R == 0 or C == 0:
         return
-    if parallel_round0 is None:
-        parallel_round0 = not (ROWS_PATH_MIN_ROWS > 0 and R >= ROWS_PATH_MIN_ROWS)
     merge_columns = MERGE_COLUMNS if merge_columns is None else merge_columns
     select_block = SELECT_BLOCK if select_block is None else select_block
     dev = keys.device

@@ -212,7 +212,6 @@ def _clustered_attention_fwd_kernel(
     DEFER: tl.constexpr,  # fold only at a step with c mod NPEND == 0 (else every entry: the empty ones add 0)
     SAVE_Q: tl.constexpr,  # store q and its lse as entry c mod NPEND, emptying the others after a fold (no SPLIT)
     PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any load (kernels/_pdl.py)
-    BALANCE: tl.constexpr = 0,  # > 0: balanced split boundaries in units of BALANCE slots (_launch_config)
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     if PDL:  # every input (q, the slots, the bias the append just wrote) comes from earlier kernels
@@ -282,16 +281,9 @@ def _clustered_attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    if BALANCE > 0:
-        # this program's slots: [e(s), e(s + 1)), e(s) = floor(s C / NUM_SPLITS) rounded down to BALANCE, e(S) = C:
-        # every split within BALANCE slots of C / NUM_SPLITS, whatever the tile
-        n_start = ((pid_s.to(tl.int64) * C // NUM_SPLITS) // BALANCE * BALANCE).to(tl.int32)
-        n_next = (((pid_s + 1).to(tl.int64) * C // NUM_SPLITS) // BALANCE * BALANCE).to(tl.int32)
-        n_end = tl.where(pid_s == NUM_SPLITS - 1, C, n_next)
-    else:
-        # this program's slots: [n_start, n_start + slots_per_split) clipped to C (the last split is shorter)
-        n_start = pid_s * slots_per_split
-        n_end = tl.minimum(n_start + slots_per_split, C)
+    # this program's slots: [n_start, n_start + slots_per_split) clipped to C (the last split is shorter)
+    n_start = pid_s * slots_per_split
+    n_end = tl.minimum(n_start + slots_per_split, C)
     for n0 in range(n_start, n_end, BLOCK_N):
         # -- slot metadata: bias (-inf = empty), and position relative to the block's first query ----
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -467,14 +459,6 @@ def _num_sms_of(device_index: int) -> int:
 # launch_forward passes them to _launch_config, which splits a decode grid the SMs cannot hold.
 RESIDENT_PROGRAMS, RESIDENT_PROGRAMS_PENDING = 3, 2
 
-# Balanced decode splits (_launch_config's `balance`): the split boundaries' unit in slots, 0 = whole tiles per
-# split. Off: measured slower. On an H200 at B = 1 and 6554 slots (bench/attention.py sweep,
-# docs/bench/sweep_attention_h200_balance_stop39.json) the default launch took 15.3 us a call, balanced splits
-# 16.6 (26 splits), 16.2 (33) and 18.8 (49); at B = 40, 265.5 against 265.6. The default's time did not move
-# from 26 to 208 whole-tile splits either, so the busiest SM's bytes are not what bounds a batch-1 call. Kept as
-# an A/B switch (--kernel-option clustered_attention.BALANCE=16) for other GPUs and shapes.
-BALANCE = 0
-
 
 def fewest_waves_splits(programs: int, capacity: int, max_splits: int = 8) -> int:
     """The split count S in [1, max_splits] whose grid of programs * S programs, each 1/S of the work, ends soonest
@@ -488,7 +472,7 @@ def fewest_waves_splits(programs: int, capacity: int, max_splits: int = 8) -> in
 
 
 def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_n=None, num_splits=None,
-                   num_warps=None, num_stages=None, skip_unseen=None, resident=None, balance=None):
+                   num_warps=None, num_stages=None, skip_unseen=None, resident=None):
     """Block sizes, split count and launch options from the shapes alone (never the data, so CUDA graphs
     and Inductor see one fixed launch). The keyword overrides are for the benchmark's tuning sweep.
 
@@ -509,12 +493,9 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_
     rule's 4, at B = 48 377 and 332 (2); the plain kernel (three per SM) at B = 64 455 and 417 (3), and at
     B = 40 and 48, where its grid fits, 1 split stays the fastest. None keeps 1 (the other kernels that share
     this config have not been measured there).
-    balance (decode only; launch_forward passes BALANCE): > 0 splits the C slots evenly, each split's boundaries
-    rounded down to `balance` slots (the kernel's BALANCE), instead of whole tiles per split: the split count
-    is then the two-programs-per-SM count itself (33 at B = 1, 8 KV heads, 132 SMs) rather than what whole
-    tiles allow (26 at 6.6k slots: 52 tiles of 128, two per split), so each SM gets two programs of ~200 slots
-    where, by default, 76 SMs get two of 256 and 56 one. Measured slower on an H200 (BALANCE's comment), so off
-    by default. 0 (or any other kernel's config: expanded_attention's) keeps the whole-tile splits.
+    Splits are whole tiles. Balanced boundaries (C / splits slots each, to 16 slots: 33 splits of ~200 slots at
+    B = 1 and 6.6k slots instead of 26 of 256) were built and measured slower on an H200 in stop 39 (16.2-18.8
+    us a call against 15.3; docs/bench/sweep_attention_h200_balance_stop39.json), then removed.
     """
     rows = G * T  # M rows of one (b, kv head): every query head of the group at every query
     if block_m is None:
@@ -532,7 +513,6 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_
     if num_warps is None:
         num_warps = 4
     tiles = triton.cdiv(C, block_n)
-    balance = int(balance or 0) if decode else 0
     if num_splits is None:
         if decode:
             # the most splits that keep the grid within two programs per SM: one wave, and no SM running
@@ -545,18 +525,12 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_
                 num_splits = fewest_waves_splits(B * Hkv * m_blocks, resident * num_sms)
         else:
             num_splits = triton.cdiv(2 * num_sms, B * Hkv * m_blocks)  # prefill: cover the SMs twice
-        if not balance:
-            num_splits = min(num_splits, tiles // 2)  # >= 2 tiles per split
-    if balance:  # splits of C / num_splits slots, to BALANCE (the kernel), at least a tile each on average
-        num_splits = max(1, min(num_splits, C // block_n))
-        slots_per_split = triton.cdiv(C, num_splits)  # unread by the kernel then: it computes its own boundaries
-    else:
-        tiles_per_split = triton.cdiv(tiles, min(max(num_splits, 1), tiles))
-        num_splits = triton.cdiv(tiles, tiles_per_split)  # no empty split
-        slots_per_split = tiles_per_split * block_n
+        num_splits = min(num_splits, tiles // 2)  # >= 2 tiles per split
+    tiles_per_split = triton.cdiv(tiles, min(max(num_splits, 1), tiles))
+    num_splits = triton.cdiv(tiles, tiles_per_split)  # no empty split
     return dict(block_m=block_m, m_blocks=m_blocks, block_n=block_n, num_splits=num_splits,
-                slots_per_split=slots_per_split, num_warps=num_warps, num_stages=num_stages,
-                skip_unseen=skip_unseen, balance=balance)
+                slots_per_split=tiles_per_split * block_n, num_warps=num_warps, num_stages=num_stages,
+                skip_unseen=skip_unseen)
 
 
 def _check_inputs(q, keys, values, bias, slot_pos, cache_position, window, softcap=0.0):
@@ -664,7 +638,6 @@ def launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, windo
             raise ValueError(f"launch_forward: {npend} pending entries of {G} heads do not fit a "
                              f"{overrides['block_m']}-row tile next to the step's own {G} rows")
     overrides.setdefault("resident", RESIDENT_PROGRAMS if pending is None else RESIDENT_PROGRAMS_PENDING)
-    overrides.setdefault("balance", BALANCE)
     cfg = _launch_config(B, Hkv, G, T, C, D, num_sms, q.element_size(), **overrides)
     S = cfg["num_splits"]
     split = S > 1 or logits is not None
@@ -697,7 +670,7 @@ def launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, windo
         LOAD_POS=load_pos, HAS_WINDOW=window > 0, CAUSAL_SKIP=causal_skip, SOFTCAP=softcap > 0,
         WRITE_LOGITS=logits is not None, WRITE_LSE=lse is not None and not split,
         PENDING=pending is not None, NPEND=1 if pending is None else npend, DEFER=save_q is not None,
-        SAVE_Q=save_q is not None and not split, PDL=pdl, BALANCE=cfg["balance"],
+        SAVE_Q=save_q is not None and not split, PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )
     if not split:

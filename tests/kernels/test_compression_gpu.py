@@ -446,14 +446,10 @@ def test_tiny_llama_generate_cuda_matches_cpu():
             torch.testing.assert_close(a["keys"][bb, h, :n], b["keys"][bb, h, :n], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("by_rule", [False, True], ids=["argument", "rows-rule"])
 @pytest.mark.parametrize("case", [CHELSEA_CASES[1], CHELSEA_CASES[2], CHELSEA_CASES[5]], ids=_chelsea_id)
-def test_single_program_path_matches_reference(case, by_rule, monkeypatch):
-    """parallel_round0=False: every round in the one-program-per-row kernel (the cross-check path); by_rule: the
-    launch's own choice from ROWS_PATH_MIN_ROWS rows on."""
+def test_single_program_path_matches_reference(case):
+    """parallel_round0=False: every round in the one-program-per-row kernel (the cross-check path)."""
     B, H, C, D, dt, chunk, n_sink, n_recent, kind = case
-    if by_rule:
-        monkeypatch.setattr(cc, "ROWS_PATH_MIN_ROWS", B * H)
     g = torch.Generator().manual_seed(77)
     target, threshold = _chelsea_budget(kind, C, n_sink + n_recent, g)
     s = make_state(B, H, C, D, DTYPES[dt], fills_grid(B, H, C, target, threshold, g), target, threshold, pads=[4] * B,
@@ -461,6 +457,6 @@ def test_single_program_path_matches_reference(case, by_rule, monkeypatch):
     gpu = {k: v.cuda() for k, v in s.items()}
     extra = chelsea_args(n_sink, n_recent, chunk)[1]
     cc.triton_chelsea_compress(*[gpu[k] for k in ("keys", "values", "bias", "slot_pos", "fill", "budget")], *extra,
-                               **({} if by_rule else dict(parallel_round0=False)))
+                               parallel_round0=False)
     compare({k: v.cpu() for k, v in gpu.items()}, reference(chelsea_args(n_sink, n_recent, chunk), s), s, DTYPES[dt],
             f"single-program {case}")

@@ -110,16 +110,13 @@ def test_deferred_statistics_equal_the_two_ops_when_folded(seq, mode, last, past
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CUDA steps on the CPU need TRITON_INTERPRET=1")
-@pytest.mark.parametrize("balance", [0, 16], ids=["tile-splits", "balanced-splits"])
 @pytest.mark.parametrize("past_only", [True, False])
 @pytest.mark.parametrize("seq", SEQUENCES + [(1, 4, 1, 600, 16, 500)],  # the last: 2 splits (interpreter: 8 "SMs")
                          ids=lambda s: "B{}-Hq{}Hkv{}-C{}-D{}-n{}".format(*s))
-def test_cuda_steps_under_triton_interpreter(seq, past_only, balance, monkeypatch):
+def test_cuda_steps_under_triton_interpreter(seq, past_only):
     """The CUDA path's launches (pending rows in the attention tile, split and unsplit, the compressing step's
-    combine + fold) through Triton's interpreter, against the two ops; with whole-tile and balanced splits (each
-    slot's score is still written by one program)."""
+    combine + fold) through Triton's interpreter, against the two ops."""
     pytest.importorskip("triton")
-    monkeypatch.setattr("kvrewrite.kernels.clustered_attention.BALANCE", balance)
     a, fused, b, apart = _sequence(*seq, "all", 0, past_only, lambda step: step not in (3, STEPS - 1), oa._launch)
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
