@@ -182,14 +182,20 @@ def kernel_means(events, calls: int) -> dict:
     return out
 
 
+def direct(launch):
+    """`launch` (an op's launcher) with its kernels launched themselves, not through wrap_triton's tracing wrapper,
+    as the op's eager kernel launches them."""
+    def call(*args):
+        with set_wrap_triton_enabled(False):
+            return launch(*args)
+
+    return call
+
+
 def _op(scale, past_only, **tuning):
     """The op, or with tuning overrides its launcher called directly (as the op's eager kernel does)."""
     if tuning:
-        def launch(q, k, v, bias, pos, cp):
-            with set_wrap_triton_enabled(False):  # launch the kernel itself, not the tracing wrapper
-                return ca._launch(q, k, v, bias, pos, cp, scale, 0, past_only, **tuning)
-
-        return launch
+        return direct(lambda q, k, v, bias, pos, cp: ca._launch(q, k, v, bias, pos, cp, scale, 0, past_only, **tuning))
     return lambda q, k, v, bias, pos, cp: torch.ops.kvrewrite.clustered_attention(q, k, v, bias, pos, cp, scale, 0,
                                                                                   past_only=past_only)
 

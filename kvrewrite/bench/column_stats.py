@@ -9,9 +9,10 @@ and stages and two code paths, attention_column_stats._launch_config's overrides
 them: even_d (q and key tiles loaded as 16-byte vectors) and sum_once (column sums reduced once after the walk).
 Layout: Llama-3.1-8B's (32 query heads, 8 KV heads, D = 128, bf16), `slots` visible slots whose last `chunk` are the
 chunk's own (causal), the attention's lse given, as kvrewrite::observed_attention calls it for h2o (last 0: no
-recent sums); plus the recent-only walk of SnapKV's 32-query window. Each variant is timed by CUDA-graph replay (bench/attention.py's timing); a
-variant Triton cannot compile (shared memory, registers) is recorded with its error. Writes JSON: the machine,
-every variant's microseconds and q·k TFLOP/s, and the attention's time on the same inputs.
+recent sums); plus the recent-only walk of SnapKV's 32-query window. Each variant is timed by CUDA-graph replay
+(bench/attention.py's timing); a variant Triton cannot compile (shared memory, registers) is recorded with its
+error. Writes JSON: the machine, every variant's microseconds and q·k TFLOP/s, and the attention's time on the same
+inputs.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ import itertools
 import json
 
 import torch
-from torch._library.triton import set_wrap_triton_enabled
 
 VARIANTS = dict(block_m=(64, 128), block_n=(64, 128), num_warps=(4, 8), even_d=(False, True), sum_once=(False, True))
 
@@ -38,16 +38,6 @@ def qk_tflops(B: int, Hq: int, T: int, C: int, D: int, us: float) -> float:
     return 2 * B * Hq * T * C * D / us / 1e6
 
 
-def _direct(launch):
-    """`launch` with its kernels launched themselves, not through wrap_triton's tracing wrapper (bench/attention.py
-    _op)."""
-    def call(*args):
-        with set_wrap_triton_enabled(False):
-            return launch(*args)
-
-    return call
-
-
 def _inputs(B, Hq, Hkv, T, C, D, dtype):
     q = torch.randn(B, Hq, T, D, device="cuda", dtype=dtype)
     k = torch.randn(B, Hkv, C, D, device="cuda", dtype=dtype)
@@ -59,7 +49,7 @@ def _inputs(B, Hq, Hkv, T, C, D, dtype):
 
 
 def main(argv=None):
-    from kvrewrite.bench.attention import _graph_us, start_run
+    from kvrewrite.bench.attention import _graph_us, direct, start_run
     from kvrewrite.kernels import attention_column_stats as acs
     from kvrewrite.kernels import clustered_attention as ca
 
@@ -81,14 +71,14 @@ def main(argv=None):
     q, k, v, bias, pos, cp = _inputs(B, Hq, Hkv, T, C, D, torch.bfloat16)
     scale = D**-0.5
     lse = torch.empty(B, Hq, T, device="cuda")
-    attn_us = _graph_us(_direct(lambda *s: ca._launch(*s, scale, 0, False, lse=lse)), [(q, k, v, bias, pos, cp)])
+    attn_us = _graph_us(direct(lambda *s: ca._launch(*s, scale, 0, False, lse=lse)), [(q, k, v, bias, pos, cp)])
     print(f"attention of the chunk (lse written): {attn_us:.0f} us, {2 * qk_tflops(B, Hq, T, C, D, attn_us):.0f} "
           f"TFLOP/s (q·k and p·v)", flush=True)
     rows = []
     for tuning, need_total in [(t, True) for t in variants(args.quick)] + [({}, False)]:
         row = dict(tuning=tuning, need_total=need_total, last=0 if need_total else args.window)  # as h2o, snapkv
         try:
-            launch = _direct(lambda *s: acs._launch(*s, lse, scale, 0, row["last"], need_total, tuning))
+            launch = direct(lambda *s: acs._launch(*s, lse, scale, 0, row["last"], need_total, tuning))
             us = _graph_us(launch, [(q, k, bias, pos, cp)])
             row.update(us=us, tflops=qk_tflops(B, Hq, T, C, D, us), vs_attention=us / attn_us)
             print(f"{'full walk' if need_total else 'recent only'} {tuning or 'default'}: {us:.0f} us, "
