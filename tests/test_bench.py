@@ -425,13 +425,13 @@ def test_plot_tp(tmp_path):
 
 def test_column_stats_sweep_variants_and_flops():
     """bench.column_stats: the default launch first, then the override grid; q·k flops of every (query, slot)."""
-    from kvrewrite.bench.column_stats import VARIANTS, qk_tflops, variants
+    from kvrewrite.bench.column_stats import FOCUS, VARIANTS, qk_tflops, variants
 
     full, quick = variants(), variants(quick=True)
     assert full[0] == {} and quick[0] == {}
-    assert len(full) == 1 + 32 + 2 and len(quick) == 1 + 16 + 2
-    assert all(set(v) == set(VARIANTS) for v in full[1:-2]) and {v["even_d"] for v in quick[1:-2]} == {True}
-    assert [v["num_stages"] for v in full[-2:]] == [3, 3]
+    assert quick[1:] == FOCUS and full[-len(FOCUS):] == FOCUS and len(full) == 1 + 32 + 2 + len(FOCUS)
+    assert all(set(v) == set(VARIANTS) for v in full[1:33])
+    assert [v["num_stages"] for v in full[33:35]] == [3, 3] and all(v["block_m"] == 64 for v in full[33:35])
     assert qk_tflops(8, 32, 2048, 8704, 128, 1e6) == pytest.approx(2 * 8 * 32 * 2048 * 8704 * 128 / 1e12)
 
 

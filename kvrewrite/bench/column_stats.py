@@ -3,16 +3,17 @@
     python -m kvrewrite.bench.column_stats [--out s.json] [--batch 8] [--chunk 2048] [--slots 8704] [--quick]
 
 Why: H2O's prefill chunk sums every query's probabilities (the full walk: as many q·k products as the chunk's
-attention has q·k products); on an H200 at batch 8 and 32k that walk took 7.4 s of a 17.7 s compiled prefill, the
-chunk's attention (q·k and p·v) 4.9 s (docs/bench.md, "Stop 39 runs"). This sweeps the stats kernel's tiles, warps
-and stages and two code paths, attention_column_stats._launch_config's overrides, off by default until this times
-them: even_d (q and key tiles loaded as 16-byte vectors) and sum_once (column sums reduced once after the walk).
-Layout: Llama-3.1-8B's (32 query heads, 8 KV heads, D = 128, bf16), `slots` visible slots whose last `chunk` are the
-chunk's own (causal), the attention's lse given, as kvrewrite::observed_attention calls it for h2o (last 0: no
-recent sums); plus the recent-only walk of SnapKV's 32-query window. Each variant is timed by CUDA-graph replay
-(bench/attention.py's timing); a variant Triton cannot compile (shared memory, registers) is recorded with its
-error. Writes JSON: the machine, every variant's microseconds and q·k TFLOP/s, and the attention's time on the same
-inputs.
+attention has q·k products); on an H200 at batch 8 and 32k that walk took 7.4 s of an 18.8 s compiled prefill, the
+chunk's attention (q·k and p·v) 4.9 s (docs/bench.md, "Stop 39 runs"). This times the stats kernel's tiles, warps
+and stages and its code paths, attention_column_stats._launch_config's overrides: even_d (q and key tiles loaded as
+16-byte vectors), sum_once (column sums reduced once after the walk), skip_masks (no per-element mask in blocks that
+see the whole tile). The stop-40 grid made 128 x 64 tiles, 4 warps, even_d and sum_once h2o's default; --quick times
+single changes to it. Layout: Llama-3.1-8B's (32 query heads, 8 KV heads, D = 128, bf16), `slots` visible slots
+whose last `chunk` are the chunk's own (causal), the attention's lse given, as kvrewrite::observed_attention calls
+it for h2o and kvmerger (last 0: no recent sums); then the recent-only walk of SnapKV's 32-query window. Each
+variant is timed by CUDA-graph replay (bench/attention.py's timing); a variant Triton cannot compile (shared memory,
+registers) is recorded with its error. Writes JSON: the machine, every variant's microseconds and q·k TFLOP/s, and
+the attention's time on the same inputs.
 """
 from __future__ import annotations
 
@@ -23,14 +24,20 @@ import json
 import torch
 
 VARIANTS = dict(block_m=(64, 128), block_n=(64, 128), num_warps=(4, 8), even_d=(False, True), sum_once=(False, True))
+UNTUNED = dict(block_m=64, block_n=64, num_warps=8, even_d=False, sum_once=False)  # the tiles before stop 40
+# around h2o's default (the fastest of the stop-40 grid: 128 x 64 tiles, 4 warps, even_d, sum_once, skip_masks)
+FOCUS = [dict(skip_masks=False), dict(num_stages=3), dict(num_warps=8), dict(block_n=128, num_warps=8),
+         dict(block_m=64), dict(block_n=32)]
 
 
 def variants(quick: bool = False) -> list:
-    """The launch overrides to time: {} (the default launch) first, then the grid of VARIANTS (2 stages; quick:
-    even_d on only), then the default tiles with 3 stages, with and without even_d and sum_once."""
-    grid = dict(VARIANTS, even_d=(True,)) if quick else VARIANTS
-    return ([{}] + [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
-            + [dict(num_stages=3), dict(num_stages=3, even_d=True, sum_once=True)])
+    """The launch overrides to time: {} (the default launch) first; quick: FOCUS, single changes to the default;
+    otherwise the grid of VARIANTS (2 stages), the untuned tiles with 3 stages, with and without even_d and
+    sum_once, and FOCUS."""
+    if quick:
+        return [{}] + FOCUS
+    return ([{}] + [dict(zip(VARIANTS, values)) for values in itertools.product(*VARIANTS.values())]
+            + [dict(UNTUNED, num_stages=3), dict(UNTUNED, num_stages=3, even_d=True, sum_once=True)] + FOCUS)
 
 
 def qk_tflops(B: int, Hq: int, T: int, C: int, D: int, us: float) -> float:
@@ -59,7 +66,7 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=2048, help="queries of the chunk (T)")
     p.add_argument("--slots", type=int, default=8704, help="slots the chunk sees, its own included (C)")
     p.add_argument("--window", type=int, default=32, help="SnapKV's observation window for the recent-only row")
-    p.add_argument("--quick", action="store_true", help="fewer variants (even_d on only)")
+    p.add_argument("--quick", action="store_true", help="fewer variants: single changes to the default launch")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.column_stats needs a CUDA GPU")
@@ -75,8 +82,9 @@ def main(argv=None):
     print(f"attention of the chunk (lse written): {attn_us:.0f} us, {2 * qk_tflops(B, Hq, T, C, D, attn_us):.0f} "
           f"TFLOP/s (q·k and p·v)", flush=True)
     rows = []
-    for tuning, need_total in [(t, True) for t in variants(args.quick)] + [({}, False)]:
-        row = dict(tuning=tuning, need_total=need_total, last=0 if need_total else args.window)  # as h2o, snapkv
+    calls = [(t, True, 0) for t in variants(args.quick)] + [({}, False, args.window)]
+    for tuning, need_total, last in calls:  # as h2o, then snapkv
+        row = dict(tuning=tuning, need_total=need_total, last=last)
         try:
             launch = direct(lambda *s: acs._launch(*s, lse, scale, 0, row["last"], need_total, tuning))
             us = _graph_us(launch, [(q, k, bias, pos, cp)])

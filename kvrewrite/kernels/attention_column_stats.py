@@ -185,6 +185,7 @@ def _column_stats_kernel(
     NEED_RECENT: tl.constexpr,  # some query is recent (first_recent < T); False: RECENT stores zeros, no sums
     EVEN_D: tl.constexpr,  # D == BLOCK_D (_load_rows)
     SUM_ONCE: tl.constexpr,  # add p into [BLOCK_M, BLOCK_N] tiles, summed over their rows once after the walk
+    SKIP_MASKS: tl.constexpr,  # a block whose every row sees every slot of the tile computes p with no mask
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     pid_n = tl.program_id(0)
@@ -222,10 +223,17 @@ def _column_stats_kernel(
         if (qpos_max >= pos_min) & ((window <= 0) | (pos_max > qpos_min - window)):  # some row sees some slot
             q = _load_rows(q_base + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd, t_ok, d_ok, EVEN_D)
             lse = tl.load(lse_base + offs_t * stride_lt, mask=t_ok, other=float("-inf")) * LOG2E
-            vis = live[None, :] & (pos[None, :] <= qpos[:, None]) & (lse > float("-inf"))[:, None]
-            vis = vis & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
-            s = _scores(q, k, qk_scale, bias, FP32) - lse[:, None]
-            p = tl.where(vis, tl.exp2(s), 0.0)
+            seen = (qpos_min >= pos_max) & ((window <= 0) | (pos_min > qpos_max - window))
+            if SKIP_MASKS & seen:  # every row of the block sees every live slot of the tile
+                # no per-element mask: an empty slot's bias is -inf, and a row without an lse (a query that sees
+                # nothing, or past T) gets +inf, so both give exp2(-inf) = 0 (int64 compares are 2 ops each)
+                lse = tl.where(lse > float("-inf"), lse, float("inf"))
+                p = tl.exp2(_scores(q, k, qk_scale, bias, FP32) - lse[:, None])
+            else:
+                vis = live[None, :] & (pos[None, :] <= qpos[:, None]) & (lse > float("-inf"))[:, None]
+                vis = vis & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
+                s = _scores(q, k, qk_scale, bias, FP32) - lse[:, None]
+                p = tl.where(vis, tl.exp2(s), 0.0)
             in_window = tl.where((offs_t >= first_recent)[:, None], p, 0.0)
             if SUM_ONCE:
                 if NEED_TOTAL:
@@ -274,18 +282,22 @@ def _check_cuda_inputs(q, keys, bias, slot_pos, cache_position, lse):
     check_one_cuda_device(name, [q, keys, bias, slot_pos, cache_position] + ([] if lse is None else [lse]))
 
 
-def _launch_config(T: int, D: int, tuning: dict | None = None) -> dict:
+def _launch_config(T: int, D: int, tuning: dict | None = None, total_only: bool = False) -> dict:
     """Tile sizes from the shapes alone (never the data: one fixed launch for CUDA graphs and Inductor); `tuning`
-    (block_m, block_n, num_warps, num_stages, even_d, sum_once) overrides them for the benchmark's sweep
-    (bench/column_stats.py).
+    (block_m, block_n, num_warps, num_stages, even_d, sum_once, skip_masks) overrides them for the benchmark's
+    sweep (bench/column_stats.py).
 
-    even_d and sum_once are off until that sweep times them. Compiled for sm_90 (bf16, D = 128, the default tiles
-    and 8 warps; bench.occupancy's compile), the stats kernel's loop with recent sums (SnapKV's window) has 753
-    instructions, 37 of them global loads (q's 2-byte loads), 16 barriers and 75 shuffles; with even_d 624 (9
-    loads), with sum_once too 465 (10 barriers, 23 shuffles), but even_d takes it from 128 to 132 registers a
-    thread, one program an SM instead of two. Without recent sums (h2o's calls, last 0: the kernel's NEED_RECENT
-    follows from `last`, no switch) the loop has 631 instructions at 117 registers, with even_d and sum_once 453
-    at 119: two programs an SM either way."""
+    total_only: the stats kernel sums every query and no recent ones, with the lse given (h2o's and observed
+    attention's prefill chunks). There, with D = 128 and T >= 128, the default is the fastest launch of the H200
+    sweep (docs/bench.md, "Stop 40 runs": 8 x 2048 queries over 8704 slots): 128 x 64 tiles, 4 warps, even_d and
+    sum_once, 6.2 ms where the tiles below took 13.5. Compiled for sm_90 (bf16, D = 128, 64 x 64 tiles, 8 warps;
+    bench.occupancy's compile), the loop with recent sums has 753 instructions, 37 of them global loads (q's 2-byte
+    loads), 16 barriers and 75 shuffles; with even_d 624 (9 loads), with sum_once too 465 (10 barriers, 23
+    shuffles); sum_once's per-row sums cost a [block_m, block_n] fp32 tile of registers per kind of sum, and even_d
+    takes the recent path from 128 to 132 registers a thread (one program an SM instead of two), so paths with
+    recent sums (SnapKV's window, EMS's local score) keep the untuned tiles until a sweep times them there.
+    skip_masks (on): a query block whose every row sees every slot of the tile (causality and window decided from
+    the block's and tile's position ranges) computes p without the per-element visibility mask."""
     block_d = max(16, triton.next_power_of_2(D))
     wide = block_d > 128  # D = 256: smaller tiles keep q and k in registers
     cfg = dict(
@@ -296,7 +308,10 @@ def _launch_config(T: int, D: int, tuning: dict | None = None) -> dict:
         num_stages=2,
         even_d=False,  # both kernels' EVEN_D when D == block_d (else always off)
         sum_once=False,  # the stats kernel's SUM_ONCE
+        skip_masks=True,  # the stats kernel's SKIP_MASKS
     )
+    if total_only and block_d == 128 and T >= 128:
+        cfg.update(block_m=128, block_n=64, num_warps=4, even_d=True, sum_once=True)
     unknown = set(tuning or {}) - (set(cfg) - {"block_d"})
     if unknown:
         raise ValueError(f"attention_column_stats: unknown launch overrides {sorted(unknown)}")
@@ -328,7 +343,7 @@ def _launch(q, keys, bias, slot_pos, cache_position, lse, scale, window, last, n
         return total, recent
     if T == 0 or (not need_total and first_recent == T):  # no query to walk
         return (total.zero_() if need_total else None), recent.zero_()
-    cfg = _launch_config(T, D, tuning)
+    cfg = _launch_config(T, D, tuning, total_only=need_total and first_recent == T and lse is not None)
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_D=cfg["block_d"], num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"], FP32=q.dtype == torch.float32,
                 EVEN_D=bool(cfg["even_d"]) and D == cfg["block_d"])
@@ -343,7 +358,7 @@ def _launch(q, keys, bias, slot_pos, cache_position, lse, scale, window, last, n
     wrap_triton(_column_stats_kernel)[(triton.cdiv(C, cfg["block_n"]), B * Hq)](
         q, keys, bias, slot_pos, cache_position, lse, recent if total is None else total, recent, *common,
         *lse.stride(), Hq, G, T, C, D, window, first_recent, qk_scale, t_begin, **meta, NEED_TOTAL=need_total,
-        NEED_RECENT=first_recent < T, SUM_ONCE=bool(cfg["sum_once"]),
+        NEED_RECENT=first_recent < T, SUM_ONCE=bool(cfg["sum_once"]), SKIP_MASKS=bool(cfg["skip_masks"]),
     )
     return total, recent
 

@@ -64,3 +64,39 @@ def test_odd_head_dim_keeps_the_column_mask(tuning):
     total, recent = acs._launch(q, keys, bias, slot_pos, cp, None, 0.25, 0, 7, tuning=tuning)
     torch.testing.assert_close(total.double(), p.sum(dim=2), **TOL)
     torch.testing.assert_close(recent.double(), p[:, :, T - 7:].sum(dim=2), **TOL)
+
+
+@pytest.mark.parametrize("window", [0, 40], ids=["causal", "window40"])
+@pytest.mark.parametrize("tuning", [None, dict(block_m=16, block_n=32)], ids=["default", "16x32"])
+def test_skip_masks_gives_the_masked_walks_sums(window, tuning):
+    """skip_masks: blocks whose every row sees every slot of the tile drop the per-element mask; empty slots (bias
+    -inf, ~15% of the 80 past ones), rows without an lse (two set to -inf here) and rows past T (70 is no multiple of
+    the query block) must still add nothing: the sums equal the masked walk's bit for bit and the dense softmax."""
+    B, Hq, Hkv, T, C, D = 2, 4, 2, 70, 150, 16
+    g = torch.Generator().manual_seed(window)
+    keys, _, bias, slot_pos, cp = make_state(B, Hkv, C, D, T, torch.float32, n_past_max=120, gen=g)
+    q = torch.randn(B, Hq, T, D, generator=g)
+    p = dense_probs(q, keys, bias, slot_pos, cp, 0.25, window)
+    lse = acs._visible_logits(q, keys, bias, slot_pos, cp, 0.25, window).logsumexp(-1)
+    lse[0, 1, 3] = lse[1, 2, 66] = float("-inf")
+    p[0, 1, 3] = p[1, 2, 66] = 0.0
+    sums = {}
+    for skip in (True, False):
+        sums[skip] = acs._launch(q, keys, bias, slot_pos, cp, lse, 0.25, window, 9,
+                                 tuning={**(tuning or {}), "skip_masks": skip})
+    for fast, masked in zip(sums[True], sums[False]):
+        assert torch.equal(fast, masked)
+    torch.testing.assert_close(sums[True][0].double(), p.sum(dim=2), **TOL)
+    torch.testing.assert_close(sums[True][1].double(), p[:, :, T - 9:].sum(dim=2), **TOL)
+
+
+def test_total_only_default_is_the_timed_launch():
+    """h2o's call (every query, no recent one, lse given) at D = 128 and T >= 128 takes the H200 sweep's fastest
+    launch; with recent sums, or short chunks, the untuned tiles stay."""
+    timed = acs._launch_config(2048, 128, total_only=True)
+    assert (timed["block_m"], timed["block_n"], timed["num_warps"], timed["even_d"], timed["sum_once"]) == (
+        128, 64, 4, True, True)
+    for cfg in (acs._launch_config(2048, 128), acs._launch_config(64, 128, total_only=True),
+                acs._launch_config(2048, 64, total_only=True)):
+        assert (cfg["even_d"], cfg["sum_once"]) == (False, False) and cfg["block_m"] <= 64
+    assert acs._launch_config(2048, 128, dict(block_m=64), total_only=True)["block_m"] == 64
