@@ -9,6 +9,7 @@ decode graph; on the steps where the host-side schedule knows some layer reaches
 happens inside the step without reading the device.
 """
 import logging
+import types
 
 import torch
 import torch._functorch.config  # noqa: F401  (_OpaqueOpsCall)
@@ -118,7 +119,13 @@ class KVRewrittenModel(HostGeneration, nn.Module):
         (COMPILE_INDUCTOR_DEFAULTS): they launch the rotary embeddings of q and k as one kernel, so the cache append
         and the attention follow each other with programmatic dependent launch. Measured on an H200 (snapkv, 32k,
         batch 1; docs/bench.md "Stop 38 runs"): 4.56 against 4.63 ms/token in one device call. Prefill chunks and
-        larger batches compile as before: combo kernels were not timed there."""
+        larger batches compile as before: combo kernels were not timed there.
+
+        Each model compiles through a forward of its own (a copy of the method's code object): Dynamo keeps one cache
+        of compiled variants per code object and counts recompiles against torch._dynamo.config.recompile_limit (8),
+        so with one shared forward the third model compiled in a process (three step variants each) failed with
+        FailOnRecompileLimitHit under fullgraph=True (docs/bench.md, "Stop 40 runs")."""
+        self.forward = types.MethodType(_own_code(type(self).forward), self)
         super().compile(*args, **kwargs)
         defaults = COMPILE_INDUCTOR_DEFAULTS if self._state_device().type == "cuda" else {}
         self._compiled_call_impl = _OpaqueOpsCall(self._compiled_call_impl, defaults)
@@ -147,6 +154,12 @@ class KVRewrittenModel(HostGeneration, nn.Module):
         if name == "prefill":
             return self(ids, pos, cpos, valid)
         return self(ids, pos, cpos, valid, name == "decode_compress")
+
+
+def _own_code(fn):
+    """A copy of function fn with a code object of its own (equal to fn's, not the same object): Dynamo's cache of
+    compiled variants, and its recompile count, belong to the code object."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 # Inductor configs rw.compile sets on CUDA for the steps whose input_ids are one token of one sequence (see

@@ -215,3 +215,19 @@ def test_compiled_decode_updates_state_in_place(model, captured, method):
             assert all(re.fullmatch(r"arg\d+_1", a) for a in state_args), \
                 f"{method}: {op} runs on {state_args}, not on the graph's state inputs (a copy)"
 
+
+
+@torch.no_grad()
+def test_every_model_of_a_process_has_its_own_compile_cache(model, captured):
+    """Dynamo keeps one cache of compiled variants per code object, and counts its recompiles against
+    recompile_limit (8). Every KVRewrittenModel shared one forward, so each model compiled in a process added its
+    step variants (prefill chunk, decode, compressing decode) to one count: the third method of one `kvrewrite
+    bench --kv-compile inductor --batch-prefill` process failed with FailOnRecompileLimitHit (an H200, stop 40).
+    rw.compile gives each model a forward of its own: with a limit of 3, four models compile three variants each."""
+    ids, mask = _inputs()
+    with torch._dynamo.config.patch(recompile_limit=3):
+        for method in ("h2o", "snapkv", "chelsea", "h2o"):
+            rw = kvrewrite.apply(model, method, max_length=MAX_LENGTH, captured=captured, **METHODS[method])
+            rw.compile(fullgraph=True, backend="eager")
+            rw.generate(ids, attention_mask=mask, max_new_tokens=NEW)
+            assert rw.forward.__code__ is not type(rw).forward.__code__
