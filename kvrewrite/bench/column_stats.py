@@ -7,13 +7,14 @@ attention has q·k products); on an H200 at batch 8 and 32k that walk took 7.4 s
 chunk's attention (q·k and p·v) 4.9 s (docs/bench.md, "Stop 39 runs"). This times the stats kernel's tiles, warps
 and stages and its code paths, attention_column_stats._launch_config's overrides: even_d (q and key tiles loaded as
 16-byte vectors), sum_once (column sums reduced once after the walk), skip_masks (no per-element mask in blocks that
-see the whole tile). The stop-40 grid made 128 x 64 tiles, 4 warps, even_d and sum_once h2o's default; --quick times
-single changes to it. Layout: Llama-3.1-8B's (32 query heads, 8 KV heads, D = 128, bf16), `slots` visible slots
-whose last `chunk` are the chunk's own (causal), the attention's lse given, as kvrewrite::observed_attention calls
-it for h2o and kvmerger (last 0: no recent sums); then the recent-only walk of SnapKV's 32-query window. Each
-variant is timed by CUDA-graph replay (bench/attention.py's timing); a variant Triton cannot compile (shared memory,
-registers) is recorded with its error. Writes JSON: the machine, every variant's microseconds and q·k TFLOP/s, and
-the attention's time on the same inputs.
+see the whole tile), pipeline (the visible query blocks bounded first, then walked with their loads pipelined). The
+stop-40 grid made 128 x 64 tiles, 4 warps, even_d and sum_once h2o's default; --quick times single changes to it.
+Layout: Llama-3.1-8B's (32 query heads, 8 KV heads, D = 128, bf16), `slots` visible slots whose last `chunk` are the
+chunk's own (causal), the attention's lse given, as kvrewrite::observed_attention calls it for h2o and kvmerger
+(last 0: no recent sums); then the recent-only walk of SnapKV's 32-query window. Each variant is timed by CUDA-graph
+replay (bench/attention.py's timing); a variant Triton cannot compile (shared memory, registers) is recorded with
+its error. Writes JSON: the machine, every variant's microseconds and q·k TFLOP/s, and the attention's time on the
+same inputs.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ VARIANTS = dict(block_m=(64, 128), block_n=(64, 128), num_warps=(4, 8), even_d=(
 UNTUNED = dict(block_m=64, block_n=64, num_warps=8, even_d=False, sum_once=False)  # the tiles before stop 40
 # around h2o's default (the fastest of the stop-40 grid: 128 x 64 tiles, 4 warps, even_d, sum_once, skip_masks)
 FOCUS = [dict(skip_masks=False), dict(num_stages=3), dict(num_warps=8), dict(block_n=128, num_warps=8),
-         dict(block_m=64), dict(block_n=32)]
+         dict(block_m=64), dict(block_n=32), dict(pipeline=True), dict(pipeline=True, num_stages=3),
+         dict(pipeline=True, num_warps=8), dict(pipeline=True, block_n=128, num_warps=8)]
 
 
 def variants(quick: bool = False) -> list:

@@ -87,7 +87,9 @@ def reference_attention_column_stats(q, keys, bias, slot_pos, cache_position, ls
 # its K tile, bias and positions once and walks the T queries in blocks of BLOCK_M: p = exp2(scale *
 # log2 e * q·k + log2 e * (bias - lse)), summed over the block's rows into `total` (and, for rows t >=
 # T - last, into `recent`). Only a [BLOCK_M, BLOCK_N] tile of p ever exists; query blocks that see no
-# slot of the tile (causality, window) are skipped. The K tile is read once per query head (G times
+# slot of the tile (causality, window) are skipped: inside the walk by a branch around the block's loads, or
+# (PIPELINE) by a first pass over the query positions that bounds the visible blocks, so that the walk has no
+# branch around its loads and Triton can pipeline them (tl.range). The K tile is read once per query head (G times
 # per KV head, from the L2); outputs are written once, with no atomics, so results are deterministic.
 # LSE kernel (only when the caller has no lse): one program per BLOCK_M queries of a query head, an
 # online log-sum-exp over every slot (flash-attention's forward without V), written as natural log.
@@ -167,6 +169,63 @@ def _column_stats_lse_kernel(
     tl.store(LSE + (b * Hq + hq) * T + offs_t, lse, mask=t_ok)
 
 
+@triton_jit()
+def _add_sums(total, recent, total_rows, recent_rows, p, offs_t, first_recent,
+              NEED_TOTAL: tl.constexpr, NEED_RECENT: tl.constexpr, SUM_ONCE: tl.constexpr):
+    """A block's p added into the walk's sums: every row into total, rows t >= first_recent into recent; per row
+    (SUM_ONCE, reduced after the walk) or summed over the block's rows now."""
+    in_window = tl.where((offs_t >= first_recent)[:, None], p, 0.0)
+    if SUM_ONCE:
+        if NEED_TOTAL:
+            total_rows += p
+        if NEED_RECENT:
+            recent_rows += in_window
+    else:
+        if NEED_TOTAL:
+            total += tl.sum(p, axis=0)
+        if NEED_RECENT:
+            recent += tl.sum(in_window, axis=0)
+    return total, recent, total_rows, recent_rows
+
+
+@triton_jit()
+def _block_probs(q_base, lse_base, stride_qt, stride_qd, stride_lt, offs_t, t_ok, qpos, qpos_min, qpos_max, window,
+                 qk_scale, k, bias, live, pos, pos_min, pos_max, offs_d, d_ok,
+                 FP32: tl.constexpr, EVEN_D: tl.constexpr, SKIP_MASKS: tl.constexpr):
+    """The probabilities [BLOCK_M, BLOCK_N] of a query block (offs_t; its positions qpos, their range over the rows
+    < T) over the tile's slots, 0 where a query does not see a slot. A row without an lse (a query that sees
+    nothing, or past T) gets lse +inf, so its p is exp2(-inf) = 0 with or without the mask."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    q = _load_rows(q_base + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd, t_ok, d_ok, EVEN_D)
+    lse = tl.load(lse_base + offs_t * stride_lt, mask=t_ok, other=float("-inf")) * LOG2E
+    lse = tl.where(lse > float("-inf"), lse, float("inf"))
+    p = tl.exp2(_scores(q, k, qk_scale, bias, FP32) - lse[:, None])
+    seen = (qpos_min >= pos_max) & ((window <= 0) | (pos_min > qpos_max - window))
+    if not (SKIP_MASKS & seen):  # SKIP_MASKS: every row of the block sees every live slot of the tile, no mask
+        vis = live[None, :] & (pos[None, :] <= qpos[:, None])  # (an empty slot's bias -inf gives p = 0 too)
+        vis = vis & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
+        p = tl.where(vis, p, 0.0)
+    return p
+
+
+@triton_jit()
+def _visible_blocks(CPOS, stride_cp, t_begin, T, window, pos_min, pos_max, BLOCK_M: tl.constexpr):
+    """(lo, hi): the query blocks from t_begin whose queries see some slot of the tile lie in [lo, hi) (blocks in
+    between that see none add zeros); lo >= hi when none does. Reads the T positions only."""
+    lo = T
+    hi = t_begin
+    for t0 in range(t_begin, T, BLOCK_M):
+        offs_t = t0 + tl.arange(0, BLOCK_M)
+        t_ok = offs_t < T
+        qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=0)
+        qpos_max = tl.max(tl.where(t_ok, qpos, -(2**62)), axis=0)
+        qpos_min = tl.min(tl.where(t_ok, qpos, 2**62), axis=0)
+        sees = (qpos_max >= pos_min) & ((window <= 0) | (pos_max > qpos_min - window))
+        lo = tl.where(sees & (lo == T), t0, lo)
+        hi = tl.where(sees, t0 + BLOCK_M, hi)
+    return lo, hi
+
+
 @triton_jit(do_not_specialize=["Hq", "G", "T", "C", "D", "window", "first_recent", "t_begin"])
 def _column_stats_kernel(
     Q, K, BIAS, POS, CPOS, LSE,
@@ -186,8 +245,9 @@ def _column_stats_kernel(
     EVEN_D: tl.constexpr,  # D == BLOCK_D (_load_rows)
     SUM_ONCE: tl.constexpr,  # add p into [BLOCK_M, BLOCK_N] tiles, summed over their rows once after the walk
     SKIP_MASKS: tl.constexpr,  # a block whose every row sees every slot of the tile computes p with no mask
+    PIPELINE: tl.constexpr,  # find the visible blocks first, then walk them with no branch around the loads
+    NUM_STAGES: tl.constexpr,  # PIPELINE's software pipelining depth (tl.range)
 ):
-    LOG2E: tl.constexpr = 1.4426950408889634
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hq).to(tl.int64)
@@ -214,37 +274,33 @@ def _column_stats_kernel(
     recent_rows = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     q_base = Q + b * stride_qb + hq * stride_qh
     lse_base = LSE + b * stride_lb + hq * stride_lh
-    for t0 in range(t_begin, T, BLOCK_M):
-        offs_t = t0 + tl.arange(0, BLOCK_M)
-        t_ok = offs_t < T
-        qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=0)
-        qpos_max = tl.max(tl.where(t_ok, qpos, -(2**62)), axis=0)
-        qpos_min = tl.min(tl.where(t_ok, qpos, 2**62), axis=0)
-        if (qpos_max >= pos_min) & ((window <= 0) | (pos_max > qpos_min - window)):  # some row sees some slot
-            q = _load_rows(q_base + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd, t_ok, d_ok, EVEN_D)
-            lse = tl.load(lse_base + offs_t * stride_lt, mask=t_ok, other=float("-inf")) * LOG2E
-            seen = (qpos_min >= pos_max) & ((window <= 0) | (pos_min > qpos_max - window))
-            if SKIP_MASKS & seen:  # every row of the block sees every live slot of the tile
-                # no per-element mask: an empty slot's bias is -inf, and a row without an lse (a query that sees
-                # nothing, or past T) gets +inf, so both give exp2(-inf) = 0 (int64 compares are 2 ops each)
-                lse = tl.where(lse > float("-inf"), lse, float("inf"))
-                p = tl.exp2(_scores(q, k, qk_scale, bias, FP32) - lse[:, None])
-            else:
-                vis = live[None, :] & (pos[None, :] <= qpos[:, None]) & (lse > float("-inf"))[:, None]
-                vis = vis & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
-                s = _scores(q, k, qk_scale, bias, FP32) - lse[:, None]
-                p = tl.where(vis, tl.exp2(s), 0.0)
-            in_window = tl.where((offs_t >= first_recent)[:, None], p, 0.0)
-            if SUM_ONCE:
-                if NEED_TOTAL:
-                    total_rows += p
-                if NEED_RECENT:
-                    recent_rows += in_window
-            else:
-                if NEED_TOTAL:
-                    total += tl.sum(p, axis=0)
-                if NEED_RECENT:
-                    recent += tl.sum(in_window, axis=0)
+    if PIPELINE:
+        lo, hi = _visible_blocks(CPOS, stride_cp, t_begin, T, window, pos_min, pos_max, BLOCK_M)
+        for t0 in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
+            offs_t = t0 + tl.arange(0, BLOCK_M)
+            t_ok = offs_t < T
+            qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=0)
+            qpos_max = tl.max(tl.where(t_ok, qpos, -(2**62)), axis=0)
+            qpos_min = tl.min(tl.where(t_ok, qpos, 2**62), axis=0)
+            p = _block_probs(q_base, lse_base, stride_qt, stride_qd, stride_lt, offs_t, t_ok, qpos, qpos_min,
+                             qpos_max, window, qk_scale, k, bias, live, pos, pos_min, pos_max, offs_d, d_ok, FP32,
+                             EVEN_D, SKIP_MASKS)
+            total, recent, total_rows, recent_rows = _add_sums(total, recent, total_rows, recent_rows, p, offs_t,
+                                                               first_recent, NEED_TOTAL, NEED_RECENT, SUM_ONCE)
+    else:
+        for t0 in range(t_begin, T, BLOCK_M):
+            offs_t = t0 + tl.arange(0, BLOCK_M)
+            t_ok = offs_t < T
+            qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=0)
+            qpos_max = tl.max(tl.where(t_ok, qpos, -(2**62)), axis=0)
+            qpos_min = tl.min(tl.where(t_ok, qpos, 2**62), axis=0)
+            if (qpos_max >= pos_min) & ((window <= 0) | (pos_max > qpos_min - window)):  # some row sees some slot
+                p = _block_probs(q_base, lse_base, stride_qt, stride_qd, stride_lt, offs_t, t_ok, qpos, qpos_min,
+                                 qpos_max, window, qk_scale, k, bias, live, pos, pos_min, pos_max, offs_d, d_ok, FP32,
+                                 EVEN_D, SKIP_MASKS)
+                total, recent, total_rows, recent_rows = _add_sums(total, recent, total_rows, recent_rows, p,
+                                                                   offs_t, first_recent, NEED_TOTAL, NEED_RECENT,
+                                                                   SUM_ONCE)
     if SUM_ONCE:
         total = tl.sum(total_rows, axis=0)
         recent = tl.sum(recent_rows, axis=0)
@@ -297,7 +353,13 @@ def _launch_config(T: int, D: int, tuning: dict | None = None, total_only: bool 
     takes the recent path from 128 to 132 registers a thread (one program an SM instead of two), so paths with
     recent sums (SnapKV's window, EMS's local score) keep the untuned tiles until a sweep times them there.
     skip_masks (on): a query block whose every row sees every slot of the tile (causality and window decided from
-    the block's and tile's position ranges) computes p without the per-element visibility mask."""
+    the block's and tile's position ranges) computes p without the per-element visibility mask. pipeline (off until
+    timed): the walk over the visible blocks, bounded first, with no branch around its loads, pipelined num_stages
+    deep. The sweep found num_stages 2 and 3 equally fast to the microsecond without it: compiled for sm_90 (bf16,
+    D = 128, the total-only default), the branchy walk loads each q tile into registers and stores it to shared
+    memory for the wgmma (255 registers and a 16-byte spill, 48 KB), the same code at either depth; pipelined, q,
+    its positions and lse are copied to shared memory ahead (cp.async) and nothing spills (83 KB at 2 stages, 118 KB
+    at 3: one program an SM)."""
     block_d = max(16, triton.next_power_of_2(D))
     wide = block_d > 128  # D = 256: smaller tiles keep q and k in registers
     cfg = dict(
@@ -309,6 +371,7 @@ def _launch_config(T: int, D: int, tuning: dict | None = None, total_only: bool 
         even_d=False,  # both kernels' EVEN_D when D == block_d (else always off)
         sum_once=False,  # the stats kernel's SUM_ONCE
         skip_masks=True,  # the stats kernel's SKIP_MASKS
+        pipeline=False,  # the stats kernel's PIPELINE (its loop's depth: num_stages)
     )
     if total_only and block_d == 128 and T >= 128:
         cfg.update(block_m=128, block_n=64, num_warps=4, even_d=True, sum_once=True)
@@ -359,6 +422,7 @@ def _launch(q, keys, bias, slot_pos, cache_position, lse, scale, window, last, n
         q, keys, bias, slot_pos, cache_position, lse, recent if total is None else total, recent, *common,
         *lse.stride(), Hq, G, T, C, D, window, first_recent, qk_scale, t_begin, **meta, NEED_TOTAL=need_total,
         NEED_RECENT=first_recent < T, SUM_ONCE=bool(cfg["sum_once"]), SKIP_MASKS=bool(cfg["skip_masks"]),
+        PIPELINE=bool(cfg["pipeline"]), NUM_STAGES=cfg["num_stages"],
     )
     return total, recent
 

@@ -26,8 +26,9 @@ from tests.kernels.test_clustered_attention import make_state  # noqa: E402
 @pytest.mark.parametrize("last", [1, 2, 70, 130, 0], ids=lambda v: f"last{v}")
 @pytest.mark.parametrize("with_lse", [True, False], ids=["lse", "no-lse"])
 @pytest.mark.parametrize("tuning", [None, dict(block_m=16, block_n=32, num_stages=3), dict(even_d=True, sum_once=True),
-                                    dict(block_m=16, block_n=32, even_d=True, sum_once=True)],
-                         ids=["default", "16x32", "even-d-sum-once", "16x32-even-d-sum-once"])
+                                    dict(block_m=16, block_n=32, even_d=True, sum_once=True),
+                                    dict(block_m=16, block_n=32, pipeline=True, num_stages=3)],
+                         ids=["default", "16x32", "even-d-sum-once", "16x32-even-d-sum-once", "16x32-pipeline"])
 def test_recent_only_matches_dense_and_full_walk(last, with_lse, tuning):
     B, Hq, Hkv, T, C, D = 1, 4, 2, 130, 90, 16
     g = torch.Generator().manual_seed(last)
@@ -67,7 +68,8 @@ def test_odd_head_dim_keeps_the_column_mask(tuning):
 
 
 @pytest.mark.parametrize("window", [0, 40], ids=["causal", "window40"])
-@pytest.mark.parametrize("tuning", [None, dict(block_m=16, block_n=32)], ids=["default", "16x32"])
+@pytest.mark.parametrize("tuning", [None, dict(block_m=16, block_n=32), dict(block_m=16, block_n=32, pipeline=True)],
+                         ids=["default", "16x32", "16x32-pipeline"])
 def test_skip_masks_gives_the_masked_walks_sums(window, tuning):
     """skip_masks: blocks whose every row sees every slot of the tile drop the per-element mask; empty slots (bias
     -inf, ~15% of the 80 past ones), rows without an lse (two set to -inf here) and rows past T (70 is no multiple of
@@ -86,6 +88,10 @@ def test_skip_masks_gives_the_masked_walks_sums(window, tuning):
                                  tuning={**(tuning or {}), "skip_masks": skip})
     for fast, masked in zip(sums[True], sums[False]):
         assert torch.equal(fast, masked)
+    branchy = acs._launch(q, keys, bias, slot_pos, cp, lse, 0.25, window, 9,
+                          tuning={**(tuning or {}), "pipeline": False})
+    for got, want in zip(sums[True], branchy):  # the pipelined walk adds the same blocks in the same order
+        assert torch.equal(got, want)
     torch.testing.assert_close(sums[True][0].double(), p.sum(dim=2), **TOL)
     torch.testing.assert_close(sums[True][1].double(), p[:, :, T - 9:].sum(dim=2), **TOL)
 
@@ -99,4 +105,5 @@ def test_total_only_default_is_the_timed_launch():
     for cfg in (acs._launch_config(2048, 128), acs._launch_config(64, 128, total_only=True),
                 acs._launch_config(2048, 64, total_only=True)):
         assert (cfg["even_d"], cfg["sum_once"]) == (False, False) and cfg["block_m"] <= 64
+    assert not timed["pipeline"] and timed["skip_masks"]
     assert acs._launch_config(2048, 128, dict(block_m=64), total_only=True)["block_m"] == 64
