@@ -442,3 +442,15 @@ def test_attention_sweep_kernel_means():
     events = [(0.0, 10.0, "fwd"), (9.0, 12.0, "combine"), (20.0, 31.0, "fwd"), (30.0, 34.0, "combine")]
     assert kernel_means(events, 2) == {"fwd": 10.5, "combine": 3.5}
     assert kernel_means([], 3) == {}
+
+
+def test_attention_prefill_inputs_repeat_the_layout_per_batch_row():
+    """bench.attention_prefill --batch: every row holds the case's layout (n_past past slots, T causal fresh ones,
+    empty slots after them), the queries at the fresh slots' positions."""
+    from kvrewrite.bench.attention_prefill import HKV, HQ, make_inputs
+
+    q, k, v, bias, pos, cp = make_inputs(5, 7, 16, 30, device="cpu", batch=3)
+    assert q.shape == (3, HQ, 5, 128) and k.shape == v.shape == (3, HKV, 16, 128)
+    assert torch.isfinite(bias[..., :12]).all() and (bias[..., 12:] == float("-inf")).all()
+    assert (bias[..., 7:12] == 0).all() and torch.equal(cp, torch.arange(30, 35))
+    assert torch.equal(pos[..., 7:12], cp.expand(3, HKV, 5)) and (pos[..., :7] < 30).all()

@@ -8,12 +8,15 @@ The chelsea cases are a 32k prompt at budget 0.2 (n_past = round(0.2 * (32768 + 
 
 Baseline: SDPA (cuDNN and flash backends, enable_gqa) over the same queries and the n_past + T used keys,
 without causality (every query sees every key): the same q·k work plus the masked half of the fresh block,
-so a slightly generous baseline. TFLOP/s counts 4 * Hq * T * D * (n_past + (T + 1) / 2) for both.
+so a slightly generous baseline. TFLOP/s counts 4 * B * Hq * T * D * (n_past + (T + 1) / 2) for both.
 Timing: triton.testing.do_bench, median. Every variant's output is checked against the fp32 reference
 (max abs error reported; the run fails above 0.03 in bf16).
 
-Run:   python -m kvrewrite.bench.attention_prefill --out prefill.json [--sweep]
---sweep also times launch variants (block sizes, warps, stages, skip_unseen) and lists the fastest.
+Run:   python -m kvrewrite.bench.attention_prefill --out prefill.json [--sweep] [--batch 8]
+--sweep also times launch variants (block sizes, warps, stages, skip_unseen) and lists the fastest. --batch B runs
+each case for B sequences (the same layout in every row; the batch-8 prefill of issue 21 is `--batch 8 --cases
+"chelsea 32k chunk 2048"`); the error is checked on the first row (a float64-size reference of every row would not
+fit).
 """
 import argparse
 import itertools
@@ -38,16 +41,16 @@ CASES = {  # name: (T, n_past, C, first query position)
 MAX_ERR_BF16 = 0.03
 
 
-def make_inputs(T, n_past, C, start, seed=0, device="cuda"):
+def make_inputs(T, n_past, C, start, seed=0, device="cuda", batch=1):
     g = torch.Generator(device=device).manual_seed(seed)
     bf = torch.bfloat16
-    q = torch.randn(1, HQ, T, D, device=device, dtype=bf, generator=g)
-    k = torch.randn(1, HKV, C, D, device=device, dtype=bf, generator=g)
-    v = torch.randn(1, HKV, C, D, device=device, dtype=bf, generator=g)
-    bias = torch.full((1, HKV, C), float("-inf"), device=device)
-    bias[..., :n_past] = torch.rand(1, HKV, n_past, device=device, generator=g) * 3
+    q = torch.randn(batch, HQ, T, D, device=device, dtype=bf, generator=g)
+    k = torch.randn(batch, HKV, C, D, device=device, dtype=bf, generator=g)
+    v = torch.randn(batch, HKV, C, D, device=device, dtype=bf, generator=g)
+    bias = torch.full((batch, HKV, C), float("-inf"), device=device)
+    bias[..., :n_past] = torch.rand(batch, HKV, n_past, device=device, generator=g) * 3
     bias[..., n_past:n_past + T] = 0
-    pos = torch.zeros(1, HKV, C, dtype=torch.long, device=device)
+    pos = torch.zeros(batch, HKV, C, dtype=torch.long, device=device)
     pos[..., :n_past] = torch.linspace(0, start - 1, n_past, device=device).round().long()
     pos[..., n_past:n_past + T] = torch.arange(start, start + T, device=device)
     return q, k, v, bias, pos, torch.arange(start, start + T, device=device)
@@ -76,17 +79,18 @@ def variants() -> list:
     return [dict(block_m=m, block_n=n, num_warps=w, num_stages=s, skip_unseen=u) for m, n, w, s, u in grid]
 
 
-def run_case(name, sweep: bool) -> dict:
+def run_case(name, sweep: bool, batch: int = 1) -> dict:
     T, n_past, C, start = CASES[name]
-    args = make_inputs(T, n_past, C, start)
+    args = make_inputs(T, n_past, C, start, batch=batch)
     scale = D ** -0.5
-    ref = ca.reference_clustered_attention(*args, scale, 0).float()
-    flops = 4.0 * HQ * T * D * (n_past + (T + 1) / 2)
-    res = dict(case=name, T=T, n_past=n_past, C=C, gflop=flops / 1e9, sdpa_ms=sdpa_ms(*args[:3], n_past + T))
+    ref = ca.reference_clustered_attention(*(a[:1] for a in args[:5]), args[5], scale, 0).float()  # row 0
+    flops = 4.0 * batch * HQ * T * D * (n_past + (T + 1) / 2)
+    res = dict(case=name, batch=batch, T=T, n_past=n_past, C=C, gflop=flops / 1e9,
+               sdpa_ms=sdpa_ms(*args[:3], n_past + T))
 
     def timed(**tuning):
         f = lambda: ca.triton_clustered_attention(*args, scale, 0, False, **tuning)  # noqa: E731
-        err = (f().float() - ref).abs().max().item()
+        err = (f()[:1].float() - ref).abs().max().item()
         ms = _bench_ms(f)
         return dict(tuning=tuning, ms=ms, tflops=flops / ms / 1e9, err=err)
 
@@ -108,12 +112,13 @@ def main(argv=None):
     p.add_argument("--out", default="attention_prefill.json")
     p.add_argument("--sweep", action="store_true", help="also time launch variants")
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
+    p.add_argument("--batch", type=int, default=1, help="sequences per call (the same layout in every row)")
     args = p.parse_args(argv)
     rows = []
     doc = dict(env=env_info(), rows=rows)
     bad = []
     for name in args.cases.split(","):
-        r = run_case(name, args.sweep)
+        r = run_case(name, args.sweep, args.batch)
         rows.append(r)
         kv = r["kvrewrite"]
         sd = r["sdpa_ms"]
