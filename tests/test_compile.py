@@ -216,7 +216,6 @@ def test_compiled_decode_updates_state_in_place(model, captured, method):
                 f"{method}: {op} runs on {state_args}, not on the graph's state inputs (a copy)"
 
 
-
 @torch.no_grad()
 def test_every_model_of_a_process_has_its_own_compile_cache(model, captured):
     """Dynamo keeps one cache of compiled variants per code object, and counts its recompiles against
