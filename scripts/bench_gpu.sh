@@ -7,11 +7,13 @@
 # c: 32k batch 1 and 16 (CB=1: batch 1 only), kvrewrite decode through rw.compile(mode="reduce-overhead") (Inductor)
 # d: the headline rows: 32k batch 1, HF eager + compiled vs chelsea with fused projections and the Triton GEMV, compiled decode
 #    and compiled prefill in chunks of 2048 (docs/bench.md, "Later runs")
-# e: the prefill of a batch (issue 21): 32k, batch ${EB:-8}, the real compiled prefill of snapkv and chelsea in chunks
-#    of 2048 against HF's dense prefill of the same batch (--batch-prefill; not part of the default phases)
+# e: the prefill of a batch (issue 21): 32k, batch ${EB:-8}, the real compiled prefill of ${ES:-snapkv,chelsea} in
+#    chunks of 2048 against HF's dense prefill of the same batch (--batch-prefill; not part of the default phases)
 # f: 128k at batch ${FB:-4} (issue 21's long row): full, snapkv and chelsea, compiled decode, synthetic state (not default)
 # g: kernel sweeps (not default): attention_column_stats' launch variants at h2o's batch-8 prefill chunk
 #    (bench/column_stats.py), and the decode attention's variants at 32k batch 1 with each kernel's own time
+# h: the prefill chunk's attention at batch ${HB:-8} (bench/attention_prefill.py --sweep: tiles, warps, stages), and
+#    attention_column_stats' single changes to its default (--quick: the pipelined walk among them); not default
 set -o pipefail
 OUT=${1:-out/bench}
 PHASES=${2:-a b c d}
@@ -29,7 +31,7 @@ for p in $PHASES; do
          --kv-compile inductor --out "$OUT/e2e_inductor.json" --plot /tmp/e2e_c.png 2>&1 | tee -a "$OUT/log.txt" ;;
     d) timeout ${TD:-500} $B --systems hf-eager,hf-compiled,chelsea --contexts 32768 --batches 1 --prefill-chunk 2048 \
          --fuse-projections --gemv --kv-compile inductor --out "$OUT/e2e_headline.json" --plot /tmp/e2e_d.png 2>&1 | tee -a "$OUT/log.txt" ;;
-    e) timeout ${TE:-500} $B --systems hf-eager,snapkv,chelsea --contexts 32768 --batches ${EB:-8} --batch-prefill \
+    e) timeout ${TE:-500} $B --systems hf-eager,${ES:-snapkv,chelsea} --contexts 32768 --batches ${EB:-8} --batch-prefill \
          --prefill-chunk 2048 --fuse-projections --kv-compile inductor --out "$OUT/e2e_batch_prefill.json" \
          --plot /tmp/e2e_e.png 2>&1 | tee -a "$OUT/log.txt" ;;
     f) timeout ${TF:-500} $B --systems full,snapkv,chelsea --contexts 131072 --batches ${FB:-4} --no-prefill \
@@ -39,6 +41,10 @@ for p in $PHASES; do
          | tee -a "$OUT/log.txt"
        timeout ${TG:-300} python -m kvrewrite.bench.attention --sweep "$OUT/sweep_attention_b1.json" \
          --sweep-shapes 1:6554 --no-table 2>&1 | tee -a "$OUT/log.txt" ;;
+    h) timeout ${TH:-300} python -m kvrewrite.bench.attention_prefill --batch ${HB:-8} --cases "chelsea 32k chunk 2048" \
+         --sweep --out "$OUT/attention_prefill_b${HB:-8}.json" 2>&1 | tee -a "$OUT/log.txt"
+       timeout ${TH:-300} python -m kvrewrite.bench.column_stats --quick --out "$OUT/sweep_column_stats_quick.json" 2>&1 \
+         | tee -a "$OUT/log.txt" ;;
   esac
 done
 python - "$OUT" <<'PY'
