@@ -340,28 +340,27 @@ def _check_cuda_inputs(q, keys, bias, slot_pos, cache_position, lse):
 
 def _launch_config(T: int, D: int, tuning: dict | None = None, total_only: bool = False) -> dict:
     """Tile sizes from the shapes alone (never the data: one fixed launch for CUDA graphs and Inductor); `tuning`
-    (block_m, block_n, num_warps, num_stages, even_d, sum_once, skip_masks) overrides them for the benchmark's
-    sweep (bench/column_stats.py).
+    (block_m, block_n, num_warps, num_stages, even_d, sum_once, skip_masks, pipeline) overrides them for the
+    benchmark's sweep (bench/column_stats.py).
 
-    total_only: the stats kernel sums every query and no recent ones, with the lse given (h2o's and observed
-    attention's prefill chunks). There, with D = 128 and T >= 128, the default is the fastest launch of the H200
-    sweep (docs/bench.md, "Stop 40 runs": 8 x 2048 queries over 8704 slots): 128 x 64 tiles, 4 warps, even_d and
-    sum_once, 6.2 ms where the tiles below took 13.5, 5.1 with skip_masks. Compiled for sm_90 (bf16, D = 128, 64 x 64 tiles, 8 warps;
-    bench.occupancy's compile), the loop with recent sums has 753 instructions, 37 of them global loads (q's 2-byte
-    loads), 16 barriers and 75 shuffles; with even_d 624 (9 loads), with sum_once too 465 (10 barriers, 23
-    shuffles); sum_once's per-row sums cost a [block_m, block_n] fp32 tile of registers per kind of sum, and even_d
-    takes the recent path from 128 to 132 registers a thread (one program an SM instead of two), so the calls with
-    recent sums (SnapKV's window walk, accumulate_attention's unfused calls) and without an lse keep the untuned
-    tiles until a sweep times them there.
-    skip_masks (on): a query block whose every row sees every slot of the tile (causality and window decided from
-    the block's and tile's position ranges) computes p without the per-element visibility mask. pipeline (off until
-    timed): the walk over the visible blocks, bounded first, with no branch around its loads, pipelined num_stages
-    deep. The sweep found num_stages 2 and 3 equally fast to the microsecond without it: compiled for sm_90 (bf16,
-    D = 128, the total-only default), the branchy walk loads each q tile into registers and stores it to shared
-    memory for the wgmma (255 registers and a 16-byte spill, 48 KB; the same code at either depth; 2128 SASS
-    instructions since p's exp2 moved ahead of the mask, 2456 with an 8-byte spill as timed); pipelined, q,
-    its positions and lse are copied to shared memory ahead (cp.async) and nothing spills (83 KB at 2 stages, 118 KB
-    at 3: one program an SM)."""
+    total_only: the stats kernel sums every query and no recent ones, with the lse given, in 16-bit inputs (h2o's
+    and kvmerger's prefill chunks through observed_attention). There, with D = 128 and T >= 128, the default is the
+    fastest launch of the H200 sweep (docs/bench.md, "Stop 40 runs": 8 x 2048 queries over 8704 slots): 128 x 64
+    tiles, 4 warps, even_d and sum_once, 6.2 ms where the tiles below took 13.5, 5.1 with skip_masks. Compiled for
+    sm_90 (bf16, D = 128, 64 x 64 tiles, 8 warps; bench.occupancy's compile), the loop with recent sums has 753
+    instructions, 37 of them global loads (q's 2-byte loads), 16 barriers and 75 shuffles; with even_d 624 (9
+    loads), with sum_once too 465 (10 barriers, 23 shuffles); sum_once's per-row sums cost a [block_m, block_n] fp32
+    tile of registers per kind of sum, and even_d takes the recent path from 128 to 132 registers a thread (one
+    program an SM instead of two), so the calls with recent sums (SnapKV's window walk, accumulate_attention's
+    unfused calls) and without an lse keep the untuned tiles until a sweep times them there. skip_masks (on): a
+    query block whose every row sees every slot of the tile (causality and window decided from the block's and
+    tile's position ranges) computes p without the per-element visibility mask. pipeline (off until timed): the walk
+    over the visible blocks, bounded first, with no branch around its loads, pipelined num_stages deep. The sweep
+    found num_stages 2 and 3 equally fast to the microsecond without it: compiled for sm_90 (bf16, D = 128, the
+    total-only default), the branchy walk loads each q tile into registers and stores it to shared memory for the
+    wgmma (255 registers and a 16-byte spill, 48 KB; the same code at either depth; 2128 SASS instructions since p's
+    exp2 moved ahead of the mask, 2456 with an 8-byte spill as timed); pipelined, q, its positions and lse are
+    copied to shared memory ahead (cp.async) and nothing spills (83 KB at 2 stages, 118 KB at 3: one program an SM)."""
     block_d = max(16, triton.next_power_of_2(D))
     wide = block_d > 128  # D = 256: smaller tiles keep q and k in registers
     cfg = dict(
@@ -408,7 +407,8 @@ def _launch(q, keys, bias, slot_pos, cache_position, lse, scale, window, last, n
         return total, recent
     if T == 0 or (not need_total and first_recent == T):  # no query to walk
         return (total.zero_() if need_total else None), recent.zero_()
-    cfg = _launch_config(T, D, tuning, total_only=need_total and first_recent == T and lse is not None)
+    total_only = need_total and first_recent == T and lse is not None and q.dtype != torch.float32
+    cfg = _launch_config(T, D, tuning, total_only=total_only)
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_D=cfg["block_d"], num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"], FP32=q.dtype == torch.float32,
                 EVEN_D=bool(cfg["even_d"]) and D == cfg["block_d"])

@@ -160,16 +160,16 @@ def test_launch_overrides_match_dense(tuning, D, dtype):
         torch.testing.assert_close(recent.double(), p[:, :, T - last:].sum(dim=2), **TOL[dtype])
 
 
-@pytest.mark.parametrize("tuning", [{}, dict(skip_masks=False), dict(block_n=32), dict(num_warps=8), dict(pipeline=True),
-                                    dict(pipeline=True, num_stages=3, num_warps=8)],
+@pytest.mark.parametrize("tuning", [{}, dict(skip_masks=False), dict(block_n=32), dict(num_warps=8),
+                                    dict(pipeline=True), dict(pipeline=True, num_stages=3, num_warps=8)],
                          ids=["default", "masked", "n32", "w8", "pipeline", "pipeline-3-stages-w8"])
 @pytest.mark.parametrize("window", [0, 100], ids=["causal", "w100"])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_total_only_launch_matches_dense(tuning, window, dtype):
-    """h2o's call (lse given, last 0, D = 128, T >= 128) takes _launch_config's timed total-only launch (128 x 64
-    tiles, 4 warps, even_d, sum_once, skip_masks): the dense sums, a window included, with skip_masks on and off
-    and bench/column_stats.py's --quick changes (the pipelined walk among them); T = 300 leaves a ragged last query
-    block."""
+    """h2o's call (lse given, last 0, 16-bit, D = 128, T >= 128) takes _launch_config's timed total-only launch
+    (128 x 64 tiles, 4 warps, even_d, sum_once, skip_masks; fp32 keeps the old tiles): the dense sums, a window
+    included, with skip_masks on and off and bench/column_stats.py's --quick changes (the pipelined walk among
+    them); T = 300 leaves a ragged last query block."""
     B, Hq, Hkv, T, C, D = 2, 8, 2, 300, 1333, 128
     q, keys, bias, slot_pos, cp = _inputs(B, Hq, Hkv, T, C, D, dtype, seed=window + len(tuning))
     scale = D**-0.5
