@@ -209,18 +209,33 @@ def _block_probs(q_base, lse_base, stride_qt, stride_qd, stride_lt, offs_t, t_ok
 
 
 @triton_jit()
+def _block_positions(CPOS, stride_cp, t0, T, BLOCK_M: tl.constexpr):
+    """(offs_t, t_ok, qpos, qpos_min, qpos_max) of the query block at t0: its indices, which are < T, their
+    positions and the positions' range over those rows."""
+    offs_t = t0 + tl.arange(0, BLOCK_M)
+    t_ok = offs_t < T
+    qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=0)
+    qpos_min = tl.min(tl.where(t_ok, qpos, 2**62), axis=0)
+    qpos_max = tl.max(tl.where(t_ok, qpos, -(2**62)), axis=0)
+    return offs_t, t_ok, qpos, qpos_min, qpos_max
+
+
+@triton_jit()
+def _some_row_sees(qpos_min, qpos_max, pos_min, pos_max, window):
+    """Whether some query of a block (positions in [qpos_min, qpos_max]) sees some live slot of a tile (positions
+    in [pos_min, pos_max]): causality and the window, from the ranges alone."""
+    return (qpos_max >= pos_min) & ((window <= 0) | (pos_max > qpos_min - window))
+
+
+@triton_jit()
 def _visible_blocks(CPOS, stride_cp, t_begin, T, window, pos_min, pos_max, BLOCK_M: tl.constexpr):
     """(lo, hi): the query blocks from t_begin whose queries see some slot of the tile lie in [lo, hi) (blocks in
     between that see none add zeros); lo >= hi when none does. Reads the T positions only."""
     lo = T
     hi = t_begin
     for t0 in range(t_begin, T, BLOCK_M):
-        offs_t = t0 + tl.arange(0, BLOCK_M)
-        t_ok = offs_t < T
-        qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=0)
-        qpos_max = tl.max(tl.where(t_ok, qpos, -(2**62)), axis=0)
-        qpos_min = tl.min(tl.where(t_ok, qpos, 2**62), axis=0)
-        sees = (qpos_max >= pos_min) & ((window <= 0) | (pos_max > qpos_min - window))
+        _, _, _, qpos_min, qpos_max = _block_positions(CPOS, stride_cp, t0, T, BLOCK_M)
+        sees = _some_row_sees(qpos_min, qpos_max, pos_min, pos_max, window)
         lo = tl.where(sees & (lo == T), t0, lo)
         hi = tl.where(sees, t0 + BLOCK_M, hi)
     return lo, hi
@@ -277,11 +292,7 @@ def _column_stats_kernel(
     if PIPELINE:
         lo, hi = _visible_blocks(CPOS, stride_cp, t_begin, T, window, pos_min, pos_max, BLOCK_M)
         for t0 in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
-            offs_t = t0 + tl.arange(0, BLOCK_M)
-            t_ok = offs_t < T
-            qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=0)
-            qpos_max = tl.max(tl.where(t_ok, qpos, -(2**62)), axis=0)
-            qpos_min = tl.min(tl.where(t_ok, qpos, 2**62), axis=0)
+            offs_t, t_ok, qpos, qpos_min, qpos_max = _block_positions(CPOS, stride_cp, t0, T, BLOCK_M)
             p = _block_probs(q_base, lse_base, stride_qt, stride_qd, stride_lt, offs_t, t_ok, qpos, qpos_min,
                              qpos_max, window, qk_scale, k, bias, live, pos, pos_min, pos_max, offs_d, d_ok, FP32,
                              EVEN_D, SKIP_MASKS)
@@ -289,12 +300,8 @@ def _column_stats_kernel(
                                                                first_recent, NEED_TOTAL, NEED_RECENT, SUM_ONCE)
     else:
         for t0 in range(t_begin, T, BLOCK_M):
-            offs_t = t0 + tl.arange(0, BLOCK_M)
-            t_ok = offs_t < T
-            qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=0)
-            qpos_max = tl.max(tl.where(t_ok, qpos, -(2**62)), axis=0)
-            qpos_min = tl.min(tl.where(t_ok, qpos, 2**62), axis=0)
-            if (qpos_max >= pos_min) & ((window <= 0) | (pos_max > qpos_min - window)):  # some row sees some slot
+            offs_t, t_ok, qpos, qpos_min, qpos_max = _block_positions(CPOS, stride_cp, t0, T, BLOCK_M)
+            if _some_row_sees(qpos_min, qpos_max, pos_min, pos_max, window):
                 p = _block_probs(q_base, lse_base, stride_qt, stride_qd, stride_lt, offs_t, t_ok, qpos, qpos_min,
                                  qpos_max, window, qk_scale, k, bias, live, pos, pos_min, pos_max, offs_d, d_ok, FP32,
                                  EVEN_D, SKIP_MASKS)
