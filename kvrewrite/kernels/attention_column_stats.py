@@ -189,26 +189,6 @@ def _add_sums(total, recent, total_rows, recent_rows, p, offs_t, first_recent,
 
 
 @triton_jit()
-def _block_probs(q_base, lse_base, stride_qt, stride_qd, stride_lt, offs_t, t_ok, qpos, qpos_min, qpos_max, window,
-                 qk_scale, k, bias, live, pos, pos_min, pos_max, offs_d, d_ok,
-                 FP32: tl.constexpr, EVEN_D: tl.constexpr, SKIP_MASKS: tl.constexpr):
-    """The probabilities [BLOCK_M, BLOCK_N] of a query block (offs_t; its positions qpos, their range over the rows
-    < T) over the tile's slots, 0 where a query does not see a slot. A row without an lse (a query that sees
-    nothing, or past T) gets lse +inf, so its p is exp2(-inf) = 0 with or without the mask."""
-    LOG2E: tl.constexpr = 1.4426950408889634
-    q = _load_rows(q_base + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd, t_ok, d_ok, EVEN_D)
-    lse = tl.load(lse_base + offs_t * stride_lt, mask=t_ok, other=float("-inf")) * LOG2E
-    lse = tl.where(lse > float("-inf"), lse, float("inf"))
-    p = tl.exp2(_scores(q, k, qk_scale, bias, FP32) - lse[:, None])
-    seen = (qpos_min >= pos_max) & ((window <= 0) | (pos_min > qpos_max - window))
-    if not (SKIP_MASKS & seen):  # SKIP_MASKS: every row of the block sees every live slot of the tile, no mask
-        vis = live[None, :] & (pos[None, :] <= qpos[:, None])  # (an empty slot's bias -inf gives p = 0 too)
-        vis = vis & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
-        p = tl.where(vis, p, 0.0)
-    return p
-
-
-@triton_jit()
 def _block_positions(CPOS, stride_cp, t0, T, BLOCK_M: tl.constexpr):
     """(offs_t, t_ok, qpos, qpos_min, qpos_max) of the query block at t0: its indices, which are < T, their
     positions and the positions' range over those rows."""
@@ -225,6 +205,31 @@ def _some_row_sees(qpos_min, qpos_max, pos_min, pos_max, window):
     """Whether some query of a block (positions in [qpos_min, qpos_max]) sees some live slot of a tile (positions
     in [pos_min, pos_max]): causality and the window, from the ranges alone."""
     return (qpos_max >= pos_min) & ((window <= 0) | (pos_max > qpos_min - window))
+
+
+@triton_jit()
+def _every_row_sees(qpos_min, qpos_max, pos_min, pos_max, window):
+    """Whether every query of a block sees every live slot of a tile (the ranges as in _some_row_sees)."""
+    return (qpos_min >= pos_max) & ((window <= 0) | (pos_min > qpos_max - window))
+
+
+@triton_jit()
+def _block_probs(q_base, lse_base, stride_qt, stride_qd, stride_lt, offs_t, t_ok, qpos, qpos_min, qpos_max, window,
+                 qk_scale, k, bias, live, pos, pos_min, pos_max, offs_d, d_ok,
+                 FP32: tl.constexpr, EVEN_D: tl.constexpr, SKIP_MASKS: tl.constexpr):
+    """The probabilities [BLOCK_M, BLOCK_N] of a query block (offs_t; its positions qpos, their range over the rows
+    < T) over the tile's slots, 0 where a query does not see a slot. A row without an lse (a query that sees
+    nothing, or past T) gets lse +inf, so its p is exp2(-inf) = 0 with or without the mask."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    q = _load_rows(q_base + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd, t_ok, d_ok, EVEN_D)
+    lse = tl.load(lse_base + offs_t * stride_lt, mask=t_ok, other=float("-inf")) * LOG2E
+    lse = tl.where(lse > float("-inf"), lse, float("inf"))
+    p = tl.exp2(_scores(q, k, qk_scale, bias, FP32) - lse[:, None])
+    if not (SKIP_MASKS & _every_row_sees(qpos_min, qpos_max, pos_min, pos_max, window)):  # else: no mask needed
+        vis = live[None, :] & (pos[None, :] <= qpos[:, None])  # (an empty slot's bias -inf gives p = 0 too)
+        vis = vis & ((window <= 0) | (pos[None, :] > qpos[:, None] - window))
+        p = tl.where(vis, p, 0.0)
+    return p
 
 
 @triton_jit()
@@ -352,22 +357,13 @@ def _launch_config(T: int, D: int, tuning: dict | None = None, total_only: bool 
 
     total_only: the stats kernel sums every query and no recent ones, with the lse given, in 16-bit inputs (h2o's
     and kvmerger's prefill chunks through observed_attention). There, with D = 128 and T >= 128, the default is the
-    fastest launch of the H200 sweep (docs/bench.md, "Stop 40 runs": 8 x 2048 queries over 8704 slots): 128 x 64
-    tiles, 4 warps, even_d and sum_once, 6.2 ms where the tiles below took 13.5, 5.1 with skip_masks. Compiled for
-    sm_90 (bf16, D = 128, 64 x 64 tiles, 8 warps; bench.occupancy's compile), the loop with recent sums has 753
-    instructions, 37 of them global loads (q's 2-byte loads), 16 barriers and 75 shuffles; with even_d 624 (9
-    loads), with sum_once too 465 (10 barriers, 23 shuffles); sum_once's per-row sums cost a [block_m, block_n] fp32
-    tile of registers per kind of sum, and even_d takes the recent path from 128 to 132 registers a thread (one
-    program an SM instead of two), so the calls with recent sums (SnapKV's window walk, accumulate_attention's
-    unfused calls) and without an lse keep the untuned tiles until a sweep times them there. skip_masks (on): a
-    query block whose every row sees every slot of the tile (causality and window decided from the block's and
-    tile's position ranges) computes p without the per-element visibility mask. pipeline (off until timed): the walk
-    over the visible blocks, bounded first, with no branch around its loads, pipelined num_stages deep. The sweep
-    found num_stages 2 and 3 equally fast to the microsecond without it: compiled for sm_90 (bf16, D = 128, the
-    total-only default), the branchy walk loads each q tile into registers and stores it to shared memory for the
-    wgmma (255 registers and a 16-byte spill, 48 KB; the same code at either depth; 2128 SASS instructions since p's
-    exp2 moved ahead of the mask, 2456 with an 8-byte spill as timed); pipelined, q, its positions and lse are
-    copied to shared memory ahead (cp.async) and nothing spills (83 KB at 2 stages, 118 KB at 3: one program an SM)."""
+    fastest launch of one H200 sweep (docs/bench.md, "Stop 40 runs"): 128 x 64 tiles, 4 warps, even_d and
+    sum_once. The other calls (recent sums, no lse, fp32) keep the untuned tiles: sum_once would hold a second
+    register tile for the recent sums, and even_d cost the recent path a program an SM on sm_90; not timed there.
+    skip_masks (on): a query block whose every row sees every slot of the tile computes p without the per-element
+    mask. pipeline (off until timed): the visible blocks bounded first, then walked with no branch around the
+    loads, so Triton can pipeline them num_stages deep (the branchy walk compiles to the same code at any depth;
+    the sm_90 registers and spills of both are in docs/bench.md)."""
     block_d = max(16, triton.next_power_of_2(D))
     wide = block_d > 128  # D = 256: smaller tiles keep q and k in registers
     cfg = dict(
