@@ -15,8 +15,8 @@ Timing: triton.testing.do_bench, median. Every variant's output is checked again
 Run:   python -m kvrewrite.bench.attention_prefill --out prefill.json [--sweep] [--batch 8]
 --sweep also times launch variants (block sizes, warps, stages, skip_unseen) and lists the fastest. --batch B runs
 each case for B sequences (the same layout in every row; the batch-8 prefill of issue 21 is `--batch 8 --cases
-"chelsea 32k chunk 2048"`); the error is checked on the first row (a float64-size reference of every row would not
-fit).
+"chelsea 32k chunk 2048"`); the error is checked on the first row (the reference's [Hq, T, C] logits of every
+row would not fit).
 """
 import argparse
 import itertools
