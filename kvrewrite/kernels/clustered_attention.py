@@ -53,6 +53,7 @@ import torch
 from torch.library import wrap_triton
 
 from kvrewrite.kernels import _pdl
+from kvrewrite.kernels import _prefill_attention_kernels as _prefill
 from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait, wait_and_signal
 from kvrewrite.kernels._triton_op import check_attention_shapes, check_one_cuda_device, register_triton_op, triton_jit
 
@@ -459,6 +460,11 @@ def _num_sms_of(device_index: int) -> int:
 # launch_forward passes them to _launch_config, which splits a decode grid the SMs cannot hold.
 RESIDENT_PROGRAMS, RESIDENT_PROGRAMS_PENDING = 3, 2
 
+# Prefill-sized query blocks (more than 16 rows) whose grid needs no splits run kernels/_prefill_attention_kernels.py
+# (tile ranges, a bounded loop, masks only where a tile is not seen whole); False runs the slot-loop kernel below
+# for them too (an A/B switch: `--kernel-option clustered_attention.PREFILL_KERNEL=False`). Measured: docs/bench.md.
+PREFILL_KERNEL = True
+
 
 def fewest_waves_splits(programs: int, capacity: int, max_splits: int = 8) -> int:
     """The split count S in [1, max_splits] whose grid of programs * S programs, each 1/S of the work, ends soonest
@@ -637,6 +643,7 @@ def launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, windo
         if (npend + 1) * G > overrides["block_m"]:
             raise ValueError(f"launch_forward: {npend} pending entries of {G} heads do not fit a "
                              f"{overrides['block_m']}-row tile next to the step's own {G} rows")
+    prefill_kernel = overrides.pop("prefill_kernel", PREFILL_KERNEL)
     overrides.setdefault("resident", RESIDENT_PROGRAMS if pending is None else RESIDENT_PROGRAMS_PENDING)
     cfg = _launch_config(B, Hkv, G, T, C, D, num_sms, q.element_size(), **overrides)
     S = cfg["num_splits"]
@@ -646,6 +653,11 @@ def launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, windo
         qk_scale, softcap_log2 = scale / softcap, softcap * 1.4426950408889634
     else:
         qk_scale, softcap_log2 = scale * 1.4426950408889634, 0.0
+    if prefill_kernel and G * T > 16 and not split and pending is None:  # the decode launch takes <= 16 rows
+        tuning = {k: v for k, v in overrides.items() if k in ("block_m", "block_n", "num_warps", "num_stages")}
+        out = _prefill.launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_scale,
+                                      softcap_log2, softcap, lse, **tuning)
+        return out, None, None, None, 1
     out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
     if split:
         part = torch.empty((B * Hq * T, S, D), dtype=torch.float32, device=q.device)

@@ -1,0 +1,266 @@
+"""kvrewrite::clustered_attention's prefill kernels: many queries (a prefill chunk) over a layer's slots.
+
+The decode kernel (clustered_attention.py) walks every slot of its range and tests each tile's positions on
+the way. A prefill chunk's query block needs far fewer of its tiles' tests: slots are appended in position
+order (cache_append), so the block sees none of the fresh slots after its last query and none of the empty
+slots after the fill, and every query of the block sees every live slot of the old tiles. Two kernels:
+
+1. `_tile_ranges_kernel`: per (row b, KV head h, tile of BLOCK_N slots) the least and the greatest position
+   of the tile's live slots (bias > -inf); an empty tile gets (EMPTY_MIN, EMPTY_MAX), a range no query meets.
+   Read once per call (12 bytes a slot), where the slot loop of every query block would otherwise reduce
+   each tile's positions again.
+2. `_prefill_attention_kernel`: one program per (query block, b, h); the query blocks of one (b, h) are
+   neighbours in the grid, so the programs running at once share their K/V in L2. It bounds its tile loop
+   by the ranges (the first and last tile some query of the block sees; tiles in between that it does
+   not see still run and add exact zeros) and applies the per-element causal and window masks only in
+   tiles that some query of the block does not see whole (the diagonal of the fresh block, a window's
+   edge): elsewhere an empty slot's bias -inf is the only mask needed.
+
+The result is the decode kernel's, slot for slot: the same online softmax in base 2, the same degree bias
+and soft cap, zeros for a query that sees nothing. Nothing here assumes the layout for correctness: a tile
+is skipped only when its range shows that no query of the block sees it, and the masks run wherever the
+range does not show that every query sees it, so slots in any order give the same output (more tiles
+masked and walked). clustered_attention.launch_forward picks these kernels for prefill-sized blocks
+without splits (`_launch_config`, `prefill_kernel`).
+"""
+from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
+
+from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
+from kvrewrite.kernels._triton_op import triton_jit
+
+try:
+    import triton.language as tl
+except ImportError:  # CPU-only installs import this module too; only launching needs Triton
+    tl = None
+try:
+    from triton.language.extra import libdevice  # tanh for SOFTCAP (clustered_attention.py says why this name)
+except ImportError:
+    libdevice = None
+
+# an empty tile's range: no query position p has EMPTY_MIN <= p, and EMPTY_MAX <= p for every one (int64; the
+# kernels spell them out: a Triton kernel reads no plain global)
+EMPTY_MIN, EMPTY_MAX = 2**62, -(2**62)
+
+
+@triton_jit(do_not_specialize=["Hkv", "C", "n_tiles"])
+def _tile_ranges_kernel(
+    BIAS, POS,  # fp32 and int64 [B, Hkv, C]
+    RANGES,  # int64 [B * Hkv, n_tiles, 2], out: (least, greatest) position of each tile's live slots
+    stride_bb, stride_bh, stride_bc,
+    stride_pb, stride_ph, stride_pc,
+    Hkv, C, n_tiles,
+    BLOCK_N: tl.constexpr,  # slots of a tile (the attention kernel's)
+    TILES: tl.constexpr,  # tiles of a program
+    PDL: tl.constexpr,
+):
+    if PDL:  # the bias and positions come from the append just before
+        gdc_wait()
+        gdc_launch_dependents()
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    h = bh % Hkv
+    tiles = pid_t * TILES + tl.arange(0, TILES)
+    offs = tiles[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    ok = offs < C
+    bias = tl.load(BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh + offs * stride_bc, mask=ok,
+                   other=float("-inf"))
+    pos = tl.load(POS + b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph + offs * stride_pc, mask=ok, other=0)
+    live = bias > float("-inf")
+    least = tl.min(tl.where(live, pos, 2**62), axis=1)
+    greatest = tl.max(tl.where(live, pos, -(2**62)), axis=1)
+    out = RANGES + (bh.to(tl.int64) * n_tiles + tiles) * 2
+    t_ok = tiles < n_tiles
+    tl.store(out, least, mask=t_ok)
+    tl.store(out + 1, greatest, mask=t_ok)
+
+
+@triton_jit()
+def _seen_tiles(RANGES, n_tiles, qpos_min, qpos_max, window, HAS_WINDOW: tl.constexpr, SCAN: tl.constexpr):
+    """(lo, hi): the tiles that some query of a block (positions in [qpos_min, qpos_max]) sees lie in [lo, hi);
+    lo >= hi when it sees none. Reads the row's tile ranges, SCAN at a time."""
+    lo = n_tiles
+    hi = 0
+    for j0 in range(0, n_tiles, SCAN):
+        j = j0 + tl.arange(0, SCAN)
+        ok = j < n_tiles
+        least = tl.load(RANGES + j * 2, mask=ok, other=2**62)
+        seen = ok & (least <= qpos_max)
+        if HAS_WINDOW:
+            greatest = tl.load(RANGES + j * 2 + 1, mask=ok, other=-(2**62))
+            seen = seen & (greatest > qpos_min - window)
+        lo = tl.minimum(lo, tl.min(tl.where(seen, j, n_tiles), axis=0))
+        hi = tl.maximum(hi, tl.max(tl.where(seen, j + 1, 0), axis=0))
+    return lo, hi
+
+
+# Shape ints that only bound loops and masks are not specialised on (value 1, multiple of 16): one compiled
+# kernel serves every C, T, G and window of a dtype and head dim.
+@triton_jit(do_not_specialize=["Hkv", "G", "T", "C", "n_tiles", "window"])
+def _prefill_attention_kernel(
+    Q, K, V, BIAS, POS, CPOS,
+    RANGES,  # int64 [B * Hkv, n_tiles, 2] from _tile_ranges_kernel
+    OUT,  # [B, Hq, T, D] q's dtype
+    LSE,  # fp32 [B * Hq * T]: each row's natural-log log-sum-exp, -inf for a row that saw nothing (WRITE_LSE only)
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kc, stride_kd,
+    stride_vb, stride_vh, stride_vc, stride_vd,
+    stride_bb, stride_bh, stride_bc,
+    stride_pb, stride_ph, stride_pc,
+    # qk_scale = scale * log2(e); with SOFTCAP, qk_scale = scale / softcap and softcap_log2 = softcap * log2(e)
+    Hkv, G, T, C, n_tiles, window, qk_scale, softcap_log2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,  # window > 0
+    SOFTCAP: tl.constexpr,  # soft-cap the scores: softcap * tanh(scale * q·k / softcap), before the bias and masks
+    WRITE_LSE: tl.constexpr,
+    SCAN: tl.constexpr,  # tile ranges read at once while bounding the loop
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any load (kernels/_pdl.py)
+):
+    LOG2E: tl.constexpr = 1.4426950408889634
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    pid_m = tl.program_id(0)  # fastest: the blocks of one (b, h) run together and share its K/V in L2
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hkv
+    h = pid_bh % Hkv
+    Hq = Hkv * G
+
+    # -- rows of the tile: (query t, head g of the group), as the decode kernel's -------------------------------
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < G * T
+    t = rows // G
+    hq = h * G + rows % G
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + hq[:, None] * stride_qh + t[:, None] * stride_qt
+    q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+    qpos = tl.load(CPOS + t, mask=row_ok, other=0)
+    qpos_max = tl.max(tl.where(row_ok, qpos, -(2**62)), axis=0)
+    qpos_min = tl.min(tl.where(row_ok, qpos, 2**62), axis=0)
+    # positions relative to the block's first query in int32, as the decode kernel's (slots clamped to
+    # [-(window + 1), 2**30]: every causal and window test keeps its outcome)
+    q_rel = tl.where(row_ok, qpos - qpos_min, 0).to(tl.int32)
+    lo_rel = -1 - window if HAS_WINDOW else -1
+
+    ranges = RANGES + pid_bh.to(tl.int64) * n_tiles * 2
+    lo, hi = _seen_tiles(ranges, n_tiles, qpos_min, qpos_max, window, HAS_WINDOW, SCAN)
+
+    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    bias_base = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
+    pos_base = POS + b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for j in range(lo, hi):
+        offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < C
+        bias = tl.load(bias_base + offs_n * stride_bc, mask=n_ok, other=float("-inf"))
+        k = tl.load(k_base + offs_n[:, None] * stride_kc + offs_d[None, :] * stride_kd, mask=n_ok[:, None], other=0.0)
+        if Q.dtype.element_ty == tl.float32:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        if SOFTCAP:  # as the decode kernel's: the cap in natural units, then base 2; the bias after it
+            s = (libdevice.tanh((qk * qk_scale).to(tl.float32)) * softcap_log2).to(tl.float32)
+        else:
+            s = (qk * qk_scale).to(tl.float32)
+        s = s + (bias * LOG2E)[None, :]
+        # every query of the block sees every live slot of the tile: the bias (-inf where empty) is the only mask
+        least = tl.load(ranges + j * 2)
+        greatest = tl.load(ranges + j * 2 + 1)
+        whole = greatest <= qpos_min
+        if HAS_WINDOW:
+            whole = whole & (least > qpos_max - window)
+        if not whole:
+            pos = tl.load(pos_base + offs_n * stride_pc, mask=n_ok, other=0)
+            p_rel = tl.minimum(tl.maximum(pos - qpos_min, lo_rel), 2**30).to(tl.int32)
+            vis = p_rel[None, :] <= q_rel[:, None]
+            if HAS_WINDOW:
+                vis = vis & (p_rel[None, :] > q_rel[:, None] - window)
+            s = tl.where(vis, s, float("-inf"))
+
+        # -- online softmax (base 2); a row that has seen nothing yet keeps m = -inf, l = 0 ----------------------
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_base)
+        p = tl.exp2(s - m_base[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + offs_n[:, None] * stride_vc + offs_d[None, :] * stride_vd, mask=n_ok[:, None], other=0.0)
+        if V.dtype.element_ty == tl.float32:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(V.dtype.element_ty), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # -- epilogue: output row (b, hq, t) of the contiguous [B, Hq, T, *] outputs ----------------------------------
+    out_row = (b.to(tl.int64) * Hq + hq) * T + t
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row that saw nothing: acc == 0, o == 0
+    tl.store(OUT + out_row[:, None] * HEAD_DIM + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    if WRITE_LSE:
+        lse = tl.where(l_i > 0.0, (m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))) / LOG2E, float("-inf"))
+        tl.store(LSE + out_row, lse, mask=row_ok)
+
+
+def prefill_launch_config(B, Hkv, G, T, C, D, itemsize=2, block_m=None, block_n=None, num_warps=None,
+                          num_stages=None) -> dict:
+    """Tiles, warps and stages of _prefill_attention_kernel from the shapes alone; the keyword overrides are for
+    the benchmark's sweep. Defaults: 64-row query tiles (16 queries of a 4-head group), 64-slot tiles, 4 warps, 2
+    stages, the decode kernel's prefill launch (clustered_attention._launch_config), with the slot tile halved
+    while two stages of K and V tiles would pass 128 KB of shared memory (fp32 or D = 256)."""
+    import triton
+
+    if block_m is None:
+        block_m = 64
+    if num_stages is None:
+        num_stages = 2
+    if block_n is None:
+        block_n = 64
+        while 2 * num_stages * block_n * D * itemsize > 128 * 1024 and block_n > 16:
+            block_n //= 2
+    if num_warps is None:
+        num_warps = 4
+    return dict(block_m=block_m, m_blocks=triton.cdiv(G * T, block_m), block_n=block_n,
+                n_tiles=triton.cdiv(C, block_n), num_warps=num_warps, num_stages=num_stages)
+
+
+RANGE_TILES = 16  # tiles of a _tile_ranges_kernel program
+SCAN = 128  # tile ranges a query block reads at once while bounding its loop
+
+
+def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_scale, softcap_log2, softcap, lse,
+                   **overrides):
+    """Launch the tile ranges, then the attention; returns the output [B, Hq, T, D] (contiguous). lse: an fp32
+    [B, Hq, T] tensor to receive each query's natural-log log-sum-exp, or None. No checks (the caller's:
+    clustered_attention.triton_clustered_attention); runs under Triton's interpreter on CPU tensors."""
+    import torch
+    import triton
+    from torch.library import wrap_triton
+
+    from kvrewrite.kernels import _pdl
+
+    B, Hq, T, D = (int(n) for n in q.shape)
+    Hkv, C = int(keys.shape[1]), int(keys.shape[2])
+    G = Hq // Hkv
+    cfg = prefill_launch_config(B, Hkv, G, T, C, D, q.element_size(), **overrides)
+    n_tiles = cfg["n_tiles"]
+    pdl, launch = _pdl.launch_options(q)
+    ranges = torch.empty((B * Hkv, n_tiles, 2), dtype=torch.int64, device=q.device)
+    wrap_triton(_tile_ranges_kernel)[(triton.cdiv(n_tiles, RANGE_TILES), B * Hkv)](
+        bias, slot_pos, ranges, *bias.stride(), *slot_pos.stride(), Hkv, C, n_tiles,
+        BLOCK_N=cfg["block_n"], TILES=RANGE_TILES, PDL=pdl, num_warps=4, **launch,
+    )
+    out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
+    wrap_triton(_prefill_attention_kernel)[(cfg["m_blocks"], B * Hkv)](
+        q, keys, values, bias, slot_pos, cache_position, ranges, out, out if lse is None else lse,
+        *q.stride(), *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(),
+        Hkv, G, T, C, n_tiles, window, qk_scale, softcap_log2,
+        HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HAS_WINDOW=window > 0, SOFTCAP=softcap > 0,
+        WRITE_LSE=lse is not None, SCAN=SCAN, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **launch,
+    )
+    return out
