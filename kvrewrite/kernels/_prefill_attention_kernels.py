@@ -37,8 +37,9 @@ try:
 except ImportError:
     libdevice = None
 
-# an empty tile's range: no query position p has EMPTY_MIN <= p, and EMPTY_MAX <= p for every one (int64; the
-# kernels spell them out: a Triton kernel reads no plain global)
+# an empty tile's range (int64): no query position reaches EMPTY_MIN, so no query sees the tile, and every one is
+# past EMPTY_MAX, so the tile counts as seen whole (its slots' bias -inf masks them). The kernels spell the values
+# out: a Triton kernel reads no plain global.
 EMPTY_MIN, EMPTY_MAX = 2**62, -(2**62)
 
 

@@ -40,7 +40,8 @@ Returns:
     gets zeros (padding queries).
 Mutates: nothing.
 
-Backends: CUDA runs the Triton kernel below (fp16/bf16/fp32, D in 16..256, a power of two); CPU
+Backends: CUDA runs the Triton kernel below (fp16/bf16/fp32, D in 16..256, a power of two), and for prefill
+chunks whose grid needs no split the prefill kernels of kernels/_prefill_attention_kernels.py (PREFILL_KERNEL); CPU
 runs fused SDPA over the used slots (softcap > 0: the fp32 logits written out, SDPA cannot cap); other
 devices, and CUDA without Triton, run the reference.
 The op is a `torch.library.triton_op`, so Inductor sees the Triton launch and CUDA graphs work.
@@ -462,7 +463,9 @@ RESIDENT_PROGRAMS, RESIDENT_PROGRAMS_PENDING = 3, 2
 
 # Prefill-sized query blocks (more than 16 rows) whose grid needs no splits run kernels/_prefill_attention_kernels.py
 # (tile ranges, a bounded loop, masks only where a tile is not seen whole); False runs the slot-loop kernel below
-# for them too (an A/B switch: `--kernel-option clustered_attention.PREFILL_KERNEL=False`). Measured: docs/bench.md.
+# for them too (an A/B switch: `--kernel-option clustered_attention.PREFILL_KERNEL=False`). H200, bf16, Llama layout,
+# a 32k prompt's chunk of 2048 over 6.6k compressed slots: 6.27-6.31 ms against 9.18 at batch 8, 0.89-0.99 against
+# 1.11-1.12 at batch 1; `full`'s chunk of 1024 over 16k used slots 0.95 against 2.09-2.11; docs/bench.md "Stop 41 runs".
 PREFILL_KERNEL = True
 
 
@@ -491,7 +494,8 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize=2, block_m=None, block_
       (skip_unseen False: the reads no longer wait on the bias loads, so the loop pipelines): 2.5-3.0x the
       previous launch at T = 1024 (1.49 -> 0.49-0.59 ms) and 20% faster than 128-slot tiles with skip_unseen;
       128-row tiles and 8 warps were no faster. Reading empty slots is why their K/V must be finite
-      (module docstring).
+      (module docstring). Such chunks now run the prefill kernels where no split is needed (PREFILL_KERNEL); this
+      launch still serves the split ones (small chunks at batch 1) and PREFILL_KERNEL = False.
     resident: programs one SM holds at once (RESIDENT_PROGRAMS...). Where a decode grid at one split has more
     programs than the SMs hold (B * Hkv > resident * SMs: large batches; the last of them would run in a
     second, partial wave), the split count is fewest_waves_splits over that capacity instead of 1: on an H200
