@@ -16,8 +16,9 @@ Run:   python -m kvrewrite.bench.attention_prefill --out prefill.json [--sweep] 
 --sweep also times launch variants (the slot-loop kernel's default; the prefill kernel's block sizes, warps and
 stages) and lists the fastest. --batch B runs each case for B sequences (the same layout in every row; the batch-8
 prefill of issue 21 is `--batch 8 --cases "chelsea 32k chunk 2048"`); the error is checked on the first row (the
-reference's [Hq, T, C] logits of every row would not fit). --ab times the default launch and the slot-loop kernel
-interleaved, twice each (the prefill kernels' switch, clustered_attention.PREFILL_KERNEL).
+reference's [Hq, T, C] logits of every row would not fit). --ab times the default launch, the slot-loop kernel and the
+prefill kernels on grids the slot loop splits, interleaved, twice each (clustered_attention.PREFILL_KERNEL and
+PREFILL_SPLIT_GRIDS).
 """
 import argparse
 import itertools
@@ -98,8 +99,9 @@ def run_case(name, sweep: bool, batch: int = 1, ab: bool = False) -> dict:
         return dict(tuning=tuning, ms=ms, tflops=flops / ms / 1e9, err=err)
 
     res["kvrewrite"] = timed()
-    if ab:  # the two kernels, interleaved: A B A B (a first case of a process has timed slow before)
-        res["ab"] = [dict(timed(**t), round=r) for r in range(2) for t in ({}, dict(prefill_kernel=False))]
+    if ab:  # the launches, interleaved: A B C A B C (a first case of a process has timed slow before)
+        res["ab"] = [dict(timed(**t), round=r) for r in range(2)
+                     for t in ({}, dict(prefill_kernel=False), dict(prefill_split_grids=True))]
     if sweep:
         res["sweep"] = []
         for tuning in variants():
@@ -119,7 +121,8 @@ def main(argv=None):
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
     p.add_argument("--batch", type=int, default=1, help="sequences per call (the same layout in every row)")
     p.add_argument("--ab", action="store_true",
-                   help="also time the default launch and the slot-loop kernel (prefill_kernel=False) interleaved, twice")
+                   help="also time the default launch, the slot-loop kernel (prefill_kernel=False) and the prefill "
+                        "kernels on split grids (prefill_split_grids=True), interleaved, twice")
     args = p.parse_args(argv)
     rows = []
     doc = dict(env=env_info(), rows=rows)

@@ -22,8 +22,9 @@ every output element has exactly one writer and no float atomics (deterministic)
    NNORM[c] = the norm of the stored new key.
 4. layout (grid rows): GSTART[c] = exclusive cumsum of GSLOTS over the kept entries; the LUT cap: n_drop = live
    - R_max candidates (alive non-head slots of centres) by the order key (g_pooled ascending, token_pos
-   descending), found as evict_by_score's bisection (_kth_largest) over ~key(g_pooled), then a second bisection
-   over token_pos among the threshold ties (positions are distinct per row); every alive slot's virtual place v
+   descending), found as evict_by_score's bisection (_kth_largest; past MAX_SLOTS slots _kth_largest_chunked, which
+   reads the keys from memory for each count) over ~key(g_pooled), then a second bisection over token_pos among the
+   threshold ties (positions are distinct per row); every alive slot's virtual place v
    = GSTART[target] + SEGOFF[entry] + offset in the entry (the §6.9.5 order with nothing dropped), a scan of
    the survivors over v gives the new slot, NEWPOS[j] per old slot (-1: dead or dropped); NSTART[new entry] =
    the new place of its head slot; slot_order compacted by a scan (old token order, remapped).
@@ -54,7 +55,8 @@ import struct
 import torch
 
 from kvrewrite.kernels._triton_op import triton_jit
-from kvrewrite.kernels.evict_by_score import MAX_SLOTS, _f64, _kth_largest, _order_key, _select_warps
+from kvrewrite.kernels.evict_by_score import (MAX_SLOTS, _f64, _kth_largest, _kth_largest_chunked, _order_key,
+                                             _select_warps)
 
 try:
     import triton
@@ -259,7 +261,7 @@ def _slot_alive(LUT, BIAS, DEST, j, mj, base_c, base_r, fill):
 @triton_jit(do_not_specialize=["C", "R", "gm1_bits"])
 def _layout_kernel(BIAS, ES, LUT, TP, GP, ORDER, BUDGET, CLS, DEST, INFO, NEWIDX, SEGOFF, GSLOTS, GSTART, KEYP, VJ,
                    SURV, NEWPOS, NSTART, NORD, C, R, gm1_bits, CAP: tl.constexpr, S: tl.constexpr,
-                   CH: tl.constexpr):
+                   CH: tl.constexpr, CHUNKED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if tl.load(INFO + row * 8) != 0:
         bc = row * C
@@ -292,7 +294,10 @@ def _layout_kernel(BIAS, ES, LUT, TP, GP, ORDER, BUDGET, CLS, DEST, INFO, NEWIDX
                     key = _order_key(tl.load(GP + br + j, mask=cand, other=0.0)) ^ -1  # ascending g_pooled
                     tl.store(KEYP + br + j, tl.where(cand, key, _KEY_NEG_INF), mask=mr)
                 tl.debug_barrier()
-                thr, need, n_eq = _kth_largest(KEYP + br, R, n_drop, S, True)
+                if CHUNKED:  # S lanes would not fit a program's registers: the keys stay in KEYP
+                    thr, need, n_eq = _kth_largest_chunked(KEYP + br, R, n_drop, S, CH, True)
+                else:
+                    thr, need, n_eq = _kth_largest(KEYP + br, R, n_drop, S, True)
                 thr2 = tl.full([], -1, tl.int32)  # every tie dropped
                 if need < n_eq:  # the `need` ties with the largest token_pos (distinct per row)
                     tl.debug_barrier()
@@ -304,7 +309,10 @@ def _layout_kernel(BIAS, ES, LUT, TP, GP, ORDER, BUDGET, CLS, DEST, INFO, NEWIDX
                         tl.store(KEYP + br + j, tl.where(tie, tl.load(TP + br + j, mask=tie, other=0), _KEY_NEG_INF),
                                  mask=mr)
                     tl.debug_barrier()
-                    thr2, need2, n_eq2 = _kth_largest(KEYP + br, R, need, S, True)
+                    if CHUNKED:
+                        thr2, need2, n_eq2 = _kth_largest_chunked(KEYP + br, R, need, S, CH, True)
+                    else:
+                        thr2, need2, n_eq2 = _kth_largest(KEYP + br, R, need, S, True)
                 tl.debug_barrier()
         # virtual places (nothing dropped) and the survivors
         for j0 in range(0, R, CH):
@@ -495,24 +503,23 @@ def _bits(x: float) -> int:
 
 
 def supports(keys, lut) -> bool:
-    """Whether the kernels take this state: Triton installed, R <= MAX_SLOTS (the cap's bisection holds a row's
-    slots in registers), D <= 256."""
-    return triton is not None and lut.shape[-1] <= MAX_SLOTS and keys.shape[-1] <= 256
+    """Whether the kernels take this state: Triton installed, D <= 256. Any R: past MAX_SLOTS the cap's bisection
+    reads the row's keys from memory in chunks (_kth_largest_chunked) instead of holding them in registers."""
+    return triton is not None and keys.shape[-1] <= 256
 
 
 def triton_ems_merge(keys, values, bias, slot_pos, fill, budget, entry_start, raw_keys, lut, key_scale, token_pos,
                      slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, g, g_pooled, cls, dest, due, gamma, *,
                      entry_block=None, group_chunk=None, chunk=None, merge_block=None, member_step=None,
-                     slot_block=None, move_slots=None, move_columns=None):
+                     slot_block=None, move_slots=None, move_columns=None, chunked_select=None):
     """Launch the nine kernels (module docstring); the state is updated in place like the reference. The inputs
     are checked by the op (kvrewrite.kernels.ems_merge); the keyword knobs (powers of two) change only the blocking
-    (the fp32 merge sums follow MEMBER_STEP's chunks). Under TRITON_INTERPRET=1 it runs on CPU tensors."""
+    (the fp32 merge sums follow MEMBER_STEP's chunks); chunked_select (default: R past MAX_SLOTS) takes the cap's
+    chunked bisection, which gives the same thresholds. Under TRITON_INTERPRET=1 it runs on CPU tensors."""
     if triton is None:
         raise NotImplementedError(f"{NAME} needs Triton (pip install triton)")
     B, H, C, D = keys.shape
     R = lut.shape[-1]
-    if R > MAX_SLOTS:
-        raise ValueError(f"{NAME}: R = {R} slots; the kernels take R <= {MAX_SLOTS} (the op's reference runs larger)")
     rows = B * H
     if rows == 0 or C == 0 or R == 0 or D == 0:
         return
@@ -544,10 +551,11 @@ def triton_ems_merge(keys, values, bias, slot_pos, fill, budget, entry_start, ra
                                               BLOCK_D=block_d, num_warps=4)
     S = triton.next_power_of_2(R)
     cap = not math.isinf(gamma)
+    chunked = S > MAX_SLOTS if chunked_select is None else chunked_select
     _layout_kernel[(rows,)](bias, entry_start, lut, token_pos, g_pooled, slot_order, budget, cls, dest, info, newidx,
                             segoff, gslots, gstart, keyp, vj, surv, newpos, nstart, nord, C, R,
-                            _bits(gamma - 1 if cap else 0.0), CAP=cap, S=S, CH=min(ch, S),
-                            num_warps=_select_warps(S))
+                            _bits(gamma - 1 if cap else 0.0), CAP=cap, S=S, CH=min(ch, S), CHUNKED=chunked,
+                            num_warps=_select_warps(min(S, MAX_SLOTS)))
     grid_r = (triton.cdiv(R, bs), rows)
     _slot_stage_kernel[grid_r](lut, key_scale, token_pos, s_glo, s_loc_past, s_loc_cur, dest, info, newidx, newpos,
                                gcnt, onorm, nnorm, lutx, ksx, tpx, sgx, spx, scx, C, R, BS=bs)

@@ -467,6 +467,11 @@ RESIDENT_PROGRAMS, RESIDENT_PROGRAMS_PENDING = 3, 2
 # a 32k prompt's chunk of 2048 over 6.6k compressed slots: 6.27-6.31 ms against 9.18 at batch 8, 0.89-0.99 against
 # 1.11-1.12 at batch 1; `full`'s chunk of 1024 over 16k used slots 0.95 against 2.09-2.11; docs/bench.md "Stop 41 runs".
 PREFILL_KERNEL = True
+# Also the prefill-sized grids the slot loop would split (fewer than two programs per SM: chunks of <= 256 queries at
+# batch 1 in the Llama layout), unsplit: each program walks every tile its block sees. Off until timed (`python -m
+# kvrewrite.bench.attention_prefill --ab` times it; chunk 256 at batch 1 took 0.92 ms in the slot loop with 3 splits,
+# 9x cuDNN's time on the same dense data, docs/bench.md "Stop 41 runs").
+PREFILL_SPLIT_GRIDS = False
 
 
 def fewest_waves_splits(programs: int, capacity: int, max_splits: int = 8) -> int:
@@ -648,6 +653,7 @@ def launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, windo
             raise ValueError(f"launch_forward: {npend} pending entries of {G} heads do not fit a "
                              f"{overrides['block_m']}-row tile next to the step's own {G} rows")
     prefill_kernel = overrides.pop("prefill_kernel", PREFILL_KERNEL)
+    prefill_split_grids = overrides.pop("prefill_split_grids", PREFILL_SPLIT_GRIDS)
     overrides.setdefault("resident", RESIDENT_PROGRAMS if pending is None else RESIDENT_PROGRAMS_PENDING)
     cfg = _launch_config(B, Hkv, G, T, C, D, num_sms, q.element_size(), **overrides)
     S = cfg["num_splits"]
@@ -657,7 +663,8 @@ def launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, windo
         qk_scale, softcap_log2 = scale / softcap, softcap * 1.4426950408889634
     else:
         qk_scale, softcap_log2 = scale * 1.4426950408889634, 0.0
-    if prefill_kernel and G * T > 16 and not split and pending is None:  # the decode launch takes <= 16 rows
+    # (the decode launch takes <= 16 rows)
+    if prefill_kernel and G * T > 16 and pending is None and logits is None and (S == 1 or prefill_split_grids):
         tuning = {k: v for k, v in overrides.items() if k in ("block_m", "block_n", "num_warps", "num_stages")}
         out = _prefill.launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_scale,
                                       softcap_log2, softcap, lse, **tuning)

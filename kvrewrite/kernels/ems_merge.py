@@ -39,8 +39,10 @@ fp32, cls, dest [B, Hkv, C] int32, due [B, Hkv] bool. Args: gamma (float >= 1, i
 Backends: the reference below (static-shape tensor code: stable sorts, cumulative sums, gathers and scatters of
 integers; no host reads; deterministic) is the CPU path and the ground truth. The CUDA path is `_cuda_impl`'s
 choice: the Triton kernels of kvrewrite/kernels/_ems_merge_kernels.py (nine launches; their docstring) once
-KERNELS_CHECKED_ON_GPU records that their GPU tests passed and the state fits them (R <= 32768 slots, D <= 256),
-else this reference (logged once). The kernels sum the weights in fp64 (as the reference) and the merged
+KERNELS_CHECKED_ON_GPU records that their GPU tests passed and the state fits them (D <= 256; any R since stop 41,
+when a 32k prompt at batch 8 with chunks of 2048, R = 36836, was found running this reference: 1035 ms a
+compressing step on an H200 where the kernels took ~41 ms; docs/bench.md "Stop 41 runs"), else this reference
+(logged once). The kernels sum the weights in fp64 (as the reference) and the merged
 directions and values in fp32 in the groups' order, so merged floats agree with the reference to ~1e-7 relative;
 every discrete result (layout, lut, cap, slot_order) is exact. Freed entries' keys/values/raw_keys rows are left
 as they were by the kernels; the reference leaves a merged centre's new row there when that centre's old index is

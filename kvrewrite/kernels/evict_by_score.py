@@ -257,6 +257,64 @@ def _kth_largest(KEYS, n_old, K, S: tl.constexpr, POOLED: tl.constexpr):
     return thr, K - n_gt, n_eq
 
 
+@triton_jit()
+def _chunk_keys(KEYS, j0, n_old, CH: tl.constexpr, POOLED: tl.constexpr):
+    """Keys [j0, j0 + CH) of _kth_largest_chunked's row, -inf's key past n_old."""
+    j = j0 + tl.arange(0, CH)
+    if POOLED:
+        return tl.load(KEYS + j, mask=j < n_old, other=_KEY_NEG_INF)
+    return _order_key(tl.load(KEYS + j, mask=j < n_old, other=float("-inf")))
+
+
+@triton_jit()
+def _kth_largest_chunked(KEYS, n_old, K, lanes, CH: tl.constexpr, POOLED: tl.constexpr):
+    """_kth_largest(KEYS, n_old, K, S=lanes) for rows of any length: the same (thr, need, n_eq) and the same
+    bisection, the keys read from memory CH at a time for each of its counts instead of held in registers (a row
+    longer than the lanes one program holds: EMS's slot table past MAX_SLOTS). As there, n_eq counts the lanes past
+    n_old (keys of -inf) when thr is -inf's key."""
+    n_above = tl.zeros([], tl.int32)
+    lo32 = tl.full([], _I32_MAX, tl.int32)
+    hi32 = tl.full([], _KEY_NEG_INF, tl.int32)
+    for j0 in range(0, n_old, CH):
+        key = _chunk_keys(KEYS, j0, n_old, CH, POOLED)
+        above = key > _KEY_NEG_INF
+        c_above, c_lo, c_hi = tl.reduce((above.to(tl.int32), tl.where(above, key, _I32_MAX), key), 0, _add_min_max)
+        n_above += c_above
+        lo32 = tl.minimum(lo32, c_lo)
+        hi32 = tl.maximum(hi32, c_hi)
+    thr = tl.full([], _KEY_NEG_INF, tl.int32)
+    if n_above >= K:
+        lo = lo32.to(tl.int64)
+        hi = hi32.to(tl.int64)
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            cnt = tl.zeros([], tl.int32)
+            for j0 in range(0, n_old, CH):
+                key = _chunk_keys(KEYS, j0, n_old, CH, POOLED)
+                cnt += tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
+            if cnt == K:
+                least = tl.full([], _I32_MAX, tl.int32)
+                for j0 in range(0, n_old, CH):
+                    key = _chunk_keys(KEYS, j0, n_old, CH, POOLED)
+                    least = tl.minimum(least, tl.min(tl.where(key >= mid.to(tl.int32), key, _I32_MAX), axis=0))
+                lo = least.to(tl.int64)
+                hi = lo
+            elif cnt > K:
+                lo = mid
+            else:
+                hi = mid - 1
+        thr = lo.to(tl.int32)
+    n_gt = tl.zeros([], tl.int32)
+    n_eq = tl.where(thr == _KEY_NEG_INF, lanes - n_old, 0).to(tl.int32)  # the lanes past n_old
+    for j0 in range(0, n_old, CH):
+        key = _chunk_keys(KEYS, j0, n_old, CH, POOLED)
+        old = (j0 + tl.arange(0, CH)) < n_old
+        c_gt, c_eq = tl.reduce(((key > thr).to(tl.int32), (old & (key == thr)).to(tl.int32)), 0, _add_add)
+        n_gt += c_gt
+        n_eq += c_eq
+    return thr, K - n_gt, n_eq
+
+
 @triton_jit(do_not_specialize=["n_recent", "ratio_bits"])
 def _evict_select_kernel(BIAS, POS, SCORE, ORDER, FILL, BUDGET, SOR, TOR, SCR, KEYP, NEW, HOLE, MSRC, INFO, C,
                          n_recent, ratio_bits, POOL: tl.constexpr, RESET: tl.constexpr, BLOCK: tl.constexpr,

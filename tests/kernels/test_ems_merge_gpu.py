@@ -217,3 +217,18 @@ def test_cuda_graph_capture():
     ref = {f: t.clone() for f, t in s.items()}
     reference_ems_merge(*(ref[f] for f in STATE), g, gp, cls, dest, due, 4.0)
     compare(work, ref, s, 1e-6)
+
+
+@pytest.mark.parametrize("gamma", [1.25, 80.0], ids=["cap-drops-most", "cap-drops-some"])
+def test_slot_table_past_max_slots(gamma):
+    """R = 36900 > MAX_SLOTS (a 32k prompt at batch 8 with chunks of 2048 has R = 36836): the kernels take it, the
+    cap's bisection chunked (_kth_largest_chunked), and match the reference (which the op ran here before stop 41,
+    30x slower)."""
+    B, H, C, R, D = 1, 2, 600, 36900, 64
+    assert R > mk.MAX_SLOTS
+    s = make_state(B, H, C, R, D, [[560, 590]], [[36000, 36900]], dtype=torch.bfloat16, seed=5)
+    assert mk.supports(s["keys"], s["lut"])
+    ref, old, cls, dest, due = merge_both(s, 400, 450, 4, 7, gamma, 0.6)
+    assert due.all() and bool(((cls == 3) & (dest >= 0)).any())
+    compare(s, ref, old, RTOL[torch.bfloat16])
+    assert (s["slot_fill"] < 36000).all()  # the cap dropped slots

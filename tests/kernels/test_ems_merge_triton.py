@@ -26,18 +26,21 @@ from tests.kernels.test_ems_merge import grow, naive_step, rescore, stages  # no
 STATE = N.STATE_FIELDS
 SMALL = dict(entry_block=8, group_chunk=8, chunk=16, merge_block=4, member_step=4, slot_block=16, move_slots=8,
              move_columns=4)
+# the cap's bisection as it runs past MAX_SLOTS slots (keys read from memory in chunks of 16), forced at these sizes
+CHUNKED = dict(SMALL, chunked_select=True)
+KNOBS = {"registers": SMALL, "chunked": CHUNKED}
 EXACT = ("bias", "slot_pos", "fill", "entry_start", "lut", "token_pos", "slot_order", "s_glo", "s_loc_past",
          "s_loc_cur", "slot_fill")
 
 
-def merge_both(s, bt, l_win, pool, gamma, tau, due=None):
+def merge_both(s, bt, l_win, pool, gamma, tau, due=None, knobs=SMALL):
     """Run the stages' references, then the kernel on s and the reference on a copy; returns the copy."""
     g, gp, cls, dest, due = stages(s, bt, l_win, pool, gamma, tau, due)
     s["budget"] = torch.tensor([bt, bt + 1])
     ref = {f: t.clone() for f, t in s.items()}
     old = {f: t.clone() for f, t in s.items()}
     reference_ems_merge(*(ref[f] for f in STATE), g, gp, cls, dest, due, gamma)
-    triton_ems_merge(*(s[f] for f in STATE), g, gp, cls, dest, due, gamma, **SMALL)
+    triton_ems_merge(*(s[f] for f in STATE), g, gp, cls, dest, due, gamma, **knobs)
     return ref, old
 
 
@@ -80,13 +83,15 @@ def test_three_rounds_match_reference_and_naive(pos, gamma, tau):
     assert merged == (tau < 1 and gamma > 1)
 
 
-def test_rows_not_due_untouched_and_cap():
-    """Rows not due bit for bit; gamma 1.25 makes the cap drop member slots (the tie rule by the reference)."""
+@pytest.mark.parametrize("knobs", KNOBS.values(), ids=KNOBS.keys())
+def test_rows_not_due_untouched_and_cap(knobs):
+    """Rows not due bit for bit; gamma 1.25 makes the cap drop member slots (the tie rule by the reference), with
+    the bisection in registers and chunked."""
     rows = N.random_rows(2, 2, 12, 4, pads=(0, 2), seed=8, dup=0.3)
     s = N.to_state(rows, 16, 24)
     old = {k: v.clone() for k, v in s.items()}
     due = torch.tensor([[True, False], [False, True]])
-    ref, _ = merge_both(s, 5, 2, 3, 2.0, 0.1, due=due)
+    ref, _ = merge_both(s, 5, 2, 3, 2.0, 0.1, due=due, knobs=knobs)
     compare(s, ref, old)
     for f in STATE:
         if f != "budget":
@@ -96,7 +101,7 @@ def test_rows_not_due_untouched_and_cap():
     s = N.to_state(rows, 24, 48)
     capped = False
     for rnd in range(4):
-        ref, old = merge_both(s, bt, l_win, 3, gamma, 0.0)
+        ref, old = merge_both(s, bt, l_win, 3, gamma, 0.0, knobs=knobs)
         compare(s, ref, old)
         rows = naive_step(rows, bt, l_win, 3, gamma, 0.0, "without")
         N.assert_rows_close(N.from_state(s), rows)
@@ -106,7 +111,8 @@ def test_rows_not_due_untouched_and_cap():
     assert capped
 
 
-def test_cap_ties_and_zero_weights():
+@pytest.mark.parametrize("knobs", KNOBS.values(), ids=KNOBS.keys())
+def test_cap_ties_and_zero_weights(knobs):
     """The hand-made row of test_ems_merge: the cap's tie goes to the later token; zero scores weigh slot counts."""
     from tests.kernels.test_ems_merge import hand_state
     t = lambda x, dt: torch.tensor([[x]], dtype=dt)  # noqa: E731
@@ -119,5 +125,5 @@ def test_cap_ties_and_zero_weights():
         ref = {f: x.clone() for f, x in s.items()}
         old = {f: x.clone() for f, x in s.items()}
         reference_ems_merge(*(ref[f] for f in STATE), *args)
-        triton_ems_merge(*(s[f] for f in STATE), *args, **SMALL)
+        triton_ems_merge(*(s[f] for f in STATE), *args, **knobs)
         compare(s, ref, old)

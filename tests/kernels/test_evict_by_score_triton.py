@@ -19,7 +19,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 pytest.importorskip("triton")
 
-from kvrewrite.kernels.evict_by_score import reference_evict_by_score, triton_evict_by_score  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kvrewrite.kernels.evict_by_score import (_kth_largest, _kth_largest_chunked, reference_evict_by_score,  # noqa: E402
+                                              triton_evict_by_score)
 from tests.kernels.evict_by_score_naive import same  # noqa: E402
 from tests.kernels.test_evict_by_score import FIELDS, append, scored_state, state_args  # noqa: E402
 
@@ -124,3 +128,47 @@ def test_ratio_rounding_uses_float64():
     (exact: 6.99999...; Triton would pass 0.7 as fp32, 0.69999999 * 10 -> 6)."""
     s = scored_state(1, 1, 24, 16, [[24]], 10, 20, seed=12)
     check(s, (0, 0.7, 1, False))
+
+
+@triton.jit
+def _kth_probe(KEYS, OUT, n_old, K, S: tl.constexpr, CH: tl.constexpr, POOLED: tl.constexpr):
+    """One row's _kth_largest and _kth_largest_chunked results, (thr, need, n_eq) each, into OUT[0:3] and OUT[3:6]."""
+    a, b, c = _kth_largest(KEYS, n_old, K, S, POOLED)
+    d, e, f = _kth_largest_chunked(KEYS, n_old, K, S, CH, POOLED)
+    tl.store(OUT + 0, a)
+    tl.store(OUT + 1, b)
+    tl.store(OUT + 2, c)
+    tl.store(OUT + 3, d)
+    tl.store(OUT + 4, e)
+    tl.store(OUT + 5, f)
+
+
+def _kth_both(keys, n_old, K, S, CH, pooled):
+    out = torch.zeros(6, dtype=torch.int32)
+    _kth_probe[(1,)](keys, out, n_old, K, S=S, CH=CH, POOLED=pooled)
+    return out[:3].tolist(), out[3:].tolist()
+
+
+@pytest.mark.parametrize("pooled", [True, False], ids=["pooled-keys", "fp32-scores"])
+def test_chunked_bisection_matches_the_register_one(pooled):
+    """_kth_largest_chunked (EMS's slot table past MAX_SLOTS) gives _kth_largest's (thr, need, n_eq) bit for bit: ties
+    at the threshold, -inf's and NaN's among the keys, K past the keys above -inf (thr -inf, where n_eq counts the
+    lanes past n_old too), rows shorter and longer than a chunk."""
+    g = torch.Generator().manual_seed(3)
+    S = 64
+    for trial in range(24):
+        n_old = int(torch.randint(1, S + 1, (1,), generator=g))
+        vals = torch.randint(-4, 5, (S,), generator=g).float()  # many ties
+        vals[torch.rand(S, generator=g) < 0.15] = -math.inf
+        if trial % 4 == 0:
+            vals[torch.rand(S, generator=g) < 0.1] = math.nan
+        if pooled:  # int32 keys as the pooled callers store them, -inf's order key the least
+            keys = vals.nan_to_num(nan=9.0, neginf=-1e9).to(torch.int32)
+            keys[vals == -math.inf] = -2139095041  # _order_key(-inf)
+        else:
+            keys = vals
+        above = int((vals[:n_old] > -math.inf).sum())
+        for K in sorted({1, max(1, above // 2), max(1, above), above + 3}):
+            for CH in (8, 32):
+                reg, chunked = _kth_both(keys, n_old, K, S, CH, pooled)
+                assert reg == chunked, (trial, n_old, K, CH, reg, chunked)

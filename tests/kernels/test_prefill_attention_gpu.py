@@ -118,3 +118,18 @@ def test_op_routes_a_prefill_chunk_to_the_prefill_kernels(monkeypatch):
     old = torch.ops.kvrewrite.clustered_attention(*args)
     assert calls == [1]
     torch.testing.assert_close(out, old, atol=1.6e-2, rtol=1.6e-2)
+
+
+def test_split_grids_switch_routes_small_chunks(monkeypatch):
+    """A chunk of 256 queries at batch 1 (128 programs of 64 rows: the slot loop splits it) goes to the prefill
+    kernels, unsplit, with PREFILL_SPLIT_GRIDS, and matches the reference."""
+    calls = []
+    real = pk.launch_prefill
+    monkeypatch.setattr(pk, "launch_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(ca, "PREFILL_SPLIT_GRIDS", True)
+    q, keys, values, bias, slot_pos, cp = _inputs(1, 32, 8, 256, 3000, 128, torch.bfloat16, seed=10)
+    args = (q, keys, values, bias, slot_pos, cp, 128**-0.5, 0)
+    out = _poisoned(lambda: torch.ops.kvrewrite.clustered_attention(*args), 32 * 256 * 128 * 2)
+    assert calls == [1]
+    ref = ca.reference_clustered_attention(q.float(), keys.float(), values.float(), *args[3:])
+    _check(out, ref, torch.bfloat16, "op, chunk 256 at batch 1, split grids switch")

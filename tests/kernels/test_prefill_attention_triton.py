@@ -135,8 +135,9 @@ def test_tile_ranges_are_the_live_slots_least_and_greatest_positions(block_n):
 
 
 def test_launch_forward_routes_prefill_blocks_without_splits(monkeypatch):
-    """Prefill-sized blocks (G * T > 16 rows) whose grid needs no split go to the prefill kernels; decode steps,
-    split grids and PREFILL_KERNEL = False keep the slot-loop kernel."""
+    """Prefill-sized blocks (G * T > 16 rows) whose grid needs no split go to the prefill kernels, split grids too
+    with PREFILL_SPLIT_GRIDS; decode steps, split grids otherwise and PREFILL_KERNEL = False keep the slot-loop
+    kernel."""
     calls = []
     real = pk.launch_prefill
     monkeypatch.setattr(pk, "launch_prefill", lambda *a, **k: calls.append(k) or real(*a, **k))
@@ -146,7 +147,10 @@ def test_launch_forward_routes_prefill_blocks_without_splits(monkeypatch):
     assert len(calls) == 1
     ca._launch(*args, num_splits=2)  # a split grid
     ca._launch(*args, prefill_kernel=False)
+    assert len(calls) == 1
+    ca._launch(*args, num_splits=2, prefill_split_grids=True)  # the split grid, unsplit in the prefill kernels
+    assert len(calls) == 2
     monkeypatch.setattr(ca, "PREFILL_KERNEL", False)
     ca._launch(*args)
     ca._launch(q[:, :, :4], keys, values, bias, slot_pos, cp[:4], 0.25, 0)  # 16 rows: the decode launch
-    assert len(calls) == 1
+    assert len(calls) == 2
