@@ -78,6 +78,7 @@ from pathlib import Path
 import torch
 
 from kvrewrite.host import greedy_tokens
+from kvrewrite.kernels._fallbacks import clear_reference_fallbacks, reference_fallbacks
 
 HF_SYSTEMS = ("hf-eager", "hf-compiled")
 MODELS = {
@@ -1029,6 +1030,7 @@ class Bench:
             row["skipped"] = f"does not fit: weights + {B} x cache = {need / 2**30:.1f} GiB > the card"
             return row
         t0 = time.perf_counter()
+        clear_reference_fallbacks()
         try:
             res = self.hf_row(system, n, B) if system in HF_SYSTEMS else self.kv_row(system, n, B)
         except Exception as e:  # noqa: BLE001  (recorded in the row; the grid goes on)
@@ -1036,6 +1038,8 @@ class Bench:
             log(traceback.format_exc(limit=4))
             return row
         row.update(res)
+        if reference_fallbacks():  # ops that ran their PyTorch reference instead of their kernels (kernels/_fallbacks.py)
+            row["reference_fallbacks"] = reference_fallbacks()
         if self.dev == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if self.times_prefill(B) and "prefill_s" in row and system not in HF_SYSTEMS and self.tp == 1:
@@ -1093,9 +1097,12 @@ def format_row(r: dict) -> str:
     peak = f" peak {r['peak_gib']:.1f}GiB" if "peak_gib" in r else ""
     host = f" ({r['kv_host_bytes'] / 2**30:.2f} on host)" if r.get("kv_host_bytes") else ""
     setup = " ".join(f"{k}={r[k]:.1f}" for k in ("capture_s", "apply_s", "warmup_s", "row_s") if k in r)
+    slow = ""
+    if r.get("reference_fallbacks"):
+        slow = f"\n    SLOW PATH: ran the PyTorch reference of {', '.join(sorted(r['reference_fallbacks']))} (row's JSON)"
     return (f"{head} {r['ms_per_token']:8.2f} ms/tok {r['tok_per_s']:9.1f} tok/s | floor {r['floor_ms']:.2f} ms "
             f"x{r['ratio_to_floor']:.2f} | KV {r['kv_bytes'] / 2**30:.2f}GiB{host}{peak}{pre} | plain "
-            f"{r['ms_plain_step_median']:.2f} compress {r['ms_compress_step_mean']:.2f} | {setup}")
+            f"{r['ms_plain_step_median']:.2f} compress {r['ms_compress_step_mean']:.2f} | {setup}{slow}")
 
 
 def run_bench(cfg: BenchConfig, log=print) -> dict:

@@ -91,7 +91,6 @@ triton_chelsea_compress), op registration.
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
 import contextlib
-import logging
 import math
 import os
 import struct
@@ -99,6 +98,7 @@ import struct
 import torch
 import torch.nn.functional as F
 
+from kvrewrite.kernels._fallbacks import reference_fallback
 from kvrewrite.kernels._slot_kernels import _check_state, _count_valid, _finish_row, _keep_mask
 from kvrewrite.kernels._slots import load_row, rows_due, store_row
 from kvrewrite.kernels._triton_op import triton_jit
@@ -110,7 +110,6 @@ try:
 except ImportError:  # CPU-only installs: the ops run their references; only the triton_* launchers raise
     triton = tl = libdevice = None
 
-logger = logging.getLogger(__name__)
 _PINNED_TIES = False
 
 
@@ -1097,8 +1096,8 @@ def _(keys, values, bias, slot_pos, fill, budget, n_sink, n_recent, chunk, r_ini
         triton_chelsea_compress(*args)
         return
     if triton is not None:
-        logger.warning("chelsea_compress: chunk=%d, D=%d has no Triton kernel (chunk <= %d, D <= %d); running the "
-                       "reference, which syncs with the host", chunk, keys.shape[-1], MAX_CHUNK, MAX_HEAD_DIM)
+        reference_fallback("chelsea_compress: chunk=%d, D=%d has no Triton kernel (chunk <= %d, D <= %d); running the "
+                           "reference, which syncs with the host", chunk, keys.shape[-1], MAX_CHUNK, MAX_HEAD_DIM)
     reference_chelsea_compress(*args)
 
 

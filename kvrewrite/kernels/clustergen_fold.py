@@ -80,15 +80,13 @@ capture) both loops stop at the most any due row needs (a host read; the skipped
 the same); a call with no due row then does no leader step.
 """
 import importlib
-import logging
 
 import torch
 
+from kvrewrite.kernels._fallbacks import reference_fallback
 from kvrewrite.kernels._hash import clustergen_hash24
 from kvrewrite.kernels._triton_op import check_head_offset
 from kvrewrite.kernels.kcenter import greedy_kcenter
-
-logger = logging.getLogger(__name__)
 
 DELTA_MARGIN = 1.001  # δ = DELTA_MARGIN · r (module docstring, step a)
 NAME = "kvrewrite::clustergen_fold"
@@ -293,7 +291,6 @@ def clustergen_fold(keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
 
 
 # -- the CUDA path -----------------------------------------------------------------------------------
-_WARNED = []
 # tests/kernels/test_clustergen_fold_gpu.py: 6 passed on an H100 (torch 2.11, Triton 3.6), and again on an H200 with
 # its head_offset case (the reservoir hash's + hoff, added later)
 KERNELS_CHECKED_ON_GPU = True
@@ -323,9 +320,7 @@ def _(keys, values, bias, slot_pos, fill, budget, role, rep, count, n_clusters, 
         launcher(*args[:14], n_sink=n_sink, window=window, t=t, value_share=value_share,
                  cluster_target=cluster_target, seed=seed, layer=layer, head_offset=head_offset)
         return
-    if not _WARNED:
-        _WARNED.append(True)
-        logger.warning("clustergen_fold: CUDA runs the tensor reference (static loops; slow): the Triton kernels "
+    reference_fallback("clustergen_fold: CUDA runs the tensor reference (static loops; slow): the Triton kernels "
                        "are used once their GPU tests have passed (KERNELS_CHECKED_ON_GPU=%s) and Triton imports",
                        KERNELS_CHECKED_ON_GPU)
     reference_clustergen_fold(*args)

@@ -44,11 +44,10 @@ rw.compile(mode="reduce-overhead"), the same run with this kernel on). The op is
 `torch.library.custom_op`.
 """
 import importlib
-import logging
 
 import torch
 
-logger = logging.getLogger(__name__)
+from kvrewrite.kernels._fallbacks import reference_fallback
 
 NAME = "kvrewrite::ems_append"
 
@@ -135,7 +134,6 @@ def ems_append(
 
 
 # -- the CUDA path -----------------------------------------------------------------------------------
-_WARNED = []
 KERNELS_CHECKED_ON_GPU = True  # tests/kernels/test_ems_append_gpu.py: 20 passed on an H100
 
 
@@ -163,9 +161,7 @@ def _(keys, bias, fill, k_pre, cache_position, token_valid, entry_start, raw_key
     if launcher is not None:
         launcher(*args)
         return
-    if not _WARNED:
-        _WARNED.append(True)
-        logger.warning("ems_append: CUDA runs the tensor reference (the Triton kernel needs Triton, a contiguous "
+    reference_fallback("ems_append: CUDA runs the tensor reference (the Triton kernel needs Triton, a contiguous "
                        "state, and its GPU tests passed: KERNELS_CHECKED_ON_GPU=%s)", KERNELS_CHECKED_ON_GPU)
     reference_ems_append(*args)
 

@@ -49,18 +49,16 @@ Cost of the decode fold (fold + count launches, H100, Llama-3.1-8B shape at 32k:
 G = 4; 50 calls back to back in a CUDA graph, so warm L2 at B = 1): 4.5 us at B = 1 (of which the count pass
 1.3 us), 17.8 us at B = 8; the reference statistics + fold it replaces took 172 us and 763 us there.
 """
-import logging
 
 import torch
 
+from kvrewrite.kernels._fallbacks import reference_fallback
 from kvrewrite.kernels.expanded_attention import (check_expanded_inputs, entry_scores, launch_expanded_forward,
                                                  reference_expanded_attention)
 from kvrewrite.kernels.expanded_attention_stats import (check_cuda_inputs, fold_kernels,
                                                         reference_expanded_attention_stats)
 
 NAME = "kvrewrite::ems_attention"
-logger = logging.getLogger(__name__)
-_WARNED = []
 KERNELS_CHECKED_ON_GPU = True  # tests/kernels/test_ems_attention_gpu.py and tests/methods/test_ems_gpu.py passed on an H100
 
 
@@ -190,9 +188,7 @@ def _(q, keys, values, bias, slot_pos, cache_position, entry_start, lut, key_sca
             s_loc_cur, slot_fill, win_count, scale, past_only, softcap, l_win)
     if KERNELS_CHECKED_ON_GPU and fold_kernels() is not None:
         return triton_ems_attention(*args)
-    if not _WARNED:
-        _WARNED.append(True)
-        logger.warning("ems_attention: CUDA runs the tensor reference (KERNELS_CHECKED_ON_GPU=%s, Triton %s)",
+    reference_fallback("ems_attention: CUDA runs the tensor reference (KERNELS_CHECKED_ON_GPU=%s, Triton %s)",
                        KERNELS_CHECKED_ON_GPU, "found" if fold_kernels() is not None else "missing")
     return reference_ems_attention(*args)
 

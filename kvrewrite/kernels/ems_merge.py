@@ -61,15 +61,13 @@ prefill, ~195 us at decode, of which the per-row layout launch is ~98 us (the ne
 parallel launches), the group launch ~20 us, the staged move ~35 us.
 """
 import importlib
-import logging
 
 import torch
 
+from kvrewrite.kernels._fallbacks import reference_fallback
 from kvrewrite.kernels._slot_kernels import _check_state
 from kvrewrite.kernels.ems_partition import CENTRE, WINDOW, tbm_count
 from kvrewrite.kernels.ems_score import check_due, check_slot_table, live_slots
-
-logger = logging.getLogger(__name__)
 
 NAME = "kvrewrite::ems_merge"
 NEG_INF = float("-inf")
@@ -247,7 +245,6 @@ MUTATED = ("keys", "values", "bias", "slot_pos", "fill", "entry_start", "raw_key
 # tests/kernels/test_ems_merge_gpu.py passed on an H100 (torch 2.11, Triton 3.6; 47 tests, in a run of 92 with
 # test_ems_redundancy_gpu.py and test_ems_compress_gpu.py, all passed)
 KERNELS_CHECKED_ON_GPU = True
-_WARNED = []
 
 
 def _cuda_impl(keys, lut):
@@ -287,9 +284,7 @@ def _(keys, values, bias, slot_pos, fill, budget, entry_start, raw_keys, lut, ke
     if launcher is not None:
         launcher(*args)
         return
-    if not _WARNED:
-        _WARNED.append(True)
-        logger.warning("ems_merge: CUDA runs the tensor reference (KERNELS_CHECKED_ON_GPU=%s, R=%d, D=%d)",
+    reference_fallback("ems_merge: CUDA runs the tensor reference (KERNELS_CHECKED_ON_GPU=%s, R=%d, D=%d)",
                        KERNELS_CHECKED_ON_GPU, lut.shape[-1], keys.shape[-1])
     reference_ems_merge(*args)
 

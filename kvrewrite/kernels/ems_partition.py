@@ -26,14 +26,12 @@ replayed). Llama-3.1-8B shape at budget 0.2 (C 6866, R 27464, Hkv 8, 6611 valid 
 CUDA graph: 49 us (B = 1) / 50 us (B = 8) against the reference's 188 / 272 us.
 """
 import importlib
-import logging
 import math
 
 import torch
 
+from kvrewrite.kernels._fallbacks import reference_fallback
 from kvrewrite.kernels.ems_score import check_due, valid_entries, window_entries
-
-logger = logging.getLogger(__name__)
 
 NAME = "kvrewrite::ems_partition"
 NEG_INF = float("-inf")
@@ -100,7 +98,6 @@ def ems_partition(bias: torch.Tensor, fill: torch.Tensor, entry_start: torch.Ten
 
 
 # -- the CUDA path -----------------------------------------------------------------------------------
-_WARNED = []
 KERNELS_CHECKED_ON_GPU = True  # tests/kernels/test_ems_partition_gpu.py: 25 passed on an H100
 
 
@@ -127,9 +124,7 @@ def _(bias, fill, entry_start, g_pooled, due, budget, *, l_win, gamma):
     launcher = _cuda_impl(*args[:6])
     if launcher is not None:
         return launcher(*args)
-    if not _WARNED:
-        _WARNED.append(True)
-        logger.warning("ems_partition: CUDA runs the tensor reference (C=%d; the Triton kernel needs Triton, "
+    reference_fallback("ems_partition: CUDA runs the tensor reference (C=%d; the Triton kernel needs Triton, "
                        "contiguous inputs, C <= kvrewrite.kernels._ems_rank_kernels.MAX_ENTRIES, R >= 1, and its GPU "
                        "tests passed: KERNELS_CHECKED_ON_GPU=%s)", bias.shape[2], KERNELS_CHECKED_ON_GPU)
     return reference_ems_partition(*args)

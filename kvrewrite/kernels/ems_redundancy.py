@@ -41,10 +41,10 @@ TBM per row) 0.30 ms vs 29.9 ms (the main launch itself 141 us: one TBM block pe
 """
 from __future__ import annotations  # the kernel's `tl.constexpr` annotations stay strings without Triton
 
-import logging
 
 import torch
 
+from kvrewrite.kernels._fallbacks import reference_fallback
 from kvrewrite.kernels._triton_op import triton_jit
 from kvrewrite.kernels.ems_score import check_due
 
@@ -53,8 +53,6 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the op runs its reference; only triton_ems_redundancy raises
     triton = tl = None
-
-logger = logging.getLogger(__name__)
 
 NAME = "kvrewrite::ems_redundancy"
 CENTRE, TBM = 2, 3
@@ -271,7 +269,6 @@ def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int
 # tests/kernels/test_ems_redundancy_gpu.py passed on an H100 (torch 2.11, Triton 3.6; 32 tests incl. the blocking
 # BLOCK_T 32 / BLOCK_N 64 / 4 warps, in a run of 92 with test_ems_merge_gpu.py and test_ems_compress_gpu.py, all passed)
 KERNELS_CHECKED_ON_GPU = True
-_WARNED = []
 
 
 def _cuda_impl(keys):
@@ -296,9 +293,7 @@ def _(keys, values, raw_keys, cls, due, *, tau):
     launcher = _cuda_impl(keys)
     if launcher is not None:
         return launcher(keys, values, raw_keys, cls, due, tau)
-    if not _WARNED:
-        _WARNED.append(True)
-        logger.warning("ems_redundancy: CUDA runs the tensor reference (KERNELS_CHECKED_ON_GPU=%s, Triton %s, D=%d)",
+    reference_fallback("ems_redundancy: CUDA runs the tensor reference (KERNELS_CHECKED_ON_GPU=%s, Triton %s, D=%d)",
                        KERNELS_CHECKED_ON_GPU, "missing" if triton is None else "present", keys.shape[-1])
     return reference_ems_redundancy(keys, values, raw_keys, cls, due, tau)
 

@@ -31,11 +31,10 @@ R 27464, Hkv 8, a due row of 6611 entries and 26348 slots), in a CUDA graph: 23 
 the reference's 235 / 527 us.
 """
 import importlib
-import logging
 
 import torch
 
-logger = logging.getLogger(__name__)
+from kvrewrite.kernels._fallbacks import reference_fallback
 
 NAME = "kvrewrite::ems_score"
 NEG_INF = float("-inf")
@@ -143,7 +142,6 @@ def ems_score(bias: torch.Tensor, fill: torch.Tensor, lut: torch.Tensor, slot_or
 
 
 # -- the CUDA path -----------------------------------------------------------------------------------
-_WARNED = []
 KERNELS_CHECKED_ON_GPU = True  # tests/kernels/test_ems_score_gpu.py: 17 passed on an H100
 
 
@@ -167,9 +165,7 @@ def _(bias, fill, lut, slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, due,
     launcher = _cuda_impl(*args[:9])
     if launcher is not None:
         return launcher(*args)
-    if not _WARNED:
-        _WARNED.append(True)
-        logger.warning("ems_score: CUDA runs the tensor reference (the Triton kernels need Triton, contiguous "
+    reference_fallback("ems_score: CUDA runs the tensor reference (the Triton kernels need Triton, contiguous "
                        "inputs, and their GPU tests passed: KERNELS_CHECKED_ON_GPU=%s)", KERNELS_CHECKED_ON_GPU)
     return reference_ems_score(*args)
 

@@ -68,12 +68,12 @@ program per row and touches O(C) int32/fp32 metadata.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
-import logging
 import struct
 
 import torch
 import torch.nn.functional as F
 
+from kvrewrite.kernels._fallbacks import reference_fallback
 from kvrewrite.kernels._slot_kernels import _check_state
 from kvrewrite.kernels._triton_op import triton_jit
 
@@ -82,8 +82,6 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the op runs the reference; only triton_evict_by_score raises
     triton = tl = None
-
-logger = logging.getLogger(__name__)
 
 NEG_INF = float("-inf")
 
@@ -540,7 +538,6 @@ def triton_evict_by_score(keys, values, bias, slot_pos, fill, budget, score, ord
 
 
 # -- op registration ---------------------------------------------------------------------------------
-_WARNED = set()  # the C of states the CUDA path ran the tensor code for (warned once each)
 
 
 @torch.library.custom_op("kvrewrite::evict_by_score",
@@ -573,10 +570,9 @@ def _(keys, values, bias, slot_pos, fill, budget, score, order, n_recent, recent
     if supports_triton(keys, values, bias, slot_pos, fill, budget, score, order):
         triton_evict_by_score(*args)
         return
-    if triton is not None and keys.shape[2] not in _WARNED:
-        _WARNED.add(keys.shape[2])
-        logger.warning("evict_by_score: no Triton kernel for this state (C=%d, at most %d; or its dtypes or "
-                       "layout); running the tensor code", keys.shape[2], MAX_SLOTS)
+    if triton is not None:
+        reference_fallback("evict_by_score: no Triton kernel for this state (C=%d, at most %d; or its dtypes or "
+                           "layout); running the tensor code", keys.shape[2], MAX_SLOTS)
     reference_evict_by_score(*args)
 
 

@@ -34,16 +34,14 @@ bf16): a 256-query chunk's statistics folded per KV head (ems_attention's prefil
 are merged (an in-tile per-entry dot with a gather by lut is the known next step).
 """
 import importlib
-import logging
 
 import torch
 
+from kvrewrite.kernels._fallbacks import reference_fallback
 from kvrewrite.kernels.expanded_attention import (BLOCK_T, check_expanded_inputs, check_promise, entry_scores,
                                                   slot_logits)
 
 NAME = "kvrewrite::expanded_attention_stats"
-logger = logging.getLogger(__name__)
-_WARNED = []
 # tests/kernels/test_expanded_attention_stats_gpu.py: 20 passed on an H100 (torch 2.11, Triton 3.6)
 KERNELS_CHECKED_ON_GPU = True
 
@@ -147,9 +145,7 @@ def _(q, keys, bias, slot_pos, cache_position, entry_start, lut, key_scale, slot
             past_only, softcap)
     if KERNELS_CHECKED_ON_GPU and fold_kernels() is not None:
         return triton_expanded_attention_stats(*args)
-    if not _WARNED:
-        _WARNED.append(True)
-        logger.warning("expanded_attention_stats: CUDA runs the tensor reference (KERNELS_CHECKED_ON_GPU=%s, Triton "
+    reference_fallback("expanded_attention_stats: CUDA runs the tensor reference (KERNELS_CHECKED_ON_GPU=%s, Triton "
                        "%s)", KERNELS_CHECKED_ON_GPU, "found" if fold_kernels() is not None else "missing")
     return reference_expanded_attention_stats(*args)
 

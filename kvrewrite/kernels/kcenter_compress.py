@@ -46,15 +46,13 @@ the arithmetic alone (3277 x 3341 x 128 fp32 differences and squares per row, on
 per layer, ~6% of the step amortised.
 """
 import importlib
-import logging
 import math
 
 import torch
 
+from kvrewrite.kernels._fallbacks import reference_fallback
 from kvrewrite.kernels._slot_kernels import _check_state
 from kvrewrite.kernels.kcenter import greedy_kcenter
-
-logger = logging.getLogger(__name__)
 
 NAME = "kvrewrite::kcenter_compress"
 NEG_INF = float("-inf")
@@ -125,7 +123,6 @@ def reference_kcenter_compress(keys, values, bias, slot_pos, fill, budget, recen
 
 
 # -- the CUDA path -----------------------------------------------------------------------------------
-_WARNED = []
 KERNELS_CHECKED_ON_GPU = True  # tests/kernels/test_kcenter_compress_gpu.py: 44 passed on an H100 (torch 2.11, Triton 3.6)
 
 
@@ -166,9 +163,7 @@ def _(keys, values, bias, slot_pos, fill, budget, *, recent_ratio=0.5):
     if launcher is not None:
         launcher(keys, values, bias, slot_pos, fill, budget, recent_ratio=recent_ratio)
         return
-    if not _WARNED:
-        _WARNED.append(True)
-        logger.warning("kcenter_compress: CUDA runs the tensor reference (%d slots; a static loop of k(C) steps): "
+    reference_fallback("kcenter_compress: CUDA runs the tensor reference (%d slots; a static loop of k(C) steps): "
                        "the Triton kernels of kvrewrite.kernels._kcenter_kernels take up to MAX_SLOTS slots and are "
                        "used once their GPU tests have passed (KERNELS_CHECKED_ON_GPU=%s)", keys.shape[2],
                        KERNELS_CHECKED_ON_GPU)

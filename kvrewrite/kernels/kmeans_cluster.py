@@ -96,12 +96,12 @@ fp32 partials [rows, splits, K, D] (capped at 256 MB by fewer splits; 28 MB at 3
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
-import logging
 import math
 import os
 
 import torch
 
+from kvrewrite.kernels._fallbacks import reference_fallback
 from kvrewrite.kernels._triton_op import check_head_offset, triton_jit
 
 try:
@@ -109,8 +109,6 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the op runs the reference; only triton_kmeans_cluster raises
     triton = tl = None
-
-logger = logging.getLogger(__name__)
 
 NAME = "kvrewrite::kmeans_cluster"
 MASK32 = 0xFFFFFFFF
@@ -800,7 +798,6 @@ def triton_kmeans_cluster(keys, values, bias, slot_pos, fill, budget, centroids,
 
 
 # -- op registration -----------------------------------------------------------------------------------
-_WARNED = set()
 
 
 @torch.library.custom_op("kvrewrite::kmeans_cluster",
@@ -845,11 +842,9 @@ def _(keys, values, bias, slot_pos, fill, budget, centroids, cluster_size, clust
     if supports_triton(*args[:12]):
         triton_kmeans_cluster(*args, seed, head_offset=head_offset)
         return
-    key = (keys.dtype, keys.shape[3])
-    if triton is not None and key not in _WARNED:
-        _WARNED.add(key)
-        logger.warning("kmeans_cluster: no Triton kernel for this state (%s, D=%d, or its layout); running the "
-                       "tensor code (host syncs)", keys.dtype, keys.shape[3])
+    if triton is not None:
+        reference_fallback("kmeans_cluster: no Triton kernel for this state (%s, D=%d, or its layout); running the "
+                           "tensor code (host syncs)", keys.dtype, keys.shape[3])
     reference_kmeans_cluster(*args, seed, head_offset=head_offset)
 
 

@@ -60,14 +60,12 @@ records that (a kernel that has never run on a GPU is not the default path).
 from __future__ import annotations
 
 import importlib
-import logging
 import math
 
 import torch
 
+from kvrewrite.kernels._fallbacks import reference_fallback
 from kvrewrite.kernels._slot_kernels import _check_state
-
-logger = logging.getLogger(__name__)
 
 NEG_INF = float("-inf")
 SIGMA_MODES = ("fixed", "distance", "paper")
@@ -289,7 +287,6 @@ def reference_kvmerger_compress(keys, values, bias, slot_pos, fill, budget, scor
 
 
 # -- the CUDA path -----------------------------------------------------------------------------------
-_WARNED = []
 KERNELS_CHECKED_ON_GPU = True  # tests/kernels/test_kvmerger_compress_gpu.py passed on an H100 (torch 2.11, Triton 3.6)
 
 
@@ -350,9 +347,7 @@ def _(keys, values, bias, slot_pos, fill, budget, score, degree, deficit, *, rec
     if launcher is not None:  # deficit is not an argument: 0 before, 0 after in this mode
         launcher(*state[:8], **opts)
         return
-    if not _WARNED:
-        _WARNED.append(True)
-        logger.warning("kvmerger_compress: CUDA runs the tensor reference (reading=%r, budget_mode=%r, %d slots): "
+    reference_fallback("kvmerger_compress: CUDA runs the tensor reference (reading=%r, budget_mode=%r, %d slots): "
                        "the Triton kernels cover reading='chain' with budget_mode='exact' up to "
                        "kvrewrite.kernels._kvmerger_kernels.MAX_SLOTS slots and are used once their GPU tests have "
                        "passed (KERNELS_CHECKED_ON_GPU=%s)", reading, budget_mode, keys.shape[2],
