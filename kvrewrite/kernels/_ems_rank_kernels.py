@@ -25,7 +25,7 @@ import struct
 import torch
 
 from kvrewrite.kernels._triton_op import triton_jit
-from kvrewrite.kernels.evict_by_score import _f64, _kth_largest, _order_key
+from kvrewrite.kernels.evict_by_score import _f64, _kth_largest, _kth_largest_chunked, _order_key
 
 try:
     import triton
@@ -36,7 +36,7 @@ except ImportError:  # CPU-only installs: the op files never call the launchers 
 SCORE_BLOCK = 1024  # slots per program of the ems_score kernels (a power of two)
 WINDOW_CHUNK = 64  # entries per step of the backward window search (a power of two)
 PARTITION_CHUNK = 1024  # entries per step of the partition's passes (a power of two)
-MAX_ENTRIES = 32768  # the partition holds a row's candidate keys in registers (as evict_by_score's MAX_SLOTS)
+MAX_ENTRIES = 32768  # rows up to this hold their candidate keys in registers; longer ones read them in chunks
 
 if tl is not None:
     _I32_MAX = tl.constexpr(2147483647)
@@ -236,13 +236,16 @@ def triton_ems_score(bias, fill, lut, slot_order, s_glo, s_loc_past, s_loc_cur, 
 
 # -- ems_partition -------------------------------------------------------------------------------------------------
 @triton_jit()
-def _thresholds(KEYS, nc, K, S: tl.constexpr):
+def _thresholds(KEYS, nc, K, S: tl.constexpr, CH: tl.constexpr, CHUNKED: tl.constexpr):
     """(thr, need) of the K largest of the nc packed keys (thr = I32_MAX, need 0: none for K <= 0), over the
-    smallest of S/4, S/2, S lanes that holds nc."""
+    smallest of S/4, S/2, S lanes that holds nc; CHUNKED (rows past MAX_ENTRIES): over the keys read from memory CH
+    at a time."""
     thr = tl.full([], _I32_MAX, tl.int32)
     need = tl.zeros([], tl.int32)
     if K > 0:
-        if S >= 64:
+        if CHUNKED:
+            thr, need, _ = _kth_largest_chunked(KEYS, nc, K, S, CH, True)
+        elif S >= 64:
             if nc <= S // 4:
                 thr, need, _ = _kth_largest(KEYS, nc, K, S // 4, True)
             elif nc <= S // 2:
@@ -256,7 +259,7 @@ def _thresholds(KEYS, nc, K, S: tl.constexpr):
 
 @triton_jit(do_not_specialize=["l_win", "gm1_bits"])
 def _partition_kernel(BIAS, FILL, ES, GP, DUE, BUDGET, CLS, KEYP, C, R, l_win, gm1_bits, GAMMA_INF: tl.constexpr,
-                      S: tl.constexpr, CHUNK: tl.constexpr, WCH: tl.constexpr):
+                      S: tl.constexpr, CHUNK: tl.constexpr, WCH: tl.constexpr, CHUNKED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     bias = BIAS + row * C
     keys = KEYP + row * C
@@ -291,8 +294,8 @@ def _partition_kernel(BIAS, FILL, ES, GP, DUE, BUDGET, CLS, KEYP, C, R, l_win, g
         k1 = tl.where(over, tl.minimum(n_imp, nc.to(tl.int64)), 0).to(tl.int32)
         k2 = tl.where(over, tl.minimum(n_imp + n_tbm, nc.to(tl.int64)), 0).to(tl.int32)
         tl.debug_barrier()
-        thr1, need1 = _thresholds(keys, nc, k1, S)
-        thr2, need2 = _thresholds(keys, nc, k2, S)
+        thr1, need1 = _thresholds(keys, nc, k1, S, CHUNK, CHUNKED)
+        thr2, need2 = _thresholds(keys, nc, k2, S, CHUNK, CHUNKED)
         # pass 2: the codes; ties at a threshold go to the earlier entry (a cumsum over the key == thr ones)
         rank0 = tl.zeros([], tl.int32)
         carry1 = tl.zeros([], tl.int32)
@@ -316,13 +319,13 @@ def _partition_kernel(BIAS, FILL, ES, GP, DUE, BUDGET, CLS, KEYP, C, R, l_win, g
 
 
 def triton_ems_partition(bias, fill, entry_start, g_pooled, due, budget, l_win: int, gamma: float, *,
-                         chunk: int | None = None, window_chunk: int | None = None):
-    """§6.7 in one launch; returns cls int32 [B, Hkv, C] (C <= MAX_ENTRIES). `chunk`/`window_chunk` (powers of two)
-    tune it and give the same result. Runs on CPU tensors under TRITON_INTERPRET=1."""
+                         chunk: int | None = None, window_chunk: int | None = None,
+                         chunked_select: bool | None = None):
+    """§6.7 in one launch; returns cls int32 [B, Hkv, C]. `chunk`/`window_chunk` (powers of two) and chunked_select
+    (default: C past MAX_ENTRIES, the thresholds' bisections over keys read in chunks) tune it and give the same
+    result. Runs on CPU tensors under TRITON_INTERPRET=1."""
     B, H, C = bias.shape
     R = g_pooled.shape[2]
-    if C > MAX_ENTRIES:
-        raise ValueError(f"triton_ems_partition: C = {C} entries; the kernel takes C <= {MAX_ENTRIES}")
     if R == 0:
         raise ValueError("triton_ems_partition: g_pooled holds 0 slots (R = 0); the kernel needs R >= 1")
     cls = torch.empty(B, H, C, dtype=torch.int32, device=bias.device)
@@ -336,5 +339,6 @@ def triton_ems_partition(bias, fill, entry_start, g_pooled, due, budget, l_win: 
     _partition_kernel[(rows,)](bias, fill, entry_start, g_pooled, due.view(torch.uint8), budget, cls, keyp, C, R,
                                l_win, gm1, GAMMA_INF=inf, S=block, CHUNK=min(block, chunk or PARTITION_CHUNK),
                                WCH=window_chunk or WINDOW_CHUNK,
+                               CHUNKED=block > MAX_ENTRIES if chunked_select is None else chunked_select,
                                num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
     return cls

@@ -34,7 +34,7 @@ int >= 1), reset_score (bool).
 
 Backends. The reference (static-shape tensor code: the view by gathers, ranks by cumsum, a stable sort for the top
 scores, scatter/gather compaction) is the CPU path and the ground truth. CUDA runs the Triton kernels below
-(supports_triton: C <= MAX_SLOTS, the state's usual dtypes, contiguous; otherwise the reference), which leave the
+(supports_triton: the state's usual dtypes, contiguous; otherwise the reference), which leave the
 same state bit for bit. Neither reads anything on the host and the launches depend on shapes only, so CUDA graphs
 capture both (torch.compile mode="reduce-overhead"). The op stays a `custom_op` (opaque to Inductor) whose CUDA
 kernel launches Triton directly, as chelsea_compress does: a `triton_op` failed under torch 2.11's Inductor
@@ -184,7 +184,7 @@ def reference_evict_by_score(keys, values, bias, slot_pos, fill, budget, score, 
 
 
 # -- Triton kernels ----------------------------------------------------------------------------------
-MAX_SLOTS = 32768  # larger C runs the reference on CUDA too (the selection holds a row's keys in registers)
+MAX_SLOTS = 32768  # rows up to this hold their keys in registers for the selection; longer ones read them in chunks
 SELECT_CHUNK = 4096  # slots per block of the select kernel's chunked passes (a power of two)
 MOVE_SLOTS = 128  # moves per program of the move kernel (a power of two)
 MOVE_COLUMNS = 64  # head-dim columns per program of the move kernel (a power of two)
@@ -316,7 +316,7 @@ def _kth_largest_chunked(KEYS, n_old, K, lanes, CH: tl.constexpr, POOLED: tl.con
 @triton_jit(do_not_specialize=["n_recent", "ratio_bits"])
 def _evict_select_kernel(BIAS, POS, SCORE, ORDER, FILL, BUDGET, SOR, TOR, SCR, KEYP, NEW, HOLE, MSRC, INFO, C,
                          n_recent, ratio_bits, POOL: tl.constexpr, RESET: tl.constexpr, BLOCK: tl.constexpr,
-                         CHUNK: tl.constexpr):
+                         CHUNK: tl.constexpr, CHUNKED: tl.constexpr):
     """Launch 1 (grid: rows): a due row's selection, its metadata, order and fill; INFO[row] = the moves (0 for a
     row not due). Row scratch [C], by valid rank: SOR slot, TOR temporal rank, SCR score, KEYP pooled key; by slot:
     NEW the kept slot's new rank (-1: not kept); by move: HOLE destination, MSRC source."""
@@ -371,8 +371,11 @@ def _evict_select_kernel(BIAS, POS, SCORE, ORDER, FILL, BUDGET, SOR, TOR, SCR, K
                 KEYS = KEYP + base
             else:
                 KEYS = SCR + base
-            # -- the K-th largest key (the search runs over the smallest power of two >= n_old lanes)
-            if BLOCK >= 64:
+            # -- the K-th largest key (the search runs over the smallest power of two >= n_old lanes; CHUNKED: a row
+            # past MAX_SLOTS, its keys read from memory CHUNK at a time)
+            if CHUNKED:
+                thr, need, n_eq = _kth_largest_chunked(KEYS, n_old, K, BLOCK, CHUNK, POOL > 1)
+            elif BLOCK >= 64:
                 if n_old <= BLOCK // 4:
                     thr, need, n_eq = _kth_largest(KEYS, n_old, K, BLOCK // 4, POOL > 1)
                 elif n_old <= BLOCK // 2:
@@ -490,10 +493,11 @@ def _select_warps(block: int) -> int:
 
 
 def supports_triton(keys, values, bias, slot_pos, fill, budget, score, order) -> bool:
-    """Whether the CUDA path runs triton_evict_by_score: Triton installed, C <= MAX_SLOTS, the state's dtypes
-    (bias and score fp32, slot_pos, fill and budget int64, order int32), contiguous, one device."""
+    """Whether the CUDA path runs triton_evict_by_score: Triton installed, the state's dtypes (bias and score fp32,
+    slot_pos, fill and budget int64, order int32), contiguous, one device. Any C (past MAX_SLOTS the selection's
+    bisection reads the keys in chunks)."""
     state = (keys, values, bias, slot_pos, fill, budget, score, order)
-    return (triton is not None and keys.shape[2] <= MAX_SLOTS and bias.dtype == score.dtype == torch.float32
+    return (triton is not None and bias.dtype == score.dtype == torch.float32
             and slot_pos.dtype == fill.dtype == budget.dtype == torch.int64 and order.dtype == torch.int32
             and values.dtype == keys.dtype and values.shape == keys.shape
             and all(t.is_contiguous() for t in state) and len({t.device for t in state}) == 1)
@@ -503,9 +507,10 @@ def triton_evict_by_score(keys, values, bias, slot_pos, fill, budget, score, ord
                           recent_ratio: float = 0.0, pool: int = 1, reset_score: bool = False, *,
                           select_chunk: int | None = None, move_slots: int | None = None,
                           move_columns: int | None = None, select_warps: int | None = None,
-                          move_warps: int | None = None) -> None:
+                          move_warps: int | None = None, chunked_select: bool | None = None) -> None:
     """Launch the two kernels (module docstring). The keyword arguments tune them (powers of two; defaults
-    SELECT_CHUNK, MOVE_SLOTS, MOVE_COLUMNS, MOVE_WARPS, select warps by C); every value gives the same result.
+    SELECT_CHUNK, MOVE_SLOTS, MOVE_COLUMNS, MOVE_WARPS, select warps by C; chunked_select, default C past MAX_SLOTS:
+    the K-th largest key by _kth_largest_chunked); every value gives the same result.
     Under TRITON_INTERPRET=1 it runs on CPU tensors, which is how the kernels are tested without a GPU."""
     if triton is None:
         raise NotImplementedError("triton_evict_by_score needs Triton (pip install triton)")
@@ -514,8 +519,6 @@ def triton_evict_by_score(keys, values, bias, slot_pos, fill, budget, score, ord
     _check_inputs(keys, bias, score, order, n_recent, recent_ratio, pool)
     if not (score.is_contiguous() and order.is_contiguous()) or {score.device, order.device} != {keys.device}:
         raise ValueError(f"{name}: score and order must be contiguous and on {keys.device}, like keys")
-    if C > MAX_SLOTS:
-        raise ValueError(f"{name}: C = {C} slots; the kernels take C <= {MAX_SLOTS}")
     rows = B * H
     if rows == 0 or C == 0:
         return
@@ -527,7 +530,8 @@ def triton_evict_by_score(keys, values, bias, slot_pos, fill, budget, score, ord
     _evict_select_kernel[(rows,)](bias, slot_pos, score, order, fill, budget, sor, tor, scr, keyp, new, hole, msrc,
                                   info, C, n_recent, _bits(recent_ratio), POOL=pool, RESET=bool(reset_score),
                                   BLOCK=block, CHUNK=min(block, select_chunk or SELECT_CHUNK),
-                                  num_warps=select_warps or _select_warps(block))
+                                  CHUNKED=block > MAX_SLOTS if chunked_select is None else chunked_select,
+                                  num_warps=select_warps or _select_warps(min(block, MAX_SLOTS)))
     most = max(1, C // 2)  # moves a row: at most min(kept, C - kept)
     bs = min(move_slots or MOVE_SLOTS, triton.next_power_of_2(most))
     ds = min(move_columns or MOVE_COLUMNS, triton.next_power_of_2(D))
@@ -571,8 +575,9 @@ def _(keys, values, bias, slot_pos, fill, budget, score, order, n_recent, recent
         triton_evict_by_score(*args)
         return
     if triton is not None:
-        reference_fallback("evict_by_score: no Triton kernel for this state (C=%d, at most %d; or its dtypes or "
-                           "layout); running the tensor code", keys.shape[2], MAX_SLOTS)
+        reference_fallback("evict_by_score: no Triton kernel for this state (its dtypes or layout: C=%d, keys %s, "
+                           "score %s, order %s); running the tensor code", keys.shape[2], keys.dtype, score.dtype,
+                           order.dtype)
     reference_evict_by_score(*args)
 
 

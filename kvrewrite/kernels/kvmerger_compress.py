@@ -301,7 +301,7 @@ def _cuda_impl(reading: str, budget_mode: str, C: int):
         mod = importlib.import_module("kvrewrite.kernels._kvmerger_kernels")
     except ImportError:
         return None
-    return mod.triton_kvmerger_compress if C <= mod.MAX_SLOTS else None
+    return mod.triton_kvmerger_compress  # any C (past MAX_SLOTS its bisections read the keys in chunks)
 
 
 # -- op registration ---------------------------------------------------------------------------------
@@ -348,9 +348,8 @@ def _(keys, values, bias, slot_pos, fill, budget, score, degree, deficit, *, rec
         launcher(*state[:8], **opts)
         return
     reference_fallback("kvmerger_compress: CUDA runs the tensor reference (reading=%r, budget_mode=%r, %d slots): "
-                       "the Triton kernels cover reading='chain' with budget_mode='exact' up to "
-                       "kvrewrite.kernels._kvmerger_kernels.MAX_SLOTS slots and are used once their GPU tests have "
-                       "passed (KERNELS_CHECKED_ON_GPU=%s)", reading, budget_mode, keys.shape[2],
+                       "the Triton kernels cover reading='chain' with budget_mode='exact' and are used once their "
+                       "GPU tests have passed (KERNELS_CHECKED_ON_GPU=%s)", reading, budget_mode, keys.shape[2],
                        KERNELS_CHECKED_ON_GPU)
     reference_kvmerger_compress(*state, *opts.values())
 

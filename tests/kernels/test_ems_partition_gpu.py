@@ -47,6 +47,19 @@ def test_matches_reference(gamma, bt):
     assert n[1] == 32 and (n[2] == min(bt - 32, 1031 - 32))
 
 
+@pytest.mark.parametrize("gamma", [1.5, math.inf])
+def test_a_row_past_max_entries(gamma):
+    """C = 33000 > MAX_ENTRIES (the kernel refused it before stop 41: the op ran its reference): the thresholds'
+    bisections chunked, codes equal to the reference's, ties planted."""
+    C = kk.MAX_ENTRIES + 232
+    s = synthetic_state(1, 2, C, C + 500, [[C, C - 3000]], [[C + 500, C - 2000]], seed=21)
+    g = torch.Generator(device="cuda").manual_seed(22)
+    gp = torch.randint(0, 9, (1, 2, C + 500), generator=g, device="cuda").float() / 8
+    due = torch.ones(1, 2, dtype=torch.bool, device="cuda")
+    for bt in (6000, 29000):
+        run_both(s, gp, due, bt, 32, gamma)
+
+
 @pytest.mark.parametrize("gamma", [1.0, 4.0, math.inf])
 def test_planted_ties_and_minus_inf(gamma):
     s = synthetic_state(2, 3, 1500, 3000, [[1500, 1200, 999], [1400, 777, 1500]],

@@ -27,9 +27,9 @@ ARGS = ("bias", "fill", "lut", "slot_order", "s_glo", "s_loc_past", "s_loc_cur",
 SMALL = dict(chunk=8, window_chunk=4)
 
 
-def both(s, gp, due, bt, l_win, gamma):
+def both(s, gp, due, bt, l_win, gamma, knobs=SMALL):
     budget = torch.tensor([bt, bt + 1])
-    got = triton_ems_partition(s["bias"], s["fill"], s["entry_start"], gp, due, budget, l_win, gamma, **SMALL)
+    got = triton_ems_partition(s["bias"], s["fill"], s["entry_start"], gp, due, budget, l_win, gamma, **knobs)
     want = reference_ems_partition(s["bias"], s["fill"], s["entry_start"], gp, due, budget, l_win, gamma)
     assert torch.equal(got, want), (got, want)
     return got
@@ -50,8 +50,11 @@ def test_matches_reference_and_naive(bt, gamma):
         assert cls[b, h, :len(want)].tolist() == want
 
 
+@pytest.mark.parametrize("knobs", [SMALL, dict(SMALL, chunked_select=True)], ids=["registers", "chunked"])
 @pytest.mark.parametrize("gamma", [1.0, 1.5, math.inf])
-def test_planted_ties_and_minus_inf_candidates(gamma):
+def test_planted_ties_and_minus_inf_candidates(gamma, knobs):
+    """Ties everywhere and -inf candidates, with the thresholds' bisection in registers and chunked (as rows past
+    MAX_ENTRIES run it)."""
     rows = merged_rows(seed=2)
     s = N.to_state(rows, 32, 48)
     due = torch.ones(2, 2, dtype=torch.bool)
@@ -59,7 +62,7 @@ def test_planted_ties_and_minus_inf_candidates(gamma):
     gp = torch.randint(0, 3, (2, 2, 48), generator=g).float()  # 3 values: ties everywhere
     gp[torch.rand(2, 2, 48, generator=g) < 0.2] = float("-inf")  # candidates ranked at -inf, in entry order
     for bt in (5, 7, 9):
-        both(s, gp, due, bt, 2, gamma)
+        both(s, gp, due, bt, 2, gamma, knobs)
 
 
 def test_hand_made_ties():

@@ -61,7 +61,7 @@ SETTINGS = [  # n_recent, recent_ratio, pool, reset_score: snapkv-like, h2o-like
 ]
 
 
-@pytest.mark.parametrize("knobs", [{}, SMALL], ids=["default", "small"])
+@pytest.mark.parametrize("knobs", [{}, SMALL, dict(SMALL, chunked_select=True)], ids=["default", "small", "chunked"])
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda v: str(v))
 @pytest.mark.parametrize("B,H,C,D,fills,target,threshold,pads,dtype", CASES, ids=lambda v: str(v))
 @pytest.mark.parametrize("shuffled", [False, True], ids=["in_order", "shuffled"])

@@ -73,6 +73,19 @@ def test_fallback():
     assert any(i["fallback"] for i in info.values())
 
 
+def test_a_row_past_max_slots():
+    """C = 33000 > MAX_SLOTS (refused before stop 41: the op ran its reference): the kernels' bisections chunked,
+    against the naive model."""
+    s = make_state(1, 2, 33000, 64, fills=[[32990, 31000]], dtype=torch.bfloat16, seed=13, runs=40, run_len=8,
+                   device="cuda")
+    orig = {f: t.clone() for f, t in s.items()}
+    budget = torch.tensor([6000, 30000], device="cuda")
+    opts = dict(n_sink=2, recent_ratio=0.34, hh_ratio=0.24, epsilon=0.9)
+    kk.triton_kvmerger_compress(*(s[f] for f in FIELDS[:5]), budget, s["score"], s["degree"], **opts)
+    compare(s, orig, budget, opts)
+    assert (s["fill"] == 6000).all()
+
+
 def test_cuda_graph_replay():
     """Captured once at one budget; replayed on new state at another budget: the naive at that budget."""
     budget = torch.tensor(BUDGET, device="cuda")

@@ -209,10 +209,13 @@ def test_anchor_reading(budget_mode, epsilon, budget, fallback):
         assert (got["fill"][orig["fill"] >= 25] < budget).any()
 
 
-def test_too_many_slots():
-    s = make_state(B=1, H=1, C=32769, D=1, fills=[[8]], runs=0)
-    with pytest.raises(ValueError, match="C <= 32768"):
-        triton_kvmerger_compress(*(s[f] for f in FIELDS[:5]), torch.tensor([4, 4]), s["score"], s["degree"])
+def test_a_row_past_max_slots():
+    """C = 32769 > MAX_SLOTS (the kernels refused it before stop 41): the bisections take their chunked form by
+    default and the result is the naive model's."""
+    s = make_state(B=1, H=1, C=32769, D=3, fills=[[40]], seed=6)
+    budget = torch.tensor([14, 20])
+    got, want, info, orig = run_both(s, budget, dict(n_recent=3, n_heavy=2, n_sink=1), knobs={})
+    check(got, want, orig, budget)
 
 
 @pytest.mark.parametrize("sigma_mode,values_mode,seed", [("fixed", "scale", 3), ("distance", "bias", 4),
@@ -251,3 +254,23 @@ def test_sets_within_and_over_one_member_tile(sigma_mode, values_mode):
     check(got, want, orig, budget)
     sizes = [len(st) for i in info.values() for st in i["sets"]]
     assert max(sizes) > MEMBER_STEP and any(1 < n <= MEMBER_STEP for n in sizes), sizes
+
+
+CHUNKED = dict(SMALL, chunked_select=True)  # the bisections as rows past MAX_SLOTS run them, forced at this size
+
+
+@pytest.mark.parametrize("sigma_mode,values_mode", [("fixed", "scale"), ("paper", "bias")])
+def test_chunked_bisections_match_naive(sigma_mode, values_mode):
+    """The heavy-hitter, join and fallback selections with _kth_largest_chunked (keys read from memory in chunks of
+    8): the naive model's result, as with the bisection in registers."""
+    s = make_state(**STATE, fills=FILLS, seed=1)
+    opts = dict(n_recent=3, n_heavy=2, n_sink=1, epsilon=0.9, sigma=0.7, sigma_mode=sigma_mode,
+                values_mode=values_mode)
+    got, want, info, orig = run_both(s, BUDGET, opts, knobs=CHUNKED)
+    check(got, want, orig, BUDGET)
+    assert any(len(st) > 1 for i in info.values() for st in i["sets"])
+    s = make_state(B=1, H=2, C=29, D=6, fills=[[29, 27]], seed=3, pad_frac=0.0)
+    budget = torch.tensor([12, 20])
+    got, want, info, orig = run_both(s, budget, dict(n_recent=2, n_heavy=7, n_sink=1), knobs=CHUNKED)
+    assert all(i["fallback"] for i in info.values())
+    check(got, want, orig, budget)

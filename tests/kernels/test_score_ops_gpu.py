@@ -206,11 +206,15 @@ def test_evict_by_score_triton_poisoned_and_rows_not_due(triton_path):
         assert _same(out[f][1].cpu(), s[f][1]), f"{f} of a row not due changed"
 
 
-def test_evict_by_score_past_max_slots_runs_tensor_code():
-    """C > MAX_SLOTS: the CUDA op runs the tensor code (same result, with a warning)."""
+@pytest.mark.skipif(ebs.triton is None, reason="needs Triton")
+@pytest.mark.parametrize("settings", [(8, 0.0, 3, True), (0, 0.5, 1, False)], ids=["pooled", "h2o-like"])
+def test_evict_by_score_past_max_slots_runs_the_kernels(settings):
+    """C > MAX_SLOTS: the CUDA op runs the Triton kernels, the selection's bisection chunked (it ran the tensor code
+    before stop 41), and matches the CPU's result."""
     C = ebs.MAX_SLOTS + 7
-    s = scored_state(1, 1, C, 16, [[C]], C - 40, C, seed=4)
-    _assert_same(*_cpu_and_cuda(s, (8, 0.0, 3, True)))
+    s = scored_state(1, 2, C, 16, [[C, C - 900]], C - 4000, C - 1000, seed=4)
+    assert ebs.supports_triton(*state_args({k: v.cuda() for k, v in s.items()}))
+    _assert_same(*_cpu_and_cuda(s, settings))
 
 
 def test_no_host_sync_and_cuda_graph_replay(triton_path):
