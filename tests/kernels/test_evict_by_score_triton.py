@@ -22,8 +22,8 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kvrewrite.kernels.evict_by_score import (_kth_largest, _kth_largest_chunked, reference_evict_by_score,  # noqa: E402
-                                              triton_evict_by_score)
+from kvrewrite.kernels.evict_by_score import (  # noqa: E402
+    _kth_largest, _kth_largest_chunked, reference_evict_by_score, triton_evict_by_score)
 from tests.kernels.evict_by_score_naive import same  # noqa: E402
 from tests.kernels.test_evict_by_score import FIELDS, append, scored_state, state_args  # noqa: E402
 
