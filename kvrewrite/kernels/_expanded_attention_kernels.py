@@ -26,6 +26,7 @@ clustered_attention's: its combine kernel merges them.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
+from kvrewrite.kernels._query_block import query_block
 from kvrewrite.kernels._triton_op import triton_jit
 from kvrewrite.kernels.clustered_attention import libdevice
 
@@ -73,16 +74,8 @@ def _expanded_attention_fwd_kernel(
     Hq = Hkv * G
     row = b.to(tl.int64) * Hkv + h  # the (b, h) row of the state
 
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < G * T
-    t = rows // G
-    hq = h * G + rows % G
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = Q + b.to(tl.int64) * stride_qb + hq[:, None] * stride_qh + t[:, None] * stride_qt
-    q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
-    qpos = tl.load(CPOS + t, mask=row_ok, other=0)
-    qpos_min = tl.min(tl.where(row_ok, qpos, 2**62), axis=0)
-    q_rel = tl.where(row_ok, qpos - qpos_min, 0).to(tl.int32)  # as clustered_attention: int32 causal compares
+    rows, row_ok, t, hq, offs_d, q, qpos, qpos_min, qpos_max, q_rel = query_block(
+        Q, CPOS, b, h, pid_m, G, T, stride_qb, stride_qh, stride_qt, stride_qd, BLOCK_M, HEAD_DIM)
     out_row = (b.to(tl.int64) * Hq + hq) * T + t
 
     k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh

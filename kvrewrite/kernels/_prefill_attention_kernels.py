@@ -26,6 +26,7 @@ without splits (`_launch_config`, `prefill_kernel`).
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
 from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
+from kvrewrite.kernels._query_block import query_block
 from kvrewrite.kernels._triton_op import triton_jit
 
 try:
@@ -129,20 +130,9 @@ def _prefill_attention_kernel(
     h = pid_bh % Hkv
     Hq = Hkv * G
 
-    # -- rows of the tile: (query t, head g of the group), as the decode kernel's -------------------------------
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < G * T
-    t = rows // G
-    hq = h * G + rows % G
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = Q + b.to(tl.int64) * stride_qb + hq[:, None] * stride_qh + t[:, None] * stride_qt
-    q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
-    qpos = tl.load(CPOS + t, mask=row_ok, other=0)
-    qpos_max = tl.max(tl.where(row_ok, qpos, -(2**62)), axis=0)
-    qpos_min = tl.min(tl.where(row_ok, qpos, 2**62), axis=0)
-    # positions relative to the block's first query in int32, as the decode kernel's (slots clamped to
-    # [-(window + 1), 2**30]: every causal and window test keeps its outcome)
-    q_rel = tl.where(row_ok, qpos - qpos_min, 0).to(tl.int32)
+    # -- rows of the tile: (query t, head g of the group), as the decode kernel's --------------------------------
+    rows, row_ok, t, hq, offs_d, q, qpos, qpos_min, qpos_max, q_rel = query_block(
+        Q, CPOS, b, h, pid_m, G, T, stride_qb, stride_qh, stride_qt, stride_qd, BLOCK_M, HEAD_DIM)
     lo_rel = -1 - window if HAS_WINDOW else -1
 
     ranges = RANGES + pid_bh.to(tl.int64) * n_tiles * 2

@@ -56,6 +56,7 @@ from torch.library import wrap_triton
 from kvrewrite.kernels import _pdl
 from kvrewrite.kernels import _prefill_attention_kernels as _prefill
 from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait, wait_and_signal
+from kvrewrite.kernels._query_block import query_block
 from kvrewrite.kernels._triton_op import check_attention_shapes, check_one_cuda_device, register_triton_op, triton_jit
 
 try:
@@ -226,25 +227,9 @@ def _clustered_attention_fwd_kernel(
     h = pid_bh % Hkv
     Hq = Hkv * G
 
-    # -- rows of the tile: (query t, head g of the group) -----------------------------------------
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < G * T
-    t = rows // G
-    hq = h * G + rows % G
-    offs_d = tl.arange(0, HEAD_DIM)
-
-    # load q: it stays in registers for the whole slot range (rows past G * T load 0 and are never stored)
-    q_ptrs = Q + b.to(tl.int64) * stride_qb + hq[:, None] * stride_qh + t[:, None] * stride_qt
-    q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
-    qpos = tl.load(CPOS + t, mask=row_ok, other=0)
-    # the block's position range: a slot outside it is seen by no row of the block
-    qpos_max = tl.max(tl.where(row_ok, qpos, -(2**62)), axis=0)
-    qpos_min = tl.min(tl.where(row_ok, qpos, 2**62), axis=0)
-    # positions relative to the block's first query, in int32 (int64 compares cost two instructions per
-    # element): rows get [0, T) (rows past G * T: 0, never stored); slots are clamped to
-    # [-(window + 1), 2**30], which keeps every causal and window test's outcome (slots before the clamp
-    # are older than every row's window, slots after it newer than every row)
-    q_rel = tl.where(row_ok, qpos - qpos_min, 0).to(tl.int32)
+    # -- rows of the tile: (query t, head g of the group); q stays in registers for the whole slot range --------
+    rows, row_ok, t, hq, offs_d, q, qpos, qpos_min, qpos_max, q_rel = query_block(
+        Q, CPOS, b, h, pid_m, G, T, stride_qb, stride_qh, stride_qt, stride_qd, BLOCK_M, HEAD_DIM)
     lo = -1
     if PENDING:
         # rows [G, (NPEND + 1) G): the NPEND pending entries (G heads each) of earlier decode steps; entry e is at

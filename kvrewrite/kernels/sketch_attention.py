@@ -50,6 +50,7 @@ from __future__ import annotations  # the kernels' `tl.constexpr` annotations st
 import torch
 from torch.library import wrap_triton
 
+from kvrewrite.kernels._query_block import query_block
 from kvrewrite.kernels._triton_op import check_attention_shapes, check_one_cuda_device, register_triton_op, triton_jit
 from kvrewrite.kernels.clustered_attention import _DTYPES, _HEAD_DIMS, _launch_config, _num_sms, check_past_only
 
@@ -176,21 +177,9 @@ def _sketch_attention_fwd_kernel(
     h = pid_bh % Hkv
     Hq = Hkv * G
 
-    # -- rows of the tile: (query t, head g of the group) -----------------------------------------
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < G * T
-    t = rows // G
-    hq = h * G + rows % G
-    offs_d = tl.arange(0, HEAD_DIM)
-
-    # load q: it stays in registers for the whole slot range (rows past G * T load 0 and are never stored)
-    q_ptrs = Q + b.to(tl.int64) * stride_qb + hq[:, None] * stride_qh + t[:, None] * stride_qt
-    q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
-    qpos = tl.load(CPOS + t, mask=row_ok, other=0)
-    qpos_max = tl.max(tl.where(row_ok, qpos, -(2**62)), axis=0)
-    qpos_min = tl.min(tl.where(row_ok, qpos, 2**62), axis=0)
-    # int32 positions relative to the block's first query (as clustered_attention: the clamp keeps every test)
-    q_rel = tl.where(row_ok, qpos - qpos_min, 0).to(tl.int32)
+    # -- rows of the tile: (query t, head g of the group); q stays in registers for the whole slot range --------
+    rows, row_ok, t, hq, offs_d, q, qpos, qpos_min, qpos_max, q_rel = query_block(
+        Q, CPOS, b, h, pid_m, G, T, stride_qb, stride_qh, stride_qt, stride_qd, BLOCK_M, HEAD_DIM)
 
     k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
