@@ -20,8 +20,10 @@ The result is the decode kernel's, slot for slot: the same online softmax in bas
 and soft cap, zeros for a query that sees nothing. Nothing here assumes the layout for correctness: a tile
 is skipped only when its range shows that no query of the block sees it, and the masks run wherever the
 range does not show that every query sees it, so slots in any order give the same output (more tiles
-masked and walked). clustered_attention.launch_forward picks these kernels for prefill-sized blocks
-without splits (`_launch_config`, `prefill_kernel`).
+masked and walked). clustered_attention.launch_forward picks these kernels for prefill-sized blocks whose grid
+needs no split (its PREFILL_KERNEL and PREFILL_SPLIT_GRIDS say when, and what they measured). Tests:
+tests/kernels/test_prefill_attention_triton.py (Triton's interpreter, against float64) and
+tests/kernels/test_prefill_attention_gpu.py.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
@@ -201,8 +203,10 @@ def prefill_launch_config(B, Hkv, G, T, C, D, itemsize=2, block_m=None, block_n=
                           num_stages=None) -> dict:
     """Tiles, warps and stages of _prefill_attention_kernel from the shapes alone; the keyword overrides are for
     the benchmark's sweep. Defaults: 64-row query tiles (16 queries of a 4-head group), 64-slot tiles, 4 warps, 2
-    stages, the decode kernel's prefill launch (clustered_attention._launch_config), with the slot tile halved
-    while two stages of K and V tiles would pass 128 KB of shared memory (fp32 or D = 256)."""
+    stages, with the slot tile halved while two stages of K and V tiles would pass 128 KB of shared memory (fp32 or
+    D = 256). The fastest of an H200 sweep at batch 8 (bf16, D 128, chunk 2048 over 6.6k slots; docs/bench.md "Stop
+    41 runs"): 6.27-6.31 ms, tied with 128 x 32 tiles and 4 warps; 128-row tiles with 8 warps 6.6-6.7, 3 stages 6.7,
+    8 warps at 64 rows 12-17."""
     import triton
 
     if block_m is None:
