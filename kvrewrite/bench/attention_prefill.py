@@ -136,8 +136,8 @@ def main(argv=None):
               f"cudnn {sd.get('cudnn') or math.nan:7.3f} ms flash {sd.get('flash') or math.nan:7.3f} ms | "
               f"SDPA/kvrewrite {r['sdpa_over_kvrewrite']:.2f}", flush=True)
         for v in r.get("ab", []):
-            print(f"    A/B round {v['round']}: {v['ms']:7.3f} ms {v['tflops']:6.1f} TFLOP/s  {v['tuning'] or 'default'}",
-                  flush=True)
+            print(f"    A/B round {v['round']}: {v['ms']:7.3f} ms {v['tflops']:6.1f} TFLOP/s  "
+                  f"{v['tuning'] or 'default'}", flush=True)
         for v in sorted((v for v in r.get("sweep", []) if "ms" in v), key=lambda v: v["ms"])[:5]:
             print(f"    {v['ms']:7.3f} ms {v['tflops']:6.1f} TFLOP/s err {v['err']:.1e}  {v['tuning']}", flush=True)
         bad += [(name, v) for v in [kv, *r.get("ab", []), *r.get("sweep", [])] if v.get("err", 0) > MAX_ERR_BF16]

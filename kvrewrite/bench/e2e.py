@@ -1038,7 +1038,7 @@ class Bench:
             log(traceback.format_exc(limit=4))
             return row
         row.update(res)
-        if reference_fallbacks():  # ops that ran their PyTorch reference instead of their kernels (kernels/_fallbacks.py)
+        if reference_fallbacks():  # ops that ran their PyTorch reference, not their kernels (kernels/_fallbacks.py)
             row["reference_fallbacks"] = reference_fallbacks()
         if self.dev == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -1099,7 +1099,7 @@ def format_row(r: dict) -> str:
     setup = " ".join(f"{k}={r[k]:.1f}" for k in ("capture_s", "apply_s", "warmup_s", "row_s") if k in r)
     slow = ""
     if r.get("reference_fallbacks"):
-        slow = f"\n    SLOW PATH: ran the PyTorch reference of {', '.join(sorted(r['reference_fallbacks']))} (row's JSON)"
+        slow = f"\n    SLOW PATH: ran the PyTorch reference of {', '.join(sorted(r['reference_fallbacks']))} (JSON)"
     return (f"{head} {r['ms_per_token']:8.2f} ms/tok {r['tok_per_s']:9.1f} tok/s | floor {r['floor_ms']:.2f} ms "
             f"x{r['ratio_to_floor']:.2f} | KV {r['kv_bytes'] / 2**30:.2f}GiB{host}{peak}{pre} | plain "
             f"{r['ms_plain_step_median']:.2f} compress {r['ms_compress_step_mean']:.2f} | {setup}{slow}")

@@ -18,8 +18,8 @@ deterministic) is the CPU path and the ground truth. CUDA runs the Triton kernel
 _ems_rank_kernels.py (_cuda_impl decides: KERNELS_CHECKED_ON_GPU, Triton installed, contiguous inputs, R >= 1;
 otherwise the reference, logged once): one program per row packs the candidates' order keys (evict_by_score's
 `_order_key`), finds the N_imp-th and (N_imp + N_tbm)-th largest by evict_by_score's bisection (`_kth_largest`; past
-MAX_ENTRIES = 32768 entries `_kth_largest_chunked`, over the keys read in chunks) and ranks ties at each threshold to the earlier entry by a cumsum; no sort. The codes
-equal the reference's exactly: checked through Triton's interpreter (tests/kernels/test_ems_partition_triton.py) and
+MAX_ENTRIES = 32768 entries `_kth_largest_chunked`, over the keys read in chunks) and ranks ties at each threshold to
+the earlier entry by a cumsum; no sort. The codes equal the reference's exactly: checked through Triton's interpreter (tests/kernels/test_ems_partition_triton.py) and
 on an H100 80GB HBM3 with torch 2.11.0+cu130, Triton 3.6.0 (tests/kernels/test_ems_partition_gpu.py: 25 passed:
 gamma 1/1.5/4/inf, budgets below and above the valid count, planted ties and -inf candidates, a CUDA graph
 replayed). Llama-3.1-8B shape at budget 0.2 (C 6866, R 27464, Hkv 8, 6611 valid entries, Bt 6579, gamma 4), in a
