@@ -1038,8 +1038,9 @@ class Bench:
             log(traceback.format_exc(limit=4))
             return row
         row.update(res)
-        if reference_fallbacks():  # ops that ran their PyTorch reference, not their kernels (kernels/_fallbacks.py)
-            row["reference_fallbacks"] = reference_fallbacks()
+        fallbacks = reference_fallbacks()  # ops that ran their reference (kernels/_fallbacks.py)
+        if fallbacks:
+            row["reference_fallbacks"] = fallbacks
         if self.dev == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if self.times_prefill(B) and "prefill_s" in row and system not in HF_SYSTEMS and self.tp == 1:

@@ -27,14 +27,19 @@ tests/kernels/test_prefill_attention_gpu.py.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
+import torch
+from torch.library import wrap_triton
+
+from kvrewrite.kernels import _pdl
 from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
 from kvrewrite.kernels._query_block import query_block
 from kvrewrite.kernels._triton_op import triton_jit
 
 try:
+    import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs import this module too; only launching needs Triton
-    tl = None
+    triton = tl = None
 try:
     from triton.language.extra import libdevice  # tanh for SOFTCAP (clustered_attention.py says why this name)
 except ImportError:
@@ -207,8 +212,6 @@ def prefill_launch_config(B, Hkv, G, T, C, D, itemsize=2, block_m=None, block_n=
     D = 256). The fastest of an H200 sweep at batch 8 (bf16, D 128, chunk 2048 over 6.6k slots; docs/bench.md "Stop
     41 runs"): 6.27-6.31 ms, tied with 128 x 32 tiles and 4 warps; 128-row tiles with 8 warps 6.6-6.7, 3 stages 6.7,
     8 warps at 64 rows 12-17."""
-    import triton
-
     if block_m is None:
         block_m = 64
     if num_stages is None:
@@ -232,12 +235,6 @@ def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_s
     """Launch the tile ranges, then the attention; returns the output [B, Hq, T, D] (contiguous). lse: an fp32
     [B, Hq, T] tensor to receive each query's natural-log log-sum-exp, or None. No checks (the caller's:
     clustered_attention.triton_clustered_attention); runs under Triton's interpreter on CPU tensors."""
-    import torch
-    import triton
-    from torch.library import wrap_triton
-
-    from kvrewrite.kernels import _pdl
-
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, C = int(keys.shape[1]), int(keys.shape[2])
     G = Hq // Hkv
