@@ -449,8 +449,9 @@ RESIDENT_PROGRAMS, RESIDENT_PROGRAMS_PENDING = 3, 2
 # Prefill-sized query blocks (more than 16 rows) whose grid needs no splits run kernels/_prefill_attention_kernels.py
 # (tile ranges, a bounded loop, masks only where a tile is not seen whole); False runs the slot-loop kernel below
 # for them too (an A/B switch: `--kernel-option clustered_attention.PREFILL_KERNEL=False`). H200, bf16, Llama layout,
-# a 32k prompt's chunk of 2048 over 6.6k compressed slots: 6.27-6.31 ms against 9.17-9.19 at batch 8 (the new kernel in
-# one device call, the slot loop in two), 0.89-0.99 against 1.11-1.12 at batch 1 (two interleaved rounds); `full`'s chunk of 1024 over 16k used slots 0.95 against 2.09-2.11; docs/bench.md "Stop 41 runs".
+# a 32k prompt's chunk of 2048 over 6.6k compressed slots: 6.27-6.31 ms against 9.17-9.19 at batch 8 (the new kernel
+# in one device call, the slot loop in two), 0.89-0.99 against 1.11-1.12 at batch 1 (two interleaved rounds); `full`'s
+# chunk of 1024 over 16k used slots 0.95 against 2.09-2.11; docs/bench.md "Stop 41 runs".
 PREFILL_KERNEL = True
 # Also the prefill-sized grids the slot loop would split (fewer than two programs per SM: chunks of <= 256 queries at
 # batch 1 in the Llama layout), unsplit: each program walks every tile its block sees. Off until timed (`python -m
