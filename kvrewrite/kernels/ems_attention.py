@@ -30,7 +30,8 @@ code (the T > 1 / T = 1 branch is on a static shape; the rotation is a torch.whe
 CUDA path (triton_ems_attention; used once KERNELS_CHECKED_ON_GPU says its GPU tests passed, else the reference,
 logged once). Three steps, no [B, Hq, R] tensor, no host read, CUDA-graph capturable:
 - `_expanded_forward(...)` = expanded_attention.py's `launch_expanded_forward(..., S=S)`, the Triton forward of
-  §6.2 and its combine: (out, lse) and, for decode, S [B, Hq, C] fp32 (s_e = scale·q·keys[e], pre-cap).
+  §6.2 and its combine: (out, lse) and, for decode, S [B, Hq, C] fp32 (s_e = scale·q·keys[e], pre-cap); a large
+  prefill chunk runs its slot-walking prefill kernel (expanded_attention.PREFILL_KERNEL).
   `_reference_forward` (the reference plus an einsum for S, same signature) is what the interpreter tests use.
 - T > 1: the statistics kernel of _ems_fold_kernels.py in its FOLD variant recomputes the probabilities from lse
   and applies the prefill rule per KV head inside the kernel.

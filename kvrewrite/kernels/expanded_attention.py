@@ -42,14 +42,17 @@ Backends. CUDA (with Triton): the Triton kernel of kvrewrite/kernels/_expanded_a
 D a power of two in 16..256; other D raise, as clustered_attention's kernel does) and clustered_attention's combine
 kernel: split-K over runtime slots (each split's share of slot_fill read on the device), the score computed once per
 entry tile, gathered per slot in registers (tl.gather), P segment-summed per entry (one-hot product), P @ V once
-per tile; no expanded key or value is ever formed. launch_expanded_forward is also what kvrewrite::ems_attention's
-fused decode calls (optionally writing the per-entry scores S). CPU: the reference below, through the opaque
+per tile; no expanded key or value is ever formed. Prefill-sized blocks without a split (PREFILL_KERNEL) run
+_expanded_prefill_kernels.py instead: the slots walked as a dense attention over key and value rows gathered per
+slot tile (read, never written: a compute-bound chunk gains more from whole dot products than from the per-entry
+scores). launch_expanded_forward is also what kvrewrite::ems_attention calls (its decode optionally writing the
+per-entry scores S). CPU: the reference below, through the opaque
 kvrewrite::expanded_attention_cpu (it checks past_only's promise, a host read). Other devices: the reference.
 The op is a `torch.library.triton_op`: Inductor sees the launches and CUDA graphs capture them.
 
 Checked: through Triton's interpreter against expanded_naive's float64 loop (tests/kernels/
-test_expanded_attention_triton.py, fp32, 15 tests) and on an H100 (torch 2.11, Triton 3.6) against a float64 dense
-attention over materialised expanded keys, the reference and the tiny naive cases, with merged entries of varied
+test_expanded_attention_triton.py, fp32, 15 tests; the prefill kernel 4 more) and on an H100 (torch 2.11, Triton 3.6)
+against a float64 dense attention over materialised expanded keys, the reference and the tiny naive cases, with merged entries of varied
 key scales, dead and stale slots, padding, ragged fills, prefill T > 1, decode, softcap, G in {1, 2, 4, 8} and MQA,
 nothing-visible rows, odd C and R, both segment sums and launch variants, S, a CUDA graph, torch.compile and
 opcheck (tests/kernels/test_expanded_attention_gpu.py: 95 passed); KERNELS_CHECKED_ON_GPU records that.
@@ -61,6 +64,7 @@ import torch
 from torch.library import wrap_triton
 
 from kvrewrite.kernels import _expanded_attention_kernels as _kernels
+from kvrewrite.kernels import _expanded_prefill_kernels as _prefill
 from kvrewrite.kernels import clustered_attention as ca
 from kvrewrite.kernels._triton_op import check_attention_shapes, check_one_cuda_device, register_triton_op
 from kvrewrite.kernels.clustered_attention import check_past_only, check_softcap
@@ -189,6 +193,14 @@ SCATTERS = {"onehot": 0, "cumsum": 1}  # the per-entry segment sum of p (kernel 
 # expanded_attention.RESIDENT_PROGRAMS=2` before making it the default.
 RESIDENT_PROGRAMS = 0
 
+# Prefill-sized blocks (G * T > 16) without a split and without S run _expanded_prefill_kernels.py (the slots walked
+# as a dense attention over gathered rows) instead of the per-entry kernel: on an H200 at batch 8, 32k, a 2048-query
+# chunk over 28.5k slots of 8.7k entries (kvrewrite/bench/ems_prefill.py; docs/bench.md "Stop 42 runs"), the
+# per-entry kernel took 80.1 ms (72.1 with its running-sum segment sum), the prefill kernel 40.0 with its default
+# 128 x 32 tiles (59.6 with 64 x 64). False: every launch runs the per-entry kernel (an A/B switch: `prefill_kernel=
+# False` in the launch overrides, `--kernel-option expanded_attention.PREFILL_KERNEL=False`).
+PREFILL_KERNEL = True
+
 
 def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=None, block_n=None, block_j=None,
                    num_splits=None, num_warps=None, num_stages=None, gather="gather", scatter="onehot", resident=None):
@@ -236,6 +248,7 @@ def launch_expanded_forward(q, keys, values, bias, slot_pos, cache_position, ent
         raise ValueError(f"launch_expanded_forward: S must be a contiguous fp32 [B, Hq, C] = {[B, Hq, C]} tensor and "
                          f"T == 1 (decode), got S {S.dtype} {list(S.shape)} with T = {T}")
     num_sms = ca._num_sms(q.device) if q.is_cuda else 8  # 8: Triton's interpreter on CPU tensors
+    prefill_kernel = tuning.pop("prefill_kernel", PREFILL_KERNEL)
     cfg = _launch_config(B, Hkv, G, T, C, D, num_sms, q.element_size(), **tuning)
     n_splits = cfg["num_splits"]
     split = n_splits > 1
@@ -243,6 +256,11 @@ def launch_expanded_forward(q, keys, values, bias, slot_pos, cache_position, ent
         qk_scale, softcap_log2 = scale / softcap, softcap * 1.4426950408889634
     else:
         qk_scale, softcap_log2 = scale * 1.4426950408889634, 0.0
+    if prefill_kernel and G * T > 16 and not split and S is None:
+        return _prefill.launch_expanded_prefill(
+            q, keys, values, bias, slot_pos, cache_position, lut, key_scale, slot_fill, qk_scale, softcap_log2,
+            past_only, softcap, **{k: tuning[k] for k in ("block_m", "block_n", "num_warps", "num_stages")
+                                   if tuning.get(k) is not None})
     out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
     if split:

@@ -154,3 +154,17 @@ def test_large_batch_split_rule_is_opt_in(monkeypatch):
     monkeypatch.setattr(xa, "RESIDENT_PROGRAMS", 2)
     assert {B: splits(B) for B in (1, 8, 33)} == {B: before[B] for B in (1, 8, 33)}
     assert splits(34) == fewest_waves_splits(34 * 8, 2 * 132) > 1 and splits(40) == fewest_waves_splits(320, 264)
+
+
+def test_prefill_kernel_tiles():
+    """The prefill kernel's tiles: 128 x 32 for 16-bit inputs with D <= 128 (the H200 sweep's fastest), otherwise
+    clustered_attention's prefill config (64 x 64, halved for shared memory); overrides win either way."""
+    pytest.importorskip("triton")
+    from kvrewrite.kernels._expanded_prefill_kernels import expanded_prefill_config
+
+    cfg = expanded_prefill_config(8, 8, 4, 2048, 8665, 128, 2)
+    assert (cfg["block_m"], cfg["block_n"], cfg["num_warps"], cfg["num_stages"], cfg["m_blocks"]) == (128, 32, 4, 2,
+                                                                                                      64)
+    assert (expanded_prefill_config(1, 8, 4, 2048, 8665, 128, 4)["block_m"],
+            expanded_prefill_config(1, 8, 4, 2048, 8665, 256, 4)["block_n"]) == (64, 32)
+    assert expanded_prefill_config(1, 8, 4, 2048, 8665, 64, 2, block_m=64, block_n=64)["block_n"] == 64

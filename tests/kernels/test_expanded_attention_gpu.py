@@ -195,6 +195,35 @@ def test_softcap(case, dtype, scatter):
     check(out, lse, want, want_lse, dtype, "softcap")
 
 
+@pytest.mark.parametrize("tuning", [{}, dict(block_n=32), dict(block_m=128, num_warps=8), dict(block_m=16, block_n=16)],
+                         ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()) or "default")
+@pytest.mark.parametrize("softcap", [0.0, 10.0])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("case", ["prefill-G4-T37", "prefill-G2-T130-D64", "prefill-G1-T5-D256"])
+def test_prefill_kernel(case, dtype, softcap, tuning, monkeypatch):
+    """The slot-walking prefill kernel (one split; _expanded_prefill_kernels.py, counted) against float64 over
+    materialised expanded keys, with and without the soft cap, fp32/fp16/bf16, D 64/128/256, several tilings."""
+    from kvrewrite.kernels import _expanded_prefill_kernels as xp
+
+    B, Hq, Hkv, C, R, D, T, prefill, opts = CASES[case]
+    if Hq // Hkv * T <= 16:
+        T = 17  # a prefill-sized block
+    if D > 128 and tuning.get("block_m", 64) > 64:
+        pytest.skip("128-row query tiles of D = 256 are not a launch the config makes (registers)")
+    st = ems_state(B, Hkv, C, R, D, T, dtype, prefill, seed=13, **opts)
+    q = ((4 if softcap else 1) * torch.randn(B, Hq, T, D, device="cuda")).to(dtype)
+    want, want_lse = dense64(st, q, D**-0.5, softcap=softcap)
+    calls = []
+    launch = xp.launch_expanded_prefill
+    monkeypatch.setattr(xp, "launch_expanded_prefill", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    out, lse = poisoned(lambda: xa.launch_expanded_forward(*st.attention_args(q), D**-0.5, False, softcap,
+                                                           num_splits=1, **tuning), nbytes(st, q))
+    assert calls == [1]
+    check(out, lse, want, want_lse, dtype, f"prefill kernel {tuning}")
+    if opts.get("empty_row"):
+        assert (out[0] == 0).all() and (lse[0] == -math.inf).all()
+
+
 @pytest.mark.parametrize("case", ["decode-G4", "decode-MQA", "prefill-G2", "dead-slots",
                                   "nothing-visible", "decode-nothing-visible"])
 def test_tiny_cases_against_naive(case):

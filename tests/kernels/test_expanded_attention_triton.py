@@ -4,8 +4,10 @@ over materialised expanded keys (tests/kernels/expanded_naive.py) and against th
 Runs only under the interpreter: `TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_expanded_attention_triton.py`
 (with Triton installed; skipped otherwise). fp32 only (the 3.6 interpreter's 16-bit tl.dot is wrong). Small tiles
 (16 entries, 16 slots per chunk) and 3 slot splits make a few dozen slots cross every tile, chunk and split boundary,
-so merged entries straddle them. The soft cap is tested on the GPU only (tests/kernels/test_expanded_attention_gpu.py):
-its tanh is CUDA's libdevice, which the interpreter does not provide.
+so merged entries straddle them. Prefill-sized blocks (G * T > 16) run the slot-walking prefill kernel
+(_expanded_prefill_kernels.py): PREFILL_CASES, with 16-row query blocks across the fresh diagonal. The soft cap is
+tested on the GPU only (tests/kernels/test_expanded_attention_gpu.py): its tanh is CUDA's libdevice, which the
+interpreter does not provide.
 """
 import math
 import os
@@ -85,3 +87,52 @@ def test_entry_scores_S():
             rows = slice(h * (Hq // Hkv), (h + 1) * (Hq // Hkv))
             torch.testing.assert_close(S[b, rows, lo:hi + 1].double(), want[b, rows, lo:hi + 1], atol=1e-5, rtol=1e-5)
             assert S[b, rows, hi + 1:].isnan().all()
+
+
+# prefill-sized blocks (G * T > 16): the slot-walking prefill kernel (_expanded_prefill_kernels.py)
+PREFILL_CASES = {
+    "G2-three-blocks": (2, 4, 2, 55, 131, 16, 20, {}),  # C <= T + 40: make_state has 40 past positions
+    "G1-dead": (1, 2, 2, 70, 140, 16, 37, {"dead": True}),
+    "G2-empty-row": (2, 4, 2, 47, 101, 16, 17, {"empty_row": True}),
+}
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_prefill_kernel_matches_naive_and_reference(case, monkeypatch):
+    """16-row query blocks and 16-slot tiles: tiles straddle the fresh diagonal, freed and stale slots, padding
+    entries and rows that see nothing; the launch goes through the prefill kernel (counted)."""
+    from kvrewrite.kernels import _expanded_prefill_kernels as xp
+
+    B, Hq, Hkv, C, R, D, T, opts = PREFILL_CASES[case]
+    g = torch.Generator().manual_seed(5)
+    st = make_state(B, Hkv, C, R, D, T, torch.float32, g, prefill=True, **opts)
+    q = torch.randn(B, Hq, T, D, generator=g)
+    calls = []
+    launch = xp.launch_expanded_prefill
+    monkeypatch.setattr(xp, "launch_expanded_prefill", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    out, lse = launch_expanded_forward(*st.attention_args(q), D**-0.5, False, 0.0, num_splits=1, block_m=16,
+                                       block_n=16)
+    assert calls == [1]
+    want, want_lse, _ = naive_expanded(st, q, D**-0.5)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    fin = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse[fin].double(), want_lse[fin], atol=1e-5, rtol=1e-5)
+    old, old_lse = launch_expanded_forward(*st.attention_args(q), D**-0.5, False, 0.0, num_splits=1,
+                                           prefill_kernel=False, **SMALL)
+    torch.testing.assert_close(out, old, atol=1e-5, rtol=1e-5)
+    if "empty" in case:
+        assert (out[0] == 0).all() and (lse[0] == -math.inf).all()
+
+
+def test_prefill_kernel_not_used_with_splits_or_S(monkeypatch):
+    """A split launch (or one writing S) keeps the per-entry kernel: the prefill kernel has no partials."""
+    from kvrewrite.kernels import _expanded_prefill_kernels as xp
+
+    B, Hq, Hkv, C, R, D, T, opts = PREFILL_CASES["G2-three-blocks"]
+    st = make_state(B, Hkv, C, R, D, T, torch.float32, torch.Generator().manual_seed(6), prefill=True, **opts)
+    q = torch.randn(B, Hq, T, D, generator=torch.Generator().manual_seed(7))
+    monkeypatch.setattr(xp, "launch_expanded_prefill", lambda *a, **k: pytest.fail("prefill kernel launched"))
+    out, _ = launch_expanded_forward(*st.attention_args(q), D**-0.5, False, 0.0, num_splits=2, **SMALL)
+    want, _, _ = naive_expanded(st, q, D**-0.5)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,173 @@
+"""kvrewrite::expanded_attention's prefill kernel: many queries (a prefill chunk) over EMS's runtime slots.
+
+The decode kernel (_expanded_attention_kernels.py) computes q·k once per entry and gathers the score per slot
+inside the tile (tl.gather, then a one-hot product to sum p back per entry): the fewest bytes, what a
+bandwidth-bound decode step needs. A prefill chunk is compute-bound, and there the in-tile gather and segment sum
+cost far more than the dot products they save: at batch 8, 32k, a 2048-query chunk over 28.5k slots of 8.7k
+entries took 80.1 ms on an H200 (67.7-107.9 over the variants tried), this kernel 40.0 ms, clustered_attention's
+prefill kernel over the 8.7k entries alone 6.3-6.4 (kvrewrite/bench/ems_prefill.py; docs/bench.md "Stop 42 runs"):
+the slots are 3.3x the entries, and their rows are gathered. This kernel walks the slots, as a dense
+attention over the expanded keys a_j·keys[lut[j]] and values values[lut[j]] whose rows are gathered per slot tile
+(never written anywhere: read from L2 where slots share an entry):
+
+    s = q @ keys[lut[tile]]ᵀ                         (one tl.dot per tile of BLOCK_N slots)
+    z_j = a_j * scale * s_j  (softcap: softcap * tanh(a_j * scale * s_j / softcap)), -inf where slot j is not
+          visible (j >= slot_fill, lut -1, bias -inf, or its entry's slot_pos after the query)
+    online softmax in base 2;  acc += p @ values[lut[tile]]
+
+the function of the module docstring of expanded_attention.py, slot for slot (p is rounded to the values' dtype
+per slot here, per entry after the segment sum in the decode kernel: both sum in fp32). The causal test runs only
+in tiles whose slots not every query of the block sees (the fresh diagonal), as clustered_attention's prefill
+kernel does. One program per (query block, b, h), the query blocks of one (b, h) neighbours in the grid so that
+the programs running at once share its K/V in L2 (the lesson of that kernel). expanded_attention.launch_expanded_forward
+picks it for prefill-sized blocks (G * T > 16) without a split and without S (PREFILL_KERNEL there).
+
+Checked: under Triton's interpreter against the float64 model (tests/kernels/test_expanded_attention_triton.py,
+16-row blocks and 16-slot tiles across the fresh diagonal, freed and stale slots, padding, empty rows) and on an
+H200 (torch 2.11, Triton 3.6: tests/kernels/test_expanded_attention_gpu.py::test_prefill_kernel, fp32/fp16/bf16, D
+64/128/256, soft cap, four tilings, against float64 over materialised expanded keys; tests/methods/test_ems_gpu.py,
+the model eager and under reduce-overhead), with 64 x 64 tiles as the default then; the 128 x 32 default since
+matched that launch's output on the benchmark's chunk (bf16: 1e-3 apart; that launch 1e-3 from float32 there).
+"""
+from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
+
+import torch
+from torch.library import wrap_triton
+
+from kvrewrite.kernels._prefill_attention_kernels import prefill_launch_config
+from kvrewrite.kernels._query_block import query_block
+from kvrewrite.kernels._triton_op import triton_jit
+from kvrewrite.kernels.clustered_attention import libdevice
+
+try:
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the op runs its reference; only the launcher needs Triton
+    tl = None
+
+
+@triton_jit(do_not_specialize=["Hkv", "G", "T", "C", "R"])
+def _expanded_prefill_kernel(
+    Q, K, V,
+    BIAS, POS,  # fp32 / int64 [B, Hkv, C], contiguous
+    CPOS,  # int64 [T]
+    LUT, KSCALE,  # int32 / fp32 [B, Hkv, R], contiguous
+    SFILL,  # int64 [B, Hkv], contiguous
+    OUT,  # [B, Hq, T, D] q's dtype, contiguous
+    LSE,  # fp32 [B * Hq * T], natural log, -inf for a row that saw nothing
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kc, stride_kd,
+    stride_vb, stride_vh, stride_vc, stride_vd,
+    # qk_scale = scale * log2(e); with SOFTCAP, qk_scale = scale / softcap and softcap_log2 = softcap * log2(e)
+    Hkv, G, T, C, R, qk_scale, softcap_log2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # slots per tile
+    LOAD_POS: tl.constexpr,  # False (past_only): slot_pos is not read, every live slot is visible
+    SOFTCAP: tl.constexpr,
+):
+    LOG2E: tl.constexpr = 1.4426950408889634
+    pid_m = tl.program_id(0)  # fastest: the query blocks of one (b, h) run together and share its K/V in L2
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hkv
+    h = pid_bh % Hkv
+    Hq = Hkv * G
+    row = b.to(tl.int64) * Hkv + h  # the (b, h) row of the state
+
+    rows, row_ok, t, hq, offs_d, q, qpos, qpos_min, qpos_max, q_rel = query_block(
+        Q, CPOS, b, h, pid_m, G, T, stride_qb, stride_qh, stride_qt, stride_qd, BLOCK_M, HEAD_DIM)
+
+    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    lut_base = LUT + row * R
+    ks_base = KSCALE + row * R
+    n_slots = tl.minimum(tl.load(SFILL + row), R).to(tl.int32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    # the slot metadata is prefetched one tile ahead (loop-carried): the K/V row addresses hang on it
+    e_next = tl.load(lut_base + offs_n, mask=offs_n < n_slots, other=-1)
+    a_next = tl.load(ks_base + offs_n, mask=offs_n < n_slots, other=0.0)
+    for j0 in range(0, n_slots, BLOCK_N):
+        e = e_next
+        a = a_next
+        offs_j = j0 + BLOCK_N + offs_n
+        e_next = tl.load(lut_base + offs_j, mask=offs_j < n_slots, other=-1)
+        a_next = tl.load(ks_base + offs_j, mask=offs_j < n_slots, other=0.0)
+        live = e >= 0  # -1: a freed slot, or past slot_fill
+        e = tl.where(live, e, 0).to(tl.int64)
+        bias = tl.load(BIAS + row * C + e, mask=live, other=float("-inf"))
+        live = live & (bias > float("-inf"))
+        k = tl.load(k_base + e[:, None] * stride_kc + offs_d[None, :] * stride_kd, mask=live[:, None], other=0.0)
+        if Q.dtype.element_ty == tl.float32:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        z = (qk * qk_scale).to(tl.float32) * a[None, :]
+        if SOFTCAP:
+            z = libdevice.tanh(z) * softcap_log2
+        z = tl.where(live[None, :], z, float("-inf"))
+        if LOAD_POS:
+            pos = tl.load(POS + row * C + e, mask=live, other=0)
+            # every query of the block sees every live slot of the tile: the causal test is not needed
+            if tl.max(tl.where(live, pos, -(2**62)), axis=0) > qpos_min:
+                p_rel = tl.minimum(tl.maximum(pos - qpos_min, -1), 2**30).to(tl.int32)
+                z = tl.where(p_rel[None, :] <= q_rel[:, None], z, float("-inf"))
+
+        # -- online softmax (base 2); a row that has seen nothing yet keeps m = -inf, l = 0 ----------------------
+        m_new = tl.maximum(m_i, tl.max(z, axis=1))
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_base)
+        p = tl.exp2(z - m_base[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + e[:, None] * stride_vc + offs_d[None, :] * stride_vd, mask=live[:, None], other=0.0)
+        if V.dtype.element_ty == tl.float32:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(V.dtype.element_ty), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out_row = (b.to(tl.int64) * Hq + hq) * T + t
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row that saw nothing: acc == 0, o == 0
+    tl.store(OUT + out_row[:, None] * HEAD_DIM + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    lse = tl.where(l_i > 0.0, (m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))) / LOG2E, float("-inf"))
+    tl.store(LSE + out_row, lse, mask=row_ok)
+
+
+def expanded_prefill_config(B, Hkv, G, T, C, D, itemsize=2, block_m=None, block_n=None, num_warps=None,
+                            num_stages=None) -> dict:
+    """Tiles, warps and stages of _expanded_prefill_kernel from the shapes alone; the keywords override them.
+    16-bit inputs with D <= 128: 128-row query tiles (32 queries of a 4-head group) over 32-slot tiles, 4 warps, 2
+    stages, the fastest of an H200 sweep at batch 8 (bf16, D 128, a 2048-query chunk over 28.5k slots; docs/bench.md
+    "Stop 42 runs"): 40.0 ms, against 46.8 for 64 x 32, 47.4 for 128 x 64 with 8 warps, 51.7 for 64 x 32 with 3
+    stages, 59.6 for 64 x 64 and 63.1 for 64 x 64 with 8 warps. Otherwise (fp32, D = 256: twice the registers
+    a row) clustered_attention's prefill_launch_config, 64 x 64 tiles or smaller, as the GPU tests ran them."""
+    if itemsize <= 2 and D <= 128:
+        block_m = 128 if block_m is None else block_m
+        block_n = 32 if block_n is None else block_n
+    return prefill_launch_config(B, Hkv, G, T, C, D, itemsize, block_m=block_m, block_n=block_n,
+                                 num_warps=num_warps, num_stages=num_stages)
+
+
+def launch_expanded_prefill(q, keys, values, bias, slot_pos, cache_position, lut, key_scale, slot_fill, qk_scale,
+                            softcap_log2, past_only, softcap, **overrides):
+    """Launch the kernel; returns (out [B, Hq, T, D] in q's dtype, lse [B, Hq, T] fp32). No checks (the op's), no
+    host read; runs under Triton's interpreter on CPU tensors. overrides: expanded_prefill_config's (block_m,
+    block_n, num_warps, num_stages)."""
+    B, Hq, T, D = (int(n) for n in q.shape)
+    Hkv, C, R = int(keys.shape[1]), int(keys.shape[2]), int(lut.shape[2])
+    G = Hq // Hkv
+    cfg = expanded_prefill_config(B, Hkv, G, T, C, D, q.element_size(), **overrides)
+    out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
+    wrap_triton(_expanded_prefill_kernel)[(cfg["m_blocks"], B * Hkv)](
+        q, keys, values, bias.contiguous(), slot_pos.contiguous(), cache_position, lut.contiguous(),
+        key_scale.contiguous(), slot_fill.contiguous(), out, lse,
+        *q.stride(), *keys.stride(), *values.stride(),
+        Hkv, G, T, C, R, qk_scale, softcap_log2,
+        HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], LOAD_POS=not past_only, SOFTCAP=softcap > 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out, lse
