@@ -14,6 +14,8 @@
 #    (bench/column_stats.py), and the decode attention's variants at 32k batch 1 with each kernel's own time
 # h: the prefill chunk's attention at batch ${HB:-8} (bench/attention_prefill.py --sweep: tiles, warps, stages), and
 #    attention_column_stats' single changes to its default (--quick: the pipelined walk among them); not default
+# i: EMS's prefill kernels at one late chunk of a batch-${IB:-8} 32k prefill (bench/ems_prefill.py: the expanded
+#    attention, its statistics fold and the redundancy, with their launch variants); not default
 set -o pipefail
 OUT=${1:-out/bench}
 PHASES=${2:-a b c d}
@@ -45,6 +47,8 @@ for p in $PHASES; do
          --sweep --out "$OUT/attention_prefill_b${HB:-8}.json" 2>&1 | tee -a "$OUT/log.txt"
        timeout ${TH:-300} python -m kvrewrite.bench.column_stats --quick --out "$OUT/sweep_column_stats_quick.json" 2>&1 \
          | tee -a "$OUT/log.txt" ;;
+    i) timeout ${TI:-300} python -m kvrewrite.bench.ems_prefill --batch ${IB:-8} --out "$OUT/ems_prefill_b${IB:-8}.json" \
+         2>&1 | tee -a "$OUT/log.txt" ;;
   esac
 done
 python - "$OUT" <<'PY'

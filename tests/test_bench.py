@@ -454,3 +454,34 @@ def test_attention_prefill_inputs_repeat_the_layout_per_batch_row():
     assert torch.isfinite(bias[..., :12]).all() and (bias[..., 12:] == float("-inf")).all()
     assert (bias[..., 7:12] == 0).all() and torch.equal(cp, torch.arange(30, 35))
     assert torch.equal(pos[..., 7:12], cp.expand(3, HKV, 5)) and (pos[..., :7] < 30).all()
+
+
+def test_ems_prefill_state_is_a_valid_table_and_the_dense_check_measures_it():
+    """bench.ems_prefill: the synthetic late chunk is a valid EMS table (slots grouped by entry in order, the window
+    and the chunk one slot each, gamma * Bt old slots), the reference attention on it passes the bench's dense check,
+    and every launch variant names real overrides."""
+    import inspect
+
+    from kvrewrite.bench import ems_prefill as ep
+    from kvrewrite.kernels import _ems_fold_kernels, ems_redundancy
+    from kvrewrite.kernels import expanded_attention as xa
+
+    gen = torch.Generator().manual_seed(0)
+    args, Bt = ep.prefill_state(1, 1600, 64, gen, dev="cpu")
+    q, keys, values, bias, slot_pos, cpos, entry_start, lut, key_scale, slot_fill = args
+    C, fill = keys.shape[2], int(slot_fill[0, 0])
+    assert C == Bt + 64 and fill == ep.GAMMA * Bt + 64 and lut.shape[2] >= fill
+    used = lut[0, 0, :fill].long()
+    assert (used.diff() >= 0).all() and used[0] == 0 and used[-1] == C - 1 and (lut[0, 0, fill:] == -1).all()
+    assert torch.equal(entry_start[0, 0].long(), torch.searchsorted(used, torch.arange(C)))
+    size = torch.bincount(used, minlength=C)
+    assert (size[Bt - ep.WINDOW:] == 1).all() and torch.equal(slot_pos[0, 0, Bt:], cpos)
+    assert (key_scale[0, 0, :fill][size[used] == 1] == 1).all()
+    out, _ = xa.reference_expanded_attention(*args, ep.D**-0.5)
+    assert ep.dense_check(args, out, ep.D**-0.5) < 1e-2
+    assert ep.dense_check(args, torch.zeros_like(out), ep.D**-0.5) > 1e-2
+    knobs = set(inspect.signature(xa._launch_config).parameters) | {"prefill_kernel"}
+    assert all(set(t) <= knobs for t in ep.EXPANDED.values())
+    assert all(set(t) <= set(inspect.signature(_ems_fold_kernels._stats_launch).parameters) for t in ep.FOLD.values())
+    red = set(inspect.signature(ems_redundancy.triton_ems_redundancy).parameters)
+    assert all(set(t) <= red for t in ep.REDUNDANCY.values())

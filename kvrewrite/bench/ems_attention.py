@@ -49,6 +49,25 @@ def sizes(n, budget=0.2, gamma=4, window=32, interval=32, chunk=256, decode=128)
     return Bt, C, int(gamma * Bt), math.ceil(gamma * C)  # Bt, C, slot_fill = R_max, R
 
 
+def shared_slots(rows, n_entries, n_shared, extra, R, gen, dev):
+    """(entry_start [rows, n_entries] int32, lut and key_scale [rows, R]) of a slot table in entry order: every entry
+    holds one slot, and `extra` more fall on the first n_shared entries (a multinomial share); a merged entry's slots
+    get key scales in [0.5, 1.5), the others 1; slots past n_entries + extra are free (lut -1, scale 1)."""
+    n_slots = n_entries + extra
+    counts = torch.zeros(rows, n_entries, dtype=torch.int64, device=dev)
+    counts.scatter_add_(1, torch.randint(0, n_shared, (rows, extra), device=dev, generator=gen),
+                        torch.ones(rows, extra, dtype=torch.int64, device=dev))
+    size = counts + 1
+    start = torch.cumsum(size, 1) - size
+    j = torch.arange(R, device=dev).expand(rows, R).contiguous()
+    lut = (torch.searchsorted(start, j, right=True) - 1).int()
+    lut[:, n_slots:] = -1
+    merged = size.gather(1, lut.clamp_min(0).long()) > 1
+    key_scale = torch.where(merged, 0.5 + torch.rand(rows, R, device=dev, generator=gen), 1.0)
+    key_scale[:, n_slots:] = 1.0
+    return start.int(), lut, key_scale
+
+
 def expanded_set(B, n, gen):
     """One input set of the expanded attention (module docstring)."""
     Bt, C, n_slots, R = sizes(n)
@@ -60,20 +79,10 @@ def expanded_set(B, n, gen):
     bias = torch.full((B, HKV, C), -math.inf, device=dev)
     bias[..., :Bt] = 0.0
     slot_pos = torch.arange(C, device=dev).expand(B, HKV, C).contiguous()
-    extra = n_slots - Bt  # slots beyond one per entry, shared among the non-window entries
-    counts = torch.zeros(rows, Bt, dtype=torch.int64, device=dev)
-    counts.scatter_add_(1, torch.randint(0, Bt - 32, (rows, extra), device=dev, generator=gen),
-                        torch.ones(rows, extra, dtype=torch.int64, device=dev))
-    size = counts + 1
-    start = torch.cumsum(size, 1) - size
+    # slots beyond one per entry, shared among the non-window entries
+    start, lut, key_scale = shared_slots(rows, Bt, Bt - 32, n_slots - Bt, R, gen, dev)
     entry_start = torch.zeros(rows, C, dtype=torch.int32, device=dev)
-    entry_start[:, :Bt] = start.int()
-    j = torch.arange(R, device=dev).expand(rows, R).contiguous()
-    lut = (torch.searchsorted(start, j, right=True) - 1).int()
-    lut[:, n_slots:] = -1
-    merged = size.gather(1, lut.clamp_min(0).long()) > 1
-    key_scale = torch.where(merged, 0.5 + torch.rand(rows, R, device=dev, generator=gen), 1.0)
-    key_scale[:, n_slots:] = 1.0
+    entry_start[:, :Bt] = start
     slot_fill = torch.full((B, HKV), n_slots, dtype=torch.int64, device=dev)
     cpos = torch.tensor([n + 127], device=dev)
     return (q, keys, values, bias, slot_pos, cpos, entry_start.view(B, HKV, C), lut.view(B, HKV, R),

@@ -1,0 +1,227 @@
+"""EMS's three prefill kernels at one late prefill chunk of a batch, with their launch variants, next to
+clustered_attention's prefill kernel over the same entries.
+
+    python -m kvrewrite.bench.ems_prefill [--batch 8] [--context 32768] [--chunk 2048] [--out s.json] [--quick]
+                                         [--kernels expanded,fold,redundancy]
+
+Why: a batch-8 32k EMS prefill took 3.9x the dense prefill on an H200 (stop 42's profile: the expanded attention
+forward 21.5 s, its statistics fold 9.1 s and the redundancy 7.6 s of 43.9 s), where kvmerger's prefill of the
+same shape spent 3.3 s in clustered_attention's prefill kernel (docs/bench.md "Stop 42 runs").
+
+The state (Llama-3.1-8B layout: Hq 32, Hkv 8, D 128, bf16; budget 0.2, gamma 4): a row holds Bt = 0.2 (n + 320)
+entries from the compressions so far (positions ascending below n - chunk; the last 32 the window, one slot
+each; the others share the slots up to gamma * Bt, one each plus a multinomial share of the rest, key scales in
+[0.5, 1.5) for merged ones) and the chunk's fresh entries (positions n - chunk .. n - 1, one slot each); the chunk's
+queries sit at those positions. Timed, each a median of triton's do_bench (warm L2: compute-bound kernels):
+- expanded: expanded_attention.launch_expanded_forward, causal (past_only False): its prefill kernel and the
+  per-entry kernel, with their launch variants; the default is checked against a float32 attention over the
+  materialised expanded keys of row (0, 0) and every variant against the default;
+- clustered_C: clustered_attention's prefill kernels (_prefill_attention_kernels.launch_prefill) over the same
+  entries with one slot each (what the attention would cost without the expansion);
+- fold: ems_attention's prefill statistics fold (_ems_fold_kernels.launch_prefill_fold) with its variants (fresh
+  state copies each call), s_glo checked against the default's;
+- redundancy: ems_redundancy's Triton launch at the chunk's compression (window 32, Bt - 32 centres, the chunk's
+  entries to be merged, pre-RoPE keys), dest checked against the default's.
+"""
+import argparse
+import json
+import math
+
+import torch
+from torch._library.triton import set_wrap_triton_enabled
+
+import kvrewrite  # noqa: F401  (registers the ops)
+from kvrewrite.bench.attention import _bench_ms, start_run
+from kvrewrite.bench.ems_attention import shared_slots
+from kvrewrite.kernels import _ems_fold_kernels as fold
+from kvrewrite.kernels import _prefill_attention_kernels as pk
+from kvrewrite.kernels import ems_redundancy as er
+from kvrewrite.kernels import expanded_attention as xa
+
+HQ, HKV, D, DTYPE, GAMMA, WINDOW = 32, 8, 128, torch.bfloat16, 4, 32
+EXPANDED = {  # name -> launch_expanded_forward overrides; "per_entry*": the decode kernel's per-entry walk
+    "default": {},  # the prefill kernel's 128 x 32 tiles, 4 warps (16-bit, D <= 128)
+    "64x64": dict(block_m=64, block_n=64),
+    "64x32": dict(block_m=64, block_n=32),
+    "128x64_w8": dict(block_n=64, num_warps=8),
+    "128x32_w8": dict(num_warps=8),
+    "128x32_stages3": dict(num_stages=3),
+    "128x16": dict(block_n=16),
+    "per_entry": dict(prefill_kernel=False),
+    "per_entry_cumsum": dict(prefill_kernel=False, scatter="cumsum"),
+}
+FOLD = {
+    "default": {},
+    "bm64": dict(block_m=64),
+    "bm64_w8": dict(block_m=64, num_warps=8),
+    "bm128_w8": dict(block_m=128, num_warps=8),
+    "bj64_bm64": dict(block_j=64, block_m=64),
+    "bj64": dict(block_j=64),
+    "stages3": dict(num_stages=3),
+}
+REDUNDANCY = {
+    "default": {},
+    "bt64": dict(block_t=64),
+    "bt64_w8": dict(block_t=64, num_warps=8),
+    "bt128_w8": dict(block_t=128, num_warps=8),
+    "bn128": dict(block_n=128),
+    "bt64_bn128_w8": dict(block_t=64, block_n=128, num_warps=8),
+    "splits1": dict(splits=1),
+    "splits8": dict(splits=8),
+}
+QUICK = {"expanded": ("default", "per_entry"), "fold": ("default", "bm64"), "redundancy": ("default", "bt64")}
+
+
+def prefill_state(B, n, chunk, gen, dev="cuda"):
+    """The expanded attention's inputs at the chunk (module docstring) and Bt."""
+    Bt = int(0.2 * (n + 320))
+    C = Bt + chunk
+    rows = B * HKV
+    old_slots = GAMMA * Bt
+    n_slots = old_slots + chunk
+    R = math.ceil(GAMMA * (Bt + 31 + chunk))
+    q = torch.randn(B, HQ, chunk, D, device=dev, generator=gen).to(DTYPE)
+    keys = torch.randn(B, HKV, C, D, device=dev, generator=gen).to(DTYPE)
+    values = torch.randn(B, HKV, C, D, device=dev, generator=gen).to(DTYPE)
+    bias = torch.zeros(B, HKV, C, device=dev)
+    old_pos = torch.sort(torch.randperm(n - chunk, device=dev, generator=gen)[:Bt]).values
+    pos = torch.cat([old_pos, torch.arange(n - chunk, n, device=dev)])
+    slot_pos = pos.expand(B, HKV, C).contiguous()
+    start, lut, key_scale = shared_slots(rows, C, Bt - WINDOW, old_slots - Bt, R, gen, dev)
+    slot_fill = torch.full((B, HKV), n_slots, dtype=torch.int64, device=dev)
+    cpos = torch.arange(n - chunk, n, device=dev)
+    return (q, keys, values, bias, slot_pos, cpos, start.view(B, HKV, C), lut.view(B, HKV, R),
+            key_scale.view(B, HKV, R), slot_fill), Bt
+
+
+def dense_check(args, out, scale):
+    """Max abs error of out[0, :G] against a float32 attention over row (0, 0)'s materialised expanded keys."""
+    q, keys, values, bias, slot_pos, cpos, _, lut, key_scale, slot_fill = args
+    G = HQ // HKV
+    fill = int(slot_fill[0, 0])
+    e = lut[0, 0, :fill].long()
+    k = keys[0, 0, e].float() * key_scale[0, 0, :fill, None]
+    v = values[0, 0, e].float()
+    vis = (slot_pos[0, 0, e][None, :] <= cpos[:, None]) & (bias[0, 0, e] > -math.inf)[None, :]
+    s = (q[0, :G].float() @ k.T) * scale
+    ref = torch.softmax(s.masked_fill(~vis, -math.inf), dim=-1) @ v
+    return (out[0, :G].float() - ref).abs().max().item()
+
+
+def _time(fn):
+    with set_wrap_triton_enabled(False):  # the kernels themselves, as the ops' eager paths launch them
+        fn()
+        torch.cuda.synchronize()
+        return _bench_ms(fn)
+
+
+def run(B, n, chunk, quick, kernels=("expanded", "fold", "redundancy")):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    args, Bt = prefill_state(B, n, chunk, gen)
+    scale = D**-0.5
+    row = dict(batch=B, context=n, chunk=chunk, Bt=Bt, C=int(args[1].shape[2]), slots=int(args[-1][0, 0]),
+               R=int(args[7].shape[2]))
+    def pick(table, kind):
+        if kind not in kernels:
+            return {"default": table["default"]}
+        return {k: table[k] for k in QUICK[kind]} if quick else table
+
+    # -- the expanded forward -------------------------------------------------------------------------------------
+    with set_wrap_triton_enabled(False):
+        base, base_lse = xa.launch_expanded_forward(*args, scale, False, 0.0)
+    row["expanded_dense_err"] = dense_check(args, base, scale)
+    res = {}
+    for name, tuning in pick(EXPANDED, "expanded").items():
+        try:
+            with set_wrap_triton_enabled(False):
+                out, lse = xa.launch_expanded_forward(*args, scale, False, 0.0, **tuning)
+            err = (out.float() - base.float()).abs().max().item()
+            ms = _time(lambda t=tuning: xa.launch_expanded_forward(*args, scale, False, 0.0, **t))
+            res[name] = dict(ms=ms, err_vs_default=err, lse_err=(lse - base_lse).abs().max().item())
+        except Exception as e:  # noqa: BLE001  (a variant that does not compile, e.g. out of shared memory)
+            res[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+        print(f"  expanded {name:10s} {res[name]}", flush=True)
+    row["expanded"] = res
+
+    # -- clustered_attention's prefill kernels over the same entries, one slot each ----------------------------------
+    q, keys, values, bias, slot_pos, cpos = args[:6]
+    row["clustered_C_ms"] = _time(lambda: pk.launch_prefill(q, keys, values, bias, slot_pos, cpos, 0,
+                                                            scale * 1.4426950408889634, 0.0, 0.0, None))
+    print(f"  clustered over C entries {row['clustered_C_ms']:.3f} ms", flush=True)
+
+    # -- the statistics fold -----------------------------------------------------------------------------------------
+    lut, key_scale, slot_fill = args[7], args[8], args[9]
+    R = lut.shape[2]
+    state0 = [torch.rand(B, HKV, R, device="cuda") for _ in range(3)] + [torch.zeros(B, HKV, dtype=torch.int64,
+                                                                                     device="cuda")]
+
+    def fold_call(tuning):
+        st = [t.clone() for t in state0]
+        fold.launch_prefill_fold(q, keys, bias, slot_pos, cpos, lut, key_scale, slot_fill, base_lse, *st, scale,
+                                 WINDOW, 0.0, **tuning)
+        return st
+
+    ref = fold_call({})[0]
+    res = {}
+    for name, tuning in pick(FOLD, "fold").items():
+        try:
+            got = fold_call(tuning)[0]
+            err = ((got - ref).abs() / ref.abs().clamp_min(1e-3)).max().item()
+            res[name] = dict(ms=_time(lambda t=tuning: fold_call(t)), rel_err_vs_default=err)
+        except Exception as e:  # noqa: BLE001
+            res[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+        print(f"  fold {name:10s} {res[name]}", flush=True)
+    row["fold"] = res
+    row["fold_clone_ms"] = _time(lambda: [t.clone() for t in state0])
+
+    # -- the redundancy at the chunk's compression ---------------------------------------------------------------------
+    C = keys.shape[2]
+    cls = torch.full((B, HKV, C), 3, dtype=torch.int32, device="cuda")
+    cls[..., :Bt - WINDOW] = 2
+    cls[..., Bt - WINDOW:Bt] = 1
+    raw = torch.randn(B, HKV, C, D, device="cuda", generator=gen).to(DTYPE)
+    due = torch.ones(B, HKV, dtype=torch.bool, device="cuda")
+    ref = er.triton_ems_redundancy(keys, values, raw, cls, due, 0.6)
+    res = {}
+    for name, tuning in pick(REDUNDANCY, "redundancy").items():
+        try:
+            got = er.triton_ems_redundancy(keys, values, raw, cls, due, 0.6, **tuning)
+            res[name] = dict(ms=_time(lambda t=tuning: er.triton_ems_redundancy(keys, values, raw, cls, due, 0.6, **t)),
+                             dest_diffs=int((got != ref).sum()))
+        except Exception as e:  # noqa: BLE001
+            res[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+        print(f"  redundancy {name:10s} {res[name]}", flush=True)
+    row["redundancy"] = res
+    row["merged_share"] = float((ref[..., Bt:] >= 0).float().mean())
+
+    # -- the redundancy at a decode-time compression: 32 entries to be merged per row ---------------------------------
+    cls[..., Bt + WINDOW:] = 0
+    res = {}
+    for name in ("default", "bt64", "bt128_w8"):
+        res[name] = dict(ms=_time(lambda t=REDUNDANCY[name]: er.triton_ems_redundancy(keys, values, raw, cls, due, 0.6,
+                                                                                       **t)))
+    print(f"  redundancy at decode (32 per row) {res}", flush=True)
+    row["redundancy_decode"] = res
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--quick", action="store_true", help="the default and one or two variants per kernel")
+    parser.add_argument("--kernels", default="expanded,fold,redundancy",
+                        help="the kernels whose variants run (the others: their default only)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    env, copy = start_run()
+    row = run(args.batch, args.context, args.chunk, args.quick, tuple(args.kernels.split(",")))
+    print(json.dumps({k: v for k, v in row.items() if not isinstance(v, dict)}), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(env=env, copy_gbps=copy, rows=[row]), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
