@@ -58,6 +58,10 @@ FOLD = {
     "bj64_bm64": dict(block_j=64, block_m=64),
     "bj64": dict(block_j=64),
     "stages3": dict(num_stages=3),
+    "acc2d": dict(acc2d=True),  # _ems_fold_kernels.ACC2D: one reduction over the queries per head
+    "acc2d_w8": dict(acc2d=True, num_warps=8),
+    "acc2d_bj64": dict(acc2d=True, block_j=64),
+    "acc2d_bm64_w8": dict(acc2d=True, block_m=64, num_warps=8),
 }
 REDUNDANCY = {
     "default": {},
@@ -69,7 +73,7 @@ REDUNDANCY = {
     "splits1": dict(splits=1),
     "splits8": dict(splits=8),
 }
-QUICK = {"expanded": ("default", "per_entry"), "fold": ("default", "bm64"), "redundancy": ("default", "bt64")}
+QUICK = {"expanded": ("default", "per_entry"), "fold": ("default", "acc2d"), "redundancy": ("default", "bt64")}
 
 
 def prefill_state(B, n, chunk, gen, dev="cuda"):

@@ -103,6 +103,7 @@ def _stats_kernel(
     Hkv, G, T, R, D, first_recent, scale, softcap,
     BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
     FP32: tl.constexpr, SOFTCAP: tl.constexpr, FOLD: tl.constexpr,
+    ACC2D: tl.constexpr,  # sum p over the query blocks elementwise, reduce over the queries once per head (ACC2D)
 ):
     pid_j = tl.program_id(0)
     pid_r = tl.program_id(1)
@@ -124,6 +125,7 @@ def _stats_kernel(
         hq = h * G + g
         total = tl.zeros([BLOCK_J], dtype=tl.float32)
         recent = tl.zeros([BLOCK_J], dtype=tl.float32)
+        total_2d = tl.zeros([BLOCK_M, BLOCK_J], dtype=tl.float32)
         for t0 in range(0, T, BLOCK_M):
             offs_t = t0 + tl.arange(0, BLOCK_M)
             t_ok = offs_t < T
@@ -142,8 +144,18 @@ def _stats_kernel(
                 z = _cap((qk * scale).to(tl.float32) * a[None, :], softcap, SOFTCAP)
                 vis = live[None, :] & (pos[None, :] <= qpos[:, None]) & (lse > float("-inf"))[:, None]
                 p = tl.where(vis, tl.exp2((z - lse[:, None]) * 1.4426950408889634), 0.0)
-                total += tl.sum(p, axis=0)
-                recent += tl.sum(tl.where((offs_t >= first_recent)[:, None], p, 0.0), axis=0)
+                if ACC2D:
+                    if t0 + BLOCK_M > first_recent:  # the block holds some of the last `last` queries
+                        is_rec = (offs_t >= first_recent)[:, None]
+                        recent += tl.sum(tl.where(is_rec, p, 0.0), axis=0)
+                        total_2d += tl.where(is_rec, 0.0, p)
+                    else:
+                        total_2d += p
+                else:
+                    total += tl.sum(p, axis=0)
+                    recent += tl.sum(tl.where((offs_t >= first_recent)[:, None], p, 0.0), axis=0)
+        if ACC2D:  # the older queries' sum plus the recent ones': recent == total exactly when every query is recent
+            total = tl.sum(total_2d, axis=0) + recent
         if FOLD:
             tot += total
             rec += recent
@@ -218,6 +230,14 @@ def _win_count_kernel(WIN, rows, l_win, BLOCK: tl.constexpr):
     tl.store(WIN + offs, tl.where(n == l_win, 0, n), mask=ok)
 
 
+# The statistics kernel reduces each query block's p over its queries into the per-slot sums (two cross-thread
+# reductions per block and head). ACC2D adds the older queries' p into a [BLOCK_M, BLOCK_J] accumulator instead,
+# reduced once per head, and reduces only the blocks that hold recent queries: the same sums in another fp32 order
+# (total = older + recent, so recent == total exactly when every query is recent, as without it).
+# Unmeasured: off until `python -m kvrewrite.bench.ems_prefill --kernels fold` times it (its `acc2d` variants).
+ACC2D = False
+
+
 def stats_config(T: int, D: int, block_j=None, block_m=None, num_warps=None, num_stages=None) -> dict:
     """Tile sizes from the shapes alone (one fixed launch for CUDA graphs); the knobs override them."""
     block_d = max(16, triton.next_power_of_2(D))
@@ -231,7 +251,7 @@ def stats_config(T: int, D: int, block_j=None, block_m=None, num_warps=None, num
 
 
 def _stats_launch(q, keys, bias, slot_pos, cache_position, lut, key_scale, slot_fill, lse, scale, last, softcap,
-                  out_tot, out_rec, fold_state, block_j, block_m, num_warps=None, num_stages=None):
+                  out_tot, out_rec, fold_state, block_j, block_m, num_warps=None, num_stages=None, acc2d=None):
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, R = int(keys.shape[1]), int(lut.shape[2])
     cfg = stats_config(T, D, block_j, block_m, num_warps, num_stages)
@@ -244,12 +264,13 @@ def _stats_launch(q, keys, bias, slot_pos, cache_position, lut, key_scale, slot_
         *slot_fill.stride(), *lse.stride(), *s_glo.stride(), *(win.stride() if fold else (0, 0)),
         Hkv, Hq // Hkv, T, R, D, T - min(last, T), float(scale), float(softcap),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_J=cfg["BLOCK_J"], BLOCK_D=cfg["BLOCK_D"], FP32=q.dtype == torch.float32,
-        SOFTCAP=softcap > 0, FOLD=fold, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SOFTCAP=softcap > 0, FOLD=fold, ACC2D=ACC2D if acc2d is None else acc2d, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
 
 
 def launch_stats(q, keys, bias, slot_pos, cache_position, lut, key_scale, slot_fill, lse, scale, last, softcap,
-                 block_j=None, block_m=None):
+                 block_j=None, block_m=None, **knobs):
     """(total, recent) [B, Hq, R] fp32 of kvrewrite::expanded_attention_stats (no checks: the op checks)."""
     B, Hq, T, _ = q.shape
     R = lut.shape[2]
@@ -260,7 +281,7 @@ def launch_stats(q, keys, bias, slot_pos, cache_position, lut, key_scale, slot_f
     if T == 0:
         return total.zero_(), recent.zero_()
     _stats_launch(q, keys, bias, slot_pos, cache_position, lut, key_scale, slot_fill, lse, scale, last, softcap,
-                  total, recent, None, block_j, block_m)
+                  total, recent, None, block_j, block_m, **knobs)
     return total, recent
 
 

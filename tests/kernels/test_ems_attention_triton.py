@@ -28,12 +28,12 @@ CACHE_APPEND = torch.ops.kvrewrite.cache_append.default
 EMS_APPEND = torch.ops.kvrewrite.ems_append.default
 
 
-def both(st, q, s, win_count, past_only, l_win, softcap=0.0):
+def both(st, q, s, win_count, past_only, l_win, softcap=0.0, **knobs):
     """Runs the kernel path on s / win_count and the reference on copies; returns the reference's (out, s, wc)."""
     s_ref, wc_ref = [x.clone() for x in s], win_count.clone()
     scale = q.shape[-1] ** -0.5
     args = st.attention_args(q)[:9]
-    out = triton_ems_attention(*args, *s, st.slot_fill, win_count, scale, past_only, softcap, l_win, **SMALL)
+    out = triton_ems_attention(*args, *s, st.slot_fill, win_count, scale, past_only, softcap, l_win, **SMALL, **knobs)
     want = reference_ems_attention(*args, *s_ref, st.slot_fill, wc_ref, scale, past_only, softcap, l_win)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)  # the reference forward or the Triton one
     for name, got, ref in zip(("s_glo", "s_loc_past", "s_loc_cur"), s, s_ref):
@@ -42,10 +42,11 @@ def both(st, q, s, win_count, past_only, l_win, softcap=0.0):
     return s_ref
 
 
+@pytest.mark.parametrize("acc2d", [False, True], ids=["acc1d", "acc2d"])
 @pytest.mark.parametrize("Hq, Hkv", [(4, 2), (3, 1)], ids=["G2", "MQA"])
-def test_prefill_fold(Hq, Hkv):
+def test_prefill_fold(Hq, Hkv, acc2d):
     """T = 20 > l_win = 6: s_glo grows, s_loc_past := the last 6 queries (NaN-poisoned before), s_loc_cur := 0
-    (NaN-poisoned before), win_count := 0; against the naive model too."""
+    (NaN-poisoned before), win_count := 0; against the naive model too; both sums over the queries (ACC2D)."""
     g = torch.Generator().manual_seed(0)
     B, C, R, D, T, l_win = 2, 31, 45, 16, 20, 6
     st = make_state(B, Hkv, C, R, D, T, torch.float32, g, prefill=True, dead=True)
@@ -53,7 +54,7 @@ def test_prefill_fold(Hq, Hkv):
     glo0 = torch.rand(B, Hkv, R, generator=g)
     s = (glo0.clone(), torch.full((B, Hkv, R), float("nan")), torch.full((B, Hkv, R), float("nan")))
     win_count = torch.tensor([[5] * Hkv, [2] * Hkv])
-    both(st, q, s, win_count, False, l_win)
+    both(st, q, s, win_count, False, l_win, acc2d=acc2d)
     p = naive_expanded(st, q, D**-0.5)[2].view(B, Hkv, Hq // Hkv, T, R).sum(dim=2)
     torch.testing.assert_close(s[0].double(), glo0.double() + p.sum(dim=2), **TOL)
     torch.testing.assert_close(s[1].double(), p[:, :, T - l_win:].sum(dim=2), **TOL)

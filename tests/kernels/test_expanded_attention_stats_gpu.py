@@ -90,22 +90,23 @@ def to_cuda(st):
     return st
 
 
-def run(st, q, last, past_only, softcap=0.0):
+def run(st, q, last, past_only, softcap=0.0, **knobs):
     scale = q.shape[-1] ** -0.5
     _, lse = reference_expanded_attention(*st.attention_args(q), scale, past_only, softcap)
-    got = triton_expanded_attention_stats(*st.stats_args(q, lse), scale, last, past_only, softcap)
+    got = triton_expanded_attention_stats(*st.stats_args(q, lse), scale, last, past_only, softcap, **knobs)
     want = reference_expanded_attention_stats(*st.stats_args(q, lse), scale, last, past_only, softcap)
     return got, want
 
 
+@pytest.mark.parametrize("acc2d", [False, True], ids=["acc1d", "acc2d"])  # _ems_fold_kernels.ACC2D
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("case", CASES)
-def test_matches_reference(case, dtype):
+def test_matches_reference(case, dtype, acc2d):
     st, q, past_only = state(case, dtype)
     st, q = to_cuda(st), q.cuda()
     T = q.shape[2]
     for last in (0, 13, T + 50):  # T + 50: clamped to T, recent == total
-        (total, recent), (ref_t, ref_r) = run(st, q, last, past_only)
+        (total, recent), (ref_t, ref_r) = run(st, q, last, past_only, acc2d=acc2d)
         assert total.dtype == recent.dtype == torch.float32 and total.shape == ref_t.shape
         torch.testing.assert_close(total, ref_t, **TOL)
         torch.testing.assert_close(recent, ref_r, **TOL)

@@ -46,10 +46,11 @@ def state(B, Hq, Hkv, C, R, D, T, prefill, seed, **opts):
     return st, torch.randn(B, Hq, T, D, generator=g)
 
 
-def check(st, q, last, past_only=False, softcap=0.0):
+def check(st, q, last, past_only=False, softcap=0.0, **knobs):
     scale = q.shape[-1] ** -0.5
     _, lse = reference_expanded_attention(*st.attention_args(q), scale, past_only, softcap)
-    total, recent = triton_expanded_attention_stats(*st.stats_args(q, lse), scale, last, past_only, softcap, **SMALL)
+    total, recent = triton_expanded_attention_stats(*st.stats_args(q, lse), scale, last, past_only, softcap, **SMALL,
+                                                    **knobs)
     ref_t, ref_r = reference_expanded_attention_stats(*st.stats_args(q, lse), scale, last, past_only, softcap)
     torch.testing.assert_close(total, ref_t, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(recent, ref_r, atol=1e-6, rtol=1e-5)
@@ -70,12 +71,15 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("acc2d", [False, True], ids=["acc1d", "acc2d"])
 @pytest.mark.parametrize("last", [3, 40], ids=["last3", "last-past-T"])
 @pytest.mark.parametrize("case", CASES)
-def test_matches_reference_and_naive(case, last):
+def test_matches_reference_and_naive(case, last, acc2d):
+    """Both sums over the queries (_ems_fold_kernels.ACC2D); last = 3 leaves the first 16-query block without a
+    recent query (ACC2D skips its recent sum)."""
     B, Hq, Hkv, C, R, D, T, prefill, opts = CASES[case]
     st, q = state(B, Hq, Hkv, C, R, D, T, prefill, seed=1, **opts)
-    total = check(st, q, last, past_only=not prefill)
+    total = check(st, q, last, past_only=not prefill, acc2d=acc2d)
     if case == "nothing-visible":
         assert (total[0] == 0).all()
 
