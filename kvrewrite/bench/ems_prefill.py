@@ -62,6 +62,10 @@ FOLD = {
     "acc2d_w8": dict(acc2d=True, num_warps=8),
     "acc2d_bj64": dict(acc2d=True, block_j=64),
     "acc2d_bm64_w8": dict(acc2d=True, block_m=64, num_warps=8),
+    "trans": dict(trans=True),  # _ems_fold_kernels.TRANS: scores as [slots, queries]
+    "trans_acc2d": dict(trans=True, acc2d=True),
+    "trans_bm64": dict(trans=True, block_m=64),
+    "trans_bm64_w8": dict(trans=True, block_m=64, num_warps=8),
 }
 REDUNDANCY = {
     "default": {},
@@ -73,7 +77,7 @@ REDUNDANCY = {
     "splits1": dict(splits=1),
     "splits8": dict(splits=8),
 }
-QUICK = {"expanded": ("default", "per_entry"), "fold": ("default", "acc2d"), "redundancy": ("default", "bt64")}
+QUICK = {"expanded": ("default", "per_entry"), "fold": ("default", "acc2d", "trans"), "redundancy": ("default", "bt64")}
 
 
 def prefill_state(B, n, chunk, gen, dev="cuda"):

@@ -104,6 +104,7 @@ def _stats_kernel(
     BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
     FP32: tl.constexpr, SOFTCAP: tl.constexpr, FOLD: tl.constexpr,
     ACC2D: tl.constexpr,  # sum p over the query blocks elementwise, reduce over the queries once per head (ACC2D)
+    TRANS: tl.constexpr,  # the scores as [slots, queries] (k @ qᵀ): the sums over the queries run along a row (TRANS)
 ):
     pid_j = tl.program_id(0)
     pid_r = tl.program_id(1)
@@ -125,7 +126,10 @@ def _stats_kernel(
         hq = h * G + g
         total = tl.zeros([BLOCK_J], dtype=tl.float32)
         recent = tl.zeros([BLOCK_J], dtype=tl.float32)
-        total_2d = tl.zeros([BLOCK_M, BLOCK_J], dtype=tl.float32)
+        if TRANS:
+            total_2d = tl.zeros([BLOCK_J, BLOCK_M], dtype=tl.float32)
+        else:
+            total_2d = tl.zeros([BLOCK_M, BLOCK_J], dtype=tl.float32)
         for t0 in range(0, T, BLOCK_M):
             offs_t = t0 + tl.arange(0, BLOCK_M)
             t_ok = offs_t < T
@@ -135,27 +139,37 @@ def _stats_kernel(
                             + offs_d[None, :] * stride_qd, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
                 lse = tl.load(LSE + b * stride_eb + hq * stride_eh + offs_t * stride_et, mask=t_ok,
                               other=float("-inf"))
-                if FP32:
-                    qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    qk = tl.dot(q, tl.trans(k))  # 16-bit products are exact, sums fp32
                 # s_e = scale·q·k, then a_j·s_e, then the cap: the reference's order (the cast: Inductor may hand
-                # scale over as an fp64 scalar)
-                z = _cap((qk * scale).to(tl.float32) * a[None, :], softcap, SOFTCAP)
-                vis = live[None, :] & (pos[None, :] <= qpos[:, None]) & (lse > float("-inf"))[:, None]
-                p = tl.where(vis, tl.exp2((z - lse[:, None]) * 1.4426950408889634), 0.0)
+                # scale over as an fp64 scalar); 16-bit products are exact, sums fp32
+                if TRANS:  # [BLOCK_J, BLOCK_M]: slots down, queries across
+                    if FP32:
+                        qk = tl.dot(k, tl.trans(q), input_precision="ieee")
+                    else:
+                        qk = tl.dot(k, tl.trans(q))
+                    z = _cap((qk * scale).to(tl.float32) * a[:, None], softcap, SOFTCAP)
+                    vis = live[:, None] & (pos[:, None] <= qpos[None, :]) & (lse > float("-inf"))[None, :]
+                    p = tl.where(vis, tl.exp2((z - lse[None, :]) * 1.4426950408889634), 0.0)
+                    is_rec = (offs_t >= first_recent)[None, :]
+                else:  # [BLOCK_M, BLOCK_J]: queries down, slots across
+                    if FP32:
+                        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+                    else:
+                        qk = tl.dot(q, tl.trans(k))
+                    z = _cap((qk * scale).to(tl.float32) * a[None, :], softcap, SOFTCAP)
+                    vis = live[None, :] & (pos[None, :] <= qpos[:, None]) & (lse > float("-inf"))[:, None]
+                    p = tl.where(vis, tl.exp2((z - lse[:, None]) * 1.4426950408889634), 0.0)
+                    is_rec = (offs_t >= first_recent)[:, None]
                 if ACC2D:
                     if t0 + BLOCK_M > first_recent:  # the block holds some of the last `last` queries
-                        is_rec = (offs_t >= first_recent)[:, None]
-                        recent += tl.sum(tl.where(is_rec, p, 0.0), axis=0)
+                        recent += tl.sum(tl.where(is_rec, p, 0.0), axis=1 if TRANS else 0)
                         total_2d += tl.where(is_rec, 0.0, p)
                     else:
                         total_2d += p
                 else:
-                    total += tl.sum(p, axis=0)
-                    recent += tl.sum(tl.where((offs_t >= first_recent)[:, None], p, 0.0), axis=0)
+                    total += tl.sum(p, axis=1 if TRANS else 0)
+                    recent += tl.sum(tl.where(is_rec, p, 0.0), axis=1 if TRANS else 0)
         if ACC2D:  # the older queries' sum plus the recent ones': recent == total exactly when every query is recent
-            total = tl.sum(total_2d, axis=0) + recent
+            total = tl.sum(total_2d, axis=1 if TRANS else 0) + recent
         if FOLD:
             tot += total
             rec += recent
@@ -234,8 +248,13 @@ def _win_count_kernel(WIN, rows, l_win, BLOCK: tl.constexpr):
 # reductions per block and head). ACC2D adds the older queries' p into a [BLOCK_M, BLOCK_J] accumulator instead,
 # reduced once per head, and reduces only the blocks that hold recent queries: the same sums in another fp32 order
 # (total = older + recent, so recent == total exactly when every query is recent, as without it).
-# Unmeasured: off until `python -m kvrewrite.bench.ems_prefill --kernels fold` times it (its `acc2d` variants).
+# TRANS computes the scores as k @ qᵀ ([slots, queries]: the slots fill the MMA's M side, whatever the query block)
+# so that the sums over the queries run along each thread's row; compiled for sm_90 here (bf16, D 128, 32-query
+# blocks, 128 slots, 4 warps, FOLD) it takes 163 registers a thread where the default takes 255 (191 with ACC2D
+# too; ACC2D alone 255). Both unmeasured: off until `python -m
+# kvrewrite.bench.ems_prefill --kernels fold` times them (its `acc2d` and `trans` variants).
 ACC2D = False
+TRANS = False
 
 
 def stats_config(T: int, D: int, block_j=None, block_m=None, num_warps=None, num_stages=None) -> dict:
@@ -251,7 +270,8 @@ def stats_config(T: int, D: int, block_j=None, block_m=None, num_warps=None, num
 
 
 def _stats_launch(q, keys, bias, slot_pos, cache_position, lut, key_scale, slot_fill, lse, scale, last, softcap,
-                  out_tot, out_rec, fold_state, block_j, block_m, num_warps=None, num_stages=None, acc2d=None):
+                  out_tot, out_rec, fold_state, block_j, block_m, num_warps=None, num_stages=None, acc2d=None,
+                  trans=None):
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, R = int(keys.shape[1]), int(lut.shape[2])
     cfg = stats_config(T, D, block_j, block_m, num_warps, num_stages)
@@ -264,8 +284,8 @@ def _stats_launch(q, keys, bias, slot_pos, cache_position, lut, key_scale, slot_
         *slot_fill.stride(), *lse.stride(), *s_glo.stride(), *(win.stride() if fold else (0, 0)),
         Hkv, Hq // Hkv, T, R, D, T - min(last, T), float(scale), float(softcap),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_J=cfg["BLOCK_J"], BLOCK_D=cfg["BLOCK_D"], FP32=q.dtype == torch.float32,
-        SOFTCAP=softcap > 0, FOLD=fold, ACC2D=ACC2D if acc2d is None else acc2d, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        SOFTCAP=softcap > 0, FOLD=fold, ACC2D=ACC2D if acc2d is None else acc2d,
+        TRANS=TRANS if trans is None else trans, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 

@@ -42,11 +42,11 @@ def both(st, q, s, win_count, past_only, l_win, softcap=0.0, **knobs):
     return s_ref
 
 
-@pytest.mark.parametrize("acc2d", [False, True], ids=["acc1d", "acc2d"])
+@pytest.mark.parametrize("knobs", [{}, dict(acc2d=True), dict(trans=True)], ids=["plain", "acc2d", "trans"])
 @pytest.mark.parametrize("Hq, Hkv", [(4, 2), (3, 1)], ids=["G2", "MQA"])
-def test_prefill_fold(Hq, Hkv, acc2d):
+def test_prefill_fold(Hq, Hkv, knobs):
     """T = 20 > l_win = 6: s_glo grows, s_loc_past := the last 6 queries (NaN-poisoned before), s_loc_cur := 0
-    (NaN-poisoned before), win_count := 0; against the naive model too; both sums over the queries (ACC2D)."""
+    (NaN-poisoned before), win_count := 0; against the naive model too; every form of the sums (ACC2D, TRANS)."""
     g = torch.Generator().manual_seed(0)
     B, C, R, D, T, l_win = 2, 31, 45, 16, 20, 6
     st = make_state(B, Hkv, C, R, D, T, torch.float32, g, prefill=True, dead=True)
@@ -54,7 +54,7 @@ def test_prefill_fold(Hq, Hkv, acc2d):
     glo0 = torch.rand(B, Hkv, R, generator=g)
     s = (glo0.clone(), torch.full((B, Hkv, R), float("nan")), torch.full((B, Hkv, R), float("nan")))
     win_count = torch.tensor([[5] * Hkv, [2] * Hkv])
-    both(st, q, s, win_count, False, l_win, acc2d=acc2d)
+    both(st, q, s, win_count, False, l_win, **knobs)
     p = naive_expanded(st, q, D**-0.5)[2].view(B, Hkv, Hq // Hkv, T, R).sum(dim=2)
     torch.testing.assert_close(s[0].double(), glo0.double() + p.sum(dim=2), **TOL)
     torch.testing.assert_close(s[1].double(), p[:, :, T - l_win:].sum(dim=2), **TOL)

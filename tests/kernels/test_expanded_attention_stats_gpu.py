@@ -98,15 +98,16 @@ def run(st, q, last, past_only, softcap=0.0, **knobs):
     return got, want
 
 
-@pytest.mark.parametrize("acc2d", [False, True], ids=["acc1d", "acc2d"])  # _ems_fold_kernels.ACC2D
+@pytest.mark.parametrize("knobs", [{}, dict(acc2d=True), dict(trans=True), dict(acc2d=True, trans=True)],
+                         ids=["plain", "acc2d", "trans", "acc2d-trans"])  # _ems_fold_kernels.ACC2D, TRANS
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("case", CASES)
-def test_matches_reference(case, dtype, acc2d):
+def test_matches_reference(case, dtype, knobs):
     st, q, past_only = state(case, dtype)
     st, q = to_cuda(st), q.cuda()
     T = q.shape[2]
     for last in (0, 13, T + 50):  # T + 50: clamped to T, recent == total
-        (total, recent), (ref_t, ref_r) = run(st, q, last, past_only, acc2d=acc2d)
+        (total, recent), (ref_t, ref_r) = run(st, q, last, past_only, **knobs)
         assert total.dtype == recent.dtype == torch.float32 and total.shape == ref_t.shape
         torch.testing.assert_close(total, ref_t, **TOL)
         torch.testing.assert_close(recent, ref_r, **TOL)

@@ -71,15 +71,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("acc2d", [False, True], ids=["acc1d", "acc2d"])
+@pytest.mark.parametrize("knobs", [{}, dict(acc2d=True), dict(trans=True), dict(acc2d=True, trans=True)],
+                         ids=["plain", "acc2d", "trans", "acc2d-trans"])
 @pytest.mark.parametrize("last", [3, 40], ids=["last3", "last-past-T"])
 @pytest.mark.parametrize("case", CASES)
-def test_matches_reference_and_naive(case, last, acc2d):
-    """Both sums over the queries (_ems_fold_kernels.ACC2D); last = 3 leaves the first 16-query block without a
-    recent query (ACC2D skips its recent sum)."""
+def test_matches_reference_and_naive(case, last, knobs):
+    """Every form of the sums over the queries (_ems_fold_kernels.ACC2D, TRANS); last = 3 leaves the first
+    16-query block without a recent query (ACC2D skips its recent sum)."""
     B, Hq, Hkv, C, R, D, T, prefill, opts = CASES[case]
     st, q = state(B, Hq, Hkv, C, R, D, T, prefill, seed=1, **opts)
-    total = check(st, q, last, past_only=not prefill, acc2d=acc2d)
+    total = check(st, q, last, past_only=not prefill, **knobs)
     if case == "nothing-visible":
         assert (total[0] == 0).all()
 
