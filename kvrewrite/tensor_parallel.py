@@ -76,17 +76,18 @@ def check_tp_method(method, tp: int, verify, tag: str) -> None:
                          f"(kvrewrite.verify(model)), then apply it with tp={tp}")
 
 
-def init_distributed(tp: int, device: torch.device):
+def init_distributed(tp: int, device: torch.device, tag: str = "kvrewrite.apply"):
     """The default process group, initialised from torchrun's environment if it is not yet ("nccl" for a model
-    on CUDA, "gloo" on the CPU); ValueError unless its world size is `tp`. Returns (rank, group name)."""
+    on CUDA, "gloo" on the CPU); ValueError unless its world size is `tp`. Returns (rank, group name). `tag`: the
+    caller the errors name (apply, or the export loader)."""
     import torch.distributed as dist
 
     if not dist.is_available():
-        raise RuntimeError(f"kvrewrite.apply(tp={tp}): this torch build has no torch.distributed")
+        raise RuntimeError(f"{tag}(tp={tp}): this torch build has no torch.distributed")
     if not dist.is_initialized():
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing:
-            raise RuntimeError(f"kvrewrite.apply(tp={tp}): torch.distributed is not initialised and {missing} are not "
+            raise RuntimeError(f"{tag}(tp={tp}): torch.distributed is not initialised and {missing} are not "
                                f"set: launch every rank with `torchrun --nproc-per-node {tp} ...` (or call "
                                f"torch.distributed.init_process_group first)")
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -97,8 +98,9 @@ def init_distributed(tp: int, device: torch.device):
         dist.init_process_group(backend, **kwargs)
     world = dist.get_world_size()
     if world != tp:
-        raise ValueError(f"kvrewrite.apply: tp={tp} but the torch.distributed world size is {world}: launch "
-                         f"`torchrun --nproc-per-node {tp}` or pass tp={world}")
+        raise ValueError(f"{tag}: tp={tp} but the torch.distributed world size is {world}: launch "
+                         f"`torchrun --nproc-per-node {tp}`" + (f" or pass tp={world}" if tag == "kvrewrite.apply"
+                                                                 else ""))
     return dist.get_rank(), dist.group.WORLD.group_name
 
 

@@ -17,7 +17,8 @@ Inside the ranks (apply initialises the group itself from torchrun's environment
   apply of the whole model; a share of another split, of another rank or left on the meta device is refused;
 - `kvrewrite bench --tp 2`'s CPU dry run (full and chelsea rows, tiny-llama): rank 0 writes the rows, rank 1 nothing;
 - refusals naming the numbers: indivisible KV heads (MQA), a family outside TP_MODELS (phi3's fused qkv_proj), a
-  model HF already sharded, a world size other than tp, verify=True, exporting a tp=2 model;
+  model HF already sharded, a world size other than tp, verify=True, exporting a tp=2 model to AOTInductor;
+- torch_export of the tp=2 `full` model, one directory per rank, loaded on both ranks: the same tokens and logits;
 - apply's tp_all_reduce: "auto" runs the group's all-reduce on the CPU ("one_shot" is refused there, by name) and
   gives the same logits as "collective".
 
@@ -277,6 +278,31 @@ def _bf16_checks(rank: int, c: _Checks, dev) -> None:
     c.seconds["bf16"] = time.perf_counter() - t0
 
 
+def _export_checks(rank, c, kvrewrite, rw, ids, tokens, logits, out_dir) -> None:
+    """torch_export per rank (rank<r> under one path), load on every rank: rw's tokens and logits; a rank's own
+    directory alone and the other targets are refused by name."""
+    import kvrewrite.export
+    from kvrewrite.export.loader import load
+
+    c.raises(NotImplementedError, ["tp=2", "torch_export"], lambda: kvrewrite.export.aoti(rw, "/nonexistent"),
+             "AOTInductor export of a tp=2 model")
+    path = os.path.join(out_dir, "export_full")
+    written = kvrewrite.export.torch_export(rw, path)
+    c.expect(str(written) == os.path.join(path, f"rank{rank}"), f"tp=2 export wrote {written}")
+    program = torch.export.load(os.path.join(written, "decode.pt2"))
+    ops = {"collective": torch.ops._c10d_functional.all_reduce.default,
+           "one_shot": torch.ops.kvrewrite.tp_all_reduce.default}
+    n = sum(node.target == ops[rw.tp_all_reduce] for node in program.graph.nodes)
+    c.expect(n == 2 * 2, f"tp=2 export: {n} all-reduces in the decode program, not 2 per layer")
+    dist.barrier()  # every rank's directory is complete before any rank loads
+    exported = load(path)
+    ex_tokens, ex_logits = _generate(exported, ids)
+    d = c.diffs["llama full exported per rank"] = _max_diff(ex_logits, logits)
+    c.expect(torch.equal(ex_tokens, tokens) and d <= FULL_TOL, f"tp=2 export: tokens {ex_tokens.tolist()} vs "
+                                                                f"{tokens.tolist()}, logits {d:.3g}")
+    c.raises(ValueError, ["one rank's share", "parent directory"], lambda: load(written), "loading one rank's share")
+
+
 def _rank_checks(rank: int, c: _Checks, out_dir: str, dev=torch.device("cpu")) -> None:
     import kvrewrite
     from kvrewrite.capture import capture
@@ -338,10 +364,7 @@ def _rank_checks(rank: int, c: _Checks, out_dir: str, dev=torch.device("cpu")) -
             hf_tokens, hf_logits = _generate(llama, ids)
             d = c.diffs["llama full vs HF"] = _max_diff(logits, hf_logits)
             c.expect(torch.equal(tokens, hf_tokens) and d <= FULL_TOL, f"llama full: tp=2 vs HF: logits {d:.3g}")
-            import kvrewrite.export
-
-            c.raises(NotImplementedError, ["tp=2", "tp=1"], lambda: kvrewrite.export.torch_export(rw, "/nonexistent"),
-                     "export of a tp=2 model")
+            _export_checks(rank, c, kvrewrite, rw, ids, tokens, logits, out_dir)
     c.expect({e["name"] for e in METHODS_MATRIX} - set(TP_REFUSED_METHODS) <= seen, "a method was not run")
     c.seconds["methods"] = time.perf_counter() - t1
     with torch.no_grad():

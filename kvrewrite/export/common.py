@@ -17,17 +17,32 @@ GRAPHS = ("prefill", "decode", "decode_compress")  # rw.<name>_graph
 INPUT_NAMES = ("input_ids", "position_ids", "cache_position", "token_valid")
 
 
-def check_exportable(rw) -> None:
-    """NotImplementedError for a tensor-parallel model (tp > 1): a per-rank export would hold the rank's graphs
-    (its all-reduces included), its weight shards and state layout, and a loader that starts the process group
-    (docs/tensor-parallel.md); none of that exists yet."""
-    if getattr(rw, "tp", 1) > 1:
-        raise NotImplementedError(f"{rw.model_tag}: exporting a tensor-parallel model (tp={rw.tp}) is not supported "
-                                  f"yet: apply the model with tp=1 (the default) and export that one")
+def check_exportable(rw, per_rank: bool = False) -> None:
+    """NotImplementedError for a tensor-parallel model (tp > 1) unless the target exports per rank (per_rank:
+    torch_export, whose ExportedPrograms keep the rank's all-reduces and run them in the loader's process group;
+    AOTInductor, ONNX and TensorRT have no collective to run them with here: docs/tensor-parallel.md, "Exports")."""
+    if getattr(rw, "tp", 1) > 1 and not per_rank:
+        raise NotImplementedError(f"{rw.model_tag}: this target does not export a tensor-parallel model (tp={rw.tp}): "
+                                  "use kvrewrite.export.torch_export on every rank (one directory per rank), or "
+                                  "apply the model with tp=1 (the default) and export that one")
 
 
-def graph_of(rw, name: str):
-    check_exportable(rw)  # every target reads its graphs here
+def tp_metadata(rw) -> dict:
+    """The rank's place in its group, for the loader (tp > 1 only): size, rank, the group name its all-reduces
+    call, how they sum (rw.tp_all_reduce) and the backend."""
+    import torch.distributed as dist
+
+    return {"size": rw.tp, "rank": dist.get_rank(), "group_name": dist.group.WORLD.group_name,
+            "all_reduce": rw.tp_all_reduce, "backend": dist.get_backend()}
+
+
+def rank_dir(path, rank: int) -> Path:
+    """Where rank `rank` of a tensor-parallel export writes its graphs and metadata: <path>/rank<rank>."""
+    return Path(path) / f"rank{rank}"
+
+
+def graph_of(rw, name: str, per_rank: bool = False):
+    check_exportable(rw, per_rank)  # every target reads its graphs here
     if name not in GRAPHS:
         raise ValueError(f"unknown graph {name!r}; the graphs are {GRAPHS}")
     return getattr(rw, f"{name}_graph")
@@ -130,10 +145,15 @@ def out_dir(path) -> Path:
 
 def write_export(rw, path, graphs, target: str, suffix: str, save, **extra) -> Path:
     """What every target's entry point does around its own export: check `graphs` (default: all three),
-    create the directory `path`, `save(name, file)` each graph to <path>/<name><suffix>, then write the
-    metadata JSON (target, files, `extra`). Returns the directory."""
-    check_exportable(rw)  # before the directory is made
+    create the directory `path` (<path>/rank<r> for rank r of a tensor-parallel model: torch_export only),
+    `save(name, file)` each graph to it as <name><suffix>, then write the metadata JSON (target, files, `extra`,
+    and for tp > 1 the rank's place in its group). Returns the directory."""
+    per_rank = target == "torch_export"
+    check_exportable(rw, per_rank)  # before the directory is made
     graphs = check_graphs(graphs)
+    if getattr(rw, "tp", 1) > 1:  # every rank writes its own directory under `path`
+        extra = dict(extra, tp=tp_metadata(rw))
+        path = rank_dir(path, extra["tp"]["rank"])
     d = out_dir(path)
     files = {}
     for name in graphs:

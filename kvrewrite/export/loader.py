@@ -18,6 +18,7 @@ default; the state goes in and the updated state comes out of every step) and "t
 see kvrewrite/export/tensorrt_export.py). All need `import kvrewrite`: the ops are Python custom
 ops (for onnx only to read the metadata; the model runs in onnxruntime).
 """
+import os
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from transformers import GenerationConfig
 
 import kvrewrite  # noqa: F401  (registers the kvrewrite:: ops the programs call)
 from kvrewrite.context import LayerInfo
-from kvrewrite.export.common import read_metadata
+from kvrewrite.export.common import META_FILE, rank_dir, read_metadata
 from kvrewrite.host import HostGeneration
 from kvrewrite.methods import make_method
 from kvrewrite.state import STATE_FIELDS, StateField, allocate_layer_state
@@ -63,6 +64,7 @@ class ExportedModel(HostGeneration):
             self._layer_state[info.index] = s
             self.state += [s[f] for f in (*STATE_FIELDS, *specs)]  # the graphs' input order
         self.vocab_size = meta["vocab_size"]
+        self.tp = meta.get("tp", {}).get("size", 1)  # > 1: generate feeds every rank rank 0's draws (host.py)
         # the model's generation config as exported (older exports: its eos and pad ids only): generate's defaults
         self.generation_config = GenerationConfig.from_dict(meta["generation"])
 
@@ -130,10 +132,50 @@ def _tensorrt_step(file):
     return step
 
 
+def _rank_directory(d: Path):
+    """(the rank's directory, its metadata) of a tensor-parallel export at `d` (rank<r> subdirectories): the
+    process group is the default one, started here from torchrun's environment when it is not yet (as apply does);
+    its size must be the export's and its name the one the graphs' all-reduces call. A one-shot export prepares
+    its symmetric buffer (a collective: every rank loads alike)."""
+    from kvrewrite.tensor_parallel import init_distributed
+
+    first = read_metadata(rank_dir(d, 0))
+    tp = first["tp"]["size"]
+    missing = [r for r in range(tp) if not (rank_dir(d, r) / META_FILE).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{d}: a tp={tp} export needs rank0..rank{tp - 1}; {missing} are missing")
+    # the device only picks the backend of a group started here (NCCL on CUDA, torchrun's LOCAL_RANK-th GPU)
+    cuda = torch.device(first["device"]).type == "cuda"
+    rank, group = init_distributed(tp, torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda
+                                   else torch.device("cpu"), f"kvrewrite.export.loader.load({str(d)!r})")
+    meta = read_metadata(rank_dir(d, rank))
+    want = meta["tp"]
+    if want["rank"] != rank or want["size"] != tp:
+        raise ValueError(f"{rank_dir(d, rank)}: written by rank {want['rank']} of {want['size']}, loaded by rank "
+                         f"{rank} of {tp}")
+    if want["group_name"] != group:
+        raise ValueError(f"{d}: the graphs' all-reduces call process group {want['group_name']!r}, this process's "
+                         f"default group is {group!r}: load before creating other groups, with the default group "
+                         f"started as at export")
+    if want["all_reduce"] == "one_shot":
+        from kvrewrite.kernels.tp_all_reduce import prepare
+
+        prepare(group, torch.device(meta["device"]))
+    return rank_dir(d, rank), meta
+
+
 def load(path, onnx_providers=None) -> ExportedModel:
-    """An ExportedModel over the graphs of the directory `path` (any target)."""
+    """An ExportedModel over the graphs of the directory `path` (any target). A tensor-parallel export (torch_export
+    of a tp > 1 model: rank<r> subdirectories): call it on every rank of a group of the export's size; each rank
+    runs its own graphs, and generate gives every rank the same tokens (docs/tensor-parallel.md, "Exports")."""
     d = Path(path)
-    meta = read_metadata(d)
+    if not (d / META_FILE).is_file() and (rank_dir(d, 0) / META_FILE).is_file():
+        d, meta = _rank_directory(d)
+    else:
+        meta = read_metadata(d)
+        if "tp" in meta:
+            raise ValueError(f"{d}: one rank's share of a tp={meta['tp']['size']} export: load its parent directory "
+                             f"on every rank")
     target = meta["target"]
     device = torch.device(meta["device"])
     steps = {}
