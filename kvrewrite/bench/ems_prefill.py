@@ -76,6 +76,7 @@ REDUNDANCY = {
     "bt64_bn128_w8": dict(block_t=64, block_n=128, num_warps=8),
     "splits1": dict(splits=1),
     "splits8": dict(splits=8),
+    "splits16": dict(splits=16),  # the most the default picks (small batches); at batch 8 it picks 4
 }
 QUICK = {"expanded": ("default", "per_entry"), "fold": ("default", "acc2d", "trans"), "redundancy": ("default", "bt64")}
 
@@ -205,7 +206,7 @@ def run(B, n, chunk, quick, kernels=("expanded", "fold", "redundancy")):
     # -- the redundancy at a decode-time compression: 32 entries to be merged per row ---------------------------------
     cls[..., Bt + WINDOW:] = 0
     res = {}
-    for name in ("default", "bt64", "bt128_w8"):
+    for name in ("default", "bt64", "bt128_w8", "splits8", "splits16"):
         res[name] = dict(ms=_time(lambda t=REDUNDANCY[name]: er.triton_ems_redundancy(keys, values, raw, cls, due, 0.6,
                                                                                        **t)))
     print(f"  redundancy at decode (32 per row) {res}", flush=True)

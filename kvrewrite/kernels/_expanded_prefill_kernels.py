@@ -34,6 +34,7 @@ from __future__ import annotations  # the kernels' `tl.constexpr` annotations st
 import torch
 from torch.library import wrap_triton
 
+from kvrewrite.kernels._online_softmax import softmax_tile, store_rows
 from kvrewrite.kernels._prefill_attention_kernels import prefill_launch_config
 from kvrewrite.kernels._query_block import query_block
 from kvrewrite.kernels._triton_op import triton_jit
@@ -65,7 +66,6 @@ def _expanded_prefill_kernel(
     LOAD_POS: tl.constexpr,  # False (past_only): slot_pos is not read, every live slot is visible
     SOFTCAP: tl.constexpr,
 ):
-    LOG2E: tl.constexpr = 1.4426950408889634
     pid_m = tl.program_id(0)  # fastest: the query blocks of one (b, h) run together and share its K/V in L2
     pid_bh = tl.program_id(1)
     b = pid_bh // Hkv
@@ -115,25 +115,10 @@ def _expanded_prefill_kernel(
                 p_rel = tl.minimum(tl.maximum(pos - qpos_min, -1), 2**30).to(tl.int32)
                 z = tl.where(p_rel[None, :] <= q_rel[:, None], z, float("-inf"))
 
-        # -- online softmax (base 2); a row that has seen nothing yet keeps m = -inf, l = 0 ----------------------
-        m_new = tl.maximum(m_i, tl.max(z, axis=1))
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_base)
-        p = tl.exp2(z - m_base[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + e[:, None] * stride_vc + offs_d[None, :] * stride_vd, mask=live[:, None], other=0.0)
-        if V.dtype.element_ty == tl.float32:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(V.dtype.element_ty), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        v_ptrs = v_base + e[:, None] * stride_vc + offs_d[None, :] * stride_vd  # the tile's value rows, gathered
+        m_i, l_i, acc = softmax_tile(m_i, l_i, acc, z, v_ptrs, live)
 
-    out_row = (b.to(tl.int64) * Hq + hq) * T + t
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row that saw nothing: acc == 0, o == 0
-    tl.store(OUT + out_row[:, None] * HEAD_DIM + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-    lse = tl.where(l_i > 0.0, (m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))) / LOG2E, float("-inf"))
-    tl.store(LSE + out_row, lse, mask=row_ok)
+    store_rows(OUT, LSE, (b.to(tl.int64) * Hq + hq) * T + t, row_ok, offs_d, acc, m_i, l_i, HEAD_DIM, True)
 
 
 def expanded_prefill_config(B, Hkv, G, T, C, D, itemsize=2, block_m=None, block_n=None, num_warps=None,
@@ -143,7 +128,9 @@ def expanded_prefill_config(B, Hkv, G, T, C, D, itemsize=2, block_m=None, block_
     stages, the fastest of an H200 sweep at batch 8 (bf16, D 128, a 2048-query chunk over 28.5k slots; docs/bench.md
     "Stop 42 runs"): 40.0 ms, against 46.8 for 64 x 32, 47.4 for 128 x 64 with 8 warps, 51.7 for 64 x 32 with 3
     stages, 59.6 for 64 x 64 and 63.1 for 64 x 64 with 8 warps. Otherwise (fp32, D = 256: twice the registers
-    a row) clustered_attention's prefill_launch_config, 64 x 64 tiles or smaller, as the GPU tests ran them."""
+    a row) clustered_attention's prefill_launch_config, 64 x 64 tiles or smaller, as the GPU tests ran them.
+    Compiled for sm_90 here, the 128 x 32 launch takes 255 registers and spills 224 bytes a thread: a launch that
+    does not spill may be faster still (the benchmark's variants)."""
     if itemsize <= 2 and D <= 128:
         block_m = 128 if block_m is None else block_m
         block_n = 32 if block_n is None else block_n

@@ -31,6 +31,7 @@ import torch
 from torch.library import wrap_triton
 
 from kvrewrite.kernels import _pdl
+from kvrewrite.kernels._online_softmax import softmax_tile, store_rows
 from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
 from kvrewrite.kernels._query_block import query_block
 from kvrewrite.kernels._triton_op import triton_jit
@@ -181,27 +182,12 @@ def _prefill_attention_kernel(
                 vis = vis & (p_rel[None, :] > q_rel[:, None] - window)
             s = tl.where(vis, s, float("-inf"))
 
-        # -- online softmax (base 2); a row that has seen nothing yet keeps m = -inf, l = 0 ----------------------
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_base)
-        p = tl.exp2(s - m_base[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + offs_n[:, None] * stride_vc + offs_d[None, :] * stride_vd, mask=n_ok[:, None], other=0.0)
-        if V.dtype.element_ty == tl.float32:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(V.dtype.element_ty), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        # -- online softmax (base 2) and p @ v -------------------------------------------------------------------
+        v_ptrs = v_base + offs_n[:, None] * stride_vc + offs_d[None, :] * stride_vd
+        m_i, l_i, acc = softmax_tile(m_i, l_i, acc, s, v_ptrs, n_ok)
 
     # -- epilogue: output row (b, hq, t) of the contiguous [B, Hq, T, *] outputs ----------------------------------
-    out_row = (b.to(tl.int64) * Hq + hq) * T + t
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row that saw nothing: acc == 0, o == 0
-    tl.store(OUT + out_row[:, None] * HEAD_DIM + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-    if WRITE_LSE:
-        lse = tl.where(l_i > 0.0, (m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))) / LOG2E, float("-inf"))
-        tl.store(LSE + out_row, lse, mask=row_ok)
+    store_rows(OUT, LSE, (b.to(tl.int64) * Hq + hq) * T + t, row_ok, offs_d, acc, m_i, l_i, HEAD_DIM, WRITE_LSE)
 
 
 def prefill_launch_config(B, Hkv, G, T, C, D, itemsize=2, block_m=None, block_n=None, num_warps=None,
