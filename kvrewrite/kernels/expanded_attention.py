@@ -51,7 +51,7 @@ kvrewrite::expanded_attention_cpu (it checks past_only's promise, a host read). 
 The op is a `torch.library.triton_op`: Inductor sees the launches and CUDA graphs capture them.
 
 Checked: through Triton's interpreter against expanded_naive's float64 loop (tests/kernels/
-test_expanded_attention_triton.py, fp32, 15 tests; the prefill kernel 4 more) and on an H100 (torch 2.11, Triton 3.6)
+test_expanded_attention_triton.py, fp32, 15 tests; the prefill kernel 5 more) and on an H100 (torch 2.11, Triton 3.6)
 against a float64 dense attention over materialised expanded keys, the reference and the tiny naive cases, with merged entries of varied
 key scales, dead and stale slots, padding, ragged fills, prefill T > 1, decode, softcap, G in {1, 2, 4, 8} and MQA,
 nothing-visible rows, odd C and R, both segment sums and launch variants, S, a CUDA graph, torch.compile and

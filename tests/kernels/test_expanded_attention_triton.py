@@ -136,3 +136,21 @@ def test_prefill_kernel_not_used_with_splits_or_S(monkeypatch):
     out, _ = launch_expanded_forward(*st.attention_args(q), D**-0.5, False, 0.0, num_splits=2, **SMALL)
     want, _, _ = naive_expanded(st, q, D**-0.5)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_kernel_past_only_decode_of_a_wide_group(monkeypatch):
+    """A decode step of 32 query heads on one KV head is a block of 32 rows: without a split it runs the prefill
+    kernel, with past_only (no slot_pos read), and matches the float64 model."""
+    from kvrewrite.kernels import _expanded_prefill_kernels as xp
+
+    g = torch.Generator().manual_seed(8)
+    st = make_state(2, 1, 30, 70, 16, 1, torch.float32, g, prefill=False, dead=True)
+    q = torch.randn(2, 32, 1, 16, generator=g)
+    calls = []
+    launch = xp.launch_expanded_prefill
+    monkeypatch.setattr(xp, "launch_expanded_prefill", lambda *a, **k: calls.append(a[11]) or launch(*a, **k))
+    out, lse = launch_expanded_forward(*st.attention_args(q), 0.25, True, 0.0, num_splits=1, block_m=16, block_n=16)
+    assert calls == [True]  # past_only reached the kernel
+    want, want_lse, _ = naive_expanded(st, q, 0.25)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
