@@ -468,6 +468,20 @@ def test_a_refused_method_is_named():
         tpm.TP_REFUSED_METHODS.update(saved)
 
 
+def test_a_tp_export_with_a_rank_missing_is_refused_before_any_group(tmp_path):
+    """loader.load of a tp=2 export whose rank1 directory is missing names the missing rank, before it would start
+    a process group (the group's checks run in the 2-process test)."""
+    from kvrewrite.export.common import FORMAT, META_FILE
+    from kvrewrite.export.loader import load
+
+    (tmp_path / "rank0").mkdir()
+    (tmp_path / "rank0" / META_FILE).write_text(json.dumps({"format": FORMAT, "device": "cpu",
+                                                            "tp": {"size": 2, "rank": 0}}))
+    with pytest.raises(FileNotFoundError, match=r"tp=2 export needs rank0\.\.rank1; \[1\] are missing"):
+        load(tmp_path)
+    assert not dist.is_initialized()
+
+
 def test_tensor_parallel_matches_tp1(tmp_path):
     """Every check above, in one spawned 2-process gloo group (module docstring)."""
     _run_group(tmp_path, "cpu")

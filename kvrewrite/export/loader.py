@@ -147,7 +147,7 @@ def _rank_directory(d: Path):
     # the device only picks the backend of a group started here (NCCL on CUDA, torchrun's LOCAL_RANK-th GPU)
     cuda = torch.device(first["device"]).type == "cuda"
     rank, group = init_distributed(tp, torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda
-                                   else torch.device("cpu"), f"kvrewrite.export.loader.load({str(d)!r})")
+                                   else torch.device("cpu"), "kvrewrite.export.loader.load")
     meta = read_metadata(rank_dir(d, rank))
     want = meta["tp"]
     if want["rank"] != rank or want["size"] != tp:
