@@ -42,7 +42,8 @@ from kvrewrite.errors import RewriteError
 # Model types whose sharding the tensor-parallel test (tests/test_tensor_parallel.py) checks: the Llama layout
 # (separate q/k/v/o and gate/up/down projections, attention that reshapes with -1 heads, per-head q/k norms at
 # most). Any other type is refused rather than sharded by guess.
-TP_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma", "granite", "smollm3", "olmo"})
+TP_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma", "gemma2", "granite", "smollm3",
+                       "olmo", "cohere"})
 
 # Methods whose tp>1 run would not reproduce tp=1, with the reason: apply refuses them at tp > 1 (check_tp_method).
 # None today. clustergen and clusterkv were here until their ops took a `head_offset`: both draw random choices from a

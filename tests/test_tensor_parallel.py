@@ -10,8 +10,9 @@ Inside the ranks (apply initialises the group itself from torchrun's environment
   `full` against HF's own generate too, with two all-reduces per layer in each graph, and with
   fuse_projections=True and gemv=True; the user's model unchanged (its logits bit for bit, its config);
 - mistral (a window on every layer), qwen2 (q/k/v biases, windows on the upper layers), qwen3 (per-head q/k norms),
-  gemma, granite (residual and attention multipliers), smollm3 (layers without RoPE), olmo (clip_qkv) and gemma3
-  (sliding-window layers, per-head norms): `full` at tp=2 against HF's forward over the generated tokens;
+  gemma, granite (residual and attention multipliers), smollm3 (layers without RoPE), olmo (clip_qkv), gemma3
+  (sliding-window layers, per-head norms), gemma2 (attention and final-logit soft caps, eager) and cohere (parallel
+  attention and MLP, scaled logits): `full` at tp=2 against HF's forward over the generated tokens;
 - every rank generates the same tokens, greedy and sampled (each rank seeded differently: rank 0's draws win);
 - apply of the rank's own model (tensor_parallel.rank_model, what a rank that loads only its share passes) equals
   apply of the whole model; a share of another split, of another rank or left on the meta device is refused;
@@ -383,7 +384,13 @@ def _rank_checks(rank: int, c: _Checks, out_dir: str, dev=torch.device("cpu")) -
               "olmo": _tiny(lambda tf: tf.OlmoConfig(num_hidden_layers=2, clip_qkv=0.5, **_common())),
               "gemma3": _tiny(lambda tf: tf.Gemma3TextConfig(
                   num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=16,
-                  layer_types=["sliding_attention", "sliding_attention", "full_attention"], **_common()))}
+                  layer_types=["sliding_attention", "sliding_attention", "full_attention"], **_common())),
+              # attention and final-logit soft caps, windows on alternate layers (eager: HF's soft cap path)
+              "gemma2": _tiny(lambda tf: tf.Gemma2Config(num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=16,
+                                                         attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                                                         **_common()), attn="eager"),
+              # the attention and the MLP in parallel off one norm, the logits scaled
+              "cohere": _tiny(lambda tf: tf.CohereConfig(num_hidden_layers=2, logit_scale=0.5, **_common()))}
     for name, model in others.items():
         model = model.to(dev)
         rw = kvrewrite.apply(model, "full", max_length=MAX_LENGTH, prefill_chunk=CHUNK, tp=WORLD)
