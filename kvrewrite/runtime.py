@@ -51,6 +51,7 @@ class KVRewrittenModel(HostGeneration, nn.Module):
         self.vocab_size = captured.vocab_size
         self.config = config
         self.tp = captured.tp  # tensor-parallel ranks: > 1 holds this rank's heads only (kvrewrite/tensor_parallel.py)
+        self.tp_rank, self.tp_group = captured.tp_rank, captured.tp_group  # its rank; the group its all-reduces call
         self.tp_all_reduce = "collective"  # how tp > 1 sums over the ranks: apply sets what it chose (prepare_all_reduce)
         self.capacities = []
         self.state_specs = []  # per layer, the method's own state fields (Method.state_fields)

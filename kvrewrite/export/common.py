@@ -28,12 +28,12 @@ def check_exportable(rw, per_rank: bool = False) -> None:
 
 
 def tp_metadata(rw) -> dict:
-    """The rank's place in its group, for the loader (tp > 1 only): size, rank, the group name its all-reduces
-    call, how they sum (rw.tp_all_reduce) and the backend."""
+    """The rank's place in its group, for the loader (tp > 1 only): size, rank and the group name its graphs'
+    all-reduces call (the capture's), how they sum (rw.tp_all_reduce) and the backend."""
     import torch.distributed as dist
 
-    return {"size": rw.tp, "rank": dist.get_rank(), "group_name": dist.group.WORLD.group_name,
-            "all_reduce": rw.tp_all_reduce, "backend": dist.get_backend()}
+    return {"size": rw.tp, "rank": rw.tp_rank, "group_name": rw.tp_group, "all_reduce": rw.tp_all_reduce,
+            "backend": dist.get_backend()}
 
 
 def rank_dir(path, rank: int) -> Path:
@@ -143,12 +143,11 @@ def out_dir(path) -> Path:
     return p
 
 
-def write_export(rw, path, graphs, target: str, suffix: str, save, **extra) -> Path:
+def write_export(rw, path, graphs, target: str, suffix: str, save, per_rank: bool = False, **extra) -> Path:
     """What every target's entry point does around its own export: check `graphs` (default: all three),
-    create the directory `path` (<path>/rank<r> for rank r of a tensor-parallel model: torch_export only),
-    `save(name, file)` each graph to it as <name><suffix>, then write the metadata JSON (target, files, `extra`,
-    and for tp > 1 the rank's place in its group). Returns the directory."""
-    per_rank = target == "torch_export"
+    create the directory `path` (<path>/rank<r> for rank r of a tensor-parallel model, for a target that exports
+    per rank: `per_rank`), `save(name, file)` each graph to it as <name><suffix>, then write the metadata JSON
+    (target, files, `extra`, and for tp > 1 the rank's place in its group). Returns the directory."""
     check_exportable(rw, per_rank)  # before the directory is made
     graphs = check_graphs(graphs)
     if getattr(rw, "tp", 1) > 1:  # every rank writes its own directory under `path`

@@ -29,4 +29,4 @@ def torch_export(rw, path, graphs=None):
     runs them (docs/tensor-parallel.md, "Exports").
     """
     return write_export(rw, path, graphs, "torch_export", ".pt2",
-                        lambda name, file: torch.export.save(export_graph(rw, name), file))
+                        lambda name, file: torch.export.save(export_graph(rw, name), file), per_rank=True)
