@@ -106,6 +106,7 @@ def _stats_kernel(
     ACC2D: tl.constexpr,  # sum p over the query blocks elementwise, reduce over the queries once per head (ACC2D)
     TRANS: tl.constexpr,  # the scores as [slots, queries] (k @ qᵀ): the sums over the queries run along a row (TRANS)
 ):
+    Q_AXIS: tl.constexpr = 1 if TRANS else 0  # the tile's query axis: the sums over the queries run along it
     pid_j = tl.program_id(0)
     pid_r = tl.program_id(1)
     b = (pid_r // Hkv).to(tl.int64)
@@ -161,15 +162,15 @@ def _stats_kernel(
                     is_rec = (offs_t >= first_recent)[:, None]
                 if ACC2D:
                     if t0 + BLOCK_M > first_recent:  # the block holds some of the last `last` queries
-                        recent += tl.sum(tl.where(is_rec, p, 0.0), axis=1 if TRANS else 0)
+                        recent += tl.sum(tl.where(is_rec, p, 0.0), axis=Q_AXIS)
                         total_2d += tl.where(is_rec, 0.0, p)
                     else:
                         total_2d += p
                 else:
-                    total += tl.sum(p, axis=1 if TRANS else 0)
-                    recent += tl.sum(tl.where(is_rec, p, 0.0), axis=1 if TRANS else 0)
+                    total += tl.sum(p, axis=Q_AXIS)
+                    recent += tl.sum(tl.where(is_rec, p, 0.0), axis=Q_AXIS)
         if ACC2D:  # the older queries' sum plus the recent ones': recent == total exactly when every query is recent
-            total = tl.sum(total_2d, axis=1 if TRANS else 0) + recent
+            total = tl.sum(total_2d, axis=Q_AXIS) + recent
         if FOLD:
             tot += total
             rec += recent
