@@ -212,6 +212,12 @@ def prefill_launch_config(B, Hkv, G, T, C, D, itemsize=2, block_m=None, block_n=
                 n_tiles=triton.cdiv(C, block_n), num_warps=num_warps, num_stages=num_stages)
 
 
+def prefill_overrides(overrides: dict) -> dict:
+    """The launch overrides a prefill kernel takes (tiles, warps, stages; the given ones only) out of a caller's
+    overrides for its decode kernel's _launch_config (clustered_attention, expanded_attention)."""
+    return {k: overrides[k] for k in ("block_m", "block_n", "num_warps", "num_stages") if overrides.get(k) is not None}
+
+
 RANGE_TILES = 16  # tiles of a _tile_ranges_kernel program
 SCAN = 128  # tile ranges a query block reads at once while bounding its loop
 

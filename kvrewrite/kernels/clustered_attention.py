@@ -651,9 +651,8 @@ def launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, windo
         qk_scale, softcap_log2 = scale * 1.4426950408889634, 0.0
     # (the decode launch takes <= 16 rows)
     if prefill_kernel and G * T > 16 and pending is None and logits is None and (S == 1 or prefill_split_grids):
-        tuning = {k: v for k, v in overrides.items() if k in ("block_m", "block_n", "num_warps", "num_stages")}
         out = _prefill.launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_scale,
-                                      softcap_log2, softcap, lse, **tuning)
+                                      softcap_log2, softcap, lse, **_prefill.prefill_overrides(overrides))
         return out, None, None, None, 1
     out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
     if split:

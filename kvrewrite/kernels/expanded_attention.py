@@ -66,6 +66,7 @@ from torch.library import wrap_triton
 from kvrewrite.kernels import _expanded_attention_kernels as _kernels
 from kvrewrite.kernels import _expanded_prefill_kernels as _prefill
 from kvrewrite.kernels import clustered_attention as ca
+from kvrewrite.kernels._prefill_attention_kernels import prefill_overrides
 from kvrewrite.kernels._triton_op import check_attention_shapes, check_one_cuda_device, register_triton_op
 from kvrewrite.kernels.clustered_attention import check_past_only, check_softcap
 
@@ -259,8 +260,7 @@ def launch_expanded_forward(q, keys, values, bias, slot_pos, cache_position, ent
     if prefill_kernel and G * T > 16 and not split and S is None:
         return _prefill.launch_expanded_prefill(
             q, keys, values, bias, slot_pos, cache_position, lut, key_scale, slot_fill, qk_scale, softcap_log2,
-            past_only, softcap, **{k: tuning[k] for k in ("block_m", "block_n", "num_warps", "num_stages")
-                                   if tuning.get(k) is not None})
+            past_only, softcap, **prefill_overrides(tuning))
     out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
     if split:
