@@ -52,8 +52,8 @@ The op is a `torch.library.triton_op`: Inductor sees the launches and CUDA graph
 
 Checked: through Triton's interpreter against expanded_naive's float64 loop (tests/kernels/
 test_expanded_attention_triton.py, fp32, 15 tests; the prefill kernel 5 more) and on an H100 (torch 2.11, Triton 3.6)
-against a float64 dense attention over materialised expanded keys, the reference and the tiny naive cases, with merged entries of varied
-key scales, dead and stale slots, padding, ragged fills, prefill T > 1, decode, softcap, G in {1, 2, 4, 8} and MQA,
+against a float64 dense attention over materialised expanded keys, the reference and the tiny naive cases, with merged
+entries of varied key scales, dead and stale slots, padding, ragged fills, prefill T > 1, decode, softcap, G in {1, 2, 4, 8} and MQA,
 nothing-visible rows, odd C and R, both segment sums and launch variants, S, a CUDA graph, torch.compile and
 opcheck (tests/kernels/test_expanded_attention_gpu.py: 95 passed); KERNELS_CHECKED_ON_GPU records that.
 Speed (kvrewrite/bench/ems_attention.py, docs/bench/ems_attention.json; H100, Llama-3.1-8B layout, bf16, budget
