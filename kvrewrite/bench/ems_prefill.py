@@ -68,7 +68,8 @@ FOLD = {
     "trans_bm64_w8": dict(trans=True, block_m=64, num_warps=8),
 }
 REDUNDANCY = {
-    "default": {},
+    "default": {},  # two tiers by each row's TBM count (ems_redundancy.BIG_TBM)
+    "small": dict(block_t=32, num_warps=4),  # the small tier alone for every row (the default before stop 43)
     "bt64": dict(block_t=64),
     "bt64_w8": dict(block_t=64, num_warps=8),
     "bt128_w8": dict(block_t=128, num_warps=8),
@@ -203,14 +204,19 @@ def run(B, n, chunk, quick, kernels=("expanded", "fold", "redundancy")):
     row["redundancy"] = res
     row["merged_share"] = float((ref[..., Bt:] >= 0).float().mean())
 
-    # -- the redundancy at a decode-time compression: 32 entries to be merged per row ---------------------------------
-    cls[..., Bt + WINDOW:] = 0
-    res = {}
-    for name in ("default", "bt64", "bt128_w8", "splits8", "splits16"):
-        res[name] = dict(ms=_time(lambda t=REDUNDANCY[name]: er.triton_ems_redundancy(keys, values, raw, cls, due, 0.6,
-                                                                                       **t)))
-    print(f"  redundancy at decode (32 per row) {res}", flush=True)
-    row["redundancy_decode"] = res
+    # -- the redundancy by the count of entries to be merged per row (32: a decode-time compression) -------------------
+    # where the tiers' blockings cross (ems_redundancy.BIG_TBM)
+    sweep = {}
+    for n_tbm in (32, 256, 512, 1024) if "redundancy" in kernels else (32,):
+        cls[..., Bt:] = 3
+        cls[..., Bt + n_tbm:] = 0
+        res = {}
+        for name in ("default", "small", "bt64", "bt128_w8"):
+            res[name] = _time(lambda t=REDUNDANCY[name]: er.triton_ems_redundancy(keys, values, raw, cls, due, 0.6,
+                                                                                  **t))
+        print(f"  redundancy at {n_tbm} per row (ms) {res}", flush=True)
+        sweep[n_tbm] = res
+    row["redundancy_by_tbm"] = sweep
     return row
 
 

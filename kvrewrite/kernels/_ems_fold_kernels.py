@@ -250,12 +250,13 @@ def _win_count_kernel(WIN, rows, l_win, BLOCK: tl.constexpr):
 # reduced once per head, and reduces only the blocks that hold recent queries: the same sums in another fp32 order
 # (total = older + recent, so recent == total exactly when every query is recent, as without it).
 # TRANS computes the scores as k @ qᵀ ([slots, queries]: the slots fill the MMA's M side, whatever the query block)
-# so that the sums over the queries run along each thread's row; compiled for sm_90 here (bf16, D 128, 32-query
-# blocks, 128 slots, 4 warps, FOLD) it takes 163 registers a thread where the default takes 255 (191 with ACC2D
-# too; ACC2D alone 255). Both unmeasured: off until `python -m
-# kvrewrite.bench.ems_prefill --kernels fold` times them (its `acc2d` and `trans` variants).
+# so that the sums over the queries run along each thread's row; compiled for sm_90 (bf16, D 128, 32-query blocks,
+# 128 slots, 4 warps, FOLD) it takes 163 registers a thread where the plain form takes 255 (191 with ACC2D too;
+# ACC2D alone 255). H200, the late chunk of a batch-8 32k prefill (`python -m kvrewrite.bench.ems_prefill`,
+# docs/bench.md "Stop 43 runs"): TRANS 25.2 ms, with 64-query blocks 25.7, with ACC2D too 29.0; the plain form
+# 42.4, ACC2D 40.2 (34.3 with 64-query blocks and 8 warps). TRANS is the default; ACC2D stays off.
 ACC2D = False
-TRANS = False
+TRANS = True
 
 
 def stats_config(T: int, D: int, block_j=None, block_m=None, num_warps=None, num_stages=None) -> dict:

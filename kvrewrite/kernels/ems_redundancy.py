@@ -119,6 +119,13 @@ def _check_inputs(keys, values, raw_keys, cls, due, tau):
 # -- the Triton kernel --------------------------------------------------------------------------------
 BLOCK_T = 32  # TBM rows per program (32/64/4 warps best on the H100 but at B = 8 prefill: 64/64/8 10% faster)
 BLOCK_N = 64  # centres per step
+# Rows with at least BIG_TBM TBM entries (a prefill chunk's compression) take a second launch of 128-row blocks and
+# 8 warps; the others (a decode-time compression) the 32-row, 4-warp one. Each launch's programs return at once on
+# a row of the other tier (the count is a device value: no host read). H200, Llama-3.1-8B shape, batch 8
+# (docs/bench.md "Stop 43 runs"): 2048 TBM a row 10.5 ms with 32 / 4 against 6.0 with 128 / 8; 32 TBM a row 0.34
+# against 1.11 ms.
+BIG_TBM = 512
+BIG_BLOCK_T, BIG_WARPS = 128, 8
 LIST_CHUNK = 1024  # entries per step of the TBM list
 TARGET_PROGRAMS = 256  # splits of the centre range: about this many programs per TBM block column
 
@@ -141,16 +148,17 @@ def _tbm_list_kernel(CLS, DUE, TL, KPOS, NT, C, CH: tl.constexpr):
     tl.store(NT + row, n)
 
 
-@triton_jit(do_not_specialize=["C", "CS"])
-def _redundancy_kernel(A, V, CLS, TL, NT, PB, PA, C, D, CS, S: tl.constexpr, IEEE: tl.constexpr,
+@triton_jit(do_not_specialize=["C", "CS", "nt_lo", "nt_hi"])
+def _redundancy_kernel(A, V, CLS, TL, NT, PB, PA, C, D, CS, nt_lo, nt_hi, S: tl.constexpr, IEEE: tl.constexpr,
                        BT: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr):
     """Launch 2 (grid TBM blocks x rows x S centre splits): best R and its smallest centre over the split's
-    centres [sp * CS, (sp + 1) * CS) for TBM places [blk * BT, +BT) (PB/PA[row, sp, place])."""
+    centres [sp * CS, (sp + 1) * CS) for TBM places [blk * BT, +BT) (PB/PA[row, sp, place]), on the rows whose TBM
+    count nt lies in [nt_lo, nt_hi) (the launch's tier; BIG_TBM)."""
     blk = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2)
     nt = tl.load(NT + row)
-    if blk * BT < nt:
+    if (blk * BT < nt) & (nt >= nt_lo) & (nt < nt_hi):
         k = blk * BT + tl.arange(0, BT)
         mk = k < nt
         d = tl.load(TL + row * C + k, mask=mk, other=0)
@@ -229,11 +237,14 @@ def _dest_kernel(CLS, DUE, KPOS, PB, PA, DEST, C, tau, MERGE: tl.constexpr, S: t
 
 
 def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int | None = None,
-                          block_n: int | None = None, splits: int | None = None, num_warps: int = 4):
+                          block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
+                          big_tbm: int | None = None):
     """The Triton kernels (module docstring): dest [B, Hkv, C] int32. Under TRITON_INTERPRET=1 they run on CPU
     tensors (how they are tested without a GPU; fp32 only there: the 3.6 interpreter's 16-bit tl.dot is wrong).
     splits: centre-range splits per TBM block (default: about TARGET_PROGRAMS programs per block column, by the
-    row count: a function of the shapes only); any value gives the same dest."""
+    row count: a function of the shapes only); any value gives the same dest. Without block_t and num_warps the
+    main launch runs in two tiers by each row's TBM count (BIG_TBM, or big_tbm: 0 puts every row in the big one);
+    with either, one launch of that blocking serves every row."""
     if triton is None:
         raise NotImplementedError(f"{NAME}: the Triton kernel needs Triton (pip install triton)")
     _check_inputs(keys, values, raw_keys, cls, due, tau)
@@ -243,7 +254,13 @@ def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int
     rows = B * H
     if rows * C == 0:
         return dest
-    bt, bn = block_t or BLOCK_T, block_n or BLOCK_N
+    bn = block_n or BLOCK_N
+    if block_t is None and num_warps is None:  # (nt_lo, nt_hi, rows a block, warps) of each launch
+        cut = BIG_TBM if big_tbm is None else big_tbm
+        tiers = [(0, cut, BLOCK_T, 4), (cut, C + 1, BIG_BLOCK_T, BIG_WARPS)]
+        tiers = [t for t in tiers if t[0] < t[1]]
+    else:
+        tiers = [(0, C + 1, block_t or BLOCK_T, num_warps or 4)]
     a, v, c = a.contiguous(), values.contiguous(), cls.contiguous()
     du = due.to(torch.int32).contiguous()
     merge = tau < 1
@@ -258,9 +275,11 @@ def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int
     if merge:
         _tbm_list_kernel[(rows,)](c, du, tlist, kpos, nt, C, CH=min(LIST_CHUNK, triton.next_power_of_2(C)))
         cs = triton.cdiv(triton.cdiv(C, S), bn) * bn
-        _redundancy_kernel[(triton.cdiv(C, bt), rows, S)](
-            a, v, c, tlist, nt, pb, pa, C, D, cs, S=S, IEEE=keys.dtype == torch.float32, BT=bt, BN=bn,
-            BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=num_warps)
+        for lo, hi, bt, warps in tiers:
+            _redundancy_kernel[(triton.cdiv(C, bt), rows, S)](
+                a, v, c, tlist, nt, pb, pa, C, D, cs, lo, hi, S=S, IEEE=keys.dtype == torch.float32, BT=bt, BN=bn,
+                BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=warps)
+    bt = tiers[0][2]
     _dest_kernel[(triton.cdiv(C, bt), rows)](c, du, kpos, pb, pa, dest, C, float(tau), MERGE=merge, S=S, BT=bt)
     return dest
 

@@ -5,6 +5,9 @@ all three graphs compiled once (the module fixture; about 60-100 s on the 2-core
 Inductor's C++ compile). GPU (marked gpu): the same on CUDA, where the package holds Inductor's Triton
 kernels and kvrewrite::clustered_attention's own Triton kernel; plus torch_export on CUDA.
 """
+import functools
+import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -32,6 +35,43 @@ def _rw(device, **kw):
     m.generation_config.eos_token_id = None
     m.generation_config.pad_token_id = 0
     return kvrewrite.apply(m, "chelsea", max_length=40, batch_size=2, prefill_chunk=16, **(CHELSEA | kw))
+
+
+_PROBE = """
+import sys, torch
+class M(torch.nn.Module):
+    def forward(self, x):
+        return x.sin() + 1
+path = sys.argv[1]
+if sys.argv[2] == "compile":
+    ep = torch.export.export(M().cuda(), (torch.randn(8, device="cuda"),))
+    torch._inductor.aoti_compile_and_package(ep, package_path=path)
+else:
+    x = torch.randn(8, device="cuda")
+    out = torch._inductor.aoti_load_package(path)(x)
+    assert torch.allclose(out[0] if isinstance(out, (list, tuple)) else out, x.sin() + 1)
+"""
+
+
+@functools.cache
+def _plain_cuda_aoti_fault(tmp: str) -> str | None:
+    """Why this machine cannot load ANY CUDA AOTInductor package (a two-line x.sin() + 1 module compiled and loaded
+    in child processes, without kvrewrite), or None when it can. The H200 device machine's aoti_load_package died
+    with SIGSEGV on such a package in every session since 2026-11-24 (docs/deploy.md): the CUDA aoti tests then skip
+    naming that, where a crash took the pytest worker down with them."""
+    path = f"{tmp}/plain.pt2"
+    for step in ("compile", "load"):
+        r = subprocess.run([sys.executable, "-c", _PROBE, path, step], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1][:200]
+            return (f"a plain CUDA AOTInductor package (x.sin() + 1, no kvrewrite) fails to {step} on this machine "
+                    f"(exit code {r.returncode}; torch {torch.__version__}, CUDA {torch.version.cuda}): {tail}")
+    return None
+
+
+def _skip_unless_cuda_aoti_loads(target, tmp_path_factory):
+    if target == "aoti" and (fault := _plain_cuda_aoti_fault(str(tmp_path_factory.getbasetemp()))):
+        pytest.skip(fault)
 
 
 def _check_generate(rw, path, device):
@@ -92,7 +132,8 @@ def test_outlier_heads_reach_the_op_as_a_mask():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("target", ["aoti", "torch_export"])
 @torch.no_grad()
-def test_cuda_generate_matches_eager(tmp_path, target):
+def test_cuda_generate_matches_eager(tmp_path, tmp_path_factory, target):
+    _skip_unless_cuda_aoti_loads(target, tmp_path_factory)
     rw = _rw("cuda")
     path = getattr(kvrewrite.export, target)(rw, tmp_path)
     diff = _check_generate(rw, path, "cuda")
@@ -109,9 +150,10 @@ def test_cuda_generate_matches_eager(tmp_path, target):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("target", ["aoti", "torch_export"])
 @torch.no_grad()
-def test_cuda_kvmerger_generate_matches_eager(tmp_path, target):
+def test_cuda_kvmerger_generate_matches_eager(tmp_path, tmp_path_factory, target):
     """KVMerger on CUDA (its Triton kernels behind the proxy executor / the exported op): the three programs
     reproduce rw.generate with re-merges every 4 decode steps."""
+    _skip_unless_cuda_aoti_loads(target, tmp_path_factory)
     m = tiny_model("llama").cuda()
     m.generation_config.eos_token_id = None
     m.generation_config.pad_token_id = 0

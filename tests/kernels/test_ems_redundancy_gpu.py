@@ -69,7 +69,8 @@ def test_matches_reference(dtype, pos, tau):
 
 KNOBS = [dict(block_t=32, block_n=64, num_warps=4), dict(block_t=64, block_n=64, num_warps=8),
          dict(block_t=32, block_n=32, num_warps=4), dict(block_t=16, block_n=64, num_warps=4),
-         dict(block_t=64, block_n=32, num_warps=8), dict(block_t=32, block_n=64, num_warps=8, splits=5)]
+         dict(block_t=64, block_n=32, num_warps=8), dict(block_t=32, block_n=64, num_warps=8, splits=5),
+         dict(big_tbm=0), dict(big_tbm="median")]  # two tiers: every row in the big one; the rows split between them
 
 
 @pytest.mark.parametrize("knobs", KNOBS)
@@ -78,6 +79,10 @@ def test_every_blocking_gives_the_same_dest(knobs):
                    dtype=torch.bfloat16, seed=12, noise=0.3)
     cls, due = classes(s, 300, 650)
     cls = without_near_ties(s, cls, 0.6)
+    if knobs.get("big_tbm") == "median":
+        nt = ((cls == 3) & due[..., None]).sum(-1).flatten().sort().values
+        knobs = dict(big_tbm=int(nt[len(nt) // 2]))
+        assert nt[0] > 0 and nt[0] < knobs["big_tbm"] <= nt[-1], nt  # both tiers have rows with TBM entries
     want = mod.reference_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, 0.6)
     got = mod.triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, 0.6, **knobs)
     assert torch.equal(got, want) and int(((cls == 3) & (got >= 0)).sum()) > 0

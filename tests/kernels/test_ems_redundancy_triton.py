@@ -55,6 +55,26 @@ def test_matches_reference_and_naive(pos, tau, splits):
     assert ((got >= 0) & (cls == 3)).any() == (tau < 1)
 
 
+def test_two_tiers_split_the_rows_by_their_count():
+    """The default launch (no block_t / num_warps): rows with at least big_tbm TBM entries take the 128-row, 8-warp
+    launch, the others the 32-row one; each launch skips the other's rows, and dest is the reference's."""
+    rows = merged_rows(seed=4)
+    s = N.to_state(rows, 37, 48, pos="without")
+    cls = partition(s, 8, gamma=2.0)
+    for h in range(cls.shape[1]):  # batch 0's rows keep 2 TBM entries (the others evicted): unequal counts
+        cls[0, h, (cls[0, h] == 3).nonzero()[2:, 0]] = 4
+    due = torch.ones(s["fill"].shape, dtype=torch.bool)
+    nt = (cls == 3).sum(-1).flatten().sort().values
+    cut = int(nt[len(nt) // 2])
+    assert nt[0] > 0 and nt[0] < cut <= nt[-1], nt
+    want = reference_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, 0.2)
+    for big_tbm in (cut, 0, 10**6):  # split; every row big; every row small
+        got = triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, 0.2, block_n=16, splits=2,
+                                    big_tbm=big_tbm)
+        assert torch.equal(got, want), big_tbm
+    assert ((want >= 0) & (cls == 3)).any()
+
+
 def test_edge_rules():
     """Clamped negative cosines, >= tau at equality, ties to the lowest centre (identical vectors), zero norms."""
     e = [([1.0, 0, 0, 0], [1.0, 0, 0, 0], [0, 1.0, 0, 0]), ([-1.0, 0, 0, 0], [-1.0, 0, 0, 0], [0, -1.0, 0, 0])]

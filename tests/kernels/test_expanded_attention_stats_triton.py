@@ -71,7 +71,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("knobs", [{}, dict(acc2d=True), dict(trans=True), dict(acc2d=True, trans=True)],
+@pytest.mark.parametrize("knobs", [dict(trans=False), dict(acc2d=True, trans=False), {}, dict(acc2d=True, trans=True)],
                          ids=["plain", "acc2d", "trans", "acc2d-trans"])
 @pytest.mark.parametrize("last", [3, 40], ids=["last3", "last-past-T"])
 @pytest.mark.parametrize("case", CASES)
