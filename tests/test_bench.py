@@ -480,7 +480,7 @@ def test_ems_prefill_state_is_a_valid_table_and_the_dense_check_measures_it():
     out, _ = xa.reference_expanded_attention(*args, ep.D**-0.5)
     assert ep.dense_check(args, out, ep.D**-0.5) < 1e-2
     assert ep.dense_check(args, torch.zeros_like(out), ep.D**-0.5) > 1e-2
-    knobs = set(inspect.signature(xa._launch_config).parameters) | {"prefill_kernel"}
+    knobs = set(inspect.signature(xa._launch_config).parameters) | {"prefill_kernel", "gathered"}
     assert all(set(t) <= knobs for t in ep.EXPANDED.values())
     assert all(set(t) <= set(inspect.signature(_ems_fold_kernels._stats_launch).parameters) for t in ep.FOLD.values())
     red = set(inspect.signature(ems_redundancy.triton_ems_redundancy).parameters)

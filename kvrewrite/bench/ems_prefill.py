@@ -13,15 +13,18 @@ entries from the compressions so far (positions ascending below n - chunk; the l
 each; the others share the slots up to gamma * Bt, one each plus a multinomial share of the rest, key scales in
 [0.5, 1.5) for merged ones) and the chunk's fresh entries (positions n - chunk .. n - 1, one slot each); the chunk's
 queries sit at those positions. Timed, each a median of triton's do_bench (warm L2: compute-bound kernels):
-- expanded: expanded_attention.launch_expanded_forward, causal (past_only False): its prefill kernel and the
-  per-entry kernel, with their launch variants; the default is checked against a float32 attention over the
-  materialised expanded keys of row (0, 0) and every variant against the default;
+- expanded: expanded_attention.launch_expanded_forward, causal (past_only False): its prefill kernel, its gathered
+  form (`gathered*`: the slots' rows written out by gather_slots, timed alone too, then clustered_attention's
+  prefill kernel with per-slot key scales) and the per-entry kernel, with their launch variants; the default is
+  checked against a float32 attention over the materialised expanded keys of row (0, 0) and every variant against
+  the default;
 - clustered_C: clustered_attention's prefill kernels (_prefill_attention_kernels.launch_prefill) over the same
   entries with one slot each (what the attention would cost without the expansion);
 - fold: ems_attention's prefill statistics fold (_ems_fold_kernels.launch_prefill_fold) with its variants (fresh
   state copies each call), s_glo checked against the default's;
 - redundancy: ems_redundancy's Triton launch at the chunk's compression (window 32, Bt - 32 centres, the chunk's
-  entries to be merged, pre-RoPE keys), dest checked against the default's.
+  entries to be merged, pre-RoPE keys), dest checked against the default's; then its two tiers' blockings alone
+  and together at 32, 256, 512 and 1024 entries to merge a row (ems_redundancy.BIG_TBM).
 """
 import argparse
 import json
@@ -34,6 +37,7 @@ import kvrewrite  # noqa: F401  (registers the ops)
 from kvrewrite.bench.attention import _bench_ms, start_run
 from kvrewrite.bench.ems_attention import shared_slots
 from kvrewrite.kernels import _ems_fold_kernels as fold
+from kvrewrite.kernels import _expanded_prefill_kernels as xp
 from kvrewrite.kernels import _prefill_attention_kernels as pk
 from kvrewrite.kernels import ems_redundancy as er
 from kvrewrite.kernels import expanded_attention as xa
@@ -47,6 +51,10 @@ EXPANDED = {  # name -> launch_expanded_forward overrides; "per_entry*": the dec
     "128x32_w8": dict(num_warps=8),
     "128x32_stages3": dict(num_stages=3),
     "128x16": dict(block_n=16),
+    # the slots' rows written out first, then clustered_attention's prefill kernel (expanded_attention.PREFILL_GATHERED)
+    "gathered": dict(gathered=True),
+    "gathered_128x32": dict(gathered=True, block_m=128, block_n=32),
+    "gathered_128x64_w8": dict(gathered=True, block_m=128, num_warps=8),
     "per_entry": dict(prefill_kernel=False),
     "per_entry_cumsum": dict(prefill_kernel=False, scatter="cumsum"),
 }
@@ -79,7 +87,7 @@ REDUNDANCY = {
     "splits8": dict(splits=8),
     "splits16": dict(splits=16),  # the most the default picks (small batches); at batch 8 it picks 4
 }
-QUICK = {"expanded": ("default", "per_entry"), "fold": ("default", "acc2d", "trans"), "redundancy": ("default", "bt64")}
+QUICK = {"expanded": ("default", "gathered", "per_entry"), "fold": ("default", "acc2d", "trans"), "redundancy": ("default", "bt64")}
 
 
 def prefill_state(B, n, chunk, gen, dev="cuda"):
@@ -152,6 +160,10 @@ def run(B, n, chunk, quick, kernels=("expanded", "fold", "redundancy")):
             res[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
         print(f"  expanded {name:10s} {res[name]}", flush=True)
     row["expanded"] = res
+
+    if "expanded" in kernels:  # the gathered form's first pass alone
+        row["gather_slots_ms"] = _time(lambda: xp.gather_slots(*args[1:5], args[7], args[9]))
+        print(f"  gather_slots alone {row['gather_slots_ms']:.3f} ms", flush=True)
 
     # -- clustered_attention's prefill kernels over the same entries, one slot each ----------------------------------
     q, keys, values, bias, slot_pos, cpos = args[:6]

@@ -22,6 +22,11 @@ kernel does. One program per (query block, b, h), the query blocks of one (b, h)
 the programs running at once share its K/V in L2 (the lesson of that kernel). expanded_attention.launch_expanded_forward
 picks it for prefill-sized blocks (G * T > 16) without a split and without S (PREFILL_KERNEL there).
 
+The gathered form (`launch_gathered_prefill`, PREFILL_GATHERED there; off, unmeasured on a GPU): gather_slots writes
+each slot's key and value rows out in slot order, and clustered_attention's prefill kernel walks them as contiguous
+slots with each score times a_j (its KEY_SCALE), so its loads need no lut entry first and its tile ranges skip the
+tiles a query block cannot see; the price is the transient copy (gathered_bytes) and one pass to write it.
+
 Checked: under Triton's interpreter against the float64 model (tests/kernels/test_expanded_attention_triton.py,
 16-row blocks and 16-slot tiles across the fresh diagonal, freed and stale slots, padding, empty rows) and on an
 H200 (torch 2.11, Triton 3.6: tests/kernels/test_expanded_attention_gpu.py::test_prefill_kernel, fp32/fp16/bf16, D
@@ -34,6 +39,7 @@ from __future__ import annotations  # the kernels' `tl.constexpr` annotations st
 import torch
 from torch.library import wrap_triton
 
+from kvrewrite.kernels import _prefill_attention_kernels as _clustered_prefill
 from kvrewrite.kernels._online_softmax import softmax_tile, store_rows
 from kvrewrite.kernels._prefill_attention_kernels import prefill_launch_config
 from kvrewrite.kernels._query_block import query_block
@@ -157,4 +163,44 @@ def launch_expanded_prefill(q, keys, values, bias, slot_pos, cache_position, lut
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], LOAD_POS=not past_only, SOFTCAP=softcap > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    return out, lse
+
+
+# -- the gathered form: the expanded keys' rows written out per slot, then clustered_attention's prefill kernel ----
+
+
+def gather_slots(keys, values, bias, slot_pos, lut, slot_fill):
+    """Each runtime slot's own row, in slot order: (keys[lut_j], values[lut_j]) as [B, Hkv, R, D] in their dtype,
+    bias' [B, Hkv, R] fp32 (0 where slot j is live: j < slot_fill, lut_j >= 0 and bias[lut_j] > -inf; -inf
+    elsewhere) and slot_pos' = slot_pos[lut_j] [B, Hkv, R] int64 (0 where lut_j < 0). Tensor code (an index, no
+    host read): CUDA-graph capturable, any device. The keys are NOT scaled: the kernel multiplies each slot's
+    score by a_j, as the slot kernels do, so no key is rounded twice."""
+    B, Hkv, R = lut.shape
+    idx = lut.clamp_min(0).long()
+    bi = torch.arange(B, device=lut.device)[:, None, None]
+    hi = torch.arange(Hkv, device=lut.device)[None, :, None]
+    live = (lut >= 0) & (torch.arange(R, device=lut.device) < slot_fill[..., None])
+    live = live & (bias[bi, hi, idx] > float("-inf"))
+    bias_g = torch.zeros(B, Hkv, R, dtype=torch.float32, device=lut.device).masked_fill_(~live, float("-inf"))
+    pos_g = torch.where(lut >= 0, slot_pos[bi, hi, idx], 0)
+    return keys[bi, hi, idx], values[bi, hi, idx], bias_g, pos_g
+
+
+def gathered_bytes(B, Hkv, R, D, itemsize) -> int:
+    """Device memory gather_slots allocates for one call (freed when the call returns)."""
+    return B * Hkv * R * (2 * D * itemsize + 4 + 8)
+
+
+def launch_gathered_prefill(q, keys, values, bias, slot_pos, cache_position, lut, key_scale, slot_fill, qk_scale,
+                            softcap_log2, softcap, **overrides):
+    """The expanded attention of a prefill chunk as a dense attention over contiguous rows: gather_slots, then
+    clustered_attention's prefill kernels (their tile ranges skip the tiles no query of a block sees, contiguous
+    loads, each slot's score times a_j). Returns (out, lse) as launch_expanded_prefill. Costs gathered_bytes of
+    transient memory (B 8, 32k, budget 0.2, gamma 4: 1.1 GB) and one pass over it; past_only is not needed (the
+    positions are read either way). overrides: prefill_launch_config's."""
+    B, Hq, T, _ = (int(n) for n in q.shape)
+    k_g, v_g, bias_g, pos_g = gather_slots(keys, values, bias, slot_pos, lut, slot_fill)
+    lse = torch.empty((B, Hq, T), dtype=torch.float32, device=q.device)
+    out = _clustered_prefill.launch_prefill(q, k_g, v_g, bias_g, pos_g, cache_position, 0, qk_scale, softcap_log2,
+                                            softcap, lse, key_scale=key_scale.contiguous(), **overrides)
     return out, lse

@@ -109,6 +109,7 @@ def _seen_tiles(RANGES, n_tiles, qpos_min, qpos_max, window, HAS_WINDOW: tl.cons
 @triton_jit(do_not_specialize=["Hkv", "G", "T", "C", "n_tiles", "window"])
 def _prefill_attention_kernel(
     Q, K, V, BIAS, POS, CPOS,
+    KSCALE,  # fp32 [B, Hkv, C]: each slot's key scale a_j (KEY_SCALE only; expanded_attention's gathered slots)
     RANGES,  # int64 [B * Hkv, n_tiles, 2] from _tile_ranges_kernel
     OUT,  # [B, Hq, T, D] q's dtype
     LSE,  # fp32 [B * Hq * T]: each row's natural-log log-sum-exp, -inf for a row that saw nothing (WRITE_LSE only)
@@ -117,6 +118,7 @@ def _prefill_attention_kernel(
     stride_vb, stride_vh, stride_vc, stride_vd,
     stride_bb, stride_bh, stride_bc,
     stride_pb, stride_ph, stride_pc,
+    stride_ab, stride_ah, stride_ac,
     # qk_scale = scale * log2(e); with SOFTCAP, qk_scale = scale / softcap and softcap_log2 = softcap * log2(e)
     Hkv, G, T, C, n_tiles, window, qk_scale, softcap_log2,
     HEAD_DIM: tl.constexpr,
@@ -124,6 +126,7 @@ def _prefill_attention_kernel(
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,  # window > 0
     SOFTCAP: tl.constexpr,  # soft-cap the scores: softcap * tanh(scale * q·k / softcap), before the bias and masks
+    KEY_SCALE: tl.constexpr,  # the score of slot j is a_j * scale * q·k (before the cap): EMS's expanded keys
     WRITE_LSE: tl.constexpr,
     SCAN: tl.constexpr,  # tile ranges read at once while bounding the loop
     PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any load (kernels/_pdl.py)
@@ -150,6 +153,7 @@ def _prefill_attention_kernel(
     v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
     bias_base = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
     pos_base = POS + b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph
+    ks_base = KSCALE + b.to(tl.int64) * stride_ab + h.to(tl.int64) * stride_ah
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -163,10 +167,11 @@ def _prefill_attention_kernel(
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
+        s = (qk * qk_scale).to(tl.float32)
+        if KEY_SCALE:
+            s = s * tl.load(ks_base + offs_n * stride_ac, mask=n_ok, other=0.0)[None, :]
         if SOFTCAP:  # as the decode kernel's: the cap in natural units, then base 2; the bias after it
-            s = (libdevice.tanh((qk * qk_scale).to(tl.float32)) * softcap_log2).to(tl.float32)
-        else:
-            s = (qk * qk_scale).to(tl.float32)
+            s = (libdevice.tanh(s) * softcap_log2).to(tl.float32)
         s = s + (bias * LOG2E)[None, :]
         # every query of the block sees every live slot of the tile: the bias (-inf where empty) is the only mask
         least = tl.load(ranges + j * 2)
@@ -223,10 +228,12 @@ SCAN = 128  # tile ranges a query block reads at once while bounding its loop
 
 
 def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_scale, softcap_log2, softcap, lse,
-                   **overrides):
+                   key_scale=None, **overrides):
     """Launch the tile ranges, then the attention; returns the output [B, Hq, T, D] (contiguous). lse: an fp32
-    [B, Hq, T] tensor to receive each query's natural-log log-sum-exp, or None. No checks (the caller's:
-    clustered_attention.triton_clustered_attention); runs under Triton's interpreter on CPU tensors."""
+    [B, Hq, T] tensor to receive each query's natural-log log-sum-exp, or None. key_scale: an fp32 [B, Hkv, C]
+    per-slot factor of the scores (before the soft cap), or None. No checks (the caller's:
+    clustered_attention.triton_clustered_attention, expanded_attention's gathered slots); runs under Triton's
+    interpreter on CPU tensors."""
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, C = int(keys.shape[1]), int(keys.shape[2])
     G = Hq // Hkv
@@ -239,12 +246,14 @@ def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_s
         BLOCK_N=cfg["block_n"], TILES=RANGE_TILES, PDL=pdl, num_warps=4, **launch,
     )
     out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
+    ks = bias if key_scale is None else key_scale  # an unused pointer without it: any fp32 [B, Hkv, C]
     wrap_triton(_prefill_attention_kernel)[(cfg["m_blocks"], B * Hkv)](
-        q, keys, values, bias, slot_pos, cache_position, ranges, out, out if lse is None else lse,
-        *q.stride(), *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(),
+        q, keys, values, bias, slot_pos, cache_position, ks, ranges, out, out if lse is None else lse,
+        *q.stride(), *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(), *ks.stride(),
         Hkv, G, T, C, n_tiles, window, qk_scale, softcap_log2,
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HAS_WINDOW=window > 0, SOFTCAP=softcap > 0,
-        WRITE_LSE=lse is not None, SCAN=SCAN, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        KEY_SCALE=key_scale is not None, WRITE_LSE=lse is not None, SCAN=SCAN, PDL=pdl, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
         **launch,
     )
     return out

@@ -17,8 +17,9 @@ Backends: the reference below (static-shape tensor code: the cosine matrices by 
 no host reads, deterministic) is the CPU path and the ground truth. The CUDA path is `_cuda_impl`'s choice: the
 Triton kernel below once KERNELS_CHECKED_ON_GPU records that its GPU tests passed, else the reference.
 
-Triton kernels (three launches, grids fixed by the shapes): 1. per row, the due TBM entries listed in ascending
-order (a chunked cumsum); 2. grid (blocks of BLOCK_T listed TBM entries, rows, S splits of the centre range): a
+Triton kernels (grids fixed by the shapes): 1. per row, the due TBM entries listed in ascending
+order (a chunked cumsum); 2. grid (blocks of BLOCK_T listed TBM entries, rows, S splits of the centre range; two
+launches, 32-entry blocks for rows under BIG_TBM TBM entries and 128-entry ones from there): a
 block past the row's TBM count returns at once (decode: ~32 TBM per row, one block); its TBM rows of a and v stay
 in registers with their fp32 norms, and it walks its split's entries in centre blocks of BLOCK_N (a block without
 a centre is skipped): two tl.dot products (fp32 accumulate; fp32 inputs at IEEE precision, never TF32), divided by
@@ -121,10 +122,11 @@ BLOCK_T = 32  # TBM rows per program (32/64/4 warps best on the H100 but at B = 
 BLOCK_N = 64  # centres per step
 # Rows with at least BIG_TBM TBM entries (a prefill chunk's compression) take a second launch of 128-row blocks and
 # 8 warps; the others (a decode-time compression) the 32-row, 4-warp one. Each launch's programs return at once on
-# a row of the other tier (the count is a device value: no host read). H200, Llama-3.1-8B shape, batch 8
-# (docs/bench.md "Stop 43 runs"): 2048 TBM a row 10.5 ms with 32 / 4 against 6.0 with 128 / 8; 32 TBM a row 0.34
-# against 1.11 ms.
-BIG_TBM = 512
+# a row of the other tier (the count is a device value: no host read). H200, Llama-3.1-8B shape, batch 8, C 8665
+# (`python -m kvrewrite.bench.ems_prefill`, docs/bench.md "Stop 43 runs"), ms with 32 / 4 against 128 / 8: 32 TBM a
+# row 0.35 / 1.12, 256 1.42 / 0.85, 512 2.72 / 1.61, 1024 5.32 / 3.11, 2048 10.4 / 6.0. The cut sits at the smallest
+# measured count where 128 / 8 wins; the idle second launch costs 0.03 ms at 32 a row (0.375 ms for both tiers).
+BIG_TBM = 256
 BIG_BLOCK_T, BIG_WARPS = 128, 8
 LIST_CHUNK = 1024  # entries per step of the TBM list
 TARGET_PROGRAMS = 256  # splits of the centre range: about this many programs per TBM block column

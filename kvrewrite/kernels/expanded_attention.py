@@ -201,6 +201,13 @@ RESIDENT_PROGRAMS = 0
 # 128 x 32 tiles (59.6 with 64 x 64). False: every launch runs the per-entry kernel (an A/B switch: `prefill_kernel=
 # False` in the launch overrides, `--kernel-option expanded_attention.PREFILL_KERNEL=False`).
 PREFILL_KERNEL = True
+# With PREFILL_GATHERED, such blocks first write each slot's key and value rows out in slot order
+# (_expanded_prefill_kernels.gather_slots: 1.1 GB of transient memory at batch 8, 32k, budget 0.2) and run
+# clustered_attention's prefill kernel over them with each slot's score times a_j: contiguous, pipelined loads and
+# that kernel's tile ranges, where the prefill kernel's loads hang on the slot's lut entry. Built in stop 43 after
+# the device time was spent: checked under Triton's interpreter, unmeasured on a GPU, so off (`gathered=True` in the
+# launch overrides; the benchmark's `gathered*` variants time it).
+PREFILL_GATHERED = False
 
 
 def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=None, block_n=None, block_j=None,
@@ -250,6 +257,7 @@ def launch_expanded_forward(q, keys, values, bias, slot_pos, cache_position, ent
                          f"T == 1 (decode), got S {S.dtype} {list(S.shape)} with T = {T}")
     num_sms = ca._num_sms(q.device) if q.is_cuda else 8  # 8: Triton's interpreter on CPU tensors
     prefill_kernel = tuning.pop("prefill_kernel", PREFILL_KERNEL)
+    gathered = tuning.pop("gathered", PREFILL_GATHERED)
     cfg = _launch_config(B, Hkv, G, T, C, D, num_sms, q.element_size(), **tuning)
     n_splits = cfg["num_splits"]
     split = n_splits > 1
@@ -257,6 +265,10 @@ def launch_expanded_forward(q, keys, values, bias, slot_pos, cache_position, ent
         qk_scale, softcap_log2 = scale / softcap, softcap * 1.4426950408889634
     else:
         qk_scale, softcap_log2 = scale * 1.4426950408889634, 0.0
+    if prefill_kernel and G * T > 16 and not split and S is None and gathered:
+        return _prefill.launch_gathered_prefill(
+            q, keys, values, bias, slot_pos, cache_position, lut, key_scale, slot_fill, qk_scale, softcap_log2,
+            softcap, **prefill_overrides(tuning))
     if prefill_kernel and G * T > 16 and not split and S is None:
         return _prefill.launch_expanded_prefill(
             q, keys, values, bias, slot_pos, cache_position, lut, key_scale, slot_fill, qk_scale, softcap_log2,

@@ -81,8 +81,9 @@ def test_every_blocking_gives_the_same_dest(knobs):
     cls = without_near_ties(s, cls, 0.6)
     if knobs.get("big_tbm") == "median":
         nt = ((cls == 3) & due[..., None]).sum(-1).flatten().sort().values
+        nt = nt[nt > 0]  # rows with TBM entries (a row not due has none)
         knobs = dict(big_tbm=int(nt[len(nt) // 2]))
-        assert nt[0] > 0 and nt[0] < knobs["big_tbm"] <= nt[-1], nt  # both tiers have rows with TBM entries
+        assert nt[0] < knobs["big_tbm"] <= nt[-1], nt  # both tiers have rows to serve
     want = mod.reference_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, 0.6)
     got = mod.triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, 0.6, **knobs)
     assert torch.equal(got, want) and int(((cls == 3) & (got >= 0)).sum()) > 0

@@ -168,3 +168,27 @@ def test_prefill_kernel_tiles():
     assert (expanded_prefill_config(1, 8, 4, 2048, 8665, 128, 4)["block_m"],
             expanded_prefill_config(1, 8, 4, 2048, 8665, 256, 4)["block_n"]) == (64, 32)
     assert expanded_prefill_config(1, 8, 4, 2048, 8665, 64, 2, block_m=64, block_n=64)["block_n"] == 64
+
+
+def test_gather_slots_writes_each_slots_row():
+    """_expanded_prefill_kernels.gather_slots (the gathered prefill form's input): slot j's key and value are
+    keys/values[lut_j], bias' 0 exactly where j is live (j < slot_fill, lut_j >= 0, its entry's bias > -inf), and
+    slot_pos' its entry's position: checked slot by slot, with freed slots, stale slots past the fill and padding."""
+    from kvrewrite.kernels._expanded_prefill_kernels import gather_slots, gathered_bytes
+
+    st, _, _, _ = build("dead-slots", torch.bfloat16)
+    k, v, bias, pos = gather_slots(st.keys, st.values, st.bias, st.slot_pos, st.lut, st.slot_fill)
+    B, Hkv, R = st.lut.shape
+    n_live = 0
+    for b in range(B):
+        for h in range(Hkv):
+            for j in range(R):
+                e = int(st.lut[b, h, j])
+                live = e >= 0 and j < int(st.slot_fill[b, h]) and st.bias[b, h, e] > -math.inf
+                n_live += live
+                assert bias[b, h, j] == (0.0 if live else -math.inf), (b, h, j)
+                if e >= 0:
+                    assert torch.equal(k[b, h, j], st.keys[b, h, e]) and torch.equal(v[b, h, j], st.values[b, h, e])
+                    assert pos[b, h, j] == st.slot_pos[b, h, e]
+    assert 0 < n_live < B * Hkv * R and k.dtype == torch.bfloat16 and bias.dtype == torch.float32
+    assert gathered_bytes(B, Hkv, R, k.shape[-1], 2) == k.nbytes + v.nbytes + bias.nbytes + pos.nbytes

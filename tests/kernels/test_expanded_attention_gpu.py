@@ -195,14 +195,16 @@ def test_softcap(case, dtype, scatter):
     check(out, lse, want, want_lse, dtype, "softcap")
 
 
-@pytest.mark.parametrize("tuning", [{}, dict(block_n=32), dict(block_m=128, num_warps=8), dict(block_m=16, block_n=16)],
+@pytest.mark.parametrize("tuning", [{}, dict(block_n=32), dict(block_m=128, num_warps=8), dict(block_m=16, block_n=16),
+                                    dict(gathered=True), dict(gathered=True, block_m=128, block_n=32)],
                          ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()) or "default")
 @pytest.mark.parametrize("softcap", [0.0, 10.0])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("case", ["prefill-G4-T37", "prefill-G2-T130-D64", "prefill-G1-T5-D256"])
 def test_prefill_kernel(case, dtype, softcap, tuning, monkeypatch):
     """The slot-walking prefill kernel (one split; _expanded_prefill_kernels.py, counted) against float64 over
-    materialised expanded keys, with and without the soft cap, fp32/fp16/bf16, D 64/128/256, several tilings."""
+    materialised expanded keys, with and without the soft cap, fp32/fp16/bf16, D 64/128/256, several tilings; with
+    `gathered`, the slots' rows written out and clustered_attention's prefill kernel with per-slot key scales."""
     from kvrewrite.kernels import _expanded_prefill_kernels as xp
 
     B, Hq, Hkv, C, R, D, T, prefill, opts = CASES[case]
@@ -214,8 +216,9 @@ def test_prefill_kernel(case, dtype, softcap, tuning, monkeypatch):
     q = ((4 if softcap else 1) * torch.randn(B, Hq, T, D, device="cuda")).to(dtype)
     want, want_lse = dense64(st, q, D**-0.5, softcap=softcap)
     calls = []
-    launch = xp.launch_expanded_prefill
-    monkeypatch.setattr(xp, "launch_expanded_prefill", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    name = "launch_gathered_prefill" if tuning.get("gathered") else "launch_expanded_prefill"
+    launch = getattr(xp, name)
+    monkeypatch.setattr(xp, name, lambda *a, **k: calls.append(1) or launch(*a, **k))
     out, lse = poisoned(lambda: xa.launch_expanded_forward(*st.attention_args(q), D**-0.5, False, softcap,
                                                            num_splits=1, **tuning), nbytes(st, q))
     assert calls == [1]

@@ -97,10 +97,12 @@ PREFILL_CASES = {
 }
 
 
+@pytest.mark.parametrize("gathered", [False, True], ids=["walk", "gathered"])
 @pytest.mark.parametrize("case", PREFILL_CASES)
-def test_prefill_kernel_matches_naive_and_reference(case, monkeypatch):
+def test_prefill_kernel_matches_naive_and_reference(case, gathered, monkeypatch):
     """16-row query blocks and 16-slot tiles: tiles straddle the fresh diagonal, freed and stale slots, padding
-    entries and rows that see nothing; the launch goes through the prefill kernel (counted)."""
+    entries and rows that see nothing; the launch goes through the prefill kernel, or with `gathered` through
+    gather_slots and clustered_attention's prefill kernel with per-slot key scales (counted)."""
     from kvrewrite.kernels import _expanded_prefill_kernels as xp
 
     B, Hq, Hkv, C, R, D, T, opts = PREFILL_CASES[case]
@@ -108,10 +110,11 @@ def test_prefill_kernel_matches_naive_and_reference(case, monkeypatch):
     st = make_state(B, Hkv, C, R, D, T, torch.float32, g, prefill=True, **opts)
     q = torch.randn(B, Hq, T, D, generator=g)
     calls = []
-    launch = xp.launch_expanded_prefill
-    monkeypatch.setattr(xp, "launch_expanded_prefill", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    name = "launch_gathered_prefill" if gathered else "launch_expanded_prefill"
+    launch = getattr(xp, name)
+    monkeypatch.setattr(xp, name, lambda *a, **k: calls.append(1) or launch(*a, **k))
     out, lse = launch_expanded_forward(*st.attention_args(q), D**-0.5, False, 0.0, num_splits=1, block_m=16,
-                                       block_n=16)
+                                       block_n=16, gathered=gathered)
     assert calls == [1]
     want, want_lse, _ = naive_expanded(st, q, D**-0.5)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
