@@ -53,7 +53,7 @@ EXPANDED = {  # name -> launch_expanded_forward overrides; "per_entry*": the dec
     "128x16": dict(block_n=16),
     # the slots' rows written out first, then clustered_attention's prefill kernel (expanded_attention.PREFILL_GATHERED)
     "gathered": dict(gathered=True),
-    "gathered_128x32": dict(gathered=True, block_m=128, block_n=32),
+    "gathered_64x32": dict(gathered=True, block_n=32),
     "gathered_128x64_w8": dict(gathered=True, block_m=128, num_warps=8),
     "per_entry": dict(prefill_kernel=False),
     "per_entry_cumsum": dict(prefill_kernel=False, scatter="cumsum"),
@@ -87,7 +87,8 @@ REDUNDANCY = {
     "splits8": dict(splits=8),
     "splits16": dict(splits=16),  # the most the default picks (small batches); at batch 8 it picks 4
 }
-QUICK = {"expanded": ("default", "gathered", "per_entry"), "fold": ("default", "acc2d", "trans"), "redundancy": ("default", "bt64")}
+QUICK = {"expanded": ("default", "gathered", "per_entry"), "fold": ("default", "acc2d", "trans"),
+         "redundancy": ("default", "bt64")}
 
 
 def prefill_state(B, n, chunk, gen, dev="cuda"):

@@ -204,9 +204,11 @@ PREFILL_KERNEL = True
 # With PREFILL_GATHERED, such blocks first write each slot's key and value rows out in slot order
 # (_expanded_prefill_kernels.gather_slots: 1.1 GB of transient memory at batch 8, 32k, budget 0.2) and run
 # clustered_attention's prefill kernel over them with each slot's score times a_j: contiguous, pipelined loads and
-# that kernel's tile ranges, where the prefill kernel's loads hang on the slot's lut entry. Built in stop 43 after
-# the device time was spent: checked under Triton's interpreter, unmeasured on a GPU, so off (`gathered=True` in the
-# launch overrides; the benchmark's `gathered*` variants time it).
+# that kernel's tile ranges, where the prefill kernel's loads hang on the slot's lut entry. Compiled for sm_90 (bf16,
+# D 128) the prefill kernel spills 176 bytes a thread at 64 x 64 tiles and 224 at 128 x 32; clustered_attention's
+# with the key scales none at 64 x 64 (255 registers), 64 x 32 (195) or 128 x 64 with 8 warps. Built in stop 43
+# after the device time was spent: checked under Triton's interpreter, unmeasured on a GPU, so off (`gathered=True`
+# in the launch overrides; the benchmark's `gathered*` variants time it).
 PREFILL_GATHERED = False
 
 

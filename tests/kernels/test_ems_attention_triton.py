@@ -61,6 +61,25 @@ def test_prefill_fold(Hq, Hkv, knobs):
     assert (s[2] == 0).all() and (win_count == 0).all()
 
 
+def test_prefill_with_the_gathered_forward(monkeypatch):
+    """The op's prefill with expanded_attention.PREFILL_GATHERED (the slots' rows written out, clustered_attention's
+    prefill kernel with per-slot key scales): its output and folded statistics match the reference (counted)."""
+    from kvrewrite.kernels import _expanded_prefill_kernels as xp
+    from kvrewrite.kernels import expanded_attention as xa
+
+    calls = []
+    launch = xp.launch_gathered_prefill
+    monkeypatch.setattr(xp, "launch_gathered_prefill", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    monkeypatch.setattr(xa, "PREFILL_GATHERED", True)
+    g = torch.Generator().manual_seed(4)
+    B, Hq, Hkv, C, R, D, T, l_win = 2, 4, 2, 31, 45, 16, 20, 6
+    st = make_state(B, Hkv, C, R, D, T, torch.float32, g, prefill=True, dead=True)
+    q = torch.randn(B, Hq, T, D, generator=g)
+    s = (torch.rand(B, Hkv, R, generator=g), torch.zeros(B, Hkv, R), torch.zeros(B, Hkv, R))
+    both(st, q, s, torch.tensor([[5] * Hkv, [2] * Hkv]), False, l_win)
+    assert calls == [1]
+
+
 @pytest.mark.parametrize("past_only", [True, False], ids=["past_only", "causal"])
 def test_decode_steps_rotate(past_only):
     """9 decode steps with l_win = 4 (rotations at steps 4 and 8), each after cache_append and ems_append; rows start
