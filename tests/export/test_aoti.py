@@ -61,7 +61,11 @@ def _plain_cuda_aoti_fault(tmp: str) -> str | None:
     naming that, where a crash took the pytest worker down with them."""
     path = f"{tmp}/plain.pt2"
     for step in ("compile", "load"):
-        r = subprocess.run([sys.executable, "-c", _PROBE, path, step], capture_output=True, text=True, timeout=300)
+        try:
+            r = subprocess.run([sys.executable, "-c", _PROBE, path, step], capture_output=True, text=True,
+                               timeout=300)
+        except subprocess.TimeoutExpired:
+            return f"a plain CUDA AOTInductor package (x.sin() + 1) did not {step} in 300 s on this machine"
         if r.returncode != 0:
             tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1][:200]
             return (f"a plain CUDA AOTInductor package (x.sin() + 1, no kvrewrite) fails to {step} on this machine "
