@@ -175,12 +175,12 @@ def gather_slots(keys, values, bias, slot_pos, lut, slot_fill):
     elsewhere) and slot_pos' = slot_pos[lut_j] [B, Hkv, R] int64 (0 where lut_j < 0). Tensor code (an index, no
     host read): CUDA-graph capturable, any device. The keys are NOT scaled: the kernel multiplies each slot's
     score by a_j, as the slot kernels do, so no key is rounded twice."""
+    from kvrewrite.kernels.expanded_attention import live_slots  # (that module imports this one)
+
     B, Hkv, R = lut.shape
-    idx = lut.clamp_min(0).long()
+    live, idx = live_slots(bias, lut, slot_fill)
     bi = torch.arange(B, device=lut.device)[:, None, None]
     hi = torch.arange(Hkv, device=lut.device)[None, :, None]
-    live = (lut >= 0) & (torch.arange(R, device=lut.device) < slot_fill[..., None])
-    live = live & (bias[bi, hi, idx] > float("-inf"))
     bias_g = torch.zeros(B, Hkv, R, dtype=torch.float32, device=lut.device).masked_fill_(~live, float("-inf"))
     pos_g = torch.where(lut >= 0, slot_pos[bi, hi, idx], 0)
     return keys[bi, hi, idx], values[bi, hi, idx], bias_g, pos_g

@@ -53,9 +53,10 @@ The op is a `torch.library.triton_op`: Inductor sees the launches and CUDA graph
 Checked: through Triton's interpreter against expanded_naive's float64 loop (tests/kernels/
 test_expanded_attention_triton.py, fp32, 15 tests; the prefill kernel 5 more) and on an H100 (torch 2.11, Triton 3.6)
 against a float64 dense attention over materialised expanded keys, the reference and the tiny naive cases, with merged
-entries of varied key scales, dead and stale slots, padding, ragged fills, prefill T > 1, decode, softcap, G in {1, 2, 4, 8} and MQA,
-nothing-visible rows, odd C and R, both segment sums and launch variants, S, a CUDA graph, torch.compile and
-opcheck (tests/kernels/test_expanded_attention_gpu.py: 95 passed); KERNELS_CHECKED_ON_GPU records that.
+entries of varied key scales, dead and stale slots, padding, ragged fills, prefill T > 1, decode, softcap, G in
+{1, 2, 4, 8} and MQA, nothing-visible rows, odd C and R, both segment sums and launch variants, S, a CUDA graph,
+torch.compile and opcheck (tests/kernels/test_expanded_attention_gpu.py: 95 passed); KERNELS_CHECKED_ON_GPU records
+that.
 Speed (kvrewrite/bench/ems_attention.py, docs/bench/ems_attention.json; H100, Llama-3.1-8B layout, bf16, budget
 0.2, gamma 4, CUDA graph, cold L2): decode over 4 Bt slots costs 1.86-1.98x clustered_attention over the same C
 entries and 0.43-0.58x dense attention over all n tokens (32k B 1: 33.8 us vs 18.2 and 57.9).
@@ -125,17 +126,24 @@ def entry_scores(q, keys, scale):
     return torch.einsum("bhgtd,bhcd->bhgtc", q.float().view(B, Hkv, Hq // Hkv, T, D), keys.float()) * scale
 
 
+def live_slots(bias, lut, slot_fill):
+    """(live [B, Hkv, R] bool, e [B, Hkv, R] int64): slot j is live when j < slot_fill, lut_j >= 0 and its entry's
+    bias > -inf; e = lut clamped at 0 (a free slot reads entry 0, masked by live)."""
+    e = lut.long().clamp_min(0)
+    live = ((torch.arange(lut.shape[2], device=lut.device) < slot_fill[:, :, None]) & (lut >= 0)
+            & (bias.gather(-1, e) > float("-inf")))
+    return live, e
+
+
 def slot_logits(s, bias, slot_pos, cache_position, lut, key_scale, slot_fill, softcap):
     """z = a_j * s[lut[j]] (capped), -inf where slot j is not visible: fp32 [B, Hkv, G, t, R] for the t queries of
     s [B, Hkv, G, t, C] at positions cache_position [t]. Scores are gathered per slot; keys never are."""
     B, Hkv, G, t, C = s.shape
     R = lut.shape[2]
-    e = lut.long().clamp_min(0)  # free slots (-1) read entry 0 and are masked below
+    live, e = live_slots(bias, lut, slot_fill)
     z = s.gather(-1, e[:, :, None, None, :].expand(B, Hkv, G, t, R)) * key_scale[:, :, None, None, :]
     if softcap > 0:
         z = torch.tanh(z / softcap) * softcap
-    live = ((torch.arange(R, device=lut.device) < slot_fill[:, :, None]) & (lut >= 0)
-            & (bias.gather(-1, e) > float("-inf")))  # [B, Hkv, R]
     causal = slot_pos.gather(-1, e)[:, :, None, :] <= cache_position[None, None, :, None]  # [B, Hkv, t, R]
     visible = live[:, :, None, None, :] & causal[:, :, None, :, :]
     return z.masked_fill(~visible, float("-inf"))
@@ -267,11 +275,11 @@ def launch_expanded_forward(q, keys, values, bias, slot_pos, cache_position, ent
         qk_scale, softcap_log2 = scale / softcap, softcap * 1.4426950408889634
     else:
         qk_scale, softcap_log2 = scale * 1.4426950408889634, 0.0
-    if prefill_kernel and G * T > 16 and not split and S is None and gathered:
-        return _prefill.launch_gathered_prefill(
-            q, keys, values, bias, slot_pos, cache_position, lut, key_scale, slot_fill, qk_scale, softcap_log2,
-            softcap, **prefill_overrides(tuning))
     if prefill_kernel and G * T > 16 and not split and S is None:
+        if gathered:
+            return _prefill.launch_gathered_prefill(
+                q, keys, values, bias, slot_pos, cache_position, lut, key_scale, slot_fill, qk_scale, softcap_log2,
+                softcap, **prefill_overrides(tuning))
         return _prefill.launch_expanded_prefill(
             q, keys, values, bias, slot_pos, cache_position, lut, key_scale, slot_fill, qk_scale, softcap_log2,
             past_only, softcap, **prefill_overrides(tuning))
