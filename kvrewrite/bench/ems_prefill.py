@@ -134,6 +134,19 @@ def _time(fn):
         return _bench_ms(fn)
 
 
+def _variants(kind, table, measure):
+    """{name: measure(tuning)} over a table of launch variants, each printed; a variant that does not run (e.g. out
+    of shared memory) records its error instead."""
+    res = {}
+    for name, tuning in table.items():
+        try:
+            res[name] = measure(tuning)
+        except Exception as e:  # noqa: BLE001
+            res[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+        print(f"  {kind} {name:10s} {res[name]}", flush=True)
+    return res
+
+
 def run(B, n, chunk, quick, kernels=("expanded", "fold", "redundancy")):
     gen = torch.Generator(device="cuda").manual_seed(0)
     args, Bt = prefill_state(B, n, chunk, gen)
@@ -149,18 +162,15 @@ def run(B, n, chunk, quick, kernels=("expanded", "fold", "redundancy")):
     with set_wrap_triton_enabled(False):
         base, base_lse = xa.launch_expanded_forward(*args, scale, False, 0.0)
     row["expanded_dense_err"] = dense_check(args, base, scale)
-    res = {}
-    for name, tuning in pick(EXPANDED, "expanded").items():
-        try:
-            with set_wrap_triton_enabled(False):
-                out, lse = xa.launch_expanded_forward(*args, scale, False, 0.0, **tuning)
-            err = (out.float() - base.float()).abs().max().item()
-            ms = _time(lambda t=tuning: xa.launch_expanded_forward(*args, scale, False, 0.0, **t))
-            res[name] = dict(ms=ms, err_vs_default=err, lse_err=(lse - base_lse).abs().max().item())
-        except Exception as e:  # noqa: BLE001  (a variant that does not compile, e.g. out of shared memory)
-            res[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
-        print(f"  expanded {name:10s} {res[name]}", flush=True)
-    row["expanded"] = res
+
+    def expanded(tuning):
+        with set_wrap_triton_enabled(False):
+            out, lse = xa.launch_expanded_forward(*args, scale, False, 0.0, **tuning)
+        err = (out.float() - base.float()).abs().max().item()
+        ms = _time(lambda: xa.launch_expanded_forward(*args, scale, False, 0.0, **tuning))
+        return dict(ms=ms, err_vs_default=err, lse_err=(lse - base_lse).abs().max().item())
+
+    row["expanded"] = _variants("expanded", pick(EXPANDED, "expanded"), expanded)
 
     if "expanded" in kernels:  # the gathered form's first pass alone
         row["gather_slots_ms"] = _time(lambda: xp.gather_slots(*args[1:5], args[7], args[9]))
@@ -184,17 +194,13 @@ def run(B, n, chunk, quick, kernels=("expanded", "fold", "redundancy")):
                                  WINDOW, 0.0, **tuning)
         return st
 
-    ref = fold_call({})[0]
-    res = {}
-    for name, tuning in pick(FOLD, "fold").items():
-        try:
-            got = fold_call(tuning)[0]
-            err = ((got - ref).abs() / ref.abs().clamp_min(1e-3)).max().item()
-            res[name] = dict(ms=_time(lambda t=tuning: fold_call(t)), rel_err_vs_default=err)
-        except Exception as e:  # noqa: BLE001
-            res[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
-        print(f"  fold {name:10s} {res[name]}", flush=True)
-    row["fold"] = res
+    glo_ref = fold_call({})[0]
+
+    def folded(tuning):
+        err = ((fold_call(tuning)[0] - glo_ref).abs() / glo_ref.abs().clamp_min(1e-3)).max().item()
+        return dict(ms=_time(lambda: fold_call(tuning)), rel_err_vs_default=err)
+
+    row["fold"] = _variants("fold", pick(FOLD, "fold"), folded)
     row["fold_clone_ms"] = _time(lambda: [t.clone() for t in state0])
 
     # -- the redundancy at the chunk's compression ---------------------------------------------------------------------
@@ -205,16 +211,13 @@ def run(B, n, chunk, quick, kernels=("expanded", "fold", "redundancy")):
     raw = torch.randn(B, HKV, C, D, device="cuda", generator=gen).to(DTYPE)
     due = torch.ones(B, HKV, dtype=torch.bool, device="cuda")
     ref = er.triton_ems_redundancy(keys, values, raw, cls, due, 0.6)
-    res = {}
-    for name, tuning in pick(REDUNDANCY, "redundancy").items():
-        try:
-            got = er.triton_ems_redundancy(keys, values, raw, cls, due, 0.6, **tuning)
-            res[name] = dict(ms=_time(lambda t=tuning: er.triton_ems_redundancy(keys, values, raw, cls, due, 0.6, **t)),
-                             dest_diffs=int((got != ref).sum()))
-        except Exception as e:  # noqa: BLE001
-            res[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
-        print(f"  redundancy {name:10s} {res[name]}", flush=True)
-    row["redundancy"] = res
+
+    def redundancy(tuning):
+        got = er.triton_ems_redundancy(keys, values, raw, cls, due, 0.6, **tuning)
+        return dict(ms=_time(lambda: er.triton_ems_redundancy(keys, values, raw, cls, due, 0.6, **tuning)),
+                    dest_diffs=int((got != ref).sum()))
+
+    row["redundancy"] = _variants("redundancy", pick(REDUNDANCY, "redundancy"), redundancy)
     row["merged_share"] = float((ref[..., Bt:] >= 0).float().mean())
 
     # -- the redundancy by the count of entries to be merged per row (32: a decode-time compression) -------------------
