@@ -132,6 +132,7 @@ def _rewrite(model, m, captured, max_length: int, fuse_projections: bool = False
                              cache_buffers=captured.cache_buffers, fuse_projections=fuse_projections,
                              fused_weights=captured.fused_weights, gemv=gemv, max_length=max_length, tp=captured.tp,
                              tp_group=captured.tp_group, tp_row_parallel=captured.tp_row_parallel,
+                             tp_vocab_parallel=captured.tp_vocab_parallel,
                              tp_rank=captured.tp_rank, tp_all_reduce=tp_all_reduce)
         graphs[name] = run_passes(copy_graph_module(captured.graphs[kind]), ctx,
                                   passes=TP_PASSES if captured.tp > 1 else None)

@@ -58,6 +58,7 @@ class Captured:
     tp_rank: int = 0  # that rank: its KV heads of each layer start at tp_rank * the layer's (rank's) Hkv
     tp_group: str = ""  # the torch.distributed group its all-reduces run on
     tp_row_parallel: tuple = ()  # its row-parallel weight names, summed over the ranks
+    tp_vocab_parallel: str = ""  # its lm_head weight when split by vocabulary rows (logits gathered), else ""
 
 
 def model_tag(model) -> str:

@@ -51,6 +51,7 @@ class RewriteContext:
     tp_group: str = ""  # the torch.distributed group name of the all-reduces
     tp_rank: int = 0  # this rank: its first KV head of a layer is tp_rank * Hkv (the rank's), the head_offset of ops
     tp_row_parallel: tuple = ()  # the HF model's row-parallel weight names (o_proj, down_proj), summed over ranks
+    tp_vocab_parallel: str = ""  # the lm_head weight split by vocabulary rows, its logits gathered ("" if whole)
     tp_all_reduce: str = "collective"  # "one_shot": kvrewrite::tp_all_reduce (tensor_parallel.prepare_all_reduce)
     max_length: int = 0  # the longest prompt + generation the state is sized for (Method.select_call's sizes)
     sites: dict = field(default_factory=dict)

@@ -8,12 +8,16 @@ holding the whole model as loaded. `rank_model` builds the rank's model from it:
     o_proj                             the same heads' input columns                             row-parallel
     gate_proj, up_proj                 rows [r*I/N, (r+1)*I/N)                                   column-parallel
     down_proj                          the same input columns                                    row-parallel
-    embedding, norms, q_norm/k_norm over head_dim, lm_head                                       replicated
+    lm_head (+ bias)                   rows [r*V/N, (r+1)*V/N) of the vocabulary, when N divides V  vocab-parallel
+    embedding, norms, q_norm/k_norm over head_dim (and an lm_head N does not divide)             replicated
 
 and a config copy saying Hq/N, Hkv/N and I/N, so the capture, the layer facts and every method's state are sized
 for the rank's heads. The row-parallel outputs are partial sums; passes/insert_tensor_parallel_all_reduce.py adds
 the all-reduce after them: on CUDA kvrewrite::tp_all_reduce's one-shot kernel over symmetric memory, elsewhere the
-group's all-reduce (apply's `tp_all_reduce`, prepare_all_reduce below). Every head is attended and compressed on
+group's all-reduce (apply's `tp_all_reduce`, prepare_all_reduce below). The vocab-parallel lm_head gives each rank
+its slice of the logits; passes/insert_vocab_parallel_all_gather.py joins them (kvrewrite::tp_all_gather), so a
+rank reads 1/N of the lm_head per decode step and every rank still holds the whole logits. A tied lm_head becomes
+a row view of the (whole) input embedding on the rank's model. Every head is attended and compressed on
 exactly one rank, by the same per-head code as with tp=1, so a method whose decisions are per KV head reproduces
 tp=1 (ops that hash a head's index are told the rank's first head: `head_offset`); the rest would be refused
 (TP_REFUSED_METHODS, empty today).
@@ -64,6 +68,8 @@ class RankShard:
     rank: int
     row_parallel: tuple  # names of its row-parallel weights (insert_tensor_parallel_all_reduce)
     slices: tuple = ()  # (parameter name, dim, start, stop): what each split tensor keeps (tensor_parallel_loading.py)
+    vocab_parallel: str = ""  # the lm_head weight split by vocabulary rows (insert_vocab_parallel_all_gather), or ""
+    tied_output: str = ""  # when that lm_head was tied: the input embedding weight its rows view, else ""
 
 
 def check_tp_method(method, tp: int, verify, tag: str) -> None:
@@ -250,13 +256,28 @@ def _split_linear(lin: nn.Linear, a: int, z: int, rows: bool, name: str, slices:
         lin.in_features = z - a
 
 
+def _split_lm_head(shard, tp: int, rank: int, slices: list) -> tuple:
+    """Keep the rank's vocabulary rows of the output embedding when it is an nn.Linear whose rows tp divides (a row
+    view: no copy; a tied one then views the input embedding's rows); returns (its weight's name, the input
+    embedding weight's name if the two were tied), ("", "") when it stays whole."""
+    lm = shard.get_output_embeddings()
+    if not isinstance(lm, nn.Linear) or lm.out_features % tp:
+        return "", ""
+    names = {id(m): n for n, m in shard.named_modules()}
+    emb = shard.get_input_embeddings()
+    tied = f"{names[id(emb)]}.weight" if emb is not None and lm.weight is getattr(emb, "weight", None) else ""
+    V = lm.out_features
+    _split_linear(lm, rank * V // tp, (rank + 1) * V // tp, True, names[id(lm)], slices)
+    return f"{names[id(lm)]}.weight", tied
+
+
 def rank_model(model, tp: int, rank: int, tag: str):
     """The rank's model built from `model` (module docstring), marked with its `kvrewrite_shard` (RankShard: tp,
     rank and the names of its row-parallel weights).
 
     The copy shares every tensor of `model` (a deepcopy whose memo maps each parameter and buffer to itself),
-    then its q/k/v/o and gate/up/down get new parameters holding the rank's slices, and its config the rank's
-    head and intermediate counts.
+    then its q/k/v/o and gate/up/down (and its lm_head, when tp divides its rows) get new parameters holding the
+    rank's slices, and its config the rank's head and intermediate counts.
     """
     from kvrewrite.capture import text_config
 
@@ -282,11 +303,12 @@ def rank_model(model, tp: int, rank: int, tag: str):
         _split_linear(mlp.up_proj, *inter, True, f"{ml}.up_proj", slices)
         _split_linear(mlp.down_proj, *inter, False, f"{ml}.down_proj", slices)
         row_parallel += [f"{at}.o_proj.weight", f"{ml}.down_proj.weight"]
+    vocab, tied = _split_lm_head(shard, tp, rank, slices)
     cfg = text_config(shard)
     Hq, Hkv, D, I = shapes[0]
     cfg.head_dim = D  # explicit: some configs derive it from hidden_size // num_attention_heads
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size = Hq // tp, Hkv // tp, I // tp
-    shard.kvrewrite_shard = RankShard(tp, rank, tuple(row_parallel), tuple(slices))
+    shard.kvrewrite_shard = RankShard(tp, rank, tuple(row_parallel), tuple(slices), vocab, tied)
     return shard
 
 
@@ -315,4 +337,5 @@ def capture_rank(model, tp: int, *, batch_size: int, prefill_chunk: int):
     captured = capture(shard, batch_size=batch_size, prefill_chunk=prefill_chunk)
     captured.tp, captured.tp_rank, captured.tp_group = tp, rank, group
     captured.tp_row_parallel = shard.kvrewrite_shard.row_parallel
+    captured.tp_vocab_parallel = shard.kvrewrite_shard.vocab_parallel
     return captured

@@ -3,15 +3,15 @@
     shard = kvrewrite.tensor_parallel_loading.load_rank_model(path, tp, rank, device=f"cuda:{rank}")
     rw = kvrewrite.apply(shard, "chelsea", budget=0.2, tp=tp)
 
-Why: at tp = N a rank computes with 1/N of q/k/v/o and gate/up/down, but `from_pretrained` loads the whole model on
-every rank, which a model as large as the card (Llama-3-70B: 141 GB in bf16 against an H200's 143 GB) cannot do.
-Here the model is built with its parameters on the meta device (no memory) and its buffers real (RoPE's inv_freq,
-Gemma's embed_scale: what the modules compute at construction), split by tensor_parallel.rank_model, which records
-the slice each split tensor keeps (RankShard.slices), and each parameter is then read from the checkpoint: the
-rank's rows or columns of a split one (safetensors reads only those bytes: `get_slice`), the whole tensor of the
-rest, in the checkpoint's dtype unless `dtype`, straight to `device`. A tied output embedding is tied again to the
-input embedding. The result is what rank_model gives from the whole model loaded by from_pretrained, bit for bit
-(tests/test_tensor_parallel_loading.py).
+Why: at tp = N a rank computes with 1/N of q/k/v/o, gate/up/down and the lm_head, but `from_pretrained` loads the
+whole model on every rank, which a model as large as the card (Llama-3-70B: 141 GB in bf16 against an H200's 143 GB)
+cannot do. Here the model is built with its parameters on the meta device (no memory) and its buffers real (RoPE's
+inv_freq, Gemma's embed_scale: what the modules compute at construction), split by tensor_parallel.rank_model, which
+records the slice each split tensor keeps (RankShard.slices), and each parameter is then read from the checkpoint:
+the rank's rows or columns of a split one (safetensors reads only those bytes: `get_slice`), the whole tensor of
+the rest, in the checkpoint's dtype unless `dtype`, straight to `device`. A tied output embedding is tied again to
+the input embedding (split by vocabulary rows: a row view of it, as rank_model makes). The result is what
+rank_model gives from the whole model loaded by from_pretrained, bit for bit (tests/test_tensor_parallel_loading.py).
 
 Refused, by name: a folder without config.json or safetensors files, a parameter the checkpoint does not hold
 (besides a tied output embedding), a tensor of another shape; the model types and splits rank_model refuses.
@@ -94,10 +94,14 @@ def load_rank_model(path, tp: int, rank: int, *, device="cpu", dtype: torch.dtyp
     tag = f"load_rank_model({path.name})"
     shard = rank_model(model, tp, rank, tag)
     cuts = {name: (dim, a, z) for name, dim, a, z in shard.kvrewrite_shard.slices}
+    # a tied lm_head split by vocabulary rows: a row view of the input embedding once that is read (the checkpoint
+    # of a tied model need not hold it)
+    vocab, tied = shard.kvrewrite_shard.vocab_parallel, shard.kvrewrite_shard.tied_output
     files = checkpoint_files(path)
     groups = {}  # one parameter under several names (a tied output embedding): read once, under the name saved
     for name, p in shard.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), (p, []))[1].append(name)
+        if not (tied and name == vocab):
+            groups.setdefault(id(p), (p, []))[1].append(name)
     saved = [(p, names, next((n for n in names if n in files), None)) for p, names in groups.values()]
     missing = [names[0] for p, names, key in saved if key is None]
     if missing:
@@ -121,6 +125,11 @@ def load_rank_model(path, tp: int, rank: int, *, device="cpu", dtype: torch.dtyp
             for name in names:
                 owner, _, attr = name.rpartition(".")
                 setattr(shard.get_submodule(owner), attr, new)
+        if tied:
+            _, a, z = cuts[vocab]
+            owner, _, attr = vocab.rpartition(".")
+            emb = shard.get_parameter(tied)
+            setattr(shard.get_submodule(owner), attr, nn.Parameter(emb[a:z], requires_grad=emb.requires_grad))
         for name in buffers:
             owner, _, attr = name.rpartition(".")
             module = shard.get_submodule(owner)

@@ -211,35 +211,51 @@ def _all_reduce_choice_checks(c: _Checks, kvrewrite, llama, shared, ids, tokens,
 
 
 def _one_shot_op_checks(c: _Checks, dev) -> None:
-    """kvrewrite::tp_all_reduce on the GPUs against the group's all-reduce, bit for bit (2 ranks): float32, bf16
-    and fp16 (the collective's dtype), sizes around the 16-byte rule and the one-shot cut, each rank its own
-    values; then three chained calls in one CUDA graph, replayed with new inputs (the buffer is reused)."""
+    """kvrewrite::tp_all_reduce on the GPUs against the group's all-reduce, bit for bit (2 ranks), with each of its
+    kernels (push, torch's one-shot): float32, bf16 and fp16 (the collective's dtype), sizes around the 16-byte rule,
+    the push kernel's grid stride (more blocks than programs) and the one-shot cut, each rank its own values, three
+    calls each (the push kernel's slots alternate), and with a residual (the sum, then + residual); then three
+    chained calls in one CUDA graph (two with a residual), replayed with new inputs (the buffer is reused)."""
     from kvrewrite.bench.cuda_graphs import capture, warm_up
     from kvrewrite.kernels.tp_all_reduce import ONE_SHOT_MAX_BYTES, one_shot_buffer
+
+    from kvrewrite.kernels import tp_all_reduce as op
 
     group = dist.group.WORLD.group_name
     c10d = torch.ops._c10d_functional
     gen = torch.Generator(device=dev).manual_seed(10 + dist.get_rank())
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        size = torch.tensor([], dtype=dtype).element_size()
-        for numel in (1, 8, 4096, 3 * 4096 + 8, ONE_SHOT_MAX_BYTES // size, ONE_SHOT_MAX_BYTES // size + 8):
-            x = torch.randn(numel, generator=gen, device=dev).to(dtype)
-            took = "one-shot" if one_shot_buffer(x, group) is not None else "collective"
-            want = (dtype != torch.float16 and numel * size % 16 == 0 and numel * size <= ONE_SHOT_MAX_BYTES)
-            c.expect((took == "one-shot") == want, f"tp_all_reduce {dtype} x {numel}: took the {took} path")
-            got, ref = torch.ops.kvrewrite.tp_all_reduce(x, group), c10d.wait_tensor(c10d.all_reduce(x, "sum", group))
-            c.expect(torch.equal(got, ref), f"tp_all_reduce {dtype} x {numel} ({took}): differs from the group's "
-                                            f"all-reduce by {_max_diff(got.float(), ref.float()):.3g}")
+    for push in (True, False):  # the push kernel (default), torch's one-shot kernel
+        op.PUSH = push
+        kernel = "push" if push else "torch"
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            size = torch.tensor([], dtype=dtype).element_size()
+            for numel in (1, 8, 4096, 3 * 4096 + 8, 64 * 1024 * 2 + 8, ONE_SHOT_MAX_BYTES // size,
+                          ONE_SHOT_MAX_BYTES // size + 8):
+                x = torch.randn(numel, generator=gen, device=dev).to(dtype)
+                took = "one-shot" if one_shot_buffer(x, group) is not None else "collective"
+                want = (dtype != torch.float16 and numel * size % 16 == 0 and numel * size <= ONE_SHOT_MAX_BYTES)
+                c.expect((took == "one-shot") == want, f"tp_all_reduce {dtype} x {numel}: took the {took} path")
+                ref = c10d.wait_tensor(c10d.all_reduce(x, "sum", group))
+                for _ in range(3):  # the push kernel's slots alternate per call
+                    got = torch.ops.kvrewrite.tp_all_reduce(x, group)
+                    c.expect(torch.equal(got, ref), f"tp_all_reduce[{kernel}] {dtype} x {numel} ({took}): differs "
+                                                    f"from the group's all-reduce by "
+                                                    f"{_max_diff(got.float(), ref.float()):.3g}")
+                r = torch.randn(numel, generator=gen, device=dev).to(dtype)  # the residual: the sum, then + r
+                got = torch.ops.kvrewrite.tp_all_reduce(x, group, r)
+                c.expect(torch.equal(got, ref + r), f"tp_all_reduce[{kernel}] {dtype} x {numel} + residual: differs "
+                                                    f"by {_max_diff(got.float(), (ref + r).float()):.3g}")
+    op.PUSH = True
     x, out = (torch.empty(2, 4096, device=dev, dtype=torch.bfloat16) for _ in range(2))
 
     def chain():
         y = torch.ops.kvrewrite.tp_all_reduce(x, group)
-        return torch.ops.kvrewrite.tp_all_reduce(torch.ops.kvrewrite.tp_all_reduce(y * 0.5, group) - x, group)
+        return torch.ops.kvrewrite.tp_all_reduce(torch.ops.kvrewrite.tp_all_reduce(y * 0.5, group, x) - x, group, y)
 
     x.normal_(generator=gen)
     warm_up(chain)
     graph = capture(lambda: out.copy_(chain()))
-    for replay in range(2):
+    for replay in range(4):
         x.normal_(generator=gen)
         expected = chain()
         out.fill_(float("nan"))

@@ -1,5 +1,6 @@
 """tensor_parallel_loading.load_rank_model: the rank's share read from a safetensors checkpoint equals rank_model's
-share of the whole model (every parameter and buffer bit for bit, ties kept, the same partial logits of a forward),
+share of the whole model (every parameter and buffer bit for bit, ties kept: a split tied lm_head views the
+embedding's rows; the same partial sums and logit slice of a forward),
 for llama with q/k/v/o and gate/up/down biases (one file), qwen3 (per-head q/k norms; a sharded checkpoint with its
 index) and gemma3 (a tied output embedding, an embedding scale and two RoPE tables, all computed at construction);
 in another dtype on request; and its refusals, by name. No process group: a rank's share is built alone."""
@@ -53,8 +54,13 @@ def test_the_loaded_share_is_rank_models(family, tmp_path):
         bad = [k for k in want if have[k].dtype != want[k].dtype or not torch.equal(have[k], want[k])]
         assert not bad, bad
         assert all(p.is_contiguous() for p in got.parameters())
-        if family == "gemma3":
-            assert got.lm_head.weight is got.model.embed_tokens.weight  # still tied
+        V = model.config.vocab_size  # the lm_head split by vocabulary rows, the embedding whole
+        assert got.kvrewrite_shard.vocab_parallel == "lm_head.weight" and got.lm_head.weight.shape[0] == V // TP
+        assert got.model.embed_tokens.weight.shape[0] == V
+        if family == "gemma3":  # still tied: the rank's rows of the embedding, no copy
+            emb = got.model.embed_tokens.weight
+            assert got.kvrewrite_shard.tied_output == "model.embed_tokens.weight"
+            assert got.lm_head.weight.data_ptr() == emb[rank * V // TP:].data_ptr()
         with torch.no_grad():
             assert torch.equal(got(ids).logits, ref(ids).logits)  # the rank's partial sums, buffers included
 

@@ -1,5 +1,5 @@
 """The all-reduce of tensor parallelism, measured: the group's NCCL all-reduce against kvrewrite::tp_all_reduce's
-one-shot kernel over symmetric memory (kernels/tp_all_reduce.py), by message size, inside CUDA graphs.
+kernels over symmetric memory (kernels/tp_all_reduce.py), by message size, inside CUDA graphs.
 
     torchrun --standalone --nproc-per-node 2 -m kvrewrite.bench.all_reduce [--out all_reduce.json] [--plot p.png]
                                                                          [--sizes 8192,16384,...] [--chain 64]
@@ -8,7 +8,10 @@ Per size (bytes of bf16) and variant, one CUDA graph of `--chain` all-reduces, e
 output (what a decode step does: 2 per layer, one after the other); the time per call is the median replay over
 the chain length, every rank replaying at once after a barrier. Variants:
   nccl       _c10d_functional.all_reduce + wait_tensor (what the graphs ran before the one-shot op)
-  one_shot   torch.ops.symm_mem.one_shot_all_reduce_copy on a buffer of the largest size (the op's one-shot path)
+  one_shot   torch.ops.symm_mem.one_shot_all_reduce_copy on a buffer of the largest size (the op's one-shot path
+             with PUSH = False)
+  push       kvrewrite::tp_all_reduce with its push kernel (the default; sizes up to ONE_SHOT_MAX_BYTES, the
+             collective above: kernels/_tp_all_reduce_kernels.py)
   two_shot   copy into the buffer, torch.ops.symm_mem.two_shot_all_reduce_out (reduce-scatter + all-gather)
 Each variant's last output is compared with NCCL's, bit for bit at 2 ranks. The one-shot cut of the op
 (ONE_SHOT_MAX_BYTES) follows these numbers. Rank 0 writes the JSON (and the plot: time per call against size).
@@ -23,7 +26,7 @@ import statistics
 import torch
 
 SIZES = (8192, 16384, 65536, 262144, 1 << 20, 4 << 20, 16 << 20, 32 << 20)
-VARIANTS = ("nccl", "one_shot", "two_shot")
+VARIANTS = ("nccl", "one_shot", "two_shot", "push")
 
 
 def _variant(name: str, group: str, buf: torch.Tensor):
@@ -42,7 +45,10 @@ def _variant(name: str, group: str, buf: torch.Tensor):
         symm.two_shot_all_reduce_out(view, "sum", group, out)
         return out
 
-    return {"nccl": nccl, "one_shot": one_shot, "two_shot": two_shot}[name]
+    def push(x):
+        return torch.ops.kvrewrite.tp_all_reduce(x, group)
+
+    return {"nccl": nccl, "one_shot": one_shot, "two_shot": two_shot, "push": push}[name]
 
 
 def measure(sizes, variants, chain: int, replays: int = 12) -> list:
@@ -55,6 +61,11 @@ def measure(sizes, variants, chain: int, replays: int = 12) -> list:
     dev = torch.device("cuda", torch.cuda.current_device())
     buf = symm_mem.empty(max(sizes) // 2, dtype=torch.bfloat16, device=dev)
     symm_mem.rendezvous(buf, group)
+    if "push" in variants:
+        from kvrewrite.kernels import tp_all_reduce
+
+        tp_all_reduce.PUSH = True
+        tp_all_reduce.prepare(group, dev)
     gen = torch.Generator(device=dev).manual_seed(dist.get_rank())
     rows = []
     for size in sizes:

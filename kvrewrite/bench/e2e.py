@@ -311,7 +311,7 @@ def env_info(device: str) -> dict:
 
 
 def model_dtype(device: str) -> torch.dtype:
-    return torch.bfloat16 if device == "cuda" else torch.float32
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
 def build_model(name: str, device: str, dtype: torch.dtype | None = None):
@@ -361,10 +361,16 @@ def build_rank_model(name: str, tp: int, rank: int, device: str, dtype: torch.dt
     return shard
 
 
-def split_weight_bytes(model) -> int:
-    """Bytes of the projections tensor parallelism splits (q/k/v/o, gate/up/down of every decoder layer)."""
+def split_weight_bytes(model, tp: int) -> int:
+    """Bytes of the weights tensor parallelism over tp ranks splits: q/k/v/o and gate/up/down of every decoder layer,
+    and the lm_head where tp divides its rows and it is not the input embedding (tensor_parallel._split_lm_head;
+    weight_bytes_read leaves a tied one out)."""
     names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.split(".")[-2] in names)
+    split = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.split(".")[-2] in names)
+    lm, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if tp > 1 and isinstance(lm, torch.nn.Linear) and lm.out_features % tp == 0 and lm.weight is not emb.weight:
+        split += sum(p.numel() * p.element_size() for p in lm.parameters())
+    return split
 
 
 def start_ranks(cfg: BenchConfig) -> int:
@@ -788,8 +794,8 @@ class Bench:
         self.model = build_model(cfg.model, "meta" if planner or tp_split else self.dev, model_dtype(self.dev))
         self.shard = build_rank_model(cfg.model, cfg.tp, self.rank, self.dev) if tp_split else None
         self.mcfg = self.model.config
-        # one rank's share (tp > 1): the split projections count 1/tp, the rest whole (replicated)
-        split = split_weight_bytes(self.model)
+        # one rank's share (tp > 1): the split weights count 1/tp, the rest whole (replicated)
+        split = split_weight_bytes(self.model, self.tp)
         self.weights_read = weight_bytes_read(self.model) - split + split // self.tp
         self.weights_total = sum(p.numel() * p.element_size() for p in self.model.parameters()) - split + \
             split // self.tp

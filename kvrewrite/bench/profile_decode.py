@@ -1,6 +1,7 @@
 """Where the time of a kvrewrite decode step goes (torch.profiler, CUDA kernels), and how fast bare GEMVs are.
 
     python -m kvrewrite.bench.profile_decode --method chelsea --context 32768 [--batch B] [--fuse-projections] [--gemv]
+    torchrun --nproc-per-node 2 -m kvrewrite.bench.profile_decode --tp 2 ...     (rank 0 prints; every rank profiles)
 
 Same random Llama-3.1-8B-shaped model as `kvrewrite bench`. First the GEMVs of its shapes alone (batch 1,
 bf16, each weight read from HBM: enough copies rotated past the L2, replayed as one CUDA graph), as a share
@@ -10,6 +11,8 @@ through rw.compile(fullgraph=True, mode="reduce-overhead") (or `--kv-compile gra
 compressing step and of 16 plain steps: device time per kernel per step, most expensive first; with
 `--layer-trace N`, N kernels of a plain step (from its 40th) in launch order, with their starts,
 durations and the gaps between them (what one layer costs, PDL overlaps included).
+With `--tp N` (under torchrun, one GPU per rank): every rank builds only its share (bench/e2e.py,
+build_rank_model) and applies with tp=N, the bare GEMV timings are skipped, and rank 0 prints.
 Output: docs/bench/e2e_h100_decode_profile.txt is one such run.
 """
 import argparse
@@ -99,8 +102,12 @@ def layer_trace(p, kernels: int = 14, skip: int = 40) -> None:
 
 
 def main(argv=None):
+    import os
+    import sys
+
     import kvrewrite
-    from kvrewrite.bench.e2e import KVDecoder, _time_steps, build_model, copy_gbps, synthetic_fill
+    from kvrewrite.bench.e2e import (BenchConfig, KVDecoder, _free_cuda_graphs, _time_steps, build_model,
+                                     build_rank_model, copy_gbps, same_on_ranks, start_ranks, synthetic_fill)
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", default="chelsea")
@@ -117,32 +124,44 @@ def main(argv=None):
     parser.add_argument("--layer-trace", type=int, default=0, metavar="N",
                         help="print N kernels of a plain step in launch order, with their starts, durations and gaps")
     parser.add_argument("--no-gemv-timings", action="store_true", help="skip the bare GEMV timings")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (launch under torchrun)")
+    parser.add_argument("--tp-all-reduce", default="auto", help="with --tp > 1: kvrewrite.apply's tp_all_reduce")
     args = parser.parse_args(argv)
     if args.batch < 1:
         parser.error(f"--batch must be >= 1, got {args.batch}")
+    if args.tp < 1:
+        parser.error(f"--tp must be >= 1, got {args.tp}")
     if args.batch > 1 and args.gemv:
         parser.error("--gemv is batch 1 only (kvrewrite::gemv takes one row); drop it with --batch > 1")
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode: needs a CUDA GPU")
+    rank = start_ranks(BenchConfig(systems=(args.method,), device="cuda", tp=args.tp)) if args.tp > 1 else 0
+    if rank:
+        sys.stdout = open(os.devnull, "w")  # rank 0 speaks for all: every rank runs the same steps
     bw = copy_gbps("cuda")
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | copy {bw:.0f} GB/s", flush=True)
     if args.no_pdl:
         from kvrewrite.kernels import _pdl
 
         _pdl.set_enabled(False)
-    for n, k in () if args.no_gemv_timings else GEMV_SHAPES:
+    for n, k in () if args.no_gemv_timings or args.tp > 1 else GEMV_SHAPES:
         us = gemv_us(n, k)
         gbs = n * k * 2 / us / 1e3
         print(f"gemv {n}x{k}: {us:7.1f} us  {gbs:6.0f} GB/s  {gbs / bw * 100:5.1f}% of copy", flush=True)
     torch.cuda.empty_cache()
 
-    model = build_model("llama-3.1-8b", "cuda")
+    dev = f"cuda:{torch.cuda.current_device()}"
+    model = build_rank_model("llama-3.1-8b", args.tp, rank, dev) if args.tp > 1 else build_model("llama-3.1-8b", dev)
     opts = {} if args.method == "full" else {"budget": args.budget}
+    if args.tp > 1:
+        opts.update(tp=args.tp, tp_all_reduce=args.tp_all_reduce)
     rw = kvrewrite.apply(model, args.method, max_length=args.context + 320, prefill_chunk=args.prefill_chunk,
                          batch_size=args.batch, fuse_projections=args.fuse_projections, gemv=args.gemv, **opts)
+    print(f"tp={args.tp} all-reduce {rw.tp_all_reduce}" if args.tp > 1 else "tp=1", flush=True)
     with torch.no_grad():
         if args.batch == 1:
-            rw.prefill(torch.randint(1, model.config.vocab_size, (1, args.context), device="cuda"), max_new_tokens=320)
+            ids = same_on_ranks(torch.randint(1, model.config.vocab_size, (1, args.context), device=dev), args.tp)
+            rw.prefill(ids, max_new_tokens=320)
         else:
             synthetic_fill(rw, args.context, 320)
         dec = KVDecoder(rw, args.kv_compile)
@@ -158,6 +177,12 @@ def main(argv=None):
         if dec.compresses:
             profile_steps(dec, rw, 1, True, args.top)
         profile_steps(dec, rw, 16, False, args.top, args.layer_trace)
+    if args.tp > 1:  # the graphs first: NCCL's teardown hangs while a graph holding its kernels lives
+        import torch.distributed as dist
+
+        del dec, rw
+        _free_cuda_graphs("cuda")
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

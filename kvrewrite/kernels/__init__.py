@@ -34,5 +34,6 @@ from kvrewrite.kernels import (  # noqa: F401
     observed_attention,
     select_clusters,
     sketch_attention,
+    tp_all_gather,
     tp_all_reduce,
 )

@@ -1,25 +1,35 @@
-"""kvrewrite::tp_all_reduce: the sum of `x` over a tensor-parallel group, in one kernel on CUDA.
+"""kvrewrite::tp_all_reduce: the sum of `x` over a tensor-parallel group (plus the residual), in one kernel on CUDA.
 
 Why: tp > 1 sums two row-parallel outputs per layer over the ranks (passes/insert_tensor_parallel_all_reduce.py),
-each a few KB in a decode step. NCCL's all-reduce of such a row takes 10.8-11.7 us inside a CUDA graph on two H200s,
-this op's one-shot path 6.8-7.0 us, and the 8B decode step at tp=2 went from 4.14-4.20 to 3.69 ms
-(docs/tensor-parallel.md, "The one-shot all-reduce"). The one-shot all-reduce over symmetric memory is one kernel:
-each rank copies its partial sum into a buffer every rank of the group can read over NVLink, meets the others at a
-barrier, reads and adds every rank's buffer, and meets them again before the buffer can be reused
-(torch.ops.symm_mem.one_shot_all_reduce_copy; multicast is not used).
+each a few KB in a decode step. NCCL's all-reduce of such a row takes 10.8-11.7 us inside a CUDA graph on two
+H200s, torch's one-shot kernel over symmetric memory 6.8-7.0 us (the 8B decode step at tp=2 went from 4.14-4.20 to
+3.69 ms with it: docs/tensor-parallel.md, "The one-shot all-reduce"). That kernel meets every peer twice (after
+copying its partial sum into its own buffer, and again before the buffer may be written again). The push kernel
+(kernels/_tp_all_reduce_kernels.py) writes the rank's partial sum into every peer's buffer and meets each peer
+once (flags, double-buffered slots), 4.2 us against 6.8-7.6 (docs/tensor-parallel.md); it also adds the
+residual, which the graph adds right after the sum: passes/insert_tensor_parallel_all_reduce.py folds that add
+into the op, and the next GEMV's norm then has no add to do (fused there instead, the 8B gate/up GEMV took 35 us
+instead of 31 at tp=2). PUSH = False keeps torch's one-shot kernel (torch.ops.symm_mem.one_shot_all_reduce_copy,
+the residual then added by a second kernel) as the A/B baseline (`--kernel-option tp_all_reduce.PUSH=False`).
+Multicast is not used.
 
-Schema:    tp_all_reduce(Tensor x, str group_name) -> Tensor      (a new tensor; x is only read)
+Schema:    tp_all_reduce(Tensor x, str group_name, Tensor? residual=None) -> Tensor
+           the sum over the group of x rounded to x's dtype, then + residual rounded again when given (the graph's
+           all-reduce and its add, as one op). A new tensor; x and residual are only read.
 Paths:     one-shot when x is a contiguous CUDA float32 or bfloat16 tensor whose bytes are a multiple of 16 and fit
-           the group's buffer (`prepare`, ONE_SHOT_MAX_BYTES); the group's own all-reduce (NCCL) otherwise, by
-           design: far above the cut, one kernel that reads every peer's whole tensor is slower than NCCL
-           (python -m kvrewrite.bench.all_reduce). Every rank sees the same shapes and dtypes, so every rank takes
-           the same path. A CUDA tensor of a group that `prepare` did not set up is an error (the collective would
-           hide a missing buffer).
+           the group's buffer (`prepare`, ONE_SHOT_MAX_BYTES), and the residual (if any) is contiguous with x's
+           shape, dtype and device; the group's own all-reduce (NCCL), then the add, otherwise, by design: far
+           above the cut, one kernel that reads every peer's whole tensor is slower than NCCL
+           (python -m kvrewrite.bench.all_reduce).
+           Every rank sees the same shapes and dtypes, so every rank takes the same path. A CUDA tensor of a group
+           that `prepare` did not set up is an error (the collective would hide a missing buffer).
 Fake:      empty_like(x).
-Reference: the group's all-reduce (_c10d_functional.all_reduce, gloo on the CPU): the CPU path, and what the
-           one-shot path must equal (at tp=2 bit for bit: a + b is the same sum in either order).
-Graphs:    the call is opaque to torch.compile and is recorded into CUDA graphs as its kernel; the buffer is
-           allocated and exchanged by `prepare` (apply, on every rank), never inside a capture.
+Reference: the group's all-reduce (_c10d_functional.all_reduce, gloo on the CPU), then + residual: the CPU path,
+           and what the one-shot path must equal (at tp=2 bit for bit: a + b is the same sum in either order).
+Graphs:    the call is opaque to torch.compile and is recorded into CUDA graphs as its kernel; the buffer, its peer
+           addresses and the per-program call counts are allocated and exchanged by `prepare` (apply, on every
+           rank), never inside a capture. Every rank must call the op in the same order (the push kernel's slots
+           alternate per call).
 """
 import torch
 
@@ -29,7 +39,8 @@ import torch
 # 87.7 at 16 MiB.
 ONE_SHOT_MAX_BYTES = 1 << 20
 _ONE_SHOT_DTYPES = (torch.float32, torch.bfloat16)
-_BUFFERS: dict = {}  # (group_name, device) -> uint8 symmetric-memory tensor of ONE_SHOT_MAX_BYTES
+PUSH = True  # the one-shot path's kernel: the push kernel, or (False) torch's one-shot kernel (the A/B baseline)
+_BUFFERS: dict = {}  # (group_name, device) -> _Buffer
 
 
 def one_shot_unavailable(device: torch.device, group_name: str) -> str | None:
@@ -51,9 +62,18 @@ def one_shot_unavailable(device: torch.device, group_name: str) -> str | None:
     return None
 
 
+class _Buffer:
+    """A group's symmetric buffer on one device (kernels/_tp_all_reduce_kernels.py, buffer_bytes), every rank's
+    address of it (int64, on the device), this rank's call count per push-kernel program, and the sizes."""
+
+    def __init__(self, buf, ptrs, count, rank: int, world: int, max_bytes: int):
+        self.buf, self.ptrs, self.count = buf, ptrs, count
+        self.rank, self.world, self.max_bytes = rank, world, max_bytes
+
+
 def prepare(group_name: str, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYTES) -> None:
-    """The group's symmetric buffer on `device`, allocated and exchanged with every rank (a collective: every rank
-    calls it at the same point, outside any CUDA-graph capture); a no-op when it exists already."""
+    """The group's symmetric buffer on `device`, zeroed, allocated and exchanged with every rank (a collective: every
+    rank calls it at the same point, outside any CUDA-graph capture); a no-op when it exists already."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -62,16 +82,27 @@ def prepare(group_name: str, device: torch.device, max_bytes: int = ONE_SHOT_MAX
         return
     if max_bytes % 16:
         raise ValueError(f"tp_all_reduce.prepare: max_bytes must be a multiple of 16, got {max_bytes}")
+    import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
+    from torch.distributed.distributed_c10d import _resolve_process_group
 
-    buf = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-    symm_mem.rendezvous(buf, group_name)
-    _BUFFERS[key] = buf
+    from kvrewrite.kernels._tp_all_reduce_kernels import MAX_PROGRAMS, buffer_bytes
+
+    group = _resolve_process_group(group_name)
+    world = dist.get_world_size(group)
+    buf = symm_mem.empty(buffer_bytes(world, max_bytes), dtype=torch.uint8, device=device)
+    buf.zero_()  # the flags start lowered
+    handle = symm_mem.rendezvous(buf, group_name)
+    ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+    count = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=device)
+    torch.cuda.synchronize(device)
+    dist.barrier(group)  # no peer raises a flag here before this rank zeroed them
+    _BUFFERS[key] = _Buffer(buf, ptrs, count, handle.rank, world, max_bytes)
 
 
-def one_shot_buffer(x: torch.Tensor, group_name: str) -> torch.Tensor | None:
-    """The view of the group's buffer that the one-shot path sums `x` through, or None when x takes the collective
-    (module docstring); RuntimeError for a CUDA tensor of a group without a buffer."""
+def one_shot_buffer(x: torch.Tensor, group_name: str, residual: torch.Tensor | None = None) -> "_Buffer | None":
+    """The group's buffer that the one-shot path sums `x` through, or None when x takes the collective (module
+    docstring); RuntimeError for a CUDA tensor of a group without a buffer."""
     if x.device.type != "cuda":
         return None
     buf = _BUFFERS.get((group_name, x.device))
@@ -80,10 +111,13 @@ def one_shot_buffer(x: torch.Tensor, group_name: str) -> torch.Tensor | None:
                            f"kvrewrite.tensor_parallel.prepare_all_reduce (apply with tp > 1 calls it) must run on "
                            f"every rank first")
     nbytes = x.numel() * x.element_size()
-    if (x.dtype not in _ONE_SHOT_DTYPES or not x.is_contiguous() or nbytes % 16 or nbytes > buf.numel()
+    if (x.dtype not in _ONE_SHOT_DTYPES or not x.is_contiguous() or nbytes % 16 or nbytes > buf.max_bytes
             or x.data_ptr() % 16):
         return None
-    return buf.view(x.dtype)[: x.numel()].view(x.shape)
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or residual.device != x.device or not residual.is_contiguous()):
+        return None
+    return buf
 
 
 def _collective(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -91,14 +125,26 @@ def _collective(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return c10d.wait_tensor(c10d.all_reduce(x, "sum", group_name))
 
 
+def _plus(summed: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    return summed if residual is None else summed + residual
+
+
 @torch.library.custom_op("kvrewrite::tp_all_reduce", mutates_args=())
-def tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    buf = one_shot_buffer(x, group_name)
+def tp_all_reduce(x: torch.Tensor, group_name: str, residual: torch.Tensor | None = None) -> torch.Tensor:
+    buf = one_shot_buffer(x, group_name, residual)
     if buf is None:
-        return _collective(x, group_name)
-    return torch.ops.symm_mem.one_shot_all_reduce_copy(buf, x, "sum", group_name)
+        return _plus(_collective(x, group_name), residual)
+    if not PUSH:
+        view = buf.buf.view(x.dtype)[: x.numel()].view(x.shape)
+        return _plus(torch.ops.symm_mem.one_shot_all_reduce_copy(view, x, "sum", group_name), residual)
+    from kvrewrite.kernels._tp_all_reduce_kernels import flag_offset, launch_push
+
+    out = torch.empty_like(x)
+    launch_push(x, residual, out, buf.ptrs, buf.count, buf.rank, buf.world, buf.max_bytes // x.element_size(),
+                flag_offset(buf.world, buf.max_bytes))
+    return out
 
 
 @tp_all_reduce.register_fake
-def _(x, group_name):
+def _(x, group_name, residual=None):
     return torch.empty_like(x)

@@ -16,6 +16,7 @@ from kvrewrite.passes.fuse_projections import fuse_projections
 from kvrewrite.passes.fuse_rms_norm_into_gemv import fuse_rms_norm_into_gemv
 from kvrewrite.passes.insert_cache_compression import insert_cache_compression
 from kvrewrite.passes.insert_tensor_parallel_all_reduce import insert_tensor_parallel_all_reduce
+from kvrewrite.passes.insert_vocab_parallel_all_gather import insert_vocab_parallel_all_gather
 from kvrewrite.passes.locate_attention_sites import locate_attention_sites
 from kvrewrite.passes.normalize_eager_attention import normalize_eager_attention
 from kvrewrite.passes.remove_dead_cache_buffers import remove_dead_cache_buffers
@@ -38,9 +39,9 @@ PASSES = [
     fuse_rms_norm_into_gemv,  # with replace_linear_with_gemv (ctx.gemv): the RMSNorm before a gemv, into it
     fuse_glu_into_gemv,  # with replace_linear_with_gemv: act(gate) * up into the down projection's gemv
 ]
-# tp > 1 (kvrewrite/tensor_parallel.py): the all-reduces go in first, on the captured linears (before GEMV replaces
-# them); tp=1 runs PASSES, untouched
-TP_PASSES = [insert_tensor_parallel_all_reduce, *PASSES]
+# tp > 1 (kvrewrite/tensor_parallel.py): the all-reduces and the logits' all-gather go in first, on the captured
+# linears (before GEMV replaces them); tp=1 runs PASSES, untouched
+TP_PASSES = [insert_tensor_parallel_all_reduce, insert_vocab_parallel_all_gather, *PASSES]
 
 
 def run_passes(gm: fx.GraphModule, ctx: RewriteContext, passes=None, dump_dir=None) -> fx.GraphModule:

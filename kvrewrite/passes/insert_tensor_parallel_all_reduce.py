@@ -9,7 +9,13 @@ Emits:    linear(x, w) -> _c10d_functional.all_reduce(., "sum", ctx.tp_group) ->
           same graph runs on gloo (CPU) and NCCL (GPU).
           With ctx.tp_all_reduce == "one_shot" (apply's tp_all_reduce, tensor_parallel.prepare_all_reduce):
           linear(x, w) -> kvrewrite::tp_all_reduce(., ctx.tp_group) instead, one kernel over symmetric memory
-          (kernels/tp_all_reduce.py).
+          (kernels/tp_all_reduce.py); where the linear has no bias and its only user is the residual add
+          (aten.add of it and a tensor of its shape and dtype), the add folds into the op:
+          kvrewrite::tp_all_reduce(linear(x, w), ctx.tp_group, residual), which sums and adds in one kernel (one
+          fewer kernel than the add fused into the next GEMV's norm: measured, stop 44, docs/tensor-parallel.md).
+          Every new node carries the linear's `val` (shape, dtype), which later passes match on: without it
+          fuse_rms_norm_into_gemv could not fold an add left after the sum into the next GEMV, and Inductor ran it
+          as a kernel of its own (63 per 8B step at tp=2 before stop 44, ~1.3 us each plus a launch gap).
 Errors:   a row-parallel weight that no linear reads, or one read by something else than a linear (the
           sharding and the graph disagree): RewriteError naming it.
 Requires: nothing of the other passes; runs before replace_linear_with_gemv (which replaces aten.linear).
@@ -29,6 +35,27 @@ logger = logging.getLogger(__name__)
 LINEAR = torch.ops.aten.linear.default
 
 
+def _residual_add(linear: fx.Node) -> fx.Node | None:
+    """The linear's only user when it is aten.add(linear, r) or add(r, linear) of two tensors of one shape and dtype
+    (the residual add after o_proj and down_proj), else None."""
+    if len(linear.users) != 1:
+        return None
+    add = next(iter(linear.users))
+    if add.op != "call_function" or add.target is not torch.ops.aten.add.Tensor or len(add.args) != 2 or add.kwargs:
+        return None
+    a, b = add.args
+    if not all(isinstance(n, fx.Node) for n in (a, b)) or (a is linear) == (b is linear):
+        return None
+    vals = [n.meta.get("val") for n in (a, b, add)]
+    if not all(isinstance(v, torch.Tensor) for v in vals) or len({(tuple(v.shape), v.dtype) for v in vals}) != 1:
+        return None
+    return add
+
+
+def _other(add: fx.Node, linear: fx.Node) -> fx.Node:
+    return add.args[1] if add.args[0] is linear else add.args[0]
+
+
 def insert_tensor_parallel_all_reduce(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
     if ctx.tp <= 1:
         return gm
@@ -44,11 +71,12 @@ def insert_tensor_parallel_all_reduce(gm: fx.GraphModule, ctx: RewriteContext) -
                 raise RewriteError(f"{ctx.where(node=user)}: the row-parallel weight {node.target} is read by "
                                    f"something else than aten.linear(x, weight[, bias])")
             x, bias = user.args[0], (user.args[2] if len(user.args) > 2 else None)
-            with graph.inserting_before(user):
+            add = _residual_add(user) if ctx.tp_all_reduce == "one_shot" and bias is None else None
+            with graph.inserting_before(user if add is None else add):  # the add comes after its residual
                 partial = graph.call_function(LINEAR, (x, node))
                 if ctx.tp_all_reduce == "one_shot":
-                    summed = out = graph.call_function(torch.ops.kvrewrite.tp_all_reduce.default,
-                                                       (partial, ctx.tp_group))
+                    args = (partial, ctx.tp_group) if add is None else (partial, ctx.tp_group, _other(add, user))
+                    summed = out = graph.call_function(torch.ops.kvrewrite.tp_all_reduce.default, args)
                 else:
                     summed = graph.call_function(torch.ops._c10d_functional.all_reduce.default,
                                                  (partial, "sum", ctx.tp_group))
@@ -57,6 +85,12 @@ def insert_tensor_parallel_all_reduce(gm: fx.GraphModule, ctx: RewriteContext) -
                     out = graph.call_function(torch.ops.aten.add.Tensor, (out, bias))
             for new in dict.fromkeys((partial, summed, out)):  # summed is out for the one-shot op
                 new.meta["nn_module_stack"] = user.meta.get("nn_module_stack", {})
+                if "val" in user.meta:  # the linear's shape and dtype: later passes match on them (the residual
+                    new.meta["val"] = user.meta["val"]  # add fuse_rms_norm_into_gemv folds into the next GEMV)
+            if add is not None:
+                add.replace_all_uses_with(out)
+                graph.erase_node(add)
+                ctx.counters["insert_tensor_parallel_all_reduce.residual"] += 1
             user.replace_all_uses_with(out)
             graph.erase_node(user)
             ctx.counters["insert_tensor_parallel_all_reduce"] += 1

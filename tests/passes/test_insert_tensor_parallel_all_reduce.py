@@ -59,3 +59,41 @@ def test_a_weight_read_otherwise_or_not_at_all_is_refused():
         insert_tensor_parallel_all_reduce(_graph(False, reader=aten.t.default), _ctx())
     with pytest.raises(RewriteError, match=r"no aten.linear reads the row-parallel weights \['model.down.weight'\]"):
         insert_tensor_parallel_all_reduce(_graph(False), _ctx(row_parallel=("o.weight", "down.weight")))
+
+
+def _residual_graph(first: bool, residual_shape=(2, 4), bias=False) -> fx.GraphModule:
+    """out = add(r, linear(x, w)) (or add(linear, r)), every node with its val, r placed after the linear."""
+    root = nn.Module()
+    root.model = nn.Module()
+    root.model.o = nn.Linear(6, 4, bias=bias)
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.zeros(2, 6)
+    args = (x, g.get_attr("model.o.weight")) + ((g.get_attr("model.o.bias"),) if bias else ())
+    h = g.call_function(aten.linear.default, args)
+    h.meta["val"] = torch.zeros(2, 4)
+    r = g.placeholder("r")
+    r.meta["val"] = torch.zeros(residual_shape)
+    add = g.call_function(aten.add.Tensor, (h, r) if first else (r, h))
+    add.meta["val"] = torch.zeros(2, 4)
+    g.output(add)
+    return fx.GraphModule(root, g)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["add(h, r)", "add(r, h)"])
+def test_the_one_shot_sum_takes_the_residual_add(first):
+    """one_shot: linear -> add(., r) becomes tp_all_reduce(linear, group, r), inserted after r, with the linear's
+    val; the collective keeps the add, and so do a biased linear and a residual of another shape."""
+    gm = insert_tensor_parallel_all_reduce(_residual_graph(first), _ctx(mode="one_shot"))
+    calls = _calls(gm)
+    assert [t for t, _ in calls] == [aten.linear.default, torch.ops.kvrewrite.tp_all_reduce.default]
+    op = next(n for n in gm.graph.nodes if n.target == torch.ops.kvrewrite.tp_all_reduce.default)
+    assert op.args[1] == "g7" and op.args[2].name == "r"
+    assert tuple(op.meta["val"].shape) == (2, 4) and tuple(op.args[0].meta["val"].shape) == (2, 4)
+    gm.graph.lint()  # r is defined before the op that reads it
+    kept = insert_tensor_parallel_all_reduce(_residual_graph(first), _ctx(mode="collective"))
+    assert aten.add.Tensor in [t for t, _ in _calls(kept)]
+    for graph in (_residual_graph(first, bias=True), _residual_graph(first, residual_shape=(4,))):
+        gm = insert_tensor_parallel_all_reduce(graph, _ctx(mode="one_shot"))
+        op = next(n for n in gm.graph.nodes if n.target == torch.ops.kvrewrite.tp_all_reduce.default)
+        assert len(op.args) == 2 and aten.add.Tensor in [t for t, _ in _calls(gm)]
