@@ -215,7 +215,8 @@ def _one_shot_op_checks(c: _Checks, dev) -> None:
     kernels (push, torch's one-shot): float32, bf16 and fp16 (the collective's dtype), sizes around the 16-byte rule,
     the push kernel's grid stride (more blocks than programs) and the one-shot cut, each rank its own values, three
     calls each (the push kernel's slots alternate), and with a residual (the sum, then + residual); then three
-    chained calls in one CUDA graph (two with a residual), replayed with new inputs (the buffer is reused)."""
+    chained calls in one CUDA graph (two with a residual), replayed with new inputs (the buffer is reused). And
+    kvrewrite::tp_all_gather (padded rows summed where they fit the buffer) against the group's all-gather."""
     from kvrewrite.bench.cuda_graphs import capture, warm_up
     from kvrewrite.kernels.tp_all_reduce import ONE_SHOT_MAX_BYTES, one_shot_buffer
 
@@ -246,6 +247,14 @@ def _one_shot_op_checks(c: _Checks, dev) -> None:
                 c.expect(torch.equal(got, ref + r), f"tp_all_reduce[{kernel}] {dtype} x {numel} + residual: differs "
                                                     f"by {_max_diff(got.float(), (ref + r).float()):.3g}")
     op.PUSH = True
+    from kvrewrite.kernels.tp_all_gather import join_blocks
+
+    world = dist.get_world_size()
+    for shape in ((1, 1, 64128), (1, 3, 1000), (1, 4096, 4096)):  # 8B decode logits, a small chunk, one past the cut
+        x = torch.randn(shape, generator=gen, device=dev).to(torch.bfloat16)
+        ref = join_blocks(c10d.wait_tensor(c10d.all_gather_into_tensor(x, world, group)), world)
+        got = torch.ops.kvrewrite.tp_all_gather(x, group, world)
+        c.expect(torch.equal(got, ref), f"tp_all_gather {tuple(shape)}: differs from the group's all-gather")
     x, out = (torch.empty(2, 4096, device=dev, dtype=torch.bfloat16) for _ in range(2))
 
     def chain():

@@ -6,22 +6,59 @@ computes its slice of the logits; every rank then needs all of them (the same lo
 
 Schema:    tp_all_gather(Tensor x, str group_name, int world) -> Tensor
            x [..., Vl] -> [..., world * Vl]: rank r's x in columns [r * Vl, (r + 1) * Vl). A new tensor.
-Path:      the group's all-gather (_c10d_functional.all_gather_into_tensor: NCCL on GPUs, gloo on the CPU) along
-           the first dimension, then the ranks' blocks moved to the last. The same on every device: no kernel of
-           its own yet (a decode row is 128 KB a rank at 8B; the one-shot kernels of tp_all_reduce.py would serve).
+Paths:     where the group has tp_all_reduce's symmetric buffer (apply prepared it: tp_all_reduce="one_shot" on
+           CUDA) and the whole logits fit it (a decode step's: 256 KB at 8B, tp=2, batch 1), x padded with zeros to
+           its columns in the whole row, then kvrewrite::tp_all_reduce: every other rank adds zeros, so the sum is
+           the join (x + 0 is x; a -0.0 comes back +0.0), in one push kernel instead of NCCL's all-gather and a copy,
+           and the decode graphs keep no NCCL kernel. Otherwise the group's all-gather
+           (_c10d_functional.all_gather_into_tensor: NCCL on GPUs, gloo on the CPU) along the first dimension, then
+           the ranks' blocks moved to the last. Every rank takes the same path (the same shapes everywhere).
 Fake:      x.new_empty(x.shape[:-1] + (world * Vl,)).
-Graphs:    opaque to torch.compile, recorded into CUDA graphs as the collective's kernels.
+Graphs:    opaque to torch.compile, recorded into CUDA graphs as its kernels (the pad and the push kernel, or the
+           collective's).
 """
 import torch
+import torch.nn.functional as F
+
+from kvrewrite.kernels import tp_all_reduce as _all_reduce
+
+
+def pad_to_row(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """x [..., Vl] in its columns [rank * Vl, (rank + 1) * Vl) of a zero row [..., world * Vl]: summed over the
+    ranks, the join."""
+    vl = x.shape[-1]
+    return F.pad(x, (rank * vl, (world - 1 - rank) * vl))
+
+
+def join_blocks(gathered: torch.Tensor, world: int) -> torch.Tensor:
+    """all_gather_into_tensor's output (the ranks' [..., Vl] stacked along the first dimension) as the join
+    [..., world * Vl]: rank r's block in columns [r * Vl, (r + 1) * Vl)."""
+    blocks = gathered.view(world, gathered.shape[0] // world, *gathered.shape[1:])
+    return blocks.movedim(0, -2).reshape(*blocks.shape[1:-1], world * blocks.shape[-1])
+
+
+def _padded_sum(x: torch.Tensor, group_name: str, world: int) -> torch.Tensor | None:
+    """The join as a sum of zero-padded rows through tp_all_reduce's one-shot path, or None where that path does
+    not take the whole logits (no buffer for the group on x's device, or what one_shot_buffer refuses)."""
+    buf = _all_reduce._BUFFERS.get((group_name, x.device)) if x.device.type == "cuda" else None
+    if buf is None or x.numel() * world * x.element_size() > buf.max_bytes:  # prefill chunks: the collective
+        return None
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    full = pad_to_row(x, dist.get_rank(_resolve_process_group(group_name)), world)
+    if _all_reduce.one_shot_buffer(full, group_name) is None:
+        return None
+    return torch.ops.kvrewrite.tp_all_reduce(full, group_name)
 
 
 @torch.library.custom_op("kvrewrite::tp_all_gather", mutates_args=())
 def tp_all_gather(x: torch.Tensor, group_name: str, world: int) -> torch.Tensor:
+    joined = _padded_sum(x, group_name, world)
+    if joined is not None:
+        return joined
     c10d = torch.ops._c10d_functional
-    lead, vl = tuple(x.shape[:-1]), x.shape[-1]
-    gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), world, group_name))  # [world * lead0, ...]
-    blocks = gathered.view(world, *lead, vl)
-    return blocks.movedim(0, -2).reshape(*lead, world * vl)
+    return join_blocks(c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), world, group_name)), world)
 
 
 @tp_all_gather.register_fake
