@@ -58,6 +58,12 @@ def buffer_bytes(world: int, max_bytes: int) -> int:
 
 
 @triton_jit()
+def _block_offsets(pid, i, programs, BLOCK: tl.constexpr):
+    """Offsets of program pid's i-th block (blocks pid, pid + programs, ...: the grid stride)."""
+    return tl.max_contiguous(tl.multiple_of((pid + i * programs) * BLOCK + tl.arange(0, BLOCK), BLOCK), BLOCK)
+
+
+@triton_jit()
 def _push_all_reduce_kernel(
     X, RES, OUT,  # RES: the residual (HAS_RES) or X again
     PTRS, COUNT,  # int64 [WORLD]: every rank's buffer address; int32 [MAX_PROGRAMS]: this rank's calls per program
@@ -84,9 +90,8 @@ def _push_all_reduce_kernel(
     for r in tl.static_range(WORLD):
         if r != RANK:
             peer = tl.multiple_of(tl.load(PTRS + r).to(tl.pointer_type(dt)) + (slot * WORLD + RANK) * REGION, 16)
-            for i in range(ITERS):  # blocks pid, pid + programs, ... (past the last one the mask is empty)
-                offs = tl.max_contiguous(tl.multiple_of((pid + i * programs) * BLOCK + tl.arange(0, BLOCK), BLOCK),
-                                         BLOCK)
+            for i in range(ITERS):  # past the last block the mask is empty
+                offs = _block_offsets(pid, i, programs, BLOCK)
                 m = offs < n
                 tl.store(peer + offs, tl.load(X + offs, mask=m), mask=m)
     tl.debug_barrier()  # every thread's stores issued before the flag is raised (release orders them)
@@ -106,7 +111,7 @@ def _push_all_reduce_kernel(
     tl.debug_barrier()
     mine = own.to(tl.pointer_type(dt)) + slot * WORLD * REGION
     for i in range(ITERS):
-        offs = tl.max_contiguous(tl.multiple_of((pid + i * programs) * BLOCK + tl.arange(0, BLOCK), BLOCK), BLOCK)
+        offs = _block_offsets(pid, i, programs, BLOCK)
         m = offs < n
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for r in tl.static_range(WORLD):  # rank order on every rank: the same sum everywhere
@@ -122,9 +127,10 @@ def _push_all_reduce_kernel(
     tl.store(COUNT + pid, calls + 1)
 
 
-def launch_push(x, residual, out, ptrs, count, rank: int, world: int, region: int, flag_offset: int) -> None:
-    """Launch the push kernel for contiguous x (and residual, or None) into out; ptrs and count as prepared by
-    tp_all_reduce.prepare. No checks: the op's one_shot_buffer decided the path."""
+def launch_push(x, residual, out, ptrs, count, rank: int, world: int, max_bytes: int) -> None:
+    """Launch the push kernel for contiguous x (and residual, or None) into out over a buffer of buffer_bytes(world,
+    max_bytes) on every rank; ptrs and count as tp_all_reduce.prepare made them. No checks: the op's one_shot_buffer
+    decided the path."""
     from kvrewrite.kernels import _pdl
 
     n = x.numel()
@@ -133,6 +139,6 @@ def launch_push(x, residual, out, ptrs, count, rank: int, world: int, region: in
     programs = min(MAX_PROGRAMS, nblocks)
     _push_all_reduce_kernel[(programs,)](
         x, x if residual is None else residual, out, ptrs, count, n, ITERS=triton.cdiv(nblocks, programs),
-        REGION=region, FLAG_OFFSET=flag_offset, RANK=rank, WORLD=world, FLAGS_PER_RANK=MAX_PROGRAMS,
+        REGION=max_bytes // x.element_size(), FLAG_OFFSET=flag_offset(world, max_bytes), RANK=rank, WORLD=world, FLAGS_PER_RANK=MAX_PROGRAMS,
         HAS_RES=residual is not None, BLOCK=BLOCK, PDL=pdl, num_warps=4, **launch,
     )

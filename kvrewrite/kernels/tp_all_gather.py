@@ -40,13 +40,10 @@ def join_blocks(gathered: torch.Tensor, world: int) -> torch.Tensor:
 def _padded_sum(x: torch.Tensor, group_name: str, world: int) -> torch.Tensor | None:
     """The join as a sum of zero-padded rows through tp_all_reduce's one-shot path, or None where that path does
     not take the whole logits (no buffer for the group on x's device, or what one_shot_buffer refuses)."""
-    buf = _all_reduce._BUFFERS.get((group_name, x.device)) if x.device.type == "cuda" else None
+    buf = _all_reduce.prepared(group_name, x.device)
     if buf is None or x.numel() * world * x.element_size() > buf.max_bytes:  # prefill chunks: the collective
         return None
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    full = pad_to_row(x, dist.get_rank(_resolve_process_group(group_name)), world)
+    full = pad_to_row(x, buf.rank, world)
     if _all_reduce.one_shot_buffer(full, group_name) is None:
         return None
     return torch.ops.kvrewrite.tp_all_reduce(full, group_name)

@@ -100,12 +100,17 @@ def prepare(group_name: str, device: torch.device, max_bytes: int = ONE_SHOT_MAX
     _BUFFERS[key] = _Buffer(buf, ptrs, count, handle.rank, world, max_bytes)
 
 
+def prepared(group_name: str, device: torch.device) -> "_Buffer | None":
+    """The buffer `prepare` set up for the group on `device` (a CUDA device), or None."""
+    return _BUFFERS.get((group_name, device)) if device.type == "cuda" else None
+
+
 def one_shot_buffer(x: torch.Tensor, group_name: str, residual: torch.Tensor | None = None) -> "_Buffer | None":
     """The group's buffer that the one-shot path sums `x` through, or None when x takes the collective (module
     docstring); RuntimeError for a CUDA tensor of a group without a buffer."""
     if x.device.type != "cuda":
         return None
-    buf = _BUFFERS.get((group_name, x.device))
+    buf = prepared(group_name, x.device)
     if buf is None:
         raise RuntimeError(f"kvrewrite::tp_all_reduce: no symmetric buffer for group {group_name!r} on {x.device}: "
                            f"kvrewrite.tensor_parallel.prepare_all_reduce (apply with tp > 1 calls it) must run on "
@@ -137,11 +142,10 @@ def tp_all_reduce(x: torch.Tensor, group_name: str, residual: torch.Tensor | Non
     if not PUSH:
         view = buf.buf.view(x.dtype)[: x.numel()].view(x.shape)
         return _plus(torch.ops.symm_mem.one_shot_all_reduce_copy(view, x, "sum", group_name), residual)
-    from kvrewrite.kernels._tp_all_reduce_kernels import flag_offset, launch_push
+    from kvrewrite.kernels._tp_all_reduce_kernels import launch_push
 
     out = torch.empty_like(x)
-    launch_push(x, residual, out, buf.ptrs, buf.count, buf.rank, buf.world, buf.max_bytes // x.element_size(),
-                flag_offset(buf.world, buf.max_bytes))
+    launch_push(x, residual, out, buf.ptrs, buf.count, buf.rank, buf.world, buf.max_bytes)
     return out
 
 

@@ -28,7 +28,7 @@ from torch import fx
 from kvrewrite.context import RewriteContext
 from kvrewrite.errors import RewriteError
 import kvrewrite.kernels.tp_all_reduce  # noqa: F401  (registers kvrewrite::tp_all_reduce)
-from kvrewrite.passes.utils import clean_up
+from kvrewrite.passes.utils import clean_up, weight_linears
 
 logger = logging.getLogger(__name__)
 
@@ -62,39 +62,32 @@ def insert_tensor_parallel_all_reduce(gm: fx.GraphModule, ctx: RewriteContext) -
     graph = gm.graph
     # the capture wraps the HF model as `model` (capture._StaticCacheWrapper): its weights are model.<name>
     wanted = {f"model.{name}" for name in ctx.tp_row_parallel}
-    seen = set()
-    for node in list(graph.nodes):
-        if node.op != "get_attr" or node.target not in wanted:
-            continue
-        for user in list(node.users):
-            if user.op != "call_function" or user.target is not LINEAR or user.args[1] is not node or user.kwargs:
-                raise RewriteError(f"{ctx.where(node=user)}: the row-parallel weight {node.target} is read by "
-                                   f"something else than aten.linear(x, weight[, bias])")
-            x, bias = user.args[0], (user.args[2] if len(user.args) > 2 else None)
-            add = _residual_add(user) if ctx.tp_all_reduce == "one_shot" and bias is None else None
-            with graph.inserting_before(user if add is None else add):  # the add comes after its residual
-                partial = graph.call_function(LINEAR, (x, node))
-                if ctx.tp_all_reduce == "one_shot":
-                    args = (partial, ctx.tp_group) if add is None else (partial, ctx.tp_group, _other(add, user))
-                    summed = out = graph.call_function(torch.ops.kvrewrite.tp_all_reduce.default, args)
-                else:
-                    summed = graph.call_function(torch.ops._c10d_functional.all_reduce.default,
-                                                 (partial, "sum", ctx.tp_group))
-                    out = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (summed,))
-                if bias is not None:
-                    out = graph.call_function(torch.ops.aten.add.Tensor, (out, bias))
-            for new in dict.fromkeys((partial, summed, out)):  # summed is out for the one-shot op
-                new.meta["nn_module_stack"] = user.meta.get("nn_module_stack", {})
-                if "val" in user.meta:  # the linear's shape and dtype: later passes match on them (the residual
-                    new.meta["val"] = user.meta["val"]  # add fuse_rms_norm_into_gemv folds into the next GEMV)
-            if add is not None:
-                add.replace_all_uses_with(out)
-                graph.erase_node(add)
-                ctx.counters["insert_tensor_parallel_all_reduce.residual"] += 1
-            user.replace_all_uses_with(out)
-            graph.erase_node(user)
-            ctx.counters["insert_tensor_parallel_all_reduce"] += 1
-        seen.add(node.target)
+    pairs, seen = weight_linears(gm, wanted, ctx, "row-parallel")
+    for node, user in pairs:
+        x, bias = user.args[0], (user.args[2] if len(user.args) > 2 else None)
+        add = _residual_add(user) if ctx.tp_all_reduce == "one_shot" and bias is None else None
+        with graph.inserting_before(user if add is None else add):  # the add comes after its residual
+            partial = graph.call_function(LINEAR, (x, node))
+            if ctx.tp_all_reduce == "one_shot":
+                args = (partial, ctx.tp_group) if add is None else (partial, ctx.tp_group, _other(add, user))
+                summed = out = graph.call_function(torch.ops.kvrewrite.tp_all_reduce.default, args)
+            else:
+                summed = graph.call_function(torch.ops._c10d_functional.all_reduce.default,
+                                             (partial, "sum", ctx.tp_group))
+                out = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (summed,))
+            if bias is not None:
+                out = graph.call_function(torch.ops.aten.add.Tensor, (out, bias))
+        for new in dict.fromkeys((partial, summed, out)):  # summed is out for the one-shot op
+            new.meta["nn_module_stack"] = user.meta.get("nn_module_stack", {})
+            if "val" in user.meta:  # the linear's shape and dtype: later passes match on them (the residual
+                new.meta["val"] = user.meta["val"]  # add fuse_rms_norm_into_gemv folds into the next GEMV)
+        if add is not None:
+            add.replace_all_uses_with(out)
+            graph.erase_node(add)
+            ctx.counters["insert_tensor_parallel_all_reduce.residual"] += 1
+        user.replace_all_uses_with(out)
+        graph.erase_node(user)
+        ctx.counters["insert_tensor_parallel_all_reduce"] += 1
     missing = sorted(wanted - seen)
     if missing:
         raise RewriteError(f"{ctx.where()}: no aten.linear reads the row-parallel weights {missing[:4]}"

@@ -18,11 +18,9 @@ from torch import fx
 from kvrewrite.context import RewriteContext
 from kvrewrite.errors import RewriteError
 import kvrewrite.kernels.tp_all_gather  # noqa: F401  (registers kvrewrite::tp_all_gather)
-from kvrewrite.passes.utils import clean_up
+from kvrewrite.passes.utils import clean_up, weight_linears
 
 logger = logging.getLogger(__name__)
-
-LINEAR = torch.ops.aten.linear.default
 
 
 def insert_vocab_parallel_all_gather(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
@@ -30,25 +28,18 @@ def insert_vocab_parallel_all_gather(gm: fx.GraphModule, ctx: RewriteContext) ->
         return gm
     graph = gm.graph
     wanted = f"model.{ctx.tp_vocab_parallel}"  # the capture wraps the HF model as `model`
-    found = 0
-    for node in list(graph.nodes):
-        if node.op != "get_attr" or node.target != wanted:
-            continue
-        for user in list(node.users):
-            if user.op != "call_function" or user.target is not LINEAR or user.args[1] is not node or user.kwargs:
-                raise RewriteError(f"{ctx.where(node=user)}: the vocab-parallel weight {wanted} is read by something "
-                                   f"else than aten.linear(x, weight[, bias])")
-            with graph.inserting_after(user):
-                joined = graph.call_function(torch.ops.kvrewrite.tp_all_gather.default, (user, ctx.tp_group, ctx.tp))
-            user.replace_all_uses_with(joined, delete_user_cb=lambda n: n is not joined)
-            joined.meta["nn_module_stack"] = user.meta.get("nn_module_stack", {})
-            val = user.meta.get("val")
-            if isinstance(val, torch.Tensor):  # the whole vocabulary's logits: later passes match on shapes
-                joined.meta["val"] = val.new_empty((*val.shape[:-1], val.shape[-1] * ctx.tp))
-            found += 1
-            ctx.counters["insert_vocab_parallel_all_gather"] += 1
-    if not found:
+    pairs, _ = weight_linears(gm, {wanted}, ctx, "vocab-parallel")
+    for _, user in pairs:
+        with graph.inserting_after(user):
+            joined = graph.call_function(torch.ops.kvrewrite.tp_all_gather.default, (user, ctx.tp_group, ctx.tp))
+        user.replace_all_uses_with(joined, delete_user_cb=lambda n: n is not joined)
+        joined.meta["nn_module_stack"] = user.meta.get("nn_module_stack", {})
+        val = user.meta.get("val")
+        if isinstance(val, torch.Tensor):  # the whole vocabulary's logits: later passes match on shapes
+            joined.meta["val"] = val.new_empty((*val.shape[:-1], val.shape[-1] * ctx.tp))
+        ctx.counters["insert_vocab_parallel_all_gather"] += 1
+    if not pairs:
         raise RewriteError(f"{ctx.where()}: no aten.linear reads the vocab-parallel weight {wanted}: the graph does "
                            f"not match the sharding")
-    logger.debug("%s: %d logits all-gathers", ctx.where(), found)
+    logger.debug("%s: %d logits all-gathers", ctx.where(), len(pairs))
     return clean_up(gm)

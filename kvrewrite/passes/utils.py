@@ -4,6 +4,8 @@ import functools
 import torch
 from torch import fx
 
+from kvrewrite.errors import RewriteError
+
 # View-like ops HF puts between a cache buffer and the attention (repeat_kv, slicing, dtype casts).
 VIEW_OPS = {
     torch.ops.aten.unsqueeze.default,
@@ -90,3 +92,21 @@ def all_args(node) -> list:
             raise ValueError(f"node '{node.name}' ({node.target}) lacks its argument '{a.name}'")
         out.append(node.kwargs[a.name] if a.name in node.kwargs else a.default_value)
     return out
+
+
+def weight_linears(gm: fx.GraphModule, targets, ctx, what: str) -> tuple:
+    """([(get_attr node, aten.linear node)], get_attr targets found): every aten.linear(x, weight[, bias]) whose
+    weight is a get_attr of one of `targets`, in graph order; RewriteError naming the weight (the `what` weight: the
+    tensor-parallel passes' "row-parallel", "vocab-parallel") when anything else reads it."""
+    pairs, found = [], set()
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or node.target not in targets:
+            continue
+        found.add(node.target)
+        for user in node.users:
+            if (user.op != "call_function" or user.target is not torch.ops.aten.linear.default
+                    or user.args[1] is not node or user.kwargs):
+                raise RewriteError(f"{ctx.where(node=user)}: the {what} weight {node.target} is read by something "
+                                   f"else than aten.linear(x, weight[, bias])")
+            pairs.append((node, user))
+    return pairs, found

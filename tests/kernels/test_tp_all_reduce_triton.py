@@ -47,8 +47,7 @@ def test_rank0_of_two(dtype, n, residual):
         _region(bufs[0], slot, 1, dtype, n).copy_(x1)  # what rank 1's kernel pushed and raised
         _flags(bufs[0])[1, :programs] = 1
         out = torch.full_like(x0, float("nan"))  # poisoned
-        launch_push(x0, r if residual else None, out, ptrs, count, 0, WORLD, MAX_BYTES // dtype.itemsize,
-                    flag_offset(WORLD, MAX_BYTES))
+        launch_push(x0, r if residual else None, out, ptrs, count, 0, WORLD, MAX_BYTES)
         want = (x0.float() + x1.float()).to(dtype)
         if residual:
             want = (want.float() + r.float()).to(dtype)
