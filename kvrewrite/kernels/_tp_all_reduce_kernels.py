@@ -28,8 +28,9 @@ How (push, double-buffered):
   weight) be scheduled and load its first tile while this one waits for the peers.
 Every rank must call the op in the same order with the same shapes (the graphs are the same on every rank).
 
-Measured (two H200s, 64 chained calls in a CUDA graph, python -m kvrewrite.bench.all_reduce): 4.2 us per 8-16 KB
-call against torch's one-shot 6.8-7.6 and NCCL's 11.2-11.6, 10.3 us at 1 MiB (15.9, 19.0); bit for bit NCCL's sum.
+Measured (two H200s, one run, 64 chained calls in a CUDA graph, python -m kvrewrite.bench.all_reduce): 4.2 us per
+8-16 KB call against torch's one-shot 6.8-7.6 and NCCL's 11.2-11.6, 10.3 us at 1 MiB (15.9, 19.0); bit for bit NCCL's
+sum.
 Tests: tests/kernels/test_tp_all_reduce_triton.py (the interpreter, rank 1 played by the test), the 2-GPU test.
 """
 from __future__ import annotations
@@ -139,6 +140,6 @@ def launch_push(x, residual, out, ptrs, count, rank: int, world: int, max_bytes:
     programs = min(MAX_PROGRAMS, nblocks)
     _push_all_reduce_kernel[(programs,)](
         x, x if residual is None else residual, out, ptrs, count, n, ITERS=triton.cdiv(nblocks, programs),
-        REGION=max_bytes // x.element_size(), FLAG_OFFSET=flag_offset(world, max_bytes), RANK=rank, WORLD=world, FLAGS_PER_RANK=MAX_PROGRAMS,
-        HAS_RES=residual is not None, BLOCK=BLOCK, PDL=pdl, num_warps=4, **launch,
+        REGION=max_bytes // x.element_size(), FLAG_OFFSET=flag_offset(world, max_bytes), RANK=rank, WORLD=world,
+        FLAGS_PER_RANK=MAX_PROGRAMS, HAS_RES=residual is not None, BLOCK=BLOCK, PDL=pdl, num_warps=4, **launch,
     )

@@ -6,7 +6,7 @@ H200s, torch's one-shot kernel over symmetric memory 6.8-7.0 us (the 8B decode s
 3.69 ms with it: docs/tensor-parallel.md, "The one-shot all-reduce"). That kernel meets every peer twice (after
 copying its partial sum into its own buffer, and again before the buffer may be written again). The push kernel
 (kernels/_tp_all_reduce_kernels.py) writes the rank's partial sum into every peer's buffer and meets each peer
-once (flags, double-buffered slots), 4.2 us against 6.8-7.6 (docs/tensor-parallel.md); it also adds the
+once (flags, double-buffered slots), 4.2 us against 6.8-7.6 in one run (docs/tensor-parallel.md); it also adds the
 residual, which the graph adds right after the sum: passes/insert_tensor_parallel_all_reduce.py folds that add
 into the op, and the next GEMV's norm then has no add to do (fused there instead, the 8B gate/up GEMV took 35 us
 instead of 31 at tp=2). PUSH = False keeps torch's one-shot kernel (torch.ops.symm_mem.one_shot_all_reduce_copy,
