@@ -9,7 +9,8 @@ holding the whole model as loaded. `rank_model` builds the rank's model from it:
     gate_proj, up_proj                 rows [r*I/N, (r+1)*I/N)                                   column-parallel
     down_proj                          the same input columns                                    row-parallel
     lm_head (+ bias)                   rows [r*V/N, (r+1)*V/N) of the vocabulary, when N divides V  vocab-parallel
-    embedding, norms, q_norm/k_norm over head_dim (and an lm_head N does not divide)             replicated
+                                       and kernels/tp_all_gather.VOCAB_PARALLEL (off by default since stop 45)
+    embedding, norms, q_norm/k_norm over head_dim (and an lm_head kept whole)                    replicated
 
 and a config copy saying Hq/N, Hkv/N and I/N, so the capture, the layer facts and every method's state are sized
 for the rank's heads. The row-parallel outputs are partial sums; passes/insert_tensor_parallel_all_reduce.py adds
@@ -260,8 +261,10 @@ def _split_lm_head(shard, tp: int, rank: int, slices: list) -> tuple:
     """Keep the rank's vocabulary rows of the output embedding when it is an nn.Linear whose rows tp divides (a row
     view: no copy; a tied one then views the input embedding's rows); returns (its weight's name, the input
     embedding weight's name if the two were tied), ("", "") when it stays whole."""
+    from kvrewrite.kernels import tp_all_gather
+
     lm = shard.get_output_embeddings()
-    if not isinstance(lm, nn.Linear) or lm.out_features % tp:
+    if not tp_all_gather.VOCAB_PARALLEL or not isinstance(lm, nn.Linear) or lm.out_features % tp:
         return "", ""
     names = {id(m): n for n, m in shard.named_modules()}
     emb = shard.get_input_embeddings()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 20's GPU runs on one host with 2 GPUs (docs/tensor-parallel.md, "GPU runs"), in phases; each phase has its
 # own timeout and every bench rewrites its JSON after each row, so a cut run keeps its rows.
-#   scripts/bench_tp_gpu.sh [OUTDIR] [PHASES] [TAG]     (PHASES: any of a t s i c k p b j, default "t s b"; TAG
+#   scripts/bench_tp_gpu.sh [OUTDIR] [PHASES] [TAG]     (PHASES: any of a t s i c k n m p b j, default "t s b"; TAG
 #   names the JSONs; GPUS=2,3 runs on those two GPUs, tp=1 rows on the first, so two runs can share a 4-GPU host)
 # a: the all-reduce alone by message size: NCCL, torch's one-shot, push (python -m kvrewrite.bench.all_reduce)
 # t: tests/test_tensor_parallel.py on the GPUs (2-process NCCL group: fp32 against tp=1 and HF, then bf16)
@@ -10,6 +10,8 @@
 # b: Llama-3-70B shape at tp=2, 32k: chelsea and full at batch 1 and the largest batch that fits, CUDA graphs
 # c: phase i's tp=2 row with the NCCL all-reduce (--tp-all-reduce collective), the one-shot kernel's baseline
 # k: phase i's tp=2 row with torch's one-shot kernel (--kernel-option tp_all_reduce.PUSH=False), the push kernel's
+# n: phase i's tp=2 row without the norms in the sums (--kernel-option tp_all_reduce_rms_norm.IN_GRAPHS=False)
+# m: phase i's tp=2 row with the sum and the norm in two launches (--kernel-option tp_all_reduce_rms_norm.FUSED=False)
 # p: where a decode step goes, tp=1 then tp=2 (python -m kvrewrite.bench.profile_decode, phase i's configuration)
 # j: the 70B chelsea batch-1 row under rw.compile (Inductor + CUDA graphs, fused projections)
 set -o pipefail
@@ -48,6 +50,12 @@ for p in $PHASES; do
          --tp-all-reduce collective --out "$OUT/e2e_8b_ind_tp2_nccl_$TAG.json" 2>&1 | tee -a "$LOG" ;;
     k) timeout ${TI:-300} $B2 --systems chelsea $C8 --no-prefill --kv-compile inductor --fuse-projections --gemv \
          --kernel-option tp_all_reduce.PUSH=False --out "$OUT/e2e_8b_ind_tp2_torch_one_shot_$TAG.json" 2>&1 | tee -a "$LOG" ;;
+    n) timeout ${TI:-300} $B2 --systems chelsea $C8 --no-prefill --kv-compile inductor --fuse-projections --gemv \
+         --kernel-option tp_all_reduce_rms_norm.IN_GRAPHS=False --out "$OUT/e2e_8b_ind_tp2_norm_apart_$TAG.json" 2>&1 \
+         | tee -a "$LOG" ;;
+    m) timeout ${TI:-300} $B2 --systems chelsea $C8 --no-prefill --kv-compile inductor --fuse-projections --gemv \
+         --kernel-option tp_all_reduce_rms_norm.FUSED=False --out "$OUT/e2e_8b_ind_tp2_norm_two_launches_$TAG.json" \
+         2>&1 | tee -a "$LOG" ;;
     p) P="-m kvrewrite.bench.profile_decode --method chelsea --fuse-projections --gemv --no-gemv-timings --layer-trace 24"
        CUDA_VISIBLE_DEVICES=$ONE timeout ${TPR:-200} python $P 2>&1 | grep -v -i warn > "$OUT/profile_tp1_$TAG.txt"
        timeout ${TPR:-200} $T2 $P --tp 2 2>&1 | grep -v -i warn > "$OUT/profile_tp2_$TAG.txt"

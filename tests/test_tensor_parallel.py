@@ -247,6 +247,8 @@ def _one_shot_op_checks(c: _Checks, dev) -> None:
                 c.expect(torch.equal(got, ref + r), f"tp_all_reduce[{kernel}] {dtype} x {numel} + residual: differs "
                                                     f"by {_max_diff(got.float(), (ref + r).float()):.3g}")
     op.PUSH = True
+    _norm_op_checks(c, dev, group, gen)
+    _norm_in_graph_checks(c, dev)
     from kvrewrite.kernels.tp_all_gather import join_blocks
 
     world = dist.get_world_size()
@@ -271,6 +273,63 @@ def _one_shot_op_checks(c: _Checks, dev) -> None:
         graph.replay()
         c.expect(torch.equal(out, expected), f"tp_all_reduce in a CUDA graph, replay {replay}: differs by "
                                              f"{_max_diff(out.float(), expected.float()):.3g}")
+
+
+def _norm_op_checks(c: _Checks, dev, group: str, gen) -> None:
+    """kvrewrite::tp_all_reduce_rms_norm's one kernel against its two launches (FUSED False: the push kernel, then the
+    split norm's kernel): h and n bit for bit, Llama's and Gemma's norm, with and without a residual, the 8B and 70B
+    rows and a partial tile, three calls each (the norm channel's slots alternate), interleaved with tp_all_reduce
+    calls (the sum channel's own slots); n also against HF's norm in aten on h (within bf16 rounding)."""
+    from kvrewrite.kernels import tp_all_reduce_rms_norm as fused
+    from kvrewrite.kernels.gemv_rms_norm import reference_rms_norm
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for numel in (4096, 8192, 3000 + 8):
+            nw = (1 + 0.1 * torch.randn(numel, generator=gen, device=dev)).to(dtype)
+            for residual, unit_offset in ((False, False), (True, False), (True, True)):
+                what = f"tp_all_reduce_rms_norm {dtype} x {numel}{' + residual' if residual else ''}" + \
+                       (" (Gemma)" if unit_offset else "")
+                for _ in range(3):
+                    x, r = (torch.randn(1, 1, numel, generator=gen, device=dev).to(dtype) for _ in range(2))
+                    r = r if residual else None
+                    c.expect(fused.fused_buffer(x, group, r, nw) is not None, f"{what}: not the one-kernel path")
+                    h, n = torch.ops.kvrewrite.tp_all_reduce_rms_norm(x, group, r, nw, 1e-5, unit_offset)
+                    torch.ops.kvrewrite.tp_all_reduce(x, group)  # the sum channel between two norm calls
+                    fused.FUSED = False
+                    try:
+                        h2, n2 = torch.ops.kvrewrite.tp_all_reduce_rms_norm(x, group, r, nw, 1e-5, unit_offset)
+                    finally:
+                        fused.FUSED = True
+                    c.expect(torch.equal(h, h2) and torch.equal(n, n2),
+                             f"{what}: one kernel differs from two launches by {_max_diff(h.float(), h2.float()):.3g} "
+                             f"(h), {_max_diff(n.float(), n2.float()):.3g} (n)")
+                    ref = reference_rms_norm(h, nw, 1e-5, unit_offset)
+                    d = _max_diff(n.float(), ref.float()) / max(float(ref.float().abs().max()), 1e-30)
+                    c.expect(d <= (2 ** -7 if dtype == torch.bfloat16 else 1e-6), f"{what}: n vs HF's norm {d:.3g}")
+
+
+def _norm_in_graph_checks(c: _Checks, dev) -> None:
+    """A Llama without biases (each sum then takes its residual add and its norm), full at tp=2 with fused projections
+    and gemv: every sum of the decode graph is a tp_all_reduce_rms_norm, and the tokens and logits are those of the
+    same model without gemv (fp32)."""
+    import kvrewrite
+    from kvrewrite.tensor_parallel import capture_rank
+    from tests.families import tiny_model
+
+    llama = tiny_model("llama").to(dev)
+    llama.generation_config.eos_token_id = None
+    ids = torch.randint(3, 128, (1, PROMPT), generator=torch.Generator().manual_seed(5)).to(dev)
+    shared = capture_rank(llama, WORLD, batch_size=1, prefill_chunk=CHUNK)
+    plain = kvrewrite.apply(llama, "full", captured=shared, max_length=MAX_LENGTH, tp=WORLD)
+    fused = kvrewrite.apply(llama, "full", captured=shared, max_length=MAX_LENGTH, tp=WORLD, fuse_projections=True,
+                            gemv=True)
+    n = sum(node.target == torch.ops.kvrewrite.tp_all_reduce_rms_norm.default for node in fused.decode_graph.graph.nodes)
+    layers = len(llama.model.layers)
+    c.expect(n == 2 * layers, f"bias-free llama fused+gemv at tp=2: {n} sums with their norm, not {2 * layers}")
+    tokens, logits = _generate(plain, ids)
+    fused_tokens, fused_logits = _generate(fused, ids)
+    d = c.diffs["bias-free llama full fuse_projections+gemv (sums with their norm)"] = _max_diff(fused_logits, logits)
+    c.expect(torch.equal(fused_tokens, tokens) and d <= FULL_TOL, f"bias-free llama, sums with their norm: {d:.3g}")
 
 
 def _bf16_checks(rank: int, c: _Checks, dev) -> None:
@@ -335,6 +394,9 @@ def _rank_checks(rank: int, c: _Checks, out_dir: str, dev=torch.device("cpu")) -
     from kvrewrite.tensor_parallel import TP_REFUSED_METHODS, capture_rank
     from tests.methods_matrix import METHODS_MATRIX
 
+    from kvrewrite.kernels import tp_all_gather
+
+    tp_all_gather.VOCAB_PARALLEL = True  # the lm_head split by vocabulary (off by default: tp_all_gather.py says why)
     t0 = time.perf_counter()
     _refusals(c, kvrewrite)
     ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1)).to(dev)
@@ -381,6 +443,14 @@ def _rank_checks(rank: int, c: _Checks, out_dir: str, dev=torch.device("cpu")) -
             fused = kvrewrite.apply(llama, name, captured=shared, max_length=MAX_LENGTH, tp=WORLD,
                                     fuse_projections=True, gemv=True)
             fused_tokens, fused_logits = _generate(fused, ids)
+            n_norm = sum(n.target == torch.ops.kvrewrite.tp_all_reduce_rms_norm.default
+                         for n in fused.decode_graph.graph.nodes)
+            # a sum takes its residual add, and then its norm, where its linear has no bias (else the bias comes
+            # after the sum); each sum feeds a norm (the last: the model's)
+            unbiased = sum(getattr(m, name).bias is None for m in (lyr.self_attn for lyr in llama.model.layers)
+                           for name in ("o_proj",)) + sum(lyr.mlp.down_proj.bias is None for lyr in llama.model.layers)
+            want_norm = unbiased if rw.tp_all_reduce == "one_shot" else 0
+            c.expect(n_norm == want_norm, f"llama full fused+gemv at tp=2: {n_norm} sums with their norm, not {want_norm}")
             d = c.diffs["llama full fuse_projections+gemv"] = _max_diff(fused_logits, logits)
             c.expect(torch.equal(fused_tokens, tokens) and d <= FULL_TOL, f"llama full fused+gemv at tp=2: {d:.3g}")
             _rank_model_checks(rank, c, llama, ids, logits)

@@ -40,7 +40,10 @@ def _saved(model, tmp_path, shards=False):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
-def test_the_loaded_share_is_rank_models(family, tmp_path):
+def test_the_loaded_share_is_rank_models(family, tmp_path, monkeypatch):
+    from kvrewrite.kernels import tp_all_gather
+
+    monkeypatch.setattr(tp_all_gather, "VOCAB_PARALLEL", True)  # off by default (tp_all_gather.py says why)
     model = _model(family)
     folder = _saved(model, tmp_path, shards=family == "qwen3")
     assert (folder / "model.safetensors.index.json").is_file() == (family == "qwen3")

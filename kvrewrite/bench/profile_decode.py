@@ -106,8 +106,9 @@ def main(argv=None):
     import sys
 
     import kvrewrite
-    from kvrewrite.bench.e2e import (BenchConfig, KVDecoder, _free_cuda_graphs, _time_steps, build_model,
-                                     build_rank_model, copy_gbps, same_on_ranks, start_ranks, synthetic_fill)
+    from kvrewrite.bench.e2e import (BenchConfig, KVDecoder, _free_cuda_graphs, _time_steps, apply_kernel_options,
+                                     build_model, build_rank_model, copy_gbps, kernel_option, same_on_ranks,
+                                     start_ranks, synthetic_fill)
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", default="chelsea")
@@ -126,6 +127,8 @@ def main(argv=None):
     parser.add_argument("--no-gemv-timings", action="store_true", help="skip the bare GEMV timings")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (launch under torchrun)")
     parser.add_argument("--tp-all-reduce", default="auto", help="with --tp > 1: kvrewrite.apply's tp_all_reduce")
+    parser.add_argument("--kernel-option", dest="kernel_options", action="append", type=kernel_option, default=[],
+                        metavar="MODULE.NAME=VALUE", help="a kernel module's launch constant (as kvrewrite bench's)")
     args = parser.parse_args(argv)
     if args.batch < 1:
         parser.error(f"--batch must be >= 1, got {args.batch}")
@@ -135,6 +138,7 @@ def main(argv=None):
         parser.error("--gemv is batch 1 only (kvrewrite::gemv takes one row); drop it with --batch > 1")
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode: needs a CUDA GPU")
+    apply_kernel_options(dict(args.kernel_options))
     rank = start_ranks(BenchConfig(systems=(args.method,), device="cuda", tp=args.tp)) if args.tp > 1 else 0
     if rank:
         sys.stdout = open(os.devnull, "w")  # rank 0 speaks for all: every rank runs the same steps

@@ -43,7 +43,8 @@ Measured: docs/bench.md "Stop 38 runs".
 
 When: `launch_options(t)` gives the launch keywords and the kernels' PDL constexpr. PDL is used where the op
 launches its kernel itself (eager calls, and under `rw.compile`, which keeps the ops opaque to Inductor:
-runtime.py), on a CUDA device of compute capability >= 9, unless `set_enabled(False)`. Inductor's own kernels
+runtime.py; a plain custom op that launches its kernel itself, kvrewrite::tp_all_reduce's, says so with
+`direct=True`), on a CUDA device of compute capability >= 9, unless `set_enabled(False)`. Inductor's own kernels
 keep Inductor's switch (off by default; runtime.py _OpaqueOpsCall says why rw.compile does not turn it on). A
 kernel of ours after one launched without PDL starts when that one completes, as without PDL. Where Inductor or
 AOTInductor trace the op (torch.compile of the model by hand, exports), the kernel is traced without it
@@ -105,10 +106,13 @@ def _launching_directly() -> bool:
     return not is_wrap_triton_enabled()
 
 
-def launch_options(t: torch.Tensor) -> tuple[bool, dict]:
+def launch_options(t: torch.Tensor, direct: bool = False) -> tuple[bool, dict]:
     """(PDL, launch keywords) for a kernel launch on t's device: (True, {"launch_pdl": True}) where PDL applies
-    (module docstring), else (False, {})."""
-    if (not _enabled or gdc_wait is None or not t.is_cuda or not _launching_directly()
+    (module docstring), else (False, {}). direct: the caller launches the kernel itself (kernel[grid](...), not
+    through wrap_triton) in the body of a torch.library.custom_op, which torch.compile and the exporters keep whole:
+    that launch is always real, and wrap_triton's state, which tells a triton_op's real call from its tracing, says
+    nothing about it (it reads "tracing" there: kvrewrite::tp_all_reduce's kernels ran without PDL until stop 45)."""
+    if (not _enabled or gdc_wait is None or not t.is_cuda or not (direct or _launching_directly())
             or not _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device())):
         return False, {}
     return True, {"launch_pdl": True}

@@ -24,9 +24,17 @@ How (push, double-buffered):
   without an add of its own.
 - Grid-stride over blocks with at most MAX_PROGRAMS programs, all resident at once: a program waits only for the
   program of the same index on the peers, which runs since every program is scheduled.
-- Launched with PDL (kernels/_pdl.py): wait before reading x, then let the next kernel (a GEMV with a constant
-  weight) be scheduled and load its first tile while this one waits for the peers.
+- Launched with PDL (kernels/_pdl.py), signalling first ("Trigger first" there, since stop 45; before, after the
+  wait): the next kernel (a GEMV with a constant weight) is scheduled and loads its first tile while this one waits
+  for the kernel before it and for the peers; every load of this one comes after its wait. The ops launch these kernels
+  from a custom op's body, so they ask `_pdl.launch_options(x, direct=True)`: without `direct` (stop 44) the
+  launches ran without PDL (_pdl.launch_options says why).
 Every rank must call the op in the same order with the same shapes (the graphs are the same on every rank).
+
+The norm kernel (_push_all_reduce_rms_norm_kernel, kvrewrite::tp_all_reduce_rms_norm): the same meeting in one
+program that holds the whole row (up to NORM_MAX_ELEMENTS), then h = the sum (+ residual) and n = RMSNorm(h) in the
+split norm's arithmetic (kernels/gemv_rms_norm.row_rms_norm). Its calls use a buffer of their own (the "norm"
+channel, tp_all_reduce.prepare), whose slots alternate with its own call count (COUNT[0]).
 
 Measured (two H200s, one run, 64 chained calls in a CUDA graph, python -m kvrewrite.bench.all_reduce): 4.2 us per
 8-16 KB call against torch's one-shot 6.8-7.6 and NCCL's 11.2-11.6, 10.3 us at 1 MiB (15.9, 19.0); bit for bit NCCL's
@@ -35,8 +43,9 @@ Tests: tests/kernels/test_tp_all_reduce_triton.py (the interpreter, rank 1 playe
 """
 from __future__ import annotations
 
-from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
+from kvrewrite.kernels._pdl import wait_and_signal
 from kvrewrite.kernels._triton_op import triton_jit
+from kvrewrite.kernels.gemv_rms_norm import row_rms_norm
 
 try:
     import triton
@@ -65,37 +74,11 @@ def _block_offsets(pid, i, programs, BLOCK: tl.constexpr):
 
 
 @triton_jit()
-def _push_all_reduce_kernel(
-    X, RES, OUT,  # RES: the residual (HAS_RES) or X again
-    PTRS, COUNT,  # int64 [WORLD]: every rank's buffer address; int32 [MAX_PROGRAMS]: this rank's calls per program
-    n,
-    ITERS: tl.constexpr,  # blocks per program: cdiv(blocks, programs) (the grid stride; 1 up to 64 blocks)
-    REGION: tl.constexpr,  # elements of one (slot, source rank) region
-    FLAG_OFFSET: tl.constexpr,  # bytes of the slots before the flag block
-    RANK: tl.constexpr,
-    WORLD: tl.constexpr,
-    FLAGS_PER_RANK: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    dt = X.dtype.element_ty
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    calls = tl.load(COUNT + pid)
-    slot = calls & 1
-    # push this rank's share into region RANK of the slot on every peer
-    for r in tl.static_range(WORLD):
-        if r != RANK:
-            peer = tl.multiple_of(tl.load(PTRS + r).to(tl.pointer_type(dt)) + (slot * WORLD + RANK) * REGION, 16)
-            for i in range(ITERS):  # past the last block the mask is empty
-                offs = _block_offsets(pid, i, programs, BLOCK)
-                m = offs < n
-                tl.store(peer + offs, tl.load(X + offs, mask=m), mask=m)
-    tl.debug_barrier()  # every thread's stores issued before the flag is raised (release orders them)
+def _meet_peers(PTRS, pid, FLAG_OFFSET: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+                FLAGS_PER_RANK: tl.constexpr):
+    """Program pid's meeting with every peer after its pushes: raise flag (RANK, pid) on every peer (release), then
+    take each peer's flag (r, pid) in this rank's buffer (acquire), then a barrier; returns this rank's buffer address
+    (int64). The caller's barrier before it orders every thread's pushes before the release."""
     for r in tl.static_range(WORLD):
         if r != RANK:
             flag = (tl.load(PTRS + r) + FLAG_OFFSET).to(tl.pointer_type(tl.int32)) + RANK * FLAGS_PER_RANK + pid
@@ -110,6 +93,42 @@ def _push_all_reduce_kernel(
             while old != 1:
                 old = tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
+    return own
+
+
+@triton_jit()
+def _push_all_reduce_kernel(
+    X, RES, OUT,  # RES: the residual (HAS_RES) or X again
+    PTRS, COUNT,  # int64 [WORLD]: every rank's buffer address; int32 [MAX_PROGRAMS]: this rank's calls per program
+    n,
+    ITERS: tl.constexpr,  # blocks per program: cdiv(blocks, programs) (the grid stride; 1 up to 64 blocks)
+    REGION: tl.constexpr,  # elements of one (slot, source rank) region
+    FLAG_OFFSET: tl.constexpr,  # bytes of the slots before the flag block
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    FLAGS_PER_RANK: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+    TRIGGER_FIRST: tl.constexpr,  # with PDL: let the next kernel launch before the wait (_pdl.TRIGGER_FIRST)
+):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    dt = X.dtype.element_ty
+    if PDL:  # the next kernel (a GEMV with a constant weight) launches and loads its first tile during the meeting
+        wait_and_signal(TRIGGER_FIRST)
+    calls = tl.load(COUNT + pid)
+    slot = calls & 1
+    # push this rank's share into region RANK of the slot on every peer
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            peer = tl.multiple_of(tl.load(PTRS + r).to(tl.pointer_type(dt)) + (slot * WORLD + RANK) * REGION, 16)
+            for i in range(ITERS):  # past the last block the mask is empty
+                offs = _block_offsets(pid, i, programs, BLOCK)
+                m = offs < n
+                tl.store(peer + offs, tl.load(X + offs, mask=m), mask=m)
+    tl.debug_barrier()  # every thread's stores issued before the flag is raised (release orders them)
+    own = _meet_peers(PTRS, pid, FLAG_OFFSET, RANK, WORLD, FLAGS_PER_RANK)
     mine = own.to(tl.pointer_type(dt)) + slot * WORLD * REGION
     for i in range(ITERS):
         offs = _block_offsets(pid, i, programs, BLOCK)
@@ -135,11 +154,88 @@ def launch_push(x, residual, out, ptrs, count, rank: int, world: int, max_bytes:
     from kvrewrite.kernels import _pdl
 
     n = x.numel()
-    pdl, launch = _pdl.launch_options(x)
+    pdl, launch = _pdl.launch_options(x, direct=True)  # a custom_op's body
     nblocks = triton.cdiv(n, BLOCK)
     programs = min(MAX_PROGRAMS, nblocks)
     _push_all_reduce_kernel[(programs,)](
         x, x if residual is None else residual, out, ptrs, count, n, ITERS=triton.cdiv(nblocks, programs),
         REGION=max_bytes // x.element_size(), FLAG_OFFSET=flag_offset(world, max_bytes), RANK=rank, WORLD=world,
-        FLAGS_PER_RANK=MAX_PROGRAMS, HAS_RES=residual is not None, BLOCK=BLOCK, PDL=pdl, num_warps=4, **launch,
+        FLAGS_PER_RANK=MAX_PROGRAMS, HAS_RES=residual is not None, BLOCK=BLOCK, PDL=pdl,
+        TRIGGER_FIRST=_pdl.TRIGGER_FIRST, num_warps=4, **launch,
+    )
+
+
+@triton_jit()
+def _push_all_reduce_rms_norm_kernel(
+    X, RES, NW, H, NORMED,  # RES: the residual (HAS_RES) or X again; H: the sum (+ residual); NORMED: RMSNorm(H)
+    PTRS, COUNT,  # as the push kernel's, of the norm channel's buffer (one program: COUNT[0])
+    n, eps,
+    REGION: tl.constexpr,
+    FLAG_OFFSET: tl.constexpr,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    FLAGS_PER_RANK: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROW_TILES: tl.constexpr,  # the row in registers as [ROW_TILES, BLOCK_K] (n <= ROW_TILES * BLOCK_K)
+    PDL: tl.constexpr,
+    TRIGGER_FIRST: tl.constexpr,
+):
+    """The push kernel's sum (+ residual) of one row in one program, then the RMSNorm of the result: h and n stored.
+    One program holds the whole row, so the norm needs no second meeting; the GEMV after it (kernels/gemv.py, a
+    constant weight) launches at this kernel's start and loads its first weight tiles while it meets the peers."""
+    dt = X.dtype.element_ty
+    tile = tl.arange(0, ROW_TILES)[:, None]
+    cols = tile * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    k_ok = cols < n
+    if PDL:  # the next kernel (a GEMV with a constant weight) launches and loads its first tile during the meeting
+        wait_and_signal(TRIGGER_FIRST)
+    calls = tl.load(COUNT)
+    slot = calls & 1
+    x = tl.load(X + cols, mask=k_ok, other=0.0)
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            peer = tl.load(PTRS + r).to(tl.pointer_type(dt)) + (slot * WORLD + RANK) * REGION
+            tl.store(peer + cols, x, mask=k_ok)
+    if HAS_RES:  # loaded before the meeting: their latency hides behind the peers'
+        res = tl.load(RES + cols, mask=k_ok, other=0.0)
+    nw = tl.load(NW + cols, mask=k_ok, other=0.0).to(tl.float32)
+    tl.debug_barrier()
+    own = _meet_peers(PTRS, 0, FLAG_OFFSET, RANK, WORLD, FLAGS_PER_RANK)
+    mine = own.to(tl.pointer_type(dt)) + slot * WORLD * REGION
+    acc = tl.zeros([ROW_TILES, BLOCK_K], dtype=tl.float32)
+    for r in tl.static_range(WORLD):  # rank order on every rank: the same sum everywhere
+        if r == RANK:
+            acc += x.to(tl.float32)
+        else:
+            acc += tl.load(mine + r * REGION + cols, mask=k_ok, other=0.0, volatile=True).to(tl.float32)
+    h = acc.to(dt)
+    if HAS_RES:
+        h = (h.to(tl.float32) + res.to(tl.float32)).to(dt)
+    tl.store(H + cols, h, mask=k_ok)
+    tl.store(NORMED + cols, row_rms_norm(h, nw, tile, n, eps, dt, BLOCK_K, ROW_TILES, UNIT_OFFSET), mask=k_ok)
+    tl.store(COUNT, calls + 1)
+
+
+NORM_MAX_ELEMENTS = 16384  # the longest row the norm kernel holds in registers (70B: 8192), a warp per 1024
+
+
+def launch_push_rms_norm(x, residual, norm_weight, eps: float, unit_offset: bool, h, normed, ptrs, count, rank: int,
+                         world: int, max_bytes: int) -> None:
+    """Launch the norm kernel for contiguous x of n <= NORM_MAX_ELEMENTS elements (and residual, or None; norm_weight
+    [n]) into h and normed, over the norm channel's buffer (buffer_bytes(world, max_bytes) on every rank). No checks:
+    kvrewrite::tp_all_reduce_rms_norm decided the path."""
+    from kvrewrite.kernels import _pdl
+
+    n = x.numel()
+    block_k = min(2048, triton.next_power_of_2(n))  # the split norm's tiles (gemv's block_k): its squares' order
+    tiles = triton.next_power_of_2(triton.cdiv(n, block_k))
+    pdl, launch = _pdl.launch_options(x, direct=True)  # a custom_op's body
+    _push_all_reduce_rms_norm_kernel[(1,)](
+        x, x if residual is None else residual, norm_weight, h, normed, ptrs, count, n, float(eps),
+        REGION=max_bytes // x.element_size(), FLAG_OFFSET=flag_offset(world, max_bytes), RANK=rank, WORLD=world,
+        FLAGS_PER_RANK=MAX_PROGRAMS, HAS_RES=residual is not None, UNIT_OFFSET=bool(unit_offset),
+        BLOCK_K=block_k, ROW_TILES=tiles, PDL=pdl, TRIGGER_FIRST=_pdl.TRIGGER_FIRST,
+        num_warps=max(4, tiles * block_k // 1024), **launch,
     )

@@ -67,13 +67,17 @@ NAME = "kvrewrite::gemv_rms_norm"
 def reference_aten(x, residual, norm_weight, eps, weight, bias=None, unit_offset=False):
     """The aten ops the op replaces, in HF's order and dtypes (the CPU path): (y, h), h None without residual."""
     h = x if residual is None else torch.add(x, residual)
+    n = reference_rms_norm(h, norm_weight, eps, unit_offset)
+    return F.linear(n, weight, bias).contiguous(), (None if residual is None else h)
+
+
+def reference_rms_norm(h, norm_weight, eps, unit_offset=False):
+    """HF's RMSNorm of h in its aten ops, order and dtypes (Llama's spelling, or Gemma's with unit_offset)."""
     h32 = h.to(torch.float32)
     r = torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
     if unit_offset:
-        n = (h32 * r * (norm_weight.to(torch.float32) + 1.0)).type_as(h)
-    else:
-        n = norm_weight * (h32 * r).to(h.dtype)
-    return F.linear(n, weight, bias).contiguous(), (None if residual is None else h)
+        return (h32 * r * (norm_weight.to(torch.float32) + 1.0)).type_as(h)
+    return norm_weight * (h32 * r).to(h.dtype)
 
 
 def reference_f64(x, residual, norm_weight, eps, weight, bias=None, unit_offset=False):
@@ -235,6 +239,21 @@ def _gemv_rms_norm_kernel(
 
 
 @triton_jit()
+def row_rms_norm(h, nw, tile, K, eps, dtype: tl.constexpr, BLOCK_K: tl.constexpr, ROW_TILES: tl.constexpr,
+                 UNIT_OFFSET: tl.constexpr):
+    """n = RMSNorm(h) of a row held in registers as [ROW_TILES, BLOCK_K] tiles (0 past K; `tile` the tiles' index
+    column, nw the norm weight in fp32): the squares added tile by tile in _inv_rms's order, so n has the bits of the
+    fused kernel's. Shared by the split norm's kernel and tp_all_reduce_rms_norm's (_tp_all_reduce_kernels.py)."""
+    h32 = h.to(tl.float32)
+    sq = h32 * h32
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for i in tl.static_range(ROW_TILES):  # tile i alone (the others add exact zeros): _inv_rms's order
+        squares += tl.sum(tl.where(tile == i, sq, 0.0), axis=0)
+    inv_rms = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    return _scaled(h, nw, inv_rms, dtype, UNIT_OFFSET)
+
+
+@triton_jit()
 def _rms_norm_row_kernel(
     X, RES, NW, NORMED, H,
     K, eps,
@@ -262,13 +281,7 @@ def _rms_norm_row_kernel(
         if HAS_RES:
             tl.store(H + cols, h, mask=k_ok)
         nw = tl.load(NW + cols * stride_nk, mask=k_ok, other=0.0).to(tl.float32)
-        h32 = h.to(tl.float32)
-        sq = h32 * h32
-        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for i in tl.static_range(ROW_TILES):  # tile i alone (the others add exact zeros): _inv_rms's order
-            squares += tl.sum(tl.where(tile == i, sq, 0.0), axis=0)
-        inv_rms = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
-        tl.store(NORMED + cols, _scaled(h, nw, inv_rms, dtype, UNIT_OFFSET), mask=k_ok)
+        tl.store(NORMED + cols, row_rms_norm(h, nw, tile, K, eps, dtype, BLOCK_K, ROW_TILES, UNIT_OFFSET), mask=k_ok)
     else:
         inv_rms = _inv_rms(X, RES, H, K, eps, stride_xk, stride_rk, True, dtype, BLOCK_K, HAS_RES)
         for k0 in range(0, K, BLOCK_K):
@@ -359,12 +372,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias=None, unit_offset=False,
     early = early_weight(constant_weight)
     pdl, launch = _pdl.launch_options(x)
     if cfg["split_norm"]:
-        normed = torch.empty_like(x1)
-        wrap_triton(_rms_norm_row_kernel)[(1,)](
-            x1, r1, norm_weight, normed, h if residual is not None else normed, K, float(eps), x1.stride(0),
-            r1.stride(0), norm_weight.stride(0), BLOCK_K=cfg["block_k"], ROW_TILES=cfg["norm_row_tiles"],
-            HAS_RES=residual is not None, UNIT_OFFSET=bool(unit_offset), PDL=pdl, TRIGGER_FIRST=_pdl.TRIGGER_FIRST,
-            num_warps=cfg["norm_warps"], **launch)
+        normed = _launch_norm(x1, residual, r1, h, norm_weight, eps, unit_offset, cfg)
         gemv_tuning = {k: cfg[k] for k in ("block_n", "block_k", "num_warps", "num_stages", "evict_first")}
         return _gemv_launch(normed.view(x.shape), weight, bias, constant_weight, **gemv_tuning), h
     y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
@@ -376,6 +384,27 @@ def _launch(x, residual, norm_weight, eps, weight, bias=None, unit_offset=False,
         EARLY_W=early, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )
     return y, h
+
+
+def _launch_norm(x1, residual, r1, h, norm_weight, eps, unit_offset, cfg):
+    """The split norm's launch: n = RMSNorm(x1 + residual) into a new row (h stored with a residual)."""
+    normed = torch.empty_like(x1)
+    pdl, launch = _pdl.launch_options(x1)
+    wrap_triton(_rms_norm_row_kernel)[(1,)](
+        x1, r1, norm_weight, normed, h if residual is not None else normed, x1.numel(), float(eps), x1.stride(0),
+        r1.stride(0), norm_weight.stride(0), BLOCK_K=cfg["block_k"], ROW_TILES=cfg["norm_row_tiles"],
+        HAS_RES=residual is not None, UNIT_OFFSET=bool(unit_offset), PDL=pdl, TRIGGER_FIRST=_pdl.TRIGGER_FIRST,
+        num_warps=cfg["norm_warps"], **launch)
+    return normed
+
+
+def split_norm(h, norm_weight, eps, unit_offset=False):
+    """RMSNorm of one CUDA row h by the split norm's kernel alone (no GEMV after it): a new tensor of h's shape.
+    kvrewrite::tp_all_reduce_rms_norm's two-launch baseline."""
+    K = h.numel()
+    cfg = launch_config(SPLIT_NORM_MIN_N, K, split_norm=True)
+    h1 = h.reshape(K)
+    return _launch_norm(h1, None, h1, None, norm_weight, eps, unit_offset, cfg).view(h.shape)
 
 
 # ---------------------------------------------------------------------------------------------------

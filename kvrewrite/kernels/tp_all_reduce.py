@@ -40,7 +40,11 @@ import torch
 ONE_SHOT_MAX_BYTES = 1 << 20
 _ONE_SHOT_DTYPES = (torch.float32, torch.bfloat16)
 PUSH = True  # the one-shot path's kernel: the push kernel, or (False) torch's one-shot kernel (the A/B baseline)
-_BUFFERS: dict = {}  # (group_name, device) -> _Buffer
+# The norm channel: a second buffer of its own slots, flags and call count for kvrewrite::tp_all_reduce_rms_norm's
+# one-program kernel (kernels/tp_all_reduce_rms_norm.py). Its calls alternate slots among themselves; sharing the
+# sum channel's slots with the push kernel's programs would let one kernel's write meet the other's read.
+NORM_MAX_BYTES = 1 << 16
+_BUFFERS: dict = {}  # (group_name, device, channel) -> _Buffer; channel "sum" or "norm"
 
 
 def one_shot_unavailable(device: torch.device, group_name: str) -> str | None:
@@ -72,16 +76,22 @@ class _Buffer:
 
 
 def prepare(group_name: str, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYTES) -> None:
-    """The group's symmetric buffer on `device`, zeroed, allocated and exchanged with every rank (a collective: every
-    rank calls it at the same point, outside any CUDA-graph capture); a no-op when it exists already."""
+    """The group's symmetric buffers on `device` (the sum channel of max_bytes, the norm channel of NORM_MAX_BYTES),
+    zeroed, allocated and exchanged with every rank (a collective: every rank calls it at the same point, outside any
+    CUDA-graph capture); a no-op when they exist already."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (group_name, device)
-    if key in _BUFFERS:
-        return
     if max_bytes % 16:
         raise ValueError(f"tp_all_reduce.prepare: max_bytes must be a multiple of 16, got {max_bytes}")
+    for channel, nbytes in (("sum", max_bytes), ("norm", NORM_MAX_BYTES)):
+        _prepare_channel(group_name, device, channel, nbytes)
+
+
+def _prepare_channel(group_name: str, device: torch.device, channel: str, max_bytes: int) -> None:
+    key = (group_name, device, channel)
+    if key in _BUFFERS:
+        return
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
     from torch.distributed.distributed_c10d import _resolve_process_group
@@ -100,9 +110,9 @@ def prepare(group_name: str, device: torch.device, max_bytes: int = ONE_SHOT_MAX
     _BUFFERS[key] = _Buffer(buf, ptrs, count, handle.rank, world, max_bytes)
 
 
-def prepared(group_name: str, device: torch.device) -> "_Buffer | None":
-    """The buffer `prepare` set up for the group on `device` (a CUDA device), or None."""
-    return _BUFFERS.get((group_name, device)) if device.type == "cuda" else None
+def prepared(group_name: str, device: torch.device, channel: str = "sum") -> "_Buffer | None":
+    """The buffer `prepare` set up for the group on `device` (a CUDA device) and channel ("sum", "norm"), or None."""
+    return _BUFFERS.get((group_name, device, channel)) if device.type == "cuda" else None
 
 
 def one_shot_buffer(x: torch.Tensor, group_name: str, residual: torch.Tensor | None = None) -> "_Buffer | None":

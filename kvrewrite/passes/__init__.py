@@ -14,6 +14,7 @@ from kvrewrite.passes.fuse_attention_observation import fuse_attention_observati
 from kvrewrite.passes.fuse_glu_into_gemv import fuse_glu_into_gemv
 from kvrewrite.passes.fuse_projections import fuse_projections
 from kvrewrite.passes.fuse_rms_norm_into_gemv import fuse_rms_norm_into_gemv
+from kvrewrite.passes.fuse_rms_norm_into_tp_all_reduce import fuse_rms_norm_into_tp_all_reduce
 from kvrewrite.passes.insert_cache_compression import insert_cache_compression
 from kvrewrite.passes.insert_tensor_parallel_all_reduce import insert_tensor_parallel_all_reduce
 from kvrewrite.passes.insert_vocab_parallel_all_gather import insert_vocab_parallel_all_gather
@@ -40,8 +41,10 @@ PASSES = [
     fuse_glu_into_gemv,  # with replace_linear_with_gemv: act(gate) * up into the down projection's gemv
 ]
 # tp > 1 (kvrewrite/tensor_parallel.py): the all-reduces and the logits' all-gather go in first, on the captured
-# linears (before GEMV replaces them); tp=1 runs PASSES, untouched
-TP_PASSES = [insert_tensor_parallel_all_reduce, insert_vocab_parallel_all_gather, *PASSES]
+# linears (before GEMV replaces them), the norms after a sum go into it last (on gemv_rms_norm); tp=1 runs PASSES,
+# untouched
+TP_PASSES = [insert_tensor_parallel_all_reduce, insert_vocab_parallel_all_gather, *PASSES,
+             fuse_rms_norm_into_tp_all_reduce]
 
 
 def run_passes(gm: fx.GraphModule, ctx: RewriteContext, passes=None, dump_dir=None) -> fx.GraphModule:

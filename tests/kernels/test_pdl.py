@@ -86,3 +86,23 @@ def test_compile_defaults_sit_under_the_callers_options():
     _OpaqueOpsCall(defaulted, COMPILE_INDUCTOR_DEFAULTS)(torch.ones(1, 64))  # a prefill chunk
     assert seen[:2] == [False, True] and seen[2:] == [before] * (len(seen) - 2) and len(seen) >= 3
     assert torch._inductor.config.combo_kernels == before
+
+
+@pytest.mark.skipif(_pdl.gdc_wait is None, reason="needs Triton's CUDA extras (gdc_wait) to offer PDL at all")
+def test_a_custom_ops_own_launch_says_direct(monkeypatch):
+    """In a torch.library.custom_op's body wrap_triton's state reads "traced", so launch_options without direct=True
+    gives no PDL there (every tp_all_reduce kernel of stop 44 launched so); direct=True, what a custom op that launches
+    its kernel itself passes, gives it. A stand-in for a CUDA tensor on a PDL-capable device."""
+    import types
+
+    monkeypatch.setattr(_pdl, "_device_supports", lambda index: True)
+    t = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    seen = []
+
+    @torch.library.custom_op("kvrewrite_test::pdl_probe", mutates_args=())
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        seen.append((_pdl.launch_options(t), _pdl.launch_options(t, direct=True)))
+        return x.clone()
+
+    probe(torch.zeros(1))
+    assert seen == [((False, {}), (True, {"launch_pdl": True}))]
