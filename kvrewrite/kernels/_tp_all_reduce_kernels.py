@@ -45,7 +45,8 @@ from __future__ import annotations
 
 from kvrewrite.kernels._pdl import wait_and_signal
 from kvrewrite.kernels._triton_op import triton_jit
-from kvrewrite.kernels.gemv_rms_norm import row_rms_norm
+from kvrewrite.kernels.gemv import _launch_config as _gemv_launch_config
+from kvrewrite.kernels.gemv_rms_norm import NORM_WARPS, row_rms_norm
 
 try:
     import triton
@@ -97,6 +98,26 @@ def _meet_peers(PTRS, pid, FLAG_OFFSET: tl.constexpr, RANK: tl.constexpr, WORLD:
 
 
 @triton_jit()
+def _sum_ranks(own, res, mine, offs, m, REGION: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+               HAS_RES: tl.constexpr):
+    """The sum over the ranks at offsets `offs` (any shape): this rank's values `own`, every peer's from its region of
+    this rank's slot `mine`, added in rank order in float32 (every rank the same sum, the same bits) and rounded to
+    own's dtype; with HAS_RES, + res rounded again (what the graph's add of two tensors of that dtype computes; res
+    is not read without it). Shared by both kernels."""
+    acc = tl.zeros(own.shape, dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        if r == RANK:
+            acc += own.to(tl.float32)
+        else:
+            peer = tl.load(tl.multiple_of(mine + r * REGION, 16) + offs, mask=m, other=0.0, volatile=True)
+            acc += peer.to(tl.float32)
+    out = acc.to(own.dtype)
+    if HAS_RES:
+        out = (out.to(tl.float32) + res.to(tl.float32)).to(own.dtype)
+    return out
+
+
+@triton_jit()
 def _push_all_reduce_kernel(
     X, RES, OUT,  # RES: the residual (HAS_RES) or X again
     PTRS, COUNT,  # int64 [WORLD]: every rank's buffer address; int32 [MAX_PROGRAMS]: this rank's calls per program
@@ -133,17 +154,9 @@ def _push_all_reduce_kernel(
     for i in range(ITERS):
         offs = _block_offsets(pid, i, programs, BLOCK)
         m = offs < n
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for r in tl.static_range(WORLD):  # rank order on every rank: the same sum everywhere
-            if r == RANK:
-                v = tl.load(X + offs, mask=m, other=0.0)
-            else:
-                v = tl.load(tl.multiple_of(mine + r * REGION, 16) + offs, mask=m, other=0.0, volatile=True)
-            acc += v.to(tl.float32)
-        out = acc.to(dt)
-        if HAS_RES:
-            out = (out.to(tl.float32) + tl.load(RES + offs, mask=m, other=0.0).to(tl.float32)).to(dt)
-        tl.store(OUT + offs, out, mask=m)
+        x = tl.load(X + offs, mask=m, other=0.0)
+        res = tl.load(RES + offs, mask=m, other=0.0) if HAS_RES else x
+        tl.store(OUT + offs, _sum_ranks(x, res, mine, offs, m, REGION, RANK, WORLD, HAS_RES), mask=m)
     tl.store(COUNT + pid, calls + 1)
 
 
@@ -198,21 +211,12 @@ def _push_all_reduce_rms_norm_kernel(
         if r != RANK:
             peer = tl.load(PTRS + r).to(tl.pointer_type(dt)) + (slot * WORLD + RANK) * REGION
             tl.store(peer + cols, x, mask=k_ok)
-    if HAS_RES:  # loaded before the meeting: their latency hides behind the peers'
-        res = tl.load(RES + cols, mask=k_ok, other=0.0)
+    res = tl.load(RES + cols, mask=k_ok, other=0.0) if HAS_RES else x  # before the meeting: latency behind the peers'
     nw = tl.load(NW + cols, mask=k_ok, other=0.0).to(tl.float32)
     tl.debug_barrier()
     own = _meet_peers(PTRS, 0, FLAG_OFFSET, RANK, WORLD, FLAGS_PER_RANK)
     mine = own.to(tl.pointer_type(dt)) + slot * WORLD * REGION
-    acc = tl.zeros([ROW_TILES, BLOCK_K], dtype=tl.float32)
-    for r in tl.static_range(WORLD):  # rank order on every rank: the same sum everywhere
-        if r == RANK:
-            acc += x.to(tl.float32)
-        else:
-            acc += tl.load(mine + r * REGION + cols, mask=k_ok, other=0.0, volatile=True).to(tl.float32)
-    h = acc.to(dt)
-    if HAS_RES:
-        h = (h.to(tl.float32) + res.to(tl.float32)).to(dt)
+    h = _sum_ranks(x, res, mine, cols, k_ok, REGION, RANK, WORLD, HAS_RES)
     tl.store(H + cols, h, mask=k_ok)
     tl.store(NORMED + cols, row_rms_norm(h, nw, tile, n, eps, dt, BLOCK_K, ROW_TILES, UNIT_OFFSET), mask=k_ok)
     tl.store(COUNT, calls + 1)
@@ -229,7 +233,7 @@ def launch_push_rms_norm(x, residual, norm_weight, eps: float, unit_offset: bool
     from kvrewrite.kernels import _pdl
 
     n = x.numel()
-    block_k = min(2048, triton.next_power_of_2(n))  # the split norm's tiles (gemv's block_k): its squares' order
+    block_k = _gemv_launch_config(1, n)["block_k"]  # the split norm's tiles (gemv's K tiles): its squares' order
     tiles = triton.next_power_of_2(triton.cdiv(n, block_k))
     pdl, launch = _pdl.launch_options(x, direct=True)  # a custom_op's body
     _push_all_reduce_rms_norm_kernel[(1,)](
@@ -237,5 +241,5 @@ def launch_push_rms_norm(x, residual, norm_weight, eps: float, unit_offset: bool
         REGION=max_bytes // x.element_size(), FLAG_OFFSET=flag_offset(world, max_bytes), RANK=rank, WORLD=world,
         FLAGS_PER_RANK=MAX_PROGRAMS, HAS_RES=residual is not None, UNIT_OFFSET=bool(unit_offset),
         BLOCK_K=block_k, ROW_TILES=tiles, PDL=pdl, TRIGGER_FIRST=_pdl.TRIGGER_FIRST,
-        num_warps=max(4, tiles * block_k // 1024), **launch,
+        num_warps=max(NORM_WARPS, tiles * block_k // 1024), **launch,
     )

@@ -41,9 +41,9 @@ ONE_SHOT_MAX_BYTES = 1 << 20
 _ONE_SHOT_DTYPES = (torch.float32, torch.bfloat16)
 PUSH = True  # the one-shot path's kernel: the push kernel, or (False) torch's one-shot kernel (the A/B baseline)
 # The norm channel: a second buffer of its own slots, flags and call count for kvrewrite::tp_all_reduce_rms_norm's
-# one-program kernel (kernels/tp_all_reduce_rms_norm.py). Its calls alternate slots among themselves; sharing the
-# sum channel's slots with the push kernel's programs would let one kernel's write meet the other's read.
-NORM_MAX_BYTES = 1 << 16
+# one-program kernel (kernels/tp_all_reduce_rms_norm.py), sized for its longest row (NORM_MAX_ELEMENTS) in float32.
+# Its calls alternate slots among themselves; sharing the sum channel's slots with the push kernel's programs would
+# let one kernel's write meet the other's read.
 _BUFFERS: dict = {}  # (group_name, device, channel) -> _Buffer; channel "sum" or "norm"
 
 
@@ -76,15 +76,18 @@ class _Buffer:
 
 
 def prepare(group_name: str, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYTES) -> None:
-    """The group's symmetric buffers on `device` (the sum channel of max_bytes, the norm channel of NORM_MAX_BYTES),
-    zeroed, allocated and exchanged with every rank (a collective: every rank calls it at the same point, outside any
-    CUDA-graph capture); a no-op when they exist already."""
+    """The group's symmetric buffers on `device` (the sum channel of max_bytes, the norm channel of the norm kernel's
+    longest float32 row), zeroed, allocated and exchanged with every rank (a collective: every rank calls it at the
+    same point, outside any CUDA-graph capture); a no-op when they exist already."""
+    from kvrewrite.kernels._tp_all_reduce_kernels import NORM_MAX_ELEMENTS
+
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if max_bytes % 16:
         raise ValueError(f"tp_all_reduce.prepare: max_bytes must be a multiple of 16, got {max_bytes}")
-    for channel, nbytes in (("sum", max_bytes), ("norm", NORM_MAX_BYTES)):
+    widest = max(t.itemsize for t in _ONE_SHOT_DTYPES)
+    for channel, nbytes in (("sum", max_bytes), ("norm", NORM_MAX_ELEMENTS * widest)):
         _prepare_channel(group_name, device, channel, nbytes)
 
 

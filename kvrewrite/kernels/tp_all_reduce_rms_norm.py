@@ -18,7 +18,7 @@ Schema:    tp_all_reduce_rms_norm(Tensor x, str group_name, Tensor? residual, Te
                                   bool unit_offset=False) -> (Tensor h, Tensor n)
            x: one row (x.numel() == norm_weight.numel()); h and n: new tensors of x's shape and dtype.
 Paths:     the norm kernel when tp_all_reduce's one-shot path would take x (tp_all_reduce.one_shot_buffer), the row
-           fits the norm channel (NORM_MAX_BYTES) and the kernel's registers (_tp_all_reduce_kernels.NORM_MAX_ELEMENTS),
+           fits the norm channel and the kernel's registers (_tp_all_reduce_kernels.NORM_MAX_ELEMENTS),
            the norm weight is contiguous in x's dtype and FUSED is True; otherwise kvrewrite::tp_all_reduce, then the
            norm in aten (reference_rms_norm): the same function, two steps. FUSED = False is the A/B baseline
            (`--kernel-option tp_all_reduce_rms_norm.FUSED=False`): the push kernel, then the split norm's kernel of

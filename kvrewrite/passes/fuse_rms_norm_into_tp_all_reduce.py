@@ -49,6 +49,17 @@ def _source(node):
     return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else node
 
 
+def _after(node: fx.Node, other: fx.Node) -> bool:
+    """Whether node comes after other in their graph: a walk forward from other (asked only of a norm weight that is
+    no get_attr, none in HF's graphs, so no graph-wide index is built per sum)."""
+    walk = other.next
+    while walk.op != "root":
+        if walk is node:
+            return True
+        walk = walk.next
+    return False
+
+
 def _norm_gemvs(summed: fx.Node) -> list:
     """[(gemv_rms_norm node, its args, its y getitem)] that read summed as x without a residual, one norm among them,
     their h output unread; [] when any of those readers differs."""
@@ -66,7 +77,8 @@ def _norm_gemvs(summed: fx.Node) -> list:
 
 
 def fuse_rms_norm_into_tp_all_reduce(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphModule:
-    if ctx.tp <= 1 or not ctx.gemv or ctx.graph_kind != "decode" or ctx.tp_all_reduce != "one_shot" or not _op.IN_GRAPHS:
+    if (ctx.tp <= 1 or not ctx.gemv or ctx.graph_kind != "decode" or ctx.tp_all_reduce != "one_shot"
+            or not _op.IN_GRAPHS):
         return gm
     graph = gm.graph
     for summed in [n for n in graph.nodes if n.op == "call_function" and n.target is SUM]:
@@ -75,8 +87,7 @@ def fuse_rms_norm_into_tp_all_reduce(gm: fx.GraphModule, ctx: RewriteContext) ->
             continue
         x, group, residual = all_args(summed)
         _, _, nw, eps, _, _, unit_offset, _ = found[0][1]
-        before = {n: i for i, n in enumerate(graph.nodes)}
-        if nw.op != "get_attr" and before[nw] > before[summed]:
+        if nw.op != "get_attr" and _after(nw, summed):
             continue  # a norm weight computed after the sum (none in HF's graphs): left alone
         with graph.inserting_before(summed):
             if nw.op == "get_attr":  # a get_attr of its own, before the op (the GEMV's may come after the sum)
