@@ -180,7 +180,9 @@ class _OpaqueOpsCall:
     rw.compile(options={"triton.enable_pdl": True})). With it on, an Inductor kernel loads before its gdc_wait
     whatever the scheduler's previous node did not write; which buffers an opaque op that mutates its inputs
     counts as written there is Inductor's bookkeeping, not something this library can check, and the whole of PDL
-    measured 0.1-0.3% end to end (kernels/_pdl.py). So it is not turned on here."""
+    measured 0.1-0.3% end to end (kernels/_pdl.py). So it is not turned on here.
+    Inductor's message for each op it falls back on is bounded inside the call (inductor_fallback_log.py: torch 2.11
+    printed the inputs' whole IR, 2^layers lines, and held the 8B tp=2 compile with the vocab-parallel lm_head)."""
 
     def __init__(self, fn, inductor=None):
         self.fn = fn
@@ -189,13 +191,16 @@ class _OpaqueOpsCall:
     def __call__(self, *args, **kwargs):
         import torch._inductor.config as inductor_config
 
+        from kvrewrite.inductor_fallback_log import shallow_operator_str
+
         config = torch._functorch.config
         old = config.decompose_custom_triton_ops
         config.decompose_custom_triton_ops = False
         try:
-            if not self.inductor or tuple(getattr(args[0] if args else None, "shape", ())) != (1, 1):
-                return self.fn(*args, **kwargs)
-            with inductor_config.patch(self.inductor):
-                return self.fn(*args, **kwargs)
+            with shallow_operator_str():  # a compile inside the call logs each op's fallback without its IR's depth
+                if not self.inductor or tuple(getattr(args[0] if args else None, "shape", ())) != (1, 1):
+                    return self.fn(*args, **kwargs)
+                with inductor_config.patch(self.inductor):
+                    return self.fn(*args, **kwargs)
         finally:
             config.decompose_custom_triton_ops = old

@@ -9,7 +9,7 @@ holding the whole model as loaded. `rank_model` builds the rank's model from it:
     gate_proj, up_proj                 rows [r*I/N, (r+1)*I/N)                                   column-parallel
     down_proj                          the same input columns                                    row-parallel
     lm_head (+ bias)                   rows [r*V/N, (r+1)*V/N) of the vocabulary, when N divides V  vocab-parallel
-                                       and kernels/tp_all_gather.VOCAB_PARALLEL (off by default since stop 45)
+                                       and kernels/tp_all_gather.VOCAB_PARALLEL (on by default; off in stop 45)
     embedding, norms, q_norm/k_norm over head_dim (and an lm_head kept whole)                    replicated
 
 and a config copy saying Hq/N, Hkv/N and I/N, so the capture, the layer facts and every method's state are sized

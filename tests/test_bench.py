@@ -172,6 +172,20 @@ def test_attention_bench_bytes_model():
     assert dataclasses.replace(c, past_only=False).bytes_moved - c.sdpa_bytes == 12 * slots
 
 
+def test_attention_sweep_heads_are_checked():
+    """--sweep-heads HQ:HKV (one rank's heads at tp=2: 16:4): two ints, HKV >= 1 dividing HQ; anything else is an
+    argparse error naming the expected form."""
+    import argparse
+
+    from kvrewrite.bench.attention import _heads
+
+    assert _heads("16:4") == (16, 4) and _heads("32:8") == (32, 8)
+    for bad, words in (("16", "HQ:HKV, two ints"), ("16:x", "HQ:HKV, two ints"), ("16:5", "dividing HQ"),
+                       ("4:8", "dividing HQ"), ("8:0", "dividing HQ")):
+        with pytest.raises(argparse.ArgumentTypeError, match=words):
+            _heads(bad)
+
+
 def test_fuse_projections_flag_reaches_the_config():
     assert e2e.config_from_args(_parse([*TINY, "--fuse-projections"])).fuse_projections is True
     assert e2e.config_from_args(_parse([*TINY])).fuse_projections is False

@@ -43,7 +43,7 @@ def _saved(model, tmp_path, shards=False):
 def test_the_loaded_share_is_rank_models(family, tmp_path, monkeypatch):
     from kvrewrite.kernels import tp_all_gather
 
-    monkeypatch.setattr(tp_all_gather, "VOCAB_PARALLEL", True)  # off by default (tp_all_gather.py says why)
+    monkeypatch.setattr(tp_all_gather, "VOCAB_PARALLEL", True)  # the default; a test that left it off must not leak here
     model = _model(family)
     folder = _saved(model, tmp_path, shards=family == "qwen3")
     assert (folder / "model.safetensors.index.json").is_file() == (family == "qwen3")

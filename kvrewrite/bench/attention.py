@@ -23,7 +23,8 @@ that accepts it (flash, efficient, cudnn) and under PyTorch's own choice; the fa
 It reads 0.8% fewer bytes than the op (no bias). SDPA given the bias as attn_mask ([B, Hq, 1, C], what
 PyTorch needs to compute the op's function) is timed too (sdpa_bias_us; flash takes no mask).
 
-Run:  python -m kvrewrite.bench.attention --out attention.json [--sweep sweep.json]
+Run:  python -m kvrewrite.bench.attention --out attention.json [--sweep sweep.json [--sweep-shapes B:C,...]
+      [--sweep-heads HQ:HKV]]   (--sweep-heads 16:4: one rank's share of the 8B layout at tp=2)
 Plot: python -m kvrewrite.bench.plot attention.json
 """
 import argparse
@@ -367,12 +368,26 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     return pairs
 
 
+def _heads(text: str) -> tuple[int, int]:
+    """--sweep-heads: 'HQ:HKV' -> (HQ, HKV), HKV >= 1 dividing HQ."""
+    try:
+        hq, hkv = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HQ:HKV, two ints, e.g. 16:4; got {text!r}") from None
+    if hkv < 1 or hq < hkv or hq % hkv:
+        raise argparse.ArgumentTypeError(f"expected HQ:HKV with HKV >= 1 dividing HQ, e.g. 16:4; got {text!r}")
+    return hq, hkv
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="attention.json", help="JSON list of {config, result, env}")
     parser.add_argument("--sweep", default=None, help="also time launch variants, written to this JSON file")
     parser.add_argument("--sweep-shapes", default=None, type=_shapes, metavar="B:C,...",
                         help="the sweep's (batch, slots) pairs, e.g. 1:6554 (default: eight from 1:4096 to 8:131072)")
+    parser.add_argument("--sweep-heads", default=(32, 8), type=_heads, metavar="HQ:HKV",
+                        help="the sweep's query and KV heads (default 32:8, Llama-3.1-8B; 16:4 is one rank's share at "
+                             "tp=2)")
     parser.add_argument("--no-table", action="store_true", help="the sweep only (no per-size table)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="For dense input")  # SDPA's efficient backend refusing GQA
@@ -393,7 +408,8 @@ def main():
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
     if args.sweep:
-        sweep_configs = [Config(B=b, C=c) for b, c in args.sweep_shapes or SWEEP_SHAPES]
+        hq, hkv = args.sweep_heads
+        sweep_configs = [Config(B=b, C=c, Hq=hq, Hkv=hkv) for b, c in args.sweep_shapes or SWEEP_SHAPES]
         records = sweep(sweep_configs, copy)
         with open(args.sweep, "w") as f:
             json.dump([dict(r, env=env, copy_gbps=copy) for r in records], f, indent=1)

@@ -22,6 +22,7 @@ import torch
 
 from kvrewrite.export.common import example_inputs, graph_of, write_export
 from kvrewrite.export.functional import all_args, outlier_heads, outlier_mask
+from kvrewrite.inductor_fallback_log import shallow_operator_str
 
 torch.library.define(
     "kvrewrite_export::chelsea_compress_masked",
@@ -64,6 +65,7 @@ def aoti(rw, path, graphs=None, inductor_configs=None):
     def save(name, file):
         gm = _mask_outlier_lists(graph_of(rw, name))
         ep = torch.export.export(gm, example_inputs(rw, name), strict=False)
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(file), inductor_configs=inductor_configs or {})
+        with shallow_operator_str():  # the ops' fallback messages without their inputs' whole IR
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(file), inductor_configs=inductor_configs or {})
 
     return write_export(rw, path, graphs, "aoti", ".pt2", save)

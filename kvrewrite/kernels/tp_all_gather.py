@@ -22,14 +22,13 @@ import torch.nn.functional as F
 
 from kvrewrite.kernels import tp_all_reduce as _all_reduce
 
-# True: tensor_parallel splits the lm_head by vocabulary rows where tp divides them (`--kernel-option
-# tp_all_gather.VOCAB_PARALLEL=True`); False (the default since stop 45): the lm_head whole on every rank. Why off: on
-# two H200s (Llama-3.1-8B shape, tp=2, rw.compile) the decode step's Inductor compile with the split did not finish in
-# 165, 190 and 250 s, where it takes ~35 s without it; the cut processes' stacks were deep in Inductor's IR printing
-# (torch/_inductor/ir.py __str__). Not reproduced on the CPU (a tiny Llama at tp=2, 2 or 32 layers, compiles as fast
-# with the split as without), not yet diagnosed: docs/tensor-parallel.md, "Stop 45". The split itself is tested
-# (the 2-process tests turn it on, eager and CUDA graphs, CPU and GPUs).
-VOCAB_PARALLEL = False
+# True (the default): tensor_parallel splits the lm_head by vocabulary rows where tp divides them; False keeps it whole
+# on every rank (the A/B baseline, `--kernel-option tp_all_gather.VOCAB_PARALLEL=False`). It was off in stop 45: the
+# 8B tp=2 decode compile under rw.compile with the split did not finish in 165-250 s (~35 s without). Stop 46 found
+# why: torch 2.11's Inductor printed this op's input's whole IR (2^layers lines) in the log line of its implicit
+# fallback, since this op is met first at the end of the graph; rw.compile now bounds that message
+# (kvrewrite/inductor_fallback_log.py).
+VOCAB_PARALLEL = True
 
 
 def pad_to_row(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
