@@ -16,7 +16,7 @@ the text of Inductor's log line and of its lowering errors changes; what Inducto
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 
 import torch
 
@@ -52,21 +52,35 @@ def bounded_operator_str(target, args, kwargs) -> str:
     return "\n".join("  " + line for line in lines)
 
 
-@contextlib.contextmanager
-def shallow_operator_str():
-    """bounded_operator_str as Inductor's OperatorIssue.operator_str inside the block, the original restored after;
-    a no-op where torch has no such class."""
+@functools.lru_cache(maxsize=None)
+def _operator_issue():
+    """torch._inductor.exc.OperatorIssue where it defines operator_str, else None; looked up once, since rw.compile's
+    calls enter shallow_operator_str on every step."""
     try:
         from torch._inductor.exc import OperatorIssue
     except ImportError:  # a torch without Inductor: nothing formats these messages
-        yield
-        return
-    old = OperatorIssue.__dict__.get("operator_str")
-    if old is None:
-        yield
-        return
-    OperatorIssue.operator_str = staticmethod(bounded_operator_str)
-    try:
-        yield
-    finally:
-        OperatorIssue.operator_str = old
+        return None
+    return OperatorIssue if "operator_str" in OperatorIssue.__dict__ else None
+
+
+_BOUNDED = staticmethod(bounded_operator_str)
+
+
+class shallow_operator_str:
+    """Context manager: bounded_operator_str as Inductor's OperatorIssue.operator_str inside the block, the original
+    restored after; a no-op where torch has no such class. A class, not a generator: it is entered on every decode
+    step of a compiled model (runtime._OpaqueOpsCall), ~0.6 us against ~5 for contextlib's form with the lookup."""
+
+    __slots__ = ("_old",)
+
+    def __enter__(self):
+        issue = _operator_issue()
+        self._old = None if issue is None else issue.__dict__["operator_str"]
+        if issue is not None:
+            issue.operator_str = _BOUNDED
+        return self
+
+    def __exit__(self, *exc_info):
+        if self._old is not None:
+            _operator_issue().operator_str = self._old
+        return False

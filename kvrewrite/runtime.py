@@ -23,6 +23,7 @@ from kvrewrite.host import (  # noqa: F401  (HostSchedule and WINDOW_INTERVAL ar
     layer_capacity,
     layer_state_fields,
 )
+from kvrewrite.inductor_fallback_log import shallow_operator_str
 from kvrewrite.state import STATE_FIELDS, allocate_layer_state, full_length
 
 logger = logging.getLogger(__name__)
@@ -190,8 +191,6 @@ class _OpaqueOpsCall:
 
     def __call__(self, *args, **kwargs):
         import torch._inductor.config as inductor_config
-
-        from kvrewrite.inductor_fallback_log import shallow_operator_str
 
         config = torch._functorch.config
         old = config.decompose_custom_triton_ops
