@@ -257,14 +257,21 @@ def _split_linear(lin: nn.Linear, a: int, z: int, rows: bool, name: str, slices:
         lin.in_features = z - a
 
 
-def _split_lm_head(shard, tp: int, rank: int, slices: list) -> tuple:
-    """Keep the rank's vocabulary rows of the output embedding when it is an nn.Linear whose rows tp divides (a row
-    view: no copy; a tied one then views the input embedding's rows); returns (its weight's name, the input
-    embedding weight's name if the two were tied), ("", "") when it stays whole."""
+def splits_lm_head(lm, tp: int) -> bool:
+    """Whether a split over tp ranks splits this output embedding by vocabulary rows: kernels/tp_all_gather.
+    VOCAB_PARALLEL, an nn.Linear, rows tp divides. The one rule _split_lm_head and the bench's byte count
+    (bench.e2e.split_weight_bytes) both follow."""
     from kvrewrite.kernels import tp_all_gather
 
+    return tp_all_gather.VOCAB_PARALLEL and isinstance(lm, nn.Linear) and lm.out_features % tp == 0
+
+
+def _split_lm_head(shard, tp: int, rank: int, slices: list) -> tuple:
+    """Keep the rank's vocabulary rows of the output embedding when splits_lm_head (a row view: no copy; a tied one
+    then views the input embedding's rows); returns (its weight's name, the input embedding weight's name if the two
+    were tied), ("", "") when it stays whole."""
     lm = shard.get_output_embeddings()
-    if not tp_all_gather.VOCAB_PARALLEL or not isinstance(lm, nn.Linear) or lm.out_features % tp:
+    if not splits_lm_head(lm, tp):
         return "", ""
     names = {id(m): n for n, m in shard.named_modules()}
     emb = shard.get_input_embeddings()

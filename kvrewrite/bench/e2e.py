@@ -363,15 +363,14 @@ def build_rank_model(name: str, tp: int, rank: int, device: str, dtype: torch.dt
 
 def split_weight_bytes(model, tp: int) -> int:
     """Bytes of the weights tensor parallelism over tp ranks splits: q/k/v/o and gate/up/down of every decoder layer,
-    and the lm_head where tensor_parallel._split_lm_head splits it (kernels/tp_all_gather.VOCAB_PARALLEL, tp divides its
-    rows) and it is not the input embedding (weight_bytes_read leaves a tied one out)."""
-    from kvrewrite.kernels import tp_all_gather
+    and the lm_head where tensor_parallel splits it (splits_lm_head) and it is not the input embedding
+    (weight_bytes_read leaves a tied one out)."""
+    from kvrewrite.tensor_parallel import splits_lm_head
 
     names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     split = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.split(".")[-2] in names)
     lm, emb = model.get_output_embeddings(), model.get_input_embeddings()
-    if (tp > 1 and tp_all_gather.VOCAB_PARALLEL and isinstance(lm, torch.nn.Linear) and lm.out_features % tp == 0
-            and lm.weight is not emb.weight):
+    if tp > 1 and splits_lm_head(lm, tp) and lm.weight is not emb.weight:
         split += sum(p.numel() * p.element_size() for p in lm.parameters())
     return split
 
