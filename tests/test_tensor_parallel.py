@@ -217,7 +217,6 @@ def _one_shot_op_checks(c: _Checks, dev) -> None:
     calls each (the push kernel's slots alternate), and with a residual (the sum, then + residual); then three
     chained calls in one CUDA graph (two with a residual), replayed with new inputs (the buffer is reused). And
     kvrewrite::tp_all_gather (padded rows summed where they fit the buffer) against the group's all-gather."""
-    from kvrewrite.bench.cuda_graphs import capture, warm_up
     from kvrewrite.kernels.tp_all_reduce import ONE_SHOT_MAX_BYTES, one_shot_buffer
 
     from kvrewrite.kernels import tp_all_reduce as op
@@ -257,22 +256,39 @@ def _one_shot_op_checks(c: _Checks, dev) -> None:
         ref = join_blocks(c10d.wait_tensor(c10d.all_gather_into_tensor(x, world, group)), world)
         got = torch.ops.kvrewrite.tp_all_gather(x, group, world)
         c.expect(torch.equal(got, ref), f"tp_all_gather {tuple(shape)}: differs from the group's all-gather")
-    x, out = (torch.empty(2, 4096, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    x = torch.empty(2, 4096, device=dev, dtype=torch.bfloat16)
 
     def chain():
         y = torch.ops.kvrewrite.tp_all_reduce(x, group)
         return torch.ops.kvrewrite.tp_all_reduce(torch.ops.kvrewrite.tp_all_reduce(y * 0.5, group, x) - x, group, y)
 
-    x.normal_(generator=gen)
+    _graph_replay_checks(c, chain, [x], gen, "tp_all_reduce")
+
+
+def _graph_replay_checks(c: _Checks, chain, inputs, gen, what: str) -> None:
+    """chain() (a tensor or a tuple of them) recorded in a CUDA graph: four replays, each after new normal values in
+    `inputs`, every output bit for bit the eager chain's on the same inputs (the ops' buffers reused by the graph)."""
+    from kvrewrite.bench.cuda_graphs import capture, warm_up
+
+    def outputs():
+        got = chain()
+        return got if isinstance(got, tuple) else (got,)
+
+    for t in inputs:
+        t.normal_(generator=gen)
     warm_up(chain)
-    graph = capture(lambda: out.copy_(chain()))
+    outs = [torch.empty_like(t) for t in outputs()]
+    graph = capture(lambda: [o.copy_(t) for o, t in zip(outs, outputs())])
     for replay in range(4):
-        x.normal_(generator=gen)
-        expected = chain()
-        out.fill_(float("nan"))
+        for t in inputs:
+            t.normal_(generator=gen)
+        expected = outputs()
+        for o in outs:
+            o.fill_(float("nan"))
         graph.replay()
-        c.expect(torch.equal(out, expected), f"tp_all_reduce in a CUDA graph, replay {replay}: differs by "
-                                             f"{_max_diff(out.float(), expected.float()):.3g}")
+        d = max(_max_diff(o.float(), e.float()) for o, e in zip(outs, expected))
+        c.expect(all(torch.equal(o, e) for o, e in zip(outs, expected)),
+                 f"{what} in a CUDA graph, replay {replay}: differs by {d:.3g}")
 
 
 def _norm_op_checks(c: _Checks, dev, group: str, gen) -> None:
@@ -318,31 +334,16 @@ def _norm_op_checks(c: _Checks, dev, group: str, gen) -> None:
 def _norm_graph_checks(c: _Checks, dev, group: str, gen) -> None:
     """Three chained tp_all_reduce_rms_norm calls (the 8B row) recorded in a CUDA graph: every replay's h and n bit for
     bit the eager calls' on the same inputs (the slots carried on by the kernel's own call count)."""
-    from kvrewrite.bench.cuda_graphs import capture, warm_up
-
     op = torch.ops.kvrewrite.tp_all_reduce_rms_norm
     x, r = (torch.empty(1, 1, 4096, device=dev, dtype=torch.bfloat16) for _ in range(2))
     nw = (1 + 0.1 * torch.randn(4096, generator=gen, device=dev)).to(torch.bfloat16)
-    outs = [torch.empty_like(x) for _ in range(2)]
 
     def chain():
         h, n = op(x, group, r, nw, 1e-5, False)
         h, n = op(n * 0.5, group, h, nw, 1e-5, False)
         return op(n - x, group, h, nw, 1e-5, True)
 
-    x.normal_(generator=gen)
-    r.normal_(generator=gen)
-    warm_up(chain)
-    graph = capture(lambda: [o.copy_(t) for o, t in zip(outs, chain())])
-    for replay in range(4):
-        x.normal_(generator=gen)
-        r.normal_(generator=gen)
-        expected = chain()
-        for o in outs:
-            o.fill_(float("nan"))
-        graph.replay()
-        same = all(torch.equal(o, e) for o, e in zip(outs, expected))
-        c.expect(same, f"tp_all_reduce_rms_norm in a CUDA graph, replay {replay}: differs from the eager calls")
+    _graph_replay_checks(c, chain, [x, r], gen, "tp_all_reduce_rms_norm")
 
 
 def _norm_in_graph_checks(c: _Checks, dev) -> None:
