@@ -41,6 +41,13 @@ it has signalled or exited, so programs waiting early never keep that kernel's p
 `TRIGGER_FIRST = False` restores wait-then-signal (an A/B switch: `--kernel-option _pdl.TRIGGER_FIRST=False`).
 Measured: docs/bench.md "Stop 38 runs".
 
+Tried and dropped (stop 47): an L2 prefetch of the GEMV's weight before its wait. The first 256 programs of every
+GEMV (gemv, gemv_rms_norm, gemv_glu) asked for the weight's first L2_PREFETCH_BYTES (`prefetch.global.L2`, a
+128-byte line each, through inline PTX) before gdc_wait, to fill the time the GPU's memory idles while a
+latency-bound kernel (the attention, the tensor-parallel sum) finishes. Slower in every row (two H200s, 8B shape,
+chelsea, 32k, batch 1, rw.compile; one lease, each row against its own row without it): tp=2 3.07 ms/token with 16 MB
+and 3.35 with 48 MB against 2.91 without; tp=1 4.78 against 4.65 (docs/tensor-parallel.md, "Stop 47"). Removed.
+
 When: `launch_options(t)` gives the launch keywords and the kernels' PDL constexpr. PDL is used where the op
 launches its kernel itself (eager calls, and under `rw.compile`, which keeps the ops opaque to Inductor:
 runtime.py; a plain custom op that launches its kernel itself, kvrewrite::tp_all_reduce's, says so with

@@ -8,17 +8,23 @@ its buffer may be written again: 6.9-7.6 us per 8 KB decode row on two H200s, 64
 
 How (push, double-buffered):
 - Every rank's symmetric buffer holds two slots of WORLD regions (one per source rank) of `region` elements, then
-  a flag block (int32 [WORLD, MAX_PROGRAMS]; zeroed by tp_all_reduce.prepare). Program p of rank r stores its
-  share of x straight into region r of slot s on every peer (NVLink writes), then raises its flag (r, p) on every
-  peer: a compare-and-swap 0 -> 1 at system scope with release order (it spins while the peer has not yet taken
-  the previous one).
-- It then takes each peer's flag (q, p) in its own buffer (compare-and-swap 1 -> 0, acquire), reads region q of
-  slot s from its own memory, and sums in rank order in float32: every rank adds the same numbers in the same
-  order, so every rank holds the same bits (at two ranks, a + b: NCCL's sum bit for bit).
+  a flag block (int32 [WORLD, MAX_PROGRAMS]; zeroed by tp_all_reduce.prepare, as the call counts). Program p of
+  rank r stores its share of x straight into region r of slot s on every peer (NVLink writes), then sets its flag
+  (r, p) on every peer to the call's epoch, its call count + 1: an exchange at system scope with release order
+  whose old value is never read, so the program does not wait for its round trip.
+- It then waits until each peer's flag (q, p) in its own buffer has reached the epoch (acquire loads; a signed
+  int32 difference, so counts may wrap), reads region q of slot s from its own memory, and sums in rank order in
+  float32: every rank adds the same numbers in the same order, so every rank holds the same bits (at two ranks,
+  a + b: NCCL's sum bit for bit).
 - The slot alternates per call (s = that program's call count & 1, counted in a local int32 per program). The next
-  write into slot s comes two calls later, after this rank took the peer's flag of the call in between, which
-  the peer raised only once its kernel of this call had completed (stream order): so the peer read slot s first.
-  One meeting per call instead of two.
+  write into slot s comes two calls later, after this rank saw the peer's flag of the call in between, which the
+  peer set only once its kernel of this call had completed (stream order): so the peer read slot s first. A peer
+  is thus at most one call ahead, its flag the epoch or one more. One meeting per call instead of two.
+- Before stop 47 the flags were 0/1, raised by a compare-and-swap 0 -> 1 that spun while the peer had not yet
+  taken the previous one, and taken back by a compare-and-swap 1 -> 0: the raise waited for an NVLink round trip.
+  Measured on two H200s: 3.4-3.6 us per 8-64 KB call with the epochs (python -m kvrewrite.bench.all_reduce, stop
+  47) against 4.2 with the compare-and-swap (stop 44, another lease); the 8B tp=2 step in one lease, the two forms
+  one after the other: 2.903 against 2.914 ms/token (docs/tensor-parallel.md, "Stop 47").
 - The residual, when given, is added as the graph added it: the sum rounded to x's dtype, then (sum + residual)
   rounded again (what an add of two bf16 tensors computes), so the next GEMV's norm reads the residual stream
   without an add of its own.
@@ -43,9 +49,9 @@ epoch, the receiver polling its own buffer: no fence, no compare-and-swap). It p
 and ran the 8B tp=2 step in 2.96 ms/token against 2.90 with the flags, in one lease of two H200s (its row of 4096
 words took 255 registers a thread and 40 bytes of stack at 4 warps; at 8 warps no spill, but other n bits).
 
-Measured (two H200s, one run, 64 chained calls in a CUDA graph, python -m kvrewrite.bench.all_reduce): 4.2 us per
-8-16 KB call against torch's one-shot 6.8-7.6 and NCCL's 11.2-11.6, 10.3 us at 1 MiB (15.9, 19.0); bit for bit NCCL's
-sum.
+Measured (two H200s, one run, 64 chained calls in a CUDA graph, python -m kvrewrite.bench.all_reduce; stop 47, the
+epoch flags): 3.4 us per 8-16 KB call against torch's one-shot 6.8-7.8 and NCCL's 11.1-12.3, 9.3 us at 1 MiB (14.8,
+19.7); bit for bit NCCL's sum (the compare-and-swap form, stop 44: 4.2 us per 8-16 KB call, 10.3 at 1 MiB).
 Tests: tests/kernels/test_tp_all_reduce_triton.py (the interpreter, rank 1 played by the test), the 2-GPU test.
 """
 from __future__ import annotations
@@ -82,24 +88,25 @@ def _block_offsets(pid, i, programs, BLOCK: tl.constexpr):
 
 
 @triton_jit()
-def _meet_peers(PTRS, pid, FLAG_OFFSET: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+def _meet_peers(PTRS, pid, epoch, FLAG_OFFSET: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
                 FLAGS_PER_RANK: tl.constexpr):
-    """Program pid's meeting with every peer after its pushes: raise flag (RANK, pid) on every peer (release), then
-    take each peer's flag (r, pid) in this rank's buffer (acquire), then a barrier; returns this rank's buffer address
-    (int64). The caller's barrier before it orders every thread's pushes before the release."""
+    """Program pid's meeting with every peer after its pushes: set flag (RANK, pid) on every peer to `epoch` (this
+    program's call count + 1; release, an exchange whose old value is never read, so nothing waits for its round
+    trip), then wait until each peer's flag (r, pid) in this rank's buffer has reached epoch (acquire), then a
+    barrier; returns this rank's buffer address (int64). The caller's barrier before it orders every thread's pushes
+    before the release. Counts may wrap: "reached" is a signed int32 difference >= 0 (a peer runs at most one call
+    ahead, so its flag is epoch or epoch + 1)."""
     for r in tl.static_range(WORLD):
         if r != RANK:
             flag = (tl.load(PTRS + r) + FLAG_OFFSET).to(tl.pointer_type(tl.int32)) + RANK * FLAGS_PER_RANK + pid
-            old = tl.atomic_cas(flag, 0, 1, sem="release", scope="sys")
-            while old != 0:  # the peer has not taken the previous call's flag yet
-                old = tl.atomic_cas(flag, 0, 1, sem="release", scope="sys")
+            tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
     own = tl.load(PTRS + RANK)
     for r in tl.static_range(WORLD):
         if r != RANK:
             flag = (own + FLAG_OFFSET).to(tl.pointer_type(tl.int32)) + r * FLAGS_PER_RANK + pid
-            old = tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys")
-            while old != 1:
-                old = tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys")
+            seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+            while seen - epoch < 0:
+                seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
     return own
 
@@ -156,7 +163,7 @@ def _push_all_reduce_kernel(
                 m = offs < n
                 tl.store(peer + offs, tl.load(X + offs, mask=m), mask=m)
     tl.debug_barrier()  # every thread's stores issued before the flag is raised (release orders them)
-    own = _meet_peers(PTRS, pid, FLAG_OFFSET, RANK, WORLD, FLAGS_PER_RANK)
+    own = _meet_peers(PTRS, pid, calls + 1, FLAG_OFFSET, RANK, WORLD, FLAGS_PER_RANK)
     mine = own.to(tl.pointer_type(dt)) + slot * WORLD * REGION
     for i in range(ITERS):
         offs = _block_offsets(pid, i, programs, BLOCK)
@@ -221,7 +228,7 @@ def _push_all_reduce_rms_norm_kernel(
     res = tl.load(RES + cols, mask=k_ok, other=0.0) if HAS_RES else x  # before the meeting: latency behind the peers'
     nw = tl.load(NW + cols, mask=k_ok, other=0.0).to(tl.float32)
     tl.debug_barrier()
-    own = _meet_peers(PTRS, 0, FLAG_OFFSET, RANK, WORLD, FLAGS_PER_RANK)
+    own = _meet_peers(PTRS, 0, calls + 1, FLAG_OFFSET, RANK, WORLD, FLAGS_PER_RANK)
     mine = own.to(tl.pointer_type(dt)) + slot * WORLD * REGION
     h = _sum_ranks(x, res, mine, cols, k_ok, REGION, RANK, WORLD, HAS_RES)
     tl.store(H + cols, h, mask=k_ok)

@@ -104,7 +104,7 @@ def _prepare_channel(group_name: str, device: torch.device, channel: str, max_by
     group = _resolve_process_group(group_name)
     world = dist.get_world_size(group)
     buf = symm_mem.empty(buffer_bytes(world, max_bytes), dtype=torch.uint8, device=device)
-    buf.zero_()  # the flags start lowered
+    buf.zero_()  # the flags start at epoch 0, as the call counts
     handle = symm_mem.rendezvous(buf, group_name)
     ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
     count = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=device)
