@@ -24,6 +24,7 @@ from kvrewrite.passes.remove_dead_cache_buffers import remove_dead_cache_buffers
 from kvrewrite.passes.replace_linear_with_gemv import replace_linear_with_gemv
 from kvrewrite.passes.replace_kv_cache_update import replace_kv_cache_update
 from kvrewrite.passes.replace_sdpa_with_clustered_attention import replace_sdpa_with_clustered_attention
+from kvrewrite.passes.utils import deferred_recompile
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +50,18 @@ TP_PASSES = [insert_tensor_parallel_all_reduce, insert_vocab_parallel_all_gather
 
 def run_passes(gm: fx.GraphModule, ctx: RewriteContext, passes=None, dump_dir=None) -> fx.GraphModule:
     """Run `passes` (default PASSES) in order, linting after each; optionally dump the graph text
-    before and after each pass into dump_dir (<graph_kind>_<i>_{before,after}_<pass>.txt)."""
-    for i, p in enumerate(PASSES if passes is None else passes):
-        if dump_dir:
-            _dump(gm, dump_dir, f"{ctx.graph_kind}_{i:02d}_before_{p.__name__}.txt")
-        gm = p(gm, ctx)
-        gm.graph.lint()
-        if dump_dir:
-            _dump(gm, dump_dir, f"{ctx.graph_kind}_{i:02d}_after_{p.__name__}.txt")
-        logger.debug("%s: ran %s", ctx.where(), p.__name__)
+    before and after each pass into dump_dir (<graph_kind>_<i>_{before,after}_<pass>.txt). The module's code is
+    generated once, after the last pass (passes/utils.deferred_recompile)."""
+    with deferred_recompile():
+        for i, p in enumerate(PASSES if passes is None else passes):
+            if dump_dir:
+                _dump(gm, dump_dir, f"{ctx.graph_kind}_{i:02d}_before_{p.__name__}.txt")
+            gm = p(gm, ctx)
+            gm.graph.lint()
+            if dump_dir:
+                _dump(gm, dump_dir, f"{ctx.graph_kind}_{i:02d}_after_{p.__name__}.txt")
+            logger.debug("%s: ran %s", ctx.where(), p.__name__)
+    gm.recompile()
     return gm
 
 

@@ -1,4 +1,5 @@
 """Helpers shared by the passes."""
+import contextlib
 import functools
 
 import torch
@@ -41,11 +42,30 @@ def add_placeholder(gm: fx.GraphModule, name: str) -> fx.Node:
     return node
 
 
+_deferring_recompile = False
+
+
+@contextlib.contextmanager
+def deferred_recompile():
+    """Inside, clean_up leaves the lint and the module's code to the caller: run_passes lints after every pass and
+    recompiles once after the last. Why: recompiling generates the Python code of the whole graph (~0.25-0.37 s for
+    SmolLM2's 30 layers on a 2-core CPU) and a graph meets ~5 passes that edit it; no pass runs the module or reads
+    its code. Measured: apply on SmolLM2-135M 8.7 -> 4.7 s a method."""
+    global _deferring_recompile
+    before, _deferring_recompile = _deferring_recompile, True
+    try:
+        yield
+    finally:
+        _deferring_recompile = before
+
+
 def clean_up(gm: fx.GraphModule) -> fx.GraphModule:
-    """Dead-code elimination, lint and recompile (the end of every pass that edits the graph)."""
+    """Dead-code elimination, lint and recompile (the end of every pass that edits the graph; the lint and the
+    recompile are the caller's inside deferred_recompile)."""
     gm.graph.eliminate_dead_code()
-    gm.graph.lint()
-    gm.recompile()
+    if not _deferring_recompile:
+        gm.graph.lint()
+        gm.recompile()
     return gm
 
 

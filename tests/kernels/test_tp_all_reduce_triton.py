@@ -5,7 +5,8 @@ interpreter's rounding, toward zero; + residual), the push into rank 1's buffer,
 in rank 1's buffer, rank 1's left as they were), the slot alternating per call, the grid stride (more blocks than
 programs) and call counts that wrap past 2**31 - 1 (the epochs compare by their signed difference); the same of
 tp_all_reduce_rms_norm's one-program kernel, with the norm of the sum against HF's spelling (both, Llama's and
-Gemma's). A kernel whose peer's flag has not reached the epoch waits for it (not run here: it would wait forever). The 2-GPU runs are tests/test_tensor_parallel.py (test_tensor_parallel_gpu_nccl: bit for bit NCCL).
+Gemma's). A kernel whose peer's flag has not reached the epoch waits for it (not run here: it would wait forever).
+The 2-GPU runs are tests/test_tensor_parallel.py (test_tensor_parallel_gpu_nccl: bit for bit NCCL).
 
 Runs only under the interpreter: `TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_tp_all_reduce_triton.py`
 (with Triton installed; skipped otherwise).
@@ -52,7 +53,7 @@ def test_rank0_of_two(dtype, n, residual, start, ahead):
     programs = min(MAX_PROGRAMS, -(-n // BLOCK))
     count = torch.zeros(MAX_PROGRAMS, dtype=torch.int32)
     count[:programs] = start
-    for call in range(3):  # slots 0, 1, 0 (from 0), 0, 1, 0 (from 2**31 - 2: its parity)
+    for call in range(3):  # slots 0, 1, 0 (2**31 - 2 is even)
         slot = (start + call) % 2
         x0, x1, r = (torch.randn(n, generator=gen).to(dtype) for _ in range(3))
         _region(bufs[0], slot, 1, dtype, n).copy_(x1)  # what rank 1's kernel pushed and raised

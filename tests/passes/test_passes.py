@@ -13,6 +13,7 @@ and, with an older transformers whose HF graphs differ, the per-version variants
 import copy
 import difflib
 import os
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from kvrewrite.context import RewriteContext
 from kvrewrite.methods import make_method
 from kvrewrite.passes import PASSES, run_passes
 from kvrewrite.passes.graph_diff import graph_diff, op_counts, snapshot
+from kvrewrite.passes.utils import clean_up, deferred_recompile
 from kvrewrite.state import STATE_FIELDS
 from tests.families import FAMILIES, golden_cases, tiny_model
 
@@ -297,6 +299,30 @@ def test_run_passes_dumps_graphs(tmp_path):
     assert "scaled_dot_product_attention" in first and "hf_cache_0_keys" in first
     assert "clustered_attention" in last and "hf_cache_" not in last
     assert last == str(gm.graph)
+
+
+def _relu_to_sigmoid(gm, ctx):
+    """A stand-in pass that edits the graph and ends with clean_up, as every pass does."""
+    for node in gm.graph.nodes:
+        if node.target is torch.relu:
+            node.target = torch.sigmoid
+    return clean_up(gm)
+
+
+def test_run_passes_generates_the_code_once_after_the_last_pass():
+    """Inside run_passes, clean_up leaves the lint and the recompile to run_passes (utils.deferred_recompile), which
+    recompiles after the last pass: the module returned runs the rewritten graph. A pass called alone recompiles."""
+    x = torch.tensor([-1.0, 2.0])
+    gm = torch.fx.symbolic_trace(lambda t: torch.relu(t) + 1)
+    with deferred_recompile():
+        _relu_to_sigmoid(gm, None)
+        assert "relu" in gm.code and torch.equal(gm(x), torch.relu(x) + 1)  # the code as it was
+    gm = torch.fx.symbolic_trace(lambda t: torch.relu(t) + 1)
+    ctx = types.SimpleNamespace(graph_kind="decode", where=lambda: "test")
+    out = run_passes(gm, ctx, passes=[_relu_to_sigmoid, _relu_to_sigmoid])
+    assert "sigmoid" in out.code and torch.equal(out(x), torch.sigmoid(x) + 1)
+    alone = _relu_to_sigmoid(torch.fx.symbolic_trace(lambda t: torch.relu(t) + 1), None)
+    assert "sigmoid" in alone.code and torch.equal(alone(x), torch.sigmoid(x) + 1)
 
 
 def test_graph_diff_format():
