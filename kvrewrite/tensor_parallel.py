@@ -258,12 +258,12 @@ def _split_linear(lin: nn.Linear, a: int, z: int, rows: bool, name: str, slices:
 
 
 def splits_lm_head(lm, tp: int) -> bool:
-    """Whether a split over tp ranks splits this output embedding by vocabulary rows: kernels/tp_all_gather.
+    """Whether a split over tp ranks splits this output embedding by vocabulary rows: tp > 1, kernels/tp_all_gather.
     VOCAB_PARALLEL, an nn.Linear, rows tp divides. The one rule _split_lm_head and the bench's byte count
     (bench.e2e.split_weight_bytes) both follow."""
     from kvrewrite.kernels import tp_all_gather
 
-    return tp_all_gather.VOCAB_PARALLEL and isinstance(lm, nn.Linear) and lm.out_features % tp == 0
+    return tp > 1 and tp_all_gather.VOCAB_PARALLEL and isinstance(lm, nn.Linear) and lm.out_features % tp == 0
 
 
 def _split_lm_head(shard, tp: int, rank: int, slices: list) -> tuple:

@@ -35,6 +35,10 @@ B1="python -m kvrewrite.cli bench"
 T2="python -m torch.distributed.run --standalone --nproc-per-node 2"
 B2="$T2 -m kvrewrite.cli bench --tp 2"
 C8="--contexts 32768 --batches 1 --plot /tmp/p.png"
+IND="--systems chelsea $C8 --no-prefill --kv-compile inductor --fuse-projections --gemv"  # phase i's configuration
+# ind2 SUFFIX [ARGS...]: phase i's tp=2 row with ARGS, into e2e_8b_ind_tp2SUFFIX_TAG.json
+ind2() { local suffix=$1; shift
+  timeout ${TI:-300} $B2 $IND "$@" --out "$OUT/e2e_8b_ind_tp2${suffix}_$TAG.json" 2>&1 | tee -a "$LOG"; }
 for p in $PHASES; do
   echo "[$(date +%T)] phase $p" | tee -a "$LOG"
   case $p in
@@ -45,25 +49,14 @@ for p in $PHASES; do
     s) CUDA_VISIBLE_DEVICES=$ONE timeout ${TS:-150} $B1 --systems full,chelsea $C8 --out "$OUT/e2e_8b_tp1_$TAG.json" \
          2>&1 | tee -a "$LOG"
        timeout ${TS:-150} $B2 --systems full,chelsea $C8 --out "$OUT/e2e_8b_tp2_$TAG.json" 2>&1 | tee -a "$LOG" ;;
-    i) CUDA_VISIBLE_DEVICES=$ONE timeout ${TI:-300} $B1 --systems chelsea $C8 --no-prefill --kv-compile inductor \
-         --fuse-projections --gemv --out "$OUT/e2e_8b_ind_tp1_$TAG.json" 2>&1 | tee -a "$LOG"
-       timeout ${TI:-300} $B2 --systems chelsea $C8 --no-prefill --kv-compile inductor --fuse-projections --gemv \
-         --out "$OUT/e2e_8b_ind_tp2_$TAG.json" 2>&1 | tee -a "$LOG" ;;
-    I) timeout ${TI:-300} $B2 --systems chelsea $C8 --no-prefill --kv-compile inductor --fuse-projections --gemv \
-         --out "$OUT/e2e_8b_ind_tp2_$TAG.json" 2>&1 | tee -a "$LOG" ;;
-    c) timeout ${TI:-300} $B2 --systems chelsea $C8 --no-prefill --kv-compile inductor --fuse-projections --gemv \
-         --tp-all-reduce collective --out "$OUT/e2e_8b_ind_tp2_nccl_$TAG.json" 2>&1 | tee -a "$LOG" ;;
-    k) timeout ${TI:-300} $B2 --systems chelsea $C8 --no-prefill --kv-compile inductor --fuse-projections --gemv \
-         --kernel-option tp_all_reduce.PUSH=False --out "$OUT/e2e_8b_ind_tp2_torch_one_shot_$TAG.json" 2>&1 | tee -a "$LOG" ;;
-    n) timeout ${TI:-300} $B2 --systems chelsea $C8 --no-prefill --kv-compile inductor --fuse-projections --gemv \
-         --kernel-option tp_all_reduce_rms_norm.IN_GRAPHS=False --out "$OUT/e2e_8b_ind_tp2_norm_apart_$TAG.json" 2>&1 \
-         | tee -a "$LOG" ;;
-    m) timeout ${TI:-300} $B2 --systems chelsea $C8 --no-prefill --kv-compile inductor --fuse-projections --gemv \
-         --kernel-option tp_all_reduce_rms_norm.FUSED=False --out "$OUT/e2e_8b_ind_tp2_norm_two_launches_$TAG.json" \
-         2>&1 | tee -a "$LOG" ;;
-    w) timeout ${TI:-300} $B2 --systems chelsea $C8 --no-prefill --kv-compile inductor --fuse-projections --gemv \
-         --kernel-option tp_all_gather.VOCAB_PARALLEL=False --out "$OUT/e2e_8b_ind_tp2_lm_head_whole_$TAG.json" 2>&1 \
-         | tee -a "$LOG" ;;
+    i) CUDA_VISIBLE_DEVICES=$ONE timeout ${TI:-300} $B1 $IND --out "$OUT/e2e_8b_ind_tp1_$TAG.json" 2>&1 | tee -a "$LOG"
+       ind2 "" ;;
+    I) ind2 "" ;;
+    c) ind2 _nccl --tp-all-reduce collective ;;
+    k) ind2 _torch_one_shot --kernel-option tp_all_reduce.PUSH=False ;;
+    n) ind2 _norm_apart --kernel-option tp_all_reduce_rms_norm.IN_GRAPHS=False ;;
+    m) ind2 _norm_two_launches --kernel-option tp_all_reduce_rms_norm.FUSED=False ;;
+    w) ind2 _lm_head_whole --kernel-option tp_all_gather.VOCAB_PARALLEL=False ;;
     p) P="-m kvrewrite.bench.profile_decode --method chelsea --fuse-projections --gemv --no-gemv-timings --layer-trace 24"
        for tp in ${PTP:-1 2}; do
          if [ "$tp" = 1 ]; then CUDA_VISIBLE_DEVICES=$ONE timeout ${TPR:-200} python $P 2>&1 | grep -v -i warn \

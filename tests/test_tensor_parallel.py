@@ -434,7 +434,7 @@ def _rank_checks(rank: int, c: _Checks, out_dir: str, dev=torch.device("cpu")) -
 
     from kvrewrite.kernels import tp_all_gather
 
-    tp_all_gather.VOCAB_PARALLEL = True  # the lm_head split by vocabulary (the default)
+    tp_all_gather.VOCAB_PARALLEL = True  # the default, pinned: these checks are of the lm_head split by vocabulary
     t0 = time.perf_counter()
     _refusals(c, kvrewrite)
     ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1)).to(dev)

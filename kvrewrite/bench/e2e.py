@@ -370,7 +370,7 @@ def split_weight_bytes(model, tp: int) -> int:
     names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     split = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.split(".")[-2] in names)
     lm, emb = model.get_output_embeddings(), model.get_input_embeddings()
-    if tp > 1 and splits_lm_head(lm, tp) and lm.weight is not emb.weight:
+    if splits_lm_head(lm, tp) and lm.weight is not emb.weight:
         split += sum(p.numel() * p.element_size() for p in lm.parameters())
     return split
 
