@@ -496,6 +496,8 @@ def test_ems_prefill_state_is_a_valid_table_and_the_dense_check_measures_it():
     assert ep.dense_check(args, torch.zeros_like(out), ep.D**-0.5) > 1e-2
     knobs = set(inspect.signature(xa._launch_config).parameters) | {"prefill_kernel", "gathered"}
     assert all(set(t) <= knobs for t in ep.EXPANDED.values())
+    assert all(set(names) <= set({"expanded": ep.EXPANDED, "fold": ep.FOLD, "redundancy": ep.REDUNDANCY}[kind])
+               for kind, names in ep.QUICK.items())
     assert all(set(t) <= set(inspect.signature(_ems_fold_kernels._stats_launch).parameters) for t in ep.FOLD.values())
     red = set(inspect.signature(ems_redundancy.triton_ems_redundancy).parameters)
     assert all(set(t) <= red for t in ep.REDUNDANCY.values())

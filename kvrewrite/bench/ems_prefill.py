@@ -13,9 +13,10 @@ entries from the compressions so far (positions ascending below n - chunk; the l
 each; the others share the slots up to gamma * Bt, one each plus a multinomial share of the rest, key scales in
 [0.5, 1.5) for merged ones) and the chunk's fresh entries (positions n - chunk .. n - 1, one slot each); the chunk's
 queries sit at those positions. Timed, each a median of triton's do_bench (warm L2: compute-bound kernels):
-- expanded: expanded_attention.launch_expanded_forward, causal (past_only False): its prefill kernel, its gathered
-  form (`gathered*`: the slots' rows written out by gather_slots, timed alone too, then clustered_attention's
-  prefill kernel with per-slot key scales) and the per-entry kernel, with their launch variants; the default is
+- expanded: expanded_attention.launch_expanded_forward, causal (past_only False): its gathered form (the default
+  and `gathered*`: the slots' rows written out by gather_slots, timed alone too, then clustered_attention's prefill
+  kernel with per-slot key scales), the walk (`walk*`: _expanded_prefill_kernels.py's own kernel) and the per-entry
+  kernel, with their launch variants; the default is
   checked against a float32 attention over the materialised expanded keys of row (0, 0) and every variant against
   the default;
 - clustered_C: clustered_attention's prefill kernels (_prefill_attention_kernels.launch_prefill) over the same
@@ -44,17 +45,19 @@ from kvrewrite.kernels import expanded_attention as xa
 
 HQ, HKV, D, DTYPE, GAMMA, WINDOW = 32, 8, 128, torch.bfloat16, 4, 32
 EXPANDED = {  # name -> launch_expanded_forward overrides; "per_entry*": the decode kernel's per-entry walk
-    "default": {},  # the prefill kernel's 128 x 32 tiles, 4 warps (16-bit, D <= 128)
-    "64x64": dict(block_m=64, block_n=64),
-    "64x32": dict(block_m=64, block_n=32),
-    "128x64_w8": dict(block_n=64, num_warps=8),
-    "128x32_w8": dict(num_warps=8),
-    "128x32_stages3": dict(num_stages=3),
-    "128x16": dict(block_n=16),
-    # the slots' rows written out first, then clustered_attention's prefill kernel (expanded_attention.PREFILL_GATHERED)
-    "gathered": dict(gathered=True),
-    "gathered_64x32": dict(gathered=True, block_n=32),
-    "gathered_128x64_w8": dict(gathered=True, block_m=128, num_warps=8),
+    # the default: the slots' rows written out, then clustered_attention's prefill kernel (PREFILL_GATHERED)
+    "default": {},
+    "gathered_64x32": dict(block_n=32),
+    "gathered_128x64_w8": dict(block_m=128, num_warps=8),
+    # the slots walked in place (_expanded_prefill_kernels.py's own kernel; the default of stops 42-47): 128 x 32
+    # tiles, 4 warps (16-bit, D <= 128)
+    "walk": dict(gathered=False),
+    "walk_64x64": dict(gathered=False, block_m=64, block_n=64),
+    "walk_64x32": dict(gathered=False, block_m=64, block_n=32),
+    "walk_128x64_w8": dict(gathered=False, block_n=64, num_warps=8),
+    "walk_128x32_w8": dict(gathered=False, num_warps=8),
+    "walk_128x32_stages3": dict(gathered=False, num_stages=3),
+    "walk_128x16": dict(gathered=False, block_n=16),
     "per_entry": dict(prefill_kernel=False),
     "per_entry_cumsum": dict(prefill_kernel=False, scatter="cumsum"),
 }
@@ -87,7 +90,7 @@ REDUNDANCY = {
     "splits8": dict(splits=8),
     "splits16": dict(splits=16),  # the most the default picks (small batches); at batch 8 it picks 4
 }
-QUICK = {"expanded": ("default", "gathered", "per_entry"), "fold": ("default", "acc2d", "trans"),
+QUICK = {"expanded": ("default", "walk", "per_entry"), "fold": ("default", "acc2d", "trans"),
          "redundancy": ("default", "bt64")}
 
 

@@ -20,9 +20,11 @@ per slot here, per entry after the segment sum in the decode kernel: both sum in
 in tiles whose slots not every query of the block sees (the fresh diagonal), as clustered_attention's prefill
 kernel does. One program per (query block, b, h), the query blocks of one (b, h) neighbours in the grid so that
 the programs running at once share its K/V in L2 (the lesson of that kernel). expanded_attention.launch_expanded_forward
-picks it for prefill-sized blocks (G * T > 16) without a split and without S (PREFILL_KERNEL there).
+picks it for prefill-sized blocks (G * T > 16) without a split and without S (PREFILL_KERNEL there) that do not
+run the gathered form (expanded_attention.uses_gathered: blocks of fewer than 512 queries, or PREFILL_GATHERED off).
 
-The gathered form (`launch_gathered_prefill`, PREFILL_GATHERED there; off, unmeasured on a GPU): gather_slots writes
+The gathered form (`launch_gathered_prefill`, PREFILL_GATHERED there; the default since stop 48: 30.3 ms against
+this kernel's 40.3 at the chunk above on an H200, docs/bench.md "Stop 48 runs"): gather_slots writes
 each slot's key and value rows out in slot order, and clustered_attention's prefill kernel walks them as contiguous
 slots with each score times a_j (its KEY_SCALE), so its loads need no lut entry first and its tile ranges skip the
 tiles a query block cannot see; the price is the transient copy (gathered_bytes) and one pass to write it.

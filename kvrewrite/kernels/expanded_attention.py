@@ -42,13 +42,14 @@ Backends. CUDA (with Triton): the Triton kernel of kvrewrite/kernels/_expanded_a
 D a power of two in 16..256; other D raise, as clustered_attention's kernel does) and clustered_attention's combine
 kernel: split-K over runtime slots (each split's share of slot_fill read on the device), the score computed once per
 entry tile, gathered per slot in registers (tl.gather), P segment-summed per entry (one-hot product), P @ V once
-per tile; no expanded key or value is ever formed. Prefill-sized blocks without a split (PREFILL_KERNEL) run
-_expanded_prefill_kernels.py instead: the slots walked as a dense attention over key and value rows gathered per
-slot tile (read, never written: a compute-bound chunk gains more from whole dot products than from the per-entry
-scores). launch_expanded_forward is also what kvrewrite::ems_attention calls (its decode optionally writing the
-per-entry scores S). CPU: the reference below, through the opaque
-kvrewrite::expanded_attention_cpu (it checks past_only's promise, a host read). Other devices: the reference.
-The op is a `torch.library.triton_op`: Inductor sees the launches and CUDA graphs capture them.
+per tile; a decode step never forms an expanded key or value. Prefill-sized blocks without a split (PREFILL_KERNEL) run
+_expanded_prefill_kernels.py instead (a compute-bound chunk gains more from whole dot products than from the
+per-entry scores): each slot's key and value rows written out in slot order, then clustered_attention's prefill
+kernel over them with per-slot key scales (PREFILL_GATHERED, from 512 queries), or the slots walked as a dense
+attention over rows gathered per slot tile, never written. launch_expanded_forward is also what
+kvrewrite::ems_attention calls (its decode optionally writing the per-entry scores S). CPU: the reference below,
+through the opaque kvrewrite::expanded_attention_cpu (it checks past_only's promise, a host read). Other devices:
+the reference. The op is a `torch.library.triton_op`: Inductor sees the launches and CUDA graphs capture them.
 
 Checked: through Triton's interpreter against expanded_naive's float64 loop (tests/kernels/
 test_expanded_attention_triton.py, fp32, 15 tests; the prefill kernel 5 more) and on an H100 (torch 2.11, Triton 3.6)
@@ -214,10 +215,24 @@ PREFILL_KERNEL = True
 # clustered_attention's prefill kernel over them with each slot's score times a_j: contiguous, pipelined loads and
 # that kernel's tile ranges, where the prefill kernel's loads hang on the slot's lut entry. Compiled for sm_90 (bf16,
 # D 128) the prefill kernel spills 176 bytes a thread at 64 x 64 tiles and 224 at 128 x 32; clustered_attention's
-# with the key scales none at 64 x 64 (255 registers), 64 x 32 (195) or 128 x 64 with 8 warps. Built in stop 43
-# after the device time was spent: checked under Triton's interpreter, unmeasured on a GPU, so off (`gathered=True`
-# in the launch overrides; the benchmark's `gathered*` variants time it).
-PREFILL_GATHERED = False
+# with the key scales none at 64 x 64 (255 registers), 64 x 32 (195) or 128 x 64 with 8 warps. On an H200 (stop 48,
+# the benchmark's chunk above): 30.3 ms with its 64 x 64 default (gather_slots 3.5 of it) against the walk's 40.3;
+# EMS's whole batch-8 prefill 20.96 s against 21.47 (1.87x and 1.91x HF's dense prefill of the same calls); its GPU
+# tests pass. The default since, for blocks of at least PREFILL_GATHERED_MIN_QUERIES queries; False walks the slots
+# (`gathered=False` in the launch overrides, `--kernel-option expanded_attention.PREFILL_GATHERED=False`).
+PREFILL_GATHERED = True
+# The copy is a pass over every slot's rows whatever the number of queries (3.5 ms of the 30.3 above), the gain a
+# share of the attention (40.3 -> 26.8 ms at 2048 queries): if both attentions scale with the queries, the two forms
+# break even near 3.5 / (13.5 / 2048) = 531 queries. Shorter blocks (a prefill's last chunk, a decode step of a wide
+# group: 32 query heads on one KV head make 32 rows of one query) walk the slots in place. Estimated from that one
+# shape, not measured in between.
+PREFILL_GATHERED_MIN_QUERIES = 512
+
+
+def uses_gathered(T: int, gathered: bool | None = None) -> bool:
+    """Whether a prefill-kernel block of T queries runs the gathered form: `gathered` when given (a launch override),
+    else PREFILL_GATHERED for T >= PREFILL_GATHERED_MIN_QUERIES."""
+    return (PREFILL_GATHERED and T >= PREFILL_GATHERED_MIN_QUERIES) if gathered is None else bool(gathered)
 
 
 def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=None, block_n=None, block_j=None,
@@ -267,7 +282,7 @@ def launch_expanded_forward(q, keys, values, bias, slot_pos, cache_position, ent
                          f"T == 1 (decode), got S {S.dtype} {list(S.shape)} with T = {T}")
     num_sms = ca._num_sms(q.device) if q.is_cuda else 8  # 8: Triton's interpreter on CPU tensors
     prefill_kernel = tuning.pop("prefill_kernel", PREFILL_KERNEL)
-    gathered = tuning.pop("gathered", PREFILL_GATHERED)
+    gathered = uses_gathered(T, tuning.pop("gathered", None))
     cfg = _launch_config(B, Hkv, G, T, C, D, num_sms, q.element_size(), **tuning)
     n_splits = cfg["num_splits"]
     split = n_splits > 1

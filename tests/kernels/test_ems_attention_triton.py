@@ -61,16 +61,20 @@ def test_prefill_fold(Hq, Hkv, knobs):
     assert (s[2] == 0).all() and (win_count == 0).all()
 
 
-def test_prefill_with_the_gathered_forward(monkeypatch):
-    """The op's prefill with expanded_attention.PREFILL_GATHERED (the slots' rows written out, clustered_attention's
-    prefill kernel with per-slot key scales): its output and folded statistics match the reference (counted)."""
+@pytest.mark.parametrize("gathered", [True, False], ids=["gathered", "walk"])
+def test_prefill_through_each_prefill_form(gathered, monkeypatch):
+    """The op's prefill with expanded_attention.PREFILL_GATHERED on (the default: the slots' rows written out,
+    clustered_attention's prefill kernel with per-slot key scales) and off (the slots walked in place): its output
+    and folded statistics match the reference, through the form asked for (counted)."""
     from kvrewrite.kernels import _expanded_prefill_kernels as xp
     from kvrewrite.kernels import expanded_attention as xa
 
     calls = []
-    launch = xp.launch_gathered_prefill
-    monkeypatch.setattr(xp, "launch_gathered_prefill", lambda *a, **k: calls.append(1) or launch(*a, **k))
-    monkeypatch.setattr(xa, "PREFILL_GATHERED", True)
+    name = "launch_gathered_prefill" if gathered else "launch_expanded_prefill"
+    launch = getattr(xp, name)
+    monkeypatch.setattr(xp, name, lambda *a, **k: calls.append(1) or launch(*a, **k))
+    monkeypatch.setattr(xa, "PREFILL_GATHERED", gathered)
+    monkeypatch.setattr(xa, "PREFILL_GATHERED_MIN_QUERIES", 1)  # this test's 20 queries
     g = torch.Generator().manual_seed(4)
     B, Hq, Hkv, C, R, D, T, l_win = 2, 4, 2, 31, 45, 16, 20, 6
     st = make_state(B, Hkv, C, R, D, T, torch.float32, g, prefill=True, dead=True)

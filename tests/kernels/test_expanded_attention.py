@@ -192,3 +192,29 @@ def test_gather_slots_writes_each_slots_row():
                     assert pos[b, h, j] == st.slot_pos[b, h, e]
     assert 0 < n_live < B * Hkv * R and k.dtype == torch.bfloat16 and bias.dtype == torch.float32
     assert gathered_bytes(B, Hkv, R, k.shape[-1], 2) == k.nbytes + v.nbytes + bias.nbytes + pos.nbytes
+
+
+@pytest.mark.parametrize("T, Hq, override, form", [
+    (512, 2, None, "gathered"), (511, 2, None, "walk"), (1, 32, None, "walk"), (17, 2, True, "gathered"),
+    (600, 2, False, "walk")], ids=["chunk-512", "chunk-511", "decode-of-32-heads", "forced-on", "forced-off"])
+def test_prefill_form_follows_the_query_count(T, Hq, override, form, monkeypatch):
+    """launch_expanded_forward's prefill-sized blocks: the gathered form from PREFILL_GATHERED_MIN_QUERIES queries
+    (the copy pays for itself only over many queries), the walk below it (a decode step of a wide group, a short last
+    chunk), a launch's `gathered` override either way. The launchers are stubs: this is the rule, not the kernels."""
+    from kvrewrite.kernels import _expanded_prefill_kernels as xp
+    from kvrewrite.kernels import expanded_attention as xa
+
+    assert xa.PREFILL_GATHERED and xa.PREFILL_GATHERED_MIN_QUERIES == 512
+    picked = []
+    monkeypatch.setattr(xp, "launch_gathered_prefill", lambda *a, **k: picked.append("gathered") or (None, None))
+    monkeypatch.setattr(xp, "launch_expanded_prefill", lambda *a, **k: picked.append("walk") or (None, None))
+    C, R, D = 8, 16, 16  # shapes only: nothing is read
+    kv = torch.zeros(1, 1, C, D)
+    args = (torch.zeros(1, Hq, T, D), kv, kv, torch.zeros(1, 1, C), torch.zeros(1, 1, C, dtype=torch.int64),
+            torch.arange(T), torch.zeros(1, 1, C, dtype=torch.int32), torch.zeros(1, 1, R, dtype=torch.int32),
+            torch.ones(1, 1, R), torch.zeros(1, 1, dtype=torch.int64))
+    tuning = {} if override is None else dict(gathered=override)
+    xa.launch_expanded_forward(*args, 0.25, T == 1, 0.0, num_splits=1, **tuning)
+    assert picked == [form]
+    monkeypatch.setattr(xa, "PREFILL_GATHERED", False)
+    assert not xa.uses_gathered(4096) and xa.uses_gathered(4096, True)

@@ -202,9 +202,10 @@ def test_softcap(case, dtype, scatter):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("case", ["prefill-G4-T37", "prefill-G2-T130-D64", "prefill-G1-T5-D256"])
 def test_prefill_kernel(case, dtype, softcap, tuning, monkeypatch):
-    """The slot-walking prefill kernel (one split; _expanded_prefill_kernels.py, counted) against float64 over
-    materialised expanded keys, with and without the soft cap, fp32/fp16/bf16, D 64/128/256, several tilings; with
-    `gathered`, the slots' rows written out and clustered_attention's prefill kernel with per-slot key scales."""
+    """The prefill forms (one split; _expanded_prefill_kernels.py, counted) against float64 over materialised
+    expanded keys, with and without the soft cap, fp32/fp16/bf16, D 64/128/256, several tilings: `gathered` (the
+    default from PREFILL_GATHERED_MIN_QUERIES queries), the slots' rows written out and clustered_attention's prefill
+    kernel with per-slot key scales; without (the default for these few queries), the slot-walking kernel."""
     from kvrewrite.kernels import _expanded_prefill_kernels as xp
 
     B, Hq, Hkv, C, R, D, T, prefill, opts = CASES[case]
@@ -216,7 +217,7 @@ def test_prefill_kernel(case, dtype, softcap, tuning, monkeypatch):
     q = ((4 if softcap else 1) * torch.randn(B, Hq, T, D, device="cuda")).to(dtype)
     want, want_lse = dense64(st, q, D**-0.5, softcap=softcap)
     calls = []
-    name = "launch_gathered_prefill" if tuning.get("gathered") else "launch_expanded_prefill"
+    name = "launch_gathered_prefill" if xa.uses_gathered(T, tuning.get("gathered")) else "launch_expanded_prefill"
     launch = getattr(xp, name)
     monkeypatch.setattr(xp, name, lambda *a, **k: calls.append(1) or launch(*a, **k))
     out, lse = poisoned(lambda: xa.launch_expanded_forward(*st.attention_args(q), D**-0.5, False, softcap,
