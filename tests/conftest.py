@@ -1,4 +1,6 @@
 """Shared fixtures. Tiny models are built per test module from tests/families.py (no downloads)."""
+import os
+
 import pytest
 import torch
 
@@ -8,9 +10,10 @@ from tests.families import FAMILIES
 @pytest.fixture(autouse=True)
 def _threads(request):
     """One intra-op thread for tiny-model tests: a second OpenMP thread only adds spin-waits on
-    these tiny ops (10-100x slower on a loaded 2-core machine). Real-model tests keep every thread."""
+    these tiny ops (10-100x slower on a loaded 2-core machine). Real-model tests keep every thread,
+    except under pytest-xdist (`-n N`), where the workers already share the cores."""
     n = torch.get_num_threads()
-    if request.node.get_closest_marker("real_model") is None:
+    if request.node.get_closest_marker("real_model") is None or os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
