@@ -45,10 +45,11 @@ from kvrewrite.kernels import expanded_attention as xa
 
 HQ, HKV, D, DTYPE, GAMMA, WINDOW = 32, 8, 128, torch.bfloat16, 4, 32
 EXPANDED = {  # name -> launch_expanded_forward overrides; "per_entry*": the decode kernel's per-entry walk
-    # the default: the slots' rows written out, then clustered_attention's prefill kernel (PREFILL_GATHERED)
+    # the default for chunks of >= 512 queries (--chunk 2048): the slots' rows written out, then clustered_attention's
+    # prefill kernel (expanded_attention.PREFILL_GATHERED)
     "default": {},
-    "gathered_64x32": dict(block_n=32),
-    "gathered_128x64_w8": dict(block_m=128, num_warps=8),
+    "gathered_64x32": dict(gathered=True, block_n=32),
+    "gathered_128x64_w8": dict(gathered=True, block_m=128, num_warps=8),
     # the slots walked in place (_expanded_prefill_kernels.py's own kernel; the default of stops 42-47): 128 x 32
     # tiles, 4 warps (16-bit, D <= 128)
     "walk": dict(gathered=False),
