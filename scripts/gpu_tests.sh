@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one-GPU test suite (`python -m pytest -m gpu`) in three parts, each meant to fit one device call (600 s; not yet
-# timed): with 4 xdist workers on one H200 the whole suite (1951 tests) did not finish in 560 s (stop 48: ~1,040 ran).
+# timed): with 4 xdist workers on one H200 the whole suite (1951 tests) did not finish in 560 s (stop 48: ~1,400 ran).
 #   scripts/gpu_tests.sh PART [OUTDIR]     (PART: 1, 2 or 3; the report goes to OUTDIR/gpu_tests_partPART.txt)
 # 1: the decode attention kernels (clustered, column statistics, indexed: ~730 tests)
 # 2: the expanded, score, observed, sketch and prefill attention kernels and the GLU GEMV (~650)
