@@ -7,6 +7,32 @@ import torch
 from tests.families import FAMILIES
 
 
+def _interpreter_takes_numpy_2_4():
+    """Triton 3.6's interpreter (TRITON_INTERPRET=1) turns a runtime scalar into an int with int(ndarray), which numpy
+    >= 2.4 refuses for an array of one element that is not 0-dimensional ("only 0-dimensional arrays can be converted
+    to Python scalars"): every kernel loop to a runtime bound, `range(0, K, BLOCK_K)`, failed under it. Its element is
+    taken instead (the same int under every numpy). Only while interpreting, and only where Triton is installed."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "kvrewrite_numpy_2_4", False):
+        return
+
+    def _patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    _patch_lang_tensor.kvrewrite_numpy_2_4 = True
+    interpreter._patch_lang_tensor = _patch_lang_tensor
+
+
+_interpreter_takes_numpy_2_4()
+
+
 @pytest.fixture(autouse=True)
 def _threads(request):
     """One intra-op thread for tiny-model tests: a second OpenMP thread only adds spin-waits on

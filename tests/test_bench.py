@@ -218,6 +218,24 @@ def test_profile_decode_refuses_to_run_without_a_gpu():
         profile_decode.main(["--context", "1024"])
 
 
+def test_layer_trace_rows_cost_what_each_kernel_adds_to_the_step():
+    """trace_rows: a PDL kernel that starts early costs the time from the latest end to its own (the trace of a
+    layer's attention, its combine and the o-projection); one that ends inside another costs 0; the costs add up to
+    the stretch's span."""
+    from kvrewrite.bench.profile_decode import trace_rows
+
+    stretch = [(100.0, 101.5, "rope"), (101.7, 104.0, "append"), (102.5, 116.5, "attention"),
+               (104.5, 119.7, "combine"), (106.0, 128.6, "o_proj"), (110.0, 111.0, "early_exit")]
+    rows = trace_rows(stretch)
+    assert [r[4] for r in rows] == [n for _, _, n in stretch]
+    assert [r[0] for r in rows] == pytest.approx([0.0, 1.7, 2.5, 4.5, 6.0, 10.0])
+    assert [r[1] for r in rows] == pytest.approx([1.5, 2.3, 14.0, 15.2, 22.6, 1.0])
+    assert [r[2] for r in rows] == pytest.approx([0.0, 0.2, -1.5, -12.0, -13.7, -18.6])
+    assert [r[3] for r in rows] == pytest.approx([1.5, 2.5, 12.5, 3.2, 8.9, 0.0])
+    assert sum(r[3] for r in rows) == pytest.approx(28.6)  # the span: 128.6 - 100.0
+    assert trace_rows([]) == []
+
+
 @pytest.mark.parametrize("argv, needle", [(["--batch", "0"], "--batch must be >= 1"),
                                           (["--batch", "4", "--gemv"], "--gemv is batch 1 only")])
 def test_profile_decode_refuses_bad_batches(capsys, argv, needle):

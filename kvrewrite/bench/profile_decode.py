@@ -10,7 +10,8 @@ state `kvrewrite bench` fills synthetically for such rows: e2e.synthetic_fill), 
 through rw.compile(fullgraph=True, mode="reduce-overhead") (or `--kv-compile graph`), and a profile of one
 compressing step and of 16 plain steps: device time per kernel per step, most expensive first; with
 `--layer-trace N`, N kernels of a plain step (from its 40th) in launch order, with their starts,
-durations and the gaps between them (what one layer costs, PDL overlaps included).
+durations, the gaps between them and each one's cost to the step, PDL overlaps included (trace_rows; the
+"where a layer's time goes" tables of docs/bench.md).
 With `--tp N` (under torchrun, one GPU per rank): every rank builds only its share (bench/e2e.py,
 build_rank_model) and applies with tp=N, the bare GEMV timings are skipped, and rank 0 prints.
 Output: docs/bench/e2e_h100_decode_profile.txt is one such run.
@@ -85,20 +86,34 @@ def timeline(p, n_steps: int) -> None:
           f"started before the previous one ended (overlapping {overlap / n_steps:.1f} us/step)", flush=True)
 
 
+def trace_rows(stretch: list) -> list:
+    """(start, duration, gap, cost, name) of each (start, end, name) kernel of `stretch`, in us: the start relative to
+    the first kernel's, the gap since the previous kernel ended (negative: it started before, programmatic dependent
+    launch), and the cost, the time from the latest end so far to its own end (0 if it ended before; the first
+    kernel: its duration). With PDL a kernel starts before the one before it ends and waits, so the cost, not the
+    duration, is what it adds to the step; the costs add up to the stretch's span."""
+    if not stretch:
+        return []
+    t0 = latest = prev_end = stretch[0][0]
+    rows = []
+    for s, e, name in stretch:
+        rows.append((s - t0, e - s, s - prev_end, max(0.0, e - latest), name))
+        prev_end, latest = e, max(latest, e)
+    return rows
+
+
 def layer_trace(p, kernels: int = 14, skip: int = 40) -> None:
     """One stretch of a step's kernels in launch order (from the `skip`-th kernel of the profile: past the embedding
-    and the first layers, a layer like the others): each kernel's start relative to the stretch, its duration and
-    the gap since the previous kernel ended (negative: it started before that one ended, programmatic dependent
-    launch)."""
-    stretch = kernel_events(p)[skip:skip + kernels]
-    if not stretch:
+    and the first layers, a layer like the others): each kernel's start relative to the stretch, its duration, the
+    gap since the previous kernel ended and its cost to the step (trace_rows)."""
+    rows = trace_rows(kernel_events(p)[skip:skip + kernels])
+    if not rows:
         return
-    t0, prev_end = stretch[0][0], stretch[0][0]
-    print(f"\nkernels {skip}-{skip + len(stretch) - 1} of the profile (us: start, duration, gap since the previous end)")
-    for s, e, name in stretch:
-        print(f"  {s - t0:8.2f} {e - s:8.2f} {s - prev_end:+7.2f}  {name[:90]}")
-        prev_end = e
-    print(f"  stretch: {stretch[-1][1] - t0:.2f} us, kernels busy {sum(e - s for s, e, _ in stretch):.2f} us", flush=True)
+    print(f"\nkernels {skip}-{skip + len(rows) - 1} of the profile (us: start, duration, gap since the previous end, "
+          f"cost: from the previous end to its own)")
+    for start, duration, gap, cost, name in rows:
+        print(f"  {start:8.2f} {duration:8.2f} {gap:+7.2f} {cost:8.2f}  {name[:90]}")
+    print(f"  stretch: {sum(r[3] for r in rows):.2f} us, kernels busy {sum(r[1] for r in rows):.2f} us", flush=True)
 
 
 def main(argv=None):
