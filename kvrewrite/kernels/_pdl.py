@@ -47,6 +47,11 @@ GEMV (gemv, gemv_rms_norm, gemv_glu) asked for the weight's first L2_PREFETCH_BY
 latency-bound kernel (the attention, the tensor-parallel sum) finishes. Slower in every row (two H200s, 8B shape,
 chelsea, 32k, batch 1, rw.compile; one lease, each row against its own row without it): tp=2 3.07 ms/token with 16 MB
 and 3.35 with 48 MB against 2.91 without; tp=1 4.78 against 4.65 (docs/tensor-parallel.md, "Stop 47"). Removed.
+Tried and dropped (stop 49): clustered_attention's decode programs prefetched their split's used K/V rows into L2
+the same way, before their wait (while cache_append runs), or right after it. No faster: snapkv, one H200, 8B shape,
+32k, batch 1, rw.compile: 4.66 and 4.66 ms/token before the wait and 4.69 after it, against 4.63 and 4.64 without it.
+In a profile the attention still ended at the same time after the rotary kernel, so the slot loop does not wait on
+its first tiles from DRAM (docs/bench.md, "Stop 49 runs"). Removed.
 
 When: `launch_options(t)` gives the launch keywords and the kernels' PDL constexpr. PDL is used where the op
 launches its kernel itself (eager calls, and under `rw.compile`, which keeps the ops opaque to Inductor:
