@@ -110,7 +110,7 @@ def layer_trace(p, kernels: int = 14, skip: int = 40) -> None:
     if not rows:
         return
     print(f"\nkernels {skip}-{skip + len(rows) - 1} of the profile (us: start, duration, gap since the previous end, "
-          f"cost: from the previous end to its own)")
+          f"cost: from the latest end so far to its own)")
     for start, duration, gap, cost, name in rows:
         print(f"  {start:8.2f} {duration:8.2f} {gap:+7.2f} {cost:8.2f}  {name[:90]}")
     print(f"  stretch: {sum(r[3] for r in rows):.2f} us, kernels busy {sum(r[1] for r in rows):.2f} us", flush=True)
