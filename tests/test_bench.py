@@ -298,12 +298,15 @@ def test_kernel_option_sets_a_launch_constant_and_refuses_the_rest(monkeypatch):
     monkeypatch.setattr(gemv_rms_norm, "PRELOAD", gemv_rms_norm.PRELOAD)
     import torch.compiler.config
 
-    monkeypatch.setattr(torch.compiler.config, "force_disable_caches", False)
-    e2e.apply_kernel_options({})
-    assert torch.compiler.config.force_disable_caches is False
-    e2e.apply_kernel_options(cfg.kernel_options)
-    assert gemv_rms_norm.BLOCK_N == 2 and gemv_rms_norm.PRELOAD is True
-    assert torch.compiler.config.force_disable_caches is True  # no compiled step shared with other constants
+    # the config's own patch, not monkeypatch: pytest >= 9.2 undoes a module attribute it did not find in the module's
+    # __dict__ by deleting it, and a deleted torch config entry is hidden for the rest of the process (every later
+    # torch.compile in this worker then fails)
+    with torch.compiler.config.patch(force_disable_caches=False):
+        e2e.apply_kernel_options({})
+        assert torch.compiler.config.force_disable_caches is False
+        e2e.apply_kernel_options(cfg.kernel_options)
+        assert gemv_rms_norm.BLOCK_N == 2 and gemv_rms_norm.PRELOAD is True
+        assert torch.compiler.config.force_disable_caches is True  # no compiled step shared with other constants
     for bad, why in [("gemv_rms_norm.BLOCK_N=x", "Python literal"), ("nope.X=1", "not a module"),
                      ("gemv_rms_norm.launch_config=1", "not a launch constant"), ("BLOCK_N=1", "MODULE.NAME=VALUE"),
                      ("gemv_rms_norm.BLOCK_N=True", "holds a int")]:

@@ -200,7 +200,10 @@ def test_gather_slots_writes_each_slots_row():
 def test_prefill_form_follows_the_query_count(T, Hq, override, form, monkeypatch):
     """launch_expanded_forward's prefill-sized blocks: the gathered form from PREFILL_GATHERED_MIN_QUERIES queries
     (the copy pays for itself only over many queries), the walk below it (a decode step of a wide group, a short last
-    chunk), a launch's `gathered` override either way. The launchers are stubs: this is the rule, not the kernels."""
+    chunk), a launch's `gathered` override either way. The launchers are stubs: this is the rule, not the kernels.
+    The launch's tile arithmetic needs Triton (not installed by the README's CPU install); the rule alone runs
+    everywhere: test_gathered_rule_without_triton."""
+    pytest.importorskip("triton")
     from kvrewrite.kernels import _expanded_prefill_kernels as xp
     from kvrewrite.kernels import expanded_attention as xa
 
@@ -216,5 +219,17 @@ def test_prefill_form_follows_the_query_count(T, Hq, override, form, monkeypatch
     tuning = {} if override is None else dict(gathered=override)
     xa.launch_expanded_forward(*args, 0.25, T == 1, 0.0, num_splits=1, **tuning)
     assert picked == [form]
+    monkeypatch.setattr(xa, "PREFILL_GATHERED", False)
+    assert not xa.uses_gathered(4096) and xa.uses_gathered(4096, True)
+
+
+def test_gathered_rule_without_triton(monkeypatch):
+    """uses_gathered, the rule launch_expanded_forward follows: from PREFILL_GATHERED_MIN_QUERIES queries, overrides
+    winning both ways, nothing while PREFILL_GATHERED is off (unless forced)."""
+    from kvrewrite.kernels import expanded_attention as xa
+
+    assert xa.PREFILL_GATHERED and xa.PREFILL_GATHERED_MIN_QUERIES == 512
+    assert xa.uses_gathered(512) and not xa.uses_gathered(511) and not xa.uses_gathered(1)
+    assert xa.uses_gathered(17, True) and not xa.uses_gathered(600, False)
     monkeypatch.setattr(xa, "PREFILL_GATHERED", False)
     assert not xa.uses_gathered(4096) and xa.uses_gathered(4096, True)
