@@ -396,12 +396,26 @@ def gemv_as_linear(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _dtype(gm: fx.GraphModule, node: fx.Node):
-    """The dtype of a get_attr tensor or of a node's traced value; None where neither is known."""
+def _tensor(gm: fx.GraphModule, node: fx.Node):
+    """A get_attr node's tensor or a node's traced value; None where neither is known."""
     if node.op == "get_attr":
-        return functools.reduce(getattr, node.target.split("."), gm).dtype
+        return functools.reduce(getattr, node.target.split("."), gm)
     val = node.meta.get("val")
-    return val.dtype if isinstance(val, torch.Tensor) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _dtype(gm: fx.GraphModule, node: fx.Node):
+    """The dtype of _tensor(gm, node); None where it is unknown."""
+    t = _tensor(gm, node)
+    return None if t is None else t.dtype
+
+
+def _act(graph: fx.Graph, act: str, x: fx.Node) -> fx.Node:
+    """The aten node of gemv_glu's act name on x (kernels/gemv_glu.py activation)."""
+    if act == "silu":
+        return graph.call_function(torch.ops.aten.silu.default, (x,))
+    approximate = "tanh" if act == "gelu_tanh" else "none"
+    return graph.call_function(torch.ops.aten.gelu.default, (x,), {"approximate": approximate})
 
 
 def _expand_gemv_rms_norm(gm: fx.GraphModule, node: fx.Node) -> None:
@@ -444,12 +458,10 @@ def _split_gemv_rms_norm_glu(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
     and mul (kernels/gemv_rms_norm_glu.py reference_aten), in place; returns the gemv_rms_norm node."""
     aten, graph = torch.ops.aten, gm.graph
     x, residual, norm_weight, eps, weight, bias, unit_offset, act, constant = all_args(node)
-    rows = functools.reduce(getattr, weight.target.split("."), gm).shape[0] if weight.op == "get_attr" else None
-    if rows is None:
-        val = weight.meta.get("val")
-        rows = val.shape[0] if isinstance(val, torch.Tensor) else None
-    if rows is None:
+    w = _tensor(gm, weight)
+    if w is None:
         raise ValueError(f"{node.name}: kvrewrite::gemv_rms_norm_glu's weight has no known shape")
+    rows = w.shape[0]
     with graph.inserting_before(node):
         norm = graph.call_function(torch.ops.kvrewrite.gemv_rms_norm.default,
                                    (x, residual, norm_weight, eps, weight, bias, unit_offset, constant))
@@ -457,12 +469,7 @@ def _split_gemv_rms_norm_glu(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
         h = graph.call_function(operator.getitem, (norm, 1))
         gate = graph.call_function(aten.slice.Tensor, (y, -1, 0, rows // 2))
         up = graph.call_function(aten.slice.Tensor, (y, -1, rows // 2, rows))
-        if act == "silu":
-            g = graph.call_function(aten.silu.default, (gate,))
-        else:
-            approximate = "tanh" if act == "gelu_tanh" else "none"
-            g = graph.call_function(aten.gelu.default, (gate,), {"approximate": approximate})
-        z = graph.call_function(aten.mul.Tensor, (g, up))
+        z = graph.call_function(aten.mul.Tensor, (_act(graph, act, gate), up))
     for user in list(node.users):
         if user.target is not operator.getitem:
             raise ValueError(f"{node.name}: kvrewrite::gemv_rms_norm_glu read by {user.name} ({user.target}), "
@@ -478,12 +485,7 @@ def _expand_gemv_glu(gm: fx.GraphModule, node: fx.Node) -> None:
     passes/fuse_glu_into_gemv.py replaced), in place."""
     a, b, weight, bias, act, _ = all_args(node)  # _: constant_weight
     with gm.graph.inserting_before(node):
-        if act == "silu":
-            g = gm.graph.call_function(torch.ops.aten.silu.default, (a,))
-        else:
-            g = gm.graph.call_function(torch.ops.aten.gelu.default, (a,),
-                                       {"approximate": "tanh" if act == "gelu_tanh" else "none"})
-        x = gm.graph.call_function(torch.ops.aten.mul.Tensor, (g, b))
+        x = gm.graph.call_function(torch.ops.aten.mul.Tensor, (_act(gm.graph, act, a), b))
     node.target, node.args, node.kwargs = torch.ops.aten.linear.default, (x, weight, bias), {}
 
 

@@ -15,8 +15,9 @@ Returns:
 
 Why: kvrewrite::gemv_glu computes act(gate) * up in the down projection's prologue, so every one of its programs
 reads both halves of the gate/up row from L2 and recomputes the activation over all of K (Llama-3.1-8B: 512
-programs of 8 rows, each reading 57 KB): 43.0 us against 41.0 for kvrewrite::gemv on a ready input (H100, docs/bench/gemv_glu_h100.json); on an H200 the down projection costs 30.7 us of a layer for 28.0 us of
-weight bytes (docs/bench.md, "Stop 49 runs"). Here each program of the gate/up GEMV computes gate row i and up row
+programs of 8 rows, each reading 57 KB): 43.0 us against 41.0 for kvrewrite::gemv on a ready input (H100,
+docs/bench/gemv_glu_h100.json); on an H200 the down projection costs 30.7 us of a layer for 28.0 us of weight bytes
+(docs/bench.md, "Stop 49 runs"). Here each program of the gate/up GEMV computes gate row i and up row
 I + i together, so its epilogue writes z_i once; the down projection is a plain kvrewrite::gemv.
 passes/fuse_glu_into_gate_up.py emits it, only while FUSE is on: not yet timed on a GPU.
 
@@ -163,9 +164,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias=None, unit_offset=False,
     """The split norm's launch, then the GEMV's; no checks (Triton's interpreter runs it on CPU tensors)."""
     N, K = (int(n) for n in weight.shape)
     I = N // 2
-    x1 = x.reshape(K)
-    r1 = x1 if residual is None else residual.reshape(K)
-    h = torch.empty(x.shape if residual is not None else (0,), dtype=x.dtype, device=x.device)
+    x1, r1, h = _norm.row_inputs(x, residual, K)
     normed = _norm._launch_norm(x1, residual, r1, h, norm_weight, eps, unit_offset,
                                 _norm.launch_config(N, K, split_norm=True))
     cfg = launch_config(I, K, **overrides)

@@ -24,8 +24,7 @@ from torch import fx
 
 from kvrewrite.context import RewriteContext
 from kvrewrite.kernels import gemv_rms_norm_glu as glu_op
-from kvrewrite.passes.fuse_glu_into_gemv import _val
-from kvrewrite.passes.utils import all_args, clean_up
+from kvrewrite.passes.utils import all_args, clean_up, traced_value
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +62,7 @@ def _match(gm: fx.GraphModule, glu: fx.Node):
     if any(u.op != "call_function" or u.target is not operator.getitem or (u is not y and u.args[1] != 1)
            for u in norm.users):
         return None
-    weight = _val(gm, all_args(norm)[4])
+    weight = traced_value(gm, all_args(norm)[4])
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] % 2:
         return None
     half = int(weight.shape[0]) // 2
@@ -87,7 +86,7 @@ def fuse_glu_into_gate_up(gm: fx.GraphModule, ctx: RewriteContext) -> fx.GraphMo
         norm, y, a, b = found
         x, residual, norm_weight, eps, weight, bias, unit_offset, constant = all_args(norm)
         _, _, w_down, b_down, act, c_down = all_args(node)
-        vals = [_val(gm, n) if isinstance(n, fx.Node) else n for n in (x, residual, norm_weight, weight, bias)]
+        vals = [traced_value(gm, n) if isinstance(n, fx.Node) else n for n in (x, residual, norm_weight, weight, bias)]
         if any(isinstance(n, fx.Node) and v is None for n, v in zip((x, residual, norm_weight, weight, bias), vals)):
             continue  # unknown values are not known to fit
         if glu_op.input_problem(*vals, act) is not None:
