@@ -16,6 +16,9 @@
 #    attention_column_stats' single changes to its default (--quick: the pipelined walk among them); not default
 # i: EMS's prefill kernels at one late chunk of a batch-${IB:-8} 32k prefill (bench/ems_prefill.py: the expanded
 #    attention, its statistics fold and the redundancy, with their launch variants); not default
+# j: EMS's decode-time kernels at 32k (not default): the expanded attention's launch variants (bench/ems_attention.py:
+#    split counts and the narrow form among them), the redundancy by TBM count at batch 1 and 8 (bench/ems_prefill.py:
+#    no_skip among its variants)
 set -o pipefail
 OUT=${1:-out/bench}
 PHASES=${2:-a b c d}
@@ -49,6 +52,12 @@ for p in $PHASES; do
          | tee -a "$OUT/log.txt" ;;
     i) timeout ${TI:-300} python -m kvrewrite.bench.ems_prefill --batch ${IB:-8} --out "$OUT/ems_prefill_b${IB:-8}.json" \
          2>&1 | tee -a "$OUT/log.txt" ;;
+    j) timeout ${TJ:-300} python -m kvrewrite.bench.ems_attention --out "$OUT/ems_attention.json" 2>&1 \
+         | tee -a "$OUT/log.txt"
+       for jb in 1 8; do
+         timeout ${TJ:-300} python -m kvrewrite.bench.ems_prefill --batch $jb --kernels redundancy \
+           --out "$OUT/ems_redundancy_b$jb.json" 2>&1 | tee -a "$OUT/log.txt"
+       done ;;
   esac
 done
 python - "$OUT" <<'PY'

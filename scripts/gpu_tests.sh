@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU test suite (`python -m pytest -m gpu`) in three parts, each meant to fit one device call (600 s): with 4
 # xdist workers on one H200 the whole suite (1951 tests) did not finish in 560 s (stop 48: ~1,400 ran). Stop 49, one
-# H200, 4 workers: part 1 261 s, part 3 424 s; part 2 ran ~500 of its 646 tests in 225 s (cut: the device budget).
+# H200, 4 workers: part 1 261 s, part 3 424 s; stop 50 (one GPU of an nvidia-h200-x2, 4 workers): part 2 334 s.
 #   scripts/gpu_tests.sh PART [OUTDIR]     (PART: 1, 2 or 3; the report goes to OUTDIR/gpu_tests_partPART.txt)
 # 1: the decode attention kernels (clustered, column statistics, indexed: ~730 tests)
 # 2: the expanded, score, observed, sketch and prefill attention kernels and the GLU GEMV (~650)

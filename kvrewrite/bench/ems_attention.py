@@ -40,6 +40,13 @@ VARIANTS = {  # name -> launch_expanded_forward tuning (default: tl.gather of s,
     "scatter_cumsum_bj64": dict(scatter="cumsum", block_j=64),
     "bn32": dict(block_n=32),
     "bn128": dict(block_n=128),
+    # split counts (default: clustered_attention's rule, 33 at batch 1 and 4 at batch 8 on 132 SMs); not yet run
+    "splits16": dict(num_splits=16),
+    "splits48": dict(num_splits=48),
+    # expanded_attention.NARROW: the per-slot work on the G = 4 real rows of the 16-row block; not yet run
+    "narrow": dict(narrow=True),
+    "narrow_bj64": dict(narrow=True, block_j=64),
+    "narrow_splits48": dict(narrow=True, num_splits=48),
 }
 
 

@@ -107,14 +107,15 @@ def attention_decode_resources(pending: bool, split: bool, head_dim: int = 128, 
     return regs, shared, cfg["num_warps"]
 
 
-def expanded_decode_resources(split: bool, write_s: bool, head_dim: int = 128, dtype: str = "bf16") -> tuple:
+def expanded_decode_resources(split: bool, write_s: bool, head_dim: int = 128, dtype: str = "bf16",
+                               narrow: bool = False) -> tuple:
     """sm90_resources of EMS's expanded-attention kernel (kernels/_expanded_attention_kernels.py) as
     launch_expanded_forward launches it for a decode step of the Llama layout (past_only; write_s: the decode fold's
-    S output), and its launch's warps."""
+    S output; narrow: expanded_attention.NARROW's form), and its launch's warps."""
     from kvrewrite.kernels import _expanded_attention_kernels as xk
     from kvrewrite.kernels import expanded_attention as xa
 
-    cfg = xa._launch_config(1, 8, 4, 1, 6656, head_dim, 132, 2 if dtype in ("bf16", "fp16") else 4)
+    cfg = xa._launch_config(1, 8, 4, 1, 6656, head_dim, 132, 2 if dtype in ("bf16", "fp16") else 4, narrow=narrow)
     kernel = xk._expanded_attention_fwd_kernel
     pointers = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "BIAS": "*fp32", "POS": "*i64", "CPOS": "*i64",
                 "ESTART": "*i32", "LUT": "*i32", "KSCALE": "*fp32", "SFILL": "*i64",
@@ -122,7 +123,7 @@ def expanded_decode_resources(split: bool, write_s: bool, head_dim: int = 128, d
                 "S_OUT": "*fp32"}
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_J=cfg["block_j"],
                       SPLIT=split, LOAD_POS=False, SOFTCAP=False, WRITE_S=write_s, GATHER=cfg["gather"],
-                      SCATTER=cfg["scatter"], stride_qd=1, stride_kd=1, stride_vd=1)
+                      SCATTER=cfg["scatter"], GM=cfg["gm"], stride_qd=1, stride_kd=1, stride_vd=1)
     types = _argument_types(kernel, pointers, constexprs)
     regs, shared = sm90_resources(kernel, types, constexprs, [n for n in types if n.startswith("stride")],
                                   cfg["num_warps"], cfg["num_stages"])

@@ -380,9 +380,8 @@ def unfuse_observed_attention(gm: fx.GraphModule) -> fx.GraphModule:
 def gemv_as_linear(gm: fx.GraphModule) -> fx.GraphModule:
     """gm with every kvrewrite::gemv (apply(gemv=True)) turned back into the aten.linear it computes, and every
     kvrewrite::gemv_rms_norm into the add, RMSNorm and linear it fused, and every kvrewrite::gemv_glu into its act,
-    mul and linear (the aten ops passes/fuse_glu_into_gemv.py folded), and every kvrewrite::gemv_rms_norm_glu into
-    all of these (passes/fuse_glu_into_gate_up.py), in place: for the targets that bring their own matrix kernels
-    (ONNX Runtime, TensorRT) instead of running kvrewrite's Triton ones."""
+    mul and linear (the aten ops passes/fuse_glu_into_gemv.py folded), in place: for the targets that bring their
+    own matrix kernels (ONNX Runtime, TensorRT) instead of running kvrewrite's Triton ones."""
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target == torch.ops.kvrewrite.gemv.default:
             node.target, node.args, node.kwargs = torch.ops.aten.linear.default, tuple(all_args(node)[:3]), {}
@@ -390,8 +389,6 @@ def gemv_as_linear(gm: fx.GraphModule) -> fx.GraphModule:
             _expand_gemv_rms_norm(gm, node)
         elif node.op == "call_function" and node.target == torch.ops.kvrewrite.gemv_glu.default:
             _expand_gemv_glu(gm, node)
-        elif node.op == "call_function" and node.target == torch.ops.kvrewrite.gemv_rms_norm_glu.default:
-            _expand_gemv_rms_norm(gm, _split_gemv_rms_norm_glu(gm, node))
     gm.recompile()
     return gm
 
@@ -451,33 +448,6 @@ def _expand_gemv_rms_norm(gm: fx.GraphModule, node: fx.Node) -> None:
         user.replace_all_uses_with(y if user.args[1] == 0 else h)
         graph.erase_node(user)
     graph.erase_node(node)
-
-
-def _split_gemv_rms_norm_glu(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
-    """node (kvrewrite::gemv_rms_norm_glu) as the kvrewrite::gemv_rms_norm it extends, the halves of its output, act
-    and mul (kernels/gemv_rms_norm_glu.py reference_aten), in place; returns the gemv_rms_norm node."""
-    aten, graph = torch.ops.aten, gm.graph
-    x, residual, norm_weight, eps, weight, bias, unit_offset, act, constant = all_args(node)
-    w = _tensor(gm, weight)
-    if w is None:
-        raise ValueError(f"{node.name}: kvrewrite::gemv_rms_norm_glu's weight has no known shape")
-    rows = w.shape[0]
-    with graph.inserting_before(node):
-        norm = graph.call_function(torch.ops.kvrewrite.gemv_rms_norm.default,
-                                   (x, residual, norm_weight, eps, weight, bias, unit_offset, constant))
-        y = graph.call_function(operator.getitem, (norm, 0))
-        h = graph.call_function(operator.getitem, (norm, 1))
-        gate = graph.call_function(aten.slice.Tensor, (y, -1, 0, rows // 2))
-        up = graph.call_function(aten.slice.Tensor, (y, -1, rows // 2, rows))
-        z = graph.call_function(aten.mul.Tensor, (_act(graph, act, gate), up))
-    for user in list(node.users):
-        if user.target is not operator.getitem:
-            raise ValueError(f"{node.name}: kvrewrite::gemv_rms_norm_glu read by {user.name} ({user.target}), "
-                             f"not a getitem")
-        user.replace_all_uses_with(z if user.args[1] == 0 else h)
-        graph.erase_node(user)
-    graph.erase_node(node)
-    return norm
 
 
 def _expand_gemv_glu(gm: fx.GraphModule, node: fx.Node) -> None:

@@ -27,7 +27,6 @@ from kvrewrite.kernels import (  # noqa: F401
     gemv,
     gemv_glu,
     gemv_rms_norm,
-    gemv_rms_norm_glu,
     kcenter_compress,
     indexed_attention,
     kmeans_cluster,

@@ -23,6 +23,13 @@ and slot_pos per slot, a -inf cannot pass through a product). The segment sum is
 default) or differences of the chunk's running sum at each entry's range ends (1). kvrewrite/bench/ems_attention.py
 measured the choices (expanded_attention._launch_config). The partials (acc, m, l, base 2) are
 clustered_attention's: its combine kernel merges them.
+
+GM < BLOCK_M (the narrow form, expanded_attention.NARROW; one query block holding every real row, G * T <= GM): the
+two tl.dot products keep their BLOCK_M (16) rows, but the per-slot work (gather, exponentials, the running-sum
+segment sum, SCATTER 1) runs on the first GM rows only. A decode step of a group of G = 4 has 4 real rows of 16: the
+full-width form spends 3/4 of its per-slot work on padding rows. The rows are taken from q @ Kᵀ and put back for
+P @ V by reshapes ([BLOCK_M, N] as [BLOCK_M / GM, GM, N]: padding rows are exact zeros, so a sum over the first axis
+selects the real ones bit for bit).
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
@@ -34,6 +41,19 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the op runs its reference; only the launcher needs Triton
     tl = None
+
+
+@triton_jit()
+def _first_rows(x, BLOCK_M: tl.constexpr, GM: tl.constexpr, N: tl.constexpr):
+    """The first GM rows [GM, N] of x [BLOCK_M, N], whose other rows are zeros (exact: a sum with zeros)."""
+    return tl.sum(tl.reshape(x, [BLOCK_M // GM, GM, N]), axis=0)
+
+
+@triton_jit()
+def _spread_rows(x, BLOCK_M: tl.constexpr, GM: tl.constexpr, N: tl.constexpr):
+    """x [GM, N] as the first GM rows of a [BLOCK_M, N] tensor of zeros."""
+    full = tl.reshape(tl.broadcast_to(x[None, :, :], [BLOCK_M // GM, GM, N]), [BLOCK_M, N])
+    return tl.where((tl.arange(0, BLOCK_M) < GM)[:, None], full, 0.0)
 
 
 @triton_jit(do_not_specialize=["Hkv", "G", "T", "C", "R", "NUM_SPLITS"])
@@ -64,6 +84,7 @@ def _expanded_attention_fwd_kernel(
     WRITE_S: tl.constexpr,
     GATHER: tl.constexpr,  # the in-tile gather of s: 0 one-hot fp32 ieee, 1 one-hot tf32x3, 2 tl.gather
     SCATTER: tl.constexpr,  # the per-entry segment sum of p: 0 one-hot product, 1 running-sum differences
+    GM: tl.constexpr,  # rows of the per-slot work: BLOCK_M, or (narrow form: GATHER 2, SCATTER 1, one block) fewer
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     pid_s = tl.program_id(0)
@@ -77,6 +98,17 @@ def _expanded_attention_fwd_kernel(
     rows, row_ok, t, hq, offs_d, q, qpos, qpos_min, qpos_max, q_rel = query_block(
         Q, CPOS, b, h, pid_m, G, T, stride_qb, stride_qh, stride_qt, stride_qd, BLOCK_M, HEAD_DIM)
     out_row = (b.to(tl.int64) * Hq + hq) * T + t
+    if GM < BLOCK_M:  # the narrow form's rows: the block's first GM (pid_m is 0: one block holds every real row)
+        rows_n = tl.arange(0, GM)
+        row_ok_n = rows_n < G * T
+        t_n = rows_n // G
+        out_row_n = (b.to(tl.int64) * Hq + h * G + rows_n % G) * T + t_n
+        qpos_n = tl.load(CPOS + t_n, mask=row_ok_n, other=0)
+        q_rel_n = tl.where(row_ok_n, qpos_n - qpos_min, 0).to(tl.int32)
+    else:
+        row_ok_n = row_ok
+        out_row_n = out_row
+        q_rel_n = q_rel
 
     k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
@@ -100,9 +132,9 @@ def _expanded_attention_fwd_kernel(
     e_hi = tl.where(busy, tl.where(e_last >= 0, e_last, C - 1), -1)
     e_hi = tl.minimum(e_hi, C - 1)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([GM], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GM], dtype=tl.float32)
+    acc = tl.zeros([GM, HEAD_DIM], dtype=tl.float32)
     offs_bn = tl.arange(0, BLOCK_N)
 
     for e0 in range(e_lo, e_hi + 1, BLOCK_N):
@@ -118,6 +150,8 @@ def _expanded_attention_fwd_kernel(
         if WRITE_S:
             tl.store(S_OUT + out_row[:, None] * C + offs_e[None, :], (qk * s_scale).to(tl.float32),
                      mask=row_ok[:, None] & e_ok[None, :])
+        if GM < BLOCK_M:
+            qk = _first_rows(qk.to(tl.float32), BLOCK_M, GM, BLOCK_N)
         sv = (qk * qk_scale).to(tl.float32)
 
         # the tile's slots: from its first entry's first slot (the split's first slot for the first tile) to the
@@ -131,11 +165,11 @@ def _expanded_attention_fwd_kernel(
         if GATHER == 2:
             # visibility per (row, entry), once per tile: -inf scores gather as -inf (no product with a one-hot)
             bias_e = tl.load(bias_base + offs_e, mask=e_ok, other=float("-inf"))
-            vis_e = (bias_e > float("-inf"))[None, :] & row_ok[:, None]
+            vis_e = (bias_e > float("-inf"))[None, :] & row_ok_n[:, None]
             if LOAD_POS:
                 pos_e = tl.load(pos_base + offs_e, mask=e_ok, other=0)
                 p_rel_e = tl.minimum(tl.maximum(pos_e - qpos_min, -1), 2**30).to(tl.int32)
-                vis_e = vis_e & (p_rel_e[None, :] <= q_rel[:, None])
+                vis_e = vis_e & (p_rel_e[None, :] <= q_rel_n[:, None])
             sv = tl.where(vis_e, sv, float("-inf"))
         if SCATTER == 1:
             # each entry's slot range [start, end) within [js, je) (entry_start; the next entry's start, or je)
@@ -146,7 +180,7 @@ def _expanded_attention_fwd_kernel(
             en_e = tl.where(e_ok, en_e, je)
 
         m_tile = m_i
-        P = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        P = tl.zeros([GM, BLOCK_N], dtype=tl.float32)
         # the slot metadata is prefetched one chunk ahead (loop-carried), so its latency overlaps the chunk's math
         offs_jn = js + tl.arange(0, BLOCK_J)
         e_next = tl.load(lut_base + offs_jn, mask=offs_jn < je, other=-1)
@@ -161,7 +195,7 @@ def _expanded_attention_fwd_kernel(
             in_tile = (e_j >= 0) & (loc >= 0) & (loc < BLOCK_N)  # e_j = -1 past je
             if GATHER == 2:
                 loc = tl.where(in_tile, loc, 0)
-                sg = tl.gather(sv, tl.broadcast_to(loc[None, :], (BLOCK_M, BLOCK_J)), 1)
+                sg = tl.gather(sv, tl.broadcast_to(loc[None, :], (GM, BLOCK_J)), 1)
                 vis = in_tile[None, :] & (sg > float("-inf"))
                 live = in_tile
             else:
@@ -193,8 +227,8 @@ def _expanded_attention_fwd_kernel(
                 cs = tl.cumsum(p, axis=1)
                 r_lo = tl.minimum(tl.maximum(st_e - jc, 0), BLOCK_J)
                 r_hi = tl.minimum(tl.maximum(en_e - jc, 0), BLOCK_J)
-                hi = tl.gather(cs, tl.broadcast_to(tl.maximum(r_hi - 1, 0)[None, :], (BLOCK_M, BLOCK_N)), 1)
-                lo = tl.gather(cs, tl.broadcast_to(tl.maximum(r_lo - 1, 0)[None, :], (BLOCK_M, BLOCK_N)), 1)
+                hi = tl.gather(cs, tl.broadcast_to(tl.maximum(r_hi - 1, 0)[None, :], (GM, BLOCK_N)), 1)
+                lo = tl.gather(cs, tl.broadcast_to(tl.maximum(r_lo - 1, 0)[None, :], (GM, BLOCK_N)), 1)
                 seg = tl.where((r_hi > r_lo)[None, :], hi - tl.where((r_lo > 0)[None, :], lo, 0.0), 0.0)
             else:
                 onehot = (offs_bn[:, None] == loc[None, :]) & live[None, :]  # [BLOCK_N, BLOCK_J]
@@ -206,18 +240,24 @@ def _expanded_attention_fwd_kernel(
             m_i = m_new
 
         m_base = tl.where(m_i == float("-inf"), 0.0, m_i)
+        if GM < BLOCK_M:
+            P = _spread_rows(P, BLOCK_M, GM, BLOCK_N)
         if V.dtype.element_ty == tl.float32:
             pv = tl.dot(P, v, input_precision="ieee")
         else:
             pv = tl.dot(P.to(V.dtype.element_ty), v)
+        if GM < BLOCK_M:
+            pv = _first_rows(pv, BLOCK_M, GM, HEAD_DIM)
         acc = acc * tl.exp2(m_tile - m_base)[:, None] + pv
 
     if SPLIT:
-        tl.store(OUT + (out_row[:, None] * NUM_SPLITS + pid_s) * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
-        tl.store(M_PART + out_row * NUM_SPLITS + pid_s, m_i, mask=row_ok)
-        tl.store(L_PART + out_row * NUM_SPLITS + pid_s, l_i, mask=row_ok)
+        tl.store(OUT + (out_row_n[:, None] * NUM_SPLITS + pid_s) * HEAD_DIM + offs_d[None, :], acc,
+                 mask=row_ok_n[:, None])
+        tl.store(M_PART + out_row_n * NUM_SPLITS + pid_s, m_i, mask=row_ok_n)
+        tl.store(L_PART + out_row_n * NUM_SPLITS + pid_s, l_i, mask=row_ok_n)
     else:
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row that saw nothing: acc == 0, o == 0
-        tl.store(OUT + out_row[:, None] * HEAD_DIM + offs_d[None, :], o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(OUT + out_row_n[:, None] * HEAD_DIM + offs_d[None, :], o.to(OUT.dtype.element_ty),
+                 mask=row_ok_n[:, None])
         lse = tl.where(l_i > 0.0, (m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))) / LOG2E, float("-inf"))
-        tl.store(LSE + out_row, lse, mask=row_ok)
+        tl.store(LSE + out_row_n, lse, mask=row_ok_n)

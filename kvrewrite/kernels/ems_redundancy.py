@@ -18,9 +18,9 @@ no host reads, deterministic) is the CPU path and the ground truth. The CUDA pat
 Triton kernel below once KERNELS_CHECKED_ON_GPU records that its GPU tests passed, else the reference.
 
 Triton kernels (grids fixed by the shapes): 1. per row, the due TBM entries listed in ascending
-order (a chunked cumsum); 2. grid (blocks of BLOCK_T listed TBM entries, rows, S splits of the centre range; two
-launches, 32-entry blocks for rows under BIG_TBM TBM entries and 128-entry ones from there): a
-block past the row's TBM count returns at once (decode: ~32 TBM per row, one block); its TBM rows of a and v stay
+order (a chunked cumsum); 2. grid (P, rows, S splits of the centre range; two launches, 32-entry blocks for rows
+under BIG_TBM TBM entries and 128-entry ones from there): program p walks the row's blocks of BLOCK_T listed TBM
+entries p, p + P, ... up to its TBM count (decode: ~32 TBM per row, one block); a block's TBM rows of a and v stay
 in registers with their fp32 norms, and it walks its split's entries in centre blocks of BLOCK_N (a block without
 a centre is skipped): two tl.dot products (fp32 accumulate; fp32 inputs at IEEE precision, never TF32), divided by
 the norm products (tl.div_rn: dot first, then divide; 0 for a zero norm), clamped at 0, multiplied; a running
@@ -130,6 +130,20 @@ BIG_TBM = 256
 BIG_BLOCK_T, BIG_WARPS = 128, 8
 LIST_CHUNK = 1024  # entries per step of the TBM list
 TARGET_PROGRAMS = 256  # splits of the centre range: about this many programs per TBM block column
+# The main launch's grid is (P, rows, S): P programs per (row, split) walk the row's blocks p, p + P, ... up to its
+# TBM count, a device value. The small tier's rows hold under BIG_TBM TBM entries, so P = BIG_TBM / BLOCK_T (8) gives
+# each of their blocks a program; the big tier takes at most BIG_PROGRAMS (a 2048-token chunk's 16 blocks of 128).
+# Before, both tiers had one program per possible block (C / BLOCK_T), and a decode-time compression (one block a
+# row) dispatched thousands of idle programs: H200, 32k, budget 0.2, C 8665, CUDA-graph replays of the whole op
+# (docs/bench.md, "Stop 50 runs"): 32 TBM a row took 114 us at batch 1 and 371 at batch 8. Block index fastest
+# keeps a split's programs together (they read the same centres from L2): with the split index fastest the batch-8
+# prefill compression (2048 a row) took 5% longer.
+BIG_PROGRAMS = 16
+# Skip blocks of centres that hold none (a decode-time row's window and new tokens: a few of its ~110 blocks). The
+# branch around the block's loads keeps Triton from pipelining them across blocks: compiled for sm_90 with the
+# launch's aligned D, the main kernel without it has 7 async copies in its TTGIR, with it none (docs/bench.md "Stop 50
+# runs"). Not yet timed, hence on: `python -m kvrewrite.bench.ems_prefill --kernels redundancy`'s "no_skip".
+SKIP_EMPTY = True
 
 
 @triton_jit(do_not_specialize=["C"])
@@ -150,64 +164,71 @@ def _tbm_list_kernel(CLS, DUE, TL, KPOS, NT, C, CH: tl.constexpr):
     tl.store(NT + row, n)
 
 
-@triton_jit(do_not_specialize=["C", "CS", "nt_lo", "nt_hi"])
-def _redundancy_kernel(A, V, CLS, TL, NT, PB, PA, C, D, CS, nt_lo, nt_hi, S: tl.constexpr, IEEE: tl.constexpr,
-                       BT: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Launch 2 (grid TBM blocks x rows x S centre splits): best R and its smallest centre over the split's
-    centres [sp * CS, (sp + 1) * CS) for TBM places [blk * BT, +BT) (PB/PA[row, sp, place]), on the rows whose TBM
-    count nt lies in [nt_lo, nt_hi) (the launch's tier; BIG_TBM)."""
-    blk = tl.program_id(0)
+@triton_jit(do_not_specialize=["C", "CS", "nt_lo", "nt_hi", "P"])
+def _redundancy_kernel(A, V, CLS, TL, NT, PB, PA, C, D, CS, nt_lo, nt_hi, P, S: tl.constexpr, IEEE: tl.constexpr,
+                       BT: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr, SKIP: tl.constexpr):
+    """Launch 2 (grid P x rows x S centre splits): best R and its smallest centre over the split's centres
+    [sp * CS, (sp + 1) * CS) for the TBM places of blocks p, p + P, ... of BT places each, up to the row's TBM count
+    nt (PB/PA[row, sp, place]), on the rows whose nt lies in [nt_lo, nt_hi) (the launch's tier; BIG_TBM). SKIP: a
+    block of centres holding none is skipped, a branch around its loads; without it every block is computed, its
+    non-centres masked (SKIP_EMPTY)."""
+    p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2)
     nt = tl.load(NT + row)
-    if (blk * BT < nt) & (nt >= nt_lo) & (nt < nt_hi):
-        k = blk * BT + tl.arange(0, BT)
-        mk = k < nt
-        d = tl.load(TL + row * C + k, mask=mk, other=0)
+    if (nt >= nt_lo) & (nt < nt_hi):
         kd = tl.arange(0, BLOCK_D)
-        at = (row * C + d)[:, None] * D + kd[None, :]
-        m2 = mk[:, None] & (kd < D)[None, :]
-        xa = tl.load(A + at, mask=m2, other=0.0)
-        xv = tl.load(V + at, mask=m2, other=0.0)
-        xaf = xa.to(tl.float32)
-        xvf = xv.to(tl.float32)
-        na = tl.sqrt_rn(tl.sum(xaf * xaf, axis=1))
-        nv = tl.sqrt_rn(tl.sum(xvf * xvf, axis=1))
-        best = tl.full([BT], float("-inf"), tl.float32)
-        arg = tl.full([BT], C, tl.int32)
-        for c0 in range(sp * CS, tl.minimum(sp * CS + CS, C), BN):
-            c = c0 + tl.arange(0, BN)
-            mc = c < C
-            cen = mc & (tl.load(CLS + row * C + c, mask=mc, other=0) == 2)
-            if tl.sum(cen.to(tl.int32), axis=0) > 0:
-                ct = (row * C + c)[None, :] * D + kd[:, None]  # [BLOCK_D, BN]: the centres transposed
-                mt = cen[None, :] & (kd < D)[:, None]
-                ya = tl.load(A + ct, mask=mt, other=0.0)
-                yv = tl.load(V + ct, mask=mt, other=0.0)
-                yaf = ya.to(tl.float32)
-                yvf = yv.to(tl.float32)
-                nya = tl.sqrt_rn(tl.sum(yaf * yaf, axis=0))
-                nyv = tl.sqrt_rn(tl.sum(yvf * yvf, axis=0))
-                if IEEE:
-                    da = tl.dot(xa, ya, input_precision="ieee")
-                    dv = tl.dot(xv, yv, input_precision="ieee")
+        for blk in range(p, tl.cdiv(nt, BT), P):
+            k = blk * BT + tl.arange(0, BT)
+            mk = k < nt
+            d = tl.load(TL + row * C + k, mask=mk, other=0)
+            at = (row * C + d)[:, None] * D + kd[None, :]
+            m2 = mk[:, None] & (kd < D)[None, :]
+            xa = tl.load(A + at, mask=m2, other=0.0)
+            xv = tl.load(V + at, mask=m2, other=0.0)
+            xaf = xa.to(tl.float32)
+            xvf = xv.to(tl.float32)
+            na = tl.sqrt_rn(tl.sum(xaf * xaf, axis=1))
+            nv = tl.sqrt_rn(tl.sum(xvf * xvf, axis=1))
+            best = tl.full([BT], float("-inf"), tl.float32)
+            arg = tl.full([BT], C, tl.int32)
+            for c0 in range(sp * CS, tl.minimum(sp * CS + CS, C), BN):
+                c = c0 + tl.arange(0, BN)
+                mc = c < C
+                cen = mc & (tl.load(CLS + row * C + c, mask=mc, other=0) == 2)
+                if SKIP:
+                    go = tl.sum(cen.to(tl.int32), axis=0) > 0
                 else:
-                    da = tl.dot(xa, ya)
-                    dv = tl.dot(xv, yv)
-                dena = na[:, None] * nya[None, :]
-                denv = nv[:, None] * nyv[None, :]
-                ca = tl.where(dena > 0.0, tl.div_rn(da, tl.where(dena > 0.0, dena, 1.0)), 0.0)
-                cv = tl.where(denv > 0.0, tl.div_rn(dv, tl.where(denv > 0.0, denv, 1.0)), 0.0)
-                r = tl.maximum(ca, 0.0) * tl.maximum(cv, 0.0)
-                r = tl.where(cen[None, :], r, float("-inf"))
-                tmax = tl.max(r, axis=1)
-                targ = tl.min(tl.where(cen[None, :] & (r == tmax[:, None]), c[None, :], C), axis=1)
-                up = tmax > best  # a later block wins only when strictly larger: ties to the smallest centre
-                best = tl.where(up, tmax, best)
-                arg = tl.where(up, targ, arg)
-        at_p = (row * S + sp) * C + k
-        tl.store(PB + at_p, best, mask=mk)
-        tl.store(PA + at_p, arg, mask=mk)
+                    go = True
+                if go:
+                    ct = (row * C + c)[None, :] * D + kd[:, None]  # [BLOCK_D, BN]: the centres transposed
+                    mt = cen[None, :] & (kd < D)[:, None]
+                    ya = tl.load(A + ct, mask=mt, other=0.0)
+                    yv = tl.load(V + ct, mask=mt, other=0.0)
+                    yaf = ya.to(tl.float32)
+                    yvf = yv.to(tl.float32)
+                    nya = tl.sqrt_rn(tl.sum(yaf * yaf, axis=0))
+                    nyv = tl.sqrt_rn(tl.sum(yvf * yvf, axis=0))
+                    if IEEE:
+                        da = tl.dot(xa, ya, input_precision="ieee")
+                        dv = tl.dot(xv, yv, input_precision="ieee")
+                    else:
+                        da = tl.dot(xa, ya)
+                        dv = tl.dot(xv, yv)
+                    dena = na[:, None] * nya[None, :]
+                    denv = nv[:, None] * nyv[None, :]
+                    ca = tl.where(dena > 0.0, tl.div_rn(da, tl.where(dena > 0.0, dena, 1.0)), 0.0)
+                    cv = tl.where(denv > 0.0, tl.div_rn(dv, tl.where(denv > 0.0, denv, 1.0)), 0.0)
+                    r = tl.maximum(ca, 0.0) * tl.maximum(cv, 0.0)
+                    r = tl.where(cen[None, :], r, float("-inf"))
+                    tmax = tl.max(r, axis=1)
+                    targ = tl.min(tl.where(cen[None, :] & (r == tmax[:, None]), c[None, :], C), axis=1)
+                    up = tmax > best  # a later block wins only when strictly larger: ties to the smallest centre
+                    best = tl.where(up, tmax, best)
+                    arg = tl.where(up, targ, arg)
+            at_p = (row * S + sp) * C + k
+            tl.store(PB + at_p, best, mask=mk)
+            tl.store(PA + at_p, arg, mask=mk)
 
 
 @triton_jit(do_not_specialize=["C", "tau"])
@@ -240,13 +261,14 @@ def _dest_kernel(CLS, DUE, KPOS, PB, PA, DEST, C, tau, MERGE: tl.constexpr, S: t
 
 def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int | None = None,
                           block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
-                          big_tbm: int | None = None):
+                          big_tbm: int | None = None, programs: int | None = None, skip_empty: bool | None = None):
     """The Triton kernels (module docstring): dest [B, Hkv, C] int32. Under TRITON_INTERPRET=1 they run on CPU
     tensors (how they are tested without a GPU; fp32 only there: the 3.6 interpreter's 16-bit tl.dot is wrong).
     splits: centre-range splits per TBM block (default: about TARGET_PROGRAMS programs per block column, by the
-    row count: a function of the shapes only); any value gives the same dest. Without block_t and num_warps the
-    main launch runs in two tiers by each row's TBM count (BIG_TBM, or big_tbm: 0 puts every row in the big one);
-    with either, one launch of that blocking serves every row."""
+    row count: a function of the shapes only); programs: P, the main launch's programs per (row, split) (default:
+    one per block the tier's rows can hold); skip_empty (default SKIP_EMPTY); any values give the same dest.
+    Without block_t and num_warps the main launch runs in two tiers by each row's TBM count (BIG_TBM, or big_tbm: 0
+    puts every row in the big one); with either, one launch of that blocking serves every row."""
     if triton is None:
         raise NotImplementedError(f"{NAME}: the Triton kernel needs Triton (pip install triton)")
     _check_inputs(keys, values, raw_keys, cls, due, tau)
@@ -278,9 +300,11 @@ def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int
         _tbm_list_kernel[(rows,)](c, du, tlist, kpos, nt, C, CH=min(LIST_CHUNK, triton.next_power_of_2(C)))
         cs = triton.cdiv(triton.cdiv(C, S), bn) * bn
         for lo, hi, bt, warps in tiers:
-            _redundancy_kernel[(triton.cdiv(C, bt), rows, S)](
-                a, v, c, tlist, nt, pb, pa, C, D, cs, lo, hi, S=S, IEEE=keys.dtype == torch.float32, BT=bt, BN=bn,
-                BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=warps)
+            P = programs or min(triton.cdiv(min(hi - 1, C), bt), BIG_PROGRAMS)
+            _redundancy_kernel[(P, rows, S)](
+                a, v, c, tlist, nt, pb, pa, C, D, cs, lo, hi, P, S=S, IEEE=keys.dtype == torch.float32, BT=bt, BN=bn,
+                BLOCK_D=max(16, triton.next_power_of_2(D)), SKIP=SKIP_EMPTY if skip_empty is None else skip_empty,
+                num_warps=warps)
     bt = tiers[0][2]
     _dest_kernel[(triton.cdiv(C, bt), rows)](c, du, kpos, pb, pa, dest, C, float(tau), MERGE=merge, S=S, BT=bt)
     return dest

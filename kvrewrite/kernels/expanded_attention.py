@@ -228,6 +228,16 @@ PREFILL_GATHERED = True
 # shape, not measured in between.
 PREFILL_GATHERED_MIN_QUERIES = 512
 
+# The narrow form (kernel module docstring, GM): where one query block holds every real row (G * T <= block_m, as at
+# decode), the per-slot work runs on next_power_of_2(G * T) rows instead of block_m (16), with the running-sum
+# segment sum (the one-hot product needs 16 rows). A decode step at G = 4 spends 3/4 of the full-width form's
+# per-slot work on padding rows; the H200 measured the expanded attention at 2.1x clustered_attention over the same
+# entries (docs/bench.md "Stop 50 runs"). Built after that run's device time was spent: interpreter tests against the
+# float64 dense attention; compiled for sm_90 here at 158 registers and 22.5 KB a program (the full width: 230 and
+# 41 KB); not yet run or timed on a GPU, hence off (`narrow=True` in the launch overrides, `--kernel-option
+# expanded_attention.NARROW=True`, bench/ems_attention.py's "narrow" variants).
+NARROW = False
+
 
 def uses_gathered(T: int, gathered: bool | None = None) -> bool:
     """Whether a prefill-kernel block of T queries runs the gathered form: `gathered` when given (a launch override),
@@ -236,7 +246,8 @@ def uses_gathered(T: int, gathered: bool | None = None) -> bool:
 
 
 def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=None, block_n=None, block_j=None,
-                   num_splits=None, num_warps=None, num_stages=None, gather="gather", scatter="onehot", resident=None):
+                   num_splits=None, num_warps=None, num_stages=None, gather="gather", scatter="onehot", resident=None,
+                   narrow=None):
     """Tile sizes, split count and launch options from the shapes alone (one fixed launch for CUDA graphs and
     Inductor). Splits and query blocks follow clustered_attention's _launch_config (its rule counts entry tiles:
     >= 2 per split); the slots of a row are divided among the splits on the device. Overrides: the benchmark's
@@ -245,7 +256,9 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=None, block_n=
     Defaults measured on an H100 (docs/bench/ems_attention.json, decode 32k/128k, B 1/8): tl.gather of s and the
     one-hot segment sum with 64-entry tiles and 128-slot chunks. The one-hot tf32x3 gather took 1.8-2.1x as long,
     an fp32 ieee one-hot 2.9-3.5x (per-slot bias reads then), the running-sum segment sum +8-20%, 64-slot chunks
-    +1-5%, 128-entry tiles +23-31%, 32-entry tiles -4% at 32k B 1 but +8-11% elsewhere, 8 warps +4-9%."""
+    +1-5%, 128-entry tiles +23-31%, 32-entry tiles -4% at 32k B 1 but +8-11% elsewhere, 8 warps +4-9%.
+    narrow (default NARROW): the per-slot work on gm = next_power_of_2(G * T) rows where one query block holds them
+    all and the gather is tl.gather; it takes the running-sum segment sum. Else gm = block_m."""
     decode = G * T <= 16
     if block_n is None:
         block_n = 64
@@ -255,6 +268,11 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=None, block_n=
                             resident=resident if resident is not None else (RESIDENT_PROGRAMS or None))
     cfg["block_j"] = block_j if block_j is not None else (128 if decode else 64)
     cfg["gather"], cfg["scatter"] = GATHERS[gather], SCATTERS[scatter]
+    cfg["gm"] = cfg["block_m"]
+    if (NARROW if narrow is None else narrow) and cfg["m_blocks"] == 1 and gather == "gather":
+        cfg["gm"] = min(cfg["block_m"], triton.next_power_of_2(G * T))
+        if cfg["gm"] < cfg["block_m"]:
+            cfg["scatter"] = SCATTERS["cumsum"]
     return cfg
 
 
@@ -315,7 +333,7 @@ def launch_expanded_forward(q, keys, values, bias, slot_pos, cache_position, ent
         Hkv, G, T, C, R, qk_scale, softcap_log2, float(scale), n_splits,
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_J=cfg["block_j"], SPLIT=split,
         LOAD_POS=not past_only, SOFTCAP=softcap > 0, WRITE_S=S is not None, GATHER=cfg["gather"],
-        SCATTER=cfg["scatter"],
+        SCATTER=cfg["scatter"], GM=cfg["gm"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split:

@@ -99,8 +99,7 @@ def early_weight(constant_weight: bool) -> bool:
 def row_dots(X, w_rows, row_ok, K, stride_xk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              EVICT_FIRST: tl.constexpr, EARLY_W: tl.constexpr, PDL: tl.constexpr):
     """The fp32 dot products [BLOCK_N] of the row x with the weight rows at w_rows ([BLOCK_N, 1] pointers; 0 where not
-    row_ok), K tile by K tile; with PDL the wait first, but for a constant weight's first tile (EARLY_W). Shared with
-    kernels/gemv_rms_norm_glu.py's kernel."""
+    row_ok), K tile by K tile; with PDL the wait first, but for a constant weight's first tile (EARLY_W)."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if EARLY_W:
         cols0 = tl.arange(0, BLOCK_K)

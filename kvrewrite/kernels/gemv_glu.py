@@ -21,7 +21,10 @@ Measured (H100, bf16, Llama-3.1-8B's down projection, CUDA graphs; docs/bench/ge
 rows per program, vs 44.9 us for eager silu, mul + kvrewrite::gemv, but 42.8 us for Inductor's fused silu*mul
 kernel + kvrewrite::gemv (kvrewrite::gemv alone: 41.0 us): the prologue, recomputed by every program over all of
 K (a and b read from L2 once per program), costs about what the separate kernel does. A win over eager, parity
-under rw.compile; computing act(gate) * up once, in the gate/up GEMV's epilogue, would avoid the recomputation.
+under rw.compile. Tried and dropped (stops 49-50): act(gate) * up computed once, in the gate/up GEMV's epilogue (a
+kernel whose programs each computed gate row i and up row I + i after the split norm), the down projection a plain
+gemv. Bit-identical, but slower end to end on an H200 (snapkv, 32k, batch 1, rw.compile, fused projections, GEMV;
+two pairs in one lease): 4.72-4.73 ms/token against 4.64 with this prologue (docs/bench.md, "Stop 50 runs").
 
 Backends: CUDA runs kernels/gemv.py's kernel with a prologue; other devices run the aten ops it replaces,
 in their order (act, mul, F.linear), so a CPU graph is bit-identical before and after the pass.
@@ -113,8 +116,7 @@ def _glu_input(A, B, cols, K, stride_ak, stride_bk, ACT: tl.constexpr):
 
 @triton_jit()
 def act_product(a, b, ACT: tl.constexpr):
-    """act(a) * b in fp32 (a fp32, b in the dtype), rounded where ATen rounds: act to the dtype, then the product.
-    Shared with kernels/gemv_rms_norm_glu.py's epilogue."""
+    """act(a) * b in fp32 (a fp32, b in the dtype), rounded where ATen rounds: act to the dtype, then the product."""
     if ACT == 0:  # silu: a sigmoid(a)
         g = a / (1.0 + tl.exp(-a))
     elif ACT == 1:  # gelu tanh: 0.5 a (1 + tanh(u)) = a sigmoid(2u), u = sqrt(2/pi) (a + 0.044715 a^3)

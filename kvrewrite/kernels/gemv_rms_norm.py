@@ -386,7 +386,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias=None, unit_offset=False,
 
 def row_inputs(x, residual, K):
     """(x1, r1, h): x and the residual as [K] rows (r1 = x1 without a residual: a pointer the kernels never read) and
-    the new output h (x's shape; empty without a residual). Shared with kernels/gemv_rms_norm_glu.py."""
+    the new output h (x's shape; empty without a residual)."""
     x1 = x.reshape(K)
     r1 = x1 if residual is None else residual.reshape(K)
     return x1, r1, torch.empty(x.shape if residual is not None else (0,), dtype=x.dtype, device=x.device)

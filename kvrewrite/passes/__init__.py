@@ -11,7 +11,6 @@ from torch import fx
 
 from kvrewrite.context import RewriteContext
 from kvrewrite.passes.fuse_attention_observation import fuse_attention_observation
-from kvrewrite.passes.fuse_glu_into_gate_up import fuse_glu_into_gate_up
 from kvrewrite.passes.fuse_glu_into_gemv import fuse_glu_into_gemv
 from kvrewrite.passes.fuse_projections import fuse_projections
 from kvrewrite.passes.fuse_rms_norm_into_gemv import fuse_rms_norm_into_gemv
@@ -41,7 +40,6 @@ PASSES = [
     replace_linear_with_gemv,  # opt-in (ctx.gemv), decode graphs only
     fuse_rms_norm_into_gemv,  # with replace_linear_with_gemv (ctx.gemv): the RMSNorm before a gemv, into it
     fuse_glu_into_gemv,  # with replace_linear_with_gemv: act(gate) * up into the down projection's gemv
-    fuse_glu_into_gate_up,  # with gemv, while kernels/gemv_rms_norm_glu.FUSE: act(gate) * up into gate/up
 ]
 # tp > 1 (kvrewrite/tensor_parallel.py): the all-reduces and the logits' all-gather go in first, on the captured
 # linears (before GEMV replaces them), the norms after a sum go into it last (on gemv_rms_norm); tp=1 runs PASSES,

@@ -139,7 +139,7 @@ def traced_value(gm: fx.GraphModule, node, depth: int = 4):
     """node's traced value: meta["val"], or where a pass left none (fuse_projections' linear, slices and getitems) or
     only part of one (fuse_rms_norm_into_gemv's op, whose gemv output it does not know) its target run in the fake
     mode of its inputs' values, up to `depth` nodes up (get_attr tensors taken from gm); None if unknown. What
-    fuse_glu_into_gemv and fuse_glu_into_gate_up ask of the nodes they match."""
+    fuse_glu_into_gemv asks of the nodes it matches."""
     if not isinstance(node, fx.Node):
         return node
     val = node.meta.get("val")

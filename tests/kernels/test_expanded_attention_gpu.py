@@ -165,6 +165,7 @@ def test_kernel_matches_dense_float64(case, dtype, scatter):
     dict(block_n=128, block_j=32), dict(block_j=128), dict(gather="onehot"), dict(gather="onehot_tf32x3"),
     dict(scatter="cumsum"), dict(scatter="cumsum", block_j=128), dict(scatter="cumsum", block_n=16, block_j=16),
     dict(scatter="cumsum", gather="onehot_tf32x3", num_splits=7),
+    dict(narrow=True), dict(narrow=True, num_splits=7, block_j=64),  # NARROW (decode: 4 rows of 16)
 ], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 @pytest.mark.parametrize("case", ["decode-llama-G4", "prefill-G4-T37"])
 def test_launch_variants(case, tuning):
@@ -177,6 +178,21 @@ def test_launch_variants(case, tuning):
     out, lse = poisoned(lambda: xa.launch_expanded_forward(*st.attention_args(q), D**-0.5, not prefill, 0.0,
                                                            **tuning), nbytes(st, q))
     check(out, lse, want, want_lse, dtype, str(tuning))
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("case", [c for c, v in CASES.items() if v[1] // v[2] * v[6] <= 16])
+def test_narrow_form(case, dtype):
+    """expanded_attention.NARROW (one query block: G * T <= 16): the per-slot work on next_power_of_2(G * T) rows,
+    against float64, with and without the soft cap (tanh is libdevice's: GPU only)."""
+    B, Hq, Hkv, C, R, D, T, prefill, opts = CASES[case]
+    st = ems_state(B, Hkv, C, R, D, T, dtype, prefill, seed=11, **opts)
+    q = torch.randn(B, Hq, T, D, device="cuda").to(dtype)
+    for softcap in (0.0, 10.0):
+        want, want_lse = dense64(st, q, D**-0.5, softcap)
+        out, lse = poisoned(lambda: xa.launch_expanded_forward(*st.attention_args(q), D**-0.5, not prefill, softcap,
+                                                               narrow=True), nbytes(st, q))
+        check(out, lse, want, want_lse, dtype, f"softcap={softcap}")
 
 
 @SCATTER
@@ -247,8 +263,8 @@ def test_tiny_cases_against_naive(case):
 
 
 @pytest.mark.parametrize("tuning", [{}, dict(num_splits=7), dict(block_n=16, block_j=16, num_splits=5),
-                                    dict(scatter="cumsum"), dict(scatter="cumsum", num_splits=7)],
-                         ids=["default", "splits7", "small", "cumsum", "cumsum-splits7"])
+                                    dict(scatter="cumsum"), dict(scatter="cumsum", num_splits=7), dict(narrow=True)],
+                         ids=["default", "splits7", "small", "cumsum", "cumsum-splits7", "narrow"])
 def test_entry_scores_S(tuning):
     """S[b, hq, e] = scale * q·keys[e] for every entry holding a slot below slot_fill (and those between); free
     entries past the last one keep what S held. Values against float64."""

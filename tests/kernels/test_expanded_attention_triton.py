@@ -33,8 +33,8 @@ CASES = {
 }
 
 
-def build(case, seed=0):
-    B, Hq, Hkv, C, R, D, T, prefill, opts = CASES[case]
+def build(case, seed=0, cases=CASES):
+    B, Hq, Hkv, C, R, D, T, prefill, opts = cases[case]
     g = torch.Generator().manual_seed(seed)
     st = make_state(B, Hkv, C, R, D, T, torch.float32, g, prefill=prefill, **opts)
     q = torch.randn(B, Hq, T, D, generator=g)
@@ -68,6 +68,31 @@ def test_other_gathers_and_scatters(case, gather, scatter):
     assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
     fin = torch.isfinite(want_lse)
     torch.testing.assert_close(lse[fin].double(), want_lse[fin], atol=1e-5, rtol=1e-5)
+
+
+NARROW_CASES = {**CASES, "decode-G1": (2, 2, 2, 31, 70, 16, 1, False, {"dead": True})}  # G * T = 1: one row
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("case", NARROW_CASES)
+def test_narrow_form(case, splits):
+    """expanded_attention.NARROW: the per-slot work on next_power_of_2(G * T) rows (1, 2, 4, 8 here) of the 16-row
+    block, with the running-sum segment sum: the float64 dense attention's output and lse, and S as the full-width
+    form writes it."""
+    st, q, scale, past_only = build(case, seed=4, cases=NARROW_CASES)
+    out, lse = launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, num_splits=splits, narrow=True,
+                                       **SMALL)
+    want, want_lse, _ = naive_expanded(st, q, scale)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    fin = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse[fin].double(), want_lse[fin], atol=1e-5, rtol=1e-5)
+    if q.shape[2] == 1:  # S (decode): the same scores as the full-width form's
+        B, Hq, _, _ = q.shape
+        S, S_full = (torch.zeros(B, Hq, st.keys.shape[2]) for _ in range(2))
+        launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, S=S, num_splits=3, narrow=True, **SMALL)
+        launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, S=S_full, num_splits=3, **SMALL)
+        assert torch.equal(S, S_full)
 
 
 def test_entry_scores_S():
