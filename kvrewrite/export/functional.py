@@ -393,26 +393,12 @@ def gemv_as_linear(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _tensor(gm: fx.GraphModule, node: fx.Node):
-    """A get_attr node's tensor or a node's traced value; None where neither is known."""
-    if node.op == "get_attr":
-        return functools.reduce(getattr, node.target.split("."), gm)
-    val = node.meta.get("val")
-    return val if isinstance(val, torch.Tensor) else None
-
-
 def _dtype(gm: fx.GraphModule, node: fx.Node):
-    """The dtype of _tensor(gm, node); None where it is unknown."""
-    t = _tensor(gm, node)
-    return None if t is None else t.dtype
-
-
-def _act(graph: fx.Graph, act: str, x: fx.Node) -> fx.Node:
-    """The aten node of gemv_glu's act name on x (kernels/gemv_glu.py activation)."""
-    if act == "silu":
-        return graph.call_function(torch.ops.aten.silu.default, (x,))
-    approximate = "tanh" if act == "gelu_tanh" else "none"
-    return graph.call_function(torch.ops.aten.gelu.default, (x,), {"approximate": approximate})
+    """The dtype of a get_attr tensor or of a node's traced value; None where neither is known."""
+    if node.op == "get_attr":
+        return functools.reduce(getattr, node.target.split("."), gm).dtype
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 def _expand_gemv_rms_norm(gm: fx.GraphModule, node: fx.Node) -> None:
@@ -455,7 +441,12 @@ def _expand_gemv_glu(gm: fx.GraphModule, node: fx.Node) -> None:
     passes/fuse_glu_into_gemv.py replaced), in place."""
     a, b, weight, bias, act, _ = all_args(node)  # _: constant_weight
     with gm.graph.inserting_before(node):
-        x = gm.graph.call_function(torch.ops.aten.mul.Tensor, (_act(gm.graph, act, a), b))
+        if act == "silu":
+            g = gm.graph.call_function(torch.ops.aten.silu.default, (a,))
+        else:
+            g = gm.graph.call_function(torch.ops.aten.gelu.default, (a,),
+                                       {"approximate": "tanh" if act == "gelu_tanh" else "none"})
+        x = gm.graph.call_function(torch.ops.aten.mul.Tensor, (g, b))
     node.target, node.args, node.kwargs = torch.ops.aten.linear.default, (x, weight, bias), {}
 
 

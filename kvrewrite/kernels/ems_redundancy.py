@@ -164,6 +164,16 @@ def _tbm_list_kernel(CLS, DUE, TL, KPOS, NT, C, CH: tl.constexpr):
     tl.store(NT + row, n)
 
 
+@triton_jit()
+def _tiles_and_norms(A, V, at, m, AXIS: tl.constexpr):
+    """The tiles of a and v at the offsets `at` (0 outside the mask m) and their fp32 norms along AXIS, the head dim."""
+    xa = tl.load(A + at, mask=m, other=0.0)
+    xv = tl.load(V + at, mask=m, other=0.0)
+    xaf = xa.to(tl.float32)
+    xvf = xv.to(tl.float32)
+    return xa, xv, tl.sqrt_rn(tl.sum(xaf * xaf, axis=AXIS)), tl.sqrt_rn(tl.sum(xvf * xvf, axis=AXIS))
+
+
 @triton_jit(do_not_specialize=["C", "CS", "nt_lo", "nt_hi", "P"])
 def _redundancy_kernel(A, V, CLS, TL, NT, PB, PA, C, D, CS, nt_lo, nt_hi, P, S: tl.constexpr, IEEE: tl.constexpr,
                        BT: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr, SKIP: tl.constexpr):
@@ -183,13 +193,7 @@ def _redundancy_kernel(A, V, CLS, TL, NT, PB, PA, C, D, CS, nt_lo, nt_hi, P, S: 
             mk = k < nt
             d = tl.load(TL + row * C + k, mask=mk, other=0)
             at = (row * C + d)[:, None] * D + kd[None, :]
-            m2 = mk[:, None] & (kd < D)[None, :]
-            xa = tl.load(A + at, mask=m2, other=0.0)
-            xv = tl.load(V + at, mask=m2, other=0.0)
-            xaf = xa.to(tl.float32)
-            xvf = xv.to(tl.float32)
-            na = tl.sqrt_rn(tl.sum(xaf * xaf, axis=1))
-            nv = tl.sqrt_rn(tl.sum(xvf * xvf, axis=1))
+            xa, xv, na, nv = _tiles_and_norms(A, V, at, mk[:, None] & (kd < D)[None, :], 1)
             best = tl.full([BT], float("-inf"), tl.float32)
             arg = tl.full([BT], C, tl.int32)
             for c0 in range(sp * CS, tl.minimum(sp * CS + CS, C), BN):
@@ -202,13 +206,7 @@ def _redundancy_kernel(A, V, CLS, TL, NT, PB, PA, C, D, CS, nt_lo, nt_hi, P, S: 
                     go = True
                 if go:
                     ct = (row * C + c)[None, :] * D + kd[:, None]  # [BLOCK_D, BN]: the centres transposed
-                    mt = cen[None, :] & (kd < D)[:, None]
-                    ya = tl.load(A + ct, mask=mt, other=0.0)
-                    yv = tl.load(V + ct, mask=mt, other=0.0)
-                    yaf = ya.to(tl.float32)
-                    yvf = yv.to(tl.float32)
-                    nya = tl.sqrt_rn(tl.sum(yaf * yaf, axis=0))
-                    nyv = tl.sqrt_rn(tl.sum(yvf * yvf, axis=0))
+                    ya, yv, nya, nyv = _tiles_and_norms(A, V, ct, cen[None, :] & (kd < D)[:, None], 0)
                     if IEEE:
                         da = tl.dot(xa, ya, input_precision="ieee")
                         dv = tl.dot(xv, yv, input_precision="ieee")

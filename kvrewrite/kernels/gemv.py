@@ -96,10 +96,20 @@ def early_weight(constant_weight: bool) -> bool:
 
 
 @triton_jit()
-def row_dots(X, w_rows, row_ok, K, stride_xk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             EVICT_FIRST: tl.constexpr, EARLY_W: tl.constexpr, PDL: tl.constexpr):
-    """The fp32 dot products [BLOCK_N] of the row x with the weight rows at w_rows ([BLOCK_N, 1] pointers; 0 where not
-    row_ok), K tile by K tile; with PDL the wait first, but for a constant weight's first tile (EARLY_W)."""
+def _gemv_kernel(
+    X, W, BIAS, Y,
+    N, K,
+    stride_xk, stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,  # hint that the weight lines will not be read again
+    EARLY_W: tl.constexpr,  # a constant weight: its first tile is loaded before the PDL wait (kernels/_pdl.py)
+    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any other load (kernels/_pdl.py)
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = W + rows[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if EARLY_W:
         cols0 = tl.arange(0, BLOCK_K)
@@ -115,25 +125,7 @@ def row_dots(X, w_rows, row_ok, K, stride_xk, BLOCK_N: tl.constexpr, BLOCK_K: tl
         x = tl.load(X + cols * stride_xk, mask=cols < K, other=0.0).to(tl.float32)
         w = _weight_tile(w_rows, cols, row_ok, K, EVICT_FIRST)
         acc += w.to(tl.float32) * x[None, :]
-    return tl.sum(acc, axis=1)
-
-
-@triton_jit()
-def _gemv_kernel(
-    X, W, BIAS, Y,
-    N, K,
-    stride_xk, stride_wn,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    EVICT_FIRST: tl.constexpr,  # hint that the weight lines will not be read again
-    EARLY_W: tl.constexpr,  # a constant weight: its first tile is loaded before the PDL wait (kernels/_pdl.py)
-    PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any other load (kernels/_pdl.py)
-):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    y = row_dots(X, W + rows[:, None].to(tl.int64) * stride_wn, row_ok, K, stride_xk, BLOCK_N, BLOCK_K, EVICT_FIRST,
-                 EARLY_W, PDL)
+    y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(BIAS + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)

@@ -111,12 +111,6 @@ def _glu_input(A, B, cols, K, stride_ak, stride_bk, ACT: tl.constexpr):
     k_ok = cols < K
     a = tl.load(A + cols * stride_ak, mask=k_ok, other=0.0).to(tl.float32)
     b = tl.load(B + cols * stride_bk, mask=k_ok, other=0.0)
-    return act_product(a, b, ACT)
-
-
-@triton_jit()
-def act_product(a, b, ACT: tl.constexpr):
-    """act(a) * b in fp32 (a fp32, b in the dtype), rounded where ATen rounds: act to the dtype, then the product."""
     if ACT == 0:  # silu: a sigmoid(a)
         g = a / (1.0 + tl.exp(-a))
     elif ACT == 1:  # gelu tanh: 0.5 a (1 + tanh(u)) = a sigmoid(2u), u = sqrt(2/pi) (a + 0.044715 a^3)

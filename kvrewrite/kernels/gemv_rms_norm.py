@@ -365,7 +365,9 @@ def triton_gemv_rms_norm(x, residual, norm_weight, eps, weight, bias=None, unit_
 def _launch(x, residual, norm_weight, eps, weight, bias=None, unit_offset=False, constant_weight=False, **overrides):
     """Allocate the outputs and launch; no checks (Triton's interpreter runs it on CPU tensors)."""
     N, K = (int(n) for n in weight.shape)
-    x1, r1, h = row_inputs(x, residual, K)
+    x1 = x.reshape(K)
+    r1 = x1 if residual is None else residual.reshape(K)
+    h = torch.empty(x.shape if residual is not None else (0,), dtype=x.dtype, device=x.device)
     cfg = launch_config(N, K, **overrides)
     early = early_weight(constant_weight)
     pdl, launch = _pdl.launch_options(x)
@@ -382,14 +384,6 @@ def _launch(x, residual, norm_weight, eps, weight, bias=None, unit_offset=False,
         EARLY_W=early, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )
     return y, h
-
-
-def row_inputs(x, residual, K):
-    """(x1, r1, h): x and the residual as [K] rows (r1 = x1 without a residual: a pointer the kernels never read) and
-    the new output h (x's shape; empty without a residual)."""
-    x1 = x.reshape(K)
-    r1 = x1 if residual is None else residual.reshape(K)
-    return x1, r1, torch.empty(x.shape if residual is not None else (0,), dtype=x.dtype, device=x.device)
 
 
 def _launch_norm(x1, residual, r1, h, norm_weight, eps, unit_offset, cfg):

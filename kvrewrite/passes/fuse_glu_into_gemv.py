@@ -21,13 +21,16 @@ Requires: runs after replace_linear_with_gemv (it rewrites its gemv nodes); off 
           and at batch_size > 1, where there are no gemv nodes.
 """
 import logging
+import operator
 
 import torch
 from torch import fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 
 from kvrewrite.context import RewriteContext
 from kvrewrite.kernels.gemv_glu import input_problem
-from kvrewrite.passes.utils import all_args, attr_tensor, clean_up, traced_value
+from kvrewrite.passes.utils import all_args, attr_tensor, clean_up
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,37 @@ def _act(node) -> str | None:
     return None
 
 
+def _val(gm: fx.GraphModule, node, depth: int = 4):
+    """node's traced value: meta["val"], or where a pass left none (fuse_projections' linear, slices and getitems) or
+    only part of one (fuse_rms_norm_into_gemv's op, whose gemv output it does not know) its target run in the fake
+    mode of its inputs' values, up to `depth` nodes up (get_attr tensors taken from gm); None if unknown."""
+    if not isinstance(node, fx.Node):
+        return node
+    val = node.meta.get("val")
+    if val is not None and not (isinstance(val, (tuple, list)) and any(v is None for v in val)):
+        return val
+    if node.op == "get_attr":
+        return attr_tensor(gm, node)
+    if depth == 0 or node.op != "call_function":
+        return None
+    args = [_val(gm, a, depth - 1) for a in node.args]
+    kwargs = {k: _val(gm, v, depth - 1) for k, v in node.kwargs.items()}
+    if any(isinstance(a, fx.Node) and v is None for a, v in [*zip(node.args, args),
+                                                             *((node.kwargs[k], kwargs[k]) for k in kwargs)]):
+        return None
+    if node.target is operator.getitem and isinstance(args[0], (tuple, list)):  # of a multi-output op's value
+        return args[0][args[1]]
+    mode = detect_fake_mode([a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)])
+    if mode is None:
+        return None
+
+    def fake(a):
+        return mode.from_tensor(a) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) else a
+
+    with mode:
+        return node.target(*map(fake, args), **{k: fake(v) for k, v in kwargs.items()})
+
+
 def _match(gm: fx.GraphModule, gemv: fx.Node):
     """(mul, act node, a, b, act name) when gemv's input is mul(act(a), b) that gemv_glu takes, else None."""
     x, w_node, b_node, _ = all_args(gemv)
@@ -57,7 +91,7 @@ def _match(gm: fx.GraphModule, gemv: fx.Node):
         if act is None or not isinstance(other, fx.Node) or other is act_node:
             continue
         a, b = act_node.args[0], other
-        vals = [traced_value(gm, n) if isinstance(n, fx.Node) else None for n in (a, b)]
+        vals = [_val(gm, n) if isinstance(n, fx.Node) else None for n in (a, b)]
         if not all(isinstance(v, torch.Tensor) and isinstance(v.numel(), int) for v in vals):
             continue  # unknown or symbolic sizes are not known to fit
         if input_problem(*vals, attr_tensor(gm, w_node), attr_tensor(gm, b_node), act) is None:

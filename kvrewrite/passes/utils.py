@@ -1,12 +1,9 @@
 """Helpers shared by the passes."""
 import contextlib
 import functools
-import operator
 
 import torch
 from torch import fx
-from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor
 
 from kvrewrite.errors import RewriteError
 
@@ -133,35 +130,3 @@ def weight_linears(gm: fx.GraphModule, targets, ctx, what: str) -> tuple:
                                    f"else than aten.linear(x, weight[, bias])")
             pairs.append((node, user))
     return pairs, found
-
-
-def traced_value(gm: fx.GraphModule, node, depth: int = 4):
-    """node's traced value: meta["val"], or where a pass left none (fuse_projections' linear, slices and getitems) or
-    only part of one (fuse_rms_norm_into_gemv's op, whose gemv output it does not know) its target run in the fake
-    mode of its inputs' values, up to `depth` nodes up (get_attr tensors taken from gm); None if unknown. What
-    fuse_glu_into_gemv asks of the nodes it matches."""
-    if not isinstance(node, fx.Node):
-        return node
-    val = node.meta.get("val")
-    if val is not None and not (isinstance(val, (tuple, list)) and any(v is None for v in val)):
-        return val
-    if node.op == "get_attr":
-        return attr_tensor(gm, node)
-    if depth == 0 or node.op != "call_function":
-        return None
-    args = [traced_value(gm, a, depth - 1) for a in node.args]
-    kwargs = {k: traced_value(gm, v, depth - 1) for k, v in node.kwargs.items()}
-    if any(isinstance(a, fx.Node) and v is None for a, v in [*zip(node.args, args),
-                                                             *((node.kwargs[k], kwargs[k]) for k in kwargs)]):
-        return None
-    if node.target is operator.getitem and isinstance(args[0], (tuple, list)):  # of a multi-output op's value
-        return args[0][args[1]]
-    mode = detect_fake_mode([a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)])
-    if mode is None:
-        return None
-
-    def fake(a):
-        return mode.from_tensor(a) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) else a
-
-    with mode:
-        return node.target(*map(fake, args), **{k: fake(v) for k, v in kwargs.items()})
