@@ -18,7 +18,7 @@
 #    attention, its statistics fold and the redundancy, with their launch variants); not default
 # j: EMS's decode-time kernels at 32k (not default): the expanded attention's launch variants (bench/ems_attention.py:
 #    split counts and the narrow form among them), the redundancy by TBM count at batch 1 and 8 (bench/ems_prefill.py:
-#    no_skip among its variants)
+#    its launch variants)
 set -o pipefail
 OUT=${1:-out/bench}
 PHASES=${2:-a b c d}

@@ -6,8 +6,8 @@ its defaults (γ = 4, window 32, interval 32, prefill chunk 256) right after a c
 entries live (C = Bt + 31 + 256 allocated), slot_fill = R_max = 4 Bt runtime slots (R = 4 C allocated); the window's
 32 entries hold one slot each, the other entries 1 + a multinomial share of the rest (mean ~4). Timed:
 - expanded: kvrewrite::expanded_attention's Triton launch (fwd + combine), past_only, over those slots; with its
-  launch variants (the in-tile gather: tl.gather or a tf32x3 one-hot product; the segment sum: one-hot product or
-  running-sum differences; tile and chunk sizes, warps);
+  launch variants (VARIANTS: the full-width form, split counts, chunk and tile sizes), each first checked against
+  the default's output on the first set;
 - clustered_C: kvrewrite::clustered_attention over the same C entries (one slot per entry: what the attention
   would cost without the expansion);
 - dense_n: kvrewrite::clustered_attention over all n tokens (the full cache).
@@ -22,6 +22,7 @@ Bytes the expanded kernel must move: K + V + bias + entry_start per live entry, 
 import argparse
 import json
 import math
+import re
 
 import torch
 from torch._library.triton import set_wrap_triton_enabled
@@ -32,21 +33,18 @@ from kvrewrite.kernels import clustered_attention as ca
 from kvrewrite.kernels import expanded_attention as xa
 
 HQ, HKV, D, DTYPE = 32, 8, 128, torch.bfloat16
-VARIANTS = {  # name -> launch_expanded_forward tuning (default: tl.gather of s, one-hot segment sum, 64 entries x
-    # 128 slots; run 2 measured the one-hot tf32x3 gather at 1.8-2.1x the default's time, 8 warps at +4-9%)
+VARIANTS = {  # name -> launch_expanded_forward tuning. default: the narrow form (decode: the per-slot work on the
+    # group's 4 rows of the 16-row block, running-sum segment sum) at 64 splits and 64-slot chunks (stop 51, H200:
+    # 0.60-0.70x the full width's time at the four shapes below); before it, the full width with tl.gather, the one-hot
+    # segment sum, 64 entries x 128 slots and clustered_attention's split rule
     "default": {},
-    "bj64": dict(block_j=64),
-    "scatter_cumsum": dict(scatter="cumsum"),
-    "scatter_cumsum_bj64": dict(scatter="cumsum", block_j=64),
-    "bn32": dict(block_n=32),
-    "bn128": dict(block_n=128),
-    # split counts (default: clustered_attention's rule, 33 at batch 1 and 4 at batch 8 on 132 SMs); not yet run
-    "splits16": dict(num_splits=16),
-    "splits48": dict(num_splits=48),
-    # expanded_attention.NARROW: the per-slot work on the G = 4 real rows of the 16-row block; not yet run
-    "narrow": dict(narrow=True),
-    "narrow_bj64": dict(narrow=True, block_j=64),
-    "narrow_splits48": dict(narrow=True, num_splits=48),
+    "full_width": dict(narrow=False),
+    "full_width_bj64": dict(narrow=False, block_j=64),
+    "full_width_cumsum": dict(narrow=False, scatter="cumsum"),
+    "full_width_bn32": dict(narrow=False, block_n=32),
+    "narrow_bj128": dict(block_j=128),
+    "narrow_bn32": dict(block_n=32),
+    **{f"narrow_splits{s}": dict(num_splits=s) for s in (32, 48, 96, 128)},
 }
 
 
@@ -116,7 +114,7 @@ def expanded_bytes(B, n):
     return B * HKV * (Bt * (2 * D * 2 + 8) + n_slots * 8) + 2 * B * HQ * D * 2
 
 
-def case(B, n, variants=True):
+def case(B, n, variants=VARIANTS):
     gen = torch.Generator(device="cuda").manual_seed(0)
     Bt, C, n_slots, R = sizes(n)
     scale = D**-0.5
@@ -138,8 +136,13 @@ def case(B, n, variants=True):
     row = dict(context=n, batch=B, Bt=Bt, C=C, slots=n_slots, R=R, expanded_bytes=nbytes, n_sets=len(sets),
                launch=xa._launch_config(B, HKV, HQ // HKV, 1, C, D, ca._num_sms(torch.device("cuda")), 2))
     variants_us = {}
-    for name, tuning in (VARIANTS if variants else {"default": {}}).items():
+    for name, tuning in variants.items():
         try:
+            got, got_lse = launcher(**tuning)(*sets[0])
+            err = (got.float() - out.float()).abs().max().item()
+            lse_err = (got_lse - lse).abs().max().item()
+            if not (err < 2.5e-2 and lse_err < 1e-3):  # a launch variant must compute the default's function
+                raise AssertionError(f"{name} vs default: out {err}, lse {lse_err}")
             variants_us[name] = _graph_us(launcher(**tuning), sets)
         except Exception as e:  # noqa: BLE001  (a variant that does not compile, e.g. out of shared memory)
             variants_us[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
@@ -171,12 +174,16 @@ def case(B, n, variants=True):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="docs/bench/ems_attention.json")
+    parser.add_argument("--variants", default=None, metavar="REGEX",
+                        help="time only the launch variants whose names match (the default always runs)")
     args = parser.parse_args()
+    pattern = re.compile(args.variants) if args.variants else None
+    variants = {k: v for k, v in VARIANTS.items() if k == "default" or pattern is None or pattern.search(k)}
     env, copy = start_run()
     rows = []
     for n in (32768, 131072):
         for B in (1, 8):
-            row = case(B, n, variants=True)
+            row = case(B, n, variants=variants)
             rows.append(row)
             v = row["expanded_variants_us"]
             print(f"n={n:<6} B={B} C={row['C']} slots={row['slots']}: expanded {row['expanded_us']:.1f} us "

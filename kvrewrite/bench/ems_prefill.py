@@ -90,10 +90,9 @@ REDUNDANCY = {
     "splits1": dict(splits=1),
     "splits8": dict(splits=8),
     "splits16": dict(splits=16),  # the most the default picks (small batches); at batch 8 it picks 4
-    "no_skip": dict(skip_empty=False),  # every block of centres computed: its loads pipelined (SKIP_EMPTY)
 }
 QUICK = {"expanded": ("default", "walk", "per_entry"), "fold": ("default", "acc2d", "trans"),
-         "redundancy": ("default", "bt64", "no_skip")}
+         "redundancy": ("default", "bt64")}
 
 
 def prefill_state(B, n, chunk, gen, dev="cuda"):
@@ -232,7 +231,7 @@ def run(B, n, chunk, quick, kernels=("expanded", "fold", "redundancy")):
         cls[..., Bt:] = 3
         cls[..., Bt + n_tbm:] = 0
         res = {}
-        for name in ("default", "small", "bt64", "bt128_w8", "splits16", "no_skip"):
+        for name in ("default", "small", "bt64", "bt128_w8", "splits16"):
             res[name] = _time(lambda t=REDUNDANCY[name]: er.triton_ems_redundancy(keys, values, raw, cls, due, 0.6,
                                                                                   **t))
         print(f"  redundancy at {n_tbm} per row (ms) {res}", flush=True)

@@ -138,11 +138,13 @@ def main(argv=None):
             regs, shared, warps = attention_decode_resources(pending, split)
             print(f"decode attention, pending rows {pending!s:5}, split {split!s:5}: {regs} registers, {shared} B shared, "
                   f"{warps} warps: {programs_per_sm(regs, shared, warps)} programs per SM", flush=True)
-    for write_s in (False, True):
-        for split in (False, True):
-            regs, shared, warps = expanded_decode_resources(split, write_s)
-            print(f"EMS expanded attention, S written {write_s!s:5}, split {split!s:5}: {regs} registers, {shared} B "
-                  f"shared, {warps} warps: {programs_per_sm(regs, shared, warps)} programs per SM", flush=True)
+    for narrow in (True, False):  # expanded_attention.NARROW's form (the default) and the full width
+        for write_s in (False, True):
+            for split in (False, True):
+                regs, shared, warps = expanded_decode_resources(split, write_s, narrow=narrow)
+                print(f"EMS expanded attention, {'narrow' if narrow else 'full width'}, S written {write_s!s:5}, "
+                      f"split {split!s:5}: {regs} registers, {shared} B shared, {warps} warps: "
+                      f"{programs_per_sm(regs, shared, warps)} programs per SM", flush=True)
 
 
 if __name__ == "__main__":

@@ -139,11 +139,12 @@ TARGET_PROGRAMS = 256  # splits of the centre range: about this many programs pe
 # keeps a split's programs together (they read the same centres from L2): with the split index fastest the batch-8
 # prefill compression (2048 a row) took 5% longer.
 BIG_PROGRAMS = 16
-# Skip blocks of centres that hold none (a decode-time row's window and new tokens: a few of its ~110 blocks). The
-# branch around the block's loads keeps Triton from pipelining them across blocks: compiled for sm_90 with the
-# launch's aligned D, the main kernel without it has 7 async copies in its TTGIR, with it none (docs/bench.md "Stop 50
-# runs"). Not yet timed, hence on: `python -m kvrewrite.bench.ems_prefill --kernels redundancy`'s "no_skip".
-SKIP_EMPTY = True
+# Blocks of centres that hold none (a decode-time row's window and new tokens: a few of its ~110 blocks) are skipped, a
+# branch around their loads. Tried and dropped: computing every block, masked, so that Triton pipelines the loads
+# across blocks (7 async copies in the sm_90 TTGIR against none). On an H200 (32k, budget 0.2, C 8665; docs/bench.md
+# "Stop 51 runs") the whole op took 2.24 ms against 0.79 for a batch-1 chunk's 2048 TBM a row, 18.2 against 6.0 at
+# batch 8, and 229 against 135 us for batch 1's decode-time 32: the centres' blocks are L2-resident, the skipped
+# loads are what the branch saves.
 
 
 @triton_jit(do_not_specialize=["C"])
@@ -176,12 +177,11 @@ def _tiles_and_norms(A, V, at, m, AXIS: tl.constexpr):
 
 @triton_jit(do_not_specialize=["C", "CS", "nt_lo", "nt_hi", "P"])
 def _redundancy_kernel(A, V, CLS, TL, NT, PB, PA, C, D, CS, nt_lo, nt_hi, P, S: tl.constexpr, IEEE: tl.constexpr,
-                       BT: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr, SKIP: tl.constexpr):
+                       BT: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr):
     """Launch 2 (grid P x rows x S centre splits): best R and its smallest centre over the split's centres
     [sp * CS, (sp + 1) * CS) for the TBM places of blocks p, p + P, ... of BT places each, up to the row's TBM count
-    nt (PB/PA[row, sp, place]), on the rows whose nt lies in [nt_lo, nt_hi) (the launch's tier; BIG_TBM). SKIP: a
-    block of centres holding none is skipped, a branch around its loads; without it every block is computed, its
-    non-centres masked (SKIP_EMPTY)."""
+    nt (PB/PA[row, sp, place]), on the rows whose nt lies in [nt_lo, nt_hi) (the launch's tier; BIG_TBM). A
+    block of centres holding none is skipped."""
     p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2)
@@ -200,11 +200,7 @@ def _redundancy_kernel(A, V, CLS, TL, NT, PB, PA, C, D, CS, nt_lo, nt_hi, P, S: 
                 c = c0 + tl.arange(0, BN)
                 mc = c < C
                 cen = mc & (tl.load(CLS + row * C + c, mask=mc, other=0) == 2)
-                if SKIP:
-                    go = tl.sum(cen.to(tl.int32), axis=0) > 0
-                else:
-                    go = True
-                if go:
+                if tl.sum(cen.to(tl.int32), axis=0) > 0:
                     ct = (row * C + c)[None, :] * D + kd[:, None]  # [BLOCK_D, BN]: the centres transposed
                     ya, yv, nya, nyv = _tiles_and_norms(A, V, ct, cen[None, :] & (kd < D)[:, None], 0)
                     if IEEE:
@@ -259,12 +255,12 @@ def _dest_kernel(CLS, DUE, KPOS, PB, PA, DEST, C, tau, MERGE: tl.constexpr, S: t
 
 def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int | None = None,
                           block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
-                          big_tbm: int | None = None, programs: int | None = None, skip_empty: bool | None = None):
+                          big_tbm: int | None = None, programs: int | None = None):
     """The Triton kernels (module docstring): dest [B, Hkv, C] int32. Under TRITON_INTERPRET=1 they run on CPU
     tensors (how they are tested without a GPU; fp32 only there: the 3.6 interpreter's 16-bit tl.dot is wrong).
     splits: centre-range splits per TBM block (default: about TARGET_PROGRAMS programs per block column, by the
     row count: a function of the shapes only); programs: P, the main launch's programs per (row, split) (default:
-    one per block the tier's rows can hold); skip_empty (default SKIP_EMPTY); any values give the same dest.
+    one per block the tier's rows can hold); any values give the same dest.
     Without block_t and num_warps the main launch runs in two tiers by each row's TBM count (BIG_TBM, or big_tbm: 0
     puts every row in the big one); with either, one launch of that blocking serves every row."""
     if triton is None:
@@ -301,8 +297,7 @@ def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int
             P = programs or min(triton.cdiv(min(hi - 1, C), bt), BIG_PROGRAMS)
             _redundancy_kernel[(P, rows, S)](
                 a, v, c, tlist, nt, pb, pa, C, D, cs, lo, hi, P, S=S, IEEE=keys.dtype == torch.float32, BT=bt, BN=bn,
-                BLOCK_D=max(16, triton.next_power_of_2(D)), SKIP=SKIP_EMPTY if skip_empty is None else skip_empty,
-                num_warps=warps)
+                BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=warps)
     bt = tiers[0][2]
     _dest_kernel[(triton.cdiv(C, bt), rows)](c, du, kpos, pb, pa, dest, C, float(tau), MERGE=merge, S=S, BT=bt)
     return dest

@@ -230,13 +230,41 @@ PREFILL_GATHERED_MIN_QUERIES = 512
 
 # The narrow form (kernel module docstring, GM): where one query block holds every real row (G * T <= block_m, as at
 # decode), the per-slot work runs on next_power_of_2(G * T) rows instead of block_m (16), with the running-sum
-# segment sum (the one-hot product needs 16 rows). A decode step at G = 4 spends 3/4 of the full-width form's
-# per-slot work on padding rows; the H200 measured the expanded attention at 2.1x clustered_attention over the same
-# entries (docs/bench.md "Stop 50 runs"). Built after that run's device time was spent: interpreter tests against the
-# float64 dense attention; compiled for sm_90 here at 158 registers and 22.5 KB a program (the full width: 230 and
-# 41 KB); not yet run or timed on a GPU, hence off (`narrow=True` in the launch overrides, `--kernel-option
-# expanded_attention.NARROW=True`, bench/ems_attention.py's "narrow" variants).
-NARROW = False
+# segment sum (the one-hot product needs 16 rows). A decode step at G = 4 spent 3/4 of the full-width form's per-slot
+# work on padding rows. Its programs are lighter (sm_90, bf16, D 128, split: 128 registers and 22.5 KB at 64-slot
+# chunks, 158 at 128, against the full width's 230 and 41 KB) and gain from more splits and shorter slot chunks.
+# H200, stop 51 (docs/bench.md "Stop 51 runs", bench/ems_attention.py, CUDA-graph replays, budget 0.2; the full
+# width's 27/4/32/4 splits and 128-slot chunks against the narrow form's at 64 splits asked (54/54/60/60 whole-tile
+# splits) and 64-slot chunks):
+#   32k batch 1: 33.2 -> 23.2 us; 32k batch 8: 165.8 -> 113.5; 128k batch 1: 89.2 -> 58.7; 128k batch 8: 613 -> 368.
+# The narrow form alone (the full width's splits and chunks) took 0.91-0.94x the full width's time; 48 splits with
+# 128-slot chunks 0.73-0.85x; 32-192 splits and 48-128 with 64-slot chunks were swept. End to end (EMS, 32k, two runs
+# each): batch 8 10.94-10.96 ms/token against 11.51-11.55 (-5%), batch 1 5.778 against 5.809-5.812 (-0.5%; the
+# 48-split, 128-slot form ran 5.703 once: not settled). Default since; narrow=False in the launch overrides (or
+# `--kernel-option expanded_attention.NARROW=False`) is the full width.
+NARROW = True
+# The fewest rows of the narrow form: Triton 3.6 fails to compile it for sm_90 at 1 and 2 rows (an MLIR pass,
+# TritonGPUOptimizeThreadLocality, on the [GM, BLOCK_J] reductions; the H200's GPU tests of stop 51, reproduced here
+# with bench/occupancy.py), and compiles 4 (G = 1 and 2 take 4 rows: 2-4x their real ones, still a quarter of 16).
+NARROW_MIN_ROWS = 4
+
+
+def narrow_compiles(block_n: int, block_j: int) -> bool:
+    """Whether Triton 3.6 compiles the narrow form for sm_90 at these entry tiles and slot chunks (4 and 8 rows):
+    both at least 32, or both 16. Every other pair fails in the same MLIR pass as 1 and 2 rows (bench/occupancy.py
+    over block_n, block_j in 16..128, D 64 and 128, stop 51); _launch_config gives those the full width."""
+    return (block_n >= 32 and block_j >= 32) or block_n == block_j == 16
+
+
+# The narrow form's split count and slot chunk where the launch names none: NARROW_SPLITS, but at most
+# NARROW_PROGRAMS programs in all (the sweep above: batches 1 and 8 of 8 KV heads, 432 and 3456 programs at 54
+# splits; at batch 8, 32-96 splits were within 6% of each other). Larger batches are not measured: the cap keeps
+# their grid and their split partials (B * Hq * splits * D fp32, written and read by the combine) near batch 8's
+# (batch 40: 12 splits). Splits are whole entry tiles, >= 2 each, as clustered_attention's rule makes them: 64
+# asked gives 54 at 32k.
+NARROW_SPLITS = 64
+NARROW_PROGRAMS = 4096
+NARROW_BLOCK_J = 64
 
 
 def uses_gathered(T: int, gathered: bool | None = None) -> bool:
@@ -257,8 +285,10 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=None, block_n=
     one-hot segment sum with 64-entry tiles and 128-slot chunks. The one-hot tf32x3 gather took 1.8-2.1x as long,
     an fp32 ieee one-hot 2.9-3.5x (per-slot bias reads then), the running-sum segment sum +8-20%, 64-slot chunks
     +1-5%, 128-entry tiles +23-31%, 32-entry tiles -4% at 32k B 1 but +8-11% elsewhere, 8 warps +4-9%.
-    narrow (default NARROW): the per-slot work on gm = next_power_of_2(G * T) rows where one query block holds them
-    all and the gather is tl.gather; it takes the running-sum segment sum. Else gm = block_m."""
+    narrow (default NARROW): the per-slot work on gm = next_power_of_2(G * T) rows (at least NARROW_MIN_ROWS) where
+    one query block holds them all, the gather is tl.gather and the tiles compile (narrow_compiles); it takes the
+    running-sum segment sum and, unless given, NARROW_SPLITS splits (at most NARROW_PROGRAMS programs in all) and
+    NARROW_BLOCK_J-slot chunks. Else gm = block_m."""
     decode = G * T <= 16
     if block_n is None:
         block_n = 64
@@ -270,9 +300,15 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=None, block_n=
     cfg["gather"], cfg["scatter"] = GATHERS[gather], SCATTERS[scatter]
     cfg["gm"] = cfg["block_m"]
     if (NARROW if narrow is None else narrow) and cfg["m_blocks"] == 1 and gather == "gather":
-        cfg["gm"] = min(cfg["block_m"], triton.next_power_of_2(G * T))
-        if cfg["gm"] < cfg["block_m"]:
-            cfg["scatter"] = SCATTERS["cumsum"]
+        gm = min(cfg["block_m"], max(NARROW_MIN_ROWS, triton.next_power_of_2(G * T)))
+        bj = NARROW_BLOCK_J if block_j is None else block_j
+        if gm < cfg["block_m"] and narrow_compiles(cfg["block_n"], bj):
+            if num_splits is None or block_j is None:  # the narrow form's own defaults
+                splits = min(NARROW_SPLITS, max(1, NARROW_PROGRAMS // (B * Hkv)))
+                return _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m, block_n, bj,
+                                      splits if num_splits is None else num_splits, num_warps, num_stages,
+                                      gather, scatter, resident, narrow)
+            cfg["gm"], cfg["scatter"] = gm, SCATTERS["cumsum"]
     return cfg
 
 

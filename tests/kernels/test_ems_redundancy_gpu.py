@@ -71,8 +71,7 @@ KNOBS = [dict(block_t=32, block_n=64, num_warps=4), dict(block_t=64, block_n=64,
          dict(block_t=32, block_n=32, num_warps=4), dict(block_t=16, block_n=64, num_warps=4),
          dict(block_t=64, block_n=32, num_warps=8), dict(block_t=32, block_n=64, num_warps=8, splits=5),
          dict(big_tbm=0), dict(big_tbm="median"),  # two tiers: every row in the big one; the rows split between them
-         dict(programs=1), dict(block_t=16, programs=3),  # P programs per (row, split) walk the row's TBM blocks
-         dict(skip_empty=False), dict(block_t=32, num_warps=4, skip_empty=False)]  # every block of centres computed
+         dict(programs=1), dict(block_t=16, programs=3)]  # P programs per (row, split) walk the row's TBM blocks
 
 
 @pytest.mark.parametrize("knobs", KNOBS)

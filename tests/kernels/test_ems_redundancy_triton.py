@@ -78,8 +78,7 @@ def test_two_tiers_split_the_rows_by_their_count():
 def test_programs_walk_every_tbm_block():
     """The main launch's P programs per (row, split) walk blocks p, p + P, ... up to the row's TBM count (a device
     value): one program for every block, a P that does not divide the blocks, and more programs than blocks give the
-    reference's dest (rows of 50, 17 and 0 TBM entries: 4, 2 and no blocks of 16); so does computing the blocks of
-    centres that hold none (skip_empty=False)."""
+    reference's dest (rows of 50, 17 and 0 TBM entries: 4, 2 and no blocks of 16)."""
     g = torch.Generator().manual_seed(3)
     keys, values, raw = (torch.randn(1, 3, 61, 16, generator=g) for _ in range(3))
     cls = torch.full((1, 3, 61), 4, dtype=torch.int32)
@@ -87,8 +86,8 @@ def test_programs_walk_every_tbm_block():
     cls[0, 0, 10:60], cls[0, 1, 10:27] = 3, 3
     due = torch.ones(1, 3, dtype=torch.bool)
     want = reference_ems_redundancy(keys, values, raw, cls, due, 0.1)
-    for programs, skip in ((1, True), (3, False), (64, True)):  # centre blocks past entry 15 hold no centre
-        got = triton_ems_redundancy(keys, values, raw, cls, due, 0.1, **SMALL, programs=programs, skip_empty=skip)
+    for programs in (1, 3, 64):  # centre blocks past entry 15 hold no centre
+        got = triton_ems_redundancy(keys, values, raw, cls, due, 0.1, **SMALL, programs=programs)
         assert torch.equal(got, want), programs
     assert (want[0, 0, 42:60] >= 0).any() and (want[0, 1, 10:27] >= 0).any()  # merges in row 0's blocks 2-3 too
 

@@ -138,15 +138,16 @@ def test_opcheck(case, dtype, past_only, softcap):
 
 
 def test_large_batch_split_rule_is_opt_in(monkeypatch):
-    """expanded_attention.RESIDENT_PROGRAMS = 0 (the default) keeps one split where a decode grid overflows the SMs;
-    set (e.g. by `kvrewrite bench --kernel-option expanded_attention.RESIDENT_PROGRAMS=2`) it takes
-    clustered_attention's fewest-waves split count there, and nothing changes where the grid fits."""
+    """The full width's splits (NARROW off): expanded_attention.RESIDENT_PROGRAMS = 0 (the default) keeps one split
+    where a decode grid overflows the SMs; set (e.g. by `kvrewrite bench --kernel-option
+    expanded_attention.RESIDENT_PROGRAMS=2`) it takes clustered_attention's fewest-waves split count there, and
+    nothing changes where the grid fits."""
     pytest.importorskip("triton")
     from kvrewrite.kernels import expanded_attention as xa
     from kvrewrite.kernels.clustered_attention import fewest_waves_splits
 
     def splits(B):
-        return xa._launch_config(B, 8, 4, 1, 6656, 128, 132, 2)["num_splits"]
+        return xa._launch_config(B, 8, 4, 1, 6656, 128, 132, 2, narrow=False)["num_splits"]
 
     assert xa.RESIDENT_PROGRAMS == 0
     before = {B: splits(B) for B in (1, 8, 33, 34, 40)}
@@ -154,6 +155,22 @@ def test_large_batch_split_rule_is_opt_in(monkeypatch):
     monkeypatch.setattr(xa, "RESIDENT_PROGRAMS", 2)
     assert {B: splits(B) for B in (1, 8, 33)} == {B: before[B] for B in (1, 8, 33)}
     assert splits(34) == fewest_waves_splits(34 * 8, 2 * 132) > 1 and splits(40) == fewest_waves_splits(320, 264)
+
+
+def test_narrow_split_rule():
+    """The narrow form's decode splits (NARROW, the default): NARROW_SPLITS asked up to batch 8 of 8 KV heads, then
+    at most NARROW_PROGRAMS programs in all; whole tiles of >= 2 (64 asked at 6656 entries in 64-entry tiles: 52)."""
+    pytest.importorskip("triton")
+    from kvrewrite.kernels import expanded_attention as xa
+
+    def cfg(B, C=6656):
+        return xa._launch_config(B, 8, 4, 1, C, 128, 132, 2)
+
+    assert xa.NARROW and all(cfg(B)["gm"] == 4 and cfg(B)["block_j"] == xa.NARROW_BLOCK_J for B in (1, 8, 40))
+    assert cfg(1)["num_splits"] == cfg(8)["num_splits"] == 52  # 104 tiles: 2 a split
+    assert cfg(1, 26527)["num_splits"] == 60  # 415 tiles, 64 asked: 7 a split
+    assert cfg(40)["num_splits"] == 12 and cfg(64)["num_splits"] == 8  # 4096 // (B * 8)
+    assert xa._launch_config(1, 8, 4, 1, 6656, 128, 132, 2, num_splits=5)["num_splits"] == 5  # the override wins
 
 
 def test_prefill_kernel_tiles():

@@ -165,7 +165,8 @@ def test_kernel_matches_dense_float64(case, dtype, scatter):
     dict(block_n=128, block_j=32), dict(block_j=128), dict(gather="onehot"), dict(gather="onehot_tf32x3"),
     dict(scatter="cumsum"), dict(scatter="cumsum", block_j=128), dict(scatter="cumsum", block_n=16, block_j=16),
     dict(scatter="cumsum", gather="onehot_tf32x3", num_splits=7),
-    dict(narrow=True), dict(narrow=True, num_splits=7, block_j=64),  # NARROW (decode: 4 rows of 16)
+    dict(narrow=True), dict(narrow=True, num_splits=7, block_j=128),  # NARROW (decode: 4 rows of 16)
+    dict(narrow=False), dict(narrow=False, num_splits=7, block_j=64),  # the full width (decode: 16 rows)
 ], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 @pytest.mark.parametrize("case", ["decode-llama-G4", "prefill-G4-T37"])
 def test_launch_variants(case, tuning):

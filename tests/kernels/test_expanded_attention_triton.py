@@ -41,11 +41,13 @@ def build(case, seed=0, cases=CASES):
     return st, q, D**-0.5, not prefill
 
 
+@pytest.mark.parametrize("narrow", [True, False], ids=["narrow", "full-width"])  # decode: NARROW's two forms
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("case", CASES)
-def test_kernel_matches_naive_and_reference(case, splits):
+def test_kernel_matches_naive_and_reference(case, splits, narrow):
     st, q, scale, past_only = build(case)
-    out, lse = launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, num_splits=splits, **SMALL)
+    out, lse = launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, num_splits=splits,
+                                       narrow=narrow, **SMALL)
     want, want_lse, _ = naive_expanded(st, q, scale)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
     assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
@@ -76,9 +78,9 @@ NARROW_CASES = {**CASES, "decode-G1": (2, 2, 2, 31, 70, 16, 1, False, {"dead": T
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("case", NARROW_CASES)
 def test_narrow_form(case, splits):
-    """expanded_attention.NARROW: the per-slot work on next_power_of_2(G * T) rows (1, 2, 4, 8 here) of the 16-row
-    block, with the running-sum segment sum: the float64 dense attention's output and lse, and S as the full-width
-    form writes it."""
+    """expanded_attention.NARROW: the per-slot work on next_power_of_2(G * T) rows, at least NARROW_MIN_ROWS (4, 4, 4
+    and 8 here for G * T = 1, 2, 4 and 5-8) of the 16-row block, with the running-sum segment sum: the float64 dense
+    attention's output and lse, and S as the full-width form writes it."""
     st, q, scale, past_only = build(case, seed=4, cases=NARROW_CASES)
     out, lse = launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, num_splits=splits, narrow=True,
                                        **SMALL)
@@ -93,6 +95,24 @@ def test_narrow_form(case, splits):
         launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, S=S, num_splits=3, narrow=True, **SMALL)
         launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, S=S_full, num_splits=3, **SMALL)
         assert torch.equal(S, S_full)
+
+
+def test_narrow_rows():
+    """The narrow form's row count: next_power_of_2(G * T), never below NARROW_MIN_ROWS (Triton 3.6 fails to compile
+    1 and 2 rows for sm_90), never above block_m; the full width where a query block cannot hold every row or the
+    tiles are ones the narrow form does not compile at."""
+    from kvrewrite.kernels import expanded_attention as xa
+
+    def gm(G, T):
+        cfg = xa._launch_config(1, 8, G, T, 6656, 128, 132, 2, narrow=True)
+        return cfg["gm"], cfg["block_m"]
+
+    assert [gm(1, 1), gm(2, 1), gm(4, 1), gm(1, 5), gm(8, 2)] == [(4, 16), (4, 16), (4, 16), (8, 16), (16, 16)]
+    assert gm(4, 8)[0] == gm(4, 8)[1] == 32  # 32 rows: the full width of a 32-row block
+    assert xa._launch_config(1, 8, 4, 1, 6656, 128, 132, 2, narrow=False)["gm"] == 16
+    # tiles the narrow form does not compile at (narrow_compiles) take the full width: one is 16, the other not
+    for bn, bj, want in ((32, 16, 16), (16, 64, 16), (16, 16, 4), (32, 32, 4), (128, 64, 4)):
+        assert xa._launch_config(1, 8, 4, 1, 6656, 128, 132, 2, narrow=True, block_n=bn, block_j=bj)["gm"] == want
 
 
 def test_entry_scores_S():
