@@ -193,7 +193,7 @@ KERNELS_CHECKED_ON_GPU = True
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 GATHERS = {"onehot": 0, "onehot_tf32x3": 1, "gather": 2}  # the in-tile gather of s (kernel module docstring)
-SCATTERS = {"onehot": 0, "cumsum": 1}  # the per-entry segment sum of p (kernel module docstring)
+SCATTERS = {"onehot": 0, "cumsum": 1, "entries": 2}  # the per-entry sum of p (kernel module docstring)
 
 
 # Programs of the expanded kernel one SM holds, for clustered_attention's large-batch split rule (its `resident`):
@@ -265,6 +265,14 @@ def narrow_compiles(block_n: int, block_j: int) -> bool:
 NARROW_SPLITS = 64
 NARROW_PROGRAMS = 4096
 NARROW_BLOCK_J = 64
+# The entry-major form (scatter "entries", kernel module docstring): a tile walks the t-th slot of all its entries at
+# once, since an entry's slots are contiguous (contract §3), so each p lands on its own entry's column: no gather of s
+# by lut and no segment sum, where the narrow form still spends about 1.5-1.7x clustered_attention's time over the
+# same entries (docs/bench.md "Stop 51 runs"). Its loop runs the tile's largest slot count (about 4 on average at
+# gamma 4), not its slot chunks. Built after stop 51's device time: interpreter tests against float64; not yet run
+# or timed on a GPU, hence off (`scatter="entries"` in the launch overrides, `--kernel-option
+# expanded_attention.ENTRY_MAJOR=True`, bench/ems_attention.py's "entries" variants).
+ENTRY_MAJOR = False
 
 
 def uses_gathered(T: int, gathered: bool | None = None) -> bool:
@@ -274,7 +282,7 @@ def uses_gathered(T: int, gathered: bool | None = None) -> bool:
 
 
 def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=None, block_n=None, block_j=None,
-                   num_splits=None, num_warps=None, num_stages=None, gather="gather", scatter="onehot", resident=None,
+                   num_splits=None, num_warps=None, num_stages=None, gather="gather", scatter=None, resident=None,
                    narrow=None):
     """Tile sizes, split count and launch options from the shapes alone (one fixed launch for CUDA graphs and
     Inductor). Splits and query blocks follow clustered_attention's _launch_config (its rule counts entry tiles:
@@ -288,8 +296,14 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=None, block_n=
     narrow (default NARROW): the per-slot work on gm = next_power_of_2(G * T) rows (at least NARROW_MIN_ROWS) where
     one query block holds them all, the gather is tl.gather and the tiles compile (narrow_compiles); it takes the
     running-sum segment sum and, unless given, NARROW_SPLITS splits (at most NARROW_PROGRAMS programs in all) and
-    NARROW_BLOCK_J-slot chunks. Else gm = block_m."""
+    NARROW_BLOCK_J-slot chunks. Else gm = block_m. scatter (default: "entries" under ENTRY_MAJOR, else "onehot";
+    the narrow form then takes "cumsum"): "entries" needs gather "gather"."""
     decode = G * T <= 16
+    if scatter is None:
+        scatter = "entries" if ENTRY_MAJOR and gather == "gather" else "onehot"
+    if scatter == "entries" and gather != "gather":
+        raise ValueError(f"expanded attention: scatter='entries' folds the visibility into q·k once per tile, which "
+                         f"only the 'gather' form does; got gather={gather!r}")
     if block_n is None:
         block_n = 64
     cfg = ca._launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=block_m, block_n=block_n,
@@ -308,7 +322,9 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=None, block_n=
                 return _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m, block_n, bj,
                                       splits if num_splits is None else num_splits, num_warps, num_stages,
                                       gather, scatter, resident, narrow)
-            cfg["gm"], cfg["scatter"] = gm, SCATTERS["cumsum"]
+            cfg["gm"] = gm
+            if scatter != "entries":
+                cfg["scatter"] = SCATTERS["cumsum"]
     return cfg
 
 

@@ -173,6 +173,23 @@ def test_narrow_split_rule():
     assert xa._launch_config(1, 8, 4, 1, 6656, 128, 132, 2, num_splits=5)["num_splits"] == 5  # the override wins
 
 
+def test_entry_major_launch(monkeypatch):
+    """ENTRY_MAJOR (off by default) makes "entries" the default per-entry sum at both widths; given explicitly it
+    wins over the narrow form's "cumsum"; with a one-hot gather it is refused, naming both choices."""
+    pytest.importorskip("triton")
+    from kvrewrite.kernels import expanded_attention as xa
+
+    def scatter(**kw):
+        return xa._launch_config(1, 8, 4, 1, 6656, 128, 132, 2, **kw)["scatter"]
+
+    assert not xa.ENTRY_MAJOR and scatter() == xa.SCATTERS["cumsum"] and scatter(narrow=False) == 0
+    assert scatter(scatter="entries") == scatter(scatter="entries", narrow=False) == xa.SCATTERS["entries"]
+    monkeypatch.setattr(xa, "ENTRY_MAJOR", True)
+    assert scatter() == scatter(narrow=False) == xa.SCATTERS["entries"] and scatter(gather="onehot") == 0
+    with pytest.raises(ValueError, match="scatter='entries'.*gather='onehot'"):
+        scatter(scatter="entries", gather="onehot")
+
+
 def test_prefill_kernel_tiles():
     """The prefill kernel's tiles: 128 x 32 for 16-bit inputs with D <= 128 (the H200 sweep's fastest), otherwise
     clustered_attention's prefill config (64 x 64, halved for shared memory); overrides win either way."""

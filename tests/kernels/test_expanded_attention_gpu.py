@@ -137,7 +137,7 @@ CASES = {
 }
 
 
-SCATTER = pytest.mark.parametrize("scatter", list(xa.SCATTERS))  # both segment sums, on every main case
+SCATTER = pytest.mark.parametrize("scatter", list(xa.SCATTERS))  # every per-entry sum (entries too), every main case
 
 
 @SCATTER
@@ -167,6 +167,7 @@ def test_kernel_matches_dense_float64(case, dtype, scatter):
     dict(scatter="cumsum", gather="onehot_tf32x3", num_splits=7),
     dict(narrow=True), dict(narrow=True, num_splits=7, block_j=128),  # NARROW (decode: 4 rows of 16)
     dict(narrow=False), dict(narrow=False, num_splits=7, block_j=64),  # the full width (decode: 16 rows)
+    dict(scatter="entries"), dict(scatter="entries", narrow=False, num_splits=7),  # ENTRY_MAJOR, both widths
 ], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 @pytest.mark.parametrize("case", ["decode-llama-G4", "prefill-G4-T37"])
 def test_launch_variants(case, tuning):
