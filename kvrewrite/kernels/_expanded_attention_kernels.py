@@ -62,6 +62,21 @@ def _spread_rows(x, BLOCK_M: tl.constexpr, GM: tl.constexpr, N: tl.constexpr):
     return tl.where((tl.arange(0, BLOCK_M) < GM)[:, None], full, 0.0)
 
 
+@triton_jit()
+def _softmax_step(s, a, vis, m_i, l_i, SOFTCAP: tl.constexpr, softcap_log2):
+    """One online-softmax step over slot logits a * s (base 2; softcap: tanh(a * s) * softcap_log2), -inf where not
+    vis: (p, alpha, l_i, m_new), l_i and the running max m_i carried, alpha the rescale of what came before."""
+    z = s * a[None, :]
+    if SOFTCAP:
+        z = libdevice.tanh(z) * softcap_log2
+    z = tl.where(vis, z, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(z, axis=1))
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_base)
+    p = tl.exp2(z - m_base[:, None])
+    return p, alpha, l_i * alpha + tl.sum(p, axis=1), m_new
+
+
 @triton_jit(do_not_specialize=["Hkv", "G", "T", "C", "R", "NUM_SPLITS"])
 def _expanded_attention_fwd_kernel(
     Q, K, V,
@@ -197,17 +212,8 @@ def _expanded_attention_fwd_kernel(
                 lut_e = tl.load(lut_base + j_e, mask=ok, other=-1)
                 a_e = tl.load(ks_base + j_e, mask=ok, other=0.0)
                 live = (ok & (lut_e == offs_e))[None, :] & (sv > float("-inf"))  # freed slots (lut -1) stay out
-                z = sv * a_e[None, :]
-                if SOFTCAP:
-                    z = libdevice.tanh(z) * softcap_log2
-                z = tl.where(live, z, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(z, axis=1))
-                m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_base)
-                p = tl.exp2(z - m_base[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
+                p, alpha, l_i, m_i = _softmax_step(sv, a_e, live, m_i, l_i, SOFTCAP, softcap_log2)
                 P = P * alpha[:, None] + p
-                m_i = m_new
         else:
             # the slot metadata is prefetched one chunk ahead (loop-carried), so its latency overlaps the chunk's math
             offs_jn = js + tl.arange(0, BLOCK_J)
@@ -240,15 +246,7 @@ def _expanded_attention_fwd_kernel(
                         pos_j = tl.load(pos_base + e_j, mask=live, other=0)
                         p_rel = tl.minimum(tl.maximum(pos_j - qpos_min, -1), 2**30).to(tl.int32)
                         vis = vis & (p_rel[None, :] <= q_rel[:, None])
-                z = sg * a_j[None, :]
-                if SOFTCAP:
-                    z = libdevice.tanh(z) * softcap_log2
-                z = tl.where(vis, z, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(z, axis=1))
-                m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_base)
-                p = tl.exp2(z - m_base[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
+                p, alpha, l_i, m_new = _softmax_step(sg, a_j, vis, m_i, l_i, SOFTCAP, softcap_log2)
                 # segment sum per entry: P[:, e] += sum of p over the chunk's slots of entry e
                 if SCATTER == 1:
                     # by differences of the chunk's running sum at each entry's range ends (a_e, b_e local to the chunk)
