@@ -25,7 +25,6 @@ except ImportError:  # CPU-only installs never launch these
     tl = None
 
 if tl is not None:
-    _KEY_NEG_INF = tl.constexpr(-2139095041)  # evict_by_score._order_key(-inf)
     _BINS = tl.constexpr(256)
 
 
@@ -41,23 +40,19 @@ def _suffix_pick(h, need):
 
 
 @triton_jit()
-def _kth_largest_radix(key, K, n_above):
-    """The K-th largest of the int32 order keys `key` (a register block; the lanes past the row hold -inf's key) when
-    n_above, the count of keys above -inf's, is at least K (else -inf's key, as `_kth_largest`)."""
-    thr = tl.full([], _KEY_NEG_INF, tl.int32)
-    if n_above >= K:
-        u = key.to(tl.uint32, bitcast=True) ^ 0x80000000  # unsigned order = the keys' signed order
-        need = K
-        b0, gt0 = _suffix_pick(tl.histogram((u >> 24).to(tl.int32), _BINS), need)
-        need -= gt0
-        top = b0.to(tl.uint32)
-        b1, gt1 = _suffix_pick(tl.histogram(((u >> 16) & 255).to(tl.int32), _BINS, mask=(u >> 24) == top), need)
-        need -= gt1
-        top = (top << 8) | b1.to(tl.uint32)
-        b2, gt2 = _suffix_pick(tl.histogram(((u >> 8) & 255).to(tl.int32), _BINS, mask=(u >> 16) == top), need)
-        need -= gt2
-        top = (top << 8) | b2.to(tl.uint32)
-        b3, _ = _suffix_pick(tl.histogram((u & 255).to(tl.int32), _BINS, mask=(u >> 8) == top), need)
-        top = (top << 8) | b3.to(tl.uint32)
-        thr = (top ^ 0x80000000).to(tl.int32, bitcast=True)
-    return thr
+def _kth_largest_radix(key, K):
+    """The K-th largest of the int32 order keys `key` (a register block), 1 <= K <= its lanes: a byte a round from
+    the top, each round's histogram over the keys whose higher bytes are the ones chosen so far."""
+    u = key.to(tl.uint32, bitcast=True) ^ 0x80000000  # unsigned order = the keys' signed order
+    need = K
+    top = tl.zeros([], tl.uint32)
+    for r in tl.static_range(4):
+        digit = ((u >> (24 - 8 * r)) & 255).to(tl.int32)
+        if r == 0:
+            h = tl.histogram(digit, _BINS)
+        else:
+            h = tl.histogram(digit, _BINS, mask=(u >> (32 - 8 * r)) == top)
+        b, gt = _suffix_pick(h, need)
+        need -= gt
+        top = (top << 8) | b.to(tl.uint32)
+    return (top ^ 0x80000000).to(tl.int32, bitcast=True)

@@ -243,7 +243,8 @@ def _kth_largest(KEYS, n_old, K, S: tl.constexpr, POOLED: tl.constexpr, RADIX: t
     above = key > _KEY_NEG_INF
     n_above, lo32, hi32 = tl.reduce((above.to(tl.int32), tl.where(above, key, _I32_MAX), key), 0, _add_min_max)
     if RADIX:
-        thr = _kth_largest_radix(key, K, n_above)
+        if n_above >= K:
+            thr = _kth_largest_radix(key, K)
     elif n_above >= K:
         # bisection over the key values, count(key >= lo) >= K > count(key > hi) throughout; ~log2 of the key
         # range around the threshold steps (at most 32), one count each

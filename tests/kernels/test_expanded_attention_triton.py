@@ -41,6 +41,16 @@ def build(case, seed=0, cases=CASES):
     return st, q, D**-0.5, not prefill
 
 
+def check_naive(out, lse, st, q, scale):
+    """out and lse against the float64 dense attention over the materialised expanded keys (naive_expanded): out to
+    1e-5, lse -inf at the same queries and finite ones to 1e-5."""
+    want, want_lse, _ = naive_expanded(st, q, scale)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    fin = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse[fin].double(), want_lse[fin], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("narrow", [True, False], ids=["narrow", "full-width"])  # decode: NARROW's two forms
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("case", CASES)
@@ -48,11 +58,7 @@ def test_kernel_matches_naive_and_reference(case, splits, narrow):
     st, q, scale, past_only = build(case)
     out, lse = launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, num_splits=splits,
                                        narrow=narrow, **SMALL)
-    want, want_lse, _ = naive_expanded(st, q, scale)
-    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
-    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
-    fin = torch.isfinite(want_lse)
-    torch.testing.assert_close(lse[fin].double(), want_lse[fin], atol=1e-5, rtol=1e-5)
+    check_naive(out, lse, st, q, scale)
     ref, ref_lse = reference_expanded_attention(*st.attention_args(q), scale, past_only)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     if "empty" in case:
@@ -66,11 +72,7 @@ def test_other_gathers_and_scatters(case, gather, scatter):
     st, q, scale, past_only = build(case, seed=2)
     out, lse = launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, num_splits=3, gather=gather,
                                        scatter=scatter, **SMALL)
-    want, want_lse, _ = naive_expanded(st, q, scale)
-    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
-    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
-    fin = torch.isfinite(want_lse)
-    torch.testing.assert_close(lse[fin].double(), want_lse[fin], atol=1e-5, rtol=1e-5)
+    check_naive(out, lse, st, q, scale)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -79,11 +81,7 @@ def test_entry_major_full_width(case):
     st, q, scale, past_only = build(case, seed=5)
     out, lse = launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, num_splits=3, narrow=False,
                                        scatter="entries", **SMALL)
-    want, want_lse, _ = naive_expanded(st, q, scale)
-    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
-    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
-    fin = torch.isfinite(want_lse)
-    torch.testing.assert_close(lse[fin].double(), want_lse[fin], atol=1e-5, rtol=1e-5)
+    check_naive(out, lse, st, q, scale)
 
 
 NARROW_CASES = {**CASES, "decode-G1": (2, 2, 2, 31, 70, 16, 1, False, {"dead": True})}  # G * T = 1: one row
@@ -99,11 +97,7 @@ def test_narrow_form(case, splits, scatter):
     st, q, scale, past_only = build(case, seed=4, cases=NARROW_CASES)
     out, lse = launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, num_splits=splits, narrow=True,
                                        scatter=scatter, **SMALL)
-    want, want_lse, _ = naive_expanded(st, q, scale)
-    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
-    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
-    fin = torch.isfinite(want_lse)
-    torch.testing.assert_close(lse[fin].double(), want_lse[fin], atol=1e-5, rtol=1e-5)
+    check_naive(out, lse, st, q, scale)
     if q.shape[2] == 1:  # S (decode): the same scores as the full-width form's
         B, Hq, _, _ = q.shape
         S, S_full = (torch.zeros(B, Hq, st.keys.shape[2]) for _ in range(2))
@@ -177,11 +171,7 @@ def test_prefill_kernel_matches_naive_and_reference(case, gathered, monkeypatch)
     out, lse = launch_expanded_forward(*st.attention_args(q), D**-0.5, False, 0.0, num_splits=1, block_m=16,
                                        block_n=16, gathered=gathered)
     assert calls == [1]
-    want, want_lse, _ = naive_expanded(st, q, D**-0.5)
-    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
-    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
-    fin = torch.isfinite(want_lse)
-    torch.testing.assert_close(lse[fin].double(), want_lse[fin], atol=1e-5, rtol=1e-5)
+    check_naive(out, lse, st, q, D**-0.5)
     old, old_lse = launch_expanded_forward(*st.attention_args(q), D**-0.5, False, 0.0, num_splits=1,
                                            prefill_kernel=False, **SMALL)
     torch.testing.assert_close(out, old, atol=1e-5, rtol=1e-5)
