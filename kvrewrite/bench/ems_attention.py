@@ -45,12 +45,6 @@ VARIANTS = {  # name -> launch_expanded_forward tuning. default: the narrow form
     "narrow_bj128": dict(block_j=128),
     "narrow_bn32": dict(block_n=32),
     **{f"narrow_splits{s}": dict(num_splits=s) for s in (32, 48, 96, 128)},
-    # expanded_attention.ENTRY_MAJOR: the t-th slot of every entry of a tile at once, no gather, no segment sum;
-    # built after stop 51's device time, not yet run
-    "entries": dict(scatter="entries"),
-    "entries_splits32": dict(scatter="entries", num_splits=32),
-    "entries_bn32": dict(scatter="entries", block_n=32),
-    "entries_full_width": dict(scatter="entries", narrow=False),
 }
 
 

@@ -14,7 +14,8 @@ each; the others share the slots up to gamma * Bt, one each plus a multinomial s
 [0.5, 1.5) for merged ones) and the chunk's fresh entries (positions n - chunk .. n - 1, one slot each); the chunk's
 queries sit at those positions. Timed, each a median of triton's do_bench (warm L2: compute-bound kernels):
 - expanded: expanded_attention.launch_expanded_forward, causal (past_only False): its gathered form (the default
-  and `gathered*`: the slots' rows written out by gather_slots, timed alone too, then clustered_attention's prefill
+  and `gathered*`: the slots' rows written out by gather_slots, timed alone too (both its row copies: the advanced
+  index and GATHER_INDEX_SELECT's index_select), then clustered_attention's prefill
   kernel with per-slot key scales), the walk (`walk*`: _expanded_prefill_kernels.py's own kernel) and the per-entry
   kernel, with their launch variants; the default is
   checked against a float32 attention over the materialised expanded keys of row (0, 0) and every variant against
@@ -90,9 +91,12 @@ REDUNDANCY = {
     "splits1": dict(splits=1),
     "splits8": dict(splits=8),
     "splits16": dict(splits=16),  # the most the default picks (small batches); at batch 8 it picks 4
+    "recip": dict(recip_norms=True),  # ems_redundancy.RECIP_NORMS: the TBM entry's norms applied after its walk
+    "recip_small": dict(recip_norms=True, block_t=32, num_warps=4),
+    "recip_bt64_w8": dict(recip_norms=True, block_t=64, num_warps=8),
 }
 QUICK = {"expanded": ("default", "walk", "per_entry"), "fold": ("default", "acc2d", "trans"),
-         "redundancy": ("default", "bt64")}
+         "redundancy": ("default", "bt64", "recip")}
 
 
 def prefill_state(B, n, chunk, gen, dev="cuda"):
@@ -176,9 +180,14 @@ def run(B, n, chunk, quick, kernels=("expanded", "fold", "redundancy")):
 
     row["expanded"] = _variants("expanded", pick(EXPANDED, "expanded"), expanded)
 
-    if "expanded" in kernels:  # the gathered form's first pass alone
-        row["gather_slots_ms"] = _time(lambda: xp.gather_slots(*args[1:5], args[7], args[9]))
-        print(f"  gather_slots alone {row['gather_slots_ms']:.3f} ms", flush=True)
+    if "expanded" in kernels:  # the gathered form's first pass alone, by either row copy (the same values)
+        for name, rows in (("gather_slots_ms", False), ("gather_slots_index_select_ms", True)):
+            row[name] = _time(lambda: xp.gather_slots(*args[1:5], args[7], args[9], index_select=rows))
+        same = all(torch.equal(a, b) for a, b in zip(xp.gather_slots(*args[1:5], args[7], args[9], index_select=False),
+                                                    xp.gather_slots(*args[1:5], args[7], args[9], index_select=True)))
+        row["gather_slots_index_select_same"] = same
+        print(f"  gather_slots alone {row['gather_slots_ms']:.3f} ms (advanced index), "
+              f"{row['gather_slots_index_select_ms']:.3f} ms (index_select; same rows: {same})", flush=True)
 
     # -- clustered_attention's prefill kernels over the same entries, one slot each ----------------------------------
     q, keys, values, bias, slot_pos, cpos = args[:6]
@@ -231,7 +240,7 @@ def run(B, n, chunk, quick, kernels=("expanded", "fold", "redundancy")):
         cls[..., Bt:] = 3
         cls[..., Bt + n_tbm:] = 0
         res = {}
-        for name in ("default", "small", "bt64", "bt128_w8", "splits16"):
+        for name in ("default", "small", "bt64", "bt128_w8", "splits16", "recip", "recip_small"):
             res[name] = _time(lambda t=REDUNDANCY[name]: er.triton_ems_redundancy(keys, values, raw, cls, due, 0.6,
                                                                                   **t))
         print(f"  redundancy at {n_tbm} per row (ms) {res}", flush=True)

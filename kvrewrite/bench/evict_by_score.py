@@ -39,7 +39,6 @@ SWEEP = [  # triton_evict_by_score's tuning knobs (the defaults first)
     {}, dict(select_warps=8), dict(select_warps=32), dict(select_chunk=2048), dict(select_chunk=8192),
     dict(move_slots=32), dict(move_slots=64), dict(move_slots=256), dict(move_columns=128), dict(move_warps=2),
     dict(move_warps=8),
-    dict(radix_select=True),  # the threshold by radix select (evict_by_score.RADIX_SELECT; stop 51, not yet run)
 ]
 
 

@@ -54,7 +54,6 @@ import struct
 
 import torch
 
-from kvrewrite.kernels import evict_by_score as ebs
 from kvrewrite.kernels._triton_op import triton_jit
 from kvrewrite.kernels.evict_by_score import (MAX_SLOTS, _f64, _kth_largest, _kth_largest_chunked, _order_key,
                                              _select_warps)
@@ -262,7 +261,7 @@ def _slot_alive(LUT, BIAS, DEST, j, mj, base_c, base_r, fill):
 @triton_jit(do_not_specialize=["C", "R", "gm1_bits"])
 def _layout_kernel(BIAS, ES, LUT, TP, GP, ORDER, BUDGET, CLS, DEST, INFO, NEWIDX, SEGOFF, GSLOTS, GSTART, KEYP, VJ,
                    SURV, NEWPOS, NSTART, NORD, C, R, gm1_bits, CAP: tl.constexpr, S: tl.constexpr,
-                   CH: tl.constexpr, CHUNKED: tl.constexpr, RADIX: tl.constexpr = False):
+                   CH: tl.constexpr, CHUNKED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if tl.load(INFO + row * 8) != 0:
         bc = row * C
@@ -298,7 +297,7 @@ def _layout_kernel(BIAS, ES, LUT, TP, GP, ORDER, BUDGET, CLS, DEST, INFO, NEWIDX
                 if CHUNKED:  # S lanes would not fit a program's registers: the keys stay in KEYP
                     thr, need, n_eq = _kth_largest_chunked(KEYP + br, R, n_drop, S, CH, True)
                 else:
-                    thr, need, n_eq = _kth_largest(KEYP + br, R, n_drop, S, True, RADIX)
+                    thr, need, n_eq = _kth_largest(KEYP + br, R, n_drop, S, True)
                 thr2 = tl.full([], -1, tl.int32)  # every tie dropped
                 if need < n_eq:  # the `need` ties with the largest token_pos (distinct per row)
                     tl.debug_barrier()
@@ -313,7 +312,7 @@ def _layout_kernel(BIAS, ES, LUT, TP, GP, ORDER, BUDGET, CLS, DEST, INFO, NEWIDX
                     if CHUNKED:
                         thr2, need2, n_eq2 = _kth_largest_chunked(KEYP + br, R, need, S, CH, True)
                     else:
-                        thr2, need2, n_eq2 = _kth_largest(KEYP + br, R, need, S, True, RADIX)
+                        thr2, need2, n_eq2 = _kth_largest(KEYP + br, R, need, S, True)
                 tl.debug_barrier()
         # virtual places (nothing dropped) and the survivors
         for j0 in range(0, R, CH):
@@ -512,12 +511,11 @@ def supports(keys, lut) -> bool:
 def triton_ems_merge(keys, values, bias, slot_pos, fill, budget, entry_start, raw_keys, lut, key_scale, token_pos,
                      slot_order, s_glo, s_loc_past, s_loc_cur, slot_fill, g, g_pooled, cls, dest, due, gamma, *,
                      entry_block=None, group_chunk=None, chunk=None, merge_block=None, member_step=None,
-                     slot_block=None, move_slots=None, move_columns=None, chunked_select=None, radix_select=None):
+                     slot_block=None, move_slots=None, move_columns=None, chunked_select=None):
     """Launch the nine kernels (module docstring); the state is updated in place like the reference. The inputs
     are checked by the op (kvrewrite.kernels.ems_merge); the keyword knobs (powers of two) change only the blocking
     (the fp32 merge sums follow MEMBER_STEP's chunks); chunked_select (default: R past MAX_SLOTS) takes the cap's
-    chunked bisection and radix_select (default evict_by_score.RADIX_SELECT) its radix select, which give the same
-    thresholds. Under TRITON_INTERPRET=1 it runs on CPU tensors."""
+    chunked bisection, which gives the same thresholds. Under TRITON_INTERPRET=1 it runs on CPU tensors."""
     if triton is None:
         raise NotImplementedError(f"{NAME} needs Triton (pip install triton)")
     B, H, C, D = keys.shape
@@ -557,7 +555,6 @@ def triton_ems_merge(keys, values, bias, slot_pos, fill, budget, entry_start, ra
     _layout_kernel[(rows,)](bias, entry_start, lut, token_pos, g_pooled, slot_order, budget, cls, dest, info, newidx,
                             segoff, gslots, gstart, keyp, vj, surv, newpos, nstart, nord, C, R,
                             _bits(gamma - 1 if cap else 0.0), CAP=cap, S=S, CH=min(ch, S), CHUNKED=chunked,
-                            RADIX=ebs.RADIX_SELECT if radix_select is None else radix_select,
                             num_warps=_select_warps(min(S, MAX_SLOTS)))
     grid_r = (triton.cdiv(R, bs), rows)
     _slot_stage_kernel[grid_r](lut, key_scale, token_pos, s_glo, s_loc_past, s_loc_cur, dest, info, newidx, newpos,

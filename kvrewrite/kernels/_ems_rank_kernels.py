@@ -24,7 +24,6 @@ import struct
 
 import torch
 
-from kvrewrite.kernels import evict_by_score as ebs
 from kvrewrite.kernels._triton_op import triton_jit
 from kvrewrite.kernels.evict_by_score import _f64, _kth_largest, _kth_largest_chunked, _order_key
 
@@ -237,7 +236,7 @@ def triton_ems_score(bias, fill, lut, slot_order, s_glo, s_loc_past, s_loc_cur, 
 
 # -- ems_partition -------------------------------------------------------------------------------------------------
 @triton_jit()
-def _thresholds(KEYS, nc, K, S: tl.constexpr, CH: tl.constexpr, CHUNKED: tl.constexpr, RADIX: tl.constexpr):
+def _thresholds(KEYS, nc, K, S: tl.constexpr, CH: tl.constexpr, CHUNKED: tl.constexpr):
     """(thr, need) of the K largest of the nc packed keys (thr = I32_MAX, need 0: none for K <= 0), over the
     smallest of S/4, S/2, S lanes that holds nc; CHUNKED (rows past MAX_ENTRIES): over the keys read from memory CH
     at a time."""
@@ -248,20 +247,19 @@ def _thresholds(KEYS, nc, K, S: tl.constexpr, CH: tl.constexpr, CHUNKED: tl.cons
             thr, need, _ = _kth_largest_chunked(KEYS, nc, K, S, CH, True)
         elif S >= 64:
             if nc <= S // 4:
-                thr, need, _ = _kth_largest(KEYS, nc, K, S // 4, True, RADIX)
+                thr, need, _ = _kth_largest(KEYS, nc, K, S // 4, True)
             elif nc <= S // 2:
-                thr, need, _ = _kth_largest(KEYS, nc, K, S // 2, True, RADIX)
+                thr, need, _ = _kth_largest(KEYS, nc, K, S // 2, True)
             else:
-                thr, need, _ = _kth_largest(KEYS, nc, K, S, True, RADIX)
+                thr, need, _ = _kth_largest(KEYS, nc, K, S, True)
         else:
-            thr, need, _ = _kth_largest(KEYS, nc, K, S, True, RADIX)
+            thr, need, _ = _kth_largest(KEYS, nc, K, S, True)
     return thr, need
 
 
 @triton_jit(do_not_specialize=["l_win", "gm1_bits"])
 def _partition_kernel(BIAS, FILL, ES, GP, DUE, BUDGET, CLS, KEYP, C, R, l_win, gm1_bits, GAMMA_INF: tl.constexpr,
-                      S: tl.constexpr, CHUNK: tl.constexpr, WCH: tl.constexpr, CHUNKED: tl.constexpr,
-                      RADIX: tl.constexpr = False):
+                      S: tl.constexpr, CHUNK: tl.constexpr, WCH: tl.constexpr, CHUNKED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     bias = BIAS + row * C
     keys = KEYP + row * C
@@ -296,8 +294,8 @@ def _partition_kernel(BIAS, FILL, ES, GP, DUE, BUDGET, CLS, KEYP, C, R, l_win, g
         k1 = tl.where(over, tl.minimum(n_imp, nc.to(tl.int64)), 0).to(tl.int32)
         k2 = tl.where(over, tl.minimum(n_imp + n_tbm, nc.to(tl.int64)), 0).to(tl.int32)
         tl.debug_barrier()
-        thr1, need1 = _thresholds(keys, nc, k1, S, CHUNK, CHUNKED, RADIX)
-        thr2, need2 = _thresholds(keys, nc, k2, S, CHUNK, CHUNKED, RADIX)
+        thr1, need1 = _thresholds(keys, nc, k1, S, CHUNK, CHUNKED)
+        thr2, need2 = _thresholds(keys, nc, k2, S, CHUNK, CHUNKED)
         # pass 2: the codes; ties at a threshold go to the earlier entry (a cumsum over the key == thr ones)
         rank0 = tl.zeros([], tl.int32)
         carry1 = tl.zeros([], tl.int32)
@@ -322,10 +320,10 @@ def _partition_kernel(BIAS, FILL, ES, GP, DUE, BUDGET, CLS, KEYP, C, R, l_win, g
 
 def triton_ems_partition(bias, fill, entry_start, g_pooled, due, budget, l_win: int, gamma: float, *,
                          chunk: int | None = None, window_chunk: int | None = None,
-                         chunked_select: bool | None = None, radix_select: bool | None = None):
-    """§6.7 in one launch; returns cls int32 [B, Hkv, C]. `chunk`/`window_chunk` (powers of two), chunked_select
-    (default: C past MAX_ENTRIES, the thresholds' bisections over keys read in chunks) and radix_select (default
-    evict_by_score.RADIX_SELECT) tune it and give the same result. Runs on CPU tensors under TRITON_INTERPRET=1."""
+                         chunked_select: bool | None = None):
+    """§6.7 in one launch; returns cls int32 [B, Hkv, C]. `chunk`/`window_chunk` (powers of two) and chunked_select
+    (default: C past MAX_ENTRIES, the thresholds' bisections over keys read in chunks) tune it and give the same
+    result. Runs on CPU tensors under TRITON_INTERPRET=1."""
     B, H, C = bias.shape
     R = g_pooled.shape[2]
     if R == 0:
@@ -342,6 +340,5 @@ def triton_ems_partition(bias, fill, entry_start, g_pooled, due, budget, l_win: 
                                l_win, gm1, GAMMA_INF=inf, S=block, CHUNK=min(block, chunk or PARTITION_CHUNK),
                                WCH=window_chunk or WINDOW_CHUNK,
                                CHUNKED=block > MAX_ENTRIES if chunked_select is None else chunked_select,
-                               RADIX=ebs.RADIX_SELECT if radix_select is None else radix_select,
                                num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
     return cls

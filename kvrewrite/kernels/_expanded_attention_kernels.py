@@ -24,12 +24,6 @@ default) or differences of the chunk's running sum at each entry's range ends (1
 measured the choices (expanded_attention._launch_config). The partials (acc, m, l, base 2) are
 clustered_attention's: its combine kernel merges them.
 
-SCATTER 2 (the entry-major form, expanded_attention.ENTRY_MAJOR; GATHER 2): an entry's slots are the contiguous range
-[entry_start[e], entry_start[e + 1]) (contract §3), so instead of slot chunks the tile loops t over its largest slot
-count within the split, and step t takes the t-th slot of every entry at once: lut and key_scale at
-entry_start[e] + t (live where lut == e: a freed slot stays out), z = a * sv[:, e], p summed straight into the
-entry's column of P. No gather of s and no segment sum.
-
 GM < BLOCK_M (the narrow form, expanded_attention.NARROW; one query block holding every real row, G * T <= GM): the
 two tl.dot products keep their BLOCK_M (16) rows, but the per-slot work (gather, exponentials, the running-sum
 segment sum, SCATTER 1) runs on the first GM rows only. A decode step of a group of G = 4 has 4 real rows of 16: the
@@ -62,21 +56,6 @@ def _spread_rows(x, BLOCK_M: tl.constexpr, GM: tl.constexpr, N: tl.constexpr):
     return tl.where((tl.arange(0, BLOCK_M) < GM)[:, None], full, 0.0)
 
 
-@triton_jit()
-def _softmax_step(s, a, vis, m_i, l_i, SOFTCAP: tl.constexpr, softcap_log2):
-    """One online-softmax step over slot logits a * s (base 2; softcap: tanh(a * s) * softcap_log2), -inf where not
-    vis: (p, alpha, l_i, m_new), l_i and the running max m_i carried, alpha the rescale of what came before."""
-    z = s * a[None, :]
-    if SOFTCAP:
-        z = libdevice.tanh(z) * softcap_log2
-    z = tl.where(vis, z, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(z, axis=1))
-    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_base)
-    p = tl.exp2(z - m_base[:, None])
-    return p, alpha, l_i * alpha + tl.sum(p, axis=1), m_new
-
-
 @triton_jit(do_not_specialize=["Hkv", "G", "T", "C", "R", "NUM_SPLITS"])
 def _expanded_attention_fwd_kernel(
     Q, K, V,
@@ -104,7 +83,7 @@ def _expanded_attention_fwd_kernel(
     SOFTCAP: tl.constexpr,
     WRITE_S: tl.constexpr,
     GATHER: tl.constexpr,  # the in-tile gather of s: 0 one-hot fp32 ieee, 1 one-hot tf32x3, 2 tl.gather
-    SCATTER: tl.constexpr,  # the per-entry sum of p: 0 one-hot product, 1 running-sum differences, 2 entry-major
+    SCATTER: tl.constexpr,  # the per-entry segment sum of p: 0 one-hot product, 1 running-sum differences
     GM: tl.constexpr,  # rows of the per-slot work: BLOCK_M, or (narrow form: GATHER 2, SCATTER 1, one block) fewer
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -192,7 +171,7 @@ def _expanded_attention_fwd_kernel(
                 p_rel_e = tl.minimum(tl.maximum(pos_e - qpos_min, -1), 2**30).to(tl.int32)
                 vis_e = vis_e & (p_rel_e[None, :] <= q_rel_n[:, None])
             sv = tl.where(vis_e, sv, float("-inf"))
-        if SCATTER >= 1:
+        if SCATTER == 1:
             # each entry's slot range [start, end) within [js, je) (entry_start; the next entry's start, or je)
             st_e = tl.load(es_base + offs_e, mask=e_ok, other=0)
             en_e = tl.load(es_base + offs_e + 1, mask=offs_e + 1 <= e_hi, other=0)
@@ -202,68 +181,63 @@ def _expanded_attention_fwd_kernel(
 
         m_tile = m_i
         P = tl.zeros([GM, BLOCK_N], dtype=tl.float32)
-        if SCATTER == 2:
-            # entry-major: the t-th slot of every entry of the tile at once (an entry's slots are contiguous,
-            # contract §3), so p lands on its entry's column: no gather of s, no segment sum
-            cnt_e = en_e - st_e  # 0 for the entries past e_hi
-            for tt in range(0, tl.max(cnt_e, axis=0)):
-                ok = tt < cnt_e
-                j_e = st_e + tt
-                lut_e = tl.load(lut_base + j_e, mask=ok, other=-1)
-                a_e = tl.load(ks_base + j_e, mask=ok, other=0.0)
-                live = (ok & (lut_e == offs_e))[None, :] & (sv > float("-inf"))  # freed slots (lut -1) stay out
-                p, alpha, l_i, m_i = _softmax_step(sv, a_e, live, m_i, l_i, SOFTCAP, softcap_log2)
-                P = P * alpha[:, None] + p
-        else:
-            # the slot metadata is prefetched one chunk ahead (loop-carried), so its latency overlaps the chunk's math
-            offs_jn = js + tl.arange(0, BLOCK_J)
+        # the slot metadata is prefetched one chunk ahead (loop-carried), so its latency overlaps the chunk's math
+        offs_jn = js + tl.arange(0, BLOCK_J)
+        e_next = tl.load(lut_base + offs_jn, mask=offs_jn < je, other=-1)
+        a_next = tl.load(ks_base + offs_jn, mask=offs_jn < je, other=0.0)
+        for jc in range(js, je, BLOCK_J):
+            e_j = e_next
+            a_j = a_next
+            offs_jn = jc + BLOCK_J + tl.arange(0, BLOCK_J)
             e_next = tl.load(lut_base + offs_jn, mask=offs_jn < je, other=-1)
             a_next = tl.load(ks_base + offs_jn, mask=offs_jn < je, other=0.0)
-            for jc in range(js, je, BLOCK_J):
-                e_j = e_next
-                a_j = a_next
-                offs_jn = jc + BLOCK_J + tl.arange(0, BLOCK_J)
-                e_next = tl.load(lut_base + offs_jn, mask=offs_jn < je, other=-1)
-                a_next = tl.load(ks_base + offs_jn, mask=offs_jn < je, other=0.0)
-                loc = e_j - e0
-                in_tile = (e_j >= 0) & (loc >= 0) & (loc < BLOCK_N)  # e_j = -1 past je
-                if GATHER == 2:
-                    loc = tl.where(in_tile, loc, 0)
-                    sg = tl.gather(sv, tl.broadcast_to(loc[None, :], (GM, BLOCK_J)), 1)
-                    vis = in_tile[None, :] & (sg > float("-inf"))
-                    live = in_tile
+            loc = e_j - e0
+            in_tile = (e_j >= 0) & (loc >= 0) & (loc < BLOCK_N)  # e_j = -1 past je
+            if GATHER == 2:
+                loc = tl.where(in_tile, loc, 0)
+                sg = tl.gather(sv, tl.broadcast_to(loc[None, :], (GM, BLOCK_J)), 1)
+                vis = in_tile[None, :] & (sg > float("-inf"))
+                live = in_tile
+            else:
+                b_j = tl.load(bias_base + e_j, mask=in_tile, other=float("-inf"))  # L1: the tile's entries
+                live = in_tile & (b_j > float("-inf"))
+                loc = tl.where(live, loc, 0)
+                onehot_g = ((offs_bn[:, None] == loc[None, :]) & live[None, :]).to(tl.float32)  # [BLOCK_N, BLOCK_J]
+                if GATHER == 1:
+                    sg = tl.dot(sv, onehot_g, input_precision="tf32x3")
                 else:
-                    b_j = tl.load(bias_base + e_j, mask=in_tile, other=float("-inf"))  # L1: the tile's entries
-                    live = in_tile & (b_j > float("-inf"))
-                    loc = tl.where(live, loc, 0)
-                    onehot_g = ((offs_bn[:, None] == loc[None, :]) & live[None, :]).to(tl.float32)  # [BLOCK_N, BLOCK_J]
-                    if GATHER == 1:
-                        sg = tl.dot(sv, onehot_g, input_precision="tf32x3")
-                    else:
-                        sg = tl.dot(sv, onehot_g, input_precision="ieee")
-                    vis = live[None, :] & row_ok[:, None]
-                    if LOAD_POS:
-                        pos_j = tl.load(pos_base + e_j, mask=live, other=0)
-                        p_rel = tl.minimum(tl.maximum(pos_j - qpos_min, -1), 2**30).to(tl.int32)
-                        vis = vis & (p_rel[None, :] <= q_rel[:, None])
-                p, alpha, l_i, m_new = _softmax_step(sg, a_j, vis, m_i, l_i, SOFTCAP, softcap_log2)
-                # segment sum per entry: P[:, e] += sum of p over the chunk's slots of entry e
-                if SCATTER == 1:
-                    # by differences of the chunk's running sum at each entry's range ends (a_e, b_e local to the chunk)
-                    cs = tl.cumsum(p, axis=1)
-                    r_lo = tl.minimum(tl.maximum(st_e - jc, 0), BLOCK_J)
-                    r_hi = tl.minimum(tl.maximum(en_e - jc, 0), BLOCK_J)
-                    hi = tl.gather(cs, tl.broadcast_to(tl.maximum(r_hi - 1, 0)[None, :], (GM, BLOCK_N)), 1)
-                    lo = tl.gather(cs, tl.broadcast_to(tl.maximum(r_lo - 1, 0)[None, :], (GM, BLOCK_N)), 1)
-                    seg = tl.where((r_hi > r_lo)[None, :], hi - tl.where((r_lo > 0)[None, :], lo, 0.0), 0.0)
-                else:
-                    onehot = (offs_bn[:, None] == loc[None, :]) & live[None, :]  # [BLOCK_N, BLOCK_J]
-                    if V.dtype.element_ty == tl.float32:
-                        seg = tl.dot(p, tl.trans(onehot.to(tl.float32)), input_precision="ieee")
-                    else:  # p rounded to V's dtype as for any 16-bit P @ V; sums in fp32
-                        seg = tl.dot(p.to(V.dtype.element_ty), tl.trans(onehot.to(V.dtype.element_ty)))
-                P = P * alpha[:, None] + seg
-                m_i = m_new
+                    sg = tl.dot(sv, onehot_g, input_precision="ieee")
+                vis = live[None, :] & row_ok[:, None]
+                if LOAD_POS:
+                    pos_j = tl.load(pos_base + e_j, mask=live, other=0)
+                    p_rel = tl.minimum(tl.maximum(pos_j - qpos_min, -1), 2**30).to(tl.int32)
+                    vis = vis & (p_rel[None, :] <= q_rel[:, None])
+            z = sg * a_j[None, :]
+            if SOFTCAP:
+                z = libdevice.tanh(z) * softcap_log2
+            z = tl.where(vis, z, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(z, axis=1))
+            m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_base)
+            p = tl.exp2(z - m_base[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            # segment sum per entry: P[:, e] += sum of p over the chunk's slots of entry e
+            if SCATTER == 1:
+                # by differences of the chunk's running sum at each entry's range ends (a_e, b_e local to the chunk)
+                cs = tl.cumsum(p, axis=1)
+                r_lo = tl.minimum(tl.maximum(st_e - jc, 0), BLOCK_J)
+                r_hi = tl.minimum(tl.maximum(en_e - jc, 0), BLOCK_J)
+                hi = tl.gather(cs, tl.broadcast_to(tl.maximum(r_hi - 1, 0)[None, :], (GM, BLOCK_N)), 1)
+                lo = tl.gather(cs, tl.broadcast_to(tl.maximum(r_lo - 1, 0)[None, :], (GM, BLOCK_N)), 1)
+                seg = tl.where((r_hi > r_lo)[None, :], hi - tl.where((r_lo > 0)[None, :], lo, 0.0), 0.0)
+            else:
+                onehot = (offs_bn[:, None] == loc[None, :]) & live[None, :]  # [BLOCK_N, BLOCK_J]
+                if V.dtype.element_ty == tl.float32:
+                    seg = tl.dot(p, tl.trans(onehot.to(tl.float32)), input_precision="ieee")
+                else:  # p rounded to V's dtype as for any 16-bit P @ V; sums in fp32
+                    seg = tl.dot(p.to(V.dtype.element_ty), tl.trans(onehot.to(V.dtype.element_ty)))
+            P = P * alpha[:, None] + seg
+            m_i = m_new
 
         m_base = tl.where(m_i == float("-inf"), 0.0, m_i)
         if GM < BLOCK_M:

@@ -171,21 +171,45 @@ def launch_expanded_prefill(q, keys, values, bias, slot_pos, cache_position, lut
 # -- the gathered form: the expanded keys' rows written out per slot, then clustered_attention's prefill kernel ----
 
 
-def gather_slots(keys, values, bias, slot_pos, lut, slot_fill):
+# How gather_slots copies the key and value rows. The advanced index keys[b, h, lut] runs torch's element-wise
+# index kernel: at batch 8, 32k (a 2048-query chunk over 28.5k slots a row) the H200 profile of EMS's prefill gives
+# it 1.80 s of 21.0 (1024 calls, 3.5 ms each, ~0.5 GB of rows written per call; docs/bench.md "Stop 52 runs").
+# GATHER_INDEX_SELECT copies whole rows instead, index_select over the [B * Hkv * C, D] view of contiguous keys and
+# values (flat index (b * Hkv + h) * C + lut): the same values, bit for bit. Built after stop 52's device time,
+# untimed, hence off (`--kernel-option _expanded_prefill_kernels.GATHER_INDEX_SELECT=True`; bench/ems_prefill.py
+# times both copies alone). Non-contiguous keys or values take the advanced index either way.
+GATHER_INDEX_SELECT = False
+
+
+def _gather_rows(x, flat, b_idx, h_idx, idx, index_select):
+    """x[b, h, idx] [B, Hkv, R, D]: by index_select over x's [B * Hkv * C, D] rows (flat: the row numbers) when
+    asked and x is contiguous, else by the advanced index."""
+    if index_select and x.is_contiguous():
+        B, Hkv, R = idx.shape
+        return x.view(-1, x.shape[-1]).index_select(0, flat).view(B, Hkv, R, x.shape[-1])
+    return x[b_idx, h_idx, idx]
+
+
+def gather_slots(keys, values, bias, slot_pos, lut, slot_fill, index_select=None):
     """Each runtime slot's own row, in slot order: (keys[lut_j], values[lut_j]) as [B, Hkv, R, D] in their dtype,
     bias' [B, Hkv, R] fp32 (0 where slot j is live: j < slot_fill, lut_j >= 0 and bias[lut_j] > -inf; -inf
     elsewhere) and slot_pos' = slot_pos[lut_j] [B, Hkv, R] int64 (0 where lut_j < 0). Tensor code (an index, no
     host read): CUDA-graph capturable, any device. The keys are NOT scaled: the kernel multiplies each slot's
-    score by a_j, as the slot kernels do, so no key is rounded twice."""
+    score by a_j, as the slot kernels do, so no key is rounded twice. index_select (default GATHER_INDEX_SELECT):
+    how the rows are copied (same values)."""
     from kvrewrite.kernels.expanded_attention import live_slots  # (that module imports this one)
 
     B, Hkv, R = lut.shape
+    C = keys.shape[2]
     live, idx = live_slots(bias, lut, slot_fill)
     bi = torch.arange(B, device=lut.device)[:, None, None]
     hi = torch.arange(Hkv, device=lut.device)[None, :, None]
     bias_g = torch.zeros(B, Hkv, R, dtype=torch.float32, device=lut.device).masked_fill_(~live, float("-inf"))
     pos_g = torch.where(lut >= 0, slot_pos[bi, hi, idx], 0)
-    return keys[bi, hi, idx], values[bi, hi, idx], bias_g, pos_g
+    rows = GATHER_INDEX_SELECT if index_select is None else index_select
+    flat = ((bi * Hkv + hi) * C + idx).reshape(-1) if rows else None
+    return (_gather_rows(keys, flat, bi, hi, idx, rows), _gather_rows(values, flat, bi, hi, idx, rows), bias_g,
+            pos_g)
 
 
 def gathered_bytes(B, Hkv, R, D, itemsize) -> int:

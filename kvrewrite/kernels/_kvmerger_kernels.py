@@ -65,7 +65,6 @@ import struct
 
 import torch
 
-from kvrewrite.kernels import evict_by_score as ebs
 from kvrewrite.kernels._slot_kernels import _check_state
 from kvrewrite.kernels._triton_op import triton_jit
 from kvrewrite.kernels.evict_by_score import (MAX_SLOTS, _f64, _kth_largest, _kth_largest_chunked,
@@ -102,12 +101,10 @@ def _seg_add(fa, va, fb, vb):
 
 
 @triton_jit()
-def _select_top(KEYS, FLAG, n, K, base, BLOCK: tl.constexpr, CH: tl.constexpr, CHUNKED: tl.constexpr,
-                RADIX: tl.constexpr):
+def _select_top(KEYS, FLAG, n, K, base, BLOCK: tl.constexpr, CH: tl.constexpr, CHUNKED: tl.constexpr):
     """FLAG[i] = 1 for the K largest int32 keys of KEYS[0, n) (ties: the earlier index), else 0; keys at
     _KEY_NEG_INF are never selected (the caller guarantees K <= the count above it); K == 0 selects none. CHUNKED:
-    the bisection reads the keys from memory CH at a time (rows past MAX_SLOTS); RADIX: the threshold by radix
-    select (evict_by_score.RADIX_SELECT)."""
+    the bisection reads the keys from memory CH at a time (rows past MAX_SLOTS)."""
     thr = tl.full([], _I32_MAX, tl.int32)
     need = tl.zeros([], tl.int32)
     n_eq = tl.zeros([], tl.int32)
@@ -115,7 +112,7 @@ def _select_top(KEYS, FLAG, n, K, base, BLOCK: tl.constexpr, CH: tl.constexpr, C
         if CHUNKED:
             thr, need, n_eq = _kth_largest_chunked(KEYS + base, n, K, BLOCK, CH, True)
         else:
-            thr, need, n_eq = _kth_largest(KEYS + base, n, K, BLOCK, True, RADIX)
+            thr, need, n_eq = _kth_largest(KEYS + base, n, K, BLOCK, True)
     carry = tl.zeros([], tl.int32)
     for c0 in range(0, n, CH):
         j = c0 + tl.arange(0, CH)
@@ -140,7 +137,7 @@ def _gauss(dist, sigma):
 @triton_jit(do_not_specialize=["C", "n_sink", "n_recent", "n_heavy", "rr_bits", "hr_bits"])
 def _kvm_rank_kernel(BIAS, POS, SCORE, DEG, FILL, BUDGET, SOR, SCR, POR, DGR, BIR, PROT, KEYP, INFO, C,
                      n_sink, n_recent, n_heavy, rr_bits, hr_bits, BLOCK: tl.constexpr, CH: tl.constexpr,
-                     CHUNKED: tl.constexpr, RADIX: tl.constexpr = False):
+                     CHUNKED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * C
     fill = tl.load(FILL + row)
@@ -182,7 +179,7 @@ def _kvm_rank_kernel(BIAS, POS, SCORE, DEG, FILL, BUDGET, SOR, SCR, POR, DGR, BI
             k = tl.maximum(_order_key(tl.load(SCR + base + j, mask=m, other=0.0)), _KEY_NEG_INF + 1)
             tl.store(KEYP + base + j, tl.where(cand, k, _KEY_NEG_INF), mask=m)
         tl.debug_barrier()
-        _select_top(KEYP, PROT, N, heavy32, base, BLOCK, CH, CHUNKED, RADIX)
+        _select_top(KEYP, PROT, N, heavy32, base, BLOCK, CH, CHUNKED)
         for c0 in range(0, N, CH):
             j = c0 + tl.arange(0, CH)
             m = j < N
@@ -222,7 +219,7 @@ def _kvm_cosine_kernel(K, BUDGET, SOR, INFO, COS, C, D, BS: tl.constexpr, BLOCK_
 @triton_jit(do_not_specialize=["C", "eps_bits"])
 def _kvm_join_kernel(K, BUDGET, SOR, SCR, PROT, COS, KEYP, JOIN, J1, SST, SSUM, OST, OCN, INFO, C, D, eps_bits,
                      EPSILON_MODE: tl.constexpr, ANCHOR: tl.constexpr, BLOCK: tl.constexpr, CH: tl.constexpr,
-                     BLOCK_D: tl.constexpr, CHUNKED: tl.constexpr, RADIX: tl.constexpr = False):
+                     BLOCK_D: tl.constexpr, CHUNKED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * C
     due = tl.load(INFO + 2 * row)
@@ -274,7 +271,7 @@ def _kvm_join_kernel(K, BUDGET, SOR, SCR, PROT, COS, KEYP, JOIN, J1, SST, SSUM, 
                 n_eps += tl.sum((ok & (c.to(tl.float64) > eps)).to(tl.int32), axis=0)
         tl.debug_barrier()
         n_sel = tl.minimum(tl.maximum(J - n1, n_eps), n_join - n1)
-        _select_top(KEYP, JOIN, N, n_sel, base, BLOCK, CH, CHUNKED, RADIX)
+        _select_top(KEYP, JOIN, N, n_sel, base, BLOCK, CH, CHUNKED)
         if ANCHOR:
             for c0 in range(0, N, CH):
                 j = c0 + tl.arange(0, CH)
@@ -315,8 +312,7 @@ def _kvm_join_kernel(K, BUDGET, SOR, SCR, PROT, COS, KEYP, JOIN, J1, SST, SSUM, 
                 k = tl.maximum(-1 - _order_key(tl.load(SSUM + base + s, mask=m, other=0.0)), _KEY_NEG_INF + 1)
                 tl.store(KEYP + base + s, tl.where(m & (p == 0), k, _KEY_NEG_INF), mask=m)
             tl.debug_barrier()
-            # JOIN is free again: the eviction flags
-            _select_top(KEYP, JOIN, n_sets, n_ev, base, BLOCK, CH, CHUNKED, RADIX)
+            _select_top(KEYP, JOIN, n_sets, n_ev, base, BLOCK, CH, CHUNKED)  # JOIN is free again: the eviction flags
         # the kept sets, compacted: OST/OCN by output slot
         n_out = tl.zeros([], tl.int32)
         for c0 in range(0, n_sets, CH):
@@ -563,15 +559,13 @@ def triton_kvmerger_compress(keys, values, bias, slot_pos, fill, budget, score, 
                              budget_mode: str = "exact", recent_ratio: float = 0.0, hh_ratio: float = 0.0,
                              chunk: int | None = None, cos_slots: int | None = None, merge_slots: int | None = None,
                              copy_slots: int | None = None, merge_warps: int | None = None,
-                             select_warps: int | None = None, chunked_select: bool | None = None,
-                             radix_select: bool | None = None) -> None:
+                             select_warps: int | None = None, chunked_select: bool | None = None) -> None:
     """Launch the five kernels (module docstring); mutates keys, values, bias, slot_pos, fill, score, degree in
     place. R = n_recent + floor(recent_ratio * budget[0]), H = n_heavy + floor(hh_ratio * budget[0]) (on the
     device). Tuning knobs (defaults measured best on an H100, docs/methods.md): chunk, cos_slots, merge_slots,
     copy_slots (powers of two) override CHUNK, COS_SLOTS, MERGE_SLOTS, COPY_SLOTS; merge_warps and select_warps the
     warps of the merge launch (MERGE_WARPS) and of the two per-row launches (by C); chunked_select (default: C past
-    MAX_SLOTS) the bisections over keys read in chunks and radix_select (default evict_by_score.RADIX_SELECT) the
-    thresholds by radix select (the same selections). Every value gives the same
+    MAX_SLOTS) the bisections over keys read in chunks (the same selection). Every value gives the same
     result (but for the fallback's set-score sums, which chunk changes the rounding of: an exact tie decided by the
     last ulp could go the other way). Under TRITON_INTERPRET=1 it runs on CPU tensors (how the kernels are tested
     without a GPU)."""
@@ -595,7 +589,6 @@ def triton_kvmerger_compress(keys, values, bias, slot_pos, fill, budget, score, 
     block = triton.next_power_of_2(C)
     ch = min(block, chunk or CHUNK)
     chunked = block > MAX_SLOTS if chunked_select is None else chunked_select  # the bisections read keys in chunks
-    radix = ebs.RADIX_SELECT if radix_select is None else radix_select
     select_warps = select_warps or _select_warps(min(block, MAX_SLOTS))
     cs, ms, ps = cos_slots or COS_SLOTS, merge_slots or MERGE_SLOTS, copy_slots or COPY_SLOTS
     block_d = triton.next_power_of_2(D)
@@ -608,13 +601,12 @@ def triton_kvmerger_compress(keys, values, bias, slot_pos, fill, budget, score, 
     xv = torch.empty_like(values)
     _kvm_rank_kernel[(rows,)](bias, slot_pos, score, degree, fill, budget, sor, scr, por, dgr, bir, prot, keyp,
                               info, C, n_sink, n_recent, n_heavy, _bits(recent_ratio), _bits(hh_ratio),
-                              BLOCK=block, CH=ch, CHUNKED=chunked, RADIX=radix, num_warps=select_warps)
+                              BLOCK=block, CH=ch, CHUNKED=chunked, num_warps=select_warps)
     _kvm_cosine_kernel[(triton.cdiv(C, cs), rows)](keys, budget, sor, info, cos, C, D, BS=cs,
                                                            BLOCK_D=block_d)
     _kvm_join_kernel[(rows,)](keys, budget, sor, scr, prot, cos, keyp, join, j1, sst, ssum, ost, ocn, info, C, D,
                               _bits(epsilon), EPSILON_MODE=budget_mode == "epsilon", ANCHOR=reading == "anchor",
-                              BLOCK=block, CH=ch, BLOCK_D=block_d, CHUNKED=chunked, RADIX=radix,
-                              num_warps=select_warps)
+                              BLOCK=block, CH=ch, BLOCK_D=block_d, CHUNKED=chunked, num_warps=select_warps)
     _kvm_merge_kernel[(triton.cdiv(C, ms), rows)](
         keys, values, xk, xv, bias, slot_pos, score, degree, sor, scr, por, dgr, bir, ost, ocn, dist, info, C, D,
         _bits(sigma), SIGMA_MODE=SIGMA_MODES.index(sigma_mode), VALUES_BIAS=values_mode == "bias",

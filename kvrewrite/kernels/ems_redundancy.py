@@ -17,18 +17,18 @@ Backends: the reference below (static-shape tensor code: the cosine matrices by 
 no host reads, deterministic) is the CPU path and the ground truth. The CUDA path is `_cuda_impl`'s choice: the
 Triton kernel below once KERNELS_CHECKED_ON_GPU records that its GPU tests passed, else the reference.
 
-Triton kernels (grids fixed by the shapes): 1. per row, the due TBM entries listed in ascending
-order (a chunked cumsum); 2. grid (P, rows, S splits of the centre range; two launches, 32-entry blocks for rows
-under BIG_TBM TBM entries and 128-entry ones from there): program p walks the row's blocks of BLOCK_T listed TBM
-entries p, p + P, ... up to its TBM count (decode: ~32 TBM per row, one block); a block's TBM rows of a and v stay
-in registers with their fp32 norms, and it walks its split's entries in centre blocks of BLOCK_N (a block without
-a centre is skipped): two tl.dot products (fp32 accumulate; fp32 inputs at IEEE precision, never TF32), divided by
-the norm products (tl.div_rn: dot first, then divide; 0 for a zero norm), clamped at 0, multiplied; a running
-argmax per TBM row where a later block wins only when strictly larger (ties: the smallest centre), stored per
-split; 3. per entry block, dest: the splits combined in ascending order by the same strict rule. Deterministic,
-no atomics, no host read, every output entry written once. It differs from the reference only in the fp32 order
-of the dot and norm sums, so dest agrees exactly wherever no two R_dc are within a few ulps of each other or of
-tau (§11; the GPU tests construct such gaps, and exact ties between identical vectors agree).
+Triton kernels (grids fixed by the shapes): 1. per row, the due TBM entries listed in ascending order (a chunked
+cumsum); 2. grid (P, rows, S splits of the centre range; two launches, 32-entry blocks for rows under BIG_TBM TBM
+entries and 128-entry ones from there): program p walks the row's blocks of BLOCK_T listed TBM entries p, p + P, ...
+up to its TBM count (decode: ~32 TBM per row, one block); a block's TBM rows of a and v stay in registers with their
+fp32 norms, and it walks its split's entries in centre blocks of BLOCK_N (a block without a centre is skipped): two
+tl.dot products (fp32 accumulate; fp32 inputs at IEEE precision, never TF32), divided by the norm products (tl.div_rn:
+dot first, then divide; 0 for a zero norm; RECIP_NORMS, off: the TBM entry's norms applied after the walk), clamped at
+0, multiplied; a running argmax per TBM row where a later block wins only when strictly larger (ties: the smallest
+centre), stored per split; 3. per entry block, dest: the splits combined in ascending order by the same strict rule.
+Deterministic, no atomics, no host read, every output entry written once. It differs from the reference only in the
+fp32 order of the dot and norm sums, so dest agrees exactly wherever no two R_dc are within a few ulps of each other
+or of tau (§11; the GPU tests construct such gaps, and exact ties between identical vectors agree).
 
 Checked: through Triton's interpreter against the reference and the naive model
 (tests/kernels/test_ems_redundancy_triton.py), and compiled on an H100 (torch 2.11, Triton 3.6) against the reference
@@ -145,6 +145,16 @@ BIG_PROGRAMS = 16
 # "Stop 51 runs") the whole op took 2.24 ms against 0.79 for a batch-1 chunk's 2048 TBM a row, 18.2 against 6.0 at
 # batch 8, and 229 against 135 us for batch 1's decode-time 32: the centres' blocks are L2-resident, the skipped
 # loads are what the branch saves.
+# RECIP_NORMS: R_dc as (max(a_d . a_c, 0) x 1/|a_c|) (max(v_d . v_c, 0) x 1/|v_c|), compared as such over the centres,
+# and divided by |a_d| |v_d| once per TBM entry after its walk: both norms of d are one positive factor of its whole
+# row of R, so the argmax is the same up to rounding (a few ulps: what §11 already allows for the sums' order; exact
+# ties between identical vectors stay ties). Per [BT, BN] tile that drops the two IEEE divisions, the denominator
+# products and their guards; the centres' reciprocals are a [BN] vector. Compiled for sm_90 here (bf16, D 128, 4
+# splits): the big tier's launch 221 registers a thread and 2600 static SASS instructions against 255 and 3968, the
+# small tier's 168 and 2536 against 255 and 3568 (3 programs an SM at 4 warps instead of 2). Built after stop 52's
+# device time, untimed, hence off (`--kernel-option ems_redundancy.RECIP_NORMS=True`; bench/ems_prefill.py's `recip`
+# variants; the launcher's recip_norms=).
+RECIP_NORMS = False
 
 
 @triton_jit(do_not_specialize=["C"])
@@ -177,7 +187,7 @@ def _tiles_and_norms(A, V, at, m, AXIS: tl.constexpr):
 
 @triton_jit(do_not_specialize=["C", "CS", "nt_lo", "nt_hi", "P"])
 def _redundancy_kernel(A, V, CLS, TL, NT, PB, PA, C, D, CS, nt_lo, nt_hi, P, S: tl.constexpr, IEEE: tl.constexpr,
-                       BT: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr):
+                       BT: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr, RECIP: tl.constexpr = False):
     """Launch 2 (grid P x rows x S centre splits): best R and its smallest centre over the split's centres
     [sp * CS, (sp + 1) * CS) for the TBM places of blocks p, p + P, ... of BT places each, up to the row's TBM count
     nt (PB/PA[row, sp, place]), on the rows whose nt lies in [nt_lo, nt_hi) (the launch's tier; BIG_TBM). A
@@ -209,17 +219,26 @@ def _redundancy_kernel(A, V, CLS, TL, NT, PB, PA, C, D, CS, nt_lo, nt_hi, P, S: 
                     else:
                         da = tl.dot(xa, ya)
                         dv = tl.dot(xv, yv)
-                    dena = na[:, None] * nya[None, :]
-                    denv = nv[:, None] * nyv[None, :]
-                    ca = tl.where(dena > 0.0, tl.div_rn(da, tl.where(dena > 0.0, dena, 1.0)), 0.0)
-                    cv = tl.where(denv > 0.0, tl.div_rn(dv, tl.where(denv > 0.0, denv, 1.0)), 0.0)
-                    r = tl.maximum(ca, 0.0) * tl.maximum(cv, 0.0)
+                    if RECIP:  # the TBM row's norms are one factor of its whole row: applied after the loop
+                        ia = tl.where(nya > 0.0, tl.div_rn(1.0, tl.where(nya > 0.0, nya, 1.0)), 0.0)
+                        iv = tl.where(nyv > 0.0, tl.div_rn(1.0, tl.where(nyv > 0.0, nyv, 1.0)), 0.0)
+                        r = (tl.maximum(da, 0.0) * ia[None, :]) * (tl.maximum(dv, 0.0) * iv[None, :])
+                    else:
+                        dena = na[:, None] * nya[None, :]
+                        denv = nv[:, None] * nyv[None, :]
+                        ca = tl.where(dena > 0.0, tl.div_rn(da, tl.where(dena > 0.0, dena, 1.0)), 0.0)
+                        cv = tl.where(denv > 0.0, tl.div_rn(dv, tl.where(denv > 0.0, denv, 1.0)), 0.0)
+                        r = tl.maximum(ca, 0.0) * tl.maximum(cv, 0.0)
                     r = tl.where(cen[None, :], r, float("-inf"))
                     tmax = tl.max(r, axis=1)
                     targ = tl.min(tl.where(cen[None, :] & (r == tmax[:, None]), c[None, :], C), axis=1)
                     up = tmax > best  # a later block wins only when strictly larger: ties to the smallest centre
                     best = tl.where(up, tmax, best)
                     arg = tl.where(up, targ, arg)
+            if RECIP:  # R = (a_d . a_c / |a_c|)(v_d . v_c / |v_c|) / (|a_d| |v_d|); 0 for a zero norm
+                den = na * nv
+                best = tl.where(best > 0.0, tl.where(den > 0.0, tl.div_rn(best, tl.where(den > 0.0, den, 1.0)), 0.0),
+                                best)
             at_p = (row * S + sp) * C + k
             tl.store(PB + at_p, best, mask=mk)
             tl.store(PA + at_p, arg, mask=mk)
@@ -255,14 +274,15 @@ def _dest_kernel(CLS, DUE, KPOS, PB, PA, DEST, C, tau, MERGE: tl.constexpr, S: t
 
 def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int | None = None,
                           block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
-                          big_tbm: int | None = None, programs: int | None = None):
+                          big_tbm: int | None = None, programs: int | None = None, recip_norms: bool | None = None):
     """The Triton kernels (module docstring): dest [B, Hkv, C] int32. Under TRITON_INTERPRET=1 they run on CPU
     tensors (how they are tested without a GPU; fp32 only there: the 3.6 interpreter's 16-bit tl.dot is wrong).
     splits: centre-range splits per TBM block (default: about TARGET_PROGRAMS programs per block column, by the
     row count: a function of the shapes only); programs: P, the main launch's programs per (row, split) (default:
     one per block the tier's rows can hold); any values give the same dest.
     Without block_t and num_warps the main launch runs in two tiers by each row's TBM count (BIG_TBM, or big_tbm: 0
-    puts every row in the big one); with either, one launch of that blocking serves every row."""
+    puts every row in the big one); with either, one launch of that blocking serves every row. recip_norms (default
+    RECIP_NORMS): the TBM entry's norms applied once after its walk (the same dest up to rounding)."""
     if triton is None:
         raise NotImplementedError(f"{NAME}: the Triton kernel needs Triton (pip install triton)")
     _check_inputs(keys, values, raw_keys, cls, due, tau)
@@ -297,7 +317,8 @@ def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int
             P = programs or min(triton.cdiv(min(hi - 1, C), bt), BIG_PROGRAMS)
             _redundancy_kernel[(P, rows, S)](
                 a, v, c, tlist, nt, pb, pa, C, D, cs, lo, hi, P, S=S, IEEE=keys.dtype == torch.float32, BT=bt, BN=bn,
-                BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=warps)
+                BLOCK_D=max(16, triton.next_power_of_2(D)),
+                RECIP=RECIP_NORMS if recip_norms is None else bool(recip_norms), num_warps=warps)
     bt = tiers[0][2]
     _dest_kernel[(triton.cdiv(C, bt), rows)](c, du, kpos, pb, pa, dest, C, float(tau), MERGE=merge, S=S, BT=bt)
     return dest

@@ -50,14 +50,14 @@ program per row and touches O(C) int32/fp32 metadata.
    int32 order keys (the fp32 bits made monotone; -0.0 keys as +0.0 and every NaN as one value above +inf, as the
    reference's max pooling and stable sort treat them), max-pooled over the older ranks. The threshold of the
    B - R largest comes from a bisection over the key values, the older keys in registers: one count (one
-   reduction) per step, stopping as soon as a count hits B - R exactly, ~log2 of the key range around the
-   threshold steps (13-17 on random scores, at most 32). A radix select would take a histogram per digit
-   (Triton's costs ~log2(bins) ballots per element) and a bitonic sort ~log2(C)^2 / 2 passes. Ties at the
-   threshold are ranked by a cumsum, to the earlier rank as the stable sort does; at a threshold of -inf the row's
-   other ranks count too (the reference ranks them at -inf). A cumsum over the kept ranks gives their new ranks,
-   NEW[slot] (-1: not kept), and K; score 0 with reset. Then two passes over the slots: below K, a kept slot's
-   rank gets its `order` entry and the others are listed in slot order as the holes (HOLE); in [K, fill), the kept
-   slots (the movers) each take the next hole: bias, slot_pos and score copied there, `order` of its rank, and
+   reduction) per step, stopping as soon as a count hits B - R exactly, ~log2 of the key range around the threshold
+   steps (13-17 on random scores, at most 32). Four 256-bin histogram rounds (8 bits of the key each) gave the same
+   thresholds but ran 1.24-1.6x slower on an H200 (dropped; docs/bench.md "Stop 52 runs"), and a bitonic sort takes
+   ~log2(C)^2 / 2 passes. Ties at the threshold are ranked by a cumsum, to the earlier rank as the stable sort does; at
+   a threshold of -inf the row's other ranks count too (the reference ranks them at -inf). A cumsum over the kept ranks
+   gives their new ranks, NEW[slot] (-1: not kept), and K; score 0 with reset. Then two passes over the slots: below K,
+   a kept slot's rank gets its `order` entry and the others are listed in slot order as the holes (HOLE); in [K, fill),
+   the kept slots (the movers) each take the next hole: bias, slot_pos and score copied there, `order` of its rank, and
    MSRC[j] = its slot for the move. Then the freed slots [K, C), fill, and INFO[row] = the moves.
 2. move, grid (blocks of MOVE_SLOTS moves, rows, MOVE_COLUMNS-column slices of keys and of values): move j copies
    slot MSRC[j] to HOLE[j]. The sources lie at or past K, the destinations below: disjoint, so every program runs
@@ -74,7 +74,6 @@ import torch
 import torch.nn.functional as F
 
 from kvrewrite.kernels._fallbacks import reference_fallback
-from kvrewrite.kernels._radix_select import _kth_largest_radix
 from kvrewrite.kernels._slot_kernels import _check_state
 from kvrewrite.kernels._triton_op import triton_jit
 
@@ -186,11 +185,6 @@ def reference_evict_by_score(keys, values, bias, slot_pos, fill, budget, score, 
 
 # -- Triton kernels ----------------------------------------------------------------------------------
 MAX_SLOTS = 32768  # rows up to this hold their keys in registers for the selection; longer ones read them in chunks
-# The register-held selections (_kth_largest: this op's, kvmerger_compress's, EMS's partition and merge) find their
-# threshold by radix select (_radix_select.py: four 256-bin histogram rounds) instead of the bisection over the key
-# values (up to 32 counts across the program). The same thresholds bit for bit (interpreter tests); not yet timed on
-# a GPU, hence off (`--kernel-option evict_by_score.RADIX_SELECT=True`).
-RADIX_SELECT = False
 SELECT_CHUNK = 4096  # slots per block of the select kernel's chunked passes (a power of two)
 MOVE_SLOTS = 128  # moves per program of the move kernel (a power of two)
 MOVE_COLUMNS = 64  # head-dim columns per program of the move kernel (a power of two)
@@ -228,12 +222,11 @@ def _add_add(a0, a1, b0, b1):
 
 
 @triton_jit()
-def _kth_largest(KEYS, n_old, K, S: tl.constexpr, POOLED: tl.constexpr, RADIX: tl.constexpr = False):
+def _kth_largest(KEYS, n_old, K, S: tl.constexpr, POOLED: tl.constexpr):
     """(thr, need, n_eq) over the keys of the older ranks [0, n_old) (S >= n_old lanes; the row's other slots
     rank as -inf), K >= 1: thr is the K-th largest key, need = K - #(key > thr) how many of the key == thr slots
     rank among the K largest (the earliest ones), n_eq how many older keys equal thr. KEYS: pooled keys (POOLED)
-    or the raw fp32 scores. RADIX: thr by _radix_select's four histogram rounds instead of the bisection (the same
-    value; RADIX_SELECT)."""
+    or the raw fp32 scores."""
     j = tl.arange(0, S)
     if POOLED:
         key = tl.load(KEYS + j, mask=j < n_old, other=_KEY_NEG_INF)
@@ -242,10 +235,7 @@ def _kth_largest(KEYS, n_old, K, S: tl.constexpr, POOLED: tl.constexpr, RADIX: t
     thr = tl.full([], _KEY_NEG_INF, tl.int32)  # fewer than K keys above -inf: the K-th is -inf
     above = key > _KEY_NEG_INF
     n_above, lo32, hi32 = tl.reduce((above.to(tl.int32), tl.where(above, key, _I32_MAX), key), 0, _add_min_max)
-    if RADIX:
-        if n_above >= K:
-            thr = _kth_largest_radix(key, K)
-    elif n_above >= K:
+    if n_above >= K:
         # bisection over the key values, count(key >= lo) >= K > count(key > hi) throughout; ~log2 of the key
         # range around the threshold steps (at most 32), one count each
         lo = lo32.to(tl.int64)
@@ -326,7 +316,7 @@ def _kth_largest_chunked(KEYS, n_old, K, lanes, CH: tl.constexpr, POOLED: tl.con
 @triton_jit(do_not_specialize=["n_recent", "ratio_bits"])
 def _evict_select_kernel(BIAS, POS, SCORE, ORDER, FILL, BUDGET, SOR, TOR, SCR, KEYP, NEW, HOLE, MSRC, INFO, C,
                          n_recent, ratio_bits, POOL: tl.constexpr, RESET: tl.constexpr, BLOCK: tl.constexpr,
-                         CHUNK: tl.constexpr, CHUNKED: tl.constexpr, RADIX: tl.constexpr = False):
+                         CHUNK: tl.constexpr, CHUNKED: tl.constexpr):
     """Launch 1 (grid: rows): a due row's selection, its metadata, order and fill; INFO[row] = the moves (0 for a
     row not due). Row scratch [C], by valid rank: SOR slot, TOR temporal rank, SCR score, KEYP pooled key; by slot:
     NEW the kept slot's new rank (-1: not kept); by move: HOLE destination, MSRC source."""
@@ -387,13 +377,13 @@ def _evict_select_kernel(BIAS, POS, SCORE, ORDER, FILL, BUDGET, SOR, TOR, SCR, K
                 thr, need, n_eq = _kth_largest_chunked(KEYS, n_old, K, BLOCK, CHUNK, POOL > 1)
             elif BLOCK >= 64:
                 if n_old <= BLOCK // 4:
-                    thr, need, n_eq = _kth_largest(KEYS, n_old, K, BLOCK // 4, POOL > 1, RADIX)
+                    thr, need, n_eq = _kth_largest(KEYS, n_old, K, BLOCK // 4, POOL > 1)
                 elif n_old <= BLOCK // 2:
-                    thr, need, n_eq = _kth_largest(KEYS, n_old, K, BLOCK // 2, POOL > 1, RADIX)
+                    thr, need, n_eq = _kth_largest(KEYS, n_old, K, BLOCK // 2, POOL > 1)
                 else:
-                    thr, need, n_eq = _kth_largest(KEYS, n_old, K, BLOCK, POOL > 1, RADIX)
+                    thr, need, n_eq = _kth_largest(KEYS, n_old, K, BLOCK, POOL > 1)
             else:
-                thr, need, n_eq = _kth_largest(KEYS, n_old, K, BLOCK, POOL > 1, RADIX)
+                thr, need, n_eq = _kth_largest(KEYS, n_old, K, BLOCK, POOL > 1)
         # -- the kept ranks in order: new ranks by cumsum. Ties at thr go to the earlier rank: a slot's rank among
         # the row's key == thr ranks decides, unless all of them are kept (distinct scores). At thr = -inf those are
         # all ranks but the older ones above -inf, so it is the temporal rank less those before it (the padding
@@ -517,12 +507,10 @@ def triton_evict_by_score(keys, values, bias, slot_pos, fill, budget, score, ord
                           recent_ratio: float = 0.0, pool: int = 1, reset_score: bool = False, *,
                           select_chunk: int | None = None, move_slots: int | None = None,
                           move_columns: int | None = None, select_warps: int | None = None,
-                          move_warps: int | None = None, chunked_select: bool | None = None,
-                          radix_select: bool | None = None) -> None:
+                          move_warps: int | None = None, chunked_select: bool | None = None) -> None:
     """Launch the two kernels (module docstring). The keyword arguments tune them (powers of two; defaults
     SELECT_CHUNK, MOVE_SLOTS, MOVE_COLUMNS, MOVE_WARPS, select warps by C; chunked_select, default C past MAX_SLOTS:
-    the K-th largest key by _kth_largest_chunked; radix_select, default RADIX_SELECT); every value gives the same
-    result.
+    the K-th largest key by _kth_largest_chunked); every value gives the same result.
     Under TRITON_INTERPRET=1 it runs on CPU tensors, which is how the kernels are tested without a GPU."""
     if triton is None:
         raise NotImplementedError("triton_evict_by_score needs Triton (pip install triton)")
@@ -543,7 +531,6 @@ def triton_evict_by_score(keys, values, bias, slot_pos, fill, budget, score, ord
                                   info, C, n_recent, _bits(recent_ratio), POOL=pool, RESET=bool(reset_score),
                                   BLOCK=block, CHUNK=min(block, select_chunk or SELECT_CHUNK),
                                   CHUNKED=block > MAX_SLOTS if chunked_select is None else chunked_select,
-                                  RADIX=RADIX_SELECT if radix_select is None else radix_select,
                                   num_warps=select_warps or _select_warps(min(block, MAX_SLOTS)))
     most = max(1, C // 2)  # moves a row: at most min(kept, C - kept)
     bs = min(move_slots or MOVE_SLOTS, triton.next_power_of_2(most))

@@ -193,7 +193,7 @@ KERNELS_CHECKED_ON_GPU = True
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 GATHERS = {"onehot": 0, "onehot_tf32x3": 1, "gather": 2}  # the in-tile gather of s (kernel module docstring)
-SCATTERS = {"onehot": 0, "cumsum": 1, "entries": 2}  # the per-entry sum of p (kernel module docstring)
+SCATTERS = {"onehot": 0, "cumsum": 1}  # the per-entry segment sum of p (kernel module docstring)
 
 
 # Programs of the expanded kernel one SM holds, for clustered_attention's large-batch split rule (its `resident`):
@@ -265,14 +265,17 @@ def narrow_compiles(block_n: int, block_j: int) -> bool:
 NARROW_SPLITS = 64
 NARROW_PROGRAMS = 4096
 NARROW_BLOCK_J = 64
-# The entry-major form (scatter "entries", kernel module docstring): a tile walks the t-th slot of all its entries at
-# once, since an entry's slots are contiguous (contract §3), so each p lands on its own entry's column: no gather of s
-# by lut and no segment sum, where the narrow form still spends about 1.5-1.7x clustered_attention's time over the
-# same entries (docs/bench.md "Stop 51 runs"). Its loop runs the tile's largest slot count (about 4 on average at
-# gamma 4), not its slot chunks. Built after stop 51's device time: interpreter tests against float64; not yet run
-# or timed on a GPU, hence off (`scatter="entries"` in the launch overrides, `--kernel-option
-# expanded_attention.ENTRY_MAJOR=True`, bench/ems_attention.py's "entries" variants).
-ENTRY_MAJOR = False
+# Grids of at most NARROW_FEW_ROWS rows (B * Hkv: batch 1 of 8 KV heads) ask NARROW_FEW_SPLITS splits of
+# NARROW_FEW_BLOCK_J-slot chunks instead. Measured end to end only (EMS, 32k, H200; docs/bench.md "Stop 52 runs"):
+# at batch 1, 48 splits asked (36 given) with 128-slot chunks ran 5.72-5.73 ms/token against the 64/64 default's
+# 5.77-5.78 (plain step 5.40 against 5.44; two alternating pairs on one GPU; 5.70 in stop 51), where at batch 8 it ran
+# 11.16 against 10.94-10.96 (stop 51). Alone (bench/ems_attention.py, cold L2, no S written) 48 splits ran slower at
+# batch 1 (stop 51's sweep): the step's kernel differs (WRITE_S, a warm L2 after the GEMVs), so the rule follows the
+# end-to-end rows. At batch 2 (16 rows) the 48 / 128 form ran 7.07 against 6.98 (plain 6.68 against 6.56; one pair):
+# the cut stays at 8 rows (batch 4, 32 rows, was not compared). 0 turns the rule off.
+NARROW_FEW_ROWS = 8
+NARROW_FEW_SPLITS = 48
+NARROW_FEW_BLOCK_J = 128
 
 
 def uses_gathered(T: int, gathered: bool | None = None) -> bool:
@@ -282,7 +285,7 @@ def uses_gathered(T: int, gathered: bool | None = None) -> bool:
 
 
 def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=None, block_n=None, block_j=None,
-                   num_splits=None, num_warps=None, num_stages=None, gather="gather", scatter=None, resident=None,
+                   num_splits=None, num_warps=None, num_stages=None, gather="gather", scatter="onehot", resident=None,
                    narrow=None):
     """Tile sizes, split count and launch options from the shapes alone (one fixed launch for CUDA graphs and
     Inductor). Splits and query blocks follow clustered_attention's _launch_config (its rule counts entry tiles:
@@ -296,14 +299,9 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=None, block_n=
     narrow (default NARROW): the per-slot work on gm = next_power_of_2(G * T) rows (at least NARROW_MIN_ROWS) where
     one query block holds them all, the gather is tl.gather and the tiles compile (narrow_compiles); it takes the
     running-sum segment sum and, unless given, NARROW_SPLITS splits (at most NARROW_PROGRAMS programs in all) and
-    NARROW_BLOCK_J-slot chunks. Else gm = block_m. scatter (default: "entries" under ENTRY_MAJOR, else "onehot";
-    the narrow form then takes "cumsum"): "entries" needs gather "gather"."""
+    NARROW_BLOCK_J-slot chunks (NARROW_FEW_SPLITS and NARROW_FEW_BLOCK_J on grids of at most NARROW_FEW_ROWS rows).
+    Else gm = block_m."""
     decode = G * T <= 16
-    if scatter is None:
-        scatter = "entries" if ENTRY_MAJOR and gather == "gather" else "onehot"
-    if scatter == "entries" and gather != "gather":
-        raise ValueError(f"expanded attention: scatter='entries' folds the visibility into q·k once per tile, which "
-                         f"only the 'gather' form does; got gather={gather!r}")
     if block_n is None:
         block_n = 64
     cfg = ca._launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=block_m, block_n=block_n,
@@ -315,16 +313,15 @@ def _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m=None, block_n=
     cfg["gm"] = cfg["block_m"]
     if (NARROW if narrow is None else narrow) and cfg["m_blocks"] == 1 and gather == "gather":
         gm = min(cfg["block_m"], max(NARROW_MIN_ROWS, triton.next_power_of_2(G * T)))
-        bj = NARROW_BLOCK_J if block_j is None else block_j
+        few = B * Hkv <= NARROW_FEW_ROWS
+        bj = (NARROW_FEW_BLOCK_J if few else NARROW_BLOCK_J) if block_j is None else block_j
         if gm < cfg["block_m"] and narrow_compiles(cfg["block_n"], bj):
             if num_splits is None or block_j is None:  # the narrow form's own defaults
-                splits = min(NARROW_SPLITS, max(1, NARROW_PROGRAMS // (B * Hkv)))
+                splits = min(NARROW_FEW_SPLITS if few else NARROW_SPLITS, max(1, NARROW_PROGRAMS // (B * Hkv)))
                 return _launch_config(B, Hkv, G, T, C, D, num_sms, itemsize, block_m, block_n, bj,
                                       splits if num_splits is None else num_splits, num_warps, num_stages,
                                       gather, scatter, resident, narrow)
-            cfg["gm"] = gm
-            if scatter != "entries":
-                cfg["scatter"] = SCATTERS["cumsum"]
+            cfg["gm"], cfg["scatter"] = gm, SCATTERS["cumsum"]
     return cfg
 
 

@@ -28,7 +28,7 @@ SMALL = dict(entry_block=8, group_chunk=8, chunk=16, merge_block=4, member_step=
              move_columns=4)
 # the cap's bisection as it runs past MAX_SLOTS slots (keys read from memory in chunks of 16), forced at these sizes
 CHUNKED = dict(SMALL, chunked_select=True)
-KNOBS = {"registers": SMALL, "chunked": CHUNKED, "radix": dict(SMALL, radix_select=True)}  # radix: RADIX_SELECT
+KNOBS = {"registers": SMALL, "chunked": CHUNKED}
 EXACT = ("bias", "slot_pos", "fill", "entry_start", "lut", "token_pos", "slot_order", "s_glo", "s_loc_past",
          "s_loc_cur", "slot_fill")
 

@@ -50,12 +50,11 @@ def test_matches_reference_and_naive(bt, gamma):
         assert cls[b, h, :len(want)].tolist() == want
 
 
-@pytest.mark.parametrize("knobs", [SMALL, dict(SMALL, chunked_select=True), dict(SMALL, radix_select=True)],
-                         ids=["registers", "chunked", "radix"])
+@pytest.mark.parametrize("knobs", [SMALL, dict(SMALL, chunked_select=True)], ids=["registers", "chunked"])
 @pytest.mark.parametrize("gamma", [1.0, 1.5, math.inf])
 def test_planted_ties_and_minus_inf_candidates(gamma, knobs):
     """Ties everywhere and -inf candidates, with the thresholds' bisection in registers and chunked (as rows past
-    MAX_ENTRIES run it), and by radix select (evict_by_score.RADIX_SELECT)."""
+    MAX_ENTRIES run it)."""
     rows = merged_rows(seed=2)
     s = N.to_state(rows, 32, 48)
     due = torch.ones(2, 2, dtype=torch.bool)

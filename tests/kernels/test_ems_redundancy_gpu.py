@@ -50,17 +50,18 @@ def classes(s, bt, thr, gamma=4.0):
     return reference_ems_partition(s["bias"], s["fill"], s["entry_start"], gp, due, s["budget"], 4, gamma), due
 
 
+@pytest.mark.parametrize("recip", [False, True], ids=["divide", "recip"])  # RECIP_NORMS' two forms of R
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("pos", ["without", "with"])
 @pytest.mark.parametrize("tau", [0.0, 0.6, 1.0])
-def test_matches_reference(dtype, pos, tau):
+def test_matches_reference(dtype, pos, tau, recip):
     D = 128 if dtype != torch.float16 else 64
     s = make_state(2, 3, 1031, 2100, D, [[1031, 900, 500], [1000, 1020, 700]], [[2000, 1800, 900], [1500, 2100, 1200]],
                    dtype=dtype, pos=pos, pads=[0, 33], seed=7, noise=0.3)
     cls, due = classes(s, 400, 800)
     cls = without_near_ties(s, cls, tau)
     want = mod.reference_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau)
-    got = mod.triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau)
+    got = mod.triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau, recip_norms=recip)
     assert torch.equal(got, want)
     assert (got[~due] == -1).all()
     n_merge = int(((cls == 3) & (got >= 0)).sum())
@@ -71,7 +72,8 @@ KNOBS = [dict(block_t=32, block_n=64, num_warps=4), dict(block_t=64, block_n=64,
          dict(block_t=32, block_n=32, num_warps=4), dict(block_t=16, block_n=64, num_warps=4),
          dict(block_t=64, block_n=32, num_warps=8), dict(block_t=32, block_n=64, num_warps=8, splits=5),
          dict(big_tbm=0), dict(big_tbm="median"),  # two tiers: every row in the big one; the rows split between them
-         dict(programs=1), dict(block_t=16, programs=3)]  # P programs per (row, split) walk the row's TBM blocks
+         dict(programs=1), dict(block_t=16, programs=3),  # P programs per (row, split) walk the row's TBM blocks
+         dict(recip_norms=True), dict(recip_norms=True, block_t=16, block_n=32, splits=5)]  # RECIP_NORMS' form
 
 
 @pytest.mark.parametrize("knobs", KNOBS)
@@ -90,8 +92,10 @@ def test_every_blocking_gives_the_same_dest(knobs):
     assert torch.equal(got, want) and int(((cls == 3) & (got >= 0)).sum()) > 0
 
 
-def test_exact_ties_go_to_the_smallest_centre():
-    """Identical centre vectors across centre blocks: every identical TBM copy goes to the first of them."""
+@pytest.mark.parametrize("recip", [False, True], ids=["divide", "recip"])
+def test_exact_ties_go_to_the_smallest_centre(recip):
+    """Identical centre vectors across centre blocks: every identical TBM copy goes to the first of them (both forms
+    of R: RECIP_NORMS)."""
     s = make_state(1, 2, 300, 600, 128, [[300, 300]], [[600, 600]], dtype=torch.bfloat16, seed=8)
     cls, due = classes(s, 120, 250)
     centres = (cls[0, 0] == 2).nonzero()[:, 0]
@@ -100,7 +104,7 @@ def test_exact_ties_go_to_the_smallest_centre():
     for f in ("keys", "values", "raw_keys"):
         s[f][0, 0, copies] = s[f][0, 0, centres[5]].clone()
     for tau in (0.0, 0.6):
-        got = mod.triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau)
+        got = mod.triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau, recip_norms=recip)
         want = mod.reference_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau)
         assert (got[0, 0, tbm[:20]] == centres[5]).all()
         assert torch.equal(got[0, 0, tbm[:20]], want[0, 0, tbm[:20]])

@@ -30,10 +30,12 @@ def kernel(s, cls, tau, due=None, **knobs):
     return triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau, **{**SMALL, **knobs})
 
 
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits, recip", [(1, False), (3, False), (3, True)], ids=["1", "3", "3-recip"])
 @pytest.mark.parametrize("pos", ["without", "with"])
 @pytest.mark.parametrize("tau", [0.0, 0.2, 1.0])
-def test_matches_reference_and_naive(pos, tau, splits):
+def test_matches_reference_and_naive(pos, tau, splits, recip):
+    """dest equals the reference's and the float64 naive model's; recip: RECIP_NORMS' form (the TBM entry's norms
+    applied after its walk), the same dest on these rows (no two R within a few ulps)."""
     rows = merged_rows(seed=2)
     g = torch.Generator().manual_seed(9)
     nz = lambda x: x + 0.1 * torch.randn(x.shape, generator=g, dtype=x.dtype)  # noqa: E731
@@ -44,7 +46,7 @@ def test_matches_reference_and_naive(pos, tau, splits):
     s = N.to_state(rows, 37, 48, pos=pos)
     cls = partition(s, 8, gamma=2.0)
     due = torch.tensor([[True, True], [False, True]])
-    got = kernel(s, cls, tau, due, splits=splits)
+    got = kernel(s, cls, tau, due, splits=splits, recip_norms=recip)
     assert torch.equal(got, reference_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau))
     for b, h in itertools.product(range(2), range(2)):
         if not due[b, h]:
@@ -92,8 +94,13 @@ def test_programs_walk_every_tbm_block():
     assert (want[0, 0, 42:60] >= 0).any() and (want[0, 1, 10:27] >= 0).any()  # merges in row 0's blocks 2-3 too
 
 
-def test_edge_rules():
-    """Clamped negative cosines, >= tau at equality, ties to the lowest centre (identical vectors), zero norms."""
+@pytest.mark.parametrize("recip", [False, True], ids=["divide", "recip"])
+def test_edge_rules(recip, monkeypatch):
+    """Clamped negative cosines, >= tau at equality, ties to the lowest centre (identical vectors), zero norms; in
+    both forms of R (RECIP_NORMS: the TBM entry's norms applied after its walk)."""
+    import kvrewrite.kernels.ems_redundancy as er
+
+    monkeypatch.setattr(er, "RECIP_NORMS", recip)
     e = [([1.0, 0, 0, 0], [1.0, 0, 0, 0], [0, 1.0, 0, 0]), ([-1.0, 0, 0, 0], [-1.0, 0, 0, 0], [0, -1.0, 0, 0])]
     s, cls = row_state(e, [2, 3])
     assert kernel(s, cls, 0.01)[0, 0].tolist() == [0, -1] and kernel(s, cls, 0.0)[0, 0].tolist() == [0, 0]

@@ -123,14 +123,6 @@ def test_mostly_padding_and_not_due_limit():
     check(s, (2, 0.5, 1, True), **SMALL)
 
 
-@pytest.mark.parametrize("settings", SETTINGS[:2], ids=lambda v: str(v))
-@pytest.mark.parametrize("B,H,C,D,fills,target,threshold,pads,dtype", CASES[:2], ids=lambda v: str(v))
-def test_radix_select_matches_reference(B, H, C, D, fills, target, threshold, pads, dtype, settings):
-    """The selection's threshold by radix select (RADIX_SELECT): the reference's state, bit for bit."""
-    s = scored_state(B, H, C, D, fills, target, threshold, pads=pads, seed=C + D, dtype=dtype, shuffled=True)
-    check(poisoned(s), settings, **SMALL, radix_select=True)
-
-
 def test_ratio_rounding_uses_float64():
     """R = floor(recent_ratio * B) from the float64 product, as the reference computes it: 0.7 * 10 rounds to 7.0
     (exact: 6.99999...; Triton would pass 0.7 as fp32, 0.69999999 * 10 -> 6)."""
@@ -140,33 +132,28 @@ def test_ratio_rounding_uses_float64():
 
 @triton.jit
 def _kth_probe(KEYS, OUT, n_old, K, S: tl.constexpr, CH: tl.constexpr, POOLED: tl.constexpr):
-    """One row's (thr, need, n_eq) from _kth_largest's bisection, _kth_largest_chunked and _kth_largest's radix
-    select, into OUT[0:3], OUT[3:6] and OUT[6:9]."""
+    """One row's _kth_largest and _kth_largest_chunked results, (thr, need, n_eq) each, into OUT[0:3] and OUT[3:6]."""
     a, b, c = _kth_largest(KEYS, n_old, K, S, POOLED)
     d, e, f = _kth_largest_chunked(KEYS, n_old, K, S, CH, POOLED)
-    g, h, i = _kth_largest(KEYS, n_old, K, S, POOLED, RADIX=True)
     tl.store(OUT + 0, a)
     tl.store(OUT + 1, b)
     tl.store(OUT + 2, c)
     tl.store(OUT + 3, d)
     tl.store(OUT + 4, e)
     tl.store(OUT + 5, f)
-    tl.store(OUT + 6, g)
-    tl.store(OUT + 7, h)
-    tl.store(OUT + 8, i)
 
 
-def _kth_all(keys, n_old, K, S, CH, pooled):
-    out = torch.zeros(9, dtype=torch.int32)
+def _kth_both(keys, n_old, K, S, CH, pooled):
+    out = torch.zeros(6, dtype=torch.int32)
     _kth_probe[(1,)](keys, out, n_old, K, S=S, CH=CH, POOLED=pooled)
-    return out[:3].tolist(), out[3:6].tolist(), out[6:].tolist()
+    return out[:3].tolist(), out[3:].tolist()
 
 
 @pytest.mark.parametrize("pooled", [True, False], ids=["pooled-keys", "fp32-scores"])
 def test_chunked_bisection_matches_the_register_one(pooled):
-    """_kth_largest_chunked (EMS's slot table past MAX_SLOTS) and the radix select (RADIX_SELECT) give _kth_largest's
-    (thr, need, n_eq) bit for bit: ties at the threshold, -inf's and NaN's among the keys, K past the keys above -inf
-    (thr -inf, where n_eq counts the lanes past n_old too), rows shorter and longer than a chunk."""
+    """_kth_largest_chunked (EMS's slot table past MAX_SLOTS) gives _kth_largest's (thr, need, n_eq) bit for bit: ties
+    at the threshold, -inf's and NaN's among the keys, K past the keys above -inf (thr -inf, where n_eq counts the
+    lanes past n_old too), rows shorter and longer than a chunk."""
     g = torch.Generator().manual_seed(3)
     S = 64
     for trial in range(24):
@@ -183,29 +170,5 @@ def test_chunked_bisection_matches_the_register_one(pooled):
         above = int((vals[:n_old] > -math.inf).sum())
         for K in sorted({1, max(1, above // 2), max(1, above), above + 3}):
             for CH in (8, 32):
-                reg, chunked, radix = _kth_all(keys, n_old, K, S, CH, pooled)
-                assert reg == chunked == radix, (trial, n_old, K, CH, reg, chunked, radix)
-
-
-@pytest.mark.parametrize("pooled", [True, False], ids=["pooled-keys", "fp32-scores"])
-def test_radix_select_matches_the_bisection_over_wide_keys(pooled):
-    """The radix select on keys that differ in every byte: fp32 scores of both signs over many magnitudes (their
-    order keys span the int32 range), pooled int32 keys drawn over the whole range, planted ties at the K-th key; each
-    K from 1 to the row. A byte chosen wrong moves thr by at least 2**0..2**24 key steps: the bisection's bits
-    differ."""
-    g = torch.Generator().manual_seed(7)
-    S = 128
-    for trial in range(12):
-        n_old = int(torch.randint(S // 2, S + 1, (1,), generator=g))
-        if pooled:
-            keys = torch.randint(-2**31 + 8, 2**31 - 1, (S,), generator=g, dtype=torch.int64).to(torch.int32)
-            keys[keys <= -2139095041] = -2139095040  # above -inf's key: -inf only where planted
-        else:
-            keys = torch.randn(S, generator=g) * torch.exp(8 * torch.randn(S, generator=g))
-        if trial % 3 == 1:
-            keys[torch.randperm(S, generator=g)[:S // 4]] = keys[0].item()  # a quarter tied with one key
-        if trial % 3 == 2 and not pooled:
-            keys[torch.rand(S, generator=g) < 0.2] = -math.inf
-        for K in sorted({1, 2, n_old // 3, n_old // 2, n_old - 1, n_old}):
-            reg, _, radix = _kth_all(keys, n_old, max(K, 1), S, 32, pooled)
-            assert reg == radix, (trial, n_old, K, reg, radix)
+                reg, chunked = _kth_both(keys, n_old, K, S, CH, pooled)
+                assert reg == chunked, (trial, n_old, K, CH, reg, chunked)

@@ -159,35 +159,25 @@ def test_large_batch_split_rule_is_opt_in(monkeypatch):
 
 def test_narrow_split_rule():
     """The narrow form's decode splits (NARROW, the default): NARROW_SPLITS asked up to batch 8 of 8 KV heads, then
-    at most NARROW_PROGRAMS programs in all; whole tiles of >= 2 (64 asked at 6656 entries in 64-entry tiles: 52)."""
+    at most NARROW_PROGRAMS programs in all; grids of at most NARROW_FEW_ROWS rows ask NARROW_FEW_SPLITS of
+    NARROW_FEW_BLOCK_J-slot chunks; whole tiles of >= 2 (64 asked at 6656 entries in 64-entry tiles: 52)."""
     pytest.importorskip("triton")
     from kvrewrite.kernels import expanded_attention as xa
 
-    def cfg(B, C=6656):
-        return xa._launch_config(B, 8, 4, 1, C, 128, 132, 2)
+    def cfg(B, C=6656, Hkv=8):
+        return xa._launch_config(B, Hkv, 4, 1, C, 128, 132, 2)
 
-    assert xa.NARROW and all(cfg(B)["gm"] == 4 and cfg(B)["block_j"] == xa.NARROW_BLOCK_J for B in (1, 8, 40))
-    assert cfg(1)["num_splits"] == cfg(8)["num_splits"] == 52  # 104 tiles: 2 a split
-    assert cfg(1, 26527)["num_splits"] == 60  # 415 tiles, 64 asked: 7 a split
+    assert xa.NARROW and xa.NARROW_FEW_ROWS == 8 and all(cfg(B)["gm"] == 4 for B in (1, 8, 40))
+    assert all(cfg(B)["block_j"] == xa.NARROW_BLOCK_J for B in (2, 8, 40)) and cfg(1)["block_j"] == 128
+    assert cfg(8)["num_splits"] == cfg(2)["num_splits"] == 52  # 104 tiles: 2 a split
+    assert cfg(1)["num_splits"] == cfg(2, Hkv=4)["num_splits"] == 35  # 8 rows, 48 asked: 3 tiles a split
+    assert cfg(2, 26527)["num_splits"] == 60  # 415 tiles, 64 asked: 7 a split
+    assert cfg(1, 26527)["num_splits"] == 47  # 48 asked: 9 a split
     assert cfg(40)["num_splits"] == 12 and cfg(64)["num_splits"] == 8  # 4096 // (B * 8)
     assert xa._launch_config(1, 8, 4, 1, 6656, 128, 132, 2, num_splits=5)["num_splits"] == 5  # the override wins
-
-
-def test_entry_major_launch(monkeypatch):
-    """ENTRY_MAJOR (off by default) makes "entries" the default per-entry sum at both widths; given explicitly it
-    wins over the narrow form's "cumsum"; with a one-hot gather it is refused, naming both choices."""
-    pytest.importorskip("triton")
-    from kvrewrite.kernels import expanded_attention as xa
-
-    def scatter(**kw):
-        return xa._launch_config(1, 8, 4, 1, 6656, 128, 132, 2, **kw)["scatter"]
-
-    assert not xa.ENTRY_MAJOR and scatter() == xa.SCATTERS["cumsum"] and scatter(narrow=False) == 0
-    assert scatter(scatter="entries") == scatter(scatter="entries", narrow=False) == xa.SCATTERS["entries"]
-    monkeypatch.setattr(xa, "ENTRY_MAJOR", True)
-    assert scatter() == scatter(narrow=False) == xa.SCATTERS["entries"] and scatter(gather="onehot") == 0
-    with pytest.raises(ValueError, match="scatter='entries'.*gather='onehot'"):
-        scatter(scatter="entries", gather="onehot")
+    with pytest.MonkeyPatch.context() as mp:  # the rule off: batch 1 takes the 64 / 64 default
+        mp.setattr(xa, "NARROW_FEW_ROWS", 0)
+        assert cfg(1)["num_splits"] == 52 and cfg(1)["block_j"] == xa.NARROW_BLOCK_J
 
 
 def test_prefill_kernel_tiles():
@@ -226,6 +216,31 @@ def test_gather_slots_writes_each_slots_row():
                     assert pos[b, h, j] == st.slot_pos[b, h, e]
     assert 0 < n_live < B * Hkv * R and k.dtype == torch.bfloat16 and bias.dtype == torch.float32
     assert gathered_bytes(B, Hkv, R, k.shape[-1], 2) == k.nbytes + v.nbytes + bias.nbytes + pos.nbytes
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_gather_slots_index_select_is_the_same_copy(layout):
+    """GATHER_INDEX_SELECT's row copy (index_select over the [B * Hkv * C, D] rows) gives the advanced index's rows
+    bit for bit; keys and values that are not contiguous (here: views of a wider buffer) take the advanced index."""
+    from kvrewrite.kernels import _expanded_prefill_kernels as xp
+
+    st, _, _, _ = build("dead-slots", torch.bfloat16)
+    keys, values = st.keys, st.values
+    if layout == "strided":
+        keys = torch.cat([keys, torch.zeros_like(keys)], -1)[..., :keys.shape[-1]]
+        values = torch.cat([values, torch.zeros_like(values)], 2)[:, :, :values.shape[2]]
+        assert not keys.is_contiguous() and not values.is_contiguous()
+    args = (keys, values, st.bias, st.slot_pos, st.lut, st.slot_fill)
+    want = xp.gather_slots(*args, index_select=False)
+    got = xp.gather_slots(*args, index_select=True)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert got[0].shape == (*st.lut.shape, keys.shape[-1]) and got[0].is_contiguous()
+    calls = []
+    real = torch.Tensor.index_select
+    with pytest.MonkeyPatch.context() as mp:  # the row copy is the one that ran, for contiguous rows only
+        mp.setattr(torch.Tensor, "index_select", lambda self, *a: calls.append(1) or real(self, *a))
+        xp.gather_slots(*args, index_select=True)
+    assert len(calls) == (2 if layout == "contiguous" else 0)
 
 
 @pytest.mark.parametrize("T, Hq, override, form", [

@@ -137,7 +137,7 @@ CASES = {
 }
 
 
-SCATTER = pytest.mark.parametrize("scatter", list(xa.SCATTERS))  # every per-entry sum (entries too), every main case
+SCATTER = pytest.mark.parametrize("scatter", list(xa.SCATTERS))  # both segment sums, on every main case
 
 
 @SCATTER
@@ -167,7 +167,6 @@ def test_kernel_matches_dense_float64(case, dtype, scatter):
     dict(scatter="cumsum", gather="onehot_tf32x3", num_splits=7),
     dict(narrow=True), dict(narrow=True, num_splits=7, block_j=128),  # NARROW (decode: 4 rows of 16)
     dict(narrow=False), dict(narrow=False, num_splits=7, block_j=64),  # the full width (decode: 16 rows)
-    dict(scatter="entries"), dict(scatter="entries", narrow=False, num_splits=7),  # ENTRY_MAJOR, both widths
 ], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 @pytest.mark.parametrize("case", ["decode-llama-G4", "prefill-G4-T37"])
 def test_launch_variants(case, tuning):
@@ -214,7 +213,8 @@ def test_softcap(case, dtype, scatter):
 
 
 @pytest.mark.parametrize("tuning", [{}, dict(block_n=32), dict(block_m=128, num_warps=8), dict(block_m=16, block_n=16),
-                                    dict(gathered=True), dict(gathered=True, block_m=128, block_n=32)],
+                                    dict(gathered=True), dict(gathered=True, block_m=128, block_n=32),
+                                    dict(gathered=True, index_select=True)],  # GATHER_INDEX_SELECT's row copy
                          ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()) or "default")
 @pytest.mark.parametrize("softcap", [0.0, 10.0])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -226,6 +226,8 @@ def test_prefill_kernel(case, dtype, softcap, tuning, monkeypatch):
     kernel with per-slot key scales; without (the default for these few queries), the slot-walking kernel."""
     from kvrewrite.kernels import _expanded_prefill_kernels as xp
 
+    tuning = dict(tuning)
+    monkeypatch.setattr(xp, "GATHER_INDEX_SELECT", tuning.pop("index_select", False))
     B, Hq, Hkv, C, R, D, T, prefill, opts = CASES[case]
     if Hq // Hkv * T <= 16:
         T = 17  # a prefill-sized block

@@ -66,8 +66,7 @@ def test_kernel_matches_naive_and_reference(case, splits, narrow):
 
 
 @pytest.mark.parametrize("case", ["decode-G4-dead", "prefill-G2-empty-row"])
-@pytest.mark.parametrize("gather, scatter", [("onehot", "onehot"), ("onehot_tf32x3", "cumsum"), ("gather", "cumsum"),
-                                             ("gather", "entries")])
+@pytest.mark.parametrize("gather, scatter", [("onehot", "onehot"), ("onehot_tf32x3", "cumsum"), ("gather", "cumsum")])
 def test_other_gathers_and_scatters(case, gather, scatter):
     st, q, scale, past_only = build(case, seed=2)
     out, lse = launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, num_splits=3, gather=gather,
@@ -75,34 +74,23 @@ def test_other_gathers_and_scatters(case, gather, scatter):
     check_naive(out, lse, st, q, scale)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_entry_major_full_width(case):
-    """The entry-major form (scatter "entries", ENTRY_MAJOR) on the full 16-row width: the float64 dense attention."""
-    st, q, scale, past_only = build(case, seed=5)
-    out, lse = launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, num_splits=3, narrow=False,
-                                       scatter="entries", **SMALL)
-    check_naive(out, lse, st, q, scale)
-
-
 NARROW_CASES = {**CASES, "decode-G1": (2, 2, 2, 31, 70, 16, 1, False, {"dead": True})}  # G * T = 1: one row
 
 
-@pytest.mark.parametrize("scatter", [None, "entries"], ids=["cumsum", "entries"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("case", NARROW_CASES)
-def test_narrow_form(case, splits, scatter):
+def test_narrow_form(case, splits):
     """expanded_attention.NARROW: the per-slot work on next_power_of_2(G * T) rows, at least NARROW_MIN_ROWS (4, 4, 4
     and 8 here for G * T = 1, 2, 4 and 5-8) of the 16-row block, with the running-sum segment sum: the float64 dense
     attention's output and lse, and S as the full-width form writes it."""
     st, q, scale, past_only = build(case, seed=4, cases=NARROW_CASES)
     out, lse = launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, num_splits=splits, narrow=True,
-                                       scatter=scatter, **SMALL)
+                                       **SMALL)
     check_naive(out, lse, st, q, scale)
     if q.shape[2] == 1:  # S (decode): the same scores as the full-width form's
         B, Hq, _, _ = q.shape
         S, S_full = (torch.zeros(B, Hq, st.keys.shape[2]) for _ in range(2))
-        launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, S=S, num_splits=3, narrow=True,
-                                scatter=scatter, **SMALL)
+        launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, S=S, num_splits=3, narrow=True, **SMALL)
         launch_expanded_forward(*st.attention_args(q), scale, past_only, 0.0, S=S_full, num_splits=3, **SMALL)
         assert torch.equal(S, S_full)
 

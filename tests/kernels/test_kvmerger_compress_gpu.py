@@ -63,18 +63,6 @@ def test_matches_naive(dtype, budget_mode, sigma_mode, values_mode):
     assert max(sizes) > kk.MEMBER_STEP and any(1 < n <= kk.MEMBER_STEP for n in sizes), "both merge paths"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_radix_select_matches_naive(dtype):
-    """The heavy-hitter, join and eviction thresholds by radix select (evict_by_score.RADIX_SELECT)."""
-    s = state(dtype, seed=14)
-    orig = {f: t.clone() for f, t in s.items()}
-    budget = torch.tensor(BUDGET, device="cuda")
-    opts = dict(n_sink=2, recent_ratio=0.34, hh_ratio=0.24, epsilon=0.9)
-    kk.triton_kvmerger_compress(*(s[f] for f in FIELDS[:5]), budget, s["score"], s["degree"], radix_select=True,
-                                **opts)
-    compare(s, orig, budget, opts)
-
-
 def test_fallback():
     s = state(torch.bfloat16, seed=12)
     orig = {f: t.clone() for f, t in s.items()}

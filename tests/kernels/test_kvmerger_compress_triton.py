@@ -259,23 +259,18 @@ def test_sets_within_and_over_one_member_tile(sigma_mode, values_mode):
 CHUNKED = dict(SMALL, chunked_select=True)  # the bisections as rows past MAX_SLOTS run them, forced at this size
 
 
-RADIX = dict(SMALL, radix_select=True)  # the thresholds by radix select (evict_by_score.RADIX_SELECT)
-
-
-@pytest.mark.parametrize("sigma_mode,values_mode,knobs", [("fixed", "scale", CHUNKED), ("paper", "bias", CHUNKED),
-                                                          ("fixed", "scale", RADIX)], ids=["chunked", "chunked-paper",
-                                                                                           "radix"])
-def test_chunked_bisections_match_naive(sigma_mode, values_mode, knobs):
+@pytest.mark.parametrize("sigma_mode,values_mode", [("fixed", "scale"), ("paper", "bias")])
+def test_chunked_bisections_match_naive(sigma_mode, values_mode):
     """The heavy-hitter, join and fallback selections with _kth_largest_chunked (keys read from memory in chunks of
-    8) and with the radix select: the naive model's result, as with the bisection in registers."""
+    8): the naive model's result, as with the bisection in registers."""
     s = make_state(**STATE, fills=FILLS, seed=1)
     opts = dict(n_recent=3, n_heavy=2, n_sink=1, epsilon=0.9, sigma=0.7, sigma_mode=sigma_mode,
                 values_mode=values_mode)
-    got, want, info, orig = run_both(s, BUDGET, opts, knobs=knobs)
+    got, want, info, orig = run_both(s, BUDGET, opts, knobs=CHUNKED)
     check(got, want, orig, BUDGET)
     assert any(len(st) > 1 for i in info.values() for st in i["sets"])
     s = make_state(B=1, H=2, C=29, D=6, fills=[[29, 27]], seed=3, pad_frac=0.0)
     budget = torch.tensor([12, 20])
-    got, want, info, orig = run_both(s, budget, dict(n_recent=2, n_heavy=7, n_sink=1), knobs=knobs)
+    got, want, info, orig = run_both(s, budget, dict(n_recent=2, n_heavy=7, n_sink=1), knobs=CHUNKED)
     assert all(i["fallback"] for i in info.values())
     check(got, want, orig, budget)

@@ -155,21 +155,17 @@ def test_evict_by_score_triton_bit_identical_to_cpu(B, H, C, D, fills, target, t
 @pytest.mark.parametrize("settings", [(0, 0.5, 1, False), (32, 0.0, 7, True)], ids=["h2o", "snapkv"])
 @pytest.mark.parametrize("B,C,target", [(1, 8600, 6554), (8, 8600, 6554), (1, 32768, 26214)],
                          ids=lambda v: str(v))
-@pytest.mark.parametrize("radix", [False, True], ids=["bisection", "radix"])
-def test_evict_by_score_triton_llama_layout(B, C, target, settings, radix, triton_path):
-    """The timed layout (kvrewrite.bench.evict_by_score): 32 slots go per due row; the threshold by bisection and
-    by radix select (RADIX_SELECT)."""
-    _assert_same(*_cpu_and_cuda(_llama_state(B, C, target, 32, seed=B + C), settings,
-                                **(dict(radix_select=True) if radix else {})))
+def test_evict_by_score_triton_llama_layout(B, C, target, settings, triton_path):
+    """The timed layout (kvrewrite.bench.evict_by_score): 32 slots go per due row."""
+    _assert_same(*_cpu_and_cuda(_llama_state(B, C, target, 32, seed=B + C), settings))
 
 
 @pytest.mark.skipif(ebs.triton is None, reason="needs Triton")
 @pytest.mark.parametrize("knobs", [dict(select_chunk=64, move_slots=16, move_columns=16),
                                    dict(select_chunk=1024, move_slots=64, move_columns=32, select_warps=4,
                                         move_warps=2),
-                                   dict(select_chunk=8192, move_slots=128, move_columns=128, select_warps=32),
-                                   dict(radix_select=True)],  # the threshold by radix select (RADIX_SELECT)
-                         ids=["small", "medium", "large", "radix"])
+                                   dict(select_chunk=8192, move_slots=128, move_columns=128, select_warps=32)],
+                         ids=["small", "medium", "large"])
 def test_evict_by_score_triton_knobs_change_nothing(knobs):
     s = scored_state(2, 4, 3001, 128, [[3001, 2990, 2999, 3000], [3001] * 4], 2000, 2990, pads=[0, 40], seed=5,
                      dtype=torch.bfloat16)
