@@ -1,6 +1,7 @@
 """Registers, shared memory and programs per SM of a Triton kernel compiled for Hopper (sm_90), without a GPU.
 
     python -m kvrewrite.bench.occupancy          # the decode attention kernels' variants (clustered_attention, EMS)
+                                                 # and EMS's redundancy kernel (its two tiers, RECIP_NORMS or not)
 
 Triton compiles for a named target on any machine (its wheel carries ptxas and cuobjdump): this reads the
 registers a thread from the cubin (cuobjdump --dump-resource-usage) and the shared memory from the compile's
@@ -35,11 +36,9 @@ def programs_per_sm(regs_per_thread: int, shared_bytes: int, num_warps: int, sm:
     return min(by_regs, by_shared, by_threads, sm["max_blocks"])
 
 
-def sm90_resources(jit_fn, types: dict, constexprs: dict, aligned=(), num_warps: int = 4, num_stages: int = 2,
-                   **options) -> tuple:
-    """(registers a thread, shared bytes) of `jit_fn` compiled for sm_90. types: Triton type of every argument that
-    is not a constexpr ("*bf16", "i32", "fp32", ...); constexprs: name -> value; aligned: integer arguments taken
-    as multiples of 16 (pointers always are 16-byte aligned)."""
+def _sm90_cuobjdump(jit_fn, types: dict, constexprs: dict, aligned, num_warps: int, num_stages: int, flag: str,
+                    **options) -> tuple:
+    """(the compile, cuobjdump `flag`'s output) of `jit_fn` compiled for sm_90 (sm90_resources' arguments)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -48,10 +47,10 @@ def sm90_resources(jit_fn, types: dict, constexprs: dict, aligned=(), num_warps:
     unknown = set(types) | set(constexprs) | set(aligned)
     unknown -= set(names)
     if unknown:
-        raise ValueError(f"sm90_resources: {sorted(unknown)} are not arguments of {jit_fn.fn.__name__}")
+        raise ValueError(f"sm_90 compile: {sorted(unknown)} are not arguments of {jit_fn.fn.__name__}")
     missing = [n for n in names if n not in types and n not in constexprs]
     if missing:
-        raise ValueError(f"sm90_resources: give a type or a constexpr value for {missing}")
+        raise ValueError(f"sm_90 compile of {jit_fn.fn.__name__}: give a type or a constexpr value for {missing}")
     signature = {n: "constexpr" if n in constexprs else types[n] for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in constexprs and (types[n].startswith("*") or n in aligned)}
@@ -64,12 +63,28 @@ def sm90_resources(jit_fn, types: dict, constexprs: dict, aligned=(), num_warps:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True,
-                               check=True).stdout
+        out = subprocess.run([cuobjdump, flag, path], capture_output=True, text=True, check=True).stdout
+    return compiled, out
+
+
+def sm90_resources(jit_fn, types: dict, constexprs: dict, aligned=(), num_warps: int = 4, num_stages: int = 2,
+                   **options) -> tuple:
+    """(registers a thread, shared bytes) of `jit_fn` compiled for sm_90. types: Triton type of every argument that
+    is not a constexpr ("*bf16", "i32", "fp32", ...); constexprs: name -> value; aligned: integer arguments taken
+    as multiples of 16 (pointers always are 16-byte aligned)."""
+    compiled, usage = _sm90_cuobjdump(jit_fn, types, constexprs, aligned, num_warps, num_stages,
+                                      "--dump-resource-usage", **options)
     regs = re.search(r"REG:(\d+)", usage)
     if regs is None:
         raise RuntimeError(f"sm90_resources: no register count in cuobjdump's output:\n{usage}")
     return int(regs.group(1)), int(compiled.metadata.shared)
+
+
+def sm90_instructions(jit_fn, types: dict, constexprs: dict, aligned=(), num_warps: int = 4, num_stages: int = 2,
+                      **options) -> int:
+    """Static SASS instructions of `jit_fn` compiled for sm_90 (sm90_resources' arguments): a size, not a time."""
+    _, sass = _sm90_cuobjdump(jit_fn, types, constexprs, aligned, num_warps, num_stages, "-sass", **options)
+    return sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/\s+\S", line))
 
 
 # the attention kernels' float scalars; every other non-pointer, non-constexpr argument is an int32
@@ -130,6 +145,23 @@ def expanded_decode_resources(split: bool, write_s: bool, head_dim: int = 128, d
     return regs, shared, cfg["num_warps"]
 
 
+def redundancy_resources(recip: bool, big: bool, head_dim: int = 128, dtype: str = "bf16") -> tuple:
+    """(registers, shared bytes, warps, static SASS instructions) of ems_redundancy's main kernel as its launcher
+    launches it at batch 8 of the Llama layout (4 centre splits): big, the tier of 128-row TBM blocks (a prefill
+    chunk's compression), else the 32-row one; recip, RECIP_NORMS' form."""
+    from kvrewrite.kernels import ems_redundancy as er
+
+    kernel = er._redundancy_kernel
+    pointers = {"A": f"*{dtype}", "V": f"*{dtype}", "CLS": "*i32", "TL": "*i32", "NT": "*i32", "PB": "*fp32",
+                "PA": "*i32"}
+    bt, warps = (er.BIG_BLOCK_T, er.BIG_WARPS) if big else (er.BLOCK_T, 4)
+    constexprs = dict(S=4, IEEE=dtype == "fp32", BT=bt, BN=er.BLOCK_N, BLOCK_D=max(16, head_dim), RECIP=recip)
+    types = _argument_types(kernel, pointers, constexprs)
+    aligned = ("C", "D", "CS")
+    regs, shared = sm90_resources(kernel, types, constexprs, aligned, warps)
+    return regs, shared, warps, sm90_instructions(kernel, types, constexprs, aligned, warps)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.parse_args(argv)
@@ -145,6 +177,12 @@ def main(argv=None):
                 print(f"EMS expanded attention, {'narrow' if narrow else 'full width'}, S written {write_s!s:5}, "
                       f"split {split!s:5}: {regs} registers, {shared} B shared, {warps} warps: "
                       f"{programs_per_sm(regs, shared, warps)} programs per SM", flush=True)
+    for big in (True, False):  # ems_redundancy's two tiers, R by division (the default) and RECIP_NORMS' form
+        for recip in (False, True):
+            regs, shared, warps, n = redundancy_resources(recip, big)
+            print(f"EMS redundancy, {'128' if big else '32'}-row blocks, {'RECIP_NORMS' if recip else 'divisions'}: "
+                  f"{regs} registers, {shared} B shared, {warps} warps: {programs_per_sm(regs, shared, warps)} "
+                  f"programs per SM, {n} static SASS instructions", flush=True)
 
 
 if __name__ == "__main__":

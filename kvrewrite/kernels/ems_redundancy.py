@@ -149,11 +149,12 @@ BIG_PROGRAMS = 16
 # and divided by |a_d| |v_d| once per TBM entry after its walk: both norms of d are one positive factor of its whole
 # row of R, so the argmax is the same up to rounding (a few ulps: what §11 already allows for the sums' order; exact
 # ties between identical vectors stay ties). Per [BT, BN] tile that drops the two IEEE divisions, the denominator
-# products and their guards; the centres' reciprocals are a [BN] vector. Compiled for sm_90 here (bf16, D 128, 4
-# splits): the big tier's launch 221 registers a thread and 2600 static SASS instructions against 255 and 3968, the
-# small tier's 168 and 2536 against 255 and 3568 (3 programs an SM at 4 warps instead of 2). Built after stop 52's
-# device time, untimed, hence off (`--kernel-option ems_redundancy.RECIP_NORMS=True`; bench/ems_prefill.py's `recip`
-# variants; the launcher's recip_norms=).
+# products and their guards; the centres' reciprocals are a [BN] vector. Compiled for sm_90 here (`python -m
+# kvrewrite.bench.occupancy`: bf16, D 128, 4 splits): the big tier's launch 221 registers a thread and 2600 static
+# SASS instructions against 255 and 3968 (one program an SM either way: 96 KB of shared memory), the small tier's 168
+# and 2536 against 255 and 3568 (3 programs an SM instead of 2). Built after stop 52's device time, untimed, hence off
+# (`--kernel-option ems_redundancy.RECIP_NORMS=True`; bench/ems_prefill.py's `recip` variants; the launcher's
+# recip_norms=).
 RECIP_NORMS = False
 
 
