@@ -266,13 +266,14 @@ NARROW_SPLITS = 64
 NARROW_PROGRAMS = 4096
 NARROW_BLOCK_J = 64
 # Grids of at most NARROW_FEW_ROWS rows (B * Hkv: batch 1 of 8 KV heads) ask NARROW_FEW_SPLITS splits of
-# NARROW_FEW_BLOCK_J-slot chunks instead. Measured end to end only (EMS, 32k, H200; docs/bench.md "Stop 52 runs"):
-# at batch 1, 48 splits asked (36 given) with 128-slot chunks ran 5.72-5.73 ms/token against the 64/64 default's
-# 5.77-5.78 (plain step 5.40 against 5.44; two alternating pairs on one GPU; 5.70 in stop 51), where at batch 8 it ran
-# 11.16 against 10.94-10.96 (stop 51). Alone (bench/ems_attention.py, cold L2, no S written) 48 splits ran slower at
-# batch 1 (stop 51's sweep): the step's kernel differs (WRITE_S, a warm L2 after the GEMVs), so the rule follows the
-# end-to-end rows. At batch 2 (16 rows) the 48 / 128 form ran 7.07 against 6.98 (plain 6.68 against 6.56; one pair):
-# the cut stays at 8 rows (batch 4, 32 rows, was not compared). 0 turns the rule off.
+# NARROW_FEW_BLOCK_J-slot chunks instead. Measured end to end only (EMS, 32k, H200; docs/bench.md "Stop 52 runs"): at
+# batch 1, 48 splits asked (36 given) with 128-slot chunks ran 5.71-5.73 ms/token against the 64/64 default's
+# 5.77-5.78 (plain step 5.40 against 5.44; two alternating pairs on one GPU, then the rule three times against 5.78
+# with it off in a later call; 5.70 in stop 51), where at batch 8 it ran 11.16 against 10.94-10.96 (stop 51). Alone
+# (bench/ems_attention.py, cold L2, no S written) 48 splits ran slower at batch 1 (stop 51's sweep): the step's kernel
+# differs (WRITE_S, a warm L2 after the GEMVs), so the rule follows the end-to-end rows. At batch 2 (16 rows) the 48 /
+# 128 form ran 7.07 against 6.98 (plain 6.68 against 6.56; one pair): the cut stays at 8 rows (batch 4, 32 rows, was
+# not compared). 0 turns the rule off.
 NARROW_FEW_ROWS = 8
 NARROW_FEW_SPLITS = 48
 NARROW_FEW_BLOCK_J = 128
