@@ -35,13 +35,16 @@ from kvrewrite.kernels import expanded_attention as xa
 HQ, HKV, D, DTYPE = 32, 8, 128, torch.bfloat16
 VARIANTS = {  # name -> launch_expanded_forward tuning. default: the narrow form (decode: the per-slot work on the
     # group's 4 rows of the 16-row block, running-sum segment sum) at 64 splits and 64-slot chunks (stop 51, H200:
-    # 0.60-0.70x the full width's time at the four shapes below); before it, the full width with tl.gather, the one-hot
-    # segment sum, 64 entries x 128 slots and clustered_attention's split rule
+    # 0.60-0.70x the full width's time at the four shapes below), 48 of 128 slots at batch 1 since stop 52 (the
+    # end-to-end rows' choice, expanded_attention.NARROW_FEW_ROWS; "narrow_64x64" is the form it replaced there);
+    # before it, the full width with tl.gather, the one-hot segment sum, 64 entries x 128 slots and
+    # clustered_attention's split rule
     "default": {},
     "full_width": dict(narrow=False),
     "full_width_bj64": dict(narrow=False, block_j=64),
     "full_width_cumsum": dict(narrow=False, scatter="cumsum"),
     "full_width_bn32": dict(narrow=False, block_n=32),
+    "narrow_64x64": dict(num_splits=64, block_j=64),  # stop 51's default at every batch
     "narrow_bj128": dict(block_j=128),
     "narrow_bn32": dict(block_n=32),
     **{f"narrow_splits{s}": dict(num_splits=s) for s in (32, 48, 96, 128)},
