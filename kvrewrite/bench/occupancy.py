@@ -36,9 +36,12 @@ def programs_per_sm(regs_per_thread: int, shared_bytes: int, num_warps: int, sm:
     return min(by_regs, by_shared, by_threads, sm["max_blocks"])
 
 
-def _sm90_cuobjdump(jit_fn, types: dict, constexprs: dict, aligned, num_warps: int, num_stages: int, flag: str,
-                    **options) -> tuple:
-    """(the compile, cuobjdump `flag`'s output) of `jit_fn` compiled for sm_90 (sm90_resources' arguments)."""
+def sm90_resources(jit_fn, types: dict, constexprs: dict, aligned=(), num_warps: int = 4, num_stages: int = 2,
+                   instructions: bool = False, **options) -> tuple:
+    """(registers a thread, shared bytes) of `jit_fn` compiled for sm_90; with instructions, (registers, shared bytes,
+    static SASS instructions: a size, not a time) from the same compile. types: Triton type of every argument that
+    is not a constexpr ("*bf16", "i32", "fp32", ...); constexprs: name -> value; aligned: integer arguments taken
+    as multiples of 16 (pointers always are 16-byte aligned)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -47,10 +50,10 @@ def _sm90_cuobjdump(jit_fn, types: dict, constexprs: dict, aligned, num_warps: i
     unknown = set(types) | set(constexprs) | set(aligned)
     unknown -= set(names)
     if unknown:
-        raise ValueError(f"sm_90 compile: {sorted(unknown)} are not arguments of {jit_fn.fn.__name__}")
+        raise ValueError(f"sm90_resources: {sorted(unknown)} are not arguments of {jit_fn.fn.__name__}")
     missing = [n for n in names if n not in types and n not in constexprs]
     if missing:
-        raise ValueError(f"sm_90 compile of {jit_fn.fn.__name__}: give a type or a constexpr value for {missing}")
+        raise ValueError(f"sm90_resources: give a type or a constexpr value for {missing}")
     signature = {n: "constexpr" if n in constexprs else types[n] for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in constexprs and (types[n].startswith("*") or n in aligned)}
@@ -63,28 +66,17 @@ def _sm90_cuobjdump(jit_fn, types: dict, constexprs: dict, aligned, num_warps: i
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        out = subprocess.run([cuobjdump, flag, path], capture_output=True, text=True, check=True).stdout
-    return compiled, out
-
-
-def sm90_resources(jit_fn, types: dict, constexprs: dict, aligned=(), num_warps: int = 4, num_stages: int = 2,
-                   **options) -> tuple:
-    """(registers a thread, shared bytes) of `jit_fn` compiled for sm_90. types: Triton type of every argument that
-    is not a constexpr ("*bf16", "i32", "fp32", ...); constexprs: name -> value; aligned: integer arguments taken
-    as multiples of 16 (pointers always are 16-byte aligned)."""
-    compiled, usage = _sm90_cuobjdump(jit_fn, types, constexprs, aligned, num_warps, num_stages,
-                                      "--dump-resource-usage", **options)
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True,
+                              check=True).stdout if instructions else ""
     regs = re.search(r"REG:(\d+)", usage)
     if regs is None:
         raise RuntimeError(f"sm90_resources: no register count in cuobjdump's output:\n{usage}")
-    return int(regs.group(1)), int(compiled.metadata.shared)
-
-
-def sm90_instructions(jit_fn, types: dict, constexprs: dict, aligned=(), num_warps: int = 4, num_stages: int = 2,
-                      **options) -> int:
-    """Static SASS instructions of `jit_fn` compiled for sm_90 (sm90_resources' arguments): a size, not a time."""
-    _, sass = _sm90_cuobjdump(jit_fn, types, constexprs, aligned, num_warps, num_stages, "-sass", **options)
-    return sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/\s+\S", line))
+    if not instructions:
+        return int(regs.group(1)), int(compiled.metadata.shared)
+    n = sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/\s+\S", line))
+    return int(regs.group(1)), int(compiled.metadata.shared), n
 
 
 # the attention kernels' float scalars; every other non-pointer, non-constexpr argument is an int32
@@ -158,8 +150,8 @@ def redundancy_resources(recip: bool, big: bool, head_dim: int = 128, dtype: str
     constexprs = dict(S=4, IEEE=dtype == "fp32", BT=bt, BN=er.BLOCK_N, BLOCK_D=max(16, head_dim), RECIP=recip)
     types = _argument_types(kernel, pointers, constexprs)
     aligned = ("C", "D", "CS")
-    regs, shared = sm90_resources(kernel, types, constexprs, aligned, warps)
-    return regs, shared, warps, sm90_instructions(kernel, types, constexprs, aligned, warps)
+    regs, shared, n = sm90_resources(kernel, types, constexprs, aligned, warps, instructions=True)
+    return regs, shared, warps, n
 
 
 def main(argv=None):
