@@ -79,6 +79,20 @@ FOLD = {
     "trans_acc2d": dict(trans=True, acc2d=True),
     "trans_bm64": dict(trans=True, block_m=64),
     "trans_bm64_w8": dict(trans=True, block_m=64, num_warps=8),
+    # _ems_fold_kernels.PIPE: the query loop without its skip branch, pipelined (q, lse, positions prefetched)
+    "pipe": dict(pipe=True),
+    "pipe_s2": dict(pipe=True, pipe_stages=2),
+    "pipe_s4": dict(pipe=True, pipe_stages=4),
+    "pipe_w8": dict(pipe=True, num_warps=8),
+    "pipe_bm64_w8": dict(pipe=True, block_m=64, num_warps=8),
+    "pipe_bm16": dict(pipe=True, block_m=16),
+    # _ems_fold_kernels.LEAN: one FMA and one exp2 a score, the causal mask only in blocks that need it
+    "lean": dict(lean=True),
+    "lean_bm64": dict(lean=True, block_m=64),
+    "lean_w8": dict(lean=True, num_warps=8),
+    "lean_pipe_s2": dict(lean=True, pipe=True, pipe_stages=2),
+    "lean_pipe": dict(lean=True, pipe=True),
+    "lean_pipe_bm64": dict(lean=True, pipe=True, block_m=64),
 }
 REDUNDANCY = {
     "default": {},  # two tiers by each row's TBM count (ems_redundancy.BIG_TBM)
@@ -91,12 +105,12 @@ REDUNDANCY = {
     "splits1": dict(splits=1),
     "splits8": dict(splits=8),
     "splits16": dict(splits=16),  # the most the default picks (small batches); at batch 8 it picks 4
-    "recip": dict(recip_norms=True),  # ems_redundancy.RECIP_NORMS: the TBM entry's norms applied after its walk
-    "recip_small": dict(recip_norms=True, block_t=32, num_warps=4),
-    "recip_bt64_w8": dict(recip_norms=True, block_t=64, num_warps=8),
+    # ems_redundancy.RECIP_NORMS off (the default before stop 53): R divided by both norm products per score
+    "divide": dict(recip_norms=False),
+    "divide_small": dict(recip_norms=False, block_t=32, num_warps=4),
 }
-QUICK = {"expanded": ("default", "walk", "per_entry"), "fold": ("default", "acc2d", "trans"),
-         "redundancy": ("default", "bt64", "recip")}
+QUICK = {"expanded": ("default", "walk", "per_entry"), "fold": ("default", "lean", "lean_pipe_s2"),
+         "redundancy": ("default", "bt64", "divide")}
 
 
 def prefill_state(B, n, chunk, gen, dev="cuda"):
@@ -240,7 +254,7 @@ def run(B, n, chunk, quick, kernels=("expanded", "fold", "redundancy")):
         cls[..., Bt:] = 3
         cls[..., Bt + n_tbm:] = 0
         res = {}
-        for name in ("default", "small", "bt64", "bt128_w8", "splits16", "recip", "recip_small"):
+        for name in ("default", "small", "bt64", "bt128_w8", "splits16", "divide", "divide_small"):
             res[name] = _time(lambda t=REDUNDANCY[name]: er.triton_ems_redundancy(keys, values, raw, cls, due, 0.6,
                                                                                   **t))
         print(f"  redundancy at {n_tbm} per row (ms) {res}", flush=True)

@@ -11,7 +11,9 @@ with key scale a_j; live_j = j < slot_fill, lut_j >= 0, bias[lut_j] > -inf; visi
    the T queries in blocks of BLOCK_M: s = scale·q·k (one tl.dot per tile, fp32; fp32 inputs: ieee), z = a_j·s
    (softcap > 0: softcap·tanh(z / softcap)), p = exp(z - lse_t), summed over the block's queries into total (and,
    for t >= T - min(last, T), into recent). Query blocks in which no query sees any slot of the tile (causality)
-   are skipped. Each output element has exactly one writer and no atomics: deterministic.
+   are skipped. Each output element has exactly one writer and no atomics: deterministic. Two forms of the query
+   loop, off by default (the knobs' comment, below): PIPE (no branch around the loads, so they pipeline) and LEAN
+   (p = exp2(qk·c_j - lse_t·log2 e) with c_j = a_j·scale·log2 e, the causal mask only where a block needs it).
    FOLD = False writes total/recent [B, Hq, R] fp32 per query head. FOLD = True sums the G heads in registers and
    applies ems_attention's T > 1 rule in place, so no [B, Hq, R] tensor exists: s_glo += tot; s_loc_past := rec;
    s_loc_cur := 0 on every slot of the row (slots past slot_fill get 0 added / 0 written: their reset values);
@@ -40,6 +42,7 @@ from __future__ import annotations  # the kernels' `tl.constexpr` annotations st
 import torch
 
 from kvrewrite.kernels._triton_op import triton_jit
+from kvrewrite.kernels.attention_column_stats import _load_rows
 
 try:
     import triton
@@ -85,6 +88,90 @@ def _row_slots(LUT, KS, BIAS, POS, SLOT_FILL, b, h, offs_j, R,
     return e, a, live, pos
 
 
+@triton_jit()
+def _block_p(Q, LSE, CPOS, b, hq, offs_t, offs_d, d_ok, T, k, a, live, pos,
+             stride_qb, stride_qh, stride_qt, stride_qd, stride_eb, stride_eh, stride_et, stride_cp,
+             first_recent, scale, softcap, FP32: tl.constexpr, SOFTCAP: tl.constexpr, TRANS: tl.constexpr,
+             EVEN_D: tl.constexpr):
+    """p = exp(cap(a_j·scale·q_t·k_j) - lse_t) of one query block against the tile's slots (0 where the slot is not
+    visible to the query), as [BLOCK_J, BLOCK_M] (TRANS) or [BLOCK_M, BLOCK_J], and the mask of its recent queries."""
+    t_ok = offs_t < T
+    qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=0)
+    q = _load_rows(Q + b * stride_qb + hq * stride_qh + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                   t_ok, d_ok, EVEN_D)
+    lse = tl.load(LSE + b * stride_eb + hq * stride_eh + offs_t * stride_et, mask=t_ok, other=float("-inf"))
+    # s_e = scale·q·k, then a_j·s_e, then the cap: the reference's order (the cast: Inductor may hand scale over as
+    # an fp64 scalar); 16-bit products are exact, sums fp32
+    if TRANS:  # [BLOCK_J, BLOCK_M]: slots down, queries across
+        if FP32:
+            qk = tl.dot(k, tl.trans(q), input_precision="ieee")
+        else:
+            qk = tl.dot(k, tl.trans(q))
+        z = _cap((qk * scale).to(tl.float32) * a[:, None], softcap, SOFTCAP)
+        vis = live[:, None] & (pos[:, None] <= qpos[None, :]) & (lse > float("-inf"))[None, :]
+        p = tl.where(vis, tl.exp2((z - lse[None, :]) * 1.4426950408889634), 0.0)
+        is_rec = (offs_t >= first_recent)[None, :]
+    else:  # [BLOCK_M, BLOCK_J]: queries down, slots across
+        if FP32:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        z = _cap((qk * scale).to(tl.float32) * a[None, :], softcap, SOFTCAP)
+        vis = live[None, :] & (pos[None, :] <= qpos[:, None]) & (lse > float("-inf"))[:, None]
+        p = tl.where(vis, tl.exp2((z - lse[:, None]) * 1.4426950408889634), 0.0)
+        is_rec = (offs_t >= first_recent)[:, None]
+    return p, is_rec
+
+
+@triton_jit()
+def _lean_step(total, recent, Q, LSE, CPOS, b, hq, t0, offs_d, d_ok, T, k, c, live, pos, pos_max,
+               stride_qb, stride_qh, stride_qt, stride_qd, stride_eb, stride_eh, stride_et, stride_cp, first_recent,
+               BLOCK_M: tl.constexpr, FP32: tl.constexpr, EVEN_D: tl.constexpr):
+    """One query block of the TRANS form without a cap (LEAN): p = exp2(qk·c_j - lse_t·log2 e), c_j =
+    a_j·scale·log2 e, one FMA and one exp2 a score. The causal mask only where some query of the block precedes
+    some live slot of the tile (the chunk's own slots); slots that are not live are zeroed by the caller once (their
+    p may be anything here: k = 0, c = 0 give exp2(-lse)); padded queries get lse = +inf, so p = 0. One reduction
+    a block, two only in the block where the recent queries start."""
+    offs_t = t0 + tl.arange(0, BLOCK_M)
+    t_ok = offs_t < T
+    qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=2**62)
+    q = _load_rows(Q + b * stride_qb + hq * stride_qh + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                   t_ok, d_ok, EVEN_D)
+    lse2 = tl.load(LSE + b * stride_eb + hq * stride_eh + offs_t * stride_et, mask=t_ok,
+                   other=float("inf")) * 1.4426950408889634
+    if FP32:
+        qk = tl.dot(k, tl.trans(q), input_precision="ieee")
+    else:
+        qk = tl.dot(k, tl.trans(q))
+    x = qk * c[:, None] - lse2[None, :]
+    if tl.min(qpos, axis=0) < pos_max:  # some query does not see some live slot (and lse = -inf: sees none)
+        vis = live[:, None] & (pos[:, None] <= qpos[None, :]) & (lse2 > float("-inf"))[None, :]
+        x = tl.where(vis, x, float("-inf"))
+    p = tl.exp2(x)
+    if t0 >= first_recent:  # every query of the block is recent
+        s = tl.sum(p, axis=1)
+        total += s
+        recent += s
+    elif t0 + BLOCK_M > first_recent:
+        total += tl.sum(p, axis=1)
+        recent += tl.sum(tl.where((offs_t >= first_recent)[None, :], p, 0.0), axis=1)
+    else:
+        total += tl.sum(p, axis=1)
+    return total, recent
+
+
+@triton_jit()
+def _first_seeing_block(CPOS, stride_cp, T, pos_min, BLOCK_M: tl.constexpr, SCAN: tl.constexpr):
+    """The first query block holding a query at or after pos_min (T where none): every block before it sees no slot
+    of the tile, whatever order the chunk's positions come in."""
+    first = T
+    for t0 in range(0, T, SCAN):
+        offs = t0 + tl.arange(0, SCAN)
+        qpos = tl.load(CPOS + offs * stride_cp, mask=offs < T, other=-(2**62))
+        first = tl.minimum(first, tl.min(tl.where(qpos >= pos_min, offs, T), axis=0))
+    return (first // BLOCK_M) * BLOCK_M
+
+
 @triton_jit(do_not_specialize=["Hkv", "G", "T", "R", "D", "first_recent"])
 def _stats_kernel(
     Q, K, BIAS, POS, CPOS, LUT, KS, SLOT_FILL, LSE,
@@ -105,6 +192,10 @@ def _stats_kernel(
     FP32: tl.constexpr, SOFTCAP: tl.constexpr, FOLD: tl.constexpr,
     ACC2D: tl.constexpr,  # sum p over the query blocks elementwise, reduce over the queries once per head (ACC2D)
     TRANS: tl.constexpr,  # the scores as [slots, queries] (k @ qᵀ): the sums over the queries run along a row (TRANS)
+    PIPE: tl.constexpr = False,  # the query loop without its skip branch, from the first seeing block (not with ACC2D)
+    PIPE_STAGES: tl.constexpr = 3,
+    LEAN: tl.constexpr = False,  # _lean_step's blocks (TRANS, no cap, not with ACC2D)
+    EVEN_D: tl.constexpr = False,  # D == BLOCK_D: q and the keys load as 16-byte vectors (attention_column_stats')
 ):
     Q_AXIS: tl.constexpr = 1 if TRANS else 0  # the tile's query axis: the sums over the queries run along it
     pid_j = tl.program_id(0)
@@ -118,9 +209,14 @@ def _stats_kernel(
                                  stride_lb, stride_lh, stride_lj, stride_bb, stride_bh, stride_bc,
                                  stride_pb, stride_ph, stride_pc, stride_fb, stride_fh, True)
     # one key row per slot (its entry's), in registers only: shared by every query head and query block
-    k = tl.load(K + b * stride_kb + h * stride_kh + e[:, None] * stride_kc + offs_d[None, :] * stride_kd,
-                mask=live[:, None] & d_ok[None, :], other=0.0)
+    k = _load_rows(K + b * stride_kb + h * stride_kh + e[:, None] * stride_kc + offs_d[None, :] * stride_kd, live,
+                   d_ok, EVEN_D)
     pos_min = tl.min(tl.where(live, pos, 2**62), axis=0)
+    pos_max = tl.max(tl.where(live, pos, -(2**62)), axis=0)
+    c = tl.where(live, a * (scale * 1.4426950408889634), 0.0)  # LEAN: a_j·scale·log2 e
+    t_start = 0
+    if PIPE:
+        t_start = _first_seeing_block(CPOS, stride_cp, T, pos_min, BLOCK_M, 1024)
     tot = tl.zeros([BLOCK_J], dtype=tl.float32)
     rec = tl.zeros([BLOCK_J], dtype=tl.float32)
     for g in range(G):
@@ -131,46 +227,49 @@ def _stats_kernel(
             total_2d = tl.zeros([BLOCK_J, BLOCK_M], dtype=tl.float32)
         else:
             total_2d = tl.zeros([BLOCK_M, BLOCK_J], dtype=tl.float32)
-        for t0 in range(0, T, BLOCK_M):
-            offs_t = t0 + tl.arange(0, BLOCK_M)
-            t_ok = offs_t < T
-            qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=0)
-            if tl.max(tl.where(t_ok, qpos, -(2**62)), axis=0) >= pos_min:  # some query sees some slot
-                q = tl.load(Q + b * stride_qb + hq * stride_qh + offs_t[:, None] * stride_qt
-                            + offs_d[None, :] * stride_qd, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-                lse = tl.load(LSE + b * stride_eb + hq * stride_eh + offs_t * stride_et, mask=t_ok,
-                              other=float("-inf"))
-                # s_e = scale·q·k, then a_j·s_e, then the cap: the reference's order (the cast: Inductor may hand
-                # scale over as an fp64 scalar); 16-bit products are exact, sums fp32
-                if TRANS:  # [BLOCK_J, BLOCK_M]: slots down, queries across
-                    if FP32:
-                        qk = tl.dot(k, tl.trans(q), input_precision="ieee")
-                    else:
-                        qk = tl.dot(k, tl.trans(q))
-                    z = _cap((qk * scale).to(tl.float32) * a[:, None], softcap, SOFTCAP)
-                    vis = live[:, None] & (pos[:, None] <= qpos[None, :]) & (lse > float("-inf"))[None, :]
-                    p = tl.where(vis, tl.exp2((z - lse[None, :]) * 1.4426950408889634), 0.0)
-                    is_rec = (offs_t >= first_recent)[None, :]
-                else:  # [BLOCK_M, BLOCK_J]: queries down, slots across
-                    if FP32:
-                        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-                    else:
-                        qk = tl.dot(q, tl.trans(k))
-                    z = _cap((qk * scale).to(tl.float32) * a[None, :], softcap, SOFTCAP)
-                    vis = live[None, :] & (pos[None, :] <= qpos[:, None]) & (lse > float("-inf"))[:, None]
-                    p = tl.where(vis, tl.exp2((z - lse[:, None]) * 1.4426950408889634), 0.0)
-                    is_rec = (offs_t >= first_recent)[:, None]
-                if ACC2D:
-                    if t0 + BLOCK_M > first_recent:  # the block holds some of the last `last` queries
-                        recent += tl.sum(tl.where(is_rec, p, 0.0), axis=Q_AXIS)
-                        total_2d += tl.where(is_rec, 0.0, p)
-                    else:
-                        total_2d += p
+        if PIPE:  # no branch around the loads: Triton's pipeliner prefetches the next blocks' q, lse, positions
+            for t0 in tl.range(t_start, T, BLOCK_M, num_stages=PIPE_STAGES):
+                if LEAN:
+                    total, recent = _lean_step(total, recent, Q, LSE, CPOS, b, hq, t0, offs_d, d_ok, T, k, c, live,
+                                               pos, pos_max, stride_qb, stride_qh, stride_qt, stride_qd, stride_eb,
+                                               stride_eh, stride_et, stride_cp, first_recent, BLOCK_M, FP32, EVEN_D)
                 else:
+                    offs_t = t0 + tl.arange(0, BLOCK_M)
+                    p, is_rec = _block_p(Q, LSE, CPOS, b, hq, offs_t, offs_d, d_ok, T, k, a, live, pos,
+                                         stride_qb, stride_qh, stride_qt, stride_qd, stride_eb, stride_eh, stride_et,
+                                         stride_cp, first_recent, scale, softcap, FP32, SOFTCAP, TRANS, EVEN_D)
                     total += tl.sum(p, axis=Q_AXIS)
                     recent += tl.sum(tl.where(is_rec, p, 0.0), axis=Q_AXIS)
+        else:
+            for t0 in range(0, T, BLOCK_M):
+                offs_t = t0 + tl.arange(0, BLOCK_M)
+                t_ok = offs_t < T
+                qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=0)
+                sees = tl.max(tl.where(t_ok, qpos, -(2**62)), axis=0) >= pos_min  # some query sees some slot
+                if LEAN:
+                    if sees:
+                        total, recent = _lean_step(total, recent, Q, LSE, CPOS, b, hq, t0, offs_d, d_ok, T, k, c,
+                                                   live, pos, pos_max, stride_qb, stride_qh, stride_qt, stride_qd,
+                                                   stride_eb, stride_eh, stride_et, stride_cp, first_recent, BLOCK_M,
+                                                   FP32, EVEN_D)
+                elif sees:
+                    p, is_rec = _block_p(Q, LSE, CPOS, b, hq, offs_t, offs_d, d_ok, T, k, a, live, pos,
+                                         stride_qb, stride_qh, stride_qt, stride_qd, stride_eb, stride_eh, stride_et,
+                                         stride_cp, first_recent, scale, softcap, FP32, SOFTCAP, TRANS, EVEN_D)
+                    if ACC2D:
+                        if t0 + BLOCK_M > first_recent:  # the block holds some of the last `last` queries
+                            recent += tl.sum(tl.where(is_rec, p, 0.0), axis=Q_AXIS)
+                            total_2d += tl.where(is_rec, 0.0, p)
+                        else:
+                            total_2d += p
+                    else:
+                        total += tl.sum(p, axis=Q_AXIS)
+                        recent += tl.sum(tl.where(is_rec, p, 0.0), axis=Q_AXIS)
         if ACC2D:  # the older queries' sum plus the recent ones': recent == total exactly when every query is recent
             total = tl.sum(total_2d, axis=Q_AXIS) + recent
+        if LEAN:  # slots that are not live took p from zeroed keys (_lean_step)
+            total = tl.where(live, total, 0.0)
+            recent = tl.where(live, recent, 0.0)
         if FOLD:
             tot += total
             rec += recent
@@ -255,8 +354,20 @@ def _win_count_kernel(WIN, rows, l_win, BLOCK: tl.constexpr):
 # ACC2D alone 255). H200, the late chunk of a batch-8 32k prefill (`python -m kvrewrite.bench.ems_prefill`,
 # docs/bench.md "Stop 43 runs"): TRANS 25.2 ms, with 64-query blocks 25.7, with ACC2D too 29.0; the plain form
 # 42.4, ACC2D 40.2 (34.3 with 64-query blocks and 8 warps). TRANS is the default; ACC2D stays off.
+# EVEN_D (not a knob: D == BLOCK_D): q and the keys load as 16-byte vectors, where the column mask against the runtime
+# D made each element a 2-byte load of its own (sm_90 SASS: 32 LDG.E.U16 a thread and query block, 162 registers;
+# 158 without). Same chunk, stop 53: 18.7 ms against 24.7-24.8 (docs/bench.md "Stop 53 runs").
+# PIPE drops the skip branch around the query block's loads (the loop starts at the first block that sees a slot of
+# the tile, _first_seeing_block), so Triton's pipeliner prefetches q, lse and the positions (LDGSTS): alone no faster
+# (stop 53, with EVEN_D: 3 stages 20.9 ms, 2 stages 18.8, against 18.7). LEAN's step (_lean_step): one FMA and one
+# exp2 a score, the causal mask only in the blocks that need it, one reduction a block: 17.3 ms, 15.8 with PIPE at 2
+# stages or with 64-query blocks (one call). Both stay off until an end-to-end prefill row times them (stop 53's LEAN
+# row was cut by its timeout): `--kernel-option _ems_fold_kernels.LEAN=True` (and PIPE=True, PIPE_STAGES=2).
 ACC2D = False
 TRANS = True
+PIPE = False
+PIPE_STAGES = 3
+LEAN = False
 
 
 def stats_config(T: int, D: int, block_j=None, block_m=None, num_warps=None, num_stages=None) -> dict:
@@ -273,11 +384,18 @@ def stats_config(T: int, D: int, block_j=None, block_m=None, num_warps=None, num
 
 def _stats_launch(q, keys, bias, slot_pos, cache_position, lut, key_scale, slot_fill, lse, scale, last, softcap,
                   out_tot, out_rec, fold_state, block_j, block_m, num_warps=None, num_stages=None, acc2d=None,
-                  trans=None):
+                  trans=None, pipe=None, pipe_stages=None, lean=None):
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, R = int(keys.shape[1]), int(lut.shape[2])
     cfg = stats_config(T, D, block_j, block_m, num_warps, num_stages)
     fold = fold_state is not None
+    acc2d = ACC2D if acc2d is None else acc2d
+    pipe = PIPE if pipe is None else pipe
+    trans = TRANS if trans is None else trans
+    lean = LEAN if lean is None else lean
+    if acc2d and (pipe or lean):
+        raise ValueError("_ems_fold_kernels: PIPE's query loop and LEAN's step have no ACC2D form; turn ACC2D off")
+    lean = lean and trans and not softcap > 0  # the step is TRANS's form without a cap; the others keep _block_p
     s_glo, s_past, s_cur, win = fold_state if fold else (out_tot, out_rec, out_tot, slot_fill)
     _stats_kernel[(triton.cdiv(R, cfg["BLOCK_J"]), B * Hkv)](
         q, keys, bias, slot_pos, cache_position, lut, key_scale, slot_fill, lse,
@@ -286,8 +404,9 @@ def _stats_launch(q, keys, bias, slot_pos, cache_position, lut, key_scale, slot_
         *slot_fill.stride(), *lse.stride(), *s_glo.stride(), *(win.stride() if fold else (0, 0)),
         Hkv, Hq // Hkv, T, R, D, T - min(last, T), float(scale), float(softcap),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_J=cfg["BLOCK_J"], BLOCK_D=cfg["BLOCK_D"], FP32=q.dtype == torch.float32,
-        SOFTCAP=softcap > 0, FOLD=fold, ACC2D=ACC2D if acc2d is None else acc2d,
-        TRANS=TRANS if trans is None else trans, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SOFTCAP=softcap > 0, FOLD=fold, ACC2D=acc2d,
+        TRANS=trans, PIPE=pipe, PIPE_STAGES=pipe_stages or PIPE_STAGES, LEAN=lean, EVEN_D=D == cfg["BLOCK_D"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 

@@ -175,10 +175,11 @@ def launch_expanded_prefill(q, keys, values, bias, slot_pos, cache_position, lut
 # index kernel: at batch 8, 32k (a 2048-query chunk over 28.5k slots a row) the H200 profile of EMS's prefill gives
 # it 1.80 s of 21.0 (1024 calls, 3.5 ms each, ~0.5 GB of rows written per call; docs/bench.md "Stop 52 runs").
 # GATHER_INDEX_SELECT copies whole rows instead, index_select over the [B * Hkv * C, D] view of contiguous keys and
-# values (flat index (b * Hkv + h) * C + lut): the same values, bit for bit. Built after stop 52's device time,
-# untimed, hence off (`--kernel-option _expanded_prefill_kernels.GATHER_INDEX_SELECT=True`; bench/ems_prefill.py
-# times both copies alone). Non-contiguous keys or values take the advanced index either way.
-GATHER_INDEX_SELECT = False
+# values (flat index (b * Hkv + h) * C + lut): the same values, bit for bit. H200, that chunk alone
+# (bench/ems_prefill.py, docs/bench.md "Stop 53 runs"): 2.86 ms against 3.55. On; `--kernel-option
+# _expanded_prefill_kernels.GATHER_INDEX_SELECT=False` times the advanced index. Non-contiguous keys or values take
+# the advanced index either way.
+GATHER_INDEX_SELECT = True
 
 
 def _gather_rows(x, flat, b_idx, h_idx, idx, index_select):

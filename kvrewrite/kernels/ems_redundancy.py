@@ -23,9 +23,9 @@ entries and 128-entry ones from there): program p walks the row's blocks of BLOC
 up to its TBM count (decode: ~32 TBM per row, one block); a block's TBM rows of a and v stay in registers with their
 fp32 norms, and it walks its split's entries in centre blocks of BLOCK_N (a block without a centre is skipped): two
 tl.dot products (fp32 accumulate; fp32 inputs at IEEE precision, never TF32), divided by the norm products (tl.div_rn:
-dot first, then divide; 0 for a zero norm; RECIP_NORMS, off: the TBM entry's norms applied after the walk), clamped at
-0, multiplied; a running argmax per TBM row where a later block wins only when strictly larger (ties: the smallest
-centre), stored per split; 3. per entry block, dest: the splits combined in ascending order by the same strict rule.
+dot first, then divide; 0 for a zero norm; RECIP_NORMS, the default: the centres' norms as reciprocals, the TBM
+entry's norms applied after the walk), clamped at 0, multiplied; a running argmax per TBM row where a later block
+wins only when strictly larger (ties: the smallest centre), stored per split; 3. per entry block, dest: the splits combined in ascending order by the same strict rule.
 Deterministic, no atomics, no host read, every output entry written once. It differs from the reference only in the
 fp32 order of the dot and norm sums, so dest agrees exactly wherever no two R_dc are within a few ulps of each other
 or of tau (§11; the GPU tests construct such gaps, and exact ties between identical vectors agree).
@@ -152,10 +152,11 @@ BIG_PROGRAMS = 16
 # products and their guards; the centres' reciprocals are a [BN] vector. Compiled for sm_90 here (`python -m
 # kvrewrite.bench.occupancy`: bf16, D 128, 4 splits): the big tier's launch 221 registers a thread and 2600 static
 # SASS instructions against 255 and 3968 (one program an SM either way: 96 KB of shared memory), the small tier's 168
-# and 2536 against 255 and 3568 (3 programs an SM instead of 2). Built after stop 52's device time, untimed, hence off
-# (`--kernel-option ems_redundancy.RECIP_NORMS=True`; bench/ems_prefill.py's `recip` variants; the launcher's
-# recip_norms=).
-RECIP_NORMS = False
+# and 2536 against 255 and 3568 (3 programs an SM instead of 2). H200 (bench/ems_prefill.py, batch 8, 32k, the late
+# 2048-query chunk's compression; docs/bench.md "Stop 53 runs"): 3.27 ms against 5.99, the same dest; 0.49 / 0.91 /
+# 1.73 ms against 0.84 / 1.58 / 3.05 at 256 / 512 / 1024 entries to merge a row. On; `--kernel-option
+# ems_redundancy.RECIP_NORMS=False` (or the launcher's recip_norms=False) times the divided form.
+RECIP_NORMS = True
 
 
 @triton_jit(do_not_specialize=["C"])

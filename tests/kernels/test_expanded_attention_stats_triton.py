@@ -8,6 +8,7 @@ queries put block boundaries inside the tiny tables. The interpreter has no libd
 module's `libdevice` for numpy's tanh (as test_indexed_attention_triton.py), so it checks the arithmetic around the
 cap; CUDA's tanhf is the GPU test's.
 """
+import dataclasses
 import os
 
 import numpy as np
@@ -71,12 +72,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("knobs", [dict(trans=False), dict(acc2d=True, trans=False), {}, dict(acc2d=True, trans=True)],
-                         ids=["plain", "acc2d", "trans", "acc2d-trans"])
+@pytest.mark.parametrize("knobs", [dict(trans=False), dict(acc2d=True, trans=False), {}, dict(acc2d=True, trans=True),
+                                   dict(pipe=True), dict(pipe=True, trans=False), dict(lean=True),
+                                   dict(lean=True, pipe=True)],
+                         ids=["plain", "acc2d", "trans", "acc2d-trans", "pipe", "pipe-plain", "lean", "lean-pipe"])
 @pytest.mark.parametrize("last", [3, 40], ids=["last3", "last-past-T"])
 @pytest.mark.parametrize("case", CASES)
 def test_matches_reference_and_naive(case, last, knobs):
-    """Every form of the sums over the queries (_ems_fold_kernels.ACC2D, TRANS); last = 3 leaves the first
+    """Every form of the sums over the queries (_ems_fold_kernels.ACC2D, TRANS, PIPE, LEAN); last = 3 leaves the first
     16-query block without a recent query (ACC2D skips its recent sum)."""
     B, Hq, Hkv, C, R, D, T, prefill, opts = CASES[case]
     st, q = state(B, Hq, Hkv, C, R, D, T, prefill, seed=1, **opts)
@@ -85,11 +88,38 @@ def test_matches_reference_and_naive(case, last, knobs):
         assert (total[0] == 0).all()
 
 
-def test_softcap(monkeypatch):
+@pytest.mark.parametrize("order", ["reversed", "swapped"])
+@pytest.mark.parametrize("knobs", [{}, dict(pipe=True), dict(lean=True), dict(lean=True, pipe=True)],
+                         ids=["skip-branch", "pipe", "lean", "lean-pipe"])
+def test_unordered_query_positions(order, knobs):
+    """The chunk's positions out of order: each tile's skipped query blocks (the branch's, or PIPE's start at the
+    first seeing block) hold no query that sees a slot of the tile. swapped puts the chunk's last position in the
+    first block and an early one in the last; 48 queries make three 16-query blocks (LEAN: its causal mask goes by
+    each block's smallest position)."""
+    st, q = state(2, 4, 2, 80, 110, 16, 48, True, seed=5)
+    cpos = st.cache_position.clone()
+    if order == "reversed":
+        cpos = cpos.flip(0)
+    else:
+        cpos[[3, 47]] = cpos[[47, 3]]
+    st = dataclasses.replace(st, cache_position=cpos)
+    check(st, q, 7, **knobs)
+
+
+@pytest.mark.parametrize("knob", ["pipe", "lean"])
+def test_refuses_acc2d(knob):
+    st, q = state(1, 2, 1, 12, 20, 16, 5, True, seed=6)
+    with pytest.raises(ValueError, match="ACC2D"):
+        check(st, q, 3, acc2d=True, **{knob: True})
+
+
+@pytest.mark.parametrize("knobs", [{}, dict(lean=True)], ids=["default", "lean"])
+def test_softcap(monkeypatch, knobs):
+    """The cap (LEAN asked for: the capped blocks keep _block_p's form)."""
     monkeypatch.setattr(fk, "libdevice", NumpyLibdevice)
     st, q = state(1, 4, 2, 28, 45, 16, 18, True, seed=2)
     q = 6 * q
-    total = check(st, q, 5, softcap=10.0)
+    total = check(st, q, 5, softcap=10.0, **knobs)
     scale = 0.25
     _, lse = reference_expanded_attention(*st.attention_args(q), scale)
     uncapped, _ = reference_expanded_attention_stats(*st.stats_args(q, lse), scale, 5)
