@@ -22,10 +22,11 @@ cumsum); 2. grid (P, rows, S splits of the centre range; two launches, 32-entry 
 entries and 128-entry ones from there): program p walks the row's blocks of BLOCK_T listed TBM entries p, p + P, ...
 up to its TBM count (decode: ~32 TBM per row, one block); a block's TBM rows of a and v stay in registers with their
 fp32 norms, and it walks its split's entries in centre blocks of BLOCK_N (a block without a centre is skipped): two
-tl.dot products (fp32 accumulate; fp32 inputs at IEEE precision, never TF32), divided by the norm products (tl.div_rn:
-dot first, then divide; 0 for a zero norm; RECIP_NORMS, the default: the centres' norms as reciprocals, the TBM
-entry's norms applied after the walk), clamped at 0, multiplied; a running argmax per TBM row where a later block
-wins only when strictly larger (ties: the smallest centre), stored per split; 3. per entry block, dest: the splits combined in ascending order by the same strict rule.
+tl.dot products (fp32 accumulate; fp32 inputs at IEEE precision, never TF32), clamped at 0, each multiplied by its
+centre's reciprocal norm, multiplied (RECIP_NORMS, the default; the TBM entry's norms are divided out after the walk;
+without it, each dot divided by its norm product, tl.div_rn: dot first, then divide; 0 for a zero norm); a running
+argmax per TBM row where a later block wins only when strictly larger (ties: the smallest centre), stored per split;
+3. per entry block, dest: the splits combined in ascending order by the same strict rule.
 Deterministic, no atomics, no host read, every output entry written once. It differs from the reference only in the
 fp32 order of the dot and norm sums, so dest agrees exactly wherever no two R_dc are within a few ulps of each other
 or of tau (§11; the GPU tests construct such gaps, and exact ties between identical vectors agree).
