@@ -39,6 +39,7 @@ VARIANTS = {  # defaults: selection in two launches, 8 warps to 64 rows; last-sp
     "fused_combine": ({}, dict(fuse_combine=True)),
     "combine_launch": ({}, dict(fuse_combine=False)),
     "pdl": (dict(fused=True, pdl=True), dict(pdl=True)),
+    "vector_loads": (dict(vector_loads=True), {}),  # select_clusters.VECTOR_LOADS: the scores' tiles as vectors
 }
 
 

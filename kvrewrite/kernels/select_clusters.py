@@ -92,6 +92,7 @@ from torch.library import wrap_triton
 
 from kvrewrite.kernels._semaphores import counters
 from kvrewrite.kernels._triton_op import check_one_cuda_device, register_triton_op, triton_jit
+from kvrewrite.kernels.attention_column_stats import _load_rows  # the tiles' loads, by column only when D < BLOCK_D
 from kvrewrite.kernels.evict_by_score import _add_min_max, _order_key  # fp32 order keys, (sum, min, max) combine
 
 try:
@@ -323,18 +324,18 @@ def _takes(key, w, thr, room, start, MARK_ROW, carry):
 
 
 @triton_jit()
-def _centroid_tile(CEN_BH, k, n_cl, offs_d, d_ok, stride_ck, stride_cd):
+def _centroid_tile(CEN_BH, k, n_cl, offs_d, d_ok, stride_ck, stride_cd, EVEN_D: tl.constexpr):
     """Centroids of cluster ids k (< n_cl; others 0), [len(k), BLOCK_D]."""
-    return tl.load(CEN_BH + k[:, None] * stride_ck + offs_d[None, :] * stride_cd,
-                   mask=(k < n_cl)[:, None] & d_ok[None, :], other=0.0)
+    return _load_rows(CEN_BH + k[:, None] * stride_ck + offs_d[None, :] * stride_cd, k < n_cl, d_ok, EVEN_D)
 
 
 @triton_jit()
-def _group_queries(Q, b, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, GB: tl.constexpr):
-    """The G queries of KV head h, [GB, BLOCK_D] (rows >= G: 0)."""
+def _group_queries(Q, b, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, row_ok, GB: tl.constexpr,
+                   EVEN_D: tl.constexpr):
+    """KV head h's query heads h·G + r for the rows r with row_ok, [GB, BLOCK_D] (other rows: 0)."""
     offs_g = tl.arange(0, GB)
-    return tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                   mask=(offs_g < G)[:, None] & d_ok[None, :], other=0.0)
+    return _load_rows(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                      row_ok, d_ok, EVEN_D)
 
 
 @triton_jit()
@@ -353,6 +354,7 @@ def _cluster_scores_kernel(
     stride_qb, stride_qh, stride_qd, stride_cb, stride_ch, stride_ck, stride_cd,
     Hsel, Hkv, G, K, D,
     PER_HEAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, GB: tl.constexpr, NATIVE_DOT: tl.constexpr,
+    EVEN_D: tl.constexpr = False,  # D == BLOCK_D and VECTOR_LOADS: the tiles load as 16-byte vectors
 ):
     """Scores, grid (cluster blocks, B * Hkv): the block's centroids read once, times the KV head's G queries (one
     tl.dot); per query head each column, shared their sum (the summed query's score)."""
@@ -365,8 +367,8 @@ def _cluster_scores_kernel(
     offs_g = tl.arange(0, GB)
     n_cl = tl.minimum(tl.load(NCL + bh), K)
     if tl.program_id(0) * BLOCK_K < n_cl:
-        qg = _group_queries(Q, b, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, GB)
-        c = _centroid_tile(CEN + b * stride_cb + h * stride_ch, k, n_cl, offs_d, d_ok, stride_ck, stride_cd)
+        qg = _group_queries(Q, b, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, offs_g < G, GB, EVEN_D)
+        c = _centroid_tile(CEN + b * stride_cb + h * stride_ch, k, n_cl, offs_d, d_ok, stride_ck, stride_cd, EVEN_D)
         sc = _tile_dots(c, qg, NATIVE_DOT)
         if PER_HEAD:
             tl.store(KEYS + (b * Hsel + h * G + offs_g[None, :]) * K + k[:, None], _order_key(sc),
@@ -491,6 +493,7 @@ def _select_fused_kernel(
     NATIVE_DOT: tl.constexpr, KB: tl.constexpr, TIERS: tl.constexpr, ONE_CHUNK: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, ONE_M: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent launch: wait for the previous grid, free the next
+    EVEN_D: tl.constexpr = False,  # as _cluster_scores_kernel's
 ):
     """Scores and selection in one launch, grid (NB = cdiv(K, BLOCK_K), B * Hsel): program (i, row) scores
     clusters [i * BLOCK_K, (i + 1) * BLOCK_K) for its selection row (its query head's query, or the sum of the KV
@@ -519,9 +522,9 @@ def _select_fused_kernel(
             g_ok = offs_g == s % G
         else:
             g_ok = offs_g < G
-        qg = tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-        c = _centroid_tile(CEN + b * stride_cb + h * stride_ch, k, n_cl_k, offs_d, d_ok, stride_ck, stride_cd)
+        qg = _group_queries(Q, b, h, G, stride_qb, stride_qh, stride_qd, offs_d, d_ok, g_ok, GB, EVEN_D)
+        c = _centroid_tile(CEN + b * stride_cb + h * stride_ch, k, n_cl_k, offs_d, d_ok, stride_ck, stride_cd,
+                           EVEN_D)
         sc = _tile_dots(c, qg, NATIVE_DOT)
         tl.store(KEYS + row * K + k, _order_key(tl.sum(tl.where(g_ok[None, :], sc, 0.0), axis=1)), mask=k < n_cl_k)
     if tl.program_id(0) == 0:
@@ -539,11 +542,22 @@ def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+# The scores' tiles (a block of centroids, the group's queries) were masked by column against D, a runtime argument
+# (do_not_specialize): compiled for sm_90 (the scores kernel at K 2048, D 128, bf16; bench/occupancy.py's
+# sm90_resources) every element loads with a 2-byte LDG.E.U16 of its own, 80 a thread. VECTOR_LOADS drops the column
+# mask where D == BLOCK_D (attention_column_stats' _load_rows, as the EMS statistics fold, where the same change took
+# the kernel from 24.7 to 18.7 ms; docs/bench.md "Stop 53 runs"). Built in stop 53 after its device time: off until
+# bench/clusterkv_attention.py times it (`--kernel-option select_clusters.VECTOR_LOADS=True` end to end).
+VECTOR_LOADS = False
+
+
 def _launch_config(K, D, n_sink, max_selected, window, block_k=None, key_chunk=None, block_e=None, block_m=None,
-                   num_warps=None, score_warps=None, tiers=None, fused=False, pdl=False, rows=1) -> dict:
+                   num_warps=None, score_warps=None, tiers=None, fused=False, pdl=False, rows=1,
+                   vector_loads=None) -> dict:
     """The kernels' shape-based choices (keyword overrides for the tests and the benchmark's sweep). fused: one
     launch (_select_fused_kernel), else the scores and the selection as two (score_warps: the scores'). pdl (fused
-    only, an experiment of the benchmark): a programmatic dependent launch (Hopper)."""
+    only, an experiment of the benchmark): a programmatic dependent launch (Hopper). vector_loads (default
+    VECTOR_LOADS): the centroid and query tiles without the column mask when D fills BLOCK_D."""
     kb = min(_pow2(max(K, 1)), key_chunk or MAX_KEYS)
     if num_warps is None:
         # 8 over 4 at kb <= 1024 for up to 64 rows: -0.3 to -0.7 us per step at B 1, 32k (H100); 4 past (B 8 per
@@ -552,7 +566,8 @@ def _launch_config(K, D, n_sink, max_selected, window, block_k=None, key_chunk=N
     return dict(block_k=max(block_k or 64, 16), kb=kb, one_chunk=kb >= K, tiers=kb >= 64 if tiers is None else tiers,
                 block_e=block_e or min(_pow2(max(n_sink, window, 1)), 1024),
                 block_m=block_m or min(_pow2(max(max_selected, 1)), 4096), block_d=max(_pow2(D), 16),
-                num_warps=num_warps, score_warps=score_warps or 4, fused=fused, pdl=pdl)
+                num_warps=num_warps, score_warps=score_warps or 4, fused=fused, pdl=pdl,
+                even_d=(VECTOR_LOADS if vector_loads is None else vector_loads) and D == max(_pow2(D), 16))
 
 
 def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_clusters, cluster_end, n_sink,
@@ -582,6 +597,7 @@ def _launch(q, fill, budget, centroids, cluster_size, cluster_start, members, n_
         # fp16/bf16 products on the tensor cores; Triton's interpreter (CPU tensors) gets the fp32 dot, its
         # fp16/bf16 dot being wrong
         NATIVE_DOT=q.is_cuda and q.dtype == centroids.dtype and q.dtype != torch.float32,
+        EVEN_D=cfg["even_d"],
     )
     if cfg["fused"]:
         nb = triton.cdiv(max(K, 1), cfg["block_k"])

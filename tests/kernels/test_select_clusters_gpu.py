@@ -77,11 +77,12 @@ def test_matches_reference(shape, dtype, per_query_head):
                                     dict(fused=False, num_warps=2, block_k=32), dict(num_warps=1, block_k=32),
                                     dict(num_warps=2), dict(num_warps=8, block_k=128), dict(fused=True, pdl=True),
                                     dict(fused=True), dict(fused=True, num_warps=4, block_k=32),
-                                    dict(fused=True, block_k=128, tiers=False)],
+                                    dict(fused=True, block_k=128, tiers=False), dict(vector_loads=True),
+                                    dict(vector_loads=True, fused=True)],
                          ids=lambda t: "-".join(f"{k}{v}" for k, v in t.items()))
 def test_launch_variants_agree(tuning):
     """Register tiers off, the chunked passes (n_clusters > key_chunk), other tiers, block sizes and warps, the
-    two-launch form (fused=False), a programmatic dependent launch: the same index."""
+    two-launch form (fused=False), a programmatic dependent launch, the scores' vector loads: the same index."""
     for per_query_head, budget in [(True, 1024), (False, 300)]:
         shape = LLAMA_128K[:-1] + (budget,)
         q, st = _state(*shape, torch.bfloat16, seed=budget)

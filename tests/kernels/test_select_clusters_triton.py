@@ -25,7 +25,8 @@ from tests.kernels.test_select_clusters import ARGS, make_q, make_state  # noqa:
 # (scores and selection as two launches by default; fused=True: one launch)
 SMALL = [dict(key_chunk=16, block_e=4, block_m=8), dict(key_chunk=64, block_e=8, block_m=16, tiers=True),
          dict(key_chunk=16, block_e=4, block_m=8, block_k=16, fused=True)]
-DEFAULT = [dict(), dict(tiers=False, num_warps=2), dict(fused=True)]
+DEFAULT = [dict(), dict(tiers=False, num_warps=2), dict(fused=True),
+           dict(vector_loads=True), dict(vector_loads=True, fused=True)]  # VECTOR_LOADS (D 16 and 64: whole tiles)
 
 
 @pytest.fixture(autouse=True)
