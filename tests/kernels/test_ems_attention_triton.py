@@ -47,7 +47,8 @@ def both(st, q, s, win_count, past_only, l_win, softcap=0.0, **knobs):
 @pytest.mark.parametrize("Hq, Hkv", [(4, 2), (3, 1)], ids=["G2", "MQA"])
 def test_prefill_fold(Hq, Hkv, knobs):
     """T = 20 > l_win = 6: s_glo grows, s_loc_past := the last 6 queries (NaN-poisoned before), s_loc_cur := 0
-    (NaN-poisoned before), win_count := 0; against the naive model too; every form of the sums (ACC2D, TRANS, PIPE, LEAN)."""
+    (NaN-poisoned before), win_count := 0; against the naive model too; every form of the sums (ACC2D, TRANS, PIPE,
+    LEAN)."""
     g = torch.Generator().manual_seed(0)
     B, C, R, D, T, l_win = 2, 31, 45, 16, 20, 6
     st = make_state(B, Hkv, C, R, D, T, torch.float32, g, prefill=True, dead=True)
