@@ -89,6 +89,22 @@ def _row_slots(LUT, KS, BIAS, POS, SLOT_FILL, b, h, offs_j, R,
 
 
 @triton_jit()
+def _block_qk(k, q, FP32: tl.constexpr, TRANS: tl.constexpr):
+    """q·k of the tile's slots and the block's queries, fp32: [BLOCK_J, BLOCK_M] (k @ qᵀ, TRANS) or [BLOCK_M,
+    BLOCK_J] (q @ kᵀ); fp32 inputs at IEEE precision (no TF32)."""
+    if TRANS:
+        if FP32:
+            qk = tl.dot(k, tl.trans(q), input_precision="ieee")
+        else:
+            qk = tl.dot(k, tl.trans(q))
+    elif FP32:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    return qk  # one return: Triton wants one type across the constexpr branches
+
+
+@triton_jit()
 def _block_p(Q, LSE, CPOS, b, hq, offs_t, offs_d, d_ok, T, k, a, live, pos,
              stride_qb, stride_qh, stride_qt, stride_qd, stride_eb, stride_eh, stride_et, stride_cp,
              first_recent, scale, softcap, FP32: tl.constexpr, SOFTCAP: tl.constexpr, TRANS: tl.constexpr,
@@ -102,20 +118,13 @@ def _block_p(Q, LSE, CPOS, b, hq, offs_t, offs_d, d_ok, T, k, a, live, pos,
     lse = tl.load(LSE + b * stride_eb + hq * stride_eh + offs_t * stride_et, mask=t_ok, other=float("-inf"))
     # s_e = scale·q·k, then a_j·s_e, then the cap: the reference's order (the cast: Inductor may hand scale over as
     # an fp64 scalar); 16-bit products are exact, sums fp32
+    qk = _block_qk(k, q, FP32, TRANS)
     if TRANS:  # [BLOCK_J, BLOCK_M]: slots down, queries across
-        if FP32:
-            qk = tl.dot(k, tl.trans(q), input_precision="ieee")
-        else:
-            qk = tl.dot(k, tl.trans(q))
         z = _cap((qk * scale).to(tl.float32) * a[:, None], softcap, SOFTCAP)
         vis = live[:, None] & (pos[:, None] <= qpos[None, :]) & (lse > float("-inf"))[None, :]
         p = tl.where(vis, tl.exp2((z - lse[None, :]) * 1.4426950408889634), 0.0)
         is_rec = (offs_t >= first_recent)[None, :]
     else:  # [BLOCK_M, BLOCK_J]: queries down, slots across
-        if FP32:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
         z = _cap((qk * scale).to(tl.float32) * a[None, :], softcap, SOFTCAP)
         vis = live[None, :] & (pos[None, :] <= qpos[:, None]) & (lse > float("-inf"))[:, None]
         p = tl.where(vis, tl.exp2((z - lse[:, None]) * 1.4426950408889634), 0.0)
@@ -139,11 +148,7 @@ def _lean_step(total, recent, Q, LSE, CPOS, b, hq, t0, offs_d, d_ok, T, k, c, li
                    t_ok, d_ok, EVEN_D)
     lse2 = tl.load(LSE + b * stride_eb + hq * stride_eh + offs_t * stride_et, mask=t_ok,
                    other=float("inf")) * 1.4426950408889634
-    if FP32:
-        qk = tl.dot(k, tl.trans(q), input_precision="ieee")
-    else:
-        qk = tl.dot(k, tl.trans(q))
-    x = qk * c[:, None] - lse2[None, :]
+    x = _block_qk(k, q, FP32, True) * c[:, None] - lse2[None, :]
     if tl.min(qpos, axis=0) < pos_max:  # some query does not see some live slot (and lse = -inf: sees none)
         vis = live[:, None] & (pos[:, None] <= qpos[None, :]) & (lse2 > float("-inf"))[None, :]
         x = tl.where(vis, x, float("-inf"))
@@ -245,26 +250,26 @@ def _stats_kernel(
                 offs_t = t0 + tl.arange(0, BLOCK_M)
                 t_ok = offs_t < T
                 qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=0)
-                sees = tl.max(tl.where(t_ok, qpos, -(2**62)), axis=0) >= pos_min  # some query sees some slot
-                if LEAN:
-                    if sees:
+                if tl.max(tl.where(t_ok, qpos, -(2**62)), axis=0) >= pos_min:  # some query sees some slot
+                    if LEAN:
                         total, recent = _lean_step(total, recent, Q, LSE, CPOS, b, hq, t0, offs_d, d_ok, T, k, c,
                                                    live, pos, pos_max, stride_qb, stride_qh, stride_qt, stride_qd,
                                                    stride_eb, stride_eh, stride_et, stride_cp, first_recent, BLOCK_M,
                                                    FP32, EVEN_D)
-                elif sees:
-                    p, is_rec = _block_p(Q, LSE, CPOS, b, hq, offs_t, offs_d, d_ok, T, k, a, live, pos,
-                                         stride_qb, stride_qh, stride_qt, stride_qd, stride_eb, stride_eh, stride_et,
-                                         stride_cp, first_recent, scale, softcap, FP32, SOFTCAP, TRANS, EVEN_D)
-                    if ACC2D:
-                        if t0 + BLOCK_M > first_recent:  # the block holds some of the last `last` queries
-                            recent += tl.sum(tl.where(is_rec, p, 0.0), axis=Q_AXIS)
-                            total_2d += tl.where(is_rec, 0.0, p)
-                        else:
-                            total_2d += p
                     else:
-                        total += tl.sum(p, axis=Q_AXIS)
-                        recent += tl.sum(tl.where(is_rec, p, 0.0), axis=Q_AXIS)
+                        p, is_rec = _block_p(Q, LSE, CPOS, b, hq, offs_t, offs_d, d_ok, T, k, a, live, pos,
+                                             stride_qb, stride_qh, stride_qt, stride_qd, stride_eb, stride_eh,
+                                             stride_et, stride_cp, first_recent, scale, softcap, FP32, SOFTCAP, TRANS,
+                                             EVEN_D)
+                        if ACC2D:
+                            if t0 + BLOCK_M > first_recent:  # the block holds some of the last `last` queries
+                                recent += tl.sum(tl.where(is_rec, p, 0.0), axis=Q_AXIS)
+                                total_2d += tl.where(is_rec, 0.0, p)
+                            else:
+                                total_2d += p
+                        else:
+                            total += tl.sum(p, axis=Q_AXIS)
+                            recent += tl.sum(tl.where(is_rec, p, 0.0), axis=Q_AXIS)
         if ACC2D:  # the older queries' sum plus the recent ones': recent == total exactly when every query is recent
             total = tl.sum(total_2d, axis=Q_AXIS) + recent
         if LEAN:  # slots that are not live took p from zeroed keys (_lean_step)
