@@ -361,7 +361,8 @@ def _win_count_kernel(WIN, rows, l_win, BLOCK: tl.constexpr):
 # 42.4, ACC2D 40.2 (34.3 with 64-query blocks and 8 warps). TRANS is the default; ACC2D stays off.
 # EVEN_D (not a knob: D == BLOCK_D): q and the keys load as 16-byte vectors, where the column mask against the runtime
 # D made each element a 2-byte load of its own (sm_90 SASS: 32 LDG.E.U16 a thread and query block, 162 registers;
-# 158 without). Same chunk, stop 53: 18.7 ms against 24.7-24.8 (docs/bench.md "Stop 53 runs").
+# 158 without). Same chunk, stop 53: 18.7 ms (one run) against 24.69-24.85 (three runs of the earlier code, in other
+# calls; docs/bench.md "Stop 53 runs"), and the batch-8 prefill 1.51x -> 1.47x dense end to end.
 # PIPE drops the skip branch around the query block's loads (the loop starts at the first block that sees a slot of
 # the tile, _first_seeing_block), so Triton's pipeliner prefetches q, lse and the positions (LDGSTS): alone no faster
 # (stop 53, with EVEN_D: 3 stages 20.9 ms, 2 stages 18.8, against 18.7). LEAN's step (_lean_step): one FMA and one

@@ -176,7 +176,7 @@ def launch_expanded_prefill(q, keys, values, bias, slot_pos, cache_position, lut
 # it 1.80 s of 21.0 (1024 calls, 3.5 ms each, ~0.5 GB of rows written per call; docs/bench.md "Stop 52 runs").
 # GATHER_INDEX_SELECT copies whole rows instead, index_select over the [B * Hkv * C, D] view of contiguous keys and
 # values (flat index (b * Hkv + h) * C + lut): the same values, bit for bit. H200, that chunk alone
-# (bench/ems_prefill.py, docs/bench.md "Stop 53 runs"): 2.86 ms against 3.55. On; `--kernel-option
+# (bench/ems_prefill.py, docs/bench.md "Stop 53 runs"): 2.86 ms against 3.55 (one run, both in it). On; `--kernel-option
 # _expanded_prefill_kernels.GATHER_INDEX_SELECT=False` times the advanced index. Non-contiguous keys or values take
 # the advanced index either way.
 GATHER_INDEX_SELECT = True

@@ -154,8 +154,9 @@ BIG_PROGRAMS = 16
 # kvrewrite.bench.occupancy`: bf16, D 128, 4 splits): the big tier's launch 221 registers a thread and 2600 static
 # SASS instructions against 255 and 3968 (one program an SM either way: 96 KB of shared memory), the small tier's 168
 # and 2536 against 255 and 3568 (3 programs an SM instead of 2). H200 (bench/ems_prefill.py, batch 8, 32k, the late
-# 2048-query chunk's compression; docs/bench.md "Stop 53 runs"): 3.27 ms against 5.99, the same dest; 0.49 / 0.91 /
-# 1.73 ms against 0.84 / 1.58 / 3.05 at 256 / 512 / 1024 entries to merge a row. On; `--kernel-option
+# 2048-query chunk's compression; docs/bench.md "Stop 53 runs"): 3.24-3.28 ms (three runs) against 5.99-6.00 (two),
+# the same dest; 0.49 / 0.91 / 1.73 ms against 0.84 / 1.58 / 3.05 at 256 / 512 / 1024 entries to merge a row (one
+# run). On; `--kernel-option
 # ems_redundancy.RECIP_NORMS=False` (or the launcher's recip_norms=False) times the divided form.
 RECIP_NORMS = True
 

@@ -546,8 +546,9 @@ def _pow2(n: int) -> int:
 # (do_not_specialize): compiled for sm_90 (the scores kernel at K 2048, D 128, bf16; bench/occupancy.py's
 # sm90_resources) every element loads with a 2-byte LDG.E.U16 of its own, 80 a thread. VECTOR_LOADS drops the column
 # mask where D == BLOCK_D (attention_column_stats' _load_rows, as the EMS statistics fold, where the same change took
-# the kernel from 24.7 to 18.7 ms; docs/bench.md "Stop 53 runs"). Built in stop 53 after its device time: off until
-# bench/clusterkv_attention.py times it (`--kernel-option select_clusters.VECTOR_LOADS=True` end to end).
+# the kernel from 24.7-24.9 ms to 18.7 in one run; docs/bench.md "Stop 53 runs"). Built in stop 53 after its device
+# time: off until bench/clusterkv_attention.py times it (`--kernel-option select_clusters.VECTOR_LOADS=True` end to
+# end).
 VECTOR_LOADS = False
 
 
