@@ -12,8 +12,9 @@ with key scale a_j; live_j = j < slot_fill, lut_j >= 0, bias[lut_j] > -inf; visi
    (softcap > 0: softcap·tanh(z / softcap)), p = exp(z - lse_t), summed over the block's queries into total (and,
    for t >= T - min(last, T), into recent). Query blocks in which no query sees any slot of the tile (causality)
    are skipped. Each output element has exactly one writer and no atomics: deterministic. Two forms of the query
-   loop, off by default (the knobs' comment, below): PIPE (no branch around the loads, so they pipeline) and LEAN
-   (p = exp2(qk·c_j - lse_t·log2 e) with c_j = a_j·scale·log2 e, the causal mask only where a block needs it).
+   loop, on by default since stop 54 (the knobs' comment, below): PIPE (no branch around the loads, so they
+   pipeline) and LEAN (p = exp2(qk·c_j - lse_t·log2 e) with c_j = a_j·scale·log2 e, the causal mask only where a
+   block needs it); without a cap only (a capped call keeps _block_p's step).
    FOLD = False writes total/recent [B, Hq, R] fp32 per query head. FOLD = True sums the G heads in registers and
    applies ems_attention's T > 1 rule in place, so no [B, Hq, R] tensor exists: s_glo += tot; s_loc_past := rec;
    s_loc_cur := 0 on every slot of the row (slots past slot_fill get 0 added / 0 written: their reset values);
@@ -367,13 +368,23 @@ def _win_count_kernel(WIN, rows, l_win, BLOCK: tl.constexpr):
 # the tile, _first_seeing_block), so Triton's pipeliner prefetches q, lse and the positions (LDGSTS): alone no faster
 # (stop 53, with EVEN_D: 3 stages 20.9 ms, 2 stages 18.8, against 18.7). LEAN's step (_lean_step): one FMA and one
 # exp2 a score, the causal mask only in the blocks that need it, one reduction a block: 17.3 ms, 15.8 with PIPE at 2
-# stages or with 64-query blocks (one call). Both stay off until an end-to-end prefill row times them (stop 53's LEAN
-# row was cut by its timeout): `--kernel-option _ems_fold_kernels.LEAN=True` (and PIPE=True, PIPE_STAGES=2).
+# stages or with 64-query blocks (one call). Stop 54 (docs/bench.md "Stop 54 runs"), alone: LEAN + PIPE at 2 stages
+# (32-query blocks) 15.83-16.01 ms in three measurements over two calls, against 18.51-18.55 for stop 53's form in
+# the same calls; with 64-query blocks 12.97 (one run), at 3 stages with 64 15.69; 64-query blocks with 8 warps 25.9,
+# 128 with 8 warps 21.9 (no PIPE; one run each). End to end, the batch-8 32k prefill: LEAN + PIPE alone 15.03 s
+# against 16.21 for stop 53's form (one run each, the two GPUs of one call); with gather_slots' kernel too
+# (_expanded_prefill_kernels.GATHER_KERNEL) 13.94-13.98 s against 16.22-16.24 (two runs each, both GPUs of one call).
+# The defaults now; `--kernel-option _ems_fold_kernels.LEAN=False` (and PIPE=False, PIPE_STAGES=3) times stop 53's
+# form. A soft cap keeps _block_p's step (LEAN has no cap).
 ACC2D = False
 TRANS = True
-PIPE = False
-PIPE_STAGES = 3
-LEAN = False
+PIPE = True
+PIPE_STAGES = 2
+LEAN = True
+# LEAN's query block where the launch gives none (the other forms take stats_config's 32). 32: the blocks of every
+# end-to-end row above. 64 (`--kernel-option _ems_fold_kernels.LEAN_BLOCK_M=64`) was 12.97 ms alone in stop 54's
+# first call, one run (its second call timed no such launch: a bug, fixed since, kept 32 where it meant 64).
+LEAN_BLOCK_M = 32
 
 
 def stats_config(T: int, D: int, block_j=None, block_m=None, num_warps=None, num_stages=None) -> dict:
@@ -393,15 +404,17 @@ def _stats_launch(q, keys, bias, slot_pos, cache_position, lut, key_scale, slot_
                   trans=None, pipe=None, pipe_stages=None, lean=None):
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, R = int(keys.shape[1]), int(lut.shape[2])
-    cfg = stats_config(T, D, block_j, block_m, num_warps, num_stages)
     fold = fold_state is not None
     acc2d = ACC2D if acc2d is None else acc2d
-    pipe = PIPE if pipe is None else pipe
-    trans = TRANS if trans is None else trans
-    lean = LEAN if lean is None else lean
     if acc2d and (pipe or lean):
         raise ValueError("_ems_fold_kernels: PIPE's query loop and LEAN's step have no ACC2D form; turn ACC2D off")
+    pipe = (not acc2d and PIPE) if pipe is None else pipe  # ACC2D asked for: its own loop and step, not the defaults
+    lean = (not acc2d and LEAN) if lean is None else lean
+    trans = TRANS if trans is None else trans
     lean = lean and trans and not softcap > 0  # the step is TRANS's form without a cap; the others keep _block_p
+    if lean and block_m is None:
+        block_m = min(LEAN_BLOCK_M, max(16, triton.next_power_of_2(T)))
+    cfg = stats_config(T, D, block_j, block_m, num_warps, num_stages)
     s_glo, s_past, s_cur, win = fold_state if fold else (out_tot, out_rec, out_tot, slot_fill)
     _stats_kernel[(triton.cdiv(R, cfg["BLOCK_J"]), B * Hkv)](
         q, keys, bias, slot_pos, cache_position, lut, key_scale, slot_fill, lse,

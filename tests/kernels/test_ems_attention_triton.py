@@ -42,8 +42,10 @@ def both(st, q, s, win_count, past_only, l_win, softcap=0.0, **knobs):
     return s_ref
 
 
-@pytest.mark.parametrize("knobs", [{}, dict(acc2d=True), dict(trans=True), dict(pipe=True), dict(lean=True)],
-                         ids=["plain", "acc2d", "trans", "pipe", "lean"])
+@pytest.mark.parametrize("knobs", [dict(lean=False, pipe=False, trans=False), dict(acc2d=True),
+                                   dict(lean=False, pipe=False), dict(lean=False, pipe=True),
+                                   dict(lean=True, pipe=False), {}],
+                         ids=["plain", "acc2d", "trans", "pipe", "lean", "default"])
 @pytest.mark.parametrize("Hq, Hkv", [(4, 2), (3, 1)], ids=["G2", "MQA"])
 def test_prefill_fold(Hq, Hkv, knobs):
     """T = 20 > l_win = 6: s_glo grows, s_loc_past := the last 6 queries (NaN-poisoned before), s_loc_cur := 0

@@ -98,13 +98,18 @@ def run(st, q, last, past_only, softcap=0.0, **knobs):
     return got, want
 
 
-# _ems_fold_kernels.ACC2D, TRANS ({}: TRANS), PIPE, LEAN
-@pytest.mark.parametrize("knobs", [dict(trans=False), dict(acc2d=True, trans=False), {}, dict(acc2d=True, trans=True),
-                                   dict(pipe=True), dict(pipe=True, pipe_stages=2), dict(pipe=True, num_warps=8),
-                                   dict(lean=True), dict(lean=True, pipe=True, pipe_stages=2),
-                                   dict(lean=True, block_m=64)],
+# _ems_fold_kernels' forms: {} the defaults (TRANS, LEAN's step, PIPE's loop at 2 stages, LEAN_BLOCK_M's 32-query
+# blocks: the same launch as lean-pipe-bm32); each other case names every knob it depends on
+OFF = dict(lean=False, pipe=False)
+
+
+@pytest.mark.parametrize("knobs", [dict(OFF, trans=False), dict(acc2d=True, trans=False), dict(OFF),
+                                   dict(acc2d=True, trans=True), dict(lean=False, pipe=True, pipe_stages=3),
+                                   dict(lean=False, pipe=True, pipe_stages=2), dict(lean=False, pipe=True, num_warps=8),
+                                   dict(lean=True, pipe=False, block_m=32), dict(lean=True, pipe=True, block_m=32),
+                                   dict(lean=True, pipe=False, block_m=64), {}],
                          ids=["plain", "acc2d", "trans", "acc2d-trans", "pipe", "pipe-s2", "pipe-w8", "lean",
-                              "lean-pipe", "lean-bm64"])
+                              "lean-pipe-bm32", "lean-bm64", "default"])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("case", CASES)
 def test_matches_reference(case, dtype, knobs):

@@ -72,10 +72,15 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("knobs", [dict(trans=False), dict(acc2d=True, trans=False), {}, dict(acc2d=True, trans=True),
-                                   dict(pipe=True), dict(pipe=True, trans=False), dict(lean=True),
-                                   dict(lean=True, pipe=True)],
-                         ids=["plain", "acc2d", "trans", "acc2d-trans", "pipe", "pipe-plain", "lean", "lean-pipe"])
+OFF = dict(lean=False, pipe=False)  # the TRANS form's step and loop before LEAN and PIPE became the defaults
+
+
+@pytest.mark.parametrize("knobs", [dict(OFF, trans=False), dict(acc2d=True, trans=False), dict(OFF),
+                                   dict(acc2d=True, trans=True), dict(lean=False, pipe=True),
+                                   dict(lean=False, pipe=True, trans=False), dict(lean=True, pipe=False),
+                                   dict(lean=True, pipe=True, pipe_stages=3), {}],
+                         ids=["plain", "acc2d", "trans", "acc2d-trans", "pipe", "pipe-plain", "lean", "lean-pipe-s3",
+                              "default"])
 @pytest.mark.parametrize("last", [3, 40], ids=["last3", "last-past-T"])
 @pytest.mark.parametrize("case", CASES)
 def test_matches_reference_and_naive(case, last, knobs):
@@ -89,8 +94,8 @@ def test_matches_reference_and_naive(case, last, knobs):
 
 
 @pytest.mark.parametrize("order", ["reversed", "swapped"])
-@pytest.mark.parametrize("knobs", [{}, dict(pipe=True), dict(lean=True), dict(lean=True, pipe=True)],
-                         ids=["skip-branch", "pipe", "lean", "lean-pipe"])
+@pytest.mark.parametrize("knobs", [dict(OFF), dict(lean=False, pipe=True), dict(lean=True, pipe=False),
+                                   dict(lean=True, pipe=True)], ids=["skip-branch", "pipe", "lean", "lean-pipe"])
 def test_unordered_query_positions(order, knobs):
     """The chunk's positions out of order: each tile's skipped query blocks (the branch's, or PIPE's start at the
     first seeing block) hold no query that sees a slot of the tile. swapped puts the chunk's last position in the
@@ -106,6 +111,29 @@ def test_unordered_query_positions(order, knobs):
     check(st, q, 7, **knobs)
 
 
+@pytest.mark.parametrize("knobs, lean_block_m, T, want", [
+    ({}, 64, 70, 64), ({}, 64, 20, 32), ({}, 32, 70, 32), (dict(block_m=16), 64, 70, 16),
+    (dict(lean=False, pipe=False), 64, 70, 32), (dict(acc2d=True), 64, 70, 32)],
+    ids=["lean", "lean-short-chunk", "lean-32", "launch-override", "not-lean", "acc2d"])
+def test_lean_block_m(knobs, lean_block_m, T, want, monkeypatch):
+    """LEAN_BLOCK_M sets LEAN's query block where the launch gives none (at most next_power_of_2(T)); the other forms
+    and an explicit block_m keep theirs; ACC2D asked for runs without LEAN and PIPE (the defaults)."""
+    launches = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *a, **k: launches.append(k)
+
+    monkeypatch.setattr(fk, "LEAN_BLOCK_M", lean_block_m)
+    monkeypatch.setattr(fk, "_stats_kernel", Spy())
+    st, q = state(1, 2, 1, T + 40, 3 * T + 120, 16, T, True, seed=6)  # make_state: C <= T + 40
+    _, lse = reference_expanded_attention(*st.attention_args(q), 0.25)
+    triton_expanded_attention_stats(*st.stats_args(q, lse), 0.25, 3, False, 0.0, **knobs)
+    lean = knobs in ({}, dict(block_m=16))
+    assert (launches[0]["BLOCK_M"], launches[0]["LEAN"], launches[0]["PIPE"]) == (want, lean, lean)
+    assert launches[0]["ACC2D"] == knobs.get("acc2d", False)
+
+
 @pytest.mark.parametrize("knob", ["pipe", "lean"])
 def test_refuses_acc2d(knob):
     st, q = state(1, 2, 1, 12, 20, 16, 5, True, seed=6)
@@ -113,7 +141,7 @@ def test_refuses_acc2d(knob):
         check(st, q, 3, acc2d=True, **{knob: True})
 
 
-@pytest.mark.parametrize("knobs", [{}, dict(lean=True)], ids=["default", "lean"])
+@pytest.mark.parametrize("knobs", [dict(OFF), {}], ids=["trans", "default"])
 def test_softcap(monkeypatch, knobs):
     """The cap (LEAN asked for: the capped blocks keep _block_p's form)."""
     monkeypatch.setattr(fk, "libdevice", NumpyLibdevice)
