@@ -49,9 +49,10 @@ from kvrewrite.kernels._triton_op import triton_jit
 from kvrewrite.kernels.clustered_attention import libdevice
 
 try:
+    import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: the op runs its reference; only the launcher needs Triton
-    tl = None
+except ImportError:  # CPU-only installs: the op runs its reference; only the launchers need Triton
+    triton = tl = None
 
 
 @triton_jit(do_not_specialize=["Hkv", "G", "T", "C", "R"])
@@ -176,10 +177,77 @@ def launch_expanded_prefill(q, keys, values, bias, slot_pos, cache_position, lut
 # it 1.80 s of 21.0 (1024 calls, 3.5 ms each, ~0.5 GB of rows written per call; docs/bench.md "Stop 52 runs").
 # GATHER_INDEX_SELECT copies whole rows instead, index_select over the [B * Hkv * C, D] view of contiguous keys and
 # values (flat index (b * Hkv + h) * C + lut): the same values, bit for bit. H200, that chunk alone
-# (bench/ems_prefill.py, docs/bench.md "Stop 53 runs"): 2.86 ms against 3.55 (one run, both in it). On; `--kernel-option
-# _expanded_prefill_kernels.GATHER_INDEX_SELECT=False` times the advanced index. Non-contiguous keys or values take
-# the advanced index either way.
+# (bench/ems_prefill.py, docs/bench.md "Stop 53 runs"): 2.86 ms against 3.55 (one run, both in it). It applies where
+# the tensor code runs (GATHER_KERNEL off, or not CUDA); non-contiguous keys or values take the advanced index.
 GATHER_INDEX_SELECT = True
+# GATHER_KERNEL (CUDA): _gather_slots_kernel writes all four outputs in one launch, its rows as 16-byte vectors (sm_90
+# SASS of an offline compile with Triton 3.9: 8 LDG.E.128 and 8 STG.E.128 a thread for K and V together at D 128 and
+# 96; 32 slots a program), where the tensor code takes several launches (live_slots' test, bias' and slot_pos'
+# gathers, two row copies). H200, that chunk alone (stop 54, docs/bench.md "Stop 54 runs"): 0.381 ms against 2.854
+# (index_select) and 3.554 (the advanced index), one run, the same outputs bit for bit; the batch-8 prefill with it
+# and the fold's LEAN + PIPE 1.25-1.26x dense against 1.46-1.47x. `--kernel-option
+# _expanded_prefill_kernels.GATHER_KERNEL=False` times the tensor code.
+GATHER_KERNEL = True
+
+
+@triton_jit(do_not_specialize=["Hkv", "R"])
+def _gather_slots_kernel(
+    K, V, BIAS, POS, LUT, FILL,
+    KG, VG, BIAS_G, POS_G,  # outputs, contiguous: [B, Hkv, R, HEAD_DIM] x 2, [B, Hkv, R] fp32 and int64
+    stride_kb, stride_kh, stride_kc, stride_kd,
+    stride_vb, stride_vh, stride_vc, stride_vd,
+    stride_bb, stride_bh, stride_bc,
+    stride_pb, stride_ph, stride_pc,
+    stride_lb, stride_lh, stride_lj,
+    stride_fb, stride_fh,
+    Hkv, R,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
+):
+    """gather_slots' four outputs for BLOCK_J slots of one row (b, h): the same values as its tensor code, slot for
+    slot (entry e = max(lut_j, 0) for every slot, live or not)."""
+    row = tl.program_id(1).to(tl.int64)
+    b = row // Hkv
+    h = row % Hkv
+    offs_j = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)
+    j_ok = offs_j < R
+    lut = tl.load(LUT + b * stride_lb + h * stride_lh + offs_j * stride_lj, mask=j_ok, other=-1)
+    fill = tl.load(FILL + b * stride_fb + h * stride_fh)
+    e = tl.maximum(lut, 0).to(tl.int64)
+    e_bias = tl.load(BIAS + b * stride_bb + h * stride_bh + e * stride_bc, mask=j_ok, other=float("-inf"))
+    live = (offs_j < fill) & (lut >= 0) & (e_bias > float("-inf"))
+    out = row * R + offs_j
+    tl.store(BIAS_G + out, tl.where(live, 0.0, float("-inf")), mask=j_ok)
+    pos = tl.load(POS + b * stride_pb + h * stride_ph + e * stride_pc, mask=j_ok & (lut >= 0), other=0)
+    tl.store(POS_G + out, pos, mask=j_ok)
+    offs_d = tl.arange(0, BLOCK_D)
+    if HEAD_DIM == BLOCK_D:  # a mask constant along the row: the loads and stores stay 16-byte vectors
+        m = j_ok[:, None]
+    else:
+        m = j_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(K + b * stride_kb + h * stride_kh + e[:, None] * stride_kc + offs_d[None, :] * stride_kd, mask=m)
+    tl.store(KG + out[:, None] * HEAD_DIM + offs_d[None, :], k, mask=m)
+    v = tl.load(V + b * stride_vb + h * stride_vh + e[:, None] * stride_vc + offs_d[None, :] * stride_vd, mask=m)
+    tl.store(VG + out[:, None] * HEAD_DIM + offs_d[None, :], v, mask=m)
+
+
+def launch_gather_slots(keys, values, bias, slot_pos, lut, slot_fill, block_j=None, num_warps=4):
+    """gather_slots' outputs by _gather_slots_kernel (one launch; Triton, or its interpreter on CPU tensors)."""
+    B, Hkv, R = (int(n) for n in lut.shape)
+    D = int(keys.shape[-1])
+    k_g = torch.empty((B, Hkv, R, D), dtype=keys.dtype, device=keys.device)
+    v_g = torch.empty((B, Hkv, R, D), dtype=values.dtype, device=values.device)
+    bias_g = torch.empty((B, Hkv, R), dtype=torch.float32, device=lut.device)
+    pos_g = torch.empty((B, Hkv, R), dtype=slot_pos.dtype, device=lut.device)
+    if bias_g.numel() == 0:
+        return k_g, v_g, bias_g, pos_g
+    block_d = triton.next_power_of_2(D)
+    block_j = block_j or max(1, 4096 // block_d)  # 32 rows of D = 128 a program: 4 vectors a thread, K and V each
+    wrap_triton(_gather_slots_kernel)[(triton.cdiv(R, block_j), B * Hkv)](
+        keys, values, bias, slot_pos, lut, slot_fill, k_g, v_g, bias_g, pos_g,
+        *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(), *lut.stride(), *slot_fill.stride(),
+        Hkv, R, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_J=block_j, num_warps=num_warps,
+    )
+    return k_g, v_g, bias_g, pos_g
 
 
 def _gather_rows(x, flat, b_idx, h_idx, idx, index_select):
@@ -191,15 +259,18 @@ def _gather_rows(x, flat, b_idx, h_idx, idx, index_select):
     return x[b_idx, h_idx, idx]
 
 
-def gather_slots(keys, values, bias, slot_pos, lut, slot_fill, index_select=None):
+def gather_slots(keys, values, bias, slot_pos, lut, slot_fill, index_select=None, kernel=None):
     """Each runtime slot's own row, in slot order: (keys[lut_j], values[lut_j]) as [B, Hkv, R, D] in their dtype,
     bias' [B, Hkv, R] fp32 (0 where slot j is live: j < slot_fill, lut_j >= 0 and bias[lut_j] > -inf; -inf
-    elsewhere) and slot_pos' = slot_pos[lut_j] [B, Hkv, R] int64 (0 where lut_j < 0). Tensor code (an index, no
-    host read): CUDA-graph capturable, any device. The keys are NOT scaled: the kernel multiplies each slot's
-    score by a_j, as the slot kernels do, so no key is rounded twice. index_select (default GATHER_INDEX_SELECT):
-    how the rows are copied (same values)."""
+    elsewhere) and slot_pos' = slot_pos[lut_j] [B, Hkv, R] int64 (0 where lut_j < 0). No host read: CUDA-graph
+    capturable. The keys are NOT scaled: the kernel multiplies each slot's score by a_j, as the slot kernels do, so
+    no key is rounded twice. On CUDA with kernel (default GATHER_KERNEL) one Triton launch (launch_gather_slots);
+    otherwise tensor code (any device), index_select (default GATHER_INDEX_SELECT) saying how its rows are copied.
+    The same values every way."""
     from kvrewrite.kernels.expanded_attention import live_slots  # (that module imports this one)
 
+    if (GATHER_KERNEL if kernel is None else kernel) and keys.is_cuda and tl is not None:
+        return launch_gather_slots(keys, values, bias, slot_pos, lut, slot_fill)
     B, Hkv, R = lut.shape
     C = keys.shape[2]
     live, idx = live_slots(bias, lut, slot_fill)

@@ -212,9 +212,27 @@ def test_softcap(case, dtype, scatter):
     check(out, lse, want, want_lse, dtype, "softcap")
 
 
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
+def test_gather_slots_kernel(D, dtype):
+    """GATHER_KERNEL's launch (gather_slots on CUDA) writes the tensor code's four outputs bit for bit, into poisoned
+    memory: D 96 masks its columns, the others load whole rows as vectors; an empty row, padding entries."""
+    from kvrewrite.kernels import _expanded_prefill_kernels as xp
+
+    st = ems_state(2, 4, 301, 1207, D, 64, dtype, True, seed=17, empty_row=True)
+    args = (st.keys, st.values, st.bias, st.slot_pos, st.lut, st.slot_fill)
+    want = xp.gather_slots(*args, kernel=False)
+    got = poisoned(lambda: xp.gather_slots(*args), sum(t.nbytes for t in want))
+    for name, a, b in zip(("keys", "values", "bias", "slot_pos"), got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a, b), name
+    assert (want[2] == -math.inf).any() and (want[2] == 0).any()
+
+
 @pytest.mark.parametrize("tuning", [{}, dict(block_n=32), dict(block_m=128, num_warps=8), dict(block_m=16, block_n=16),
                                     dict(gathered=True), dict(gathered=True, block_m=128, block_n=32),
-                                    dict(gathered=True, index_select=True)],  # GATHER_INDEX_SELECT's row copy
+                                    dict(gathered=True, index_select=True),  # the tensor code's row copies:
+                                    dict(gathered=True, index_select=False)],  # GATHER_KERNEL off
                          ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()) or "default")
 @pytest.mark.parametrize("softcap", [0.0, 10.0])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -227,7 +245,9 @@ def test_prefill_kernel(case, dtype, softcap, tuning, monkeypatch):
     from kvrewrite.kernels import _expanded_prefill_kernels as xp
 
     tuning = dict(tuning)
-    monkeypatch.setattr(xp, "GATHER_INDEX_SELECT", tuning.pop("index_select", False))
+    if "index_select" in tuning:  # gather_slots' tensor code, by either row copy; else its kernel (GATHER_KERNEL)
+        monkeypatch.setattr(xp, "GATHER_KERNEL", False)
+        monkeypatch.setattr(xp, "GATHER_INDEX_SELECT", tuning.pop("index_select"))
     B, Hq, Hkv, C, R, D, T, prefill, opts = CASES[case]
     if Hq // Hkv * T <= 16:
         T = 17  # a prefill-sized block

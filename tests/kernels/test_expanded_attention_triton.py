@@ -167,6 +167,42 @@ def test_prefill_kernel_matches_naive_and_reference(case, gathered, monkeypatch)
         assert (out[0] == 0).all() and (lse[0] == -math.inf).all()
 
 
+def _poison_empty(monkeypatch):
+    """torch.empty hands out NaN (floating) or -7 (integer) filled tensors: an output element a kernel leaves
+    unwritten then differs from any real value (NaN equals nothing)."""
+    real = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: (lambda t: t.fill_(math.nan if t.is_floating_point()
+                                                                           else -7))(real(*a, **k)))
+
+
+@pytest.mark.parametrize("D, dtype, block_j, strided", [(16, torch.float32, 4, False),
+                                                        (24, torch.float32, 8, True),
+                                                        (64, torch.bfloat16, None, False),
+                                                        (16, torch.float16, 16, True)],
+                         ids=["D16-fp32-j4", "D24-fp32-j8-strided", "D64-bf16", "D16-fp16-j16-strided"])
+def test_gather_slots_kernel_is_the_tensor_code(D, dtype, block_j, strided, monkeypatch):
+    """_expanded_prefill_kernels.GATHER_KERNEL's launch writes gather_slots' four outputs bit for bit as its tensor
+    code does: freed and stale slots past the fill, padding entries, an empty row, an R that is not a multiple of the
+    slot block, a D below its power of two (24: masked columns), keys and values as strided views; outputs poisoned."""
+    from kvrewrite.kernels import _expanded_prefill_kernels as xp
+
+    g = torch.Generator().manual_seed(9)
+    st = make_state(2, 2, 37, 83, D, 5, dtype, g, prefill=True, dead=True)
+    keys, values = st.keys, st.values
+    if strided:  # views of wider buffers: the kernel reads through their strides
+        keys = torch.cat([keys, torch.zeros_like(keys)], -1)[..., :D]
+        values = torch.cat([values, torch.zeros_like(values)], 2)[:, :, :values.shape[2]]
+        assert not keys.is_contiguous() and not values.is_contiguous()
+    args = (keys, values, st.bias, st.slot_pos, st.lut, st.slot_fill)
+    want = xp.gather_slots(*args, kernel=False)
+    _poison_empty(monkeypatch)
+    got = xp.launch_gather_slots(*args, block_j=block_j)
+    for name, a, b in zip(("keys", "values", "bias", "slot_pos"), got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous(), name
+        assert torch.equal(a, b), name
+    assert (want[2] == -math.inf).any() and (want[2] == 0).any()  # the case holds dead and live slots
+
+
 def test_prefill_kernel_not_used_with_splits_or_S(monkeypatch):
     """A split launch (or one writing S) keeps the per-entry kernel: the prefill kernel has no partials."""
     from kvrewrite.kernels import _expanded_prefill_kernels as xp
