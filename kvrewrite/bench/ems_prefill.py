@@ -14,10 +14,10 @@ each; the others share the slots up to gamma * Bt, one each plus a multinomial s
 [0.5, 1.5) for merged ones) and the chunk's fresh entries (positions n - chunk .. n - 1, one slot each); the chunk's
 queries sit at those positions. Timed, each a median of triton's do_bench (warm L2: compute-bound kernels):
 - expanded: expanded_attention.launch_expanded_forward, causal (past_only False): its gathered form (the default
-  and `gathered*`: the slots' rows written out by gather_slots, timed alone too (both its row copies: the advanced
-  index and GATHER_INDEX_SELECT's index_select), then clustered_attention's prefill
-  kernel with per-slot key scales), the walk (`walk*`: _expanded_prefill_kernels.py's own kernel) and the per-entry
-  kernel, with their launch variants; the default is
+  and `gathered*`: the slots' rows written out by gather_slots, timed alone too (its kernel, GATHER_KERNEL, and its
+  tensor code's two row copies: the advanced index and GATHER_INDEX_SELECT's index_select), then
+  clustered_attention's prefill kernel with per-slot key scales), the walk (`walk*`: _expanded_prefill_kernels.py's
+  own kernel) and the per-entry kernel, with their launch variants; the default is
   checked against a float32 attention over the materialised expanded keys of row (0, 0) and every variant against
   the default;
 - clustered_C: clustered_attention's prefill kernels (_prefill_attention_kernels.launch_prefill) over the same
@@ -63,36 +63,41 @@ EXPANDED = {  # name -> launch_expanded_forward overrides; "per_entry*": the dec
     "per_entry": dict(prefill_kernel=False),
     "per_entry_cumsum": dict(prefill_kernel=False, scatter="cumsum"),
 }
+_PLAIN = dict(lean=False, pipe=False)  # the fold's step and loop before stop 54 (_block_p, the skip branch)
 FOLD = {
-    "default": {},
-    "bm64": dict(block_m=64),
-    "bm64_w8": dict(block_m=64, num_warps=8),
-    "bm128_w8": dict(block_m=128, num_warps=8),
-    "bj64_bm64": dict(block_j=64, block_m=64),
-    "bj64": dict(block_j=64),
-    "stages3": dict(num_stages=3),
-    "acc2d": dict(acc2d=True),  # _ems_fold_kernels.ACC2D: one reduction over the queries per head
-    "acc2d_w8": dict(acc2d=True, num_warps=8),
-    "acc2d_bj64": dict(acc2d=True, block_j=64),
-    "acc2d_bm64_w8": dict(acc2d=True, block_m=64, num_warps=8),
-    "trans": dict(trans=True),  # _ems_fold_kernels.TRANS: scores as [slots, queries]
-    "trans_acc2d": dict(trans=True, acc2d=True),
-    "trans_bm64": dict(trans=True, block_m=64),
-    "trans_bm64_w8": dict(trans=True, block_m=64, num_warps=8),
+    "default": {},  # since stop 54: LEAN's step, PIPE's loop at 2 stages, LEAN_BLOCK_M's query blocks (32)
+    "stop53": dict(_PLAIN, pipe_stages=3),  # the default before stop 54
+    "bm64": dict(_PLAIN, block_m=64),
+    "bm64_w8": dict(_PLAIN, block_m=64, num_warps=8),
+    "bm128_w8": dict(_PLAIN, block_m=128, num_warps=8),
+    "bj64_bm64": dict(_PLAIN, block_j=64, block_m=64),
+    "bj64": dict(_PLAIN, block_j=64),
+    "stages3": dict(_PLAIN, num_stages=3),
+    "acc2d": dict(_PLAIN, acc2d=True),  # _ems_fold_kernels.ACC2D: one reduction over the queries per head
+    "acc2d_w8": dict(_PLAIN, acc2d=True, num_warps=8),
+    "acc2d_bj64": dict(_PLAIN, acc2d=True, block_j=64),
+    "acc2d_bm64_w8": dict(_PLAIN, acc2d=True, block_m=64, num_warps=8),
+    "plain_form": dict(_PLAIN, trans=False),  # _ems_fold_kernels.TRANS off: scores as [queries, slots]
+    "trans_acc2d": dict(_PLAIN, acc2d=True),
+    "trans_bm64_w8": dict(_PLAIN, block_m=64, num_warps=8),
     # _ems_fold_kernels.PIPE: the query loop without its skip branch, pipelined (q, lse, positions prefetched)
-    "pipe": dict(pipe=True),
-    "pipe_s2": dict(pipe=True, pipe_stages=2),
-    "pipe_s4": dict(pipe=True, pipe_stages=4),
-    "pipe_w8": dict(pipe=True, num_warps=8),
-    "pipe_bm64_w8": dict(pipe=True, block_m=64, num_warps=8),
-    "pipe_bm16": dict(pipe=True, block_m=16),
+    "pipe": dict(lean=False, pipe=True, pipe_stages=3),
+    "pipe_s2": dict(lean=False, pipe=True, pipe_stages=2),
+    "pipe_s4": dict(lean=False, pipe=True, pipe_stages=4),
+    "pipe_w8": dict(lean=False, pipe=True, pipe_stages=3, num_warps=8),
+    "pipe_bm64_w8": dict(lean=False, pipe=True, pipe_stages=3, block_m=64, num_warps=8),
+    "pipe_bm16": dict(lean=False, pipe=True, pipe_stages=3, block_m=16),
     # _ems_fold_kernels.LEAN: one FMA and one exp2 a score, the causal mask only in blocks that need it
-    "lean": dict(lean=True),
-    "lean_bm64": dict(lean=True, block_m=64),
-    "lean_w8": dict(lean=True, num_warps=8),
-    "lean_pipe_s2": dict(lean=True, pipe=True, pipe_stages=2),
-    "lean_pipe": dict(lean=True, pipe=True),
-    "lean_pipe_bm64": dict(lean=True, pipe=True, block_m=64),
+    "lean": dict(lean=True, pipe=False, block_m=32),
+    "lean_bm64": dict(lean=True, pipe=False, block_m=64),
+    "lean_w8": dict(lean=True, pipe=False, block_m=32, num_warps=8),
+    "lean_bm64_w8": dict(lean=True, pipe=False, block_m=64, num_warps=8),
+    "lean_bm128_w8": dict(lean=True, pipe=False, block_m=128, num_warps=8),
+    "lean_pipe_s2": dict(lean=True, pipe=True, pipe_stages=2, block_m=32),
+    "lean_pipe_s3": dict(lean=True, pipe=True, pipe_stages=3, block_m=32),
+    "lean_pipe_s3_bm64": dict(lean=True, pipe=True, pipe_stages=3, block_m=64),
+    "lean_pipe_s2_bm64": dict(lean=True, pipe=True, pipe_stages=2, block_m=64),
+    "lean_pipe_s2_bm128_w8": dict(lean=True, pipe=True, pipe_stages=2, block_m=128, num_warps=8),
 }
 REDUNDANCY = {
     "default": {},  # two tiers by each row's TBM count (ems_redundancy.BIG_TBM)
@@ -109,7 +114,8 @@ REDUNDANCY = {
     "divide": dict(recip_norms=False),
     "divide_small": dict(recip_norms=False, block_t=32, num_warps=4),
 }
-QUICK = {"expanded": ("default", "walk", "per_entry"), "fold": ("default", "lean", "lean_pipe_s2"),
+QUICK = {"expanded": ("default", "walk", "per_entry"),
+         "fold": ("default", "stop53", "lean_pipe_s2_bm64", "lean_pipe_s3_bm64"),
          "redundancy": ("default", "bt64", "divide")}
 
 
@@ -194,14 +200,21 @@ def run(B, n, chunk, quick, kernels=("expanded", "fold", "redundancy")):
 
     row["expanded"] = _variants("expanded", pick(EXPANDED, "expanded"), expanded)
 
-    if "expanded" in kernels:  # the gathered form's first pass alone, by either row copy (the same values)
-        for name, rows in (("gather_slots_ms", False), ("gather_slots_index_select_ms", True)):
-            row[name] = _time(lambda: xp.gather_slots(*args[1:5], args[7], args[9], index_select=rows))
-        same = all(torch.equal(a, b) for a, b in zip(xp.gather_slots(*args[1:5], args[7], args[9], index_select=False),
-                                                    xp.gather_slots(*args[1:5], args[7], args[9], index_select=True)))
-        row["gather_slots_index_select_same"] = same
+    if "expanded" in kernels:  # the gathered form's first pass alone, each way (the same values)
+        ways = {"gather_slots_ms": dict(kernel=False, index_select=False),  # the advanced index
+                "gather_slots_index_select_ms": dict(kernel=False, index_select=True),
+                "gather_slots_kernel_ms": dict(kernel=True)}  # GATHER_KERNEL (the default since stop 54)
+        outs = {}
+        for name, way in ways.items():
+            row[name] = _time(lambda: xp.gather_slots(*args[1:5], args[7], args[9], **way))
+            outs[name] = xp.gather_slots(*args[1:5], args[7], args[9], **way)
+        first = outs["gather_slots_ms"]
+        same = all(all(torch.equal(a, b) for a, b in zip(o, first)) for o in outs.values())
+        row["gather_slots_index_select_same"] = row["gather_slots_same"] = same
+        del outs, first
         print(f"  gather_slots alone {row['gather_slots_ms']:.3f} ms (advanced index), "
-              f"{row['gather_slots_index_select_ms']:.3f} ms (index_select; same rows: {same})", flush=True)
+              f"{row['gather_slots_index_select_ms']:.3f} ms (index_select), {row['gather_slots_kernel_ms']:.3f} ms "
+              f"(kernel); the same outputs: {same}", flush=True)
 
     # -- clustered_attention's prefill kernels over the same entries, one slot each ----------------------------------
     q, keys, values, bias, slot_pos, cpos = args[:6]
