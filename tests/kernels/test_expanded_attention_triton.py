@@ -182,8 +182,8 @@ def _poison_empty(monkeypatch):
                          ids=["D16-fp32-j4", "D24-fp32-j8-strided", "D64-bf16", "D16-fp16-j16-strided"])
 def test_gather_slots_kernel_is_the_tensor_code(D, dtype, block_j, strided, monkeypatch):
     """_expanded_prefill_kernels.GATHER_KERNEL's launch writes gather_slots' four outputs bit for bit as its tensor
-    code does: freed and stale slots past the fill, padding entries, an empty row, an R that is not a multiple of the
-    slot block, a D below its power of two (24: masked columns), keys and values as strided views; outputs poisoned."""
+    code does: freed and stale slots past the fill, padding entries, an R that is not a multiple of the slot block, a
+    D below its power of two (24: masked columns), keys and values as strided views; outputs poisoned."""
     from kvrewrite.kernels import _expanded_prefill_kernels as xp
 
     g = torch.Generator().manual_seed(9)
