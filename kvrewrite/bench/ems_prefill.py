@@ -78,8 +78,6 @@ FOLD = {
     "acc2d_bj64": dict(_PLAIN, acc2d=True, block_j=64),
     "acc2d_bm64_w8": dict(_PLAIN, acc2d=True, block_m=64, num_warps=8),
     "plain_form": dict(_PLAIN, trans=False),  # _ems_fold_kernels.TRANS off: scores as [queries, slots]
-    "trans_acc2d": dict(_PLAIN, acc2d=True),
-    "trans_bm64_w8": dict(_PLAIN, block_m=64, num_warps=8),
     # _ems_fold_kernels.PIPE: the query loop without its skip branch, pipelined (q, lse, positions prefetched)
     "pipe": dict(lean=False, pipe=True, pipe_stages=3),
     "pipe_s2": dict(lean=False, pipe=True, pipe_stages=2),
@@ -210,7 +208,7 @@ def run(B, n, chunk, quick, kernels=("expanded", "fold", "redundancy")):
             outs[name] = xp.gather_slots(*args[1:5], args[7], args[9], **way)
         first = outs["gather_slots_ms"]
         same = all(all(torch.equal(a, b) for a, b in zip(o, first)) for o in outs.values())
-        row["gather_slots_index_select_same"] = row["gather_slots_same"] = same
+        row["gather_slots_same"] = same
         del outs, first
         print(f"  gather_slots alone {row['gather_slots_ms']:.3f} ms (advanced index), "
               f"{row['gather_slots_index_select_ms']:.3f} ms (index_select), {row['gather_slots_kernel_ms']:.3f} ms "
