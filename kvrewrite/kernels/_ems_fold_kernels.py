@@ -381,10 +381,10 @@ TRANS = True
 PIPE = True
 PIPE_STAGES = 2
 LEAN = True
-# LEAN's query block where the launch gives none (the other forms take stats_config's 32). 32: the blocks of every
-# end-to-end row above. 64 (`--kernel-option _ems_fold_kernels.LEAN_BLOCK_M=64`) was 12.97 ms alone in stop 54's
-# first call, one run (its second call timed no such launch: a bug, fixed since, kept 32 where it meant 64).
-LEAN_BLOCK_M = 32
+# LEAN's query block where the launch gives none (the other forms take stats_config's 32). 64 since stop 55: alone at
+# the late chunk 12.97 and 13.09 ms (stop 54 and 55, one run each) against 15.83-16.01 for 32; EMS's batch-8 prefill
+# (H200, docs/bench.md "Stop 55 runs") 13.55 and 13.81 s against 13.81 and 13.97 for 32, the two GPUs of one call.
+LEAN_BLOCK_M = 64
 
 
 def stats_config(T: int, D: int, block_j=None, block_m=None, num_warps=None, num_stages=None) -> dict:
