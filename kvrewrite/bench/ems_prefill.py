@@ -26,7 +26,8 @@ queries sit at those positions. Timed, each a median of triton's do_bench (warm 
   state copies each call), s_glo checked against the default's;
 - redundancy: ems_redundancy's Triton launch at the chunk's compression (window 32, Bt - 32 centres, the chunk's
   entries to be merged, pre-RoPE keys), dest checked against the default's; then its two tiers' blockings alone
-  and together at 32, 256, 512 and 1024 entries to merge a row (ems_redundancy.BIG_TBM).
+  and together at 32, 256, 512 and 1024 entries to merge a row (ems_redundancy.BIG_TBM); the default's big tier walks
+  the listed centres (CENTRE_LIST; `list*` its variants), `walk` and the blockings before it the entry blocks.
 """
 import argparse
 import json
@@ -98,23 +99,32 @@ FOLD = {
     "lean_pipe_s2_bm128_w8": dict(lean=True, pipe=True, pipe_stages=2, block_m=128, num_warps=8),
 }
 REDUNDANCY = {
-    "default": {},  # two tiers by each row's TBM count (ems_redundancy.BIG_TBM)
-    "small": dict(block_t=32, num_warps=4),  # the small tier alone for every row (the default before stop 43)
-    "bt64": dict(block_t=64),
-    "bt64_w8": dict(block_t=64, num_warps=8),
-    "bt128_w8": dict(block_t=128, num_warps=8),
-    "bn128": dict(block_n=128),
-    "bt64_bn128_w8": dict(block_t=64, block_n=128, num_warps=8),
-    "splits1": dict(splits=1),
-    "splits8": dict(splits=8),
-    "splits16": dict(splits=16),  # the most the default picks (small batches); at batch 8 it picks 4
+    "default": {},  # two tiers by each row's TBM count (ems_redundancy.BIG_TBM); the big one walks the listed centres
+    # the entries walked in blocks, a block without a centre skipped (ems_redundancy.CENTRE_LIST off: stop 54's default)
+    "walk": dict(centre_list=False),
+    "small": dict(block_t=32, num_warps=4, centre_list=False),  # the small tier alone for every row (before stop 43)
+    "bt64": dict(block_t=64, centre_list=False),
+    "bt64_w8": dict(block_t=64, num_warps=8, centre_list=False),
+    "bt128_w8": dict(block_t=128, num_warps=8, centre_list=False),
+    "bn128": dict(block_n=128, centre_list=False),
+    "bt64_bn128_w8": dict(block_t=64, block_n=128, num_warps=8, centre_list=False),
+    "splits1": dict(splits=1, centre_list=False),
+    "splits8": dict(splits=8, centre_list=False),
+    "splits16": dict(splits=16, centre_list=False),  # the most the default picks (small batches); at batch 8 it picks 4
     # ems_redundancy.RECIP_NORMS off (the default before stop 53): R divided by both norm products per score
     "divide": dict(recip_norms=False),
     "divide_small": dict(recip_norms=False, block_t=32, num_warps=4),
+    # CENTRE_LIST's variants (the default's big tier: 64 centres a step, 3 stages, 128 rows x 8 warps, 4 splits at B 8)
+    "list_s2": dict(list_stages=2),
+    "list_s4": dict(list_stages=4),
+    "list_bn128": dict(block_n=128),
+    "list_bn32": dict(block_n=32),
+    "list_bt64_w4": dict(block_t=64, num_warps=4),
+    "list_splits8": dict(splits=8),
 }
 QUICK = {"expanded": ("default", "walk", "per_entry"),
          "fold": ("default", "stop53", "lean_pipe_s2_bm64", "lean_pipe_s3_bm64"),
-         "redundancy": ("default", "bt64", "divide")}
+         "redundancy": ("default", "walk", "list_bn128")}
 
 
 def prefill_state(B, n, chunk, gen, dev="cuda"):
@@ -265,7 +275,7 @@ def run(B, n, chunk, quick, kernels=("expanded", "fold", "redundancy")):
         cls[..., Bt:] = 3
         cls[..., Bt + n_tbm:] = 0
         res = {}
-        for name in ("default", "small", "bt64", "bt128_w8", "splits16", "divide", "divide_small"):
+        for name in ("default", "walk", "small", "bt64", "bt128_w8", "splits16", "divide", "divide_small"):
             res[name] = _time(lambda t=REDUNDANCY[name]: er.triton_ems_redundancy(keys, values, raw, cls, due, 0.6,
                                                                                   **t))
         print(f"  redundancy at {n_tbm} per row (ms) {res}", flush=True)

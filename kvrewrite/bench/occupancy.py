@@ -1,7 +1,8 @@
 """Registers, shared memory and programs per SM of a Triton kernel compiled for Hopper (sm_90), without a GPU.
 
     python -m kvrewrite.bench.occupancy          # the decode attention kernels' variants (clustered_attention, EMS)
-                                                 # and EMS's redundancy kernel (its two tiers, RECIP_NORMS or not)
+                                                 # and EMS's redundancy kernels (its two tiers, RECIP_NORMS or
+                                                 # not, CENTRE_LIST's walk)
 
 Triton compiles for a named target on any machine (its wheel carries ptxas and cuobjdump): this reads the
 registers a thread from the cubin (cuobjdump --dump-resource-usage) and the shared memory from the compile's
@@ -137,20 +138,29 @@ def expanded_decode_resources(split: bool, write_s: bool, head_dim: int = 128, d
     return regs, shared, cfg["num_warps"]
 
 
-def redundancy_resources(recip: bool, big: bool, head_dim: int = 128, dtype: str = "bf16") -> tuple:
+def redundancy_resources(recip: bool, big: bool, head_dim: int = 128, dtype: str = "bf16",
+                         listed: bool = False) -> tuple:
     """(registers, shared bytes, warps, static SASS instructions) of ems_redundancy's main kernel as its launcher
     launches it at batch 8 of the Llama layout (4 centre splits): big, the tier of 128-row TBM blocks (a prefill
-    chunk's compression), else the 32-row one; recip, RECIP_NORMS' form."""
+    chunk's compression), else the 32-row one; recip, RECIP_NORMS' form; listed, CENTRE_LIST's walk of the listed
+    centres (RECIP_NORMS' form; the big tier's launch by default)."""
     from kvrewrite.kernels import ems_redundancy as er
 
-    kernel = er._redundancy_kernel
-    pointers = {"A": f"*{dtype}", "V": f"*{dtype}", "CLS": "*i32", "TL": "*i32", "NT": "*i32", "PB": "*fp32",
-                "PA": "*i32"}
     bt, warps = (er.BIG_BLOCK_T, er.BIG_WARPS) if big else (er.BLOCK_T, 4)
-    constexprs = dict(S=4, IEEE=dtype == "fp32", BT=bt, BN=er.BLOCK_N, BLOCK_D=max(16, head_dim), RECIP=recip)
+    if listed:
+        kernel = er._redundancy_listed_kernel
+        pointers = {"A": f"*{dtype}", "V": f"*{dtype}", "TL": "*i32", "NT": "*i32", "CL": "*i32", "NC": "*i32",
+                    "IA": "*fp32", "IV": "*fp32", "PB": "*fp32", "PA": "*i32"}
+        constexprs = dict(S=4, IEEE=dtype == "fp32", BT=bt, BN=er.LIST_BLOCK_N, BLOCK_D=max(16, head_dim))
+        aligned, stages = ("C", "D"), er.LIST_STAGES
+    else:
+        kernel = er._redundancy_kernel
+        pointers = {"A": f"*{dtype}", "V": f"*{dtype}", "CLS": "*i32", "TL": "*i32", "NT": "*i32", "PB": "*fp32",
+                    "PA": "*i32"}
+        constexprs = dict(S=4, IEEE=dtype == "fp32", BT=bt, BN=er.BLOCK_N, BLOCK_D=max(16, head_dim), RECIP=recip)
+        aligned, stages = ("C", "D", "CS"), 2
     types = _argument_types(kernel, pointers, constexprs)
-    aligned = ("C", "D", "CS")
-    regs, shared, n = sm90_resources(kernel, types, constexprs, aligned, warps, instructions=True)
+    regs, shared, n = sm90_resources(kernel, types, constexprs, aligned, warps, stages, instructions=True)
     return regs, shared, warps, n
 
 
@@ -175,6 +185,10 @@ def main(argv=None):
             print(f"EMS redundancy, {'128' if big else '32'}-row blocks, {'RECIP_NORMS' if recip else 'divisions'}: "
                   f"{regs} registers, {shared} B shared, {warps} warps: {programs_per_sm(regs, shared, warps)} "
                   f"programs per SM, {n} static SASS instructions", flush=True)
+    regs, shared, warps, n = redundancy_resources(True, True, listed=True)  # CENTRE_LIST: the big tier's launch
+    print(f"EMS redundancy, 128-row blocks, the listed centres (CENTRE_LIST): {regs} registers, {shared} B shared, "
+          f"{warps} warps: {programs_per_sm(regs, shared, warps)} programs per SM, {n} static SASS instructions",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,10 @@ tl.dot products (fp32 accumulate; fp32 inputs at IEEE precision, never TF32), cl
 centre's reciprocal norm, multiplied (RECIP_NORMS, the default; the TBM entry's norms are divided out after the walk;
 without it, each dot divided by its norm product, tl.div_rn: dot first, then divide; 0 for a zero norm); a running
 argmax per TBM row where a later block wins only when strictly larger (ties: the smallest centre), stored per split;
-3. per entry block, dest: the splits combined in ascending order by the same strict rule.
+3. per entry block, dest: the splits combined in ascending order by the same strict rule. CENTRE_LIST (the default):
+launch 1 also lists each row's centres, and the big tier's launch 2 becomes two: the listed centres' reciprocal
+norms, once, then the walk of the list in blocks of LIST_BLOCK_N (`_redundancy_listed_kernel`: every block full of
+centres, no branch, so its loads are pipelined).
 Deterministic, no atomics, no host read, every output entry written once. It differs from the reference only in the
 fp32 order of the dot and norm sums, so dest agrees exactly wherever no two R_dc are within a few ulps of each other
 or of tau (§11; the GPU tests construct such gaps, and exact ties between identical vectors agree).
@@ -159,24 +162,70 @@ BIG_PROGRAMS = 16
 # run). On; `--kernel-option
 # ems_redundancy.RECIP_NORMS=False` (or the launcher's recip_norms=False) times the divided form.
 RECIP_NORMS = True
+# CENTRE_LIST: the big tier (a prefill chunk's compression) walks the row's centres by a list instead of every entry
+# block: launch 1 also lists the due centres in ascending order, a launch of its own writes each listed centre's
+# reciprocal norms once (1/|a_c|, 1/|v_c|: every program of the row recomputed them from its tiles), and the main
+# launch's centre loop has no branch and no class loads, so Triton pipelines its loads (`_redundancy_listed_kernel`;
+# RECIP_NORMS' form of R only). Why: stop 55's profile of EMS's batch-8 prefill (H200) gave the redundancy 1.80 s of
+# 13.6, about 4 us a 128 x 64 centre step where its two dot products need about 0.6 at the tensor cores' rate.
+# H200, Llama-3.1-8B shape, batch 8, 32k (docs/bench.md "Stop 55 runs"): the late chunk's compression alone 2.28 ms
+# against 3.23 (`python -m kvrewrite.bench.ems_prefill --kernels redundancy`, one run, the same dest; 1.40 against
+# 1.71 at 1024 entries to merge a row, but 0.67 against 0.48 at 256 and 0.26 against 0.24 at 32: the list and norms
+# launches' fixed cost, about 17 us at batch 8, which a decode-time compression (under BIG_TBM: the entry walk) pays
+# too); the whole prefill 12.96-13.11 s in three runs against 13.87 for the entry walk in the same call. 2 or 4
+# stages time the same as 3; 128-centre steps 2.14 ms alone but 13.08 s end to end (one run): 64 kept.
+CENTRE_LIST = True
+LIST_BLOCK_N = 64  # centres per step of the listed walk
+LIST_STAGES = 3  # its software pipeline's stages
+NORM_BLOCK = 64  # listed centres per program of the norms launch
 
 
 @triton_jit(do_not_specialize=["C"])
-def _tbm_list_kernel(CLS, DUE, TL, KPOS, NT, C, CH: tl.constexpr):
-    """Launch 1 (grid rows): the row's due TBM entries in ascending order TL[0, NT), KPOS[e] = e's place (-1)."""
+def _tbm_list_kernel(CLS, DUE, TL, KPOS, NT, CL, NC, C, CH: tl.constexpr, CENTRES: tl.constexpr = False):
+    """Launch 1 (grid rows): the row's due TBM entries in ascending order TL[0, NT), KPOS[e] = e's place (-1);
+    CENTRES: its due centres in ascending order too, CL[0, NC)."""
     row = tl.program_id(0).to(tl.int64)
     due = tl.load(DUE + row) != 0
     n = tl.zeros([], tl.int32)
+    nc = tl.zeros([], tl.int32)
     for c0 in range(0, C, CH):
         e = c0 + tl.arange(0, CH)
         m = e < C
-        t = m & due & (tl.load(CLS + row * C + e, mask=m, other=0) == 3)
+        cl = tl.load(CLS + row * C + e, mask=m, other=0)
+        t = m & due & (cl == 3)
         ti = t.to(tl.int32)
         k = n + tl.cumsum(ti, axis=0) - ti
         tl.store(TL + row * C + k, e, mask=t)
         tl.store(KPOS + row * C + e, tl.where(t, k, -1), mask=m)
         n += tl.sum(ti, axis=0)
+        if CENTRES:
+            ce = m & due & (cl == 2)
+            ci = ce.to(tl.int32)
+            tl.store(CL + row * C + nc + tl.cumsum(ci, axis=0) - ci, e, mask=ce)
+            nc += tl.sum(ci, axis=0)
     tl.store(NT + row, n)
+    if CENTRES:
+        tl.store(NC + row, nc)
+
+
+@triton_jit(do_not_specialize=["C", "D", "nt_lo"])
+def _centre_norms_kernel(A, V, CL, NC, NT, IA, IV, C, D, nt_lo, BC: tl.constexpr, BLOCK_D: tl.constexpr):
+    """CENTRE_LIST's launch (grid listed-centre blocks x rows): IA / IV[row, k] = 1 / |a| and 1 / |v| of the row's
+    k-th listed centre (0 for a zero norm), on the rows of the big tier (at least nt_lo TBM entries) only."""
+    blk = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    nc = tl.load(NC + row)
+    if (tl.load(NT + row) >= nt_lo) & (blk * BC < nc):
+        k = blk * BC + tl.arange(0, BC)
+        mk = k < nc
+        e = tl.load(CL + row * C + k, mask=mk, other=0)
+        kd = tl.arange(0, BLOCK_D)
+        at = (row * C + e)[:, None] * D + kd[None, :]
+        _, _, na, nv = _tiles_and_norms(A, V, at, mk[:, None] & (kd < D)[None, :], 1)
+        ia = tl.where(na > 0.0, tl.div_rn(1.0, tl.where(na > 0.0, na, 1.0)), 0.0)
+        iv = tl.where(nv > 0.0, tl.div_rn(1.0, tl.where(nv > 0.0, nv, 1.0)), 0.0)
+        tl.store(IA + row * C + k, ia, mask=mk)
+        tl.store(IV + row * C + k, iv, mask=mk)
 
 
 @triton_jit()
@@ -248,6 +297,62 @@ def _redundancy_kernel(A, V, CLS, TL, NT, PB, PA, C, D, CS, nt_lo, nt_hi, P, S: 
             tl.store(PA + at_p, arg, mask=mk)
 
 
+@triton_jit(do_not_specialize=["C", "nt_lo", "nt_hi", "P"])
+def _redundancy_listed_kernel(A, V, TL, NT, CL, NC, IA, IV, PB, PA, C, D, nt_lo, nt_hi, P, S: tl.constexpr,
+                              IEEE: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr):
+    """CENTRE_LIST's launch 2 (grid P x rows x S splits of the row's listed centres): as `_redundancy_kernel` with
+    RECIP, its centre blocks taken from the list CL[0, NC) (split sp: places [sp * cs, (sp + 1) * cs), cs = NC / S
+    rounded up to BN) and the centres' reciprocal norms from IA / IV: no skipped block, no class load, the loop's loads
+    prefetched by the pipeliner. A place past the split's end reads as centre C with R 0, which no listed centre's
+    R (>= 0) loses a tie to, so dest is the same as the entry walk's."""
+    p = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    sp = tl.program_id(2)
+    nt = tl.load(NT + row)
+    if (nt >= nt_lo) & (nt < nt_hi):
+        nc = tl.load(NC + row)
+        cs = tl.cdiv(tl.cdiv(nc, S), BN) * BN
+        lo = sp * cs
+        hi = tl.minimum(lo + cs, nc)
+        kd = tl.arange(0, BLOCK_D)
+        for blk in range(p, tl.cdiv(nt, BT), P):
+            k = blk * BT + tl.arange(0, BT)
+            mk = k < nt
+            d = tl.load(TL + row * C + k, mask=mk, other=0)
+            at = (row * C + d)[:, None] * D + kd[None, :]
+            xa, xv, na, nv = _tiles_and_norms(A, V, at, mk[:, None] & (kd < D)[None, :], 1)
+            best = tl.full([BT], float("-inf"), tl.float32)
+            arg = tl.full([BT], C, tl.int32)
+            for c0 in range(lo, hi, BN):
+                j = c0 + tl.arange(0, BN)
+                mj = j < hi
+                c = tl.load(CL + row * C + j, mask=mj, other=C)  # a place past hi: centre C, zero tiles, R 0
+                ct = (row * C + c)[None, :] * D + kd[:, None]  # [BLOCK_D, BN]: the listed centres transposed
+                mt = mj[None, :] & (kd < D)[:, None]
+                ya = tl.load(A + ct, mask=mt, other=0.0)
+                yv = tl.load(V + ct, mask=mt, other=0.0)
+                ia = tl.load(IA + row * C + j, mask=mj, other=0.0)
+                iv = tl.load(IV + row * C + j, mask=mj, other=0.0)
+                if IEEE:
+                    da = tl.dot(xa, ya, input_precision="ieee")
+                    dv = tl.dot(xv, yv, input_precision="ieee")
+                else:
+                    da = tl.dot(xa, ya)
+                    dv = tl.dot(xv, yv)
+                # R >= 0 at every listed centre and 0 at a place past hi, whose centre C loses every tie: no mask
+                r = (tl.maximum(da, 0.0) * ia[None, :]) * (tl.maximum(dv, 0.0) * iv[None, :])
+                tmax = tl.max(r, axis=1)
+                targ = tl.min(tl.where(r == tmax[:, None], c[None, :], C), axis=1)
+                up = tmax > best  # the list ascends: a later block wins only when strictly larger, as in the walk
+                best = tl.where(up, tmax, best)
+                arg = tl.where(up, targ, arg)
+            den = na * nv
+            best = tl.where(best > 0.0, tl.where(den > 0.0, tl.div_rn(best, tl.where(den > 0.0, den, 1.0)), 0.0), best)
+            at_p = (row * S + sp) * C + k
+            tl.store(PB + at_p, best, mask=mk)
+            tl.store(PA + at_p, arg, mask=mk)
+
+
 @triton_jit(do_not_specialize=["C", "tau"])
 def _dest_kernel(CLS, DUE, KPOS, PB, PA, DEST, C, tau, MERGE: tl.constexpr, S: tl.constexpr, BT: tl.constexpr):
     """Launch 3 (grid entry blocks x rows): dest of every entry; a TBM entry combines its S splits in ascending
@@ -278,7 +383,8 @@ def _dest_kernel(CLS, DUE, KPOS, PB, PA, DEST, C, tau, MERGE: tl.constexpr, S: t
 
 def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int | None = None,
                           block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
-                          big_tbm: int | None = None, programs: int | None = None, recip_norms: bool | None = None):
+                          big_tbm: int | None = None, programs: int | None = None, recip_norms: bool | None = None,
+                          centre_list: bool | None = None, list_stages: int | None = None):
     """The Triton kernels (module docstring): dest [B, Hkv, C] int32. Under TRITON_INTERPRET=1 they run on CPU
     tensors (how they are tested without a GPU; fp32 only there: the 3.6 interpreter's 16-bit tl.dot is wrong).
     splits: centre-range splits per TBM block (default: about TARGET_PROGRAMS programs per block column, by the
@@ -286,10 +392,20 @@ def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int
     one per block the tier's rows can hold); any values give the same dest.
     Without block_t and num_warps the main launch runs in two tiers by each row's TBM count (BIG_TBM, or big_tbm: 0
     puts every row in the big one); with either, one launch of that blocking serves every row. recip_norms (default
-    RECIP_NORMS): the TBM entry's norms applied once after its walk (the same dest up to rounding)."""
+    RECIP_NORMS): the TBM entry's norms applied once after its walk (the same dest up to rounding). centre_list
+    (default CENTRE_LIST, RECIP_NORMS' form only): the big tier's launch, or the one launch of an explicit blocking,
+    walks the row's listed centres (`_redundancy_listed_kernel`, blocks of block_n or LIST_BLOCK_N, list_stages or
+    LIST_STAGES pipeline stages)."""
     if triton is None:
         raise NotImplementedError(f"{NAME}: the Triton kernel needs Triton (pip install triton)")
     _check_inputs(keys, values, raw_keys, cls, due, tau)
+    recip = RECIP_NORMS if recip_norms is None else bool(recip_norms)
+    listed = CENTRE_LIST if centre_list is None else bool(centre_list)
+    if listed and not recip:
+        if centre_list:
+            raise ValueError(f"{NAME}: centre_list=True walks RECIP_NORMS' form of R; it cannot run with "
+                             "recip_norms=False (leave one of them out)")
+        listed = False  # the module's CENTRE_LIST with R divided per score: the entry walk
     B, H, C, D = keys.shape
     a = raw_keys if raw_keys.shape[2] > 0 else keys
     dest = torch.empty_like(cls)
@@ -297,32 +413,45 @@ def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int
     if rows * C == 0:
         return dest
     bn = block_n or BLOCK_N
-    if block_t is None and num_warps is None:  # (nt_lo, nt_hi, rows a block, warps) of each launch
+    if block_t is None and num_warps is None:  # (nt_lo, nt_hi, rows a block, warps, listed) of each launch
         cut = BIG_TBM if big_tbm is None else big_tbm
-        tiers = [(0, cut, BLOCK_T, 4), (cut, C + 1, BIG_BLOCK_T, BIG_WARPS)]
+        tiers = [(0, cut, BLOCK_T, 4, False), (cut, C + 1, BIG_BLOCK_T, BIG_WARPS, listed)]
         tiers = [t for t in tiers if t[0] < t[1]]
     else:
-        tiers = [(0, C + 1, block_t or BLOCK_T, num_warps or 4)]
+        tiers = [(0, C + 1, block_t or BLOCK_T, num_warps or 4, listed)]
     a, v, c = a.contiguous(), values.contiguous(), cls.contiguous()
     du = due.to(torch.int32).contiguous()
     merge = tau < 1
+    listed = merge and any(t[4] for t in tiers)
     S = 1
-    ws = torch.empty(2, rows, C, dtype=torch.int32, device=keys.device)
-    tlist, kpos = ws[0], ws[1]
-    nt = torch.empty(rows, dtype=torch.int32, device=keys.device)
+    ws = torch.empty(3 if listed else 2, rows, C, dtype=torch.int32, device=keys.device)
+    tlist, kpos, clist = ws[0], ws[1], ws[-1]
+    counts = torch.empty(2, rows, dtype=torch.int32, device=keys.device)
+    nt, ncen = counts[0], counts[1]
     if merge:
         S = splits or max(1, min(16, TARGET_PROGRAMS // rows, triton.cdiv(C, bn)))
     pb = torch.empty(rows, S, C, dtype=torch.float32, device=keys.device)
     pa = torch.empty(rows, S, C, dtype=torch.int32, device=keys.device)
     if merge:
-        _tbm_list_kernel[(rows,)](c, du, tlist, kpos, nt, C, CH=min(LIST_CHUNK, triton.next_power_of_2(C)))
+        _tbm_list_kernel[(rows,)](c, du, tlist, kpos, nt, clist, ncen, C, CH=min(LIST_CHUNK, triton.next_power_of_2(C)),
+                                  CENTRES=listed)
         cs = triton.cdiv(triton.cdiv(C, S), bn) * bn
-        for lo, hi, bt, warps in tiers:
+        block_d = max(16, triton.next_power_of_2(D))
+        ieee = keys.dtype == torch.float32
+        for lo, hi, bt, warps, walk_list in tiers:
             P = programs or min(triton.cdiv(min(hi - 1, C), bt), BIG_PROGRAMS)
-            _redundancy_kernel[(P, rows, S)](
-                a, v, c, tlist, nt, pb, pa, C, D, cs, lo, hi, P, S=S, IEEE=keys.dtype == torch.float32, BT=bt, BN=bn,
-                BLOCK_D=max(16, triton.next_power_of_2(D)),
-                RECIP=RECIP_NORMS if recip_norms is None else bool(recip_norms), num_warps=warps)
+            if walk_list:
+                inv = torch.empty(2, rows, C, dtype=torch.float32, device=keys.device)
+                _centre_norms_kernel[(triton.cdiv(C, NORM_BLOCK), rows)](a, v, clist, ncen, nt, inv[0], inv[1], C, D,
+                                                                       lo, BC=NORM_BLOCK, BLOCK_D=block_d)
+                _redundancy_listed_kernel[(P, rows, S)](
+                    a, v, tlist, nt, clist, ncen, inv[0], inv[1], pb, pa, C, D, lo, hi, P, S=S, IEEE=ieee, BT=bt,
+                    BN=block_n or LIST_BLOCK_N, BLOCK_D=block_d, num_warps=warps,
+                    num_stages=list_stages or LIST_STAGES)
+            else:
+                _redundancy_kernel[(P, rows, S)](
+                    a, v, c, tlist, nt, pb, pa, C, D, cs, lo, hi, P, S=S, IEEE=ieee, BT=bt, BN=bn, BLOCK_D=block_d,
+                    RECIP=recip, num_warps=warps)
     bt = tiers[0][2]
     _dest_kernel[(triton.cdiv(C, bt), rows)](c, du, kpos, pb, pa, dest, C, float(tau), MERGE=merge, S=S, BT=bt)
     return dest
@@ -330,7 +459,8 @@ def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int
 
 # -- the CUDA path ------------------------------------------------------------------------------------
 # tests/kernels/test_ems_redundancy_gpu.py passed on an H100 (torch 2.11, Triton 3.6; 32 tests incl. the blocking
-# BLOCK_T 32 / BLOCK_N 64 / 4 warps, in a run of 92 with test_ems_merge_gpu.py and test_ems_compress_gpu.py, all passed)
+# BLOCK_T 32 / BLOCK_N 64 / 4 warps, in a run of 92 with test_ems_merge_gpu.py and test_ems_compress_gpu.py, all
+# passed); with CENTRE_LIST's cases on an H200 (stop 55): 86 passed, then the compress, merge and method GPU files 66
 KERNELS_CHECKED_ON_GPU = True
 
 

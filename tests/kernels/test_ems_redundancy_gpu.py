@@ -50,18 +50,23 @@ def classes(s, bt, thr, gamma=4.0):
     return reference_ems_partition(s["bias"], s["fill"], s["entry_start"], gp, due, s["budget"], 4, gamma), due
 
 
-@pytest.mark.parametrize("recip", [False, True], ids=["divide", "recip"])  # RECIP_NORMS' two forms of R
+# RECIP_NORMS' two forms of R; CENTRE_LIST's walk of the listed centres (every row in the big tier)
+FORMS = {"divide": dict(recip_norms=False), "recip": dict(recip_norms=True),
+         "list": dict(recip_norms=True, centre_list=True, big_tbm=0)}
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("pos", ["without", "with"])
 @pytest.mark.parametrize("tau", [0.0, 0.6, 1.0])
-def test_matches_reference(dtype, pos, tau, recip):
+def test_matches_reference(dtype, pos, tau, form):
     D = 128 if dtype != torch.float16 else 64
     s = make_state(2, 3, 1031, 2100, D, [[1031, 900, 500], [1000, 1020, 700]], [[2000, 1800, 900], [1500, 2100, 1200]],
                    dtype=dtype, pos=pos, pads=[0, 33], seed=7, noise=0.3)
     cls, due = classes(s, 400, 800)
     cls = without_near_ties(s, cls, tau)
     want = mod.reference_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau)
-    got = mod.triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau, recip_norms=recip)
+    got = mod.triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau, **FORMS[form])
     assert torch.equal(got, want)
     assert (got[~due] == -1).all()
     n_merge = int(((cls == 3) & (got >= 0)).sum())
@@ -73,7 +78,12 @@ KNOBS = [dict(block_t=32, block_n=64, num_warps=4), dict(block_t=64, block_n=64,
          dict(block_t=64, block_n=32, num_warps=8), dict(block_t=32, block_n=64, num_warps=8, splits=5),
          dict(big_tbm=0), dict(big_tbm="median"),  # two tiers: every row in the big one; the rows split between them
          dict(programs=1), dict(block_t=16, programs=3),  # P programs per (row, split) walk the row's TBM blocks
-         dict(recip_norms=False), dict(recip_norms=False, block_t=16, block_n=32, splits=5)]  # RECIP_NORMS off
+         dict(recip_norms=False), dict(recip_norms=False, block_t=16, block_n=32, splits=5),  # RECIP_NORMS off
+         dict(centre_list=True), dict(centre_list=True, big_tbm=0),  # CENTRE_LIST: the big tier, every row in it
+         dict(centre_list=True, big_tbm="median"), dict(centre_list=True, block_t=64, num_warps=4, splits=5),
+         dict(centre_list=True, big_tbm=0, block_n=128), dict(centre_list=True, big_tbm=0, block_n=32),
+         dict(centre_list=True, big_tbm=0, list_stages=2), dict(centre_list=True, big_tbm=0, list_stages=4),
+         dict(centre_list=True, big_tbm=0, programs=1, splits=1)]
 
 
 @pytest.mark.parametrize("knobs", KNOBS)
@@ -85,17 +95,17 @@ def test_every_blocking_gives_the_same_dest(knobs):
     if knobs.get("big_tbm") == "median":
         nt = ((cls == 3) & due[..., None]).sum(-1).flatten().sort().values
         nt = nt[nt > 0]  # rows with TBM entries (a row not due has none)
-        knobs = dict(big_tbm=int(nt[len(nt) // 2]))
+        knobs = dict(knobs, big_tbm=int(nt[len(nt) // 2]))
         assert nt[0] < knobs["big_tbm"] <= nt[-1], nt  # both tiers have rows to serve
     want = mod.reference_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, 0.6)
     got = mod.triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, 0.6, **knobs)
     assert torch.equal(got, want) and int(((cls == 3) & (got >= 0)).sum()) > 0
 
 
-@pytest.mark.parametrize("recip", [False, True], ids=["divide", "recip"])
-def test_exact_ties_go_to_the_smallest_centre(recip):
+@pytest.mark.parametrize("form", FORMS)
+def test_exact_ties_go_to_the_smallest_centre(form):
     """Identical centre vectors across centre blocks: every identical TBM copy goes to the first of them (both forms
-    of R: RECIP_NORMS)."""
+    of R: RECIP_NORMS; CENTRE_LIST's walk)."""
     s = make_state(1, 2, 300, 600, 128, [[300, 300]], [[600, 600]], dtype=torch.bfloat16, seed=8)
     cls, due = classes(s, 120, 250)
     centres = (cls[0, 0] == 2).nonzero()[:, 0]
@@ -104,7 +114,7 @@ def test_exact_ties_go_to_the_smallest_centre(recip):
     for f in ("keys", "values", "raw_keys"):
         s[f][0, 0, copies] = s[f][0, 0, centres[5]].clone()
     for tau in (0.0, 0.6):
-        got = mod.triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau, recip_norms=recip)
+        got = mod.triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau, **FORMS[form])
         want = mod.reference_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau)
         assert (got[0, 0, tbm[:20]] == centres[5]).all()
         assert torch.equal(got[0, 0, tbm[:20]], want[0, 0, tbm[:20]])
@@ -127,16 +137,17 @@ def test_matches_naive_model(pos, tau):
             assert got[b, h, :len(want)].tolist() == want
 
 
-def test_cuda_graph_and_op_dispatch(monkeypatch):
+@pytest.mark.parametrize("form", ["recip", "list"])
+def test_cuda_graph_and_op_dispatch(form, monkeypatch):
     """The launch captures in a CUDA graph; with KERNELS_CHECKED_ON_GPU the op's CUDA path is the kernel."""
     s = make_state(1, 2, 300, 600, 64, [[300, 280]], [[600, 550]], seed=9)
     cls, due = classes(s, 120, 250)
     cls = without_near_ties(s, cls, 0.6)
-    out = mod.triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, 0.6)
+    out = mod.triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, 0.6, **FORMS[form])
     out.fill_(-7)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out2 = mod.triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, 0.6)
+        out2 = mod.triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, 0.6, **FORMS[form])
     out2.fill_(-7)  # poisoned: the replay writes every entry
     graph.replay()
     want = mod.reference_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, 0.6)
