@@ -548,7 +548,8 @@ def _pow2(n: int) -> int:
 # mask where D == BLOCK_D (attention_column_stats' _load_rows, as the EMS statistics fold, where the same change took
 # the kernel from 24.7-24.9 ms to 18.7 in one run; docs/bench.md "Stop 53 runs"). Built in stop 53 after its device
 # time: off until bench/clusterkv_attention.py times it (`--kernel-option select_clusters.VECTOR_LOADS=True` end to
-# end).
+# end). Its sweep on an H200 (stops 54 and 55, one run each; docs/bench.md): at 128k 3-8% faster than without in both
+# runs and both selections, at 32k per query head 2-3% slower in both, per KV head once slower, once faster: off.
 VECTOR_LOADS = False
 
 
