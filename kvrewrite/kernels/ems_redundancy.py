@@ -222,10 +222,8 @@ def _centre_norms_kernel(A, V, CL, NC, NT, IA, IV, C, D, nt_lo, BC: tl.constexpr
         kd = tl.arange(0, BLOCK_D)
         at = (row * C + e)[:, None] * D + kd[None, :]
         _, _, na, nv = _tiles_and_norms(A, V, at, mk[:, None] & (kd < D)[None, :], 1)
-        ia = tl.where(na > 0.0, tl.div_rn(1.0, tl.where(na > 0.0, na, 1.0)), 0.0)
-        iv = tl.where(nv > 0.0, tl.div_rn(1.0, tl.where(nv > 0.0, nv, 1.0)), 0.0)
-        tl.store(IA + row * C + k, ia, mask=mk)
-        tl.store(IV + row * C + k, iv, mask=mk)
+        tl.store(IA + row * C + k, _recip(na), mask=mk)
+        tl.store(IV + row * C + k, _recip(nv), mask=mk)
 
 
 @triton_jit()
@@ -236,6 +234,48 @@ def _tiles_and_norms(A, V, at, m, AXIS: tl.constexpr):
     xaf = xa.to(tl.float32)
     xvf = xv.to(tl.float32)
     return xa, xv, tl.sqrt_rn(tl.sum(xaf * xaf, axis=AXIS)), tl.sqrt_rn(tl.sum(xvf * xvf, axis=AXIS))
+
+
+@triton_jit()
+def _recip(n):
+    """1 / n, 0 where n is 0 (a zero norm: cosine 0)."""
+    return tl.where(n > 0.0, tl.div_rn(1.0, tl.where(n > 0.0, n, 1.0)), 0.0)
+
+
+@triton_jit()
+def _tbm_block(A, V, TL, row, C, D, nt, blk, BT: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Block blk of the row's listed TBM places: the places k, their mask and their rows of a and v with fp32 norms."""
+    kd = tl.arange(0, BLOCK_D)
+    k = blk * BT + tl.arange(0, BT)
+    mk = k < nt
+    d = tl.load(TL + row * C + k, mask=mk, other=0)
+    at = (row * C + d)[:, None] * D + kd[None, :]
+    xa, xv, na, nv = _tiles_and_norms(A, V, at, mk[:, None] & (kd < D)[None, :], 1)
+    return k, mk, xa, xv, na, nv
+
+
+@triton_jit()
+def _dots(xa, ya, xv, yv, IEEE: tl.constexpr):
+    """The two dot products of a TBM block against a centre block (fp32 inputs at IEEE precision, never TF32)."""
+    if IEEE:
+        da = tl.dot(xa, ya, input_precision="ieee")
+        dv = tl.dot(xv, yv, input_precision="ieee")
+    else:
+        da = tl.dot(xa, ya)
+        dv = tl.dot(xv, yv)
+    return da, dv
+
+
+@triton_jit()
+def _store_best(PB, PA, best, arg, na, nv, row, sp, k, mk, C, S: tl.constexpr, RECIP: tl.constexpr):
+    """A block's best R and its centre into split sp's place; RECIP: the TBM rows' norms divided out first,
+    R = (a_d . a_c / |a_c|)(v_d . v_c / |v_c|) / (|a_d| |v_d|), 0 for a zero norm (one factor of the whole row)."""
+    if RECIP:
+        den = na * nv
+        best = tl.where(best > 0.0, tl.where(den > 0.0, tl.div_rn(best, tl.where(den > 0.0, den, 1.0)), 0.0), best)
+    at_p = (row * S + sp) * C + k
+    tl.store(PB + at_p, best, mask=mk)
+    tl.store(PA + at_p, arg, mask=mk)
 
 
 @triton_jit(do_not_specialize=["C", "CS", "nt_lo", "nt_hi", "P"])
@@ -252,11 +292,7 @@ def _redundancy_kernel(A, V, CLS, TL, NT, PB, PA, C, D, CS, nt_lo, nt_hi, P, S: 
     if (nt >= nt_lo) & (nt < nt_hi):
         kd = tl.arange(0, BLOCK_D)
         for blk in range(p, tl.cdiv(nt, BT), P):
-            k = blk * BT + tl.arange(0, BT)
-            mk = k < nt
-            d = tl.load(TL + row * C + k, mask=mk, other=0)
-            at = (row * C + d)[:, None] * D + kd[None, :]
-            xa, xv, na, nv = _tiles_and_norms(A, V, at, mk[:, None] & (kd < D)[None, :], 1)
+            k, mk, xa, xv, na, nv = _tbm_block(A, V, TL, row, C, D, nt, blk, BT, BLOCK_D)
             best = tl.full([BT], float("-inf"), tl.float32)
             arg = tl.full([BT], C, tl.int32)
             for c0 in range(sp * CS, tl.minimum(sp * CS + CS, C), BN):
@@ -266,16 +302,9 @@ def _redundancy_kernel(A, V, CLS, TL, NT, PB, PA, C, D, CS, nt_lo, nt_hi, P, S: 
                 if tl.sum(cen.to(tl.int32), axis=0) > 0:
                     ct = (row * C + c)[None, :] * D + kd[:, None]  # [BLOCK_D, BN]: the centres transposed
                     ya, yv, nya, nyv = _tiles_and_norms(A, V, ct, cen[None, :] & (kd < D)[:, None], 0)
-                    if IEEE:
-                        da = tl.dot(xa, ya, input_precision="ieee")
-                        dv = tl.dot(xv, yv, input_precision="ieee")
-                    else:
-                        da = tl.dot(xa, ya)
-                        dv = tl.dot(xv, yv)
+                    da, dv = _dots(xa, ya, xv, yv, IEEE)
                     if RECIP:  # the TBM row's norms are one factor of its whole row: applied after the loop
-                        ia = tl.where(nya > 0.0, tl.div_rn(1.0, tl.where(nya > 0.0, nya, 1.0)), 0.0)
-                        iv = tl.where(nyv > 0.0, tl.div_rn(1.0, tl.where(nyv > 0.0, nyv, 1.0)), 0.0)
-                        r = (tl.maximum(da, 0.0) * ia[None, :]) * (tl.maximum(dv, 0.0) * iv[None, :])
+                        r = (tl.maximum(da, 0.0) * _recip(nya)[None, :]) * (tl.maximum(dv, 0.0) * _recip(nyv)[None, :])
                     else:
                         dena = na[:, None] * nya[None, :]
                         denv = nv[:, None] * nyv[None, :]
@@ -288,13 +317,7 @@ def _redundancy_kernel(A, V, CLS, TL, NT, PB, PA, C, D, CS, nt_lo, nt_hi, P, S: 
                     up = tmax > best  # a later block wins only when strictly larger: ties to the smallest centre
                     best = tl.where(up, tmax, best)
                     arg = tl.where(up, targ, arg)
-            if RECIP:  # R = (a_d . a_c / |a_c|)(v_d . v_c / |v_c|) / (|a_d| |v_d|); 0 for a zero norm
-                den = na * nv
-                best = tl.where(best > 0.0, tl.where(den > 0.0, tl.div_rn(best, tl.where(den > 0.0, den, 1.0)), 0.0),
-                                best)
-            at_p = (row * S + sp) * C + k
-            tl.store(PB + at_p, best, mask=mk)
-            tl.store(PA + at_p, arg, mask=mk)
+            _store_best(PB, PA, best, arg, na, nv, row, sp, k, mk, C, S, RECIP)
 
 
 @triton_jit(do_not_specialize=["C", "nt_lo", "nt_hi", "P"])
@@ -316,11 +339,7 @@ def _redundancy_listed_kernel(A, V, TL, NT, CL, NC, IA, IV, PB, PA, C, D, nt_lo,
         hi = tl.minimum(lo + cs, nc)
         kd = tl.arange(0, BLOCK_D)
         for blk in range(p, tl.cdiv(nt, BT), P):
-            k = blk * BT + tl.arange(0, BT)
-            mk = k < nt
-            d = tl.load(TL + row * C + k, mask=mk, other=0)
-            at = (row * C + d)[:, None] * D + kd[None, :]
-            xa, xv, na, nv = _tiles_and_norms(A, V, at, mk[:, None] & (kd < D)[None, :], 1)
+            k, mk, xa, xv, na, nv = _tbm_block(A, V, TL, row, C, D, nt, blk, BT, BLOCK_D)
             best = tl.full([BT], float("-inf"), tl.float32)
             arg = tl.full([BT], C, tl.int32)
             for c0 in range(lo, hi, BN):
@@ -333,12 +352,7 @@ def _redundancy_listed_kernel(A, V, TL, NT, CL, NC, IA, IV, PB, PA, C, D, nt_lo,
                 yv = tl.load(V + ct, mask=mt, other=0.0)
                 ia = tl.load(IA + row * C + j, mask=mj, other=0.0)
                 iv = tl.load(IV + row * C + j, mask=mj, other=0.0)
-                if IEEE:
-                    da = tl.dot(xa, ya, input_precision="ieee")
-                    dv = tl.dot(xv, yv, input_precision="ieee")
-                else:
-                    da = tl.dot(xa, ya)
-                    dv = tl.dot(xv, yv)
+                da, dv = _dots(xa, ya, xv, yv, IEEE)
                 # R >= 0 at every listed centre and 0 at a place past hi, whose centre C loses every tie: no mask
                 r = (tl.maximum(da, 0.0) * ia[None, :]) * (tl.maximum(dv, 0.0) * iv[None, :])
                 tmax = tl.max(r, axis=1)
@@ -346,11 +360,7 @@ def _redundancy_listed_kernel(A, V, TL, NT, CL, NC, IA, IV, PB, PA, C, D, nt_lo,
                 up = tmax > best  # the list ascends: a later block wins only when strictly larger, as in the walk
                 best = tl.where(up, tmax, best)
                 arg = tl.where(up, targ, arg)
-            den = na * nv
-            best = tl.where(best > 0.0, tl.where(den > 0.0, tl.div_rn(best, tl.where(den > 0.0, den, 1.0)), 0.0), best)
-            at_p = (row * S + sp) * C + k
-            tl.store(PB + at_p, best, mask=mk)
-            tl.store(PA + at_p, arg, mask=mk)
+            _store_best(PB, PA, best, arg, na, nv, row, sp, k, mk, C, S, True)
 
 
 @triton_jit(do_not_specialize=["C", "tau"])
