@@ -173,7 +173,8 @@ RECIP_NORMS = True
 # 1.71 at 1024 entries to merge a row, but 0.67 against 0.48 at 256 and 0.26 against 0.24 at 32: the list and norms
 # launches' fixed cost, about 17 us at batch 8, which a decode-time compression (under BIG_TBM: the entry walk) pays
 # too); the whole prefill 12.96-13.11 s in three runs against 13.87 for the entry walk in the same call. 2 or 4
-# stages time the same as 3; 128-centre steps 2.14 ms alone but 13.08 s end to end (one run): 64 kept.
+# stages time the same as 3; 128-centre steps 2.14 ms alone but 13.08 s end to end (one run): 64 kept. All of it timed
+# with the norms launch's loads 2 bytes wide (D unspecialised); D is specialised since (16-byte loads), not yet timed.
 CENTRE_LIST = True
 LIST_BLOCK_N = 64  # centres per step of the listed walk
 LIST_STAGES = 3  # its software pipeline's stages
@@ -208,7 +209,7 @@ def _tbm_list_kernel(CLS, DUE, TL, KPOS, NT, CL, NC, C, CH: tl.constexpr, CENTRE
         tl.store(NC + row, nc)
 
 
-@triton_jit(do_not_specialize=["C", "D", "nt_lo"])
+@triton_jit(do_not_specialize=["C", "nt_lo"])  # D specialised: with D a runtime value its loads were 2-byte (sm_90)
 def _centre_norms_kernel(A, V, CL, NC, NT, IA, IV, C, D, nt_lo, BC: tl.constexpr, BLOCK_D: tl.constexpr):
     """CENTRE_LIST's launch (grid listed-centre blocks x rows): IA / IV[row, k] = 1 / |a| and 1 / |v| of the row's
     k-th listed centre (0 for a zero norm), on the rows of the big tier (at least nt_lo TBM entries) only."""
