@@ -433,10 +433,11 @@ def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int
     a, v, c = a.contiguous(), values.contiguous(), cls.contiguous()
     du = due.to(torch.int32).contiguous()
     merge = tau < 1
-    listed = merge and any(t[4] for t in tiers)
+    walks_list = merge and any(t[4] for t in tiers)  # some launch walks the centre list: launch 1 writes it
     S = 1
-    ws = torch.empty(3 if listed else 2, rows, C, dtype=torch.int32, device=keys.device)
-    tlist, kpos, clist = ws[0], ws[1], ws[-1]
+    ws = torch.empty(3 if walks_list else 2, rows, C, dtype=torch.int32, device=keys.device)
+    tlist, kpos = ws[0], ws[1]
+    clist = ws[2] if walks_list else kpos  # without the list launch 1 never writes CL: any int32 buffer serves
     counts = torch.empty(2, rows, dtype=torch.int32, device=keys.device)
     nt, ncen = counts[0], counts[1]
     if merge:
@@ -445,7 +446,7 @@ def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int
     pa = torch.empty(rows, S, C, dtype=torch.int32, device=keys.device)
     if merge:
         _tbm_list_kernel[(rows,)](c, du, tlist, kpos, nt, clist, ncen, C, CH=min(LIST_CHUNK, triton.next_power_of_2(C)),
-                                  CENTRES=listed)
+                                  CENTRES=walks_list)
         cs = triton.cdiv(triton.cdiv(C, S), bn) * bn
         block_d = max(16, triton.next_power_of_2(D))
         ieee = keys.dtype == torch.float32
