@@ -13,8 +13,9 @@ with key scale a_j; live_j = j < slot_fill, lut_j >= 0, bias[lut_j] > -inf; visi
    for t >= T - min(last, T), into recent). Query blocks in which no query sees any slot of the tile (causality)
    are skipped. Each output element has exactly one writer and no atomics: deterministic. Two forms of the query
    loop, on by default since stop 54 (the knobs' comment, below): PIPE (no branch around the loads, so they
-   pipeline) and LEAN (p = exp2(qk·c_j - lse_t·log2 e) with c_j = a_j·scale·log2 e, the causal mask only where a
-   block needs it); without a cap only (a capped call keeps _block_p's step).
+   pipeline) and LEAN (p = exp2(qk·c_j - lse_t·log2 e) with c_j = a_j·scale·log2 e, the causal mask only in the
+   programs whose tile holds a slot some query of the chunk precedes, decided once a program); without a cap only (a
+   capped call keeps _block_p's step).
    FOLD = False writes total/recent [B, Hq, R] fp32 per query head. FOLD = True sums the G heads in registers and
    applies ems_attention's T > 1 rule in place, so no [B, Hq, R] tensor exists: s_glo += tot; s_loc_past := rec;
    s_loc_cur := 0 on every slot of the row (slots past slot_fill get 0 added / 0 written: their reset values);
@@ -134,23 +135,30 @@ def _block_p(Q, LSE, CPOS, b, hq, offs_t, offs_d, d_ok, T, k, a, live, pos,
 
 
 @triton_jit()
-def _lean_step(total, recent, Q, LSE, CPOS, b, hq, t0, offs_d, d_ok, T, k, c, live, pos, pos_max,
+def _lean_step(total, recent, Q, LSE, CPOS, b, hq, t0, offs_d, d_ok, T, k, c, live, pos,
                stride_qb, stride_qh, stride_qt, stride_qd, stride_eb, stride_eh, stride_et, stride_cp, first_recent,
-               BLOCK_M: tl.constexpr, FP32: tl.constexpr, EVEN_D: tl.constexpr):
+               BLOCK_M: tl.constexpr, FP32: tl.constexpr, EVEN_D: tl.constexpr, MASK: tl.constexpr,
+               EVEN_T: tl.constexpr):
     """One query block of the TRANS form without a cap (LEAN): p = exp2(qk·c_j - lse_t·log2 e), c_j =
-    a_j·scale·log2 e, one FMA and one exp2 a score. The causal mask only where some query of the block precedes
-    some live slot of the tile (the chunk's own slots); slots that are not live are zeroed by the caller once (their
-    p may be anything here: k = 0, c = 0 give exp2(-lse)); padded queries get lse = +inf, so p = 0. One reduction
-    a block, two only in the block where the recent queries start."""
+    a_j·scale·log2 e, one FMA and one exp2 a score. The causal mask only with MASK, which the program sets once for
+    all its blocks (some query of the chunk precedes some live slot of the tile: the chunk's own slots), so a block
+    neither loads the positions nor reduces them; slots that are not live are zeroed by the caller once (their p may
+    be anything here: k = 0, c = 0 give exp2(-lse)); padded queries get lse = +inf, so p = 0. One reduction a block,
+    two only in the block where the recent queries start. EVEN_T (T a multiple of BLOCK_M; blocks start at multiples
+    of it): every block is full, so q and lse load without a row mask (no predicate a load)."""
     offs_t = t0 + tl.arange(0, BLOCK_M)
     t_ok = offs_t < T
-    qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=2**62)
-    q = _load_rows(Q + b * stride_qb + hq * stride_qh + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                   t_ok, d_ok, EVEN_D)
-    lse2 = tl.load(LSE + b * stride_eb + hq * stride_eh + offs_t * stride_et, mask=t_ok,
-                   other=float("inf")) * 1.4426950408889634
+    q_ptrs = Q + b * stride_qb + hq * stride_qh + offs_t[:, None] * stride_qt + offs_d[None, :] * stride_qd
+    lse_ptrs = LSE + b * stride_eb + hq * stride_eh + offs_t * stride_et
+    if EVEN_T and EVEN_D:
+        q = tl.load(q_ptrs)
+        lse2 = tl.load(lse_ptrs) * 1.4426950408889634
+    else:
+        q = _load_rows(q_ptrs, t_ok, d_ok, EVEN_D)
+        lse2 = tl.load(lse_ptrs, mask=t_ok, other=float("inf")) * 1.4426950408889634
     x = _block_qk(k, q, FP32, True) * c[:, None] - lse2[None, :]
-    if tl.min(qpos, axis=0) < pos_max:  # some query does not see some live slot (and lse = -inf: sees none)
+    if MASK:  # (and lse = -inf: the query sees no slot)
+        qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=2**62)
         vis = live[:, None] & (pos[:, None] <= qpos[None, :]) & (lse2 > float("-inf"))[None, :]
         x = tl.where(vis, x, float("-inf"))
     p = tl.exp2(x)
@@ -167,15 +175,17 @@ def _lean_step(total, recent, Q, LSE, CPOS, b, hq, t0, offs_d, d_ok, T, k, c, li
 
 
 @triton_jit()
-def _first_seeing_block(CPOS, stride_cp, T, pos_min, BLOCK_M: tl.constexpr, SCAN: tl.constexpr):
-    """The first query block holding a query at or after pos_min (T where none): every block before it sees no slot
-    of the tile, whatever order the chunk's positions come in."""
+def _scan_chunk(CPOS, stride_cp, T, pos_min, BLOCK_M: tl.constexpr, SCAN: tl.constexpr):
+    """(the first query block holding a query at or after pos_min (T where none): every block before it sees no slot
+    of the tile, whatever order the chunk's positions come in; the chunk's smallest position)."""
     first = T
+    qmin = 2**62
     for t0 in range(0, T, SCAN):
         offs = t0 + tl.arange(0, SCAN)
-        qpos = tl.load(CPOS + offs * stride_cp, mask=offs < T, other=-(2**62))
-        first = tl.minimum(first, tl.min(tl.where(qpos >= pos_min, offs, T), axis=0))
-    return (first // BLOCK_M) * BLOCK_M
+        qpos = tl.load(CPOS + offs * stride_cp, mask=offs < T, other=2**62)
+        first = tl.minimum(first, tl.min(tl.where((qpos >= pos_min) & (offs < T), offs, T), axis=0))
+        qmin = tl.minimum(qmin, tl.min(qpos, axis=0))
+    return (first // BLOCK_M) * BLOCK_M, qmin
 
 
 @triton_jit(do_not_specialize=["Hkv", "G", "T", "R", "D", "first_recent"])
@@ -202,6 +212,7 @@ def _stats_kernel(
     PIPE_STAGES: tl.constexpr = 3,
     LEAN: tl.constexpr = False,  # _lean_step's blocks (TRANS, no cap, not with ACC2D)
     EVEN_D: tl.constexpr = False,  # D == BLOCK_D: q and the keys load as 16-byte vectors (attention_column_stats')
+    EVEN_T: tl.constexpr = False,  # T % BLOCK_M == 0: LEAN's blocks load q and lse without a row mask
 ):
     Q_AXIS: tl.constexpr = 1 if TRANS else 0  # the tile's query axis: the sums over the queries run along it
     pid_j = tl.program_id(0)
@@ -221,8 +232,10 @@ def _stats_kernel(
     pos_max = tl.max(tl.where(live, pos, -(2**62)), axis=0)
     c = tl.where(live, a * (scale * 1.4426950408889634), 0.0)  # LEAN: a_j·scale·log2 e
     t_start = 0
+    masked = True  # PIPE + LEAN: some query of the chunk precedes some live slot of the tile (all blocks take the mask)
     if PIPE:
-        t_start = _first_seeing_block(CPOS, stride_cp, T, pos_min, BLOCK_M, 1024)
+        t_start, qmin = _scan_chunk(CPOS, stride_cp, T, pos_min, BLOCK_M, 1024)
+        masked = qmin < pos_max
     tot = tl.zeros([BLOCK_J], dtype=tl.float32)
     rec = tl.zeros([BLOCK_J], dtype=tl.float32)
     for g in range(G):
@@ -234,12 +247,21 @@ def _stats_kernel(
         else:
             total_2d = tl.zeros([BLOCK_M, BLOCK_J], dtype=tl.float32)
         if PIPE:  # no branch around the loads: Triton's pipeliner prefetches the next blocks' q, lse, positions
-            for t0 in tl.range(t_start, T, BLOCK_M, num_stages=PIPE_STAGES):
-                if LEAN:
-                    total, recent = _lean_step(total, recent, Q, LSE, CPOS, b, hq, t0, offs_d, d_ok, T, k, c, live,
-                                               pos, pos_max, stride_qb, stride_qh, stride_qt, stride_qd, stride_eb,
-                                               stride_eh, stride_et, stride_cp, first_recent, BLOCK_M, FP32, EVEN_D)
+            if LEAN:  # the mask decided once: two loops, so the unmasked one has no mask code at all
+                if masked:
+                    for t0 in tl.range(t_start, T, BLOCK_M, num_stages=PIPE_STAGES):
+                        total, recent = _lean_step(total, recent, Q, LSE, CPOS, b, hq, t0, offs_d, d_ok, T, k, c,
+                                                   live, pos, stride_qb, stride_qh, stride_qt, stride_qd, stride_eb,
+                                                   stride_eh, stride_et, stride_cp, first_recent, BLOCK_M, FP32,
+                                                   EVEN_D, True, EVEN_T)
                 else:
+                    for t0 in tl.range(t_start, T, BLOCK_M, num_stages=PIPE_STAGES):
+                        total, recent = _lean_step(total, recent, Q, LSE, CPOS, b, hq, t0, offs_d, d_ok, T, k, c,
+                                                   live, pos, stride_qb, stride_qh, stride_qt, stride_qd, stride_eb,
+                                                   stride_eh, stride_et, stride_cp, first_recent, BLOCK_M, FP32,
+                                                   EVEN_D, False, EVEN_T)
+            else:
+                for t0 in tl.range(t_start, T, BLOCK_M, num_stages=PIPE_STAGES):
                     offs_t = t0 + tl.arange(0, BLOCK_M)
                     p, is_rec = _block_p(Q, LSE, CPOS, b, hq, offs_t, offs_d, d_ok, T, k, a, live, pos,
                                          stride_qb, stride_qh, stride_qt, stride_qd, stride_eb, stride_eh, stride_et,
@@ -252,11 +274,11 @@ def _stats_kernel(
                 t_ok = offs_t < T
                 qpos = tl.load(CPOS + offs_t * stride_cp, mask=t_ok, other=0)
                 if tl.max(tl.where(t_ok, qpos, -(2**62)), axis=0) >= pos_min:  # some query sees some slot
-                    if LEAN:
+                    if LEAN:  # the mask in every block (this loop is not the default's)
                         total, recent = _lean_step(total, recent, Q, LSE, CPOS, b, hq, t0, offs_d, d_ok, T, k, c,
-                                                   live, pos, pos_max, stride_qb, stride_qh, stride_qt, stride_qd,
+                                                   live, pos, stride_qb, stride_qh, stride_qt, stride_qd,
                                                    stride_eb, stride_eh, stride_et, stride_cp, first_recent, BLOCK_M,
-                                                   FP32, EVEN_D)
+                                                   FP32, EVEN_D, True, EVEN_T)
                     else:
                         p, is_rec = _block_p(Q, LSE, CPOS, b, hq, offs_t, offs_d, d_ok, T, k, a, live, pos,
                                              stride_qb, stride_qh, stride_qt, stride_qd, stride_eb, stride_eh,
@@ -381,6 +403,14 @@ TRANS = True
 PIPE = True
 PIPE_STAGES = 2
 LEAN = True
+# Stop 56: ncu's source counters of that loop (H200, the late chunk: 13.0 ms, 763 instructions a warp and query block,
+# 255 registers, 2 programs an SM) put most of its time in the causal-mask decision (each block's smallest position:
+# a 64-bit min over the block through shuffles, shared memory and two barriers) and in the row masks of q's and lse's
+# loads (a predicate and its select per 16-byte copy), not in the exponentials. Now the program decides the mask once
+# (the chunk's smallest position against its tile's largest slot position, from _scan_chunk's pass over the positions:
+# _lean_step's MASK, two loops) and EVEN_T (T a multiple of the block) drops the row masks: 379 instructions in the
+# hot path (sm_90, offline compile), 8.74-8.88 ms alone in two calls against 13.09 (stop 55), and the batch-8 prefill
+# 12.51-12.57 s against 12.92 for stop 55's code in the same call (docs/bench.md "Stop 56 runs").
 # LEAN's query block where the launch gives none (the other forms take stats_config's 32). 64 since stop 55: alone at
 # the late chunk 12.97 and 13.09 ms (stop 54 and 55, one run each) against 15.83-16.01 for 32; EMS's batch-8 prefill
 # (H200, docs/bench.md "Stop 55 runs") 13.55 and 13.81 s against 13.81 and 13.97 for 32, the two GPUs of one call.
@@ -425,6 +455,7 @@ def _stats_launch(q, keys, bias, slot_pos, cache_position, lut, key_scale, slot_
         BLOCK_M=cfg["BLOCK_M"], BLOCK_J=cfg["BLOCK_J"], BLOCK_D=cfg["BLOCK_D"], FP32=q.dtype == torch.float32,
         SOFTCAP=softcap > 0, FOLD=fold, ACC2D=acc2d,
         TRANS=trans, PIPE=pipe, PIPE_STAGES=pipe_stages or PIPE_STAGES, LEAN=lean, EVEN_D=D == cfg["BLOCK_D"],
+        EVEN_T=T % cfg["BLOCK_M"] == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 

@@ -66,6 +66,7 @@ def check(st, q, last, past_only=False, softcap=0.0, **knobs):
 CASES = {
     "prefill-G2-odd-D": (2, 4, 2, 31, 45, 12, 20, True, {}),
     "prefill-MQA": (1, 3, 1, 27, 40, 16, 17, True, {}),
+    "prefill-even-T": (1, 4, 2, 50, 80, 16, 32, True, {}),  # T % 16 == 0: LEAN's unmasked loads (EVEN_T)
     "decode-G4": (2, 8, 2, 11, 33, 16, 1, False, {}),
     "dead-slots": (1, 4, 2, 12, 36, 16, 5, True, {"dead": True}),
     "nothing-visible": (2, 2, 2, 8, 18, 8, 3, True, {"empty_row": True}),
