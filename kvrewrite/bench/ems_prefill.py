@@ -27,7 +27,8 @@ queries sit at those positions. Timed, each a median of triton's do_bench (warm 
 - redundancy: ems_redundancy's Triton launch at the chunk's compression (window 32, Bt - 32 centres, the chunk's
   entries to be merged, pre-RoPE keys), dest checked against the default's; then its two tiers' blockings alone
   and together at 32, 256, 512 and 1024 entries to merge a row (ems_redundancy.BIG_TBM); the default's big tier walks
-  the listed centres (CENTRE_LIST; `list*` its variants), `walk` and the blockings before it the entry blocks.
+  the listed centres (CENTRE_LIST; `list*` its variants; `cols` and `rows*` its two layouts of R, LIST_CENTRE_ROWS),
+  `walk` and the blockings before it the entry blocks.
 """
 import argparse
 import json
@@ -121,10 +122,16 @@ REDUNDANCY = {
     "list_bn32": dict(block_n=32),
     "list_bt64_w4": dict(block_t=64, num_warps=4),
     "list_splits8": dict(splits=8),
+    # LIST_CENTRE_ROWS: the listed walk's R as [centres, TBM] (`rows*`), against the [TBM, centres] form (`cols`)
+    "cols": dict(centre_rows=False),
+    "rows": dict(centre_rows=True),
+    "rows_bn128": dict(centre_rows=True, block_n=128),
+    "rows_bn32": dict(centre_rows=True, block_n=32),
+    "rows_s2": dict(centre_rows=True, list_stages=2),
 }
 QUICK = {"expanded": ("default", "walk", "per_entry"),
          "fold": ("default", "stop53", "lean_pipe_s2_bm64", "lean_pipe_s3_bm64"),
-         "redundancy": ("default", "walk", "list_bn128")}
+         "redundancy": ("default", "walk", "cols", "rows", "rows_bn128")}
 
 
 def prefill_state(B, n, chunk, gen, dev="cuda"):
@@ -275,7 +282,8 @@ def run(B, n, chunk, quick, kernels=("expanded", "fold", "redundancy")):
         cls[..., Bt:] = 3
         cls[..., Bt + n_tbm:] = 0
         res = {}
-        for name in ("default", "walk", "small", "bt64", "bt128_w8", "splits16", "divide", "divide_small"):
+        for name in ("default", "walk", "cols", "rows", "small", "bt64", "bt128_w8", "splits16", "divide",
+                     "divide_small"):
             res[name] = _time(lambda t=REDUNDANCY[name]: er.triton_ems_redundancy(keys, values, raw, cls, due, 0.6,
                                                                                   **t))
         print(f"  redundancy at {n_tbm} per row (ms) {res}", flush=True)

@@ -29,7 +29,8 @@ argmax per TBM row where a later block wins only when strictly larger (ties: the
 3. per entry block, dest: the splits combined in ascending order by the same strict rule. CENTRE_LIST (the default):
 launch 1 also lists each row's centres, and the big tier's launch 2 becomes two: the listed centres' reciprocal
 norms, once, then the walk of the list in blocks of LIST_BLOCK_N (`_redundancy_listed_kernel`: every block full of
-centres, no branch, so its loads are pipelined).
+centres, no branch, so its loads are pipelined; LIST_CENTRE_ROWS, the default: R as [centres, TBM], the best so far
+kept per place of a [BLOCK_N, BLOCK_T] tile and reduced over the centres once after the walk).
 Deterministic, no atomics, no host read, every output entry written once. It differs from the reference only in the
 fp32 order of the dot and norm sums, so dest agrees exactly wherever no two R_dc are within a few ulps of each other
 or of tau (§11; the GPU tests construct such gaps, and exact ties between identical vectors agree).
@@ -179,6 +180,16 @@ CENTRE_LIST = True
 LIST_BLOCK_N = 64  # centres per step of the listed walk
 LIST_STAGES = 3  # its software pipeline's stages
 NORM_BLOCK = 64  # listed centres per program of the norms launch
+# LIST_CENTRE_ROWS: the listed walk computes R as [centres, TBM] (`_redundancy_listed_kernel`'s ROWS). Why: ncu's
+# source counters of the [TBM, centres] form (H200, stop 56, the late chunk's compression at batch 8) put 290 of the
+# hot loop's 754 instructions a warp into loading the list places and norms one column at a time (48 predicated 4-byte
+# loads a thread, their 64-bit addresses) and 17% of its stall samples on those loads (long scoreboard); as [centres,
+# TBM] the hot loop is 577 instructions (sm_90, offline compile; 225 registers against 224). H200, the late chunk's
+# compression alone (`python -m kvrewrite.bench.ems_prefill --kernels redundancy --quick`, docs/bench.md "Stop 56
+# runs", one run, the same dest): 1.83 ms against 2.00; 1.04 / 0.58 / 0.36 ms against 1.12 / 0.63 / 0.38 at 1024 /
+# 512 / 256 entries to merge a row; 128-centre steps 2.19. On; `--kernel-option
+# ems_redundancy.LIST_CENTRE_ROWS=False` (or the launcher's centre_rows=False) times the [TBM, centres] form.
+LIST_CENTRE_ROWS = True
 
 
 @triton_jit(do_not_specialize=["C"])
@@ -321,14 +332,77 @@ def _redundancy_kernel(A, V, CLS, TL, NT, PB, PA, C, D, CS, nt_lo, nt_hi, P, S: 
             _store_best(PB, PA, best, arg, na, nv, row, sp, k, mk, C, S, RECIP)
 
 
+@triton_jit()
+def _listed_walk_cols(A, V, CL, IA, IV, row, C, D, lo, hi, kd, xa, xv, IEEE: tl.constexpr, BT: tl.constexpr,
+                      BN: tl.constexpr):
+    """The walk of list places [lo, hi) for one TBM block with R as [TBM, centres]: (best R, its smallest centre)
+    [BT], reduced over each block's centres as it goes."""
+    best = tl.full([BT], float("-inf"), tl.float32)
+    arg = tl.full([BT], C, tl.int32)
+    for c0 in range(lo, hi, BN):
+        j = c0 + tl.arange(0, BN)
+        mj = j < hi
+        c = tl.load(CL + row * C + j, mask=mj, other=C)  # a place past hi: centre C, zero tiles, R 0
+        ct = (row * C + c)[None, :] * D + kd[:, None]  # [BLOCK_D, BN]: the listed centres transposed
+        mt = mj[None, :] & (kd < D)[:, None]
+        ya = tl.load(A + ct, mask=mt, other=0.0)
+        yv = tl.load(V + ct, mask=mt, other=0.0)
+        ia = tl.load(IA + row * C + j, mask=mj, other=0.0)
+        iv = tl.load(IV + row * C + j, mask=mj, other=0.0)
+        da, dv = _dots(xa, ya, xv, yv, IEEE)
+        # R >= 0 at every listed centre and 0 at a place past hi, whose centre C loses every tie: no mask
+        r = (tl.maximum(da, 0.0) * ia[None, :]) * (tl.maximum(dv, 0.0) * iv[None, :])
+        tmax = tl.max(r, axis=1)
+        targ = tl.min(tl.where(r == tmax[:, None], c[None, :], C), axis=1)
+        up = tmax > best  # the list ascends: a later block wins only when strictly larger, as in the walk
+        best = tl.where(up, tmax, best)
+        arg = tl.where(up, targ, arg)
+    return best, arg
+
+
+@triton_jit()
+def _listed_walk_rows(A, V, CL, IA, IV, row, C, D, lo, hi, kd, xa, xv, IEEE: tl.constexpr, BT: tl.constexpr,
+                      BN: tl.constexpr):
+    """ROWS' walk of list places [lo, hi) for one TBM block (xa, xv [BT, BLOCK_D]): (best R, its smallest centre)
+    [BT] (`_redundancy_listed_kernel`'s docstring)."""
+    xat = tl.trans(xa)
+    xvt = tl.trans(xv)
+    best2 = tl.full([BN, BT], float("-inf"), tl.float32)
+    arg2 = tl.full([BN, BT], C, tl.int32)
+    for c0 in range(lo, hi, BN):
+        j = c0 + tl.arange(0, BN)
+        mj = j < hi
+        c = tl.load(CL + row * C + j, mask=mj, other=C)  # a place past hi: centre C, zero tiles, R 0
+        ct = (row * C + c)[:, None] * D + kd[None, :]  # [BN, BLOCK_D]: the listed centres' rows
+        mt = mj[:, None] & (kd < D)[None, :]
+        ya = tl.load(A + ct, mask=mt, other=0.0)
+        yv = tl.load(V + ct, mask=mt, other=0.0)
+        ia = tl.load(IA + row * C + j, mask=mj, other=0.0)
+        iv = tl.load(IV + row * C + j, mask=mj, other=0.0)
+        da, dv = _dots(ya, xat, yv, xvt, IEEE)  # [BN, BT]
+        r = (tl.maximum(da, 0.0) * ia[:, None]) * (tl.maximum(dv, 0.0) * iv[:, None])
+        up = r > best2
+        best2 = tl.where(up, r, best2)
+        arg2 = tl.where(up, c[:, None], arg2)
+    best = tl.max(best2, axis=0)
+    arg = tl.min(tl.where(best2 == best[None, :], arg2, C), axis=0)
+    return best, arg
+
+
 @triton_jit(do_not_specialize=["C", "nt_lo", "nt_hi", "P"])
 def _redundancy_listed_kernel(A, V, TL, NT, CL, NC, IA, IV, PB, PA, C, D, nt_lo, nt_hi, P, S: tl.constexpr,
-                              IEEE: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr):
+                              IEEE: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
+                              ROWS: tl.constexpr = False):
     """CENTRE_LIST's launch 2 (grid P x rows x S splits of the row's listed centres): as `_redundancy_kernel` with
     RECIP, its centre blocks taken from the list CL[0, NC) (split sp: places [sp * cs, (sp + 1) * cs), cs = NC / S
     rounded up to BN) and the centres' reciprocal norms from IA / IV: no skipped block, no class load, the loop's loads
     prefetched by the pipeliner. A place past the split's end reads as centre C with R 0, which no listed centre's
-    R (>= 0) loses a tie to, so dest is the same as the entry walk's."""
+    R (>= 0) loses a tie to, so dest is the same as the entry walk's.
+    ROWS (LIST_CENTRE_ROWS): R as [centres, TBM] (the centres on the MMA's M side), so a centre's list place and
+    norms are per-row values (two loads a thread, not one a column), and the best so far is kept elementwise, a
+    [BN, BT] tile whose place i holds the best of the centres i, i + BN, ... (strictly larger wins: the smallest
+    centre on a tie, the list ascending), reduced over the centres once after the walk (the largest R, the smallest
+    centre holding it): the same argmax as the per-block reductions."""
     p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2)
@@ -341,26 +415,10 @@ def _redundancy_listed_kernel(A, V, TL, NT, CL, NC, IA, IV, PB, PA, C, D, nt_lo,
         kd = tl.arange(0, BLOCK_D)
         for blk in range(p, tl.cdiv(nt, BT), P):
             k, mk, xa, xv, na, nv = _tbm_block(A, V, TL, row, C, D, nt, blk, BT, BLOCK_D)
-            best = tl.full([BT], float("-inf"), tl.float32)
-            arg = tl.full([BT], C, tl.int32)
-            for c0 in range(lo, hi, BN):
-                j = c0 + tl.arange(0, BN)
-                mj = j < hi
-                c = tl.load(CL + row * C + j, mask=mj, other=C)  # a place past hi: centre C, zero tiles, R 0
-                ct = (row * C + c)[None, :] * D + kd[:, None]  # [BLOCK_D, BN]: the listed centres transposed
-                mt = mj[None, :] & (kd < D)[:, None]
-                ya = tl.load(A + ct, mask=mt, other=0.0)
-                yv = tl.load(V + ct, mask=mt, other=0.0)
-                ia = tl.load(IA + row * C + j, mask=mj, other=0.0)
-                iv = tl.load(IV + row * C + j, mask=mj, other=0.0)
-                da, dv = _dots(xa, ya, xv, yv, IEEE)
-                # R >= 0 at every listed centre and 0 at a place past hi, whose centre C loses every tie: no mask
-                r = (tl.maximum(da, 0.0) * ia[None, :]) * (tl.maximum(dv, 0.0) * iv[None, :])
-                tmax = tl.max(r, axis=1)
-                targ = tl.min(tl.where(r == tmax[:, None], c[None, :], C), axis=1)
-                up = tmax > best  # the list ascends: a later block wins only when strictly larger, as in the walk
-                best = tl.where(up, tmax, best)
-                arg = tl.where(up, targ, arg)
+            if ROWS:
+                best, arg = _listed_walk_rows(A, V, CL, IA, IV, row, C, D, lo, hi, kd, xa, xv, IEEE, BT, BN)
+            else:
+                best, arg = _listed_walk_cols(A, V, CL, IA, IV, row, C, D, lo, hi, kd, xa, xv, IEEE, BT, BN)
             _store_best(PB, PA, best, arg, na, nv, row, sp, k, mk, C, S, True)
 
 
@@ -395,7 +453,8 @@ def _dest_kernel(CLS, DUE, KPOS, PB, PA, DEST, C, tau, MERGE: tl.constexpr, S: t
 def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int | None = None,
                           block_n: int | None = None, splits: int | None = None, num_warps: int | None = None,
                           big_tbm: int | None = None, programs: int | None = None, recip_norms: bool | None = None,
-                          centre_list: bool | None = None, list_stages: int | None = None):
+                          centre_list: bool | None = None, list_stages: int | None = None,
+                          centre_rows: bool | None = None):
     """The Triton kernels (module docstring): dest [B, Hkv, C] int32. Under TRITON_INTERPRET=1 they run on CPU
     tensors (how they are tested without a GPU; fp32 only there: the 3.6 interpreter's 16-bit tl.dot is wrong).
     splits: centre-range splits per TBM block (default: about TARGET_PROGRAMS programs per block column, by the
@@ -406,7 +465,7 @@ def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int
     RECIP_NORMS): the TBM entry's norms applied once after its walk (the same dest up to rounding). centre_list
     (default CENTRE_LIST, RECIP_NORMS' form only): the big tier's launch, or the one launch of an explicit blocking,
     walks the row's listed centres (`_redundancy_listed_kernel`, blocks of block_n or LIST_BLOCK_N, list_stages or
-    LIST_STAGES pipeline stages)."""
+    LIST_STAGES pipeline stages); centre_rows (default LIST_CENTRE_ROWS): that walk's R as [centres, TBM]."""
     if triton is None:
         raise NotImplementedError(f"{NAME}: the Triton kernel needs Triton (pip install triton)")
     _check_inputs(keys, values, raw_keys, cls, due, tau)
@@ -417,6 +476,9 @@ def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int
             raise ValueError(f"{NAME}: centre_list=True walks RECIP_NORMS' form of R; it cannot run with "
                              "recip_norms=False (leave one of them out)")
         listed = False  # the module's CENTRE_LIST with R divided per score: the entry walk
+    if centre_rows and not listed:
+        raise ValueError(f"{NAME}: centre_rows=True lays out the listed walk's R; it needs centre_list (and "
+                         "recip_norms) on")
     B, H, C, D = keys.shape
     a = raw_keys if raw_keys.shape[2] > 0 else keys
     dest = torch.empty_like(cls)
@@ -458,8 +520,8 @@ def triton_ems_redundancy(keys, values, raw_keys, cls, due, tau, *, block_t: int
                                                                        lo, BC=NORM_BLOCK, BLOCK_D=block_d)
                 _redundancy_listed_kernel[(P, rows, S)](
                     a, v, tlist, nt, clist, ncen, inv[0], inv[1], pb, pa, C, D, lo, hi, P, S=S, IEEE=ieee, BT=bt,
-                    BN=block_n or LIST_BLOCK_N, BLOCK_D=block_d, num_warps=warps,
-                    num_stages=list_stages or LIST_STAGES)
+                    BN=block_n or LIST_BLOCK_N, BLOCK_D=block_d, ROWS=LIST_CENTRE_ROWS if centre_rows is None
+                    else bool(centre_rows), num_warps=warps, num_stages=list_stages or LIST_STAGES)
             else:
                 _redundancy_kernel[(P, rows, S)](
                     a, v, c, tlist, nt, pb, pa, C, D, cs, lo, hi, P, S=S, IEEE=ieee, BT=bt, BN=bn, BLOCK_D=block_d,

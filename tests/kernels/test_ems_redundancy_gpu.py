@@ -52,7 +52,8 @@ def classes(s, bt, thr, gamma=4.0):
 
 # RECIP_NORMS' two forms of R; CENTRE_LIST's walk of the listed centres (every row in the big tier)
 FORMS = {"divide": dict(recip_norms=False), "recip": dict(recip_norms=True),
-         "list": dict(recip_norms=True, centre_list=True, big_tbm=0)}
+         "list": dict(recip_norms=True, centre_list=True, big_tbm=0, centre_rows=False),
+         "list-rows": dict(recip_norms=True, centre_list=True, big_tbm=0, centre_rows=True)}
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -83,7 +84,12 @@ KNOBS = [dict(block_t=32, block_n=64, num_warps=4), dict(block_t=64, block_n=64,
          dict(centre_list=True, big_tbm="median"), dict(centre_list=True, block_t=64, num_warps=4, splits=5),
          dict(centre_list=True, big_tbm=0, block_n=128), dict(centre_list=True, big_tbm=0, block_n=32),
          dict(centre_list=True, big_tbm=0, list_stages=2), dict(centre_list=True, big_tbm=0, list_stages=4),
-         dict(centre_list=True, big_tbm=0, programs=1, splits=1)]
+         dict(centre_list=True, big_tbm=0, programs=1, splits=1),
+         # LIST_CENTRE_ROWS: R as [centres, TBM]
+         dict(centre_list=True, big_tbm=0, centre_rows=True), dict(centre_list=True, big_tbm=0, centre_rows=False),
+         dict(centre_list=True, big_tbm=0, centre_rows=True, block_n=128),
+         dict(centre_list=True, big_tbm=0, centre_rows=True, block_n=32),
+         dict(centre_list=True, big_tbm=0, centre_rows=True, block_t=64, num_warps=4, splits=5)]
 
 
 @pytest.mark.parametrize("knobs", KNOBS)
@@ -137,7 +143,7 @@ def test_matches_naive_model(pos, tau):
             assert got[b, h, :len(want)].tolist() == want
 
 
-@pytest.mark.parametrize("form", ["recip", "list"])
+@pytest.mark.parametrize("form", ["recip", "list", "list-rows"])
 def test_cuda_graph_and_op_dispatch(form, monkeypatch):
     """The launch captures in a CUDA graph; with KERNELS_CHECKED_ON_GPU the op's CUDA path is the kernel."""
     s = make_state(1, 2, 300, 600, 64, [[300, 280]], [[600, 550]], seed=9)

@@ -23,6 +23,7 @@ from tests.kernels.test_ems_redundancy import row_state  # noqa: E402
 from tests.kernels.test_ems_score import merged_rows  # noqa: E402
 
 SMALL = dict(block_t=16, block_n=16, splits=2)
+WALKS = ((False, None), (True, False), (True, True))  # (centre_list, centre_rows): the entry walk, the list's two forms
 
 
 def kernel(s, cls, tau, due=None, **knobs):
@@ -30,15 +31,17 @@ def kernel(s, cls, tau, due=None, **knobs):
     return triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau, **{**SMALL, **knobs})
 
 
-@pytest.mark.parametrize("splits, recip, listed", [(1, False, False), (3, False, False), (3, True, False),
-                                                   (1, True, True), (3, True, True)],
-                         ids=["1", "3", "3-recip", "1-list", "3-list"])
+@pytest.mark.parametrize("splits, recip, listed, by_rows", [(1, False, False, None), (3, False, False, None),
+                                                         (3, True, False, None), (1, True, True, False),
+                                                         (3, True, True, False), (1, True, True, True),
+                                                         (3, True, True, True)],
+                         ids=["1", "3", "3-recip", "1-list", "3-list", "1-list-rows", "3-list-rows"])
 @pytest.mark.parametrize("pos", ["without", "with"])
 @pytest.mark.parametrize("tau", [0.0, 0.2, 1.0])
-def test_matches_reference_and_naive(pos, tau, splits, recip, listed):
+def test_matches_reference_and_naive(pos, tau, splits, recip, listed, by_rows):
     """dest equals the reference's and the float64 naive model's; recip: RECIP_NORMS' form (the TBM entry's norms
     applied after its walk), the same dest on these rows (no two R within a few ulps); listed: CENTRE_LIST's walk
-    of the listed centres."""
+    of the listed centres, as [TBM, centres] or (by_rows: LIST_CENTRE_ROWS) as [centres, TBM]."""
     rows = merged_rows(seed=2)
     g = torch.Generator().manual_seed(9)
     nz = lambda x: x + 0.1 * torch.randn(x.shape, generator=g, dtype=x.dtype)  # noqa: E731
@@ -49,7 +52,7 @@ def test_matches_reference_and_naive(pos, tau, splits, recip, listed):
     s = N.to_state(rows, 37, 48, pos=pos)
     cls = partition(s, 8, gamma=2.0)
     due = torch.tensor([[True, True], [False, True]])
-    got = kernel(s, cls, tau, due, splits=splits, recip_norms=recip, centre_list=listed)
+    got = kernel(s, cls, tau, due, splits=splits, recip_norms=recip, centre_list=listed, centre_rows=by_rows)
     assert torch.equal(got, reference_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, tau))
     for b, h in itertools.product(range(2), range(2)):
         if not due[b, h]:
@@ -73,10 +76,10 @@ def test_two_tiers_split_the_rows_by_their_count():
     cut = int(nt[len(nt) // 2])
     assert nt[0] > 0 and nt[0] < cut <= nt[-1], nt
     want = reference_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, 0.2)
-    for big_tbm, listed in itertools.product((cut, 0, 10**6), (False, True)):  # split; every row big; every row small
+    for big_tbm, (listed, rows) in itertools.product((cut, 0, 10**6), WALKS):  # split; every row big; every row small
         got = triton_ems_redundancy(s["keys"], s["values"], s["raw_keys"], cls, due, 0.2, block_n=16, splits=2,
-                                    big_tbm=big_tbm, centre_list=listed)
-        assert torch.equal(got, want), (big_tbm, listed)
+                                    big_tbm=big_tbm, centre_list=listed, centre_rows=rows)
+        assert torch.equal(got, want), (big_tbm, listed, rows)
     assert ((want >= 0) & (cls == 3)).any()
 
 
@@ -91,21 +94,24 @@ def test_programs_walk_every_tbm_block():
     cls[0, 0, 10:60], cls[0, 1, 10:27] = 3, 3
     due = torch.ones(1, 3, dtype=torch.bool)
     want = reference_ems_redundancy(keys, values, raw, cls, due, 0.1)
-    for programs, listed in itertools.product((1, 3, 64), (False, True)):  # blocks past entry 15 hold no centre
-        got = triton_ems_redundancy(keys, values, raw, cls, due, 0.1, **SMALL, programs=programs, centre_list=listed)
-        assert torch.equal(got, want), (programs, listed)
+    for programs, (listed, rows) in itertools.product((1, 3, 64), WALKS):  # blocks past entry 15 hold no centre
+        got = triton_ems_redundancy(keys, values, raw, cls, due, 0.1, **SMALL, programs=programs, centre_list=listed,
+                                    centre_rows=rows)
+        assert torch.equal(got, want), (programs, listed, rows)
     assert (want[0, 0, 42:60] >= 0).any() and (want[0, 1, 10:27] >= 0).any()  # merges in row 0's blocks 2-3 too
 
 
-@pytest.mark.parametrize("recip, listed", [(False, False), (True, False), (True, True)],
-                         ids=["divide", "recip", "list"])
-def test_edge_rules(recip, listed, monkeypatch):
+@pytest.mark.parametrize("recip, listed, rows", [(False, False, False), (True, False, False), (True, True, False),
+                                                 (True, True, True)], ids=["divide", "recip", "list", "list-rows"])
+def test_edge_rules(recip, listed, rows, monkeypatch):
     """Clamped negative cosines, >= tau at equality, ties to the lowest centre (identical vectors), zero norms; in
-    both forms of R (RECIP_NORMS: the TBM entry's norms applied after its walk) and CENTRE_LIST's walk."""
+    both forms of R (RECIP_NORMS: the TBM entry's norms applied after its walk) and CENTRE_LIST's walk (both
+    layouts: LIST_CENTRE_ROWS)."""
     import kvrewrite.kernels.ems_redundancy as er
 
     monkeypatch.setattr(er, "RECIP_NORMS", recip)
     monkeypatch.setattr(er, "CENTRE_LIST", listed)
+    monkeypatch.setattr(er, "LIST_CENTRE_ROWS", rows)
     e = [([1.0, 0, 0, 0], [1.0, 0, 0, 0], [0, 1.0, 0, 0]), ([-1.0, 0, 0, 0], [-1.0, 0, 0, 0], [0, -1.0, 0, 0])]
     s, cls = row_state(e, [2, 3])
     assert kernel(s, cls, 0.01)[0, 0].tolist() == [0, -1] and kernel(s, cls, 0.0)[0, 0].tolist() == [0, 0]
@@ -144,10 +150,10 @@ def test_centre_list_walks_only_listed_centres():
     wants = {}
     for tau in (0.0, 0.3):
         want = wants[tau] = reference_ems_redundancy(keys, values, raw, cls, due, tau)
-        for splits, bn in ((1, 16), (4, 16), (7, 4)):
+        for (splits, bn), rows in itertools.product(((1, 16), (4, 16), (7, 4)), (False, True)):
             got = triton_ems_redundancy(keys, values, raw, cls, due, tau, block_t=16, block_n=bn, splits=splits,
-                                        centre_list=True)
-            assert torch.equal(got, want), (tau, splits, bn)
+                                        centre_list=True, centre_rows=rows)
+            assert torch.equal(got, want), (tau, splits, bn, rows)
     assert (wants[0.0][1, 1, :3] == -1).all() and (wants[0.0][0, 0][cls[0, 0] == 3] >= 0).all()
     assert ((wants[0.3] >= 0) & (cls == 3)).any()
     rows, C = 4, 83
@@ -172,3 +178,5 @@ def test_centre_list_walks_only_listed_centres():
     assert (inv[:, ~written] == -3.0).all()
     with pytest.raises(ValueError, match="recip_norms=False"):
         triton_ems_redundancy(keys, values, raw, cls, due, 0.3, centre_list=True, recip_norms=False)
+    with pytest.raises(ValueError, match="centre_rows=True"):
+        triton_ems_redundancy(keys, values, raw, cls, due, 0.3, centre_list=False, centre_rows=True)
