@@ -104,6 +104,50 @@ def _seen_tiles(RANGES, n_tiles, qpos_min, qpos_max, window, HAS_WINDOW: tl.cons
     return lo, hi
 
 
+@triton_jit()
+def _slot_tile(m_i, l_i, acc, q, j, k_base, v_base, bias_base, pos_base, ks_base, ranges, offs_d,
+               stride_kc, stride_kd, stride_vc, stride_vd, stride_bc, stride_pc, stride_ac, C, window, qk_scale,
+               softcap_log2, qpos_min, qpos_max, q_rel, lo_rel, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               SOFTCAP: tl.constexpr, KEY_SCALE: tl.constexpr, MASKED: tl.constexpr):
+    """The online softmax after slot tile j of the query block: (m_i, l_i, acc). MASKED: the tile may reach past
+    C (its slots' loads masked); without it the tile is full, and its loads carry no mask (FULL_TILES)."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_ok = offs_n < C
+    else:  # a constant mask: folded away, so the bias, key-scale, key and value copies carry no predicate
+        n_ok = tl.full([BLOCK_N], 1, tl.int1)
+    bias = tl.load(bias_base + offs_n * stride_bc, mask=n_ok, other=float("-inf"))
+    k = tl.load(k_base + offs_n[:, None] * stride_kc + offs_d[None, :] * stride_kd, mask=n_ok[:, None], other=0.0)
+    if q.dtype == tl.float32:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    s = (qk * qk_scale).to(tl.float32)
+    if KEY_SCALE:
+        s = s * tl.load(ks_base + offs_n * stride_ac, mask=n_ok, other=0.0)[None, :]
+    if SOFTCAP:  # as the decode kernel's: the cap in natural units, then base 2; the bias after it
+        s = (libdevice.tanh(s) * softcap_log2).to(tl.float32)
+    s = s + (bias * LOG2E)[None, :]
+    # every query of the block sees every live slot of the tile: the bias (-inf where empty) is the only mask
+    least = tl.load(ranges + j * 2)
+    greatest = tl.load(ranges + j * 2 + 1)
+    whole = greatest <= qpos_min
+    if HAS_WINDOW:
+        whole = whole & (least > qpos_max - window)
+    if not whole:
+        pos = tl.load(pos_base + offs_n * stride_pc, mask=n_ok, other=0)
+        p_rel = tl.minimum(tl.maximum(pos - qpos_min, lo_rel), 2**30).to(tl.int32)
+        vis = p_rel[None, :] <= q_rel[:, None]
+        if HAS_WINDOW:
+            vis = vis & (p_rel[None, :] > q_rel[:, None] - window)
+        s = tl.where(vis, s, float("-inf"))
+
+    # -- online softmax (base 2) and p @ v ---------------------------------------------------------------------------
+    v_ptrs = v_base + offs_n[:, None] * stride_vc + offs_d[None, :] * stride_vd
+    return softmax_tile(m_i, l_i, acc, s, v_ptrs, n_ok)
+
+
 # Shape ints that only bound loops and masks are not specialised on (value 1, multiple of 16): one compiled
 # kernel serves every C, T, G and window of a dtype and head dim.
 @triton_jit(do_not_specialize=["Hkv", "G", "T", "C", "n_tiles", "window"])
@@ -130,8 +174,8 @@ def _prefill_attention_kernel(
     WRITE_LSE: tl.constexpr,
     SCAN: tl.constexpr,  # tile ranges read at once while bounding the loop
     PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any load (kernels/_pdl.py)
+    FULL_TILES: tl.constexpr = False,  # the full slot tiles' loads without a mask (module knob FULL_TILES)
 ):
-    LOG2E: tl.constexpr = 1.4426950408889634
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -158,38 +202,24 @@ def _prefill_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for j in range(lo, hi):
-        offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < C
-        bias = tl.load(bias_base + offs_n * stride_bc, mask=n_ok, other=float("-inf"))
-        k = tl.load(k_base + offs_n[:, None] * stride_kc + offs_d[None, :] * stride_kd, mask=n_ok[:, None], other=0.0)
-        if Q.dtype.element_ty == tl.float32:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        s = (qk * qk_scale).to(tl.float32)
-        if KEY_SCALE:
-            s = s * tl.load(ks_base + offs_n * stride_ac, mask=n_ok, other=0.0)[None, :]
-        if SOFTCAP:  # as the decode kernel's: the cap in natural units, then base 2; the bias after it
-            s = (libdevice.tanh(s) * softcap_log2).to(tl.float32)
-        s = s + (bias * LOG2E)[None, :]
-        # every query of the block sees every live slot of the tile: the bias (-inf where empty) is the only mask
-        least = tl.load(ranges + j * 2)
-        greatest = tl.load(ranges + j * 2 + 1)
-        whole = greatest <= qpos_min
-        if HAS_WINDOW:
-            whole = whole & (least > qpos_max - window)
-        if not whole:
-            pos = tl.load(pos_base + offs_n * stride_pc, mask=n_ok, other=0)
-            p_rel = tl.minimum(tl.maximum(pos - qpos_min, lo_rel), 2**30).to(tl.int32)
-            vis = p_rel[None, :] <= q_rel[:, None]
-            if HAS_WINDOW:
-                vis = vis & (p_rel[None, :] > q_rel[:, None] - window)
-            s = tl.where(vis, s, float("-inf"))
-
-        # -- online softmax (base 2) and p @ v -------------------------------------------------------------------
-        v_ptrs = v_base + offs_n[:, None] * stride_vc + offs_d[None, :] * stride_vd
-        m_i, l_i, acc = softmax_tile(m_i, l_i, acc, s, v_ptrs, n_ok)
+    if FULL_TILES:  # the full tiles without a slot mask, then the partial last tile (if the block reaches it) with one
+        n_full = C // BLOCK_N
+        for j in range(lo, tl.minimum(hi, n_full)):
+            m_i, l_i, acc = _slot_tile(m_i, l_i, acc, q, j, k_base, v_base, bias_base, pos_base, ks_base, ranges,
+                                       offs_d, stride_kc, stride_kd, stride_vc, stride_vd, stride_bc, stride_pc,
+                                       stride_ac, C, window, qk_scale, softcap_log2, qpos_min, qpos_max, q_rel, lo_rel,
+                                       BLOCK_N, HAS_WINDOW, SOFTCAP, KEY_SCALE, False)
+        for j in range(tl.maximum(lo, n_full), hi):
+            m_i, l_i, acc = _slot_tile(m_i, l_i, acc, q, j, k_base, v_base, bias_base, pos_base, ks_base, ranges,
+                                       offs_d, stride_kc, stride_kd, stride_vc, stride_vd, stride_bc, stride_pc,
+                                       stride_ac, C, window, qk_scale, softcap_log2, qpos_min, qpos_max, q_rel, lo_rel,
+                                       BLOCK_N, HAS_WINDOW, SOFTCAP, KEY_SCALE, True)
+    else:
+        for j in range(lo, hi):
+            m_i, l_i, acc = _slot_tile(m_i, l_i, acc, q, j, k_base, v_base, bias_base, pos_base, ks_base, ranges,
+                                       offs_d, stride_kc, stride_kd, stride_vc, stride_vd, stride_bc, stride_pc,
+                                       stride_ac, C, window, qk_scale, softcap_log2, qpos_min, qpos_max, q_rel, lo_rel,
+                                       BLOCK_N, HAS_WINDOW, SOFTCAP, KEY_SCALE, True)
 
     # -- epilogue: output row (b, hq, t) of the contiguous [B, Hq, T, *] outputs ----------------------------------
     store_rows(OUT, LSE, (b.to(tl.int64) * Hq + hq) * T + t, row_ok, offs_d, acc, m_i, l_i, HEAD_DIM, WRITE_LSE)
@@ -223,15 +253,25 @@ def prefill_overrides(overrides: dict) -> dict:
     return {k: overrides[k] for k in ("block_m", "block_n", "num_warps", "num_stages") if overrides.get(k) is not None}
 
 
+# FULL_TILES: the slot loop in two, the tiles that end at or before C without a slot mask (_slot_tile's MASKED off: a
+# constant mask, folded away), then the partial last tile, if the block reaches it, with one. Why: ncu's source
+# counters of EMS's gathered prefill attention (H200, stop 56, the late chunk of a batch-8 32k prefill, 26.9 ms under
+# ncu) put 16% of the stall samples on the per-column 4-byte copies of each tile's bias and key scale and most of
+# its integer instructions on their predicates and addresses: 765 instructions a warp and tile in the hot path. With
+# FULL_TILES, 553 (sm_90, offline compile, bf16, D 128, the key scale on; 255 registers either way), the same output
+# bit for bit. Not yet timed or GPU-tested: off until then
+# (`--kernel-option _prefill_attention_kernels.FULL_TILES=True` times it).
+FULL_TILES = False
 RANGE_TILES = 16  # tiles of a _tile_ranges_kernel program
 SCAN = 128  # tile ranges a query block reads at once while bounding its loop
 
 
 def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_scale, softcap_log2, softcap, lse,
-                   key_scale=None, **overrides):
+                   key_scale=None, full_tiles=None, **overrides):
     """Launch the tile ranges, then the attention; returns the output [B, Hq, T, D] (contiguous). lse: an fp32
     [B, Hq, T] tensor to receive each query's natural-log log-sum-exp, or None. key_scale: an fp32 [B, Hkv, C]
-    per-slot factor of the scores (before the soft cap), or None. No checks (the caller's:
+    per-slot factor of the scores (before the soft cap), or None. full_tiles (default FULL_TILES): the full slot
+    tiles' loads without a mask, the same output bit for bit. No checks (the caller's:
     clustered_attention.triton_clustered_attention, expanded_attention's gathered slots); runs under Triton's
     interpreter on CPU tensors."""
     B, Hq, T, D = (int(n) for n in q.shape)
@@ -252,7 +292,8 @@ def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_s
         *q.stride(), *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(), *ks.stride(),
         Hkv, G, T, C, n_tiles, window, qk_scale, softcap_log2,
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HAS_WINDOW=window > 0, SOFTCAP=softcap > 0,
-        KEY_SCALE=key_scale is not None, WRITE_LSE=lse is not None, SCAN=SCAN, PDL=pdl, num_warps=cfg["num_warps"],
+        KEY_SCALE=key_scale is not None, WRITE_LSE=lse is not None, SCAN=SCAN, PDL=pdl,
+        FULL_TILES=FULL_TILES if full_tiles is None else bool(full_tiles), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **launch,
     )

@@ -351,6 +351,7 @@ def launch_expanded_forward(q, keys, values, bias, slot_pos, cache_position, ent
     num_sms = ca._num_sms(q.device) if q.is_cuda else 8  # 8: Triton's interpreter on CPU tensors
     prefill_kernel = tuning.pop("prefill_kernel", PREFILL_KERNEL)
     gathered = uses_gathered(T, tuning.pop("gathered", None))
+    full_tiles = tuning.pop("full_tiles", None)  # the gathered form's prefill kernel (_prefill_attention_kernels)
     cfg = _launch_config(B, Hkv, G, T, C, D, num_sms, q.element_size(), **tuning)
     n_splits = cfg["num_splits"]
     split = n_splits > 1
@@ -362,7 +363,10 @@ def launch_expanded_forward(q, keys, values, bias, slot_pos, cache_position, ent
         if gathered:
             return _prefill.launch_gathered_prefill(
                 q, keys, values, bias, slot_pos, cache_position, lut, key_scale, slot_fill, qk_scale, softcap_log2,
-                softcap, **prefill_overrides(tuning))
+                softcap, full_tiles=full_tiles, **prefill_overrides(tuning))
+        if full_tiles is not None:
+            raise ValueError("launch_expanded_forward: full_tiles tunes the gathered form's prefill kernel; this "
+                             "launch walks the slots in place (gathered=False)")
         return _prefill.launch_expanded_prefill(
             q, keys, values, bias, slot_pos, cache_position, lut, key_scale, slot_fill, qk_scale, softcap_log2,
             past_only, softcap, **prefill_overrides(tuning))

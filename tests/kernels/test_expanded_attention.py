@@ -272,6 +272,28 @@ def test_prefill_form_follows_the_query_count(T, Hq, override, form, monkeypatch
     assert not xa.uses_gathered(4096) and xa.uses_gathered(4096, True)
 
 
+def test_full_tiles_override_reaches_the_gathered_prefill(monkeypatch):
+    """A launch's full_tiles override (_prefill_attention_kernels.FULL_TILES) goes to the gathered form's prefill
+    kernel; the walk has no such loop and refuses it (stub launchers: the routing only)."""
+    pytest.importorskip("triton")
+    from kvrewrite.kernels import _expanded_prefill_kernels as xp
+    from kvrewrite.kernels import expanded_attention as xa
+
+    got = []
+    monkeypatch.setattr(xp, "launch_gathered_prefill", lambda *a, **k: got.append(k) or (None, None))
+    monkeypatch.setattr(xp, "launch_expanded_prefill", lambda *a, **k: got.append(k) or (None, None))
+    T, C, R, D = 600, 8, 16, 16
+    kv = torch.zeros(1, 1, C, D)
+    args = (torch.zeros(1, 2, T, D), kv, kv, torch.zeros(1, 1, C), torch.zeros(1, 1, C, dtype=torch.int64),
+            torch.arange(T), torch.zeros(1, 1, C, dtype=torch.int32), torch.zeros(1, 1, R, dtype=torch.int32),
+            torch.ones(1, 1, R), torch.zeros(1, 1, dtype=torch.int64))
+    xa.launch_expanded_forward(*args, 0.25, False, 0.0, num_splits=1, full_tiles=True)
+    xa.launch_expanded_forward(*args, 0.25, False, 0.0, num_splits=1)
+    assert got[0]["full_tiles"] is True and got[1]["full_tiles"] is None
+    with pytest.raises(ValueError, match="gathered=False"):
+        xa.launch_expanded_forward(*args, 0.25, False, 0.0, num_splits=1, full_tiles=True, gathered=False)
+
+
 def test_gathered_rule_without_triton(monkeypatch):
     """uses_gathered, the rule launch_expanded_forward follows: from PREFILL_GATHERED_MIN_QUERIES queries, overrides
     winning both ways, nothing while PREFILL_GATHERED is off (unless forced)."""

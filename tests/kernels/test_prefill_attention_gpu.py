@@ -75,6 +75,30 @@ def test_launch_variants_agree(tuning, dtype):
     _compare(SHAPES[2], 128, dtype, seed=12, **tuning)
 
 
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", SHAPES + [(1, 8, 2, 70, 1024, 0)], ids=_id)
+def test_full_tiles_match_the_masked_loop(shape, dtype):
+    """FULL_TILES (the full slot tiles' loads without a mask): the masked loop's output and lse bit for bit, with key
+    scales, at C ragged against the tiles and at C a multiple of them, slots in order and shuffled; and the
+    reference."""
+    B, Hq, Hkv, T, C, window = shape
+    q, keys, values, bias, slot_pos, cp = _inputs(B, Hq, Hkv, T, C, 128, dtype, 5, q_std=1.0)
+    ks = 0.5 + torch.rand(B, Hkv, C, device="cuda")
+    for shuffle in (False, True):
+        if shuffle:
+            perm = torch.randperm(C, device="cuda")
+            keys, values, bias, slot_pos, ks = (x[:, :, perm] for x in (keys, values, bias, slot_pos, ks))
+        outs = []
+        for full in (False, True):
+            lse = torch.full((B, Hq, T), math.nan, device="cuda")
+            outs.append((_prefill(q, keys, values, bias, slot_pos, cp, window, 0.0, lse, key_scale=ks,
+                                  full_tiles=full), lse))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), (shape, shuffle)
+        ref = ca.reference_clustered_attention(q.float(), keys.float() * ks[..., None], values.float(), bias,
+                                               slot_pos, cp, 128**-0.5, window, False, 0.0)
+        _check(outs[1][0], ref, dtype, f"{_id(shape)} {dtype} full tiles shuffle {shuffle}", 0.0)
+
+
 @pytest.mark.parametrize("softcap", [5.0, 50.0], ids=lambda c: f"cap{c:g}")
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_softcap_matches_reference(dtype, softcap):

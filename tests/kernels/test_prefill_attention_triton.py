@@ -72,6 +72,32 @@ def test_matches_naive_in_any_slot_order(case, tiles):
     torch.testing.assert_close(shuffled.double(), want, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("C, block_n", [(100, 32), (96, 32), (20, 32), (100, 16)],
+                         ids=["ragged", "whole-tiles", "one-partial-tile", "ragged-16"])
+@pytest.mark.parametrize("window", [0, 9])
+def test_full_tiles_give_the_same_output_bit_for_bit(C, block_n, window):
+    """FULL_TILES (the full slot tiles' loads without a mask, then the partial last tile with one): the output and
+    lse of the masked loop, bit for bit, with key scales, a window, slots shuffled (the masks in most tiles), a last
+    tile that is partial, none that is, and a row of one partial tile; and the float64 attention."""
+    B, Hq, Hkv, T = 2, 8, 2, 11
+    q, keys, values, bias, slot_pos, cp, g = _case(B, Hq, Hkv, T, C, seed=C + block_n + window)
+    ks = 0.5 + torch.rand(B, Hkv, C, generator=g)
+    for order in ("appended", "shuffled"):
+        if order == "shuffled":
+            perm = torch.randperm(C, generator=g)
+            keys, values, bias, slot_pos, ks = (x[:, :, perm] for x in (keys, values, bias, slot_pos, ks))
+        outs = []
+        for full in (False, True):
+            lse = torch.full((B, Hq, T), math.nan)
+            D = q.shape[-1]
+            out = pk.launch_prefill(q, keys, values, bias, slot_pos, cp, window, D**-0.5 * LOG2E, 0.0, 0.0, lse,
+                                    key_scale=ks, full_tiles=full, block_m=16, block_n=block_n)
+            outs.append((out, lse))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), order
+        want = naive_attention(q, keys * ks[..., None], values, bias, slot_pos, cp, q.shape[-1] ** -0.5, window)
+        torch.testing.assert_close(outs[1][0].double(), want, **TOL[torch.float32])
+
+
 def test_matches_the_slot_loop_kernel():
     """The same launch through launch_forward with and without PREFILL_KERNEL: the two kernels agree to fp32 rounding
     (the same online softmax over tiles of the same size, in the same order)."""
