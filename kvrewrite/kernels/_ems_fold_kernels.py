@@ -175,6 +175,20 @@ def _lean_step(total, recent, Q, LSE, CPOS, b, hq, t0, offs_d, d_ok, T, k, c, li
 
 
 @triton_jit()
+def _lean_loop(total, recent, Q, LSE, CPOS, b, hq, t_start, offs_d, d_ok, T, k, c, live, pos, strides, first_recent,
+               BLOCK_M: tl.constexpr, FP32: tl.constexpr, EVEN_D: tl.constexpr, MASK: tl.constexpr,
+               EVEN_T: tl.constexpr, PIPE_STAGES: tl.constexpr):
+    """PIPE's query loop of LEAN steps from the block at t_start to T, with the program's mask decision MASK fixed
+    for the whole loop. strides: q's four and lse's three, then the positions'."""
+    stride_qb, stride_qh, stride_qt, stride_qd, stride_eb, stride_eh, stride_et, stride_cp = strides
+    for t0 in tl.range(t_start, T, BLOCK_M, num_stages=PIPE_STAGES):
+        total, recent = _lean_step(total, recent, Q, LSE, CPOS, b, hq, t0, offs_d, d_ok, T, k, c, live, pos,
+                                   stride_qb, stride_qh, stride_qt, stride_qd, stride_eb, stride_eh, stride_et,
+                                   stride_cp, first_recent, BLOCK_M, FP32, EVEN_D, MASK, EVEN_T)
+    return total, recent
+
+
+@triton_jit()
 def _scan_chunk(CPOS, stride_cp, T, pos_min, BLOCK_M: tl.constexpr, SCAN: tl.constexpr):
     """(the first query block holding a query at or after pos_min (T where none): every block before it sees no slot
     of the tile, whatever order the chunk's positions come in; the chunk's smallest position)."""
@@ -248,18 +262,15 @@ def _stats_kernel(
             total_2d = tl.zeros([BLOCK_M, BLOCK_J], dtype=tl.float32)
         if PIPE:  # no branch around the loads: Triton's pipeliner prefetches the next blocks' q, lse, positions
             if LEAN:  # the mask decided once: two loops, so the unmasked one has no mask code at all
+                strides = (stride_qb, stride_qh, stride_qt, stride_qd, stride_eb, stride_eh, stride_et, stride_cp)
                 if masked:
-                    for t0 in tl.range(t_start, T, BLOCK_M, num_stages=PIPE_STAGES):
-                        total, recent = _lean_step(total, recent, Q, LSE, CPOS, b, hq, t0, offs_d, d_ok, T, k, c,
-                                                   live, pos, stride_qb, stride_qh, stride_qt, stride_qd, stride_eb,
-                                                   stride_eh, stride_et, stride_cp, first_recent, BLOCK_M, FP32,
-                                                   EVEN_D, True, EVEN_T)
+                    total, recent = _lean_loop(total, recent, Q, LSE, CPOS, b, hq, t_start, offs_d, d_ok, T, k, c,
+                                               live, pos, strides, first_recent, BLOCK_M, FP32, EVEN_D, True, EVEN_T,
+                                               PIPE_STAGES)
                 else:
-                    for t0 in tl.range(t_start, T, BLOCK_M, num_stages=PIPE_STAGES):
-                        total, recent = _lean_step(total, recent, Q, LSE, CPOS, b, hq, t0, offs_d, d_ok, T, k, c,
-                                                   live, pos, stride_qb, stride_qh, stride_qt, stride_qd, stride_eb,
-                                                   stride_eh, stride_et, stride_cp, first_recent, BLOCK_M, FP32,
-                                                   EVEN_D, False, EVEN_T)
+                    total, recent = _lean_loop(total, recent, Q, LSE, CPOS, b, hq, t_start, offs_d, d_ok, T, k, c,
+                                               live, pos, strides, first_recent, BLOCK_M, FP32, EVEN_D, False, EVEN_T,
+                                               PIPE_STAGES)
             else:
                 for t0 in tl.range(t_start, T, BLOCK_M, num_stages=PIPE_STAGES):
                     offs_t = t0 + tl.arange(0, BLOCK_M)
