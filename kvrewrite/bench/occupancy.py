@@ -2,14 +2,16 @@
 
     python -m kvrewrite.bench.occupancy          # the decode attention kernels' variants (clustered_attention, EMS)
                                                  # and EMS's redundancy kernels (its two tiers, RECIP_NORMS or
-                                                 # not, CENTRE_LIST's walk)
+                                                 # not, CENTRE_LIST's walk in both layouts)
 
 Triton compiles for a named target on any machine (its wheel carries ptxas and cuobjdump): this reads the
 registers a thread from the cubin (cuobjdump --dump-resource-usage) and the shared memory from the compile's
 metadata, and derives how many programs one SM holds. The launch heuristics that depend on it
 (clustered_attention.RESIDENT_PROGRAMS, RESIDENT_PROGRAMS_PENDING) are checked against it in
 tests/kernels/test_clustered_attention.py, so a Triton upgrade that changes the code generation fails a test
-instead of silently mis-sizing the grids. The register counts match what the same kernels report on an H200
+instead of silently mis-sizing the grids. sm90_sass and sass_loops give a kernel's SASS and the instruction mix of
+its tensor-core loops (what a warp executes per block, without a GPU; ncu_source.py reads where the time goes on
+one). The register counts match what the same kernels report on an H200
 (docs/bench/attention_notes.md, "Large batches"). Pointers are taken as 16-byte aligned and the
 integers named in `aligned` as multiples of 16, as Triton specialises them at launch for the state's tensors.
 """
@@ -19,6 +21,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections import Counter
 
 # Hopper (compute capability 9.0): per SM 65536 32-bit registers and 228 KB of shared memory, at most 227 KB to one
 # block and 1 KB reserved per block; registers are allocated per warp in units of 256 (CUDA occupancy calculator)
@@ -37,12 +40,9 @@ def programs_per_sm(regs_per_thread: int, shared_bytes: int, num_warps: int, sm:
     return min(by_regs, by_shared, by_threads, sm["max_blocks"])
 
 
-def sm90_resources(jit_fn, types: dict, constexprs: dict, aligned=(), num_warps: int = 4, num_stages: int = 2,
-                   instructions: bool = False, **options) -> tuple:
-    """(registers a thread, shared bytes) of `jit_fn` compiled for sm_90; with instructions, (registers, shared bytes,
-    static SASS instructions: a size, not a time) from the same compile. types: Triton type of every argument that
-    is not a constexpr ("*bf16", "i32", "fp32", ...); constexprs: name -> value; aligned: integer arguments taken
-    as multiples of 16 (pointers always are 16-byte aligned)."""
+def _sm90_compile(jit_fn, types: dict, constexprs: dict, aligned, num_warps: int, num_stages: int, sass: bool,
+                  options: dict) -> tuple:
+    """(registers a thread, shared bytes, the cuobjdump -sass listing or "") of `jit_fn` compiled for sm_90."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -69,15 +69,68 @@ def sm90_resources(jit_fn, types: dict, constexprs: dict, aligned=(), num_warps:
             f.write(compiled.asm["cubin"])
         usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True,
                                check=True).stdout
-        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True,
-                              check=True).stdout if instructions else ""
+        listing = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True,
+                                 check=True).stdout if sass else ""
     regs = re.search(r"REG:(\d+)", usage)
     if regs is None:
         raise RuntimeError(f"sm90_resources: no register count in cuobjdump's output:\n{usage}")
+    return int(regs.group(1)), int(compiled.metadata.shared), listing
+
+
+def sm90_resources(jit_fn, types: dict, constexprs: dict, aligned=(), num_warps: int = 4, num_stages: int = 2,
+                   instructions: bool = False, **options) -> tuple:
+    """(registers a thread, shared bytes) of `jit_fn` compiled for sm_90; with instructions, (registers, shared bytes,
+    static SASS instructions: a size, not a time) from the same compile. types: Triton type of every argument that
+    is not a constexpr ("*bf16", "i32", "fp32", ...); constexprs: name -> value; aligned: integer arguments taken
+    as multiples of 16 (pointers always are 16-byte aligned)."""
+    regs, shared, listing = _sm90_compile(jit_fn, types, constexprs, aligned, num_warps, num_stages, instructions,
+                                          options)
     if not instructions:
-        return int(regs.group(1)), int(compiled.metadata.shared)
-    n = sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/\s+\S", line))
-    return int(regs.group(1)), int(compiled.metadata.shared), n
+        return regs, shared
+    return regs, shared, len(sass_instructions(listing))
+
+
+def sm90_sass(jit_fn, types: dict, constexprs: dict, aligned=(), num_warps: int = 4, num_stages: int = 2,
+              **options) -> str:
+    """The SASS listing (cuobjdump -sass) of `jit_fn` compiled for sm_90 as sm90_resources compiles it: what
+    sass_loops reads. Two forms of a kernel that should compile alike can be compared instruction for instruction
+    (sass_instructions without the addresses)."""
+    return _sm90_compile(jit_fn, types, constexprs, aligned, num_warps, num_stages, True, options)[2]
+
+
+_SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_BRANCH = re.compile(r"\bBRA\s+(?:`\()?(0x[0-9a-f]+)")
+
+
+def sass_instructions(listing: str) -> list:
+    """(address, text) of every instruction of a cuobjdump -sass listing, in order (the encodings dropped)."""
+    return [(int(m.group(1), 16), m.group(2).strip()) for m in map(_SASS_LINE.match, listing.splitlines()) if m]
+
+
+def _opcode(text: str) -> str:
+    """The opcode's first name of an instruction (its predicate and modifiers dropped): 'HGMMA', 'MUFU', ..."""
+    words = text.split()
+    return (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
+
+
+def sass_loops(listing: str, marker: str = "HGMMA") -> list:
+    """The loops of a SASS listing (from a backward branch's target to the branch) that hold an instruction whose
+    opcode is `marker` (Hopper's tensor-core product by default): dicts of start, end (addresses), instructions
+    (static: a loop's branches inside take only some of them) and opcodes (name -> count), shortest first. Where
+    a kernel's time goes is read off the hottest such loop: stop 56's fold and redundancy changes began from it
+    (docs/bench.md "Stop 56 runs")."""
+    ins = sass_instructions(listing)
+    loops = []
+    for addr, text in ins:
+        m = _BRANCH.search(text)
+        if m is None or int(m.group(1), 16) >= addr:
+            continue
+        body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+        ops = [_opcode(t) for t in body]
+        if marker in ops:
+            loops.append(dict(start=int(m.group(1), 16), end=addr, instructions=len(body),
+                              opcodes=dict(sorted(Counter(ops).items(), key=lambda kv: -kv[1]))))
+    return sorted(loops, key=lambda lp: lp["instructions"])
 
 
 # the attention kernels' float scalars; every other non-pointer, non-constexpr argument is an int32
@@ -139,11 +192,12 @@ def expanded_decode_resources(split: bool, write_s: bool, head_dim: int = 128, d
 
 
 def redundancy_resources(recip: bool, big: bool, head_dim: int = 128, dtype: str = "bf16",
-                         listed: bool = False) -> tuple:
+                         listed: bool = False, rows: bool | None = None) -> tuple:
     """(registers, shared bytes, warps, static SASS instructions) of ems_redundancy's main kernel as its launcher
     launches it at batch 8 of the Llama layout (4 centre splits): big, the tier of 128-row TBM blocks (a prefill
     chunk's compression), else the 32-row one; recip, RECIP_NORMS' form; listed, CENTRE_LIST's walk of the listed
-    centres (RECIP_NORMS' form; the big tier's launch by default)."""
+    centres (RECIP_NORMS' form; the big tier's launch by default), as [centres, TBM] where rows (default
+    LIST_CENTRE_ROWS) else [TBM, centres]."""
     from kvrewrite.kernels import ems_redundancy as er
 
     bt, warps = (er.BIG_BLOCK_T, er.BIG_WARPS) if big else (er.BLOCK_T, 4)
@@ -151,7 +205,8 @@ def redundancy_resources(recip: bool, big: bool, head_dim: int = 128, dtype: str
         kernel = er._redundancy_listed_kernel
         pointers = {"A": f"*{dtype}", "V": f"*{dtype}", "TL": "*i32", "NT": "*i32", "CL": "*i32", "NC": "*i32",
                     "IA": "*fp32", "IV": "*fp32", "PB": "*fp32", "PA": "*i32"}
-        constexprs = dict(S=4, IEEE=dtype == "fp32", BT=bt, BN=er.LIST_BLOCK_N, BLOCK_D=max(16, head_dim))
+        constexprs = dict(S=4, IEEE=dtype == "fp32", BT=bt, BN=er.LIST_BLOCK_N, BLOCK_D=max(16, head_dim),
+                          ROWS=er.LIST_CENTRE_ROWS if rows is None else rows)
         aligned, stages = ("C", "D"), er.LIST_STAGES
     else:
         kernel = er._redundancy_kernel
@@ -185,10 +240,11 @@ def main(argv=None):
             print(f"EMS redundancy, {'128' if big else '32'}-row blocks, {'RECIP_NORMS' if recip else 'divisions'}: "
                   f"{regs} registers, {shared} B shared, {warps} warps: {programs_per_sm(regs, shared, warps)} "
                   f"programs per SM, {n} static SASS instructions", flush=True)
-    regs, shared, warps, n = redundancy_resources(True, True, listed=True)  # CENTRE_LIST: the big tier's launch
-    print(f"EMS redundancy, 128-row blocks, the listed centres (CENTRE_LIST): {regs} registers, {shared} B shared, "
-          f"{warps} warps: {programs_per_sm(regs, shared, warps)} programs per SM, {n} static SASS instructions",
-          flush=True)
+    for rows in (True, False):  # CENTRE_LIST: the big tier's launch, R as [centres, TBM] (the default) or not
+        regs, shared, warps, n = redundancy_resources(True, True, listed=True, rows=rows)
+        print(f"EMS redundancy, 128-row blocks, the listed centres (CENTRE_LIST), R as "
+              f"{'[centres, TBM]' if rows else '[TBM, centres]'}: {regs} registers, {shared} B shared, {warps} warps: "
+              f"{programs_per_sm(regs, shared, warps)} programs per SM, {n} static SASS instructions", flush=True)
 
 
 if __name__ == "__main__":
