@@ -515,7 +515,7 @@ def test_ems_prefill_state_is_a_valid_table_and_the_dense_check_measures_it():
     out, _ = xa.reference_expanded_attention(*args, ep.D**-0.5)
     assert ep.dense_check(args, out, ep.D**-0.5) < 1e-2
     assert ep.dense_check(args, torch.zeros_like(out), ep.D**-0.5) > 1e-2
-    knobs = set(inspect.signature(xa._launch_config).parameters) | {"prefill_kernel", "gathered"}
+    knobs = set(inspect.signature(xa._launch_config).parameters) | {"prefill_kernel", "gathered", "full_tiles"}
     assert all(set(t) <= knobs for t in ep.EXPANDED.values())
     assert all(set(names) <= set({"expanded": ep.EXPANDED, "fold": ep.FOLD, "redundancy": ep.REDUNDANCY}[kind])
                for kind, names in ep.QUICK.items())
