@@ -69,7 +69,7 @@ EXPANDED = {  # name -> launch_expanded_forward overrides; "per_entry*": the dec
 }
 _PLAIN = dict(lean=False, pipe=False)  # the fold's step and loop before stop 54 (_block_p, the skip branch)
 FOLD = {
-    "default": {},  # since stop 54: LEAN's step, PIPE's loop at 2 stages, LEAN_BLOCK_M's query blocks (32)
+    "default": {},  # LEAN's step, PIPE's loop at 2 stages (stop 54), LEAN_BLOCK_M's 64-query blocks (stop 55)
     "stop53": dict(_PLAIN, pipe_stages=3),  # the default before stop 54
     "bm64": dict(_PLAIN, block_m=64),
     "bm64_w8": dict(_PLAIN, block_m=64, num_warps=8),

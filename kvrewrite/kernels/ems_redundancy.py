@@ -175,7 +175,8 @@ RECIP_NORMS = True
 # launches' fixed cost, about 17 us at batch 8, which a decode-time compression (under BIG_TBM: the entry walk) pays
 # too); the whole prefill 12.96-13.11 s in three runs against 13.87 for the entry walk in the same call. 2 or 4
 # stages time the same as 3; 128-centre steps 2.14 ms alone but 13.08 s end to end (one run): 64 kept. All of it timed
-# with the norms launch's loads 2 bytes wide (D unspecialised); D is specialised since (16-byte loads), not yet timed.
+# with the norms launch's loads 2 bytes wide (D unspecialised); with D specialised (16-byte loads; stop 56, one run)
+# the listed walk is the faster from 256 entries to merge a row on: 0.38 ms against the entry walk's 0.49 at 256.
 CENTRE_LIST = True
 LIST_BLOCK_N = 64  # centres per step of the listed walk
 LIST_STAGES = 3  # its software pipeline's stages
@@ -333,6 +334,26 @@ def _redundancy_kernel(A, V, CLS, TL, NT, PB, PA, C, D, CS, nt_lo, nt_hi, P, S: 
 
 
 @triton_jit()
+def _listed_block(A, V, CL, IA, IV, row, C, D, c0, hi, kd, BN: tl.constexpr, ROWS: tl.constexpr):
+    """List places [c0, c0 + BN) of the row: their centres (C past hi), the centres' rows of a and v ([BN, BLOCK_D]
+    with ROWS, else transposed: [BLOCK_D, BN]; zero past hi) and their reciprocal norms (0 past hi)."""
+    j = c0 + tl.arange(0, BN)
+    mj = j < hi
+    c = tl.load(CL + row * C + j, mask=mj, other=C)  # a place past hi: centre C, zero tiles, R 0
+    if ROWS:
+        ct = (row * C + c)[:, None] * D + kd[None, :]
+        mt = mj[:, None] & (kd < D)[None, :]
+    else:
+        ct = (row * C + c)[None, :] * D + kd[:, None]
+        mt = mj[None, :] & (kd < D)[:, None]
+    ya = tl.load(A + ct, mask=mt, other=0.0)
+    yv = tl.load(V + ct, mask=mt, other=0.0)
+    ia = tl.load(IA + row * C + j, mask=mj, other=0.0)
+    iv = tl.load(IV + row * C + j, mask=mj, other=0.0)
+    return c, ya, yv, ia, iv
+
+
+@triton_jit()
 def _listed_walk_cols(A, V, CL, IA, IV, row, C, D, lo, hi, kd, xa, xv, IEEE: tl.constexpr, BT: tl.constexpr,
                       BN: tl.constexpr):
     """The walk of list places [lo, hi) for one TBM block with R as [TBM, centres]: (best R, its smallest centre)
@@ -340,15 +361,7 @@ def _listed_walk_cols(A, V, CL, IA, IV, row, C, D, lo, hi, kd, xa, xv, IEEE: tl.
     best = tl.full([BT], float("-inf"), tl.float32)
     arg = tl.full([BT], C, tl.int32)
     for c0 in range(lo, hi, BN):
-        j = c0 + tl.arange(0, BN)
-        mj = j < hi
-        c = tl.load(CL + row * C + j, mask=mj, other=C)  # a place past hi: centre C, zero tiles, R 0
-        ct = (row * C + c)[None, :] * D + kd[:, None]  # [BLOCK_D, BN]: the listed centres transposed
-        mt = mj[None, :] & (kd < D)[:, None]
-        ya = tl.load(A + ct, mask=mt, other=0.0)
-        yv = tl.load(V + ct, mask=mt, other=0.0)
-        ia = tl.load(IA + row * C + j, mask=mj, other=0.0)
-        iv = tl.load(IV + row * C + j, mask=mj, other=0.0)
+        c, ya, yv, ia, iv = _listed_block(A, V, CL, IA, IV, row, C, D, c0, hi, kd, BN, False)
         da, dv = _dots(xa, ya, xv, yv, IEEE)
         # R >= 0 at every listed centre and 0 at a place past hi, whose centre C loses every tie: no mask
         r = (tl.maximum(da, 0.0) * ia[None, :]) * (tl.maximum(dv, 0.0) * iv[None, :])
@@ -370,15 +383,7 @@ def _listed_walk_rows(A, V, CL, IA, IV, row, C, D, lo, hi, kd, xa, xv, IEEE: tl.
     best2 = tl.full([BN, BT], float("-inf"), tl.float32)
     arg2 = tl.full([BN, BT], C, tl.int32)
     for c0 in range(lo, hi, BN):
-        j = c0 + tl.arange(0, BN)
-        mj = j < hi
-        c = tl.load(CL + row * C + j, mask=mj, other=C)  # a place past hi: centre C, zero tiles, R 0
-        ct = (row * C + c)[:, None] * D + kd[None, :]  # [BN, BLOCK_D]: the listed centres' rows
-        mt = mj[:, None] & (kd < D)[None, :]
-        ya = tl.load(A + ct, mask=mt, other=0.0)
-        yv = tl.load(V + ct, mask=mt, other=0.0)
-        ia = tl.load(IA + row * C + j, mask=mj, other=0.0)
-        iv = tl.load(IV + row * C + j, mask=mj, other=0.0)
+        c, ya, yv, ia, iv = _listed_block(A, V, CL, IA, IV, row, C, D, c0, hi, kd, BN, True)
         da, dv = _dots(ya, xat, yv, xvt, IEEE)  # [BN, BT]
         r = (tl.maximum(da, 0.0) * ia[:, None]) * (tl.maximum(dv, 0.0) * iv[:, None])
         up = r > best2
