@@ -53,8 +53,8 @@ EXPANDED = {  # name -> launch_expanded_forward overrides; "per_entry*": the dec
     "default": {},
     "gathered_64x32": dict(gathered=True, block_n=32),
     "gathered_128x64_w8": dict(gathered=True, block_m=128, num_warps=8),
-    # _prefill_attention_kernels.FULL_TILES: the full slot tiles' loads without a mask
-    "gathered_full_tiles": dict(gathered=True, full_tiles=True),
+    # _prefill_attention_kernels.FULL_TILES off: every slot tile's loads masked (the default before stop 57)
+    "gathered_masked": dict(gathered=True, full_tiles=False),
     # the slots walked in place (_expanded_prefill_kernels.py's own kernel; the default of stops 42-47): 128 x 32
     # tiles, 4 warps (16-bit, D <= 128)
     "walk": dict(gathered=False),
@@ -131,7 +131,7 @@ REDUNDANCY = {
     "rows_bn32": dict(centre_rows=True, block_n=32),
     "rows_s2": dict(centre_rows=True, list_stages=2),
 }
-QUICK = {"expanded": ("default", "gathered_full_tiles", "walk", "per_entry"),
+QUICK = {"expanded": ("default", "gathered_masked", "walk", "per_entry"),
          "fold": ("default", "stop53", "lean_pipe_s2_bm64", "lean_pipe_s3_bm64"),
          "redundancy": ("default", "walk", "cols", "rows", "rows_bn128")}
 

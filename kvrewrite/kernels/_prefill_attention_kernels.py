@@ -174,7 +174,7 @@ def _prefill_attention_kernel(
     WRITE_LSE: tl.constexpr,
     SCAN: tl.constexpr,  # tile ranges read at once while bounding the loop
     PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any load (kernels/_pdl.py)
-    FULL_TILES: tl.constexpr = False,  # the full slot tiles' loads without a mask (module knob FULL_TILES)
+    FULL_TILES: tl.constexpr = True,  # the full slot tiles' loads without a mask (module knob FULL_TILES)
 ):
     if PDL:
         gdc_wait()
@@ -257,11 +257,13 @@ def prefill_overrides(overrides: dict) -> dict:
 # constant mask, folded away), then the partial last tile, if the block reaches it, with one. Why: ncu's source
 # counters of EMS's gathered prefill attention (H200, stop 56, the late chunk of a batch-8 32k prefill, 26.9 ms under
 # ncu) put 16% of the stall samples on the per-column 4-byte copies of each tile's bias and key scale and most of
-# its integer instructions on their predicates and addresses: 765 instructions a warp and tile in the hot path. With
-# FULL_TILES, 553 (sm_90, offline compile, bf16, D 128, the key scale on; 255 registers either way), the same output
-# bit for bit. Not yet timed or GPU-tested: off until then
-# (`--kernel-option _prefill_attention_kernels.FULL_TILES=True` times it).
-FULL_TILES = False
+# its integer instructions on their predicates and addresses: 765 instructions a warp and tile in the hot path, 553
+# with FULL_TILES (sm_90, offline compile, bf16, D 128, the key scale on; 255 registers either way). Timed (H200,
+# stop 57): that call 27.3 -> 21.6 ms; EMS's batch-8 32k prefill 1.11x -> 1.06-1.07x dense in the same call.
+# Outputs: fp32 bit for bit; fp16/bf16 within one rounding of a probability times a value of the masked loop's (sm_90
+# orders the unmasked tile's score arithmetic otherwise: lse within 1e-6), the same error against the reference.
+# False: the one masked loop.
+FULL_TILES = True
 RANGE_TILES = 16  # tiles of a _tile_ranges_kernel program
 SCAN = 128  # tile ranges a query block reads at once while bounding its loop
 
@@ -271,9 +273,9 @@ def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_s
     """Launch the tile ranges, then the attention; returns the output [B, Hq, T, D] (contiguous). lse: an fp32
     [B, Hq, T] tensor to receive each query's natural-log log-sum-exp, or None. key_scale: an fp32 [B, Hkv, C]
     per-slot factor of the scores (before the soft cap), or None. full_tiles (default FULL_TILES): the full slot
-    tiles' loads without a mask, the same output bit for bit. No checks (the caller's:
-    clustered_attention.triton_clustered_attention, expanded_attention's gathered slots); runs under Triton's
-    interpreter on CPU tensors."""
+    tiles' loads without a mask (fp32 bit for bit; 16-bit within one rounding of a probability). No checks (the
+    caller's: clustered_attention.triton_clustered_attention, expanded_attention's gathered slots); runs under
+    Triton's interpreter on CPU tensors."""
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, C = int(keys.shape[1]), int(keys.shape[2])
     G = Hq // Hkv

@@ -78,9 +78,11 @@ def test_launch_variants_agree(tuning, dtype):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("shape", SHAPES + [(1, 8, 2, 70, 1024, 0)], ids=_id)
 def test_full_tiles_match_the_masked_loop(shape, dtype):
-    """FULL_TILES (the full slot tiles' loads without a mask): the masked loop's output and lse bit for bit, with key
-    scales, at C ragged against the tiles and at C a multiple of them, slots in order and shuffled; and the
-    reference."""
+    """FULL_TILES (the full slot tiles' loads without a mask) against the masked loop, with key scales, at C ragged
+    against the tiles and at C a multiple of them, slots in order and shuffled: fp32 bit for bit; fp16/bf16 within
+    one rounding of a probability times the largest value (sm_90 orders the unmasked tile's score arithmetic
+    otherwise, and a probability rounded to 16 bits for p @ v may flip: stop 57 measured at most 0.002 bf16, 0.0005
+    fp16, lse 1e-6) and as close to the reference."""
     B, Hq, Hkv, T, C, window = shape
     q, keys, values, bias, slot_pos, cp = _inputs(B, Hq, Hkv, T, C, 128, dtype, 5, q_std=1.0)
     ks = 0.5 + torch.rand(B, Hkv, C, device="cuda")
@@ -93,10 +95,18 @@ def test_full_tiles_match_the_masked_loop(shape, dtype):
             lse = torch.full((B, Hq, T), math.nan, device="cuda")
             outs.append((_prefill(q, keys, values, bias, slot_pos, cp, window, 0.0, lse, key_scale=ks,
                                   full_tiles=full), lse))
-        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), (shape, shuffle)
+        (masked, lse_masked), (full, lse_full) = outs
+        if dtype == torch.float32:
+            assert torch.equal(masked, full) and torch.equal(lse_masked, lse_full), (shape, shuffle)
+        else:
+            bound = torch.finfo(dtype).eps * values.float().abs().max().item()
+            assert (full.float() - masked.float()).abs().max().item() <= bound, (shape, shuffle)
+            torch.testing.assert_close(lse_full, lse_masked, rtol=1e-6, atol=1e-6)
         ref = ca.reference_clustered_attention(q.float(), keys.float() * ks[..., None], values.float(), bias,
                                                slot_pos, cp, 128**-0.5, window, False, 0.0)
-        _check(outs[1][0], ref, dtype, f"{_id(shape)} {dtype} full tiles shuffle {shuffle}", 0.0)
+        _check(full, ref, dtype, f"{_id(shape)} {dtype} full tiles shuffle {shuffle}", 0.0)
+        err_masked, err_full = ((x.float() - ref).abs().max().item() for x in (masked, full))
+        assert err_full <= err_masked + torch.finfo(dtype).eps * ref.abs().max().item(), (err_full, err_masked)
 
 
 @pytest.mark.parametrize("softcap", [5.0, 50.0], ids=lambda c: f"cap{c:g}")
