@@ -18,7 +18,9 @@ stages) and lists the fastest. --batch B runs each case for B sequences (the sam
 prefill of issue 21 is `--batch 8 --cases "chelsea 32k chunk 2048"`); the error is checked on the first row (the
 reference's [Hq, T, C] logits of every row would not fit). --ab times the default launch, the slot-loop kernel and the
 prefill kernels on grids the slot loop splits, interleaved, twice each (clustered_attention.PREFILL_KERNEL and
-PREFILL_SPLIT_GRIDS).
+PREFILL_SPLIT_GRIDS). --sketch also times kvrewrite::sketch_attention (ClusterGen) over the same slots with roles
+0/1/2 drawn over the past (the fresh block exact): its decode kernel's slot loop against its prefill kernel
+(sketch_attention.PREFILL_KERNEL), with and without FULL_TILES, each checked against the op's reference on row 0.
 """
 import argparse
 import itertools
@@ -83,7 +85,29 @@ def variants() -> list:
     return [dict(prefill_kernel=False)] + [dict(block_m=m, block_n=n, num_warps=w, num_stages=s) for m, n, w, s in grid]
 
 
-def run_case(name, sweep: bool, batch: int = 1, ab: bool = False) -> dict:
+def sketch_rows(args, n_past, scale, flops) -> list:
+    """sketch_attention's launches over the case's slots with roles 0/1/2 drawn over the past: the decode kernel's
+    slot loop, the prefill kernel with and without FULL_TILES (ms, TFLOP/s, the largest error against the op's
+    reference on row 0)."""
+    from kvrewrite.kernels import sketch_attention as sa
+
+    q, k, v, bias, pos, cp = args
+    g = torch.Generator(device=q.device).manual_seed(1)
+    role = torch.zeros(bias.shape, dtype=torch.int8, device=q.device)
+    role[..., :n_past] = torch.randint(0, 3, (*bias.shape[:2], n_past), device=q.device, generator=g).to(torch.int8)
+    row0 = [x[:1] for x in (q, k, v, bias, pos)]
+    ref = sa.reference_sketch_attention(*(x.float() for x in row0[:3]), *row0[3:], cp, role[:1], scale)
+    rows = []
+    for tuning in (dict(prefill_kernel=False), dict(prefill_kernel=True, full_tiles=True),
+                   dict(prefill_kernel=True, full_tiles=False)):
+        f = lambda: sa._launch(q, k, v, bias, pos, cp, role, scale, **tuning)  # noqa: E731
+        err = (f()[:1].float() - ref).abs().max().item()
+        ms = _bench_ms(f)
+        rows.append(dict(tuning=tuning, ms=ms, tflops=flops / ms / 1e9, err=err))
+    return rows
+
+
+def run_case(name, sweep: bool, batch: int = 1, ab: bool = False, sketch: bool = False) -> dict:
     T, n_past, C, start = CASES[name]
     args = make_inputs(T, n_past, C, start, batch=batch)
     scale = D ** -0.5
@@ -109,6 +133,8 @@ def run_case(name, sweep: bool, batch: int = 1, ab: bool = False) -> dict:
                 res["sweep"].append(timed(**tuning))
             except Exception as e:  # noqa: BLE001  (a variant that does not compile, e.g. out of shared memory)
                 res["sweep"].append(dict(tuning=tuning, error=repr(e)[:200]))
+    if sketch:
+        res["sketch"] = sketch_rows(args, n_past, scale, flops)
     base = min(ms for ms in res["sdpa_ms"].values() if isinstance(ms, float))
     res["sdpa_over_kvrewrite"] = base / res["kvrewrite"]["ms"]
     return res
@@ -123,12 +149,15 @@ def main(argv=None):
     p.add_argument("--ab", action="store_true",
                    help="also time the default launch, the slot-loop kernel (prefill_kernel=False) and the prefill "
                         "kernels on split grids (prefill_split_grids=True), interleaved, twice")
+    p.add_argument("--sketch", action="store_true",
+                   help="also time sketch_attention (ClusterGen) over the same slots: its decode kernel's slot loop "
+                        "against its prefill kernel, with and without FULL_TILES")
     args = p.parse_args(argv)
     rows = []
     doc = dict(env=env_info(), rows=rows)
     bad = []
     for name in args.cases.split(","):
-        r = run_case(name, args.sweep, args.batch, args.ab)
+        r = run_case(name, args.sweep, args.batch, args.ab, args.sketch)
         rows.append(r)
         kv = r["kvrewrite"]
         sd = r["sdpa_ms"]
@@ -138,9 +167,13 @@ def main(argv=None):
         for v in r.get("ab", []):
             print(f"    A/B round {v['round']}: {v['ms']:7.3f} ms {v['tflops']:6.1f} TFLOP/s  "
                   f"{v['tuning'] or 'default'}", flush=True)
+        for v in r.get("sketch", []):
+            print(f"    sketch {v['ms']:7.3f} ms {v['tflops']:6.1f} TFLOP/s err {v['err']:.1e}  {v['tuning']}",
+                  flush=True)
         for v in sorted((v for v in r.get("sweep", []) if "ms" in v), key=lambda v: v["ms"])[:5]:
             print(f"    {v['ms']:7.3f} ms {v['tflops']:6.1f} TFLOP/s err {v['err']:.1e}  {v['tuning']}", flush=True)
-        bad += [(name, v) for v in [kv, *r.get("ab", []), *r.get("sweep", [])] if v.get("err", 0) > MAX_ERR_BF16]
+        bad += [(name, v) for v in [kv, *r.get("ab", []), *r.get("sweep", []), *r.get("sketch", [])]
+                if v.get("err", 0) > MAX_ERR_BF16]
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
     if bad:

@@ -105,12 +105,14 @@ def _seen_tiles(RANGES, n_tiles, qpos_min, qpos_max, window, HAS_WINDOW: tl.cons
 
 
 @triton_jit()
-def _slot_tile(m_i, l_i, acc, q, j, k_base, v_base, bias_base, pos_base, ks_base, ranges, offs_d,
-               stride_kc, stride_kd, stride_vc, stride_vd, stride_bc, stride_pc, stride_ac, C, window, qk_scale,
-               softcap_log2, qpos_min, qpos_max, q_rel, lo_rel, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-               SOFTCAP: tl.constexpr, KEY_SCALE: tl.constexpr, MASKED: tl.constexpr):
-    """The online softmax after slot tile j of the query block: (m_i, l_i, acc). MASKED: the tile may reach past
-    C (its slots' loads masked); without it the tile is full, and its loads carry no mask (FULL_TILES)."""
+def tile_scores(q, j, k_base, v_base, bias_base, pos_base, ks_base, ranges, offs_d, stride_kc, stride_kd, stride_vc,
+                stride_vd, stride_bc, stride_pc, stride_ac, C, window, qk_scale, softcap_log2, qpos_min, qpos_max,
+                q_rel, lo_rel, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                KEY_SCALE: tl.constexpr, MASKED: tl.constexpr):
+    """Slot tile j's base-2 scores s [BLOCK_M, BLOCK_N] for the query block (-inf where a query does not see a slot),
+    the tile's value pointers and their row mask: (s, v_ptrs, n_ok). MASKED: the tile may reach past C (its slots'
+    loads masked); without it the tile is full, and its loads carry no mask (FULL_TILES). Shared with
+    sketch_attention's prefill kernel (_sketch_prefill_kernels.py)."""
     LOG2E: tl.constexpr = 1.4426950408889634
     offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -142,9 +144,20 @@ def _slot_tile(m_i, l_i, acc, q, j, k_base, v_base, bias_base, pos_base, ks_base
         if HAS_WINDOW:
             vis = vis & (p_rel[None, :] > q_rel[:, None] - window)
         s = tl.where(vis, s, float("-inf"))
-
-    # -- online softmax (base 2) and p @ v ---------------------------------------------------------------------------
     v_ptrs = v_base + offs_n[:, None] * stride_vc + offs_d[None, :] * stride_vd
+    return s, v_ptrs, n_ok
+
+
+@triton_jit()
+def _slot_tile(m_i, l_i, acc, q, j, k_base, v_base, bias_base, pos_base, ks_base, ranges, offs_d,
+               stride_kc, stride_kd, stride_vc, stride_vd, stride_bc, stride_pc, stride_ac, C, window, qk_scale,
+               softcap_log2, qpos_min, qpos_max, q_rel, lo_rel, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               SOFTCAP: tl.constexpr, KEY_SCALE: tl.constexpr, MASKED: tl.constexpr):
+    """The online softmax after slot tile j of the query block: (m_i, l_i, acc) (tile_scores, then p @ v)."""
+    s, v_ptrs, n_ok = tile_scores(q, j, k_base, v_base, bias_base, pos_base, ks_base, ranges, offs_d, stride_kc,
+                                  stride_kd, stride_vc, stride_vd, stride_bc, stride_pc, stride_ac, C, window,
+                                  qk_scale, softcap_log2, qpos_min, qpos_max, q_rel, lo_rel, BLOCK_N, HAS_WINDOW,
+                                  SOFTCAP, KEY_SCALE, MASKED)
     return softmax_tile(m_i, l_i, acc, s, v_ptrs, n_ok)
 
 
@@ -268,6 +281,17 @@ RANGE_TILES = 16  # tiles of a _tile_ranges_kernel program
 SCAN = 128  # tile ranges a query block reads at once while bounding its loop
 
 
+def tile_ranges(bias, slot_pos, n_tiles, block_n, pdl, launch):
+    """Launch _tile_ranges_kernel: int64 [B * Hkv, n_tiles, 2], each tile's (least, greatest) live position."""
+    B, Hkv, C = (int(n) for n in bias.shape)
+    ranges = torch.empty((B * Hkv, n_tiles, 2), dtype=torch.int64, device=bias.device)
+    wrap_triton(_tile_ranges_kernel)[(triton.cdiv(n_tiles, RANGE_TILES), B * Hkv)](
+        bias, slot_pos, ranges, *bias.stride(), *slot_pos.stride(), Hkv, C, n_tiles,
+        BLOCK_N=block_n, TILES=RANGE_TILES, PDL=pdl, num_warps=4, **launch,
+    )
+    return ranges
+
+
 def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_scale, softcap_log2, softcap, lse,
                    key_scale=None, full_tiles=None, **overrides):
     """Launch the tile ranges, then the attention; returns the output [B, Hq, T, D] (contiguous). lse: an fp32
@@ -282,11 +306,7 @@ def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_s
     cfg = prefill_launch_config(B, Hkv, G, T, C, D, q.element_size(), **overrides)
     n_tiles = cfg["n_tiles"]
     pdl, launch = _pdl.launch_options(q)
-    ranges = torch.empty((B * Hkv, n_tiles, 2), dtype=torch.int64, device=q.device)
-    wrap_triton(_tile_ranges_kernel)[(triton.cdiv(n_tiles, RANGE_TILES), B * Hkv)](
-        bias, slot_pos, ranges, *bias.stride(), *slot_pos.stride(), Hkv, C, n_tiles,
-        BLOCK_N=cfg["block_n"], TILES=RANGE_TILES, PDL=pdl, num_warps=4, **launch,
-    )
+    ranges = tile_ranges(bias, slot_pos, n_tiles, cfg["block_n"], pdl, launch)
     out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
     ks = bias if key_scale is None else key_scale  # an unused pointer without it: any fp32 [B, Hkv, C]
     wrap_triton(_prefill_attention_kernel)[(cfg["m_blocks"], B * Hkv)](

@@ -50,6 +50,8 @@ from __future__ import annotations  # the kernels' `tl.constexpr` annotations st
 import torch
 from torch.library import wrap_triton
 
+from kvrewrite.kernels import _prefill_attention_kernels as _prefill
+from kvrewrite.kernels import _sketch_prefill_kernels as _sketch_prefill
 from kvrewrite.kernels._query_block import query_block
 from kvrewrite.kernels._triton_op import check_attention_shapes, check_one_cuda_device, register_triton_op, triton_jit
 from kvrewrite.kernels.clustered_attention import _DTYPES, _HEAD_DIMS, _launch_config, _num_sms, check_past_only
@@ -63,6 +65,15 @@ except ImportError:  # CPU-only installs: the op runs its reference; only triton
 NAME = "sketch_attention"
 QUERY_BLOCK = 128  # the reference's queries per block: [B, Hq, 128, C] fp32 scores at a time
 KERNELS_CHECKED_ON_GPU = True  # tests/kernels/test_sketch_attention_gpu.py: 88 passed, H100 (torch 2.11, Triton 3.6)
+# PREFILL_KERNEL: prefill chunks (G * T > 16 rows) through _sketch_prefill_kernels.py, clustered_attention's prefill
+# kernel with this op's two sums (its tile loop bounded by the tiles' position ranges, the causal mask only where a
+# block does not see a tile whole), instead of the decode kernel's slot loop. Why: ClusterGen's batch-8 32k prefill
+# (H200, stop 57: 18.5 s of kernels against HF's dense 11.2) spent 6.22 s in this op's decode loop, 12.2 ms a
+# 2048-query chunk over ~8.6k slots, where clustered_attention's prefill kernel takes 6.3 ms over as many
+# (docs/bench.md "Stop 57 runs"). Built after that stop's device time and checked under Triton's interpreter only:
+# off until tests/kernels/test_sketch_attention_gpu.py's prefill cases pass and it is timed end to end
+# (`kvrewrite bench ... --kernel-option sketch_attention.PREFILL_KERNEL=True`).
+PREFILL_KERNEL = False
 
 
 def check_inputs(name, q, keys, values, bias, slot_pos, cache_position, role, softcap) -> tuple:
@@ -326,6 +337,15 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, role, scale, past_o
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, C = int(keys.shape[1]), int(keys.shape[2])
     G = Hq // Hkv
+    prefill_kernel = overrides.pop("prefill_kernel", PREFILL_KERNEL)
+    full_tiles = overrides.pop("full_tiles", None)
+    if prefill_kernel and G * T > 16 and B * Hq * T * D > 0:  # a prefill chunk (the decode launch takes <= 16 rows)
+        return _sketch_prefill.launch_sketch_prefill(q, keys, values, bias, slot_pos, cache_position, role,
+                                                     scale * 1.4426950408889634, full_tiles,
+                                                     **_prefill.prefill_overrides(overrides))
+    if full_tiles is not None:
+        raise ValueError("sketch_attention: full_tiles tunes the prefill kernel (_sketch_prefill_kernels.py); this "
+                         f"launch takes the decode kernel (G * T = {G * T}, prefill_kernel {prefill_kernel})")
     out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out

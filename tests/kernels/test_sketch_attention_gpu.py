@@ -273,3 +273,80 @@ def test_errors_are_clear():
         OP(q, keys, values, bias, slot_pos, cp, role.int(), scale=0.125)
     with pytest.raises(ValueError, match="softcap must be 0"):
         OP(q, keys, values, bias, slot_pos, cp, role, scale=0.125, softcap=30.0)
+
+
+# -- the prefill kernel (_sketch_prefill_kernels.py: PREFILL_KERNEL's path for G * T > 16 rows) ---------------------
+# (B, Hq, Hkv, T, C): G 7, 1, 4, 3; C ragged against the 64-slot tiles but 1024 (whole tiles); T past one query block
+PREFILL_SHAPES = [(1, 14, 2, 64, 4097), (2, 4, 4, 64, 333), (2, 32, 8, 300, 1500), (1, 9, 3, 257, 1024)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("D", HEAD_DIMS, ids=[f"D{d}" for d in HEAD_DIMS])
+@pytest.mark.parametrize("shape", PREFILL_SHAPES, ids=["B{}-Hq{}Hkv{}-T{}-C{}".format(*s) for s in PREFILL_SHAPES])
+def test_prefill_kernel_matches_reference(shape, D, dtype):
+    """The prefill kernel in poisoned memory against the reference, with and without FULL_TILES, slots appended and
+    shuffled (the masks in most tiles), and against the decode kernel's output."""
+    B, Hq, Hkv, T, C = shape
+    args = list(_inputs(B, Hq, Hkv, T, C, D, dtype, seed=hash((shape, D, str(dtype), "prefill")) % 2**31))
+    scale, nbytes = D**-0.5, B * Hq * T * D * args[0].element_size()
+    for order in ("appended", "shuffled"):
+        if order == "shuffled":
+            perm = torch.randperm(C, device="cuda")
+            args[1:5] = [x[:, :, perm] for x in args[1:5]]
+            args[6] = args[6][:, :, perm]
+        ref = sa.reference_sketch_attention(*[x.float() for x in args[:3]], *args[3:], scale)
+        for full in (True, False):
+            out = _poisoned(lambda: sa._launch(*args, scale, prefill_kernel=True, full_tiles=full), nbytes)
+            _check(out, ref, dtype, f"{shape} D{D} {dtype} {order} full_tiles {full}")
+        _check(sa._launch(*args, scale, prefill_kernel=False), ref, dtype, f"{shape} D{D} {dtype} {order} decode")
+
+
+def test_prefill_kernel_naive_large_value_weight_and_nothing_visible():
+    """The float64 naive form over a prefill chunk (fp32); value slots of weight +80 over denominator slots of -20
+    (the two maxima); heads that see nothing, only value slots, or only future slots: 0."""
+    args = _inputs(1, 8, 2, 40, 700, 64, torch.float32, seed=40)
+    out = sa._launch(*args, 0.125, prefill_kernel=True)
+    _check(out, naive_sketch_attention(*[x.cpu() for x in args], 0.125), torch.float32, "prefill naive")
+    B, Hq, Hkv, T, C, D = 1, 16, 4, 64, 3000, 64
+    g = torch.Generator(device="cuda").manual_seed(41)
+    keys = torch.randn(B, Hkv, C, D, device="cuda", generator=g)
+    values = torch.randn(B, Hkv, C, D, device="cuda", generator=g)
+    role = torch.randint(1, 3, (B, Hkv, C), device="cuda", generator=g).to(torch.int8)
+    bias = torch.where(role == 2, 80.0, -20.0)
+    values = torch.where((role == 2)[..., None], values * math.exp(-60), values)
+    slot_pos, cp = torch.zeros(B, Hkv, C, dtype=torch.int64, device="cuda"), torch.arange(5, 5 + T, device="cuda")
+    bias[0, 1] = -math.inf
+    role[0, 2] = 2
+    slot_pos[0, 3] = 10**6
+    q = torch.randn(B, Hq, T, D, device="cuda", generator=g)
+    args = (q, keys, values, bias, slot_pos, cp, role)
+    ref = sa.reference_sketch_attention(*args, 0.125)
+    assert torch.isfinite(ref).all() and ref[0, :4].abs().max() > 1e10
+    for full in (True, False):
+        out = sa._launch(*args, 0.125, prefill_kernel=True, full_tiles=full)
+        assert (out[0, 4:] == 0).all() and (ref[0, 4:] == 0).all()
+        err = ((out - ref).abs() / ref.abs().amax(-1, keepdim=True).clamp_min(1e-30)).max().item()
+        assert err < 1e-4, f"full_tiles {full}: max |diff| / row max {err:.3g}"
+
+
+def test_prefill_kernel_under_compile(monkeypatch):
+    """With PREFILL_KERNEL on, a prefill chunk through the op compiles whole under CUDA graphs, Inductor sees the
+    prefill kernel, and the replays match eager."""
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(sa, "PREFILL_KERNEL", True)
+    torch._dynamo.reset()
+    B, Hq, Hkv, T, C, D, dtype = 2, 8, 2, 64, 1000, 64, torch.bfloat16
+    _, keys, values, bias, slot_pos, cp, role = _inputs(B, Hq, Hkv, T, C, D, dtype, seed=42)
+
+    def chunk(q):
+        return torch.ops.kvrewrite.sketch_attention(q, keys, values, bias, slot_pos, cp, role, scale=D**-0.5) * 2
+
+    compiled = torch.compile(chunk, fullgraph=True, mode="reduce-overhead")
+    q0 = torch.randn(B, Hq, T, D, device="cuda", dtype=dtype)
+    _, code = run_and_get_code(compiled, q0)
+    assert any("_sketch_prefill_kernel" in c for c in code), "Inductor did not inline the prefill kernel"
+    for i in range(4):
+        q = torch.randn(B, Hq, T, D, device="cuda", dtype=dtype)
+        assert torch.equal(compiled(q).clone(), chunk(q)), f"call {i}"
+    torch._dynamo.reset()
