@@ -159,20 +159,26 @@ def test_naive_at_a_larger_size():
     _compare(1, 8, 2, 1, 3001, 64, torch.float32, seed=5, naive=True)
 
 
-def test_large_value_weight_does_not_underflow():
-    """Value slots of weight +80 over denominator slots of weight -20 (values scaled by e^-60, outputs ~e^40), split
-    and not: one shared shift would leave the denominator at e^-100 (fp32 denormals); the factor e^(m_N - m_Z) ~
-    e^100 is past fp32's range, applied in halves."""
-    B, Hq, Hkv, C, D = 2, 8, 2, 4000, 64
-    g = torch.Generator(device="cuda").manual_seed(9)
+def _heavy_values(B, Hq, Hkv, T, C, D, seed):
+    """Roles 1 and 2 at random, value slots of weight +80 over denominator slots of -20, values scaled by e^-60 (so
+    outputs ~e^40), every slot at position 0 and the T queries after it: (q, keys, values, bias, slot_pos, cp,
+    role), fp32."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     keys = torch.randn(B, Hkv, C, D, device="cuda", generator=g)
     values = torch.randn(B, Hkv, C, D, device="cuda", generator=g)
     role = torch.randint(1, 3, (B, Hkv, C), device="cuda", generator=g).to(torch.int8)
     bias = torch.where(role == 2, 80.0, -20.0)
     values = torch.where((role == 2)[..., None], values * math.exp(-60), values)
-    slot_pos, cp = torch.zeros(B, Hkv, C, dtype=torch.int64, device="cuda"), torch.tensor([3], device="cuda")
-    q = torch.randn(B, Hq, 1, D, device="cuda", generator=g)
-    args = (q, keys, values, bias, slot_pos, cp, role)
+    slot_pos, cp = torch.zeros(B, Hkv, C, dtype=torch.int64, device="cuda"), torch.arange(3, 3 + T, device="cuda")
+    q = torch.randn(B, Hq, T, D, device="cuda", generator=g)
+    return q, keys, values, bias, slot_pos, cp, role
+
+
+def test_large_value_weight_does_not_underflow():
+    """Value slots of weight +80 over denominator slots of weight -20 (values scaled by e^-60, outputs ~e^40), split
+    and not: one shared shift would leave the denominator at e^-100 (fp32 denormals); the factor e^(m_N - m_Z) ~
+    e^100 is past fp32's range, applied in halves."""
+    args = _heavy_values(2, 8, 2, 1, 4000, 64, seed=9)
     ref = sa.reference_sketch_attention(*args, 0.125)
     assert torch.isfinite(ref).all() and ref.abs().max() > 1e10
     for tuning in ({}, dict(num_splits=1), dict(num_splits=9)):
@@ -307,19 +313,11 @@ def test_prefill_kernel_naive_large_value_weight_and_nothing_visible():
     args = _inputs(1, 8, 2, 40, 700, 64, torch.float32, seed=40)
     out = sa._launch(*args, 0.125, prefill_kernel=True)
     _check(out, naive_sketch_attention(*[x.cpu() for x in args], 0.125), torch.float32, "prefill naive")
-    B, Hq, Hkv, T, C, D = 1, 16, 4, 64, 3000, 64
-    g = torch.Generator(device="cuda").manual_seed(41)
-    keys = torch.randn(B, Hkv, C, D, device="cuda", generator=g)
-    values = torch.randn(B, Hkv, C, D, device="cuda", generator=g)
-    role = torch.randint(1, 3, (B, Hkv, C), device="cuda", generator=g).to(torch.int8)
-    bias = torch.where(role == 2, 80.0, -20.0)
-    values = torch.where((role == 2)[..., None], values * math.exp(-60), values)
-    slot_pos, cp = torch.zeros(B, Hkv, C, dtype=torch.int64, device="cuda"), torch.arange(5, 5 + T, device="cuda")
+    args = _heavy_values(1, 16, 4, 64, 3000, 64, seed=41)
+    q, keys, values, bias, slot_pos, cp, role = args
     bias[0, 1] = -math.inf
     role[0, 2] = 2
     slot_pos[0, 3] = 10**6
-    q = torch.randn(B, Hq, T, D, device="cuda", generator=g)
-    args = (q, keys, values, bias, slot_pos, cp, role)
     ref = sa.reference_sketch_attention(*args, 0.125)
     assert torch.isfinite(ref).all() and ref[0, :4].abs().max() > 1e10
     for full in (True, False):
