@@ -68,10 +68,13 @@ KERNELS_CHECKED_ON_GPU = True  # tests/kernels/test_sketch_attention_gpu.py: 88 
 # PREFILL_KERNEL: prefill chunks (G * T > 16 rows) through _sketch_prefill_kernels.py, clustered_attention's prefill
 # kernel with this op's two sums (its tile loop bounded by the tiles' position ranges, the causal mask only where a
 # block does not see a tile whole), instead of the decode kernel's slot loop. Why: ClusterGen's batch-8 32k prefill
-# (H200, stop 57: 18.5 s of kernels against HF's dense 11.2) spent 6.22 s in this op's decode loop, 12.2 ms a
-# 2048-query chunk over ~8.6k slots, where clustered_attention's prefill kernel takes 6.3 ms over as many
-# (docs/bench.md "Stop 57 runs"). Built after that stop's device time and checked under Triton's interpreter only:
-# off until tests/kernels/test_sketch_attention_gpu.py's prefill cases pass and it is timed end to end
+# (H200, stop 57: 18.5 s of kernels against HF's dense 11.2) spent 6.22 s in this op's decode loop. Measured (H200,
+# stop 57, `python -m kvrewrite.bench.attention_prefill --batch 8 --cases "chelsea 32k chunk 2048" --sketch`: a
+# 2048-query chunk over 8.6k slots, roles 0/1/2 over the past; one run): 7.94 ms against the decode loop's 11.09, the
+# same largest error against the reference (8.6e-4); 9.30 with every tile masked. Its 26 kernel GPU tests passed
+# (tests/kernels/test_sketch_attention_gpu.py's prefill cases; the compile test's first form failed on a bit-for-bit
+# check, since rewritten). Off until ClusterGen's prefill is timed with it end to end and
+# tests/methods/test_clustergen_gpu.py passes with it on
 # (`kvrewrite bench ... --kernel-option sketch_attention.PREFILL_KERNEL=True`).
 PREFILL_KERNEL = False
 
