@@ -39,11 +39,12 @@ its GPU tests passed (KERNELS_CHECKED_ON_GPU: tests/kernels/test_sketch_attentio
 kvrewrite::clustered_attention's forward (its launch config and tile layout: one program per (b, KV head, split,
 row block), rows = the G query heads at every query) with two running maxima, the role masks and a combine of its
 own that merges both partial sums. A `torch.library.triton_op`, so Inductor sees the launches and CUDA graphs
-capture them. At decode the kernel skips the value reads of denominator-only slots (role 1). Measured (H100, torch
-2.11, Triton 3.6, decode inside a CUDA graph, Llama-3.1-8B: Hq 32, Hkv 8, D 128, bf16, C = 6656 used slots,
-past_only; median of 15 replays of 50 calls): B 1: 11.42 us with a ClusterGen layout (68 exact slots, the rest half
-role 1, half role 2) and 12.02 us with every role 0, against clustered_attention's 11.95 us; B 8: 64.94 and 80.94
-against 80.42 us. So the second max and the role masks cost ~0.5% and the skipped value reads save ~19% at B 8.
+capture them. At decode the kernel skips the value reads of denominator-only slots (role 1). Prefill chunks can
+take _sketch_prefill_kernels.py instead (PREFILL_KERNEL: clustered_attention's prefill kernel with the two sums).
+Measured (H100, torch 2.11, Triton 3.6, decode inside a CUDA graph, Llama-3.1-8B: Hq 32, Hkv 8, D 128, bf16, C =
+6656 used slots, past_only; median of 15 replays of 50 calls): B 1: 11.42 us with a ClusterGen layout (68 exact
+slots, the rest half role 1, half role 2) and 12.02 us with every role 0, against clustered_attention's 11.95 us;
+B 8: 64.94 and 80.94 against 80.42 us. So the second max and the role masks cost ~0.5% and the skipped value reads save ~19% at B 8.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
