@@ -44,7 +44,8 @@ take _sketch_prefill_kernels.py instead (PREFILL_KERNEL: clustered_attention's p
 Measured (H100, torch 2.11, Triton 3.6, decode inside a CUDA graph, Llama-3.1-8B: Hq 32, Hkv 8, D 128, bf16, C =
 6656 used slots, past_only; median of 15 replays of 50 calls): B 1: 11.42 us with a ClusterGen layout (68 exact
 slots, the rest half role 1, half role 2) and 12.02 us with every role 0, against clustered_attention's 11.95 us;
-B 8: 64.94 and 80.94 against 80.42 us. So the second max and the role masks cost ~0.5% and the skipped value reads save ~19% at B 8.
+B 8: 64.94 and 80.94 against 80.42 us. So the second max and the role masks cost ~0.5% and the skipped value reads
+save ~19% at B 8.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
