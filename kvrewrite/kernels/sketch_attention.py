@@ -319,7 +319,8 @@ def triton_sketch_attention(q, keys, values, bias, slot_pos, cache_position, rol
                             softcap=0.0, **tuning):
     """The op on CUDA through Triton; validates shapes, dtypes, devices and D, not the data (roles, past_only's
     promise). ``tuning`` overrides clustered_attention's launch choices (block_m, block_n, num_splits, num_warps,
-    num_stages, skip_unseen); for the tests and benchmarks, the op never passes it."""
+    num_stages, skip_unseen; a prefill launch takes the tiles, warps and stages), prefill_kernel (PREFILL_KERNEL) and
+    full_tiles (the prefill kernel's); for the tests and benchmarks, the op never passes it."""
     if triton is None:
         raise NotImplementedError("triton_sketch_attention needs Triton (pip install triton); "
                                   "kvrewrite::sketch_attention itself runs without it")
@@ -335,9 +336,11 @@ def triton_sketch_attention(q, keys, values, bias, slot_pos, cache_position, rol
 
 def _launch(q, keys, values, bias, slot_pos, cache_position, role, scale, past_only=False, causal_skip=True,
             **overrides):
-    """Allocate the output (and the split partials), launch the slot loop, then the combine when split. No checks:
+    """Allocate the output (and the split partials), launch the slot loop, then the combine when split; with
+    prefill_kernel (default PREFILL_KERNEL) a block of more than 16 rows goes to _sketch_prefill_kernels.py. No checks:
     Triton's interpreter (TRITON_INTERPRET=1) runs it on CPU tensors (tests/kernels/test_sketch_attention_triton.py).
-    past_only: slot_pos is never read (LOAD_POS False; the caller's promise)."""
+    past_only: the decode kernel never reads slot_pos (LOAD_POS False; the caller's promise); the prefill kernel reads
+    it for its tile ranges either way."""
     # int(): the launch depends on the shapes, so a dynamic-shape trace specialises on them (a guard)
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, C = int(keys.shape[1]), int(keys.shape[2])
