@@ -33,7 +33,7 @@ selects the real ones bit for bit).
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
-from kvrewrite.kernels._query_block import query_block
+from kvrewrite.kernels._query_block import block_rows, query_block
 from kvrewrite.kernels._triton_op import triton_jit
 from kvrewrite.kernels.clustered_attention import libdevice
 
@@ -95,8 +95,9 @@ def _expanded_attention_fwd_kernel(
     Hq = Hkv * G
     row = b.to(tl.int64) * Hkv + h  # the (b, h) row of the state
 
-    rows, row_ok, t, hq, offs_d, q, qpos, qpos_min, qpos_max, q_rel = query_block(
-        Q, CPOS, b, h, pid_m, G, T, stride_qb, stride_qh, stride_qt, stride_qd, BLOCK_M, HEAD_DIM)
+    rows, row_ok, t, hq, offs_d = block_rows(h, pid_m, G, T, BLOCK_M, HEAD_DIM)
+    q, qpos, qpos_min, qpos_max, q_rel = query_block(Q, CPOS, b, row_ok, t, hq, offs_d, stride_qb, stride_qh,
+                                                     stride_qt, stride_qd)
     out_row = (b.to(tl.int64) * Hq + hq) * T + t
     if GM < BLOCK_M:  # the narrow form's rows: the block's first GM (pid_m is 0: one block holds every real row)
         rows_n = tl.arange(0, GM)

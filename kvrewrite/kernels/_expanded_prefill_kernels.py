@@ -44,7 +44,7 @@ from torch.library import wrap_triton
 from kvrewrite.kernels import _prefill_attention_kernels as _clustered_prefill
 from kvrewrite.kernels._online_softmax import softmax_tile, store_rows
 from kvrewrite.kernels._prefill_attention_kernels import prefill_launch_config
-from kvrewrite.kernels._query_block import query_block
+from kvrewrite.kernels._query_block import block_rows, query_block
 from kvrewrite.kernels._triton_op import triton_jit
 from kvrewrite.kernels.clustered_attention import libdevice
 
@@ -82,8 +82,9 @@ def _expanded_prefill_kernel(
     Hq = Hkv * G
     row = b.to(tl.int64) * Hkv + h  # the (b, h) row of the state
 
-    rows, row_ok, t, hq, offs_d, q, qpos, qpos_min, qpos_max, q_rel = query_block(
-        Q, CPOS, b, h, pid_m, G, T, stride_qb, stride_qh, stride_qt, stride_qd, BLOCK_M, HEAD_DIM)
+    rows, row_ok, t, hq, offs_d = block_rows(h, pid_m, G, T, BLOCK_M, HEAD_DIM)
+    q, qpos, qpos_min, qpos_max, q_rel = query_block(Q, CPOS, b, row_ok, t, hq, offs_d, stride_qb, stride_qh,
+                                                     stride_qt, stride_qd)
 
     k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh

@@ -33,7 +33,7 @@ from torch.library import wrap_triton
 from kvrewrite.kernels import _pdl
 from kvrewrite.kernels._online_softmax import softmax_tile, store_rows
 from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
-from kvrewrite.kernels._query_block import query_block
+from kvrewrite.kernels._query_block import block_rows, query_block
 from kvrewrite.kernels._triton_op import triton_jit
 
 try:
@@ -199,8 +199,9 @@ def _prefill_attention_kernel(
     Hq = Hkv * G
 
     # -- rows of the tile: (query t, head g of the group), as the decode kernel's --------------------------------
-    rows, row_ok, t, hq, offs_d, q, qpos, qpos_min, qpos_max, q_rel = query_block(
-        Q, CPOS, b, h, pid_m, G, T, stride_qb, stride_qh, stride_qt, stride_qd, BLOCK_M, HEAD_DIM)
+    rows, row_ok, t, hq, offs_d = block_rows(h, pid_m, G, T, BLOCK_M, HEAD_DIM)
+    q, qpos, qpos_min, qpos_max, q_rel = query_block(Q, CPOS, b, row_ok, t, hq, offs_d, stride_qb, stride_qh,
+                                                     stride_qt, stride_qd)
     lo_rel = -1 - window if HAS_WINDOW else -1
 
     ranges = RANGES + pid_bh.to(tl.int64) * n_tiles * 2

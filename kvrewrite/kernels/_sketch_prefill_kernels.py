@@ -28,7 +28,7 @@ from kvrewrite.kernels import _prefill_attention_kernels as pk
 from kvrewrite.kernels._online_softmax import softmax_tile
 from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
 from kvrewrite.kernels._prefill_attention_kernels import _seen_tiles, tile_scores
-from kvrewrite.kernels._query_block import query_block
+from kvrewrite.kernels._query_block import block_rows, query_block
 from kvrewrite.kernels._triton_op import triton_jit
 
 try:
@@ -87,8 +87,9 @@ def _sketch_prefill_kernel(
     h = pid_bh % Hkv
     Hq = Hkv * G
 
-    rows, row_ok, t, hq, offs_d, q, qpos, qpos_min, qpos_max, q_rel = query_block(
-        Q, CPOS, b, h, pid_m, G, T, stride_qb, stride_qh, stride_qt, stride_qd, BLOCK_M, HEAD_DIM)
+    rows, row_ok, t, hq, offs_d = block_rows(h, pid_m, G, T, BLOCK_M, HEAD_DIM)
+    q, qpos, qpos_min, qpos_max, q_rel = query_block(Q, CPOS, b, row_ok, t, hq, offs_d, stride_qb, stride_qh,
+                                                     stride_qt, stride_qd)
     ranges = RANGES + pid_bh.to(tl.int64) * n_tiles * 2
     lo, hi = _seen_tiles(ranges, n_tiles, qpos_min, qpos_max, 0, False, SCAN)
 

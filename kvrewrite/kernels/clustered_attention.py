@@ -56,7 +56,7 @@ from torch.library import wrap_triton
 from kvrewrite.kernels import _pdl
 from kvrewrite.kernels import _prefill_attention_kernels as _prefill
 from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait, wait_and_signal
-from kvrewrite.kernels._query_block import query_block
+from kvrewrite.kernels._query_block import block_rows, query_block
 from kvrewrite.kernels._triton_op import check_attention_shapes, check_one_cuda_device, register_triton_op, triton_jit
 
 try:
@@ -228,8 +228,9 @@ def _clustered_attention_fwd_kernel(
     Hq = Hkv * G
 
     # -- rows of the tile: (query t, head g of the group); q stays in registers for the whole slot range --------
-    rows, row_ok, t, hq, offs_d, q, qpos, qpos_min, qpos_max, q_rel = query_block(
-        Q, CPOS, b, h, pid_m, G, T, stride_qb, stride_qh, stride_qt, stride_qd, BLOCK_M, HEAD_DIM)
+    rows, row_ok, t, hq, offs_d = block_rows(h, pid_m, G, T, BLOCK_M, HEAD_DIM)
+    q, qpos, qpos_min, qpos_max, q_rel = query_block(Q, CPOS, b, row_ok, t, hq, offs_d, stride_qb, stride_qh,
+                                                     stride_qt, stride_qd)
     lo = -1
     if PENDING:
         # rows [G, (NPEND + 1) G): the NPEND pending entries (G heads each) of earlier decode steps; entry e is at

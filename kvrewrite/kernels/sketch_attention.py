@@ -54,7 +54,7 @@ from torch.library import wrap_triton
 
 from kvrewrite.kernels import _prefill_attention_kernels as _prefill
 from kvrewrite.kernels import _sketch_prefill_kernels as _sketch_prefill
-from kvrewrite.kernels._query_block import query_block
+from kvrewrite.kernels._query_block import block_rows, query_block
 from kvrewrite.kernels._triton_op import check_attention_shapes, check_one_cuda_device, register_triton_op, triton_jit
 from kvrewrite.kernels.clustered_attention import _DTYPES, _HEAD_DIMS, _launch_config, _num_sms, check_past_only
 
@@ -194,8 +194,9 @@ def _sketch_attention_fwd_kernel(
     Hq = Hkv * G
 
     # -- rows of the tile: (query t, head g of the group); q stays in registers for the whole slot range --------
-    rows, row_ok, t, hq, offs_d, q, qpos, qpos_min, qpos_max, q_rel = query_block(
-        Q, CPOS, b, h, pid_m, G, T, stride_qb, stride_qh, stride_qt, stride_qd, BLOCK_M, HEAD_DIM)
+    rows, row_ok, t, hq, offs_d = block_rows(h, pid_m, G, T, BLOCK_M, HEAD_DIM)
+    q, qpos, qpos_min, qpos_max, q_rel = query_block(Q, CPOS, b, row_ok, t, hq, offs_d, stride_qb, stride_qh,
+                                                     stride_qt, stride_qd)
 
     k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh

@@ -1,0 +1,100 @@
+"""Inductor's mutation analysis of the attention kernels names only what they write.
+
+torch.compile and the exporters trace a triton_op's launches and ask torch's triton_kernel_wrap which arguments each
+kernel writes (from its TTIR, following every store's pointer back to the kernel's arguments). An argument wrongly
+counted as written is cloned around the launch, and a graph input so counted makes mode="reduce-overhead" skip the
+CUDA graph ("mutated inputs": stop 57 hit it with sketch_attention's prefill kernel, Q and CPOS counted because the
+output rows came out of the call that loads q; _query_block.block_rows keeps them apart). The launchers run here on
+CPU tensors with wrap_triton replaced by a recorder (nothing launches), and the analysis compiles to TTIR for an sm_90
+target: no GPU needed. Needs Triton (skipped without it, and under TRITON_INTERPRET=1, whose kernels are not
+compiled).
+"""
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("the analysis compiles the kernels: not under Triton's interpreter", allow_module_level=True)
+
+from torch._higher_order_ops import triton_kernel_wrap as tkw  # noqa: E402
+
+from kvrewrite.kernels import _expanded_prefill_kernels as xp  # noqa: E402
+from kvrewrite.kernels import _prefill_attention_kernels as pk  # noqa: E402
+from kvrewrite.kernels import _sketch_prefill_kernels as sp  # noqa: E402
+from kvrewrite.kernels import clustered_attention as ca  # noqa: E402
+from kvrewrite.kernels import expanded_attention as xa  # noqa: E402
+from kvrewrite.kernels import sketch_attention as sa  # noqa: E402
+
+# the ops' inputs, as the kernels name them: never written
+INPUTS = {"Q", "K", "V", "BIAS", "POS", "CPOS", "ROLE", "KSCALE", "LUT", "SFILL", "ESTART"}
+
+
+class _Sm90:
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The (kernel, arguments by name) of every launch the ops' launchers make, none run."""
+    got = []
+
+    def record(kernel):
+        class Grid:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    kw = dict(zip(kernel.arg_names, args))
+                    kw.update({k: v for k, v in kwargs.items() if k in kernel.arg_names})
+                    got.append((kernel, kw))
+                return launch
+        return Grid()
+
+    for module in (pk, sp, sa, ca, xa, xp):
+        monkeypatch.setattr(module, "wrap_triton", record)
+    monkeypatch.setattr(triton.runtime.driver, "_active", _Sm90())
+    return got
+
+
+def _written(kernel, kw) -> set:
+    if hasattr(tkw, "identify_accessed_tensors"):  # torch >= 2.12
+        return {d.name for d in tkw.identify_accessed_tensors(kernel, kw, {}).read_writes.writes}
+    return set(tkw.identify_mutated_tensors(kernel, kw, {}))
+
+
+def test_attention_kernels_write_only_their_outputs(launches):
+    """clustered_attention (decode, split and not; its prefill kernel with and without lse and key scales),
+    sketch_attention (decode split and not, the prefill kernel) and expanded_attention (decode, the prefill walk, the
+    gathered form): every launch's written arguments are outputs it allocates, never an op input."""
+    B, Hq, Hkv, T, C, D = 1, 8, 2, 40, 3000, 16
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(B, Hq, T, D, generator=g), torch.randn(B, Hkv, C, D, generator=g)
+    bias, role = torch.zeros(B, Hkv, C), torch.zeros(B, Hkv, C, dtype=torch.int8)
+    pos, cp = torch.arange(C).expand(B, Hkv, C).contiguous(), torch.arange(C - T, C)
+    pk.launch_prefill(q, k, k, bias, pos, cp, 0, 0.1, 0.0, 0.0, None)
+    pk.launch_prefill(q, k, k, bias, pos, cp, 0, 0.1, 0.0, 0.0, torch.empty(B, Hq, T), key_scale=bias)
+    sa._launch(q, k, k, bias, pos, cp, role, 0.1, prefill_kernel=True)
+    for splits in (1, 4):
+        sa._launch(q[:, :, :1], k, k, bias, pos, cp[:1], role, 0.1, num_splits=splits)
+        ca._launch(q[:, :, :1], k, k, bias, pos, cp[:1], 0.1, 0, num_splits=splits)
+    Te, Ce, R = 600, 8, 16  # expanded_attention's launch_forward arguments, as test_expanded_attention.py builds them
+    kv = torch.zeros(1, 1, Ce, D)
+    args = (torch.zeros(1, 2, Te, D), kv, kv, torch.zeros(1, 1, Ce), torch.zeros(1, 1, Ce, dtype=torch.int64),
+            torch.arange(Te), torch.zeros(1, 1, Ce, dtype=torch.int32), torch.zeros(1, 1, R, dtype=torch.int32),
+            torch.ones(1, 1, R), torch.zeros(1, 1, dtype=torch.int64))
+    for gathered in (False, True):
+        xa.launch_expanded_forward(*args, 0.25, False, 0.0, num_splits=1, gathered=gathered)
+    xa.launch_expanded_forward(args[0][:, :, :1], *args[1:5], args[5][:1], *args[6:], 0.25, False, 0.0, num_splits=1)
+    names = {kernel.fn.__name__ for kernel, _ in launches}
+    assert {"_tile_ranges_kernel", "_prefill_attention_kernel", "_sketch_prefill_kernel",
+            "_sketch_attention_fwd_kernel", "_sketch_attention_combine_kernel", "_clustered_attention_fwd_kernel",
+            "_clustered_attention_combine_kernel", "_expanded_prefill_kernel",
+            "_expanded_attention_fwd_kernel"} <= names, names
+    for kernel, kw in launches:
+        written = _written(kernel, kw)
+        assert written and not written & INPUTS, (kernel.fn.__name__, sorted(written))
+        if kernel.fn.__name__ == "_tile_ranges_kernel":
+            assert written == {"RANGES"}
