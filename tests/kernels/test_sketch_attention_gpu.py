@@ -332,7 +332,8 @@ def test_prefill_kernel_under_compile(monkeypatch):
     kernel, and the outputs match eager within one rounding (Inductor compiles the user-defined kernel anew, as
     test_expanded_attention_gpu.py's compile test notes) and the reference. Stop 57's first form of this test, under
     mode="reduce-overhead" with bit-for-bit equality, failed on an H200 after Inductor skipped the CUDA graph
-    ("mutated inputs", 2 instances: not yet traced to its cause)."""
+    ("mutated inputs": its analysis counted Q and CPOS as written, since fixed in _query_block and checked by
+    test_mutation_analysis.py)."""
     from torch._inductor.utils import run_and_get_code
 
     monkeypatch.setattr(sa, "PREFILL_KERNEL", True)
