@@ -216,24 +216,18 @@ def _prefill_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if FULL_TILES:  # the full tiles without a slot mask, then the partial last tile (if the block reaches it) with one
-        n_full = C // BLOCK_N
+    n_full = C // BLOCK_N if FULL_TILES else 0  # the full tiles without a slot mask, then the rest with one
+    if FULL_TILES:
         for j in range(lo, tl.minimum(hi, n_full)):
             m_i, l_i, acc = _slot_tile(m_i, l_i, acc, q, j, k_base, v_base, bias_base, pos_base, ks_base, ranges,
                                        offs_d, stride_kc, stride_kd, stride_vc, stride_vd, stride_bc, stride_pc,
                                        stride_ac, C, window, qk_scale, softcap_log2, qpos_min, qpos_max, q_rel, lo_rel,
                                        BLOCK_N, HAS_WINDOW, SOFTCAP, KEY_SCALE, False)
-        for j in range(tl.maximum(lo, n_full), hi):
-            m_i, l_i, acc = _slot_tile(m_i, l_i, acc, q, j, k_base, v_base, bias_base, pos_base, ks_base, ranges,
-                                       offs_d, stride_kc, stride_kd, stride_vc, stride_vd, stride_bc, stride_pc,
-                                       stride_ac, C, window, qk_scale, softcap_log2, qpos_min, qpos_max, q_rel, lo_rel,
-                                       BLOCK_N, HAS_WINDOW, SOFTCAP, KEY_SCALE, True)
-    else:
-        for j in range(lo, hi):
-            m_i, l_i, acc = _slot_tile(m_i, l_i, acc, q, j, k_base, v_base, bias_base, pos_base, ks_base, ranges,
-                                       offs_d, stride_kc, stride_kd, stride_vc, stride_vd, stride_bc, stride_pc,
-                                       stride_ac, C, window, qk_scale, softcap_log2, qpos_min, qpos_max, q_rel, lo_rel,
-                                       BLOCK_N, HAS_WINDOW, SOFTCAP, KEY_SCALE, True)
+    for j in range(tl.maximum(lo, n_full), hi):
+        m_i, l_i, acc = _slot_tile(m_i, l_i, acc, q, j, k_base, v_base, bias_base, pos_base, ks_base, ranges, offs_d,
+                                   stride_kc, stride_kd, stride_vc, stride_vd, stride_bc, stride_pc, stride_ac, C,
+                                   window, qk_scale, softcap_log2, qpos_min, qpos_max, q_rel, lo_rel, BLOCK_N,
+                                   HAS_WINDOW, SOFTCAP, KEY_SCALE, True)
 
     # -- epilogue: output row (b, hq, t) of the contiguous [B, Hq, T, *] outputs ----------------------------------
     store_rows(OUT, LSE, (b.to(tl.int64) * Hq + hq) * T + t, row_ok, offs_d, acc, m_i, l_i, HEAD_DIM, WRITE_LSE)

@@ -105,11 +105,12 @@ def _sketch_prefill_kernel(
     m_z = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # denominator's running max (roles 0, 1)
     l_z = tl.zeros([BLOCK_M], dtype=tl.float32)
     n_full = C // BLOCK_N if FULL_TILES else 0  # the full tiles without a slot mask, then the rest with one
-    for j in range(lo, tl.minimum(hi, n_full)):
-        m_n, l_n, acc, m_z, l_z = _sketch_tile(
-            m_n, l_n, acc, m_z, l_z, q, j, k_base, v_base, bias_base, pos_base, role_base, ranges, offs_d, stride_kc,
-            stride_kd, stride_vc, stride_vd, stride_bc, stride_pc, stride_rc, C, qk_scale, qpos_min, qpos_max, q_rel,
-            BLOCK_N, False)
+    if FULL_TILES:
+        for j in range(lo, tl.minimum(hi, n_full)):
+            m_n, l_n, acc, m_z, l_z = _sketch_tile(
+                m_n, l_n, acc, m_z, l_z, q, j, k_base, v_base, bias_base, pos_base, role_base, ranges, offs_d,
+                stride_kc, stride_kd, stride_vc, stride_vd, stride_bc, stride_pc, stride_rc, C, qk_scale, qpos_min,
+                qpos_max, q_rel, BLOCK_N, False)
     for j in range(tl.maximum(lo, n_full), hi):
         m_n, l_n, acc, m_z, l_z = _sketch_tile(
             m_n, l_n, acc, m_z, l_z, q, j, k_base, v_base, bias_base, pos_base, role_base, ranges, offs_d, stride_kc,
