@@ -85,6 +85,13 @@ def variants() -> list:
     return [dict(prefill_kernel=False)] + [dict(block_m=m, block_n=n, num_warps=w, num_stages=s) for m, n, w, s in grid]
 
 
+def _timed(f, ref, flops, tuning) -> dict:
+    """One launch variant's row: its median ms, TFLOP/s and largest error on row 0 against ref."""
+    err = (f()[:1].float() - ref).abs().max().item()
+    ms = _bench_ms(f)
+    return dict(tuning=tuning, ms=ms, tflops=flops / ms / 1e9, err=err)
+
+
 def sketch_rows(args, n_past, scale, flops) -> list:
     """sketch_attention's launches over the case's slots with roles 0/1/2 drawn over the past: the decode kernel's
     slot loop, the prefill kernel with and without FULL_TILES (ms, TFLOP/s, the largest error against the op's
@@ -97,14 +104,9 @@ def sketch_rows(args, n_past, scale, flops) -> list:
     role[..., :n_past] = torch.randint(0, 3, (*bias.shape[:2], n_past), device=q.device, generator=g).to(torch.int8)
     row0 = [x[:1] for x in (q, k, v, bias, pos)]
     ref = sa.reference_sketch_attention(*(x.float() for x in row0[:3]), *row0[3:], cp, role[:1], scale)
-    rows = []
-    for tuning in (dict(prefill_kernel=False), dict(prefill_kernel=True, full_tiles=True),
-                   dict(prefill_kernel=True, full_tiles=False)):
-        f = lambda: sa._launch(q, k, v, bias, pos, cp, role, scale, **tuning)  # noqa: E731
-        err = (f()[:1].float() - ref).abs().max().item()
-        ms = _bench_ms(f)
-        rows.append(dict(tuning=tuning, ms=ms, tflops=flops / ms / 1e9, err=err))
-    return rows
+    return [_timed(lambda: sa._launch(q, k, v, bias, pos, cp, role, scale, **tuning), ref, flops, tuning)
+            for tuning in (dict(prefill_kernel=False), dict(prefill_kernel=True, full_tiles=True),
+                           dict(prefill_kernel=True, full_tiles=False))]
 
 
 def run_case(name, sweep: bool, batch: int = 1, ab: bool = False, sketch: bool = False) -> dict:
@@ -117,10 +119,7 @@ def run_case(name, sweep: bool, batch: int = 1, ab: bool = False, sketch: bool =
                sdpa_ms=sdpa_ms(*args[:3], n_past + T))
 
     def timed(**tuning):
-        f = lambda: ca.triton_clustered_attention(*args, scale, 0, False, **tuning)  # noqa: E731
-        err = (f()[:1].float() - ref).abs().max().item()
-        ms = _bench_ms(f)
-        return dict(tuning=tuning, ms=ms, tflops=flops / ms / 1e9, err=err)
+        return _timed(lambda: ca.triton_clustered_attention(*args, scale, 0, False, **tuning), ref, flops, tuning)
 
     res["kvrewrite"] = timed()
     if ab:  # the launches, interleaved: A B C A B C (a first case of a process has timed slow before)
