@@ -4,7 +4,8 @@ Each case is the call one layer makes per chunk of a chunked prefill (Llama-3.1-
 D 128, bf16): T queries over n_past slots of the compressed past (bias = log degree, positions spread
 over the past) followed by the T fresh slots of the chunk (causal among themselves) and a few empty slots.
 The chelsea cases are a 32k prompt at budget 0.2 (n_past = round(0.2 * (32768 + 320)) slots), chunk 256,
-1024 and 2048; the full case is the middle of a 32k prompt with kvrewrite's `full` (16k of 33k slots used).
+1024 and 2048; the full case is the middle of a 32k prompt with kvrewrite's `full` (16k of 33k slots used), the
+clusterkv case the same with ClusterKV's 2048-query chunk (it keeps every token, so its prefill attends densely).
 
 Baseline: SDPA (cuDNN and flash backends, enable_gqa) over the same queries and the n_past + T used keys,
 without causality (every query sees every key): the same q·k work plus the masked half of the fresh block,
@@ -41,6 +42,7 @@ CASES = {  # name: (T, n_past, C, first query position)
     "chelsea 32k chunk 1024": (1024, CHELSEA_32K, CHELSEA_32K + 1024 + 64, 20000),
     "chelsea 32k chunk 2048": (2048, CHELSEA_32K, CHELSEA_32K + 2048 + 64, 20000),
     "full 32k chunk 1024 (16k used)": (1024, 16384, 32768 + 1024 + 320, 16384),
+    "clusterkv 32k chunk 2048 (16k used)": (2048, 16384, 32768 + 2048 + 320, 16384),
 }
 MAX_ERR_BF16 = 0.03
 

@@ -70,15 +70,15 @@ KERNELS_CHECKED_ON_GPU = True  # tests/kernels/test_sketch_attention_gpu.py: 88 
 # PREFILL_KERNEL: prefill chunks (G * T > 16 rows) through _sketch_prefill_kernels.py, clustered_attention's prefill
 # kernel with this op's two sums (its tile loop bounded by the tiles' position ranges, the causal mask only where a
 # block does not see a tile whole), instead of the decode kernel's slot loop. Why: ClusterGen's batch-8 32k prefill
-# (H200, stop 57: 18.5 s of kernels against HF's dense 11.2) spent 6.22 s in this op's decode loop. Measured (H200,
-# stop 57, `python -m kvrewrite.bench.attention_prefill --batch 8 --cases "chelsea 32k chunk 2048" --sketch`: a
-# 2048-query chunk over 8.6k slots, roles 0/1/2 over the past; one run): 7.94 ms against the decode loop's 11.09, the
-# same largest error against the reference (8.6e-4); 9.30 with every tile masked. Its 26 kernel GPU tests passed
-# (tests/kernels/test_sketch_attention_gpu.py's prefill cases; the compile test's first form failed on a bit-for-bit
-# check, since rewritten). Off until ClusterGen's prefill is timed with it end to end and
-# tests/methods/test_clustergen_gpu.py passes with it on
-# (`kvrewrite bench ... --kernel-option sketch_attention.PREFILL_KERNEL=True`).
-PREFILL_KERNEL = False
+# (H200, stop 57: 18.5 s of kernels against HF's dense 11.2) spent 6.22 s in this op's decode loop. Measured (H200):
+# at a batch-8 2048-query chunk over 8.6k slots, roles 0/1/2 over the past (`python -m kvrewrite.bench.attention_prefill
+# --batch 8 --cases "chelsea 32k chunk 2048" --sketch`), 7.94-7.96 ms against the decode loop's 10.86-11.09 in two
+# runs (stops 57, 58), the same largest error against the reference (8.6e-4); ClusterGen's batch-8 32k prefill end to
+# end (stop 58) 1.54-1.57x dense in two runs against 1.67x with this off in the same process as one of them.
+# tests/kernels/test_sketch_attention_gpu.py (in scripts/gpu_tests.sh 2: 750 passed) and tests/methods/
+# test_clustergen_gpu.py (15 passed) with it on. False: the decode kernel's slot loop for every block (an A/B switch,
+# `kvrewrite bench ... --kernel-option sketch_attention.PREFILL_KERNEL=False`).
+PREFILL_KERNEL = True
 
 
 def check_inputs(name, q, keys, values, bias, slot_pos, cache_position, role, softcap) -> tuple:
