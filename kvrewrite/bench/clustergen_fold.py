@@ -15,6 +15,7 @@ Each timed call starts from the same state (copied in untimed), CUDA events arou
 whatever the case): one call per case at the first batch size, the decode case only at the others.
 
 Run:  python -m kvrewrite.bench.clustergen_fold --out docs/bench/clustergen_fold_h100.json
+--calib-sweep also times the δ calibration's launch variants (chunk size, warps) on the first chunk's fold.
 """
 import argparse
 import json
@@ -121,6 +122,28 @@ def profile_launches(s0):
     return {e.key: round(e.device_time_total, 1) for e in prof.key_averages() if e.device_time_total > 0}
 
 
+# (points per chunk, warps) of the δ calibration's launch; the first is the default (CAL_CH, CAL_WARPS)
+CALIB_VARIANTS = [(kk.CAL_CH, kk.CAL_WARPS), (64, 8), (128, 8), (512, 8), (256, 16), (512, 16)]
+
+
+def calib_sweep(s0, want) -> list:
+    """The first fold's graph replay (its δ calibration the bulk) with each CALIB_VARIANTS launch, interleaved over
+    two rounds; each variant's state must equal the default's (want) field for field."""
+    out = []
+    for r in range(2):
+        for ch, warps in CALIB_VARIANTS:
+            knobs = dict(cal_ch=ch, cal_warps=warps)
+            try:
+                us, got = time_kernel(s0, 10, graph=True, **knobs)
+            except Exception as e:  # noqa: BLE001  (a launch that does not compile, e.g. out of registers)
+                out.append(dict(knobs, round=r, error=repr(e)[:200]))
+                continue
+            same_state = all(torch.equal(got[f], want[f]) for f in FIELDS)
+            out.append(dict(knobs, round=r, graph_us=us, same_state=same_state))
+            print(f"    calib {knobs} round {r}: {us:9.1f} us, same state {same_state}", flush=True)
+    return out
+
+
 def time_reference(s0):
     best = float("inf")
     for _ in range(1):
@@ -142,6 +165,9 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also time the resolve launch's warps 1, 2, 4, 8")
+    parser.add_argument("--calib-sweep", action="store_true",
+                        help="also time the δ calibration's launches (CALIB_VARIANTS) on prefill_first at every batch, "
+                             "each checked equal to the default's state")
     args = parser.parse_args()
     env = env_info()
     print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}", flush=True)
@@ -168,6 +194,8 @@ def main():
             print(json.dumps(row), flush=True)
             row["launch_us"] = profile_launches(s0)
             print(name, "launches", row["launch_us"], flush=True)
+            if args.calib_sweep and name == "prefill_first":
+                row["calib_sweep"] = calib_sweep(s0, got)
             if args.sweep and B == args.batches[0] and name != "prefill_later":  # the resolve launch's warps
                 row["graph_us_by_resolve_warps"] = {w: time_kernel(s0, 5, graph=True, num_warps_seq=w)[0]
                                                     for w in (1, 2, 4, 8)}

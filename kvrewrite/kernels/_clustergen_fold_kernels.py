@@ -57,7 +57,11 @@ except ImportError:  # CPU-only installs: the op runs its reference; only triton
 
 NAME = "triton_clustergen_fold"
 SPLIT_CH = 1024  # slots per chunk of the split pass
-CAL_CH = 64  # points per chunk of a calibration pass
+# launch 2: points per chunk of a pass and warps. 256 and 8 by an H200 sweep of the first chunk's fold (batch 8, |F|
+# 2012, 204 centres: 57.6-58.1 ms at 64 points, 23.9 at 256, 61.6-93.0 at 128, 63-107 at 256 with 16 warps; stop
+# 58, docs/bench.md). A pipelined chunk loop (num_stages 3) once gave another state (its D2 loads run ahead of the
+# stores of the pass): not used.
+CAL_CH, CAL_WARPS = 256, 8
 DIST_BF, DIST_BM, DIST_FO = 16, 32, 1024  # launch 3: keys x clusters per tile, keys per program
 RES_B, RES_BL = 32, 32  # launch 4: keys per sequential block, leaders per tile
 DC = 8  # dims per step of a distance tile
@@ -476,11 +480,13 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
                            n_seen, n_forced, *, n_sink: int, window: int, t: int, value_share: float,
                            cluster_target: float, seed: int, layer: int, head_offset: int = 0,
                            dist_bm: int = DIST_BM, dist_fo: int = DIST_FO,
-                           res_b: int = RES_B, res_bl: int = RES_BL, num_warps_seq: int = 4) -> None:
+                           res_b: int = RES_B, res_bl: int = RES_BL, num_warps_seq: int = 4, cal_ch: int = CAL_CH,
+                           cal_warps: int = CAL_WARPS) -> None:
     """Launch the six kernels (module docstring); mutates the state as the op. The inputs are checked by the op
     (kvrewrite/kernels/clustergen_fold.py); here only what the kernels add: contiguous tensors. Knobs (powers of
     two; every value gives the same result): dist_bm clusters per distance block, dist_fo keys per distance
-    program, res_b keys per sequential block, res_bl leaders per tile; num_warps_seq the resolve launch's warps.
+    program, res_b keys per sequential block, res_bl leaders per tile; num_warps_seq the resolve launch's warps;
+    cal_ch points per chunk of a calibration pass, cal_warps its warps.
     Under TRITON_INTERPRET=1 it runs on CPU tensors (how the kernels are tested without a GPU)."""
     if triton is None:
         raise NotImplementedError(f"{NAME} needs Triton (pip install triton)")
@@ -515,8 +521,8 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
     xp = torch.empty(rows, nk, dtype=torch.int64, device=dev)
     sz = (n_sink, window, t, vs, ct)
     _cg_split_kernel[(rows,)](bias, role, fill, budget, fs, ks, info, C, n_sink, window, CH=SPLIT_CH)
-    _cg_calib_kernel[(rows,)](keys, fs, info, delta, d2, budget, C, D, *sz, Mmax, CH=CAL_CH, BLOCK_D=block_d,
-                              num_warps=8)
+    _cg_calib_kernel[(rows,)](keys, fs, info, delta, d2, budget, C, D, *sz, Mmax, CH=cal_ch, BLOCK_D=block_d,
+                              num_warps=cal_warps)
     _cg_dist_kernel[(ncb, triton.cdiv(C, dist_fo), rows)](keys, values, rep, fs, info, n_clusters, pd, pi, w, C, D,
                                                           Mmax, ncb, BF=DIST_BF, BM=dist_bm, FO=dist_fo, DCH=DC,
                                                           BLOCK_D=block_d)

@@ -6,8 +6,8 @@ Runs only under the interpreter: `TRITON_INTERPRET=1 python -m pytest -q tests/k
 (with Triton installed; skipped otherwise). fp32 only (the 3.6 interpreter's 16-bit arithmetic is not the GPU's).
 Keys and values are small integers, so every fp32 distance, norm and prefix sum is exact in any summation order:
 every discrete decision (calibration centres, leaders, joins, forced keys, samples, packing) must match exactly.
-Small knobs (4-cluster distance blocks, 8-key resolve blocks, 4-leader tiles) make tiny shapes cross every block
-boundary.
+Small knobs (4-cluster distance blocks, 8-key resolve blocks, 4-leader tiles, 8-point calibration chunks) make tiny
+shapes cross every block boundary.
 """
 import os
 
@@ -25,7 +25,7 @@ from kvrewrite.kernels._hash import mix32_triton  # noqa: E402
 from kvrewrite.kernels.clustergen_fold import reference_clustergen_fold  # noqa: E402
 from kvrewrite.kernels.kmeans_cluster import mix32  # noqa: E402
 
-SMALL = dict(dist_bm=4, dist_fo=16, res_b=8, res_bl=4)  # every block boundary crossed at these sizes
+SMALL = dict(dist_bm=4, dist_fo=16, res_b=8, res_bl=4, cal_ch=8)  # every block boundary crossed at these sizes
 FIELDS = ("keys", "values", "bias", "slot_pos", "fill", "budget", "role", "rep", "count", "n_clusters", "mu", "delta",
           "n_seen", "n_forced")
 
@@ -96,11 +96,11 @@ def check(got, want, orig, threshold):
     torch.testing.assert_close(got["delta"], want["delta"], atol=0, rtol=1e-6)
 
 
-def fold_both(st, kw, threshold):
+def fold_both(st, kw, threshold, **knobs):
     st["budget"][1] = threshold
     orig = {f: x.clone() for f, x in st.items()}
     got = {f: x.clone() for f, x in st.items()}
-    triton_clustergen_fold(*(got[f] for f in FIELDS), **kw, **SMALL)
+    triton_clustergen_fold(*(got[f] for f in FIELDS), **kw, **{**SMALL, **knobs})
     reference_clustergen_fold(*(st[f] for f in FIELDS), **kw)
     check(got, st, orig, threshold)
 
@@ -112,8 +112,11 @@ CASES = {  # name: (n_sink, window, t, value_share, cluster_target, Bt, groups, 
 }
 
 
+@pytest.mark.parametrize("cal", [{}, dict(cal_ch=2, cal_warps=4)], ids=["cal8", "cal2"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_reference_prefill_then_decode_folds(name):
+def test_matches_reference_prefill_then_decode_folds(name, cal):
+    """Prompt folds then decode folds, every output against the reference; the calibration's chunk size and warps
+    change no decision (each lane keeps its first farthest point, the lanes' first wins)."""
     n_sink, window, t, vs, ct, Bt, groups, lens, g = CASES[name]
     kw = dict(n_sink=n_sink, window=window, t=t, value_share=vs, cluster_target=ct, seed=7, layer=3)
     gen = torch.Generator().manual_seed(len(name))
@@ -129,7 +132,7 @@ def test_matches_reference_prefill_then_decode_folds(name):
             append(st, b, h, float("nan"), 0.0, 0, pad=True)
         for n in range(lens[r]):
             append(st, b, h, keys[(n + 5 * r) % len(keys)], vals[(n + 5 * r) % len(keys)], n)
-    fold_both(st, kw, 30)
+    fold_both(st, kw, 30, **cal)
     assert int(st["n_clusters"].max()) >= 2
     for step in range(2):
         for b in range(B):
@@ -137,7 +140,7 @@ def test_matches_reference_prefill_then_decode_folds(name):
                 for n in range(g):
                     i = max(lens) + step * g + n
                     append(st, b, h, keys[i] + 40 * (step == 0), vals[i], i)  # far keys, folded next step
-        fold_both(st, kw, n_sink + window + g)
+        fold_both(st, kw, n_sink + window + g, **cal)
     if name == "uniform-overflow":
         assert int(st["n_forced"].max()) > 0
 
