@@ -15,7 +15,8 @@ Each timed call starts from the same state (copied in untimed), CUDA events arou
 whatever the case): one call per case at the first batch size, the decode case only at the others.
 
 Run:  python -m kvrewrite.bench.clustergen_fold --out docs/bench/clustergen_fold_h100.json
---calib-sweep also times the δ calibration's launch variants (chunk size, warps) on the first chunk's fold.
+--calib-sweep also times the δ calibration's launch variants (chunk size, warps) on the first chunk's fold;
+--dist-sweep the distance launch's (tiles, keys per program, warps) on a later chunk's fold and a decode step's.
 """
 import argparse
 import json
@@ -144,6 +145,31 @@ def calib_sweep(s0, want) -> list:
     return out
 
 
+# (keys per tile, clusters per block, keys per program, warps) of the distance launch (launch 3); the first is the
+# default (DIST_BF, DIST_BM, DIST_FO, 4 warps)
+DIST_VARIANTS = [(kk.DIST_BF, kk.DIST_BM, kk.DIST_FO, 4), (32, 32, 1024, 4), (8, 32, 1024, 4), (16, 64, 1024, 4),
+                 (16, 16, 1024, 4), (16, 32, 512, 4), (16, 32, 256, 4), (32, 64, 1024, 8), (16, 32, 1024, 8),
+                 (64, 32, 1024, 8)]
+
+
+def dist_sweep(s0, want) -> list:
+    """A later chunk's (or a decode step's) whole fold, its distance launch the bulk, with each DIST_VARIANTS launch,
+    interleaved over two rounds; each variant's state checked against the default's (want) field for field."""
+    out = []
+    for r in range(2):
+        for bf, bm, fo, warps in DIST_VARIANTS:
+            knobs = dict(dist_bf=bf, dist_bm=bm, dist_fo=fo, dist_warps=warps)
+            try:
+                us, got = time_kernel(s0, 10, graph=True, **knobs)
+            except Exception as e:  # noqa: BLE001  (a launch that does not compile, e.g. out of registers)
+                out.append(dict(knobs, round=r, error=repr(e)[:200]))
+                continue
+            same_state = all(torch.equal(got[f], want[f]) for f in FIELDS)
+            out.append(dict(knobs, round=r, graph_us=us, same_state=same_state))
+            print(f"    dist {knobs} round {r}: {us:9.1f} us, same state {same_state}", flush=True)
+    return out
+
+
 def time_reference(s0):
     best = float("inf")
     for _ in range(1):
@@ -166,8 +192,11 @@ def main():
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also time the resolve launch's warps 1, 2, 4, 8")
     parser.add_argument("--calib-sweep", action="store_true",
-                        help="also time the δ calibration's launches (CALIB_VARIANTS) on prefill_first at every batch, "
-                             "each checked equal to the default's state")
+                        help="also time the δ calibration's launches (CALIB_VARIANTS) on prefill_first at every "
+                             "batch, each checked equal to the default's state")
+    parser.add_argument("--dist-sweep", action="store_true",
+                        help="also time the distance launch's variants (DIST_VARIANTS) on prefill_later and decode at "
+                             "every batch, each checked against the default's state")
     args = parser.parse_args()
     env = env_info()
     print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}", flush=True)
@@ -196,6 +225,8 @@ def main():
             print(name, "launches", row["launch_us"], flush=True)
             if args.calib_sweep and name == "prefill_first":
                 row["calib_sweep"] = calib_sweep(s0, got)
+            if args.dist_sweep and name != "prefill_first":
+                row["dist_sweep"] = dist_sweep(s0, got)
             if args.sweep and B == args.batches[0] and name != "prefill_later":  # the resolve launch's warps
                 row["graph_us_by_resolve_warps"] = {w: time_kernel(s0, 5, graph=True, num_warps_seq=w)[0]
                                                     for w in (1, 2, 4, 8)}

@@ -59,8 +59,8 @@ NAME = "triton_clustergen_fold"
 SPLIT_CH = 1024  # slots per chunk of the split pass
 # launch 2: points per chunk of a pass and warps. 256 and 8 by an H200 sweep of the first chunk's fold (batch 8, |F|
 # 2012, 204 centres: 57.6-58.1 ms at 64 points, 23.9 at 256, 61.6-93.0 at 128, 63-107 at 256 with 16 warps; stop
-# 58, docs/bench.md). A pipelined chunk loop (num_stages 3) once gave another state (its D2 loads run ahead of the
-# stores of the pass): not used.
+# 58, docs/bench.md). A pipelined chunk loop (tl.range num_stages 3) once gave another state and failed a GPU test
+# (not traced; the loop loads and stores each point's running distance D2): not used.
 CAL_CH, CAL_WARPS = 256, 8
 DIST_BF, DIST_BM, DIST_FO = 16, 32, 1024  # launch 3: keys x clusters per tile, keys per program
 RES_B, RES_BL = 32, 32  # launch 4: keys per sequential block, leaders per tile
@@ -479,14 +479,15 @@ def _bits(x: float) -> int:
 def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep, count, n_clusters, mu, delta,
                            n_seen, n_forced, *, n_sink: int, window: int, t: int, value_share: float,
                            cluster_target: float, seed: int, layer: int, head_offset: int = 0,
-                           dist_bm: int = DIST_BM, dist_fo: int = DIST_FO,
+                           dist_bm: int = DIST_BM, dist_fo: int = DIST_FO, dist_bf: int = DIST_BF, dist_warps: int = 4,
                            res_b: int = RES_B, res_bl: int = RES_BL, num_warps_seq: int = 4, cal_ch: int = CAL_CH,
                            cal_warps: int = CAL_WARPS) -> None:
     """Launch the six kernels (module docstring); mutates the state as the op. The inputs are checked by the op
     (kvrewrite/kernels/clustergen_fold.py); here only what the kernels add: contiguous tensors. Knobs (powers of
     two; every value gives the same result): dist_bm clusters per distance block, dist_fo keys per distance
-    program, res_b keys per sequential block, res_bl leaders per tile; num_warps_seq the resolve launch's warps;
-    cal_ch points per chunk of a calibration pass, cal_warps its warps.
+    program, dist_bf keys per distance tile, dist_warps the distance launch's warps; res_b keys per sequential
+    block, res_bl leaders per tile, num_warps_seq the resolve launch's warps; cal_ch points per chunk of a
+    calibration pass, cal_warps its warps.
     Under TRITON_INTERPRET=1 it runs on CPU tensors (how the kernels are tested without a GPU)."""
     if triton is None:
         raise NotImplementedError(f"{NAME} needs Triton (pip install triton)")
@@ -524,8 +525,8 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
     _cg_calib_kernel[(rows,)](keys, fs, info, delta, d2, budget, C, D, *sz, Mmax, CH=cal_ch, BLOCK_D=block_d,
                               num_warps=cal_warps)
     _cg_dist_kernel[(ncb, triton.cdiv(C, dist_fo), rows)](keys, values, rep, fs, info, n_clusters, pd, pi, w, C, D,
-                                                          Mmax, ncb, BF=DIST_BF, BM=dist_bm, FO=dist_fo, DCH=DC,
-                                                          BLOCK_D=block_d)
+                                                          Mmax, ncb, BF=dist_bf, BM=dist_bm, FO=dist_fo, DCH=DC,
+                                                          BLOCK_D=block_d, num_warps=dist_warps)
     _cg_resolve_kernel[(rows,)](keys, fs, info, n_clusters, delta, mu, pd, pi, w, p, assign, nl, jc, budget, C, D,
                                 Mmax, ncb, *sz, BM=dist_bm, RB=res_b, BL=res_bl, DCH=DC, CH=SPLIT_CH,
                                 num_warps=num_warps_seq)

@@ -112,11 +112,12 @@ CASES = {  # name: (n_sink, window, t, value_share, cluster_target, Bt, groups, 
 }
 
 
-@pytest.mark.parametrize("cal", [{}, dict(cal_ch=2, cal_warps=4)], ids=["cal8", "cal2"])
+@pytest.mark.parametrize("knobs", [{}, dict(cal_ch=2, cal_warps=4, dist_bf=4, dist_warps=2)], ids=["small", "smaller"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_reference_prefill_then_decode_folds(name, cal):
-    """Prompt folds then decode folds, every output against the reference; the calibration's chunk size and warps
-    change no decision (each lane keeps its first farthest point, the lanes' first wins)."""
+def test_matches_reference_prefill_then_decode_folds(name, knobs):
+    """Prompt folds then decode folds, every output against the reference; the launch knobs change no decision (the
+    calibration's chunks: each lane keeps its first farthest point, the lanes' first wins; the distance tiles: each
+    key's first nearest cluster)."""
     n_sink, window, t, vs, ct, Bt, groups, lens, g = CASES[name]
     kw = dict(n_sink=n_sink, window=window, t=t, value_share=vs, cluster_target=ct, seed=7, layer=3)
     gen = torch.Generator().manual_seed(len(name))
@@ -132,7 +133,7 @@ def test_matches_reference_prefill_then_decode_folds(name, cal):
             append(st, b, h, float("nan"), 0.0, 0, pad=True)
         for n in range(lens[r]):
             append(st, b, h, keys[(n + 5 * r) % len(keys)], vals[(n + 5 * r) % len(keys)], n)
-    fold_both(st, kw, 30, **cal)
+    fold_both(st, kw, 30, **knobs)
     assert int(st["n_clusters"].max()) >= 2
     for step in range(2):
         for b in range(B):
@@ -140,7 +141,7 @@ def test_matches_reference_prefill_then_decode_folds(name, cal):
                 for n in range(g):
                     i = max(lens) + step * g + n
                     append(st, b, h, keys[i] + 40 * (step == 0), vals[i], i)  # far keys, folded next step
-        fold_both(st, kw, n_sink + window + g, **cal)
+        fold_both(st, kw, n_sink + window + g, **knobs)
     if name == "uniform-overflow":
         assert int(st["n_forced"].max()) > 0
 
