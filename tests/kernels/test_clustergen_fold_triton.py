@@ -146,6 +146,25 @@ def test_matches_reference_prefill_then_decode_folds(name, knobs):
         assert int(st["n_forced"].max()) > 0
 
 
+# 7 keys (2-D, padded to D 5) whose greedy 3-center radius depends on the tie rule (found by brute force over small
+# integer sets): in the second pass keys 2 and 6 tie as the farthest; the first gives r^2 = 9, the last 10. Same
+# parity, so at 2 points a chunk they share a lane (chunks 1 and 3); at 8 they sit in two lanes of one chunk.
+TIE_KEYS = [(4, 3), (4, 0), (0, -1), (-4, -3), (-3, -2), (-1, 0), (2, -1)]
+
+
+@pytest.mark.parametrize("knobs", [dict(cal_ch=8), dict(cal_ch=2)], ids=["lanes", "chunks"])
+def test_calibration_takes_the_first_farthest_point(knobs):
+    """δ from the greedy k-center with ties to the first farthest point, as the reference: across lanes of a chunk
+    (8 points a chunk: the tied points in two lanes) and across chunks of one lane (2 points a chunk)."""
+    kw = dict(n_sink=0, window=0, t=1, value_share=0.5, cluster_target=0.5, seed=7, layer=3)  # M_target 3
+    B, H, D, Bt = 1, 1, 5, 12
+    st = new_state(B, H, len(TIE_KEYS) + 2 + Bt, D, 8, Bt)
+    for n, (x, y) in enumerate(TIE_KEYS):
+        append(st, 0, 0, torch.tensor([x, y, 0, 0, 0.0]), torch.ones(D), n)
+    fold_both(st, kw, 0, **knobs)
+    assert float(st["delta"]) == pytest.approx(3 * 1.001)  # r = 3: the first farthest point's radius (last: sqrt 10)
+
+
 def test_head_offset_matches_reference():
     """A tensor-parallel rank's fold (head_offset: the layer's index of its first head): the reservoirs hash the
     same heads as the reference."""
