@@ -58,7 +58,7 @@ except ImportError:  # CPU-only installs: the op runs its reference; only triton
 NAME = "triton_clustergen_fold"
 SPLIT_CH = 1024  # slots per chunk of the split pass
 # launch 2: points per chunk of a pass and warps. 256 and 8 by an H200 sweep of the first chunk's fold (batch 8, |F|
-# 2012, 204 centres: 57.6-58.1 ms at 64 points, 23.9 at 256, 61.6-93.0 at 128, 63-107 at 256 with 16 warps; stop
+# 2012, 204 centres: 57.6-58.1 ms at 64 points, 23.9 at 256, 91.8-93.0 at 128, 106-108 at 256 with 16 warps; stop
 # 58, docs/bench.md). A pipelined chunk loop (tl.range num_stages 3) once gave another state and failed a GPU test
 # (not traced; the loop loads and stores each point's running distance D2): not used.
 CAL_CH, CAL_WARPS = 256, 8
