@@ -125,26 +125,6 @@ def profile_launches(s0):
 
 # (points per chunk, warps) of the δ calibration's launch; the first is the default (CAL_CH, CAL_WARPS)
 CALIB_VARIANTS = [(kk.CAL_CH, kk.CAL_WARPS), (64, 8), (128, 8), (512, 8), (256, 16), (512, 16)]
-
-
-def calib_sweep(s0, want) -> list:
-    """The first fold's graph replay (its δ calibration the bulk) with each CALIB_VARIANTS launch, interleaved over
-    two rounds; each variant's state must equal the default's (want) field for field."""
-    out = []
-    for r in range(2):
-        for ch, warps in CALIB_VARIANTS:
-            knobs = dict(cal_ch=ch, cal_warps=warps)
-            try:
-                us, got = time_kernel(s0, 10, graph=True, **knobs)
-            except Exception as e:  # noqa: BLE001  (a launch that does not compile, e.g. out of registers)
-                out.append(dict(knobs, round=r, error=repr(e)[:200]))
-                continue
-            same_state = all(torch.equal(got[f], want[f]) for f in FIELDS)
-            out.append(dict(knobs, round=r, graph_us=us, same_state=same_state))
-            print(f"    calib {knobs} round {r}: {us:9.1f} us, same state {same_state}", flush=True)
-    return out
-
-
 # (keys per tile, clusters per block, keys per program, warps) of the distance launch (launch 3); the first is the
 # default (DIST_BF, DIST_BM, DIST_FO, 4 warps)
 DIST_VARIANTS = [(kk.DIST_BF, kk.DIST_BM, kk.DIST_FO, 4), (32, 32, 1024, 4), (8, 32, 1024, 4), (16, 64, 1024, 4),
@@ -152,13 +132,14 @@ DIST_VARIANTS = [(kk.DIST_BF, kk.DIST_BM, kk.DIST_FO, 4), (32, 32, 1024, 4), (8,
                  (64, 32, 1024, 8)]
 
 
-def dist_sweep(s0, want) -> list:
-    """A later chunk's (or a decode step's) whole fold, its distance launch the bulk, with each DIST_VARIANTS launch,
-    interleaved over two rounds; each variant's state checked against the default's (want) field for field."""
+def knob_sweep(s0, want, variants: list, label: str) -> list:
+    """One case's whole fold replayed from a CUDA graph with each launch-knob dict of variants, interleaved over two
+    rounds; each variant's state checked against the default's (want) field for field: --calib-sweep (the first
+    chunk's fold, its δ calibration the bulk) and --dist-sweep (a later chunk's and a decode step's, the distance
+    launch the bulk)."""
     out = []
     for r in range(2):
-        for bf, bm, fo, warps in DIST_VARIANTS:
-            knobs = dict(dist_bf=bf, dist_bm=bm, dist_fo=fo, dist_warps=warps)
+        for knobs in variants:
             try:
                 us, got = time_kernel(s0, 10, graph=True, **knobs)
             except Exception as e:  # noqa: BLE001  (a launch that does not compile, e.g. out of registers)
@@ -166,7 +147,7 @@ def dist_sweep(s0, want) -> list:
                 continue
             same_state = all(torch.equal(got[f], want[f]) for f in FIELDS)
             out.append(dict(knobs, round=r, graph_us=us, same_state=same_state))
-            print(f"    dist {knobs} round {r}: {us:9.1f} us, same state {same_state}", flush=True)
+            print(f"    {label} {knobs} round {r}: {us:9.1f} us, same state {same_state}", flush=True)
     return out
 
 
@@ -224,9 +205,11 @@ def main():
             row["launch_us"] = profile_launches(s0)
             print(name, "launches", row["launch_us"], flush=True)
             if args.calib_sweep and name == "prefill_first":
-                row["calib_sweep"] = calib_sweep(s0, got)
+                row["calib_sweep"] = knob_sweep(s0, got, [dict(cal_ch=ch, cal_warps=w) for ch, w in CALIB_VARIANTS],
+                                                "calib")
             if args.dist_sweep and name != "prefill_first":
-                row["dist_sweep"] = dist_sweep(s0, got)
+                row["dist_sweep"] = knob_sweep(s0, got, [dict(dist_bf=bf, dist_bm=bm, dist_fo=fo, dist_warps=w)
+                                                         for bf, bm, fo, w in DIST_VARIANTS], "dist")
             if args.sweep and B == args.batches[0] and name != "prefill_later":  # the resolve launch's warps
                 row["graph_us_by_resolve_warps"] = {w: time_kernel(s0, 5, graph=True, num_warps_seq=w)[0]
                                                     for w in (1, 2, 4, 8)}
