@@ -6,7 +6,10 @@ Design. Nothing is read on the host; every grid is fixed by the shapes (rows = B
 CUDA-graph capturable. A program whose row is not due (or has nothing to fold) returns at once, and every loop is
 bounded by data loaded on the device (the row's fill, |F|, the open clusters, M_target), so a decode-time call
 works in proportion to the g folded tokens and the sketch it rewrites, not to the capacity. Every output element
-has one writer; the only atomics are int32 counts (deterministic). Launches:
+has one writer; the only atomics are int32 counts (deterministic). A row value that every warp of a program reads and
+the program then rewrites (the pack launch's fill and n_clusters) is written only after a barrier that every warp
+reaches after its reads (a warp that read the new value would skip its share: stop 59's race, docs/methods.md).
+Launches:
 
 1. split (grid rows): E = the valid exact slots of [0, fill) ranked by a chunked cumsum; FS = F's slots in order,
    KS = the kept (sinks, window) slots in order; INFO = [due, |F|, n_kept].
@@ -428,9 +431,14 @@ def _cg_pack_kernel(K, V, BIAS, POS, ROLE, FILL, REP, COUNT, JC, NCL, NFORCED, N
                 mi = i < nc_new
                 c = tl.load(COUNT + row * Mmax + i, mask=mi, other=0) + tl.load(JC + row * Mmax + i, mask=mi, other=0)
                 tl.store(COUNT + row * Mmax + i, c, mask=mi)
+            n_forced = tl.load(NFORCED + row) + tl.load(INFO + row * 8 + 4).to(tl.int64)
+            n_seen = tl.load(NSEEN + row) + nF.to(tl.int64)
+            # every warp has read NCL (the loops' bounds above), NFORCED and NSEEN before one thread writes them: a
+            # warp that read NCL after the write would take nc_new for nc_old and skip its representatives
+            tl.debug_barrier()
             tl.store(NCL + row, nc_new.to(tl.int64))
-            tl.store(NFORCED + row, tl.load(NFORCED + row) + tl.load(INFO + row * 8 + 4).to(tl.int64))
-            tl.store(NSEEN + row, tl.load(NSEEN + row) + nF.to(tl.int64))
+            tl.store(NFORCED + row, n_forced)
+            tl.store(NSEEN + row, n_seen)
             tl.store(MU + row, tl.load(P + base + nF - 1).to(tl.float32))
             tl.debug_barrier()  # the leaders' keys are read before the pack overwrites F's slots
         # stage the kept slots that move, then write them to [0, n_kept)
@@ -468,6 +476,10 @@ def _cg_pack_kernel(K, V, BIAS, POS, ROLE, FILL, REP, COUNT, JC, NCL, NFORCED, N
             mc = c < fill
             tl.store(BIAS + base + c, tl.full([PB * 8], float("-inf"), tl.float32), mask=mc)
             tl.store(ROLE + base + c, tl.zeros([PB * 8], tl.int8), mask=mc)
+        # every warp has read FILL (the bound of the loop above) before one thread writes it. Without this barrier a
+        # warp that reached its load after the write read n_kept and freed none of its slots: H200, batch 8, 1-5 of
+        # 40 replays of a later prefill chunk's fold left 512 freed slots of one row at bias 0 (stop 59).
+        tl.debug_barrier()
         tl.store(FILL + row, n_kept.to(tl.int64))
 
 

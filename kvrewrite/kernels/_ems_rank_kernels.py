@@ -98,6 +98,9 @@ def _ems_append_kernel(FILL, KPRE, CP, ES, RAW, LUT, KS, TP, SO, SF, T, C, R, D,
                 m2 = me[:, None] & (d < D)[None, :]
                 k = tl.load(KPRE + kbase + t[:, None].to(tl.int64) * skt + d[None, :] * skd, mask=m2)
                 tl.store(RAW + (row * C + e[:, None]) * D + d[None, :], k.to(RAW.dtype.element_ty), mask=m2)
+    # every warp has read SF (its entries' index j above) before one thread writes it: a warp that read it after the
+    # write would put its entries T places on (the race stop 59 found in clustergen_fold's pack launch, by audit here)
+    tl.debug_barrier()
     tl.store(SF + row, tl.minimum(sf + T, R))  # as cache_append's fill: every reader stays inside the table
 
 

@@ -201,3 +201,36 @@ def test_mix32_triton_equals_mix32():
     y = torch.zeros_like(xs).cuda()
     _mix_kernel[(1,)](xs.cuda(), y, len(xs), BS=4096)
     assert y.cpu().tolist() == [mix32(int(x)) for x in xs]
+
+
+def test_replays_of_a_batch_fold_give_one_state():
+    """A later prefill chunk's fold at the bench's batch-8 32k layout (random bf16 keys, 407 clusters open, 2048 folded
+    keys a row), replayed from one state 40 times in a CUDA graph: one state every time, and every freed slot
+    [n_kept, old fill) at bias -inf. Before stop 59's barriers in the pack launch, 1-5 replays of 40 left 512 freed
+    slots of one row at bias 0 (a warp read the row's fill after another had written n_kept) on an H200."""
+    from kvrewrite.bench import clustergen_fold as cf
+
+    s0 = cf.states(8)[0]["prefill_later"]
+    old_fill = s0["fill"].clone()
+    s = {f: x.clone() for f, x in s0.items()}
+    cf.fold(s)
+    torch.cuda.synchronize()
+    for f in cf.FIELDS:
+        s[f].copy_(s0[f])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cf.fold(s)
+    first = None
+    for i in range(40):
+        for f in cf.FIELDS:
+            s[f].copy_(s0[f])
+        graph.replay()
+        torch.cuda.synchronize()
+        if first is None:
+            first = {f: s[f].clone() for f in cf.FIELDS}
+            slot = torch.arange(s["bias"].shape[-1], device="cuda")
+            freed = (slot >= s["fill"][..., None]) & (slot < old_fill[..., None])
+            assert freed.any() and (s["bias"][freed] == float("-inf")).all(), "a freed slot kept its bias"
+            continue
+        differ = [f for f in cf.FIELDS if not torch.equal(s[f], first[f])]
+        assert not differ, f"replay {i}: {differ} differ from the first replay's"
