@@ -522,3 +522,15 @@ def test_ems_prefill_state_is_a_valid_table_and_the_dense_check_measures_it():
     assert all(set(t) <= set(inspect.signature(_ems_fold_kernels._stats_launch).parameters) for t in ep.FOLD.values())
     red = set(inspect.signature(ems_redundancy.triton_ems_redundancy).parameters)
     assert all(set(t) <= red for t in ep.REDUNDANCY.values())
+
+
+def test_dense_prefill_probe_takes_only_cases_whose_slots_are_in_position_order():
+    """bench.dense_prefill_probe masks by slot index, so it refuses a case whose slot i does not hold position i (the
+    chelsea cases: a compressed past) before it touches a GPU; its variants cover the three load forms."""
+    from kvrewrite.bench import dense_prefill_probe as probe
+
+    with pytest.raises(SystemExit, match="position order"):
+        probe.run(1, "chelsea 32k chunk 2048")
+    assert {v[4] for v in probe.VARIANTS} == {0, 1, 2}
+    assert all(probe.CASES[c][1] == probe.CASES[c][3] for c in ("clusterkv 32k chunk 2048 (16k used)",
+                                                                "full 32k chunk 1024 (16k used)"))
