@@ -22,6 +22,10 @@ prefill kernels on grids the slot loop splits, interleaved, twice each (clustere
 PREFILL_SPLIT_GRIDS). --sketch also times kvrewrite::sketch_attention (ClusterGen) over the same slots with roles
 0/1/2 drawn over the past (the fresh block exact): its decode kernel's slot loop against its prefill kernel
 (sketch_attention.PREFILL_KERNEL), with and without FULL_TILES, each checked against the op's reference on row 0.
+--ordered times the ordered prefill kernel's routing (_ordered_prefill_kernels.ORDERED: rows whose slots hold their
+tokens in position order, the clusterkv and full cases here; the chelsea cases' rows all go to the general kernel, so
+there it times the routing's cost) against the default, with TMA where it serves and with pointer loads, interleaved,
+twice.
 """
 import argparse
 import itertools
@@ -111,7 +115,8 @@ def sketch_rows(args, n_past, scale, flops) -> list:
                            dict(prefill_kernel=True, full_tiles=False))]
 
 
-def run_case(name, sweep: bool, batch: int = 1, ab: bool = False, sketch: bool = False) -> dict:
+def run_case(name, sweep: bool, batch: int = 1, ab: bool = False, sketch: bool = False,
+             ordered: bool = False) -> dict:
     T, n_past, C, start = CASES[name]
     args = make_inputs(T, n_past, C, start, batch=batch)
     scale = D ** -0.5
@@ -127,6 +132,9 @@ def run_case(name, sweep: bool, batch: int = 1, ab: bool = False, sketch: bool =
     if ab:  # the launches, interleaved: A B C A B C (a first case of a process has timed slow before)
         res["ab"] = [dict(timed(**t), round=r) for r in range(2)
                      for t in ({}, dict(prefill_kernel=False), dict(prefill_split_grids=True))]
+    if ordered:  # A B C A B C
+        res["ordered"] = [dict(timed(**t), round=r) for r in range(2)
+                          for t in ({}, dict(ordered=True), dict(ordered=dict(tma=False)))]
     if sweep:
         res["sweep"] = []
         for tuning in variants():
@@ -153,12 +161,15 @@ def main(argv=None):
     p.add_argument("--sketch", action="store_true",
                    help="also time sketch_attention (ClusterGen) over the same slots: its decode kernel's slot loop "
                         "against its prefill kernel, with and without FULL_TILES")
+    p.add_argument("--ordered", action="store_true",
+                   help="also time the ordered prefill kernel's routing (TMA where it serves, and pointer loads) "
+                        "against the default, interleaved, twice")
     args = p.parse_args(argv)
     rows = []
     doc = dict(env=env_info(), rows=rows)
     bad = []
     for name in args.cases.split(","):
-        r = run_case(name, args.sweep, args.batch, args.ab, args.sketch)
+        r = run_case(name, args.sweep, args.batch, args.ab, args.sketch, args.ordered)
         rows.append(r)
         kv = r["kvrewrite"]
         sd = r["sdpa_ms"]
@@ -168,12 +179,16 @@ def main(argv=None):
         for v in r.get("ab", []):
             print(f"    A/B round {v['round']}: {v['ms']:7.3f} ms {v['tflops']:6.1f} TFLOP/s  "
                   f"{v['tuning'] or 'default'}", flush=True)
+        for v in r.get("ordered", []):
+            print(f"    ordered round {v['round']}: {v['ms']:7.3f} ms {v['tflops']:6.1f} TFLOP/s err {v['err']:.1e}  "
+                  f"{v['tuning'] or 'default'}", flush=True)
         for v in r.get("sketch", []):
             print(f"    sketch {v['ms']:7.3f} ms {v['tflops']:6.1f} TFLOP/s err {v['err']:.1e}  {v['tuning']}",
                   flush=True)
         for v in sorted((v for v in r.get("sweep", []) if "ms" in v), key=lambda v: v["ms"])[:5]:
             print(f"    {v['ms']:7.3f} ms {v['tflops']:6.1f} TFLOP/s err {v['err']:.1e}  {v['tuning']}", flush=True)
-        bad += [(name, v) for v in [kv, *r.get("ab", []), *r.get("sweep", []), *r.get("sketch", [])]
+        bad += [(name, v) for v in [kv, *r.get("ab", []), *r.get("ordered", []), *r.get("sweep", []),
+                                    *r.get("sketch", [])]
                 if v.get("err", 0) > MAX_ERR_BF16]
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)

@@ -21,17 +21,32 @@ def softmax_tile(m_i, l_i, acc, s, v_ptrs, v_mask):
     """(m_i, l_i, acc) after a tile of base-2 scores s [BLOCK_M, BLOCK_N] (-inf: not seen) whose values are read at
     v_ptrs [BLOCK_N, D] (rows where v_mask is False read 0): the running max, sum and p @ v (p in the values'
     dtype for 16-bit values, fp32 sums; fp32 values at IEEE precision)."""
+    m_new, l_i, alpha, p = softmax_probs(m_i, l_i, s)
+    v = tl.load(v_ptrs, mask=v_mask[:, None], other=0.0)
+    return m_new, l_i, softmax_acc(acc, alpha, p, v)
+
+
+@triton_jit()
+def softmax_probs(m_i, l_i, s):
+    """softmax_tile's first half: (m_new, l_i, alpha, p), the new running max and sum, the old accumulator's factor
+    and the tile's probabilities against m_new."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_base)
     p = tl.exp2(s - m_base[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_ptrs, mask=v_mask[:, None], other=0.0)
+    return m_new, l_i, alpha, p
+
+
+@triton_jit()
+def softmax_acc(acc, alpha, p, v):
+    """softmax_tile's second half: acc * alpha + p @ v for the tile's values v [BLOCK_N, D], however loaded (a TMA
+    descriptor's tile: _ordered_prefill_kernels.py)."""
     if v.dtype == tl.float32:
         pv = tl.dot(p, v, input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc * alpha[:, None] + pv
+    return acc * alpha[:, None] + pv
 
 
 @triton_jit()

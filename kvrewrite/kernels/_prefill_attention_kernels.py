@@ -30,6 +30,7 @@ from __future__ import annotations  # the kernels' `tl.constexpr` annotations st
 import torch
 from torch.library import wrap_triton
 
+from kvrewrite.kernels import _ordered_prefill_kernels as _ordered
 from kvrewrite.kernels import _pdl
 from kvrewrite.kernels._online_softmax import softmax_tile, store_rows
 from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
@@ -56,12 +57,14 @@ EMPTY_MIN, EMPTY_MAX = 2**62, -(2**62)
 def _tile_ranges_kernel(
     BIAS, POS,  # fp32 and int64 [B, Hkv, C]
     RANGES,  # int64 [B * Hkv, n_tiles, 2], out: (least, greatest) position of each tile's live slots
+    DISORDER,  # int32 [B * Hkv], zeroed, COUNT_DISORDER only: += the row's live slots whose position is not their index
     stride_bb, stride_bh, stride_bc,
     stride_pb, stride_ph, stride_pc,
     Hkv, C, n_tiles,
     BLOCK_N: tl.constexpr,  # slots of a tile (the attention kernel's)
     TILES: tl.constexpr,  # tiles of a program
     PDL: tl.constexpr,
+    COUNT_DISORDER: tl.constexpr = False,  # for the ordered kernel's routing (_ordered_prefill_kernels.py)
 ):
     if PDL:  # the bias and positions come from the append just before
         gdc_wait()
@@ -83,6 +86,10 @@ def _tile_ranges_kernel(
     t_ok = tiles < n_tiles
     tl.store(out, least, mask=t_ok)
     tl.store(out + 1, greatest, mask=t_ok)
+    if COUNT_DISORDER:
+        bad = tl.sum(tl.sum((live & (pos != offs)).to(tl.int32), axis=1), axis=0)
+        if bad > 0:
+            tl.atomic_add(DISORDER + bh, bad)  # int32: the count, hence the routing, is deterministic
 
 
 @triton_jit()
@@ -168,6 +175,7 @@ def _prefill_attention_kernel(
     Q, K, V, BIAS, POS, CPOS,
     KSCALE,  # fp32 [B, Hkv, C]: each slot's key scale a_j (KEY_SCALE only; expanded_attention's gathered slots)
     RANGES,  # int64 [B * Hkv, n_tiles, 2] from _tile_ranges_kernel
+    DISORDER,  # int32 [B * Hkv] from _tile_ranges_kernel (SKIP_ORDERED only)
     OUT,  # [B, Hq, T, D] q's dtype
     LSE,  # fp32 [B * Hq * T]: each row's natural-log log-sum-exp, -inf for a row that saw nothing (WRITE_LSE only)
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -188,6 +196,7 @@ def _prefill_attention_kernel(
     SCAN: tl.constexpr,  # tile ranges read at once while bounding the loop
     PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any load (kernels/_pdl.py)
     FULL_TILES: tl.constexpr = True,  # the full slot tiles' loads without a mask (module knob FULL_TILES)
+    SKIP_ORDERED: tl.constexpr = False,  # leave the rows of DISORDER 0 to _ordered_prefill_kernels.py
 ):
     if PDL:
         gdc_wait()
@@ -198,39 +207,44 @@ def _prefill_attention_kernel(
     h = pid_bh % Hkv
     Hq = Hkv * G
 
-    # -- rows of the tile: (query t, head g of the group), as the decode kernel's --------------------------------
-    rows, row_ok, t, hq, offs_d = block_rows(h, pid_m, G, T, BLOCK_M, HEAD_DIM)
-    q, qpos, qpos_min, qpos_max, q_rel = query_block(Q, CPOS, b, row_ok, t, hq, offs_d, stride_qb, stride_qh,
-                                                     stride_qt, stride_qd)
-    lo_rel = -1 - window if HAS_WINDOW else -1
+    run = True
+    if SKIP_ORDERED:  # the rows _ordered_prefill_kernel takes (every live slot at the index of its position)
+        run = tl.load(DISORDER + pid_bh) != 0
+    if run:
+        # -- rows of the tile: (query t, head g of the group), as the decode kernel's ----------------------------
+        rows, row_ok, t, hq, offs_d = block_rows(h, pid_m, G, T, BLOCK_M, HEAD_DIM)
+        q, qpos, qpos_min, qpos_max, q_rel = query_block(Q, CPOS, b, row_ok, t, hq, offs_d, stride_qb, stride_qh,
+                                                         stride_qt, stride_qd)
+        lo_rel = -1 - window if HAS_WINDOW else -1
 
-    ranges = RANGES + pid_bh.to(tl.int64) * n_tiles * 2
-    lo, hi = _seen_tiles(ranges, n_tiles, qpos_min, qpos_max, window, HAS_WINDOW, SCAN)
+        ranges = RANGES + pid_bh.to(tl.int64) * n_tiles * 2
+        lo, hi = _seen_tiles(ranges, n_tiles, qpos_min, qpos_max, window, HAS_WINDOW, SCAN)
 
-    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-    bias_base = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
-    pos_base = POS + b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph
-    ks_base = KSCALE + b.to(tl.int64) * stride_ab + h.to(tl.int64) * stride_ah
+        k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+        v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+        bias_base = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
+        pos_base = POS + b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph
+        ks_base = KSCALE + b.to(tl.int64) * stride_ab + h.to(tl.int64) * stride_ah
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    n_full = C // BLOCK_N if FULL_TILES else 0  # the full tiles without a slot mask, then the rest with one
-    if FULL_TILES:
-        for j in range(lo, tl.minimum(hi, n_full)):
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        n_full = C // BLOCK_N if FULL_TILES else 0  # the full tiles without a slot mask, then the rest with one
+        if FULL_TILES:
+            for j in range(lo, tl.minimum(hi, n_full)):
+                m_i, l_i, acc = _slot_tile(m_i, l_i, acc, q, j, k_base, v_base, bias_base, pos_base, ks_base,
+                                           ranges, offs_d, stride_kc, stride_kd, stride_vc, stride_vd, stride_bc,
+                                           stride_pc, stride_ac, C, window, qk_scale, softcap_log2, qpos_min,
+                                           qpos_max, q_rel, lo_rel, BLOCK_N, HAS_WINDOW, SOFTCAP, KEY_SCALE, False)
+        for j in range(tl.maximum(lo, n_full), hi):
             m_i, l_i, acc = _slot_tile(m_i, l_i, acc, q, j, k_base, v_base, bias_base, pos_base, ks_base, ranges,
                                        offs_d, stride_kc, stride_kd, stride_vc, stride_vd, stride_bc, stride_pc,
                                        stride_ac, C, window, qk_scale, softcap_log2, qpos_min, qpos_max, q_rel, lo_rel,
-                                       BLOCK_N, HAS_WINDOW, SOFTCAP, KEY_SCALE, False)
-    for j in range(tl.maximum(lo, n_full), hi):
-        m_i, l_i, acc = _slot_tile(m_i, l_i, acc, q, j, k_base, v_base, bias_base, pos_base, ks_base, ranges, offs_d,
-                                   stride_kc, stride_kd, stride_vc, stride_vd, stride_bc, stride_pc, stride_ac, C,
-                                   window, qk_scale, softcap_log2, qpos_min, qpos_max, q_rel, lo_rel, BLOCK_N,
-                                   HAS_WINDOW, SOFTCAP, KEY_SCALE, True)
+                                       BLOCK_N, HAS_WINDOW, SOFTCAP, KEY_SCALE, True)
 
-    # -- epilogue: output row (b, hq, t) of the contiguous [B, Hq, T, *] outputs ----------------------------------
-    store_rows(OUT, LSE, (b.to(tl.int64) * Hq + hq) * T + t, row_ok, offs_d, acc, m_i, l_i, HEAD_DIM, WRITE_LSE)
+        # -- epilogue: output row (b, hq, t) of the contiguous [B, Hq, T, *] outputs ------------------------------
+        store_rows(OUT, LSE, (b.to(tl.int64) * Hq + hq) * T + t, row_ok, offs_d, acc, m_i, l_i, HEAD_DIM,
+                   WRITE_LSE)
 
 
 def prefill_launch_config(B, Hkv, G, T, C, D, itemsize=2, block_m=None, block_n=None, num_warps=None,
@@ -276,42 +290,53 @@ RANGE_TILES = 16  # tiles of a _tile_ranges_kernel program
 SCAN = 128  # tile ranges a query block reads at once while bounding its loop
 
 
-def tile_ranges(bias, slot_pos, n_tiles, block_n, pdl, launch):
-    """Launch _tile_ranges_kernel: int64 [B * Hkv, n_tiles, 2], each tile's (least, greatest) live position."""
+def tile_ranges(bias, slot_pos, n_tiles, block_n, pdl, launch, disorder=None):
+    """Launch _tile_ranges_kernel: int64 [B * Hkv, n_tiles, 2], each tile's (least, greatest) live position; with
+    `disorder` (a zeroed int32 [B * Hkv]) it also counts each row's live slots whose position is not their index."""
     B, Hkv, C = (int(n) for n in bias.shape)
     ranges = torch.empty((B * Hkv, n_tiles, 2), dtype=torch.int64, device=bias.device)
     wrap_triton(_tile_ranges_kernel)[(triton.cdiv(n_tiles, RANGE_TILES), B * Hkv)](
-        bias, slot_pos, ranges, *bias.stride(), *slot_pos.stride(), Hkv, C, n_tiles,
-        BLOCK_N=block_n, TILES=RANGE_TILES, PDL=pdl, num_warps=4, **launch,
+        bias, slot_pos, ranges, ranges if disorder is None else disorder, *bias.stride(), *slot_pos.stride(), Hkv, C,
+        n_tiles, BLOCK_N=block_n, TILES=RANGE_TILES, PDL=pdl, COUNT_DISORDER=disorder is not None, num_warps=4,
+        **launch,
     )
     return ranges
 
 
 def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_scale, softcap_log2, softcap, lse,
-                   key_scale=None, full_tiles=None, **overrides):
+                   key_scale=None, full_tiles=None, ordered=None, **overrides):
     """Launch the tile ranges, then the attention; returns the output [B, Hq, T, D] (contiguous). lse: an fp32
     [B, Hq, T] tensor to receive each query's natural-log log-sum-exp, or None. key_scale: an fp32 [B, Hkv, C]
     per-slot factor of the scores (before the soft cap), or None. full_tiles (default FULL_TILES): the full slot
-    tiles' loads without a mask (fp32 bit for bit; 16-bit within one rounding of a probability). No checks (the
-    caller's: clustered_attention.triton_clustered_attention, expanded_attention's gathered slots); runs under
-    Triton's interpreter on CPU tensors."""
+    tiles' loads without a mask (fp32 bit for bit; 16-bit within one rounding of a probability). ordered (default
+    _ordered_prefill_kernels.ORDERED; True, False, or a dict of that kernel's launch overrides and `tma`): the rows
+    whose every live slot sits at the index of its position go to _ordered_prefill_kernels.py (where `routable`),
+    the others to _prefill_attention_kernel. No checks (the caller's: clustered_attention.triton_clustered_attention,
+    expanded_attention's gathered slots); runs under Triton's interpreter on CPU tensors."""
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, C = int(keys.shape[1]), int(keys.shape[2])
     G = Hq // Hkv
     cfg = prefill_launch_config(B, Hkv, G, T, C, D, q.element_size(), **overrides)
     n_tiles = cfg["n_tiles"]
     pdl, launch = _pdl.launch_options(q)
-    ranges = tile_ranges(bias, slot_pos, n_tiles, cfg["block_n"], pdl, launch)
+    ordered = _ordered.ORDERED if ordered is None else ordered
+    ordered = ordered is not False and _ordered.routable(keys, values, window, softcap, key_scale) and (
+        {} if ordered is True else dict(ordered))
+    disorder = None if ordered is False else torch.zeros(B * Hkv, dtype=torch.int32, device=q.device)
+    ranges = tile_ranges(bias, slot_pos, n_tiles, cfg["block_n"], pdl, launch, disorder)
     out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
     ks = bias if key_scale is None else key_scale  # an unused pointer without it: any fp32 [B, Hkv, C]
     wrap_triton(_prefill_attention_kernel)[(cfg["m_blocks"], B * Hkv)](
-        q, keys, values, bias, slot_pos, cache_position, ks, ranges, out, out if lse is None else lse,
+        q, keys, values, bias, slot_pos, cache_position, ks, ranges, ranges if disorder is None else disorder, out,
+        out if lse is None else lse,
         *q.stride(), *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(), *ks.stride(),
         Hkv, G, T, C, n_tiles, window, qk_scale, softcap_log2,
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HAS_WINDOW=window > 0, SOFTCAP=softcap > 0,
         KEY_SCALE=key_scale is not None, WRITE_LSE=lse is not None, SCAN=SCAN, PDL=pdl,
-        FULL_TILES=FULL_TILES if full_tiles is None else bool(full_tiles), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-        **launch,
+        FULL_TILES=FULL_TILES if full_tiles is None else bool(full_tiles), SKIP_ORDERED=disorder is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )
+    if disorder is not None:
+        _ordered.launch_ordered(q, keys, values, bias, cache_position, disorder, out, lse, qk_scale, pdl, launch,
+                                **ordered)
     return out

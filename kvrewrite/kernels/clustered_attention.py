@@ -641,6 +641,7 @@ def launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, windo
                              f"{overrides['block_m']}-row tile next to the step's own {G} rows")
     prefill_kernel = overrides.pop("prefill_kernel", PREFILL_KERNEL)
     prefill_split_grids = overrides.pop("prefill_split_grids", PREFILL_SPLIT_GRIDS)
+    ordered = overrides.pop("ordered", None)  # the prefill kernels' (_prefill_attention_kernels.launch_prefill)
     overrides.setdefault("resident", RESIDENT_PROGRAMS if pending is None else RESIDENT_PROGRAMS_PENDING)
     cfg = _launch_config(B, Hkv, G, T, C, D, num_sms, q.element_size(), **overrides)
     S = cfg["num_splits"]
@@ -653,8 +654,12 @@ def launch_forward(q, keys, values, bias, slot_pos, cache_position, scale, windo
     # (the decode launch takes <= 16 rows)
     if prefill_kernel and G * T > 16 and pending is None and logits is None and (S == 1 or prefill_split_grids):
         out = _prefill.launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_scale,
-                                      softcap_log2, softcap, lse, **_prefill.prefill_overrides(overrides))
+                                      softcap_log2, softcap, lse, ordered=ordered,
+                                      **_prefill.prefill_overrides(overrides))
         return out, None, None, None, 1
+    if ordered is not None:
+        raise ValueError(f"clustered_attention: `ordered` tunes the prefill kernels (_prefill_attention_kernels.py); "
+                         f"this launch takes the slot-loop kernel (G * T = {G * T}, prefill_kernel {prefill_kernel})")
     out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
     if split:
         part = torch.empty((B * Hq * T, S, D), dtype=torch.float32, device=q.device)

@@ -21,6 +21,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from torch._higher_order_ops import triton_kernel_wrap as tkw  # noqa: E402
 
 from kvrewrite.kernels import _expanded_prefill_kernels as xp  # noqa: E402
+from kvrewrite.kernels import _ordered_prefill_kernels as op  # noqa: E402
 from kvrewrite.kernels import _prefill_attention_kernels as pk  # noqa: E402
 from kvrewrite.kernels import cache_append as cap  # noqa: E402
 from kvrewrite.kernels import _sketch_prefill_kernels as sp  # noqa: E402
@@ -54,7 +55,7 @@ def launches(monkeypatch):
                 return launch
         return Grid()
 
-    for module in (pk, sp, sa, ca, xa, xp, cap):
+    for module in (pk, op, sp, sa, ca, xa, xp, cap):
         monkeypatch.setattr(module, "wrap_triton", record)
     monkeypatch.setattr(triton.runtime.driver, "_active", _Sm90())
     return got
@@ -67,7 +68,8 @@ def _written(kernel, kw) -> set:
 
 
 def test_attention_kernels_write_only_their_outputs(launches):
-    """clustered_attention (decode, split and not; its prefill kernel with and without lse and key scales),
+    """clustered_attention (decode, split and not; its prefill kernel with and without lse and key scales, the
+    ordered prefill kernel and the tile ranges' disorder count),
     sketch_attention (decode split and not, the prefill kernel) and expanded_attention (decode, the prefill walk, the
     gathered form): every launch's written arguments are outputs it allocates, never an op input."""
     B, Hq, Hkv, T, C, D = 1, 8, 2, 40, 3000, 16
@@ -77,6 +79,7 @@ def test_attention_kernels_write_only_their_outputs(launches):
     pos, cp = torch.arange(C).expand(B, Hkv, C).contiguous(), torch.arange(C - T, C)
     pk.launch_prefill(q, k, k, bias, pos, cp, 0, 0.1, 0.0, 0.0, None)
     pk.launch_prefill(q, k, k, bias, pos, cp, 0, 0.1, 0.0, 0.0, torch.empty(B, Hq, T), key_scale=bias)
+    pk.launch_prefill(q, k, k, bias, pos, cp, 0, 0.1, 0.0, 0.0, torch.empty(B, Hq, T), ordered=dict(tma=False))
     sa._launch(q, k, k, bias, pos, cp, role, 0.1, prefill_kernel=True)
     for splits in (1, 4):
         sa._launch(q[:, :, :1], k, k, bias, pos, cp[:1], role, 0.1, num_splits=splits)
@@ -93,12 +96,15 @@ def test_attention_kernels_write_only_their_outputs(launches):
     assert {"_tile_ranges_kernel", "_prefill_attention_kernel", "_sketch_prefill_kernel",
             "_sketch_attention_fwd_kernel", "_sketch_attention_combine_kernel", "_clustered_attention_fwd_kernel",
             "_clustered_attention_combine_kernel", "_expanded_prefill_kernel",
-            "_expanded_attention_fwd_kernel"} <= names, names
+            "_expanded_attention_fwd_kernel", "_ordered_prefill_kernel"} <= names, names
     for kernel, kw in launches:
         written = _written(kernel, kw)
         assert written and not written & INPUTS, (kernel.fn.__name__, sorted(written))
-        if kernel.fn.__name__ == "_tile_ranges_kernel":
-            assert written == {"RANGES"}
+        if kernel.fn.__name__ == "_tile_ranges_kernel":  # DISORDER: with COUNT_DISORDER only
+            want = {"RANGES", "DISORDER"} if kw.get("COUNT_DISORDER") else {"RANGES"}
+            assert written == want, (sorted(written), kw.get("COUNT_DISORDER"))
+        if kernel.fn.__name__ == "_ordered_prefill_kernel":
+            assert written == {"OUT", "LSE"}, sorted(written)
 
 
 def test_cache_append_writes_the_state_only(launches, monkeypatch):

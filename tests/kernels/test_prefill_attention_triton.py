@@ -147,10 +147,7 @@ def test_tile_ranges_are_the_live_slots_least_and_greatest_positions(block_n):
     bias[0, 0, :block_n] = -math.inf  # an empty tile
     slot_pos = torch.randint(0, 10**6, (B, Hkv, C), generator=g)
     n_tiles = -(-C // block_n)
-    ranges = torch.empty(B * Hkv, n_tiles, 2, dtype=torch.int64)
-    pk._tile_ranges_kernel[(-(-n_tiles // pk.RANGE_TILES), B * Hkv)](
-        bias, slot_pos, ranges, *bias.stride(), *slot_pos.stride(), Hkv, C, n_tiles, BLOCK_N=block_n,
-        TILES=pk.RANGE_TILES, PDL=False)
+    ranges = pk.tile_ranges(bias, slot_pos, n_tiles, block_n, False, {})
     for bh in range(B * Hkv):
         b, h = divmod(bh, Hkv)
         for j in range(n_tiles):

@@ -1,0 +1,192 @@
+"""clustered_attention's prefill kernel for rows whose slots hold their tokens in position order (ORDERED: off).
+
+A method that never moves a slot (`full`, ClusterKV: every token stays) appends token p at slot p (cache_append writes
+at fill, and the runtime's cache positions count from 0 with the padding), so a prefill chunk's attention over such a
+row is plain causal attention by slot index: query p sees the live slots j <= p. _prefill_attention_kernel serves
+slots in any order (per-slot positions, tile ranges, 64-row tiles that pack the GQA group); this kernel is the plain
+form: one query head a program (BLOCK_M queries), the slot tiles wholly below the block's first query without a mask,
+the rest up to its last query masked by slot index, the bias (-inf for padding and empty slots) added to every score.
+
+Routing, on the device: with ORDERED (launch_prefill's `ordered`), _tile_ranges_kernel also counts, per (b, KV head)
+row, the live slots whose position is not their index (DISORDER, int32 atomics); this kernel computes the rows with
+none and returns at once on the others, and _prefill_attention_kernel (SKIP_ORDERED) returns at once on the rows this
+one takes. Any layout stays exact: a row with one slot out of order goes to the general kernel. Taken only without a
+window, soft cap or key scale (those keep the general kernel).
+
+Loads: the full tiles' keys and values through host-side TMA descriptors over the state viewed [B * Hkv * C, D]
+(`tma_refusal` says where: a Hopper-class GPU, 16-bit contiguous device memory, real tensors), pointer loads
+elsewhere: under torch.compile / torch.export tracing (wrap_triton outside Dynamo records no descriptor metadata: a
+KeyError in triton_kernel_wrap.get_tensor_names, torch 2.11), for fp32 and for offload's host-mapped state.
+
+Why (docs/bench.md "Stop 59 runs", bench.dense_prefill_probe, the same kernel standing alone; H200, bf16, batch 8,
+ClusterKV's 2048-query chunk over 16k slots): 9.74-9.96 ms with TMA (128 x 64 tiles, 4 warps, 2 stages) against the
+general kernel's 11.80-12.05 and cuDNN's 7.98-8.23 (four runs); pointer loads 11.16-11.41. Not yet timed or tested
+on a GPU as wired here: ORDERED stays False until it is (tests/kernels/test_ordered_prefill_gpu.py,
+`python -m kvrewrite.bench.attention_prefill --ordered`). Without a GPU: tests/kernels/test_ordered_prefill_triton.py.
+"""
+from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
+
+import torch
+from torch.library import wrap_triton
+
+from kvrewrite import offload
+from kvrewrite.kernels._online_softmax import softmax_acc, softmax_probs, softmax_tile, store_rows
+from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
+from kvrewrite.kernels._triton_op import triton_jit
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs import this module too; only launching needs Triton
+    triton = tl = None
+
+# ORDERED: launch_prefill routes the rows whose slots are in position order to this kernel (above). False until the
+# wired form is timed and its GPU tests have run (docs/bench.md "Stop 59 runs", "Next on a GPU").
+ORDERED = False
+# (block_m, block_n, num_warps, num_stages) for 16-bit data and D <= 128: the probe's fastest at batch 8 and 1 (128 x
+# 128 tiles with 8 warps 10.3-10.7 ms, 4 warps with 3 stages 17.8-21.0); halved where the tiles would pass shared
+# memory (fp32, D = 256)
+TILES = (128, 64, 4, 2)
+
+
+def launch_config(D: int, itemsize: int, block_m=None, block_n=None, num_warps=None, num_stages=None) -> dict:
+    """Tiles, warps and stages of _ordered_prefill_kernel; keyword overrides for the tests and the bench."""
+    m, n, w, s = TILES
+    if D * itemsize > 256:  # fp32 at D 128, or D 256: two stages of K and V tiles and q within shared memory
+        m, n = 64, 32
+    return dict(block_m=block_m or m, block_n=block_n or n, num_warps=num_warps or w, num_stages=num_stages or s)
+
+
+def routable(keys, values, window: int, softcap: float, key_scale) -> bool:
+    """Can launch_prefill offer the rows of this call to the ordered kernel? No window, soft cap or key scale, and
+    contiguous keys and values of fewer than 2**31 rows of B * Hkv * C (the kernel indexes them flat)."""
+    return (window == 0 and softcap == 0 and key_scale is None and keys.is_contiguous() and values.is_contiguous()
+            and keys.shape == values.shape and keys.numel() // max(int(keys.shape[-1]), 1) < 2**31)
+
+
+def tma_refusal(keys, values):
+    """Why the full tiles cannot take TMA descriptors (a phrase), or None."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(keys):
+        return "tracing (torch.compile / torch.export): no descriptor metadata outside Dynamo"
+    if not keys.is_cuda or torch.cuda.get_device_capability(keys.device)[0] < 9:
+        return "a CUDA device of compute capability 9.0 or newer"
+    if keys.element_size() != 2 or keys.dtype != values.dtype:
+        return f"16-bit keys and values (got {keys.dtype}, {values.dtype})"
+    if int(keys.shape[-1]) * 2 % 16 or keys.data_ptr() % 16 or values.data_ptr() % 16:
+        return "16-byte aligned rows"
+    if offload.is_host_memory(keys) or offload.is_host_memory(values):
+        return "keys and values in device memory (these are offload's host-mapped state)"
+    return None
+
+
+@triton_jit()
+def _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, row0, bias_base, stride_bc, qpos, C, qk_scale,
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr):
+    """The online softmax after slot tile j: (m_i, l_i, acc). MASKED: the tile holds a slot some query of the block
+    does not see (slot > its position) or one past C; the tiles before carry no mask at all."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        n_ok = offs_n < C
+    else:
+        n_ok = tl.full([BLOCK_N], 1, tl.int1)
+    bias = tl.load(bias_base + offs_n * stride_bc, mask=n_ok, other=float("-inf"))
+    rows = (row0 + offs_n).to(tl.int64)
+    if TMA and not MASKED:
+        k = K_DESC.load([row0 + j * BLOCK_N, 0])
+    else:
+        k = tl.load(K + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    if q.dtype == tl.float32:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    s = (qk * qk_scale).to(tl.float32) + (bias * LOG2E)[None, :]
+    if MASKED:
+        s = tl.where(offs_n[None, :] <= qpos[:, None], s, float("-inf"))
+    if TMA and not MASKED:
+        m_new, l_i, alpha, p = softmax_probs(m_i, l_i, s)
+        acc = softmax_acc(acc, alpha, p, V_DESC.load([row0 + j * BLOCK_N, 0]))
+    else:
+        m_new, l_i, acc = softmax_tile(m_i, l_i, acc, s, V + rows[:, None] * HEAD_DIM + offs_d[None, :], n_ok)
+    return m_new, l_i, acc
+
+
+# Shape ints that only bound loops and masks are not specialised on: one compiled kernel per dtype, D and tiles.
+@triton_jit(do_not_specialize=["Hkv", "G", "T", "C"])
+def _ordered_prefill_kernel(
+    Q, K, V, BIAS, CPOS,  # as _prefill_attention_kernel's; K and V contiguous [B, Hkv, C, D]
+    DISORDER,  # int32 [B * Hkv]: live slots whose position is not their index (0: this kernel's row)
+    K_DESC, V_DESC,  # TMA: descriptors of K and V viewed [B * Hkv * C, D], blocks [BLOCK_N, D]; else K and V
+    OUT,  # [B, Hq, T, D] q's dtype
+    LSE,  # fp32 [B * Hq * T] (WRITE_LSE only)
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_bb, stride_bh, stride_bc,
+    Hkv, G, T, C, qk_scale,  # qk_scale = scale * log2(e)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    pid_m = tl.program_id(0)  # fastest: the query blocks of one head, then the heads of a group, share K/V in L2
+    pid_q = tl.program_id(1)  # b * Hq + hq
+    Hq = Hkv * G
+    b = pid_q // Hq
+    h = (pid_q % Hq) // G
+    bh = b * Hkv + h
+    t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = t < T
+    offs_d = tl.arange(0, HEAD_DIM)
+    if tl.load(DISORDER + bh) == 0:
+        q = tl.load(Q + b.to(tl.int64) * stride_qb + (pid_q % Hq).to(tl.int64) * stride_qh + t[:, None] * stride_qt
+                    + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+        qpos = tl.load(CPOS + t, mask=row_ok, other=-1)  # the queries' positions = their slots
+        p_lo = tl.min(tl.where(row_ok, qpos, 2**62), axis=0)
+        p_hi = tl.max(tl.where(row_ok, qpos, -1), axis=0)
+        n_end = tl.minimum(p_hi // BLOCK_N + 1, tl.cdiv(C, BLOCK_N)).to(tl.int32)  # tiles past it: no query sees
+        n_whole = tl.minimum(tl.minimum((p_lo + 1) // BLOCK_N, C // BLOCK_N), n_end).to(tl.int32)
+        row0 = bh * C  # < 2**31 (routable)
+        bias_base = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for j in range(0, n_whole):  # every slot <= every query's position, inside C
+            m_i, l_i, acc = _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, row0, bias_base, stride_bc,
+                                          qpos, C, qk_scale, BLOCK_N, HEAD_DIM, TMA, False)
+        for j in range(n_whole, n_end):
+            m_i, l_i, acc = _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, row0, bias_base, stride_bc,
+                                          qpos, C, qk_scale, BLOCK_N, HEAD_DIM, TMA, True)
+        store_rows(OUT, LSE, pid_q.to(tl.int64) * T + t, row_ok, offs_d, acc, m_i, l_i, HEAD_DIM, WRITE_LSE)
+
+
+def launch_ordered(q, keys, values, bias, cache_position, disorder, out, lse, qk_scale, pdl, launch, tma=None,
+                   **tiles):
+    """Launch _ordered_prefill_kernel into `out` (and `lse`) for the rows with disorder 0. tma: None (TMA where
+    tma_refusal allows), True (forced: ValueError naming what refuses it, except on CPU tensors, where Triton's
+    interpreter takes descriptors), False. tiles: launch_config's overrides."""
+    B, Hq, T, D = (int(n) for n in q.shape)
+    Hkv, C = int(keys.shape[1]), int(keys.shape[2])
+    cfg = launch_config(D, q.element_size(), **tiles)
+    why = tma_refusal(keys, values) if tma is not False else "off"
+    if tma is True and why is not None and keys.is_cuda:
+        raise ValueError(f"ordered prefill: tma=True needs {why}")
+    use_tma = tma is not False and (why is None or (tma is True and not keys.is_cuda))
+    k_desc, v_desc = keys, values
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        k_desc = TensorDescriptor.from_tensor(keys.view(-1, D), [cfg["block_n"], D])
+        v_desc = TensorDescriptor.from_tensor(values.view(-1, D), [cfg["block_n"], D])
+    wrap_triton(_ordered_prefill_kernel)[(triton.cdiv(T, cfg["block_m"]), B * Hq)](
+        q, keys, values, bias, cache_position, disorder, k_desc, v_desc, out, out if lse is None else lse,
+        *q.stride(), *bias.stride(), Hkv, Hq // Hkv, T, C, qk_scale,
+        HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], TMA=use_tma, WRITE_LSE=lse is not None, PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
+    )

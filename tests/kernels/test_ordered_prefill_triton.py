@@ -1,0 +1,130 @@
+"""The ordered prefill kernel (kernels/_ordered_prefill_kernels.py) and its routing, on the CPU through Triton's
+interpreter: rows whose live slots sit at the index of their position (a `full` or ClusterKV row: left padding, the
+past, the chunk's fresh block, empty slots after the fill) against the float64 attention and the general prefill
+kernel; a row with one slot out of order routed to the general kernel; the tile ranges' count of such slots; TMA
+descriptors (forced: the interpreter reads them) against pointer loads, bit for bit.
+
+Runs only under the interpreter: `TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_ordered_prefill_triton.py`.
+fp32 only (the 3.6 interpreter's 16-bit tl.dot is wrong): the 16-bit inputs, the TMA hardware path and the timing are
+tests/kernels/test_ordered_prefill_gpu.py's.
+"""
+import math
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("runs Triton's interpreter on the CPU: set TRITON_INTERPRET=1 (and install Triton)",
+                allow_module_level=True)
+pytest.importorskip("triton")
+
+from kvrewrite.kernels import _prefill_attention_kernels as pk  # noqa: E402
+from tests.kernels.ordered_state import ordered_state  # noqa: E402
+from tests.kernels.test_clustered_attention import TOL, naive_attention  # noqa: E402
+
+LOG2E = 1.4426950408889634
+TILES = dict(block_m=16, block_n=16, tma=False)  # small tiles: several whole and diagonal tiles per row
+
+
+def _run(args, lse=None, **kw):
+    q = args[0]
+    return pk.launch_prefill(*args, 0, q.shape[-1] ** -0.5 * LOG2E, 0.0, 0.0, lse, **kw)
+
+
+def _lse_naive(q, keys, bias, slot_pos, cp):
+    G = q.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(G, dim=1)
+    s = q.double() @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + bias.double().repeat_interleave(G, dim=1)[:, :, None]
+    vis = slot_pos.repeat_interleave(G, dim=1)[:, :, None, :] <= cp[:, None]
+    return s.masked_fill(~vis, -math.inf).logsumexp(-1)
+
+
+# (B, Hq, Hkv, T, n_prev, C, pads): GQA 4, 1, 3, 2; T ragged against the 16-query blocks; C ragged against the 16-slot
+# tiles and past the fill; left padding longer than a tile; a chunk at the very start (n_prev 0); one that ends at C
+CASES = [(2, 8, 2, 37, 40, 100, (0, 21)), (1, 3, 3, 15, 0, 20, (0,)), (2, 6, 2, 20, 33, 64, (5, 0)),
+         (1, 4, 2, 16, 48, 64, (0,))]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}-Hq{}Hkv{}-T{}-prev{}-C{}-pads{}".format(*c))
+def test_ordered_rows_match_naive_and_the_general_kernel(case):
+    B, Hq, Hkv, T, n_prev, C, pads = case
+    args = ordered_state(B, Hq, Hkv, T, n_prev, C, pads=pads, seed=sum(case[:6]))
+    want = naive_attention(*args, args[0].shape[-1] ** -0.5, 0)
+    lse = torch.full((B, Hq, T), math.nan)
+    got = _run(args, lse, ordered=TILES)
+    torch.testing.assert_close(got.double(), want, **TOL[torch.float32])
+    torch.testing.assert_close(lse.double(), _lse_naive(args[0], args[1], args[3], args[4], args[5]), atol=1e-5,
+                               rtol=1e-5)
+    general = _run(args, ordered=False)
+    torch.testing.assert_close(got, general, atol=2e-6, rtol=1e-5)
+    # every row is ordered, so the ordered kernel alone wrote the output: into NaN, with no general kernel
+    disorder = torch.zeros(B * Hkv, dtype=torch.int32)
+    pk.tile_ranges(args[3], args[4], math.ceil(C / 16), 16, False, {}, disorder)
+    assert (disorder == 0).all()
+    alone = torch.full_like(got, math.nan)
+    pk._ordered.launch_ordered(*args[:4], args[5], disorder, alone, None, args[0].shape[-1] ** -0.5 * LOG2E, False, {},
+                               **TILES)
+    assert torch.equal(alone, got)
+
+
+def test_queries_that_see_only_padding_give_zeros_and_lse_minus_inf():
+    """A chunk whose first queries are left padding (every slot up to them -inf): 0 and lse -inf there, as the
+    general kernel's."""
+    args = ordered_state(1, 4, 2, 24, 0, 40, pads=(10,), seed=3)
+    lse = torch.full((1, 4, 24), math.nan)
+    got = _run(args, lse, ordered=TILES)
+    assert (got[:, :, :10] == 0).all() and (lse[:, :, :10] == -math.inf).all()
+    torch.testing.assert_close(got.double(), naive_attention(*args, 0.25, 0), **TOL[torch.float32])
+
+
+def test_a_row_with_a_slot_out_of_order_goes_to_the_general_kernel():
+    """Row 1's slots 3 and 30 swapped (their positions with them): its causal mask by slot index would be wrong, so the
+    tile ranges count it and the general kernel takes it; row 0 stays ordered. Both equal the float64 attention."""
+    q, keys, values, bias, slot_pos, cp = ordered_state(2, 8, 2, 20, 30, 64, seed=4)
+    perm = torch.arange(64)
+    perm[3], perm[30] = 30, 3
+    for x in (keys, values, bias, slot_pos):
+        x[1] = x[1][:, perm]
+    args = (q, keys, values, bias, slot_pos, cp)
+    disorder = torch.zeros(4, dtype=torch.int32)
+    pk.tile_ranges(bias, slot_pos, 4, 16, False, {}, disorder)
+    assert disorder.tolist() == [0, 0, 2, 2]
+    torch.testing.assert_close(_run(args, ordered=TILES).double(), naive_attention(*args, 0.25, 0),
+                               **TOL[torch.float32])
+
+
+def test_tile_ranges_count_only_live_slots_out_of_order():
+    """The count is of live slots (bias > -inf) whose position is not their index: stale positions of empty slots
+    and padding do not count; a row whose past was compacted (chelsea's: positions spread) counts them all."""
+    q, keys, values, bias, slot_pos, cp = ordered_state(2, 4, 2, 10, 20, 48, pads=(4, 0), seed=5)
+    slot_pos[0, :, :4] = 999  # padding: dead
+    slot_pos[..., 30:] = 7  # past the fill: dead
+    slot_pos[1, 1, 5:10] += 100  # five live slots out of order
+    disorder = torch.zeros(4, dtype=torch.int32)
+    pk.tile_ranges(bias, slot_pos, 3, 16, False, {}, disorder)
+    assert disorder.tolist() == [0, 0, 0, 5]
+
+
+def test_tma_descriptors_give_the_pointer_loads_output_bit_for_bit():
+    """The full tiles' keys and values through tensor descriptors over the [B * Hkv * C, D] view (forced on CPU
+    tensors: the interpreter reads them like the hardware's bounds-checked copy) against pointer loads."""
+    args = ordered_state(2, 8, 2, 37, 40, 100, pads=(0, 21), seed=6)
+    outs = [_run(args, ordered=dict(TILES, tma=tma)) for tma in (False, True)]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_routing_needs_no_window_cap_or_key_scale_and_contiguous_state():
+    """A window, a key scale or strided keys keep the general kernel (the ordered kernel has none of them): the same
+    output with ordered on and off."""
+    args = list(ordered_state(1, 4, 2, 20, 30, 64, seed=7))
+    q = args[0]
+    for kw in (dict(window=9), dict(key_scale=0.5 + torch.rand(1, 2, 64))):
+        window = kw.pop("window", 0)
+        outs = [pk.launch_prefill(*args, window, q.shape[-1] ** -0.5 * LOG2E, 0.0, 0.0, None, ordered=o, **kw)
+                for o in (TILES, False)]
+        assert torch.equal(outs[0], outs[1])
+    strided = torch.randn(1, 2, 64, 32)[..., :16]
+    assert not pk._ordered.routable(strided, strided, 0, 0.0, None)
+    assert pk._ordered.routable(args[1], args[2], 0, 0.0, None)
+    assert not pk._ordered.routable(args[1], args[2], 0, 30.0, None)
