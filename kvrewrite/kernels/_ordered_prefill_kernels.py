@@ -1,17 +1,20 @@
 """clustered_attention's prefill kernel for rows whose slots hold their tokens in position order (ORDERED: off).
 
-A method that never moves a slot (`full`, ClusterKV: every token stays) appends token p at slot p (cache_append writes
-at fill, and the runtime's cache positions count from 0 with the padding), so a prefill chunk's attention over such a
-row is plain causal attention by slot index: query p sees the live slots j <= p. _prefill_attention_kernel serves
+A method that never moves a slot (`full`, ClusterKV: every token stays) appends its tokens in order: cache_append
+writes at fill the tokens of consecutive cache positions, so slot j holds position j + delta, delta fixed per row (the
+padding that rounds a prompt up to whole chunks takes the positions before 0: delta = -its length;
+tests/methods/test_clusterkv.py checks the layout). A prefill chunk's attention over such a row is plain causal
+attention by slot index: the query at position p sees the live slots j <= p - delta. _prefill_attention_kernel serves
 slots in any order (per-slot positions, tile ranges, 64-row tiles that pack the GQA group); this kernel is the plain
 form: one query head a program (BLOCK_M queries), the slot tiles wholly below the block's first query without a mask,
 the rest up to its last query masked by slot index, the bias (-inf for padding and empty slots) added to every score.
 
-Routing, on the device: with ORDERED (launch_prefill's `ordered`), _tile_ranges_kernel also counts, per (b, KV head)
-row, the live slots whose position is not their index (DISORDER, int32 atomics); this kernel computes the rows with
-none and returns at once on the others, and _prefill_attention_kernel (SKIP_ORDERED) returns at once on the rows this
-one takes. Any layout stays exact: a row with one slot out of order goes to the general kernel. Taken only without a
-window, soft cap or key scale (those keep the general kernel).
+Routing, on the device: with ORDERED (launch_prefill's `ordered`), _tile_ranges_kernel also takes, per (b, KV head)
+row, the minima of position - index and of index - position over the live slots (ORDER, int64 atomics: exact in any
+order); they sum to 0 exactly when every live slot sits at position index + delta (delta the first). This kernel
+computes those rows and returns at once on the others, and _prefill_attention_kernel (SKIP_ORDERED) returns at once
+on the rows this one takes. Any layout stays exact: a row with one slot out of order, or none live, goes to the general
+kernel. Taken only without a window, soft cap or key scale (those keep the general kernel).
 
 Loads: the full tiles' keys and values through host-side TMA descriptors over the state viewed [B * Hkv * C, D]
 (`tma_refusal` says where: a Hopper-class GPU, 16-bit contiguous device memory, real tensors), pointer loads
@@ -82,10 +85,11 @@ def tma_refusal(keys, values):
 
 
 @triton_jit()
-def _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, row0, bias_base, stride_bc, qpos, C, qk_scale,
+def _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, row0, bias_base, stride_bc, qslot, C, qk_scale,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr):
-    """The online softmax after slot tile j: (m_i, l_i, acc). MASKED: the tile holds a slot some query of the block
-    does not see (slot > its position) or one past C; the tiles before carry no mask at all."""
+    """The online softmax after slot tile j: (m_i, l_i, acc). qslot: each query's own slot (position - delta).
+    MASKED: the tile holds a slot some query of the block does not see (past its own) or one past C; the tiles before
+    carry no mask at all."""
     LOG2E: tl.constexpr = 1.4426950408889634
     offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -105,7 +109,7 @@ def _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, row0, bias_base, st
         qk = tl.dot(q, tl.trans(k))
     s = (qk * qk_scale).to(tl.float32) + (bias * LOG2E)[None, :]
     if MASKED:
-        s = tl.where(offs_n[None, :] <= qpos[:, None], s, float("-inf"))
+        s = tl.where(offs_n[None, :] <= qslot[:, None], s, float("-inf"))
     if TMA and not MASKED:
         m_new, l_i, alpha, p = softmax_probs(m_i, l_i, s)
         acc = softmax_acc(acc, alpha, p, V_DESC.load([row0 + j * BLOCK_N, 0]))
@@ -118,7 +122,7 @@ def _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, row0, bias_base, st
 @triton_jit(do_not_specialize=["Hkv", "G", "T", "C"])
 def _ordered_prefill_kernel(
     Q, K, V, BIAS, CPOS,  # as _prefill_attention_kernel's; K and V contiguous [B, Hkv, C, D]
-    DISORDER,  # int32 [B * Hkv]: live slots whose position is not their index (0: this kernel's row)
+    ORDER,  # int64 [B * Hkv, 2] from _tile_ranges_kernel: min(position - index), min(index - position)
     K_DESC, V_DESC,  # TMA: descriptors of K and V viewed [B * Hkv * C, D], blocks [BLOCK_N, D]; else K and V
     OUT,  # [B, Hq, T, D] q's dtype
     LSE,  # fp32 [B * Hq * T] (WRITE_LSE only)
@@ -144,31 +148,36 @@ def _ordered_prefill_kernel(
     t = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = t < T
     offs_d = tl.arange(0, HEAD_DIM)
-    if tl.load(DISORDER + bh) == 0:
+    delta = tl.load(ORDER + bh.to(tl.int64) * 2)
+    if delta + tl.load(ORDER + bh.to(tl.int64) * 2 + 1) == 0:  # every live slot j at position j + delta
         q = tl.load(Q + b.to(tl.int64) * stride_qb + (pid_q % Hq).to(tl.int64) * stride_qh + t[:, None] * stride_qt
                     + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
-        qpos = tl.load(CPOS + t, mask=row_ok, other=-1)  # the queries' positions = their slots
-        p_lo = tl.min(tl.where(row_ok, qpos, 2**62), axis=0)
-        p_hi = tl.max(tl.where(row_ok, qpos, -1), axis=0)
-        n_end = tl.minimum(p_hi // BLOCK_N + 1, tl.cdiv(C, BLOCK_N)).to(tl.int32)  # tiles past it: no query sees
-        n_whole = tl.minimum(tl.minimum((p_lo + 1) // BLOCK_N, C // BLOCK_N), n_end).to(tl.int32)
+        # each query's own slot (position - delta), clamped into int32 (int64 compares cost two instructions an
+        # element): a slot below -1 or past C changes no test's outcome
+        qslot = tl.minimum(tl.maximum(tl.load(CPOS + t, mask=row_ok, other=0) - delta, -1), C).to(tl.int32)
+        s_lo = tl.min(tl.where(row_ok, qslot, C), axis=0)
+        s_hi = tl.max(tl.where(row_ok, qslot, -1), axis=0)
+        # tiles [0, n_whole): every slot at or before every query's own, inside C; [n_whole, n_end): masked; past
+        # n_end no query sees a slot (a slot index below 0 or a query before slot 0 leaves the loops empty)
+        n_end = tl.where(s_hi < 0, 0, tl.minimum(s_hi // BLOCK_N + 1, tl.cdiv(C, BLOCK_N)))
+        n_whole = tl.minimum(tl.minimum((s_lo + 1) // BLOCK_N, C // BLOCK_N), n_end)
         row0 = bh * C  # < 2**31 (routable)
         bias_base = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for j in range(0, n_whole):  # every slot <= every query's position, inside C
+        for j in range(0, n_whole):  # every slot at or before every query's own, inside C
             m_i, l_i, acc = _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, row0, bias_base, stride_bc,
-                                          qpos, C, qk_scale, BLOCK_N, HEAD_DIM, TMA, False)
+                                          qslot, C, qk_scale, BLOCK_N, HEAD_DIM, TMA, False)
         for j in range(n_whole, n_end):
             m_i, l_i, acc = _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, row0, bias_base, stride_bc,
-                                          qpos, C, qk_scale, BLOCK_N, HEAD_DIM, TMA, True)
+                                          qslot, C, qk_scale, BLOCK_N, HEAD_DIM, TMA, True)
         store_rows(OUT, LSE, pid_q.to(tl.int64) * T + t, row_ok, offs_d, acc, m_i, l_i, HEAD_DIM, WRITE_LSE)
 
 
-def launch_ordered(q, keys, values, bias, cache_position, disorder, out, lse, qk_scale, pdl, launch, tma=None,
-                   **tiles):
-    """Launch _ordered_prefill_kernel into `out` (and `lse`) for the rows with disorder 0. tma: None (TMA where
+def launch_ordered(q, keys, values, bias, cache_position, order, out, lse, qk_scale, pdl, launch, tma=None, **tiles):
+    """Launch _ordered_prefill_kernel into `out` (and `lse`) for the ordered rows of `order` (_prefill_attention_kernels
+    .order_stats, filled by tile_ranges). tma: None (TMA where
     tma_refusal allows), True (forced: ValueError naming what refuses it, except on CPU tensors, where Triton's
     interpreter takes descriptors), False. tiles: launch_config's overrides."""
     B, Hq, T, D = (int(n) for n in q.shape)
@@ -185,7 +194,7 @@ def launch_ordered(q, keys, values, bias, cache_position, disorder, out, lse, qk
         k_desc = TensorDescriptor.from_tensor(keys.view(-1, D), [cfg["block_n"], D])
         v_desc = TensorDescriptor.from_tensor(values.view(-1, D), [cfg["block_n"], D])
     wrap_triton(_ordered_prefill_kernel)[(triton.cdiv(T, cfg["block_m"]), B * Hq)](
-        q, keys, values, bias, cache_position, disorder, k_desc, v_desc, out, out if lse is None else lse,
+        q, keys, values, bias, cache_position, order, k_desc, v_desc, out, out if lse is None else lse,
         *q.stride(), *bias.stride(), Hkv, Hq // Hkv, T, C, qk_scale,
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], TMA=use_tma, WRITE_LSE=lse is not None, PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,

@@ -57,14 +57,14 @@ EMPTY_MIN, EMPTY_MAX = 2**62, -(2**62)
 def _tile_ranges_kernel(
     BIAS, POS,  # fp32 and int64 [B, Hkv, C]
     RANGES,  # int64 [B * Hkv, n_tiles, 2], out: (least, greatest) position of each tile's live slots
-    DISORDER,  # int32 [B * Hkv], zeroed, COUNT_DISORDER only: += the row's live slots whose position is not their index
+    ORDER,  # int64 [B * Hkv, 2] (ORDER_STATS only): minima of position - index and index - position, live slots
     stride_bb, stride_bh, stride_bc,
     stride_pb, stride_ph, stride_pc,
     Hkv, C, n_tiles,
     BLOCK_N: tl.constexpr,  # slots of a tile (the attention kernel's)
     TILES: tl.constexpr,  # tiles of a program
     PDL: tl.constexpr,
-    COUNT_DISORDER: tl.constexpr = False,  # for the ordered kernel's routing (_ordered_prefill_kernels.py)
+    ORDER_STATS: tl.constexpr = False,  # for the ordered kernel's routing (_ordered_prefill_kernels.py)
 ):
     if PDL:  # the bias and positions come from the append just before
         gdc_wait()
@@ -86,10 +86,13 @@ def _tile_ranges_kernel(
     t_ok = tiles < n_tiles
     tl.store(out, least, mask=t_ok)
     tl.store(out + 1, greatest, mask=t_ok)
-    if COUNT_DISORDER:
-        bad = tl.sum(tl.sum((live & (pos != offs)).to(tl.int32), axis=1), axis=0)
-        if bad > 0:
-            tl.atomic_add(DISORDER + bh, bad)  # int32: the count, hence the routing, is deterministic
+    if ORDER_STATS:  # the row is ordered (slot j holds position j + delta) iff both minima sum to 0
+        d = pos - offs
+        d_min = tl.min(tl.min(tl.where(live, d, 2**61), axis=1), axis=0)
+        d_neg = tl.min(tl.min(tl.where(live, -d, 2**61), axis=1), axis=0)
+        if d_min < 2**61:  # integer minima: the order of the atomics does not matter
+            tl.atomic_min(ORDER + bh.to(tl.int64) * 2, d_min)
+            tl.atomic_min(ORDER + bh.to(tl.int64) * 2 + 1, d_neg)
 
 
 @triton_jit()
@@ -175,7 +178,7 @@ def _prefill_attention_kernel(
     Q, K, V, BIAS, POS, CPOS,
     KSCALE,  # fp32 [B, Hkv, C]: each slot's key scale a_j (KEY_SCALE only; expanded_attention's gathered slots)
     RANGES,  # int64 [B * Hkv, n_tiles, 2] from _tile_ranges_kernel
-    DISORDER,  # int32 [B * Hkv] from _tile_ranges_kernel (SKIP_ORDERED only)
+    ORDER,  # int64 [B * Hkv, 2] from _tile_ranges_kernel (SKIP_ORDERED only)
     OUT,  # [B, Hq, T, D] q's dtype
     LSE,  # fp32 [B * Hq * T]: each row's natural-log log-sum-exp, -inf for a row that saw nothing (WRITE_LSE only)
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -196,7 +199,7 @@ def _prefill_attention_kernel(
     SCAN: tl.constexpr,  # tile ranges read at once while bounding the loop
     PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any load (kernels/_pdl.py)
     FULL_TILES: tl.constexpr = True,  # the full slot tiles' loads without a mask (module knob FULL_TILES)
-    SKIP_ORDERED: tl.constexpr = False,  # leave the rows of DISORDER 0 to _ordered_prefill_kernels.py
+    SKIP_ORDERED: tl.constexpr = False,  # leave the ordered rows (ORDER) to _ordered_prefill_kernels.py
 ):
     if PDL:
         gdc_wait()
@@ -208,8 +211,8 @@ def _prefill_attention_kernel(
     Hq = Hkv * G
 
     run = True
-    if SKIP_ORDERED:  # the rows _ordered_prefill_kernel takes (every live slot at the index of its position)
-        run = tl.load(DISORDER + pid_bh) != 0
+    if SKIP_ORDERED:  # the rows _ordered_prefill_kernel takes (slot j holds position j + delta, delta the row's)
+        run = tl.load(ORDER + pid_bh.to(tl.int64) * 2) + tl.load(ORDER + pid_bh.to(tl.int64) * 2 + 1) != 0
     if run:
         # -- rows of the tile: (query t, head g of the group), as the decode kernel's ----------------------------
         rows, row_ok, t, hq, offs_d = block_rows(h, pid_m, G, T, BLOCK_M, HEAD_DIM)
@@ -290,14 +293,21 @@ RANGE_TILES = 16  # tiles of a _tile_ranges_kernel program
 SCAN = 128  # tile ranges a query block reads at once while bounding its loop
 
 
-def tile_ranges(bias, slot_pos, n_tiles, block_n, pdl, launch, disorder=None):
+def order_stats(B: int, Hkv: int, device):
+    """The buffer tile_ranges fills with each row's order statistics: int64 [B * Hkv, 2], both columns 2**61 (no live
+    slot yet). A row is ordered, every live slot j at position j + delta, iff its two entries sum to 0 (delta the
+    first); a row without a live slot sums to 2**62."""
+    return torch.full((B * Hkv, 2), 2**61, dtype=torch.int64, device=device)
+
+
+def tile_ranges(bias, slot_pos, n_tiles, block_n, pdl, launch, order=None):
     """Launch _tile_ranges_kernel: int64 [B * Hkv, n_tiles, 2], each tile's (least, greatest) live position; with
-    `disorder` (a zeroed int32 [B * Hkv]) it also counts each row's live slots whose position is not their index."""
+    `order` (order_stats') it also takes each row's minima of position - index and index - position."""
     B, Hkv, C = (int(n) for n in bias.shape)
     ranges = torch.empty((B * Hkv, n_tiles, 2), dtype=torch.int64, device=bias.device)
     wrap_triton(_tile_ranges_kernel)[(triton.cdiv(n_tiles, RANGE_TILES), B * Hkv)](
-        bias, slot_pos, ranges, ranges if disorder is None else disorder, *bias.stride(), *slot_pos.stride(), Hkv, C,
-        n_tiles, BLOCK_N=block_n, TILES=RANGE_TILES, PDL=pdl, COUNT_DISORDER=disorder is not None, num_warps=4,
+        bias, slot_pos, ranges, ranges if order is None else order, *bias.stride(), *slot_pos.stride(), Hkv, C,
+        n_tiles, BLOCK_N=block_n, TILES=RANGE_TILES, PDL=pdl, ORDER_STATS=order is not None, num_warps=4,
         **launch,
     )
     return ranges
@@ -310,9 +320,10 @@ def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_s
     per-slot factor of the scores (before the soft cap), or None. full_tiles (default FULL_TILES): the full slot
     tiles' loads without a mask (fp32 bit for bit; 16-bit within one rounding of a probability). ordered (default
     _ordered_prefill_kernels.ORDERED; True, False, or a dict of that kernel's launch overrides and `tma`): the rows
-    whose every live slot sits at the index of its position go to _ordered_prefill_kernels.py (where `routable`),
-    the others to _prefill_attention_kernel. No checks (the caller's: clustered_attention.triton_clustered_attention,
-    expanded_attention's gathered slots); runs under Triton's interpreter on CPU tensors."""
+    whose live slots hold their positions in order, slot j position j + delta, go to _ordered_prefill_kernels.py
+    (where `routable`), the others to _prefill_attention_kernel. No checks (the caller's:
+    clustered_attention.triton_clustered_attention, expanded_attention's gathered slots); runs under Triton's
+    interpreter on CPU tensors."""
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, C = int(keys.shape[1]), int(keys.shape[2])
     G = Hq // Hkv
@@ -322,21 +333,21 @@ def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_s
     ordered = _ordered.ORDERED if ordered is None else ordered
     ordered = ordered is not False and _ordered.routable(keys, values, window, softcap, key_scale) and (
         {} if ordered is True else dict(ordered))
-    disorder = None if ordered is False else torch.zeros(B * Hkv, dtype=torch.int32, device=q.device)
-    ranges = tile_ranges(bias, slot_pos, n_tiles, cfg["block_n"], pdl, launch, disorder)
+    order = None if ordered is False else order_stats(B, Hkv, q.device)
+    ranges = tile_ranges(bias, slot_pos, n_tiles, cfg["block_n"], pdl, launch, order)
     out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
     ks = bias if key_scale is None else key_scale  # an unused pointer without it: any fp32 [B, Hkv, C]
     wrap_triton(_prefill_attention_kernel)[(cfg["m_blocks"], B * Hkv)](
-        q, keys, values, bias, slot_pos, cache_position, ks, ranges, ranges if disorder is None else disorder, out,
+        q, keys, values, bias, slot_pos, cache_position, ks, ranges, ranges if order is None else order, out,
         out if lse is None else lse,
         *q.stride(), *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(), *ks.stride(),
         Hkv, G, T, C, n_tiles, window, qk_scale, softcap_log2,
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HAS_WINDOW=window > 0, SOFTCAP=softcap > 0,
         KEY_SCALE=key_scale is not None, WRITE_LSE=lse is not None, SCAN=SCAN, PDL=pdl,
-        FULL_TILES=FULL_TILES if full_tiles is None else bool(full_tiles), SKIP_ORDERED=disorder is not None,
+        FULL_TILES=FULL_TILES if full_tiles is None else bool(full_tiles), SKIP_ORDERED=order is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )
-    if disorder is not None:
-        _ordered.launch_ordered(q, keys, values, bias, cache_position, disorder, out, lse, qk_scale, pdl, launch,
+    if order is not None:
+        _ordered.launch_ordered(q, keys, values, bias, cache_position, order, out, lse, qk_scale, pdl, launch,
                                 **ordered)
     return out

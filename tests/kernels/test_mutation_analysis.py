@@ -69,7 +69,7 @@ def _written(kernel, kw) -> set:
 
 def test_attention_kernels_write_only_their_outputs(launches):
     """clustered_attention (decode, split and not; its prefill kernel with and without lse and key scales, the
-    ordered prefill kernel and the tile ranges' disorder count),
+    ordered prefill kernel and the tile ranges' order statistics),
     sketch_attention (decode split and not, the prefill kernel) and expanded_attention (decode, the prefill walk, the
     gathered form): every launch's written arguments are outputs it allocates, never an op input."""
     B, Hq, Hkv, T, C, D = 1, 8, 2, 40, 3000, 16
@@ -100,9 +100,9 @@ def test_attention_kernels_write_only_their_outputs(launches):
     for kernel, kw in launches:
         written = _written(kernel, kw)
         assert written and not written & INPUTS, (kernel.fn.__name__, sorted(written))
-        if kernel.fn.__name__ == "_tile_ranges_kernel":  # DISORDER: with COUNT_DISORDER only
-            want = {"RANGES", "DISORDER"} if kw.get("COUNT_DISORDER") else {"RANGES"}
-            assert written == want, (sorted(written), kw.get("COUNT_DISORDER"))
+        if kernel.fn.__name__ == "_tile_ranges_kernel":  # ORDER: with ORDER_STATS only
+            want = {"RANGES", "ORDER"} if kw.get("ORDER_STATS") else {"RANGES"}
+            assert written == want, (sorted(written), kw.get("ORDER_STATS"))
         if kernel.fn.__name__ == "_ordered_prefill_kernel":
             assert written == {"OUT", "LSE"}, sorted(written)
 

@@ -1,7 +1,8 @@
 """The ordered prefill kernel (kernels/_ordered_prefill_kernels.py) and its routing on CUDA: rows whose slots hold their
 tokens in position order (left padding, the past, the fresh chunk, empty slots after the fill), every dtype, head dims
 64-256, GQA 1-7, T and C ragged against the tiles, outputs in memory filled with NaN first; against the reference, the
-general prefill kernel and, for 16-bit data, TMA against pointer loads; a row out of order routed to the general
+general prefill kernel and, for 16-bit data, TMA against pointer loads; positions from before 0 (the chunk padding)
+and after; a row out of order routed to the general
 kernel; the op under torch.compile (fake tensors: pointer loads) and inside a CUDA graph (TMA descriptors captured).
 On a GPU machine: `python -m pytest -m gpu -q tests/kernels/test_ordered_prefill_gpu.py`.
 """
@@ -24,14 +25,14 @@ pytestmark = [
     pytest.mark.skipif(ca.triton is None, reason="needs Triton"),
 ]
 LOG2E = 1.4426950408889634
-# (B, Hq, Hkv, T, n_prev, C, pads): GQA 4, 7, 1, 2; T ragged against the 128-query blocks; C ragged and past the fill;
-# padding longer than a tile; a chunk at the start
-SHAPES = [(2, 32, 8, 300, 1500, 2000, (0, 77)), (1, 14, 2, 257, 0, 300, (5,)), (3, 8, 8, 129, 700, 1000, (0,)),
-          (2, 16, 8, 65, 4033, 4100, (0, 0, 130))]
+# (B, Hq, Hkv, T, n_prev, C, pads, delta): GQA 4, 7, 1, 2; T ragged against the 128-query blocks; C ragged and past
+# the fill; padding longer than a tile; a chunk at the start; positions from before 0 (the chunk padding) and after
+SHAPES = [(2, 32, 8, 300, 1500, 2000, (0, 77), -100), (1, 14, 2, 257, 0, 300, (5,), 0),
+          (3, 8, 8, 129, 700, 1000, (0,), 9), (2, 16, 8, 65, 4033, 4100, (0, 0, 130), -1)]
 
 
 def _id(s):
-    return "B{}-Hq{}Hkv{}-T{}-prev{}-C{}".format(*s[:6])
+    return "B{}-Hq{}Hkv{}-T{}-prev{}-C{}-delta{}".format(*s[:6], s[7])
 
 
 def _run(args, lse=None, **kw):
@@ -51,9 +52,9 @@ def _reference(args):
 def test_matches_reference_and_the_general_kernel(shape, D, dtype):
     """Ordered on (TMA where the default takes it) in poisoned memory: the reference's output, and the general
     kernel's within one rounding of a probability times the largest value (fp32: the same to 1e-5)."""
-    B, Hq, Hkv, T, n_prev, C, pads = shape
+    B, Hq, Hkv, T, n_prev, C, pads, delta = shape
     args = ordered_state(B, Hq, Hkv, T, n_prev, C, D, pads, seed=hash((shape, D)) % 2**31, dtype=dtype,
-                         device="cuda")
+                         device="cuda", delta=delta)
     nbytes = B * Hq * T * D * args[0].element_size()
     got = poisoned(lambda: _run(args, ordered=True), nbytes)
     ref = _reference(args)
@@ -70,8 +71,8 @@ def test_matches_reference_and_the_general_kernel(shape, D, dtype):
 def test_tma_matches_pointer_loads(shape, tiles, dtype):
     """The full tiles through TMA descriptors against pointer loads, lse included: the same data reaches the tensor
     cores, so within one rounding of a probability times the largest value; lse within 1e-6."""
-    B, Hq, Hkv, T, n_prev, C, pads = shape
-    args = ordered_state(B, Hq, Hkv, T, n_prev, C, 128, pads, seed=9, dtype=dtype, device="cuda")
+    B, Hq, Hkv, T, n_prev, C, pads, delta = shape
+    args = ordered_state(B, Hq, Hkv, T, n_prev, C, 128, pads, seed=9, dtype=dtype, device="cuda", delta=delta)
     assert op.tma_refusal(args[1], args[2]) is None or torch.cuda.get_device_capability()[0] < 9
     outs = []
     for tma in (False, True):
@@ -92,9 +93,9 @@ def test_a_row_out_of_order_goes_to_the_general_kernel():
     perm[3], perm[900] = 900, 3
     for i in (1, 2, 3, 4):
         args[i][1] = args[i][1][:, perm]
-    disorder = torch.zeros(16, dtype=torch.int32, device="cuda")
-    pk.tile_ranges(args[3], args[4], 19, 64, False, {}, disorder)
-    assert (disorder[:8] == 0).all() and (disorder[8:] == 2).all()
+    order = pk.order_stats(2, 8, "cuda")
+    pk.tile_ranges(args[3], args[4], 19, 64, False, {}, order)
+    assert (order[:8].sum(1) == 0).all() and (order[8:].sum(1) == -1794).all()  # -(900 - 3) - (900 - 3)
     _check(_run(args, ordered=True), _reference(args), torch.bfloat16, "mixed rows")
 
 

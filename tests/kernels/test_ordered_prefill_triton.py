@@ -1,8 +1,9 @@
 """The ordered prefill kernel (kernels/_ordered_prefill_kernels.py) and its routing, on the CPU through Triton's
-interpreter: rows whose live slots sit at the index of their position (a `full` or ClusterKV row: left padding, the
-past, the chunk's fresh block, empty slots after the fill) against the float64 attention and the general prefill
-kernel; a row with one slot out of order routed to the general kernel; the tile ranges' count of such slots; TMA
-descriptors (forced: the interpreter reads them) against pointer loads, bit for bit.
+interpreter: rows whose live slots hold their positions in order, slot j position j + delta (a `full` or ClusterKV row:
+left padding, the past, the chunk's fresh block, empty slots after the fill; delta < 0 where padding rounds the prompt
+up to whole chunks) against the float64 attention and the general prefill kernel; a row with one slot out of order
+routed to the general kernel; the tile ranges' order statistics; TMA descriptors (forced: the interpreter reads them)
+against pointer loads, bit for bit.
 
 Runs only under the interpreter: `TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_ordered_prefill_triton.py`.
 fp32 only (the 3.6 interpreter's 16-bit tl.dot is wrong): the 16-bit inputs, the TMA hardware path and the timing are
@@ -40,16 +41,17 @@ def _lse_naive(q, keys, bias, slot_pos, cp):
     return s.masked_fill(~vis, -math.inf).logsumexp(-1)
 
 
-# (B, Hq, Hkv, T, n_prev, C, pads): GQA 4, 1, 3, 2; T ragged against the 16-query blocks; C ragged against the 16-slot
-# tiles and past the fill; left padding longer than a tile; a chunk at the very start (n_prev 0); one that ends at C
-CASES = [(2, 8, 2, 37, 40, 100, (0, 21)), (1, 3, 3, 15, 0, 20, (0,)), (2, 6, 2, 20, 33, 64, (5, 0)),
-         (1, 4, 2, 16, 48, 64, (0,))]
+# (B, Hq, Hkv, T, n_prev, C, pads, delta): GQA 4, 1, 3, 2; T ragged against the 16-query blocks; C ragged against the
+# 16-slot tiles and past the fill; left padding longer than a tile; a chunk at the very start (n_prev 0); one that ends
+# at C; positions that start before 0 (the chunk padding: delta -5, -21) and after it (delta 7)
+CASES = [(2, 8, 2, 37, 40, 100, (0, 21), -21), (1, 3, 3, 15, 0, 20, (0,), 0), (2, 6, 2, 20, 33, 64, (5, 0), -5),
+         (1, 4, 2, 16, 48, 64, (0,), 7)]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}-Hq{}Hkv{}-T{}-prev{}-C{}-pads{}".format(*c))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}-Hq{}Hkv{}-T{}-prev{}-C{}-pads{}-delta{}".format(*c))
 def test_ordered_rows_match_naive_and_the_general_kernel(case):
-    B, Hq, Hkv, T, n_prev, C, pads = case
-    args = ordered_state(B, Hq, Hkv, T, n_prev, C, pads=pads, seed=sum(case[:6]))
+    B, Hq, Hkv, T, n_prev, C, pads, delta = case
+    args = ordered_state(B, Hq, Hkv, T, n_prev, C, pads=pads, seed=sum(case[:6]), delta=delta)
     want = naive_attention(*args, args[0].shape[-1] ** -0.5, 0)
     lse = torch.full((B, Hq, T), math.nan)
     got = _run(args, lse, ordered=TILES)
@@ -59,11 +61,11 @@ def test_ordered_rows_match_naive_and_the_general_kernel(case):
     general = _run(args, ordered=False)
     torch.testing.assert_close(got, general, atol=2e-6, rtol=1e-5)
     # every row is ordered, so the ordered kernel alone wrote the output: into NaN, with no general kernel
-    disorder = torch.zeros(B * Hkv, dtype=torch.int32)
-    pk.tile_ranges(args[3], args[4], math.ceil(C / 16), 16, False, {}, disorder)
-    assert (disorder == 0).all()
+    order = pk.order_stats(B, Hkv, "cpu")
+    pk.tile_ranges(args[3], args[4], math.ceil(C / 16), 16, False, {}, order)
+    assert (order[:, 0] == delta).all() and (order.sum(1) == 0).all()
     alone = torch.full_like(got, math.nan)
-    pk._ordered.launch_ordered(*args[:4], args[5], disorder, alone, None, args[0].shape[-1] ** -0.5 * LOG2E, False, {},
+    pk._ordered.launch_ordered(*args[:4], args[5], order, alone, None, args[0].shape[-1] ** -0.5 * LOG2E, False, {},
                                **TILES)
     assert torch.equal(alone, got)
 
@@ -87,23 +89,25 @@ def test_a_row_with_a_slot_out_of_order_goes_to_the_general_kernel():
     for x in (keys, values, bias, slot_pos):
         x[1] = x[1][:, perm]
     args = (q, keys, values, bias, slot_pos, cp)
-    disorder = torch.zeros(4, dtype=torch.int32)
-    pk.tile_ranges(bias, slot_pos, 4, 16, False, {}, disorder)
-    assert disorder.tolist() == [0, 0, 2, 2]
+    order = pk.order_stats(2, 2, "cpu")
+    pk.tile_ranges(bias, slot_pos, 4, 16, False, {}, order)
+    assert order.sum(1).tolist() == [0, 0, -54, -54]  # row 1: min(position - index) - max(it) = -27 - 27
     torch.testing.assert_close(_run(args, ordered=TILES).double(), naive_attention(*args, 0.25, 0),
                                **TOL[torch.float32])
 
 
-def test_tile_ranges_count_only_live_slots_out_of_order():
-    """The count is of live slots (bias > -inf) whose position is not their index: stale positions of empty slots
-    and padding do not count; a row whose past was compacted (chelsea's: positions spread) counts them all."""
-    q, keys, values, bias, slot_pos, cp = ordered_state(2, 4, 2, 10, 20, 48, pads=(4, 0), seed=5)
+def test_tile_ranges_order_statistics_read_only_live_slots():
+    """The minima of position - index and index - position run over the live slots (bias > -inf): stale positions of
+    padding and empty slots do not count; five live slots moved by 100 make their row's sum -100 (min - max of
+    position - index); a row without a live slot sums to 2**62 (the general kernel's too)."""
+    q, keys, values, bias, slot_pos, cp = ordered_state(3, 4, 2, 10, 20, 48, pads=(4, 0, 0), seed=5, delta=-3)
     slot_pos[0, :, :4] = 999  # padding: dead
     slot_pos[..., 30:] = 7  # past the fill: dead
     slot_pos[1, 1, 5:10] += 100  # five live slots out of order
-    disorder = torch.zeros(4, dtype=torch.int32)
-    pk.tile_ranges(bias, slot_pos, 3, 16, False, {}, disorder)
-    assert disorder.tolist() == [0, 0, 0, 5]
+    bias[2, 0] = -math.inf  # a row with nothing live
+    order = pk.order_stats(3, 2, "cpu")
+    pk.tile_ranges(bias, slot_pos, 3, 16, False, {}, order)
+    assert order[:, 0].tolist()[:4] == [-3, -3, -3, -3] and order.sum(1).tolist() == [0, 0, 0, -100, 2**62, 0]
 
 
 def test_tma_descriptors_give_the_pointer_loads_output_bit_for_bit():

@@ -12,7 +12,7 @@ import torch
 import kvrewrite
 from kvrewrite.methods import make_method
 from kvrewrite.methods.clusterkv import ClusterKVMethod
-from tests.methods.tiny_runs import CHUNK, PAD_ROW1, prompt, run
+from tests.methods.tiny_runs import CHUNK, N_PROMPT, PAD_ROW1, prompt, run
 
 SMALL = dict(n_sink=2, interval=4, tokens_per_cluster=4, window_clusters=2, iters=3, dense_layers=1)
 
@@ -132,3 +132,23 @@ def test_budget_inside_the_sinks_is_refused_before_the_prefill(llama, captured):
     ids, mask = prompt()
     with pytest.raises(ValueError, match="n_sink=2"):
         rw.prefill(ids, mask, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("method", ["full", "clusterkv"])
+def test_live_slots_hold_their_positions_in_order(llama, captured, method):
+    """What clustered_attention's ordered prefill kernel relies on for the methods that never move a slot (its routing
+    checks it on the device, row by row: kernels/_ordered_prefill_kernels.py): after a left-padded chunked prefill
+    (21 tokens rounded up to 3 chunks of 8: the 3 padding slots take positions -3..-1) and decode steps (ClusterKV's
+    window clusterings among them), every live slot j of every row holds position j + delta, delta = -3, and every slot
+    from the fill on is empty."""
+    ids, mask = prompt()
+    kw = dict(budget=10, **SMALL) if method == "clusterkv" else {}
+    rw = kvrewrite.apply(llama, method, max_length=48, batch_size=2, prefill_chunk=CHUNK, captured=captured, **kw)
+    run(rw, ids, mask, 9)
+    delta = N_PROMPT - 3 * CHUNK
+    for layer in (0, 1):
+        st = rw.layer_state(layer)
+        live = st["bias"] > -math.inf
+        index = torch.arange(st["slot_pos"].shape[-1]).expand_as(st["slot_pos"])
+        assert live.any() and torch.equal(st["slot_pos"][live], index[live] + delta), (method, layer)
+        assert not (live & (index >= st["fill"][..., None])).any(), (method, layer)
