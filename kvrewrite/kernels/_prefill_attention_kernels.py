@@ -331,8 +331,9 @@ def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_s
     n_tiles = cfg["n_tiles"]
     pdl, launch = _pdl.launch_options(q)
     ordered = _ordered.ORDERED if ordered is None else ordered
-    ordered = ordered is not False and _ordered.routable(keys, values, window, softcap, key_scale) and (
-        {} if ordered is True else dict(ordered))
+    if ordered is not False and not _ordered.routable(keys, values, window, softcap, key_scale):
+        ordered = False
+    ordered_tuning = dict(ordered) if isinstance(ordered, dict) else {}
     order = None if ordered is False else order_stats(B, Hkv, q.device)
     ranges = tile_ranges(bias, slot_pos, n_tiles, cfg["block_n"], pdl, launch, order)
     out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
@@ -349,5 +350,5 @@ def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_s
     )
     if order is not None:
         _ordered.launch_ordered(q, keys, values, bias, cache_position, order, out, lse, qk_scale, pdl, launch,
-                                **ordered)
+                                **ordered_tuning)
     return out
