@@ -33,7 +33,7 @@ import torch
 from torch.library import wrap_triton
 
 from kvrewrite import offload
-from kvrewrite.kernels._online_softmax import softmax_acc, softmax_probs, softmax_tile, store_rows
+from kvrewrite.kernels._online_softmax import softmax_acc, softmax_probs, store_rows
 from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
 from kvrewrite.kernels._triton_op import triton_jit
 
@@ -110,12 +110,12 @@ def _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, row0, bias_base, st
     s = (qk * qk_scale).to(tl.float32) + (bias * LOG2E)[None, :]
     if MASKED:
         s = tl.where(offs_n[None, :] <= qslot[:, None], s, float("-inf"))
+    m_new, l_i, alpha, p = softmax_probs(m_i, l_i, s)
     if TMA and not MASKED:
-        m_new, l_i, alpha, p = softmax_probs(m_i, l_i, s)
-        acc = softmax_acc(acc, alpha, p, V_DESC.load([row0 + j * BLOCK_N, 0]))
+        v = V_DESC.load([row0 + j * BLOCK_N, 0])
     else:
-        m_new, l_i, acc = softmax_tile(m_i, l_i, acc, s, V + rows[:, None] * HEAD_DIM + offs_d[None, :], n_ok)
-    return m_new, l_i, acc
+        v = tl.load(V + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    return m_new, l_i, softmax_acc(acc, alpha, p, v)
 
 
 # Shape ints that only bound loops and masks are not specialised on: one compiled kernel per dtype, D and tiles.
