@@ -63,7 +63,8 @@ SPLIT_CH = 1024  # slots per chunk of the split pass
 # launch 2: points per chunk of a pass and warps. 256 and 8 by an H200 sweep of the first chunk's fold (batch 8, |F|
 # 2012, 204 centres: 57.6-58.1 ms at 64 points, 23.9 at 256, 91.8-93.0 at 128, 106-108 at 256 with 16 warps; stop
 # 58, docs/bench.md). A pipelined chunk loop (tl.range num_stages 3) once gave another state and failed a GPU test
-# (not traced; the loop loads and stores each point's running distance D2): not used.
+# (not traced; the loop loads and stores each point's running distance D2): not used. Those runs predate the pack
+# launch's barriers (stop 59), whose race gave other states too: the pipelined loop is worth a retry.
 CAL_CH, CAL_WARPS = 256, 8
 DIST_BF, DIST_BM, DIST_FO = 16, 32, 1024  # launch 3: keys x clusters per tile, keys per program
 RES_B, RES_BL = 32, 32  # launch 4: keys per sequential block, leaders per tile

@@ -69,8 +69,9 @@ a decode-time fold of g = 32 tokens 120 us at B = 1 (2% of the 6.1 ms plain step
 32 tokens), 422 us at B = 8; a later prefill chunk's fold (|F| = 2048) 3.0 ms (B = 1) / 8.5 ms (B = 8); the first
 chunk's fold 51 ms (B = 1) / 74 ms (B = 8), 42.5 / 60 ms of it the δ calibration (one program per row: 1.6 s over
 32 layers, once per generation); with the calibration's 256-point chunks (stop 58, H200) that fold is 21.9 / 23.9 ms
-(50.9 / 57.6-58.1 with 64-point chunks in the same run; docs/bench.md "Stop 58 runs"). The first version (docs/bench/clustergen_fold_h100.json) took 663 us per decode
-fold, 549 of it a reservoir launch that spilled registers.
+(50.9 / 57.6-58.1 with 64-point chunks in the same run; docs/bench.md "Stop 58 runs"). The first version
+(docs/bench/clustergen_fold_h100.json) took 663 us per decode fold, 549 of it a reservoir launch that spilled
+registers.
 
 The reference: static-shape tensor code vectorised over rows: the leader part is a loop over the static bound
 C - n_sink - window of folded positions, the calibration a loop over M_max greedy steps; no host reads on CUDA,

@@ -18,13 +18,13 @@ from kvrewrite.kernels import clustered_attention as ca
 from tests.kernels.ordered_state import ordered_state
 from tests.kernels.poisoned import poisoned
 from tests.kernels.test_clustered_attention_gpu import DTYPES, _check
+from tests.kernels.test_prefill_attention_gpu import _prefill
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
     pytest.mark.skipif(ca.triton is None, reason="needs Triton"),
 ]
-LOG2E = 1.4426950408889634
 # (B, Hq, Hkv, T, n_prev, C, pads, delta): GQA 4, 7, 1, 2; T ragged against the 128-query blocks; C ragged and past
 # the fill; padding longer than a tile; a chunk at the start; positions from before 0 (the chunk padding) and after
 SHAPES = [(2, 32, 8, 300, 1500, 2000, (0, 77), -100), (1, 14, 2, 257, 0, 300, (5,), 0),
@@ -33,11 +33,6 @@ SHAPES = [(2, 32, 8, 300, 1500, 2000, (0, 77), -100), (1, 14, 2, 257, 0, 300, (5
 
 def _id(s):
     return "B{}-Hq{}Hkv{}-T{}-prev{}-C{}-delta{}".format(*s[:6], s[7])
-
-
-def _run(args, lse=None, **kw):
-    q = args[0]
-    return pk.launch_prefill(*args, 0, q.shape[-1] ** -0.5 * LOG2E, 0.0, 0.0, lse, **kw)
 
 
 def _reference(args):
@@ -56,10 +51,10 @@ def test_matches_reference_and_the_general_kernel(shape, D, dtype):
     args = ordered_state(B, Hq, Hkv, T, n_prev, C, D, pads, seed=hash((shape, D)) % 2**31, dtype=dtype,
                          device="cuda", delta=delta)
     nbytes = B * Hq * T * D * args[0].element_size()
-    got = poisoned(lambda: _run(args, ordered=True), nbytes)
+    got = poisoned(lambda: _prefill(*args, 0, ordered=True), nbytes)
     ref = _reference(args)
     _check(got, ref, dtype, f"{_id(shape)} D{D} {dtype} ordered")
-    general = _run(args, ordered=False)
+    general = _prefill(*args, 0, ordered=False)
     bound = 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps * args[2].float().abs().max().item()
     assert (got.float() - general.float()).abs().max().item() <= bound
 
@@ -77,7 +72,7 @@ def test_tma_matches_pointer_loads(shape, tiles, dtype):
     outs = []
     for tma in (False, True):
         lse = torch.full((B, Hq, T), math.nan, device="cuda")
-        outs.append((_run(args, lse, ordered=dict(tiles, tma=tma)), lse))
+        outs.append((_prefill(*args, 0, 0.0, lse, ordered=dict(tiles, tma=tma)), lse))
     (ptr, lse_ptr), (tma_out, lse_tma) = outs
     bound = torch.finfo(dtype).eps * args[2].float().abs().max().item()
     assert (tma_out.float() - ptr.float()).abs().max().item() <= bound
@@ -96,7 +91,7 @@ def test_a_row_out_of_order_goes_to_the_general_kernel():
     order = pk.order_stats(2, 8, "cuda")
     pk.tile_ranges(args[3], args[4], 19, 64, False, {}, order)
     assert (order[:8].sum(1) == 0).all() and (order[8:].sum(1) == -1794).all()  # -(900 - 3) - (900 - 3)
-    _check(_run(args, ordered=True), _reference(args), torch.bfloat16, "mixed rows")
+    _check(_prefill(*args, 0, ordered=True), _reference(args), torch.bfloat16, "mixed rows")
 
 
 def test_default_tma_choice():
@@ -112,7 +107,7 @@ def test_default_tma_choice():
     assert op.tma_refusal(host, host) is not None
     args = ordered_state(1, 8, 4, 100, 200, 300, 128, seed=11, device="cuda")  # fp32
     with pytest.raises(ValueError, match="tma=True needs"):
-        _run(args, ordered=dict(tma=True))
+        _prefill(*args, 0, ordered=dict(tma=True))
 
 
 def test_op_under_compile_and_in_a_cuda_graph(monkeypatch):

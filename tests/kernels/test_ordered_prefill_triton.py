@@ -23,22 +23,10 @@ pytest.importorskip("triton")
 from kvrewrite.kernels import _prefill_attention_kernels as pk  # noqa: E402
 from tests.kernels.ordered_state import ordered_state  # noqa: E402
 from tests.kernels.test_clustered_attention import TOL, naive_attention  # noqa: E402
+from tests.kernels.test_prefill_attention_triton import _prefill, _visible_lse  # noqa: E402
 
 LOG2E = 1.4426950408889634
 TILES = dict(block_m=16, block_n=16, tma=False)  # small tiles: several whole and diagonal tiles per row
-
-
-def _run(args, lse=None, **kw):
-    q = args[0]
-    return pk.launch_prefill(*args, 0, q.shape[-1] ** -0.5 * LOG2E, 0.0, 0.0, lse, **kw)
-
-
-def _lse_naive(q, keys, bias, slot_pos, cp):
-    G = q.shape[1] // keys.shape[1]
-    k = keys.double().repeat_interleave(G, dim=1)
-    s = q.double() @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + bias.double().repeat_interleave(G, dim=1)[:, :, None]
-    vis = slot_pos.repeat_interleave(G, dim=1)[:, :, None, :] <= cp[:, None]
-    return s.masked_fill(~vis, -math.inf).logsumexp(-1)
 
 
 # (B, Hq, Hkv, T, n_prev, C, pads, delta): GQA 4, 1, 3, 2; T ragged against the 16-query blocks; C ragged against the
@@ -54,11 +42,11 @@ def test_ordered_rows_match_naive_and_the_general_kernel(case):
     args = ordered_state(B, Hq, Hkv, T, n_prev, C, pads=pads, seed=sum(case[:6]), delta=delta)
     want = naive_attention(*args, args[0].shape[-1] ** -0.5, 0)
     lse = torch.full((B, Hq, T), math.nan)
-    got = _run(args, lse, ordered=TILES)
+    got = _prefill(*args, 0, lse, ordered=TILES)
     torch.testing.assert_close(got.double(), want, **TOL[torch.float32])
-    torch.testing.assert_close(lse.double(), _lse_naive(args[0], args[1], args[3], args[4], args[5]), atol=1e-5,
+    torch.testing.assert_close(lse.double(), _visible_lse(*args[:2], *args[3:], 0), atol=1e-5,
                                rtol=1e-5)
-    general = _run(args, ordered=False)
+    general = _prefill(*args, 0, ordered=False)
     torch.testing.assert_close(got, general, atol=2e-6, rtol=1e-5)
     # every row is ordered, so the ordered kernel alone wrote the output: into NaN, with no general kernel
     order = pk.order_stats(B, Hkv, "cpu")
@@ -75,7 +63,7 @@ def test_queries_that_see_only_padding_give_zeros_and_lse_minus_inf():
     general kernel's."""
     args = ordered_state(1, 4, 2, 24, 0, 40, pads=(10,), seed=3)
     lse = torch.full((1, 4, 24), math.nan)
-    got = _run(args, lse, ordered=TILES)
+    got = _prefill(*args, 0, lse, ordered=TILES)
     assert (got[:, :, :10] == 0).all() and (lse[:, :, :10] == -math.inf).all()
     torch.testing.assert_close(got.double(), naive_attention(*args, 0.25, 0), **TOL[torch.float32])
 
@@ -92,7 +80,7 @@ def test_a_row_with_a_slot_out_of_order_goes_to_the_general_kernel():
     order = pk.order_stats(2, 2, "cpu")
     pk.tile_ranges(bias, slot_pos, 4, 16, False, {}, order)
     assert order.sum(1).tolist() == [0, 0, -54, -54]  # row 1: min(position - index) - max(it) = -27 - 27
-    torch.testing.assert_close(_run(args, ordered=TILES).double(), naive_attention(*args, 0.25, 0),
+    torch.testing.assert_close(_prefill(*args, 0, ordered=TILES).double(), naive_attention(*args, 0.25, 0),
                                **TOL[torch.float32])
 
 
@@ -114,7 +102,7 @@ def test_tma_descriptors_give_the_pointer_loads_output_bit_for_bit():
     """The full tiles' keys and values through tensor descriptors over the [B * Hkv * C, D] view (forced on CPU
     tensors: the interpreter reads them like the hardware's bounds-checked copy) against pointer loads."""
     args = ordered_state(2, 8, 2, 37, 40, 100, pads=(0, 21), seed=6)
-    outs = [_run(args, ordered=dict(TILES, tma=tma)) for tma in (False, True)]
+    outs = [_prefill(*args, 0, ordered=dict(TILES, tma=tma)) for tma in (False, True)]
     assert torch.equal(outs[0], outs[1])
 
 
@@ -122,11 +110,9 @@ def test_routing_needs_no_window_cap_or_key_scale_and_contiguous_state():
     """A window, a key scale or strided keys keep the general kernel (the ordered kernel has none of them): the same
     output with ordered on and off."""
     args = list(ordered_state(1, 4, 2, 20, 30, 64, seed=7))
-    q = args[0]
     for kw in (dict(window=9), dict(key_scale=0.5 + torch.rand(1, 2, 64))):
         window = kw.pop("window", 0)
-        outs = [pk.launch_prefill(*args, window, q.shape[-1] ** -0.5 * LOG2E, 0.0, 0.0, None, ordered=o, **kw)
-                for o in (TILES, False)]
+        outs = [_prefill(*args, window, ordered=o, **kw) for o in (TILES, False)]
         assert torch.equal(outs[0], outs[1])
     strided = torch.randn(1, 2, 64, 32)[..., :16]
     assert not pk._ordered.routable(strided, strided, 0, 0.0, None)
