@@ -1,4 +1,4 @@
-"""clustered_attention's prefill kernel for rows whose slots hold their tokens in position order (ORDERED: off).
+"""clustered_attention's prefill kernel for rows whose slots hold their tokens in position order (ORDERED: on).
 
 A method that never moves a slot (`full`, ClusterKV: every token stays) appends its tokens in order: cache_append
 writes at fill the tokens of consecutive cache positions, so slot j holds position j + delta, delta fixed per row (the
@@ -16,16 +16,25 @@ computes those rows and returns at once on the others, and _prefill_attention_ke
 on the rows this one takes. Any layout stays exact: a row with one slot out of order, or none live, goes to the general
 kernel. Taken only without a window, soft cap or key scale (those keep the general kernel).
 
-Loads: the full tiles' keys and values through host-side TMA descriptors over the state viewed [B * Hkv * C, D]
-(`tma_refusal` says where: a Hopper-class GPU, 16-bit contiguous device memory, real tensors), pointer loads
-elsewhere: under torch.compile / torch.export tracing (wrap_triton outside Dynamo records no descriptor metadata: a
-KeyError in triton_kernel_wrap.get_tensor_names, torch 2.11), for fp32 and for offload's host-mapped state.
+Loads: the keys and values through host-side TMA descriptors over the state viewed [B * Hkv, C, D], blocks [1,
+BLOCK_N, D] (a tile past C reads zeros, not the next row), where `tma_refusal` allows: a Hopper-class GPU, 16-bit
+contiguous device memory, real tensors (eager launches, CUDA graph capture). Pointer loads elsewhere, with their own
+tiles (POINTER_TILES): under torch.compile / torch.export tracing (wrap_triton outside Dynamo records no descriptor
+metadata: a KeyError in triton_kernel_wrap.get_tensor_names, torch 2.11), so `rw.compile`'s prefill takes them; for
+fp32 and for offload's host-mapped state. Every tile loads the same way and the bias unmasked (read at min(slot, C -
+1)): a masked bias load, or pointer loads in the masked tiles, made sm_90 spill in the whole-tile loop (TMA form, 128
+x 64 tiles: 17 local stores and 36 loads a tile before, 7 and 8 now; the pointer form's 8 warps none). Dead slots
+(padding, past the fill) are read and weighted 0, so their values must be finite: the state starts at zeros and
+cache_append writes only the model's rows. A row out of order returns before reading anything (reading q first and
+skipping the branch spills less: 9.92 ms against 10.2-10.3 below, but costs chelsea's chunk 2%).
 
-Why (docs/bench.md "Stop 59 runs", bench.dense_prefill_probe, the same kernel standing alone; H200, bf16, batch 8,
-ClusterKV's 2048-query chunk over 16k slots): 9.74-9.96 ms with TMA (128 x 64 tiles, 4 warps, 2 stages) against the
-general kernel's 11.80-12.05 and cuDNN's 7.98-8.23 (four runs); pointer loads 11.16-11.41. Not yet timed or tested
-on a GPU as wired here: ORDERED stays False until it is (tests/kernels/test_ordered_prefill_gpu.py,
-`python -m kvrewrite.bench.attention_prefill --ordered`). Without a GPU: tests/kernels/test_ordered_prefill_triton.py.
+Measured (docs/bench.md "Stop 60 runs"; H200, bf16): ClusterKV's 2048-query chunk over 16k slots at batch 8 10.17-10.34
+ms with TMA, 10.98-11.00 with pointer loads, against the general kernel's 12.00-12.17 and cuDNN's 8.16-8.23 (SDPA
+over the same keys without the causal mask); `full`'s 1024-query chunk at batch 8 5.09-5.34 (TMA) against 6.01-6.06;
+at batch 1 inside a CUDA graph 0.652 against 0.775 (eager launches show their host work: 0.92-1.00). Rows out of
+order (chelsea's chunk at batch 8): 5.46-5.48 against 5.45-5.49. ClusterKV's compiled batch-8 32k prefill (pointer
+loads): 1.14x dense in two runs, against 1.21-1.23x with the general kernel. GPU tests:
+tests/kernels/test_ordered_prefill_gpu.py; without a GPU: tests/kernels/test_ordered_prefill_triton.py.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
@@ -43,20 +52,26 @@ try:
 except ImportError:  # CPU-only installs import this module too; only launching needs Triton
     triton = tl = None
 
-# ORDERED: launch_prefill routes the rows whose slots are in position order to this kernel (above). False until the
-# wired form is timed and its GPU tests have run (docs/bench.md "Stop 59 runs", "Next on a GPU").
-ORDERED = False
-# (block_m, block_n, num_warps, num_stages) for 16-bit data and D <= 128: the probe's fastest at batch 8 and 1 (128 x
-# 128 tiles with 8 warps 10.3-10.7 ms, 4 warps with 3 stages 17.8-21.0); halved where the tiles would pass shared
-# memory (fp32, D = 256)
+# ORDERED: launch_prefill routes the rows whose slots are in position order to this kernel (above); False: every row
+# to the general kernel (docs/bench.md "Stop 60 runs").
+ORDERED = True
+# (block_m, block_n, num_warps, num_stages) for 16-bit data and D <= 128, by load form (H200, bf16, ClusterKV's
+# 2048-query chunk over 16k slots at batch 8, docs/bench.md "Stop 60 runs"). TMA: 10.17-10.34 ms (128 x 128 tiles with
+# 8 warps 10.5-10.9; 128 x 64 with 8 warps 11.7-11.9, with 4 warps and 3 stages 13.7-13.9). Pointer loads (under torch.compile /
+# torch.export tracing): 128 x 64, 8 warps, 3 stages 10.98-11.00 ms (4 warps, 2 stages 11.40-11.45: its tile loop
+# spills on sm_90; 128 x 128 with 8 warps 11.41-11.42; 64 x 64 11.89-11.94). Halved where the tiles would pass shared
+# memory (fp32, D = 256).
 TILES = (128, 64, 4, 2)
+POINTER_TILES = (128, 64, 8, 3)
 
 
-def launch_config(D: int, itemsize: int, block_m=None, block_n=None, num_warps=None, num_stages=None) -> dict:
-    """Tiles, warps and stages of _ordered_prefill_kernel; keyword overrides for the tests and the bench."""
-    m, n, w, s = TILES
-    if D * itemsize > 256:  # fp32 at D 128, or D 256: two stages of K and V tiles and q within shared memory
-        m, n = 64, 32
+def launch_config(D: int, itemsize: int, tma: bool, block_m=None, block_n=None, num_warps=None,
+                  num_stages=None) -> dict:
+    """Tiles, warps and stages of _ordered_prefill_kernel for its load form; keyword overrides for the tests and the
+    bench."""
+    m, n, w, s = TILES if tma else POINTER_TILES
+    if D * itemsize > 256:  # fp32 at D 128, or D 256: the stages of K and V tiles and q within shared memory
+        m, n, w, s = 64, 32, 4, 2
     return dict(block_m=block_m or m, block_n=block_n or n, num_warps=num_warps or w, num_stages=num_stages or s)
 
 
@@ -85,36 +100,44 @@ def tma_refusal(keys, values):
 
 
 @triton_jit()
-def _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, row0, bias_base, stride_bc, qslot, C, qk_scale,
+def _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, bh, row0, bias_base, stride_bc, qslot, C, qk_scale,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr):
-    """The online softmax after slot tile j: (m_i, l_i, acc). qslot: each query's own slot (position - delta).
-    MASKED: the tile holds a slot some query of the block does not see (past its own) or one past C; the tiles before
-    carry no mask at all."""
-    LOG2E: tl.constexpr = 1.4426950408889634
-    offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    """The online softmax after slot tile j: (m_i, l_i, acc). qslot: each query's own slot (position - delta, at most
+    C - 1). MASKED: some query of the block does not see some slot of the tile (a slot past its own, or from C on).
+    TMA: the keys and values through the descriptors over [B * Hkv, C, D], which read zeros from C on; else pointer
+    loads masked there. The bias is read at min(slot, C - 1), always in bounds: the mask drops the slots from C on
+    (qslot < C). Every tile loads the same way and the bias unmasked: what keeps sm_90's whole-tile loop from
+    spilling (module docstring)."""
+    start = j * BLOCK_N
+    offs_n = start + tl.arange(0, BLOCK_N)
     if MASKED:
         n_ok = offs_n < C
     else:
         n_ok = tl.full([BLOCK_N], 1, tl.int1)
-    bias = tl.load(bias_base + offs_n * stride_bc, mask=n_ok, other=float("-inf"))
-    rows = (row0 + offs_n).to(tl.int64)
-    if TMA and not MASKED:
-        k = K_DESC.load([row0 + j * BLOCK_N, 0])
+    if TMA:
+        k = K_DESC.load([bh, start, 0]).reshape(BLOCK_N, HEAD_DIM)
     else:
-        k = tl.load(K + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        offs_d = tl.arange(0, HEAD_DIM)
+        k = tl.load(K + (row0 + offs_n).to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=n_ok[:, None], other=0.0)
     if q.dtype == tl.float32:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
-    s = (qk * qk_scale).to(tl.float32) + (bias * LOG2E)[None, :]
+    if MASKED:
+        bias = tl.load(bias_base + tl.minimum(offs_n, C - 1) * stride_bc)
+    else:
+        bias = tl.load(bias_base + offs_n * stride_bc)
+    s = qk * qk_scale + (bias * 1.4426950408889634)[None, :]
     if MASKED:
         s = tl.where(offs_n[None, :] <= qslot[:, None], s, float("-inf"))
     m_new, l_i, alpha, p = softmax_probs(m_i, l_i, s)
-    if TMA and not MASKED:
-        v = V_DESC.load([row0 + j * BLOCK_N, 0])
+    if TMA:
+        v = V_DESC.load([bh, start, 0]).reshape(BLOCK_N, HEAD_DIM)
     else:
-        v = tl.load(V + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        offs_d = tl.arange(0, HEAD_DIM)
+        v = tl.load(V + (row0 + offs_n).to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=n_ok[:, None], other=0.0)
     return m_new, l_i, softmax_acc(acc, alpha, p, v)
 
 
@@ -123,7 +146,7 @@ def _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, row0, bias_base, st
 def _ordered_prefill_kernel(
     Q, K, V, BIAS, CPOS,  # as _prefill_attention_kernel's; K and V contiguous [B, Hkv, C, D]
     ORDER,  # int64 [B * Hkv, 2] from _tile_ranges_kernel: min(position - index), min(index - position)
-    K_DESC, V_DESC,  # TMA: descriptors of K and V viewed [B * Hkv * C, D], blocks [BLOCK_N, D]; else K and V
+    K_DESC, V_DESC,  # TMA: descriptors of K and V viewed [B * Hkv, C, D], blocks [1, BLOCK_N, D]; else K and V
     OUT,  # [B, Hq, T, D] q's dtype
     LSE,  # fp32 [B * Hq * T] (WRITE_LSE only)
     stride_qb, stride_qh, stride_qt, stride_qd,
@@ -149,30 +172,32 @@ def _ordered_prefill_kernel(
     row_ok = t < T
     offs_d = tl.arange(0, HEAD_DIM)
     delta = tl.load(ORDER + bh.to(tl.int64) * 2)
-    if delta + tl.load(ORDER + bh.to(tl.int64) * 2 + 1) == 0:  # every live slot j at position j + delta
-        q = tl.load(Q + b.to(tl.int64) * stride_qb + (pid_q % Hq).to(tl.int64) * stride_qh + t[:, None] * stride_qt
-                    + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
-        # each query's own slot (position - delta), clamped into int32 (int64 compares cost two instructions an
-        # element): a slot below -1 or past C changes no test's outcome
-        qslot = tl.minimum(tl.maximum(tl.load(CPOS + t, mask=row_ok, other=0) - delta, -1), C).to(tl.int32)
-        s_lo = tl.min(tl.where(row_ok, qslot, C), axis=0)
-        s_hi = tl.max(tl.where(row_ok, qslot, -1), axis=0)
-        # tiles [0, n_whole): every slot at or before every query's own, inside C; [n_whole, n_end): masked; past
-        # n_end no query sees a slot (a slot index below 0 or a query before slot 0 leaves the loops empty)
-        n_end = tl.where(s_hi < 0, 0, tl.minimum(s_hi // BLOCK_N + 1, tl.cdiv(C, BLOCK_N)))
-        n_whole = tl.minimum(tl.minimum((s_lo + 1) // BLOCK_N, C // BLOCK_N), n_end)
-        row0 = bh * C  # < 2**31 (routable)
-        bias_base = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for j in range(0, n_whole):  # every slot at or before every query's own, inside C
-            m_i, l_i, acc = _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, row0, bias_base, stride_bc,
-                                          qslot, C, qk_scale, BLOCK_N, HEAD_DIM, TMA, False)
-        for j in range(n_whole, n_end):
-            m_i, l_i, acc = _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, row0, bias_base, stride_bc,
-                                          qslot, C, qk_scale, BLOCK_N, HEAD_DIM, TMA, True)
-        store_rows(OUT, LSE, pid_q.to(tl.int64) * T + t, row_ok, offs_d, acc, m_i, l_i, HEAD_DIM, WRITE_LSE)
+    ordered = delta + tl.load(ORDER + bh.to(tl.int64) * 2 + 1) == 0
+    if not ordered:
+        return
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + (pid_q % Hq).to(tl.int64) * stride_qh + t[:, None] * stride_qt
+                + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+    # each query's own slot (position - delta) clamped to [-1, C - 1], in int32 (int64 compares cost two
+    # instructions an element): a query below slot -1 sees what -1 sees (nothing), one past C - 1 every slot below C
+    qslot = tl.minimum(tl.maximum(tl.load(CPOS + t, mask=row_ok, other=0) - delta, -1), C - 1).to(tl.int32)
+    s_lo = tl.min(tl.where(row_ok, qslot, C), axis=0)
+    s_hi = tl.max(tl.where(row_ok, qslot, -1), axis=0)
+    # tiles [0, n_whole): every slot at or before every query's own, inside C; [n_whole, n_end): masked; past
+    # n_end no query sees a slot (a slot index below 0 or a query before slot 0 leaves the loops empty)
+    n_end = tl.where(s_hi < 0, 0, tl.minimum(s_hi // BLOCK_N + 1, tl.cdiv(C, BLOCK_N)))
+    n_whole = tl.minimum(tl.minimum((s_lo + 1) // BLOCK_N, C // BLOCK_N), n_end)
+    row0 = bh * C  # < 2**31 (routable)
+    bias_base = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for j in range(0, n_whole):  # every slot at or before every query's own, inside C
+        m_i, l_i, acc = _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, bh, row0, bias_base, stride_bc,
+                                      qslot, C, qk_scale, BLOCK_N, HEAD_DIM, TMA, False)
+    for j in range(n_whole, n_end):
+        m_i, l_i, acc = _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, bh, row0, bias_base, stride_bc,
+                                      qslot, C, qk_scale, BLOCK_N, HEAD_DIM, TMA, True)
+    store_rows(OUT, LSE, pid_q.to(tl.int64) * T + t, row_ok, offs_d, acc, m_i, l_i, HEAD_DIM, WRITE_LSE)
 
 
 def launch_ordered(q, keys, values, bias, cache_position, order, out, lse, qk_scale, pdl, launch, tma=None, **tiles):
@@ -182,17 +207,17 @@ def launch_ordered(q, keys, values, bias, cache_position, order, out, lse, qk_sc
     interpreter takes descriptors), False. tiles: launch_config's overrides."""
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, C = int(keys.shape[1]), int(keys.shape[2])
-    cfg = launch_config(D, q.element_size(), **tiles)
     why = tma_refusal(keys, values) if tma is not False else "off"
     if tma is True and why is not None and keys.is_cuda:
         raise ValueError(f"ordered prefill: tma=True needs {why}")
     use_tma = tma is not False and (why is None or (tma is True and not keys.is_cuda))
+    cfg = launch_config(D, q.element_size(), use_tma, **tiles)
     k_desc, v_desc = keys, values
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        k_desc = TensorDescriptor.from_tensor(keys.view(-1, D), [cfg["block_n"], D])
-        v_desc = TensorDescriptor.from_tensor(values.view(-1, D), [cfg["block_n"], D])
+        k_desc = TensorDescriptor.from_tensor(keys.view(B * Hkv, C, D), [1, cfg["block_n"], D])
+        v_desc = TensorDescriptor.from_tensor(values.view(B * Hkv, C, D), [1, cfg["block_n"], D])
     wrap_triton(_ordered_prefill_kernel)[(triton.cdiv(T, cfg["block_m"]), B * Hq)](
         q, keys, values, bias, cache_position, order, k_desc, v_desc, out, out if lse is None else lse,
         *q.stride(), *bias.stride(), Hkv, Hq // Hkv, T, C, qk_scale,

@@ -99,11 +99,29 @@ def test_tile_ranges_order_statistics_read_only_live_slots():
 
 
 def test_tma_descriptors_give_the_pointer_loads_output_bit_for_bit():
-    """The full tiles' keys and values through tensor descriptors over the [B * Hkv * C, D] view (forced on CPU
-    tensors: the interpreter reads them like the hardware's bounds-checked copy) against pointer loads."""
-    args = ordered_state(2, 8, 2, 37, 40, 100, pads=(0, 21), seed=6)
+    """The keys and values through tensor descriptors over the [B * Hkv, C, D] view (forced on CPU tensors: the
+    interpreter reads them like the hardware's bounds-checked copy) against pointer loads, through the op and the
+    kernel alone. The chunk ends at C (100 slots, 16-slot tiles), so the row's last tile passes C: a descriptor's tile
+    there reads zeros, not the next row's first slots, which hold inf here (that row left to the general kernel): 0 *
+    inf would be NaN."""
+    args = ordered_state(2, 8, 2, 37, 63, 100, pads=(0, 21), seed=6)
     outs = [_prefill(*args, 0, ordered=dict(TILES, tma=tma)) for tma in (False, True)]
     assert torch.equal(outs[0], outs[1])
+    q, keys, values, bias, slot_pos, cp = args
+    values = values.clone()
+    values[0, 1, :16] = math.inf
+    order = pk.order_stats(2, 2, "cpu")
+    pk.tile_ranges(bias, slot_pos, math.ceil(100 / 16), 16, False, {}, order)
+    order[1] = torch.tensor([0, 5])  # row (0, 1): out of order, so the ordered kernel leaves it
+    alone = []
+    for tma in (False, True):
+        out = torch.full_like(outs[0], math.nan)  # contiguous, as launch_prefill allocates it
+        pk._ordered.launch_ordered(q, keys, values, bias, cp, order, out, None, q.shape[-1] ** -0.5 * LOG2E, False, {},
+                                   **dict(TILES, tma=tma))
+        alone.append(out)
+    G = 8 // 2
+    assert alone[0][0, :G].isfinite().all() and torch.equal(alone[0][0, :G], alone[1][0, :G])
+    assert alone[1][0, G:].isnan().all()  # row (0, 1) not written
 
 
 def test_routing_needs_no_window_cap_or_key_scale_and_contiguous_state():
