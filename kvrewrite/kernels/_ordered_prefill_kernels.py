@@ -14,7 +14,8 @@ row, the minima of position - index and of index - position over the live slots 
 order); they sum to 0 exactly when every live slot sits at position index + delta (delta the first). This kernel
 computes those rows and returns at once on the others, and _prefill_attention_kernel (SKIP_ORDERED) returns at once
 on the rows this one takes. Any layout stays exact: a row with one slot out of order, or none live, goes to the general
-kernel. Taken only without a window, soft cap or key scale (those keep the general kernel).
+kernel. Taken only without a window, soft cap or key scale (those keep the general kernel), and by default (no
+`ordered` given) always with TMA, with pointer loads only where their grid is several waves (default_route).
 
 Loads: the keys and values through host-side TMA descriptors over the state viewed [B * Hkv, C, D], blocks [1,
 BLOCK_N, D] (a tile past C reads zeros, not the next row), where `tma_refusal` allows: a Hopper-class GPU, 16-bit
@@ -25,16 +26,17 @@ fp32 and for offload's host-mapped state. Every tile loads the same way and the 
 1)): a masked bias load, or pointer loads in the masked tiles, made sm_90 spill in the whole-tile loop (TMA form, 128
 x 64 tiles: 17 local stores and 36 loads a tile before, 7 and 8 now; the pointer form's 8 warps none). Dead slots
 (padding, past the fill) are read and weighted 0, so their values must be finite: the state starts at zeros and
-cache_append writes only the model's rows. A row out of order returns before reading anything (reading q first and
-skipping the branch spills less: 9.92 ms against 10.2-10.3 below, but costs chelsea's chunk 2%).
+cache_append writes only the model's rows. A row out of order reads nothing (reading q first and
+skipping the branch spills less: 9.92 ms against 10.2-10.3 below, but costs chelsea's chunk 1-3%).
 
 Measured (docs/bench.md "Stop 60 runs"; H200, bf16): ClusterKV's 2048-query chunk over 16k slots at batch 8 10.17-10.34
 ms with TMA, 10.98-11.00 with pointer loads, against the general kernel's 12.00-12.17 and cuDNN's 8.16-8.23 (SDPA
 over the same keys without the causal mask); `full`'s 1024-query chunk at batch 8 5.09-5.34 (TMA) against 6.01-6.06;
-at batch 1 inside a CUDA graph 0.652 against 0.775 (eager launches show their host work: 0.92-1.00). Rows out of
-order (chelsea's chunk at batch 8): 5.46-5.48 against 5.45-5.49. ClusterKV's compiled batch-8 32k prefill (pointer
-loads): 1.14x dense in two runs, against 1.21-1.23x with the general kernel. GPU tests:
-tests/kernels/test_ordered_prefill_gpu.py; without a GPU: tests/kernels/test_ordered_prefill_triton.py.
+at batch 1 inside a CUDA graph 0.652 against 0.775 with TMA (eager launches show their host work: 0.92-1.00; the
+pointer loads' tiles at batch 1 in a graph are not yet timed). Rows out of order (chelsea's chunk at batch 8):
+5.46-5.48 against 5.45-5.50. ClusterKV's compiled batch-8 32k prefill (pointer loads): 1.14x dense in two runs,
+against 1.21-1.23x with the general kernel. GPU tests: tests/kernels/test_ordered_prefill_gpu.py; without a GPU:
+tests/kernels/test_ordered_prefill_triton.py.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
@@ -56,11 +58,11 @@ except ImportError:  # CPU-only installs import this module too; only launching 
 # to the general kernel (docs/bench.md "Stop 60 runs").
 ORDERED = True
 # (block_m, block_n, num_warps, num_stages) for 16-bit data and D <= 128, by load form (H200, bf16, ClusterKV's
-# 2048-query chunk over 16k slots at batch 8, docs/bench.md "Stop 60 runs"). TMA: 10.17-10.34 ms (128 x 128 tiles with
-# 8 warps 10.5-10.9; 128 x 64 with 8 warps 11.7-11.9, with 4 warps and 3 stages 13.7-13.9). Pointer loads (under torch.compile /
-# torch.export tracing): 128 x 64, 8 warps, 3 stages 10.98-11.00 ms (4 warps, 2 stages 11.40-11.45: its tile loop
-# spills on sm_90; 128 x 128 with 8 warps 11.41-11.42; 64 x 64 11.89-11.94). Halved where the tiles would pass shared
-# memory (fp32, D = 256).
+# 2048-query chunk over 16k slots at batch 8, docs/bench.md "Stop 60 runs"). TMA: 10.17-10.34 ms (128 x 128 tiles
+# with 8 warps 10.5-10.9; 128 x 64 with 8 warps 11.7-11.9, with 4 warps and 3 stages 13.7-13.9). Pointer loads (under
+# torch.compile / torch.export tracing): 128 x 64, 8 warps, 3 stages 10.98-11.00 ms (4 warps, 2 stages 11.40-11.45:
+# its tile loop spills on sm_90; 128 x 128 with 8 warps 11.41-11.42; 64 x 64 11.89-11.94). Halved where the tiles
+# would pass shared memory (fp32, D = 256).
 TILES = (128, 64, 4, 2)
 POINTER_TILES = (128, 64, 8, 3)
 
@@ -73,6 +75,23 @@ def launch_config(D: int, itemsize: int, tma: bool, block_m=None, block_n=None, 
     if D * itemsize > 256:  # fp32 at D 128, or D 256: the stages of K and V tiles and q within shared memory
         m, n, w, s = 64, 32, 4, 2
     return dict(block_m=block_m or m, block_n=block_n or n, num_warps=num_warps or w, num_stages=num_stages or s)
+
+
+# The default route with pointer loads (POINTER_TILES' 8 warps: one program an SM) only where its grid is at least
+# this many waves of programs: at batch 1 (1024 queries, 32 heads: 256 programs on 132 SMs) the form ran 0.90 ms
+# inside a CUDA graph (2 stages) against the general kernel's 0.775, while the TMA form's 4 warps (two programs an
+# SM, one wave) ran 0.652 (docs/bench.md "Stop 60 runs"). A smaller grid keeps the general kernel: what ran before.
+MIN_POINTER_WAVES = 4
+
+
+def default_route(B: int, Hq: int, T: int, D: int, itemsize: int, tma: bool, sms: int) -> bool:
+    """Does launch_prefill's default (ORDERED, no `ordered` given) offer this call's rows to the ordered kernel?
+    Always with TMA; with pointer loads where the grid of POINTER_TILES' launch (query blocks x B x Hq) fills `sms`
+    SMs MIN_POINTER_WAVES times or more. An explicit `ordered` is taken as given."""
+    if tma:
+        return True
+    programs = -(-T // launch_config(D, itemsize, False)["block_m"]) * B * Hq
+    return programs >= MIN_POINTER_WAVES * sms
 
 
 def routable(keys, values, window: int, softcap: float, key_scale) -> bool:
@@ -172,32 +191,33 @@ def _ordered_prefill_kernel(
     row_ok = t < T
     offs_d = tl.arange(0, HEAD_DIM)
     delta = tl.load(ORDER + bh.to(tl.int64) * 2)
-    ordered = delta + tl.load(ORDER + bh.to(tl.int64) * 2 + 1) == 0
-    if not ordered:
-        return
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + (pid_q % Hq).to(tl.int64) * stride_qh + t[:, None] * stride_qt
-                + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
-    # each query's own slot (position - delta) clamped to [-1, C - 1], in int32 (int64 compares cost two
-    # instructions an element): a query below slot -1 sees what -1 sees (nothing), one past C - 1 every slot below C
-    qslot = tl.minimum(tl.maximum(tl.load(CPOS + t, mask=row_ok, other=0) - delta, -1), C - 1).to(tl.int32)
-    s_lo = tl.min(tl.where(row_ok, qslot, C), axis=0)
-    s_hi = tl.max(tl.where(row_ok, qslot, -1), axis=0)
-    # tiles [0, n_whole): every slot at or before every query's own, inside C; [n_whole, n_end): masked; past
-    # n_end no query sees a slot (a slot index below 0 or a query before slot 0 leaves the loops empty)
-    n_end = tl.where(s_hi < 0, 0, tl.minimum(s_hi // BLOCK_N + 1, tl.cdiv(C, BLOCK_N)))
-    n_whole = tl.minimum(tl.minimum((s_lo + 1) // BLOCK_N, C // BLOCK_N), n_end)
-    row0 = bh * C  # < 2**31 (routable)
-    bias_base = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for j in range(0, n_whole):  # every slot at or before every query's own, inside C
-        m_i, l_i, acc = _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, bh, row0, bias_base, stride_bc,
-                                      qslot, C, qk_scale, BLOCK_N, HEAD_DIM, TMA, False)
-    for j in range(n_whole, n_end):
-        m_i, l_i, acc = _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, bh, row0, bias_base, stride_bc,
-                                      qslot, C, qk_scale, BLOCK_N, HEAD_DIM, TMA, True)
-    store_rows(OUT, LSE, pid_q.to(tl.int64) * T + t, row_ok, offs_d, acc, m_i, l_i, HEAD_DIM, WRITE_LSE)
+    # every live slot j at position j + delta; else the general kernel's row, nothing read (an early return here
+    # compiles to the same sm_90 code)
+    if delta + tl.load(ORDER + bh.to(tl.int64) * 2 + 1) == 0:
+        q = tl.load(Q + b.to(tl.int64) * stride_qb + (pid_q % Hq).to(tl.int64) * stride_qh + t[:, None] * stride_qt
+                    + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+        # each query's own slot (position - delta) clamped to [-1, C - 1], in int32 (int64 compares cost two
+        # instructions an element): a query below slot -1 sees nothing, as -1 does; one past C - 1 every slot
+        # below C
+        qslot = tl.minimum(tl.maximum(tl.load(CPOS + t, mask=row_ok, other=0) - delta, -1), C - 1).to(tl.int32)
+        s_lo = tl.min(tl.where(row_ok, qslot, C), axis=0)
+        s_hi = tl.max(tl.where(row_ok, qslot, -1), axis=0)
+        # tiles [0, n_whole): every slot at or before every query's own, inside C; [n_whole, n_end): masked; past
+        # n_end no query sees a slot (a slot index below 0 or a query before slot 0 leaves the loops empty)
+        n_end = tl.where(s_hi < 0, 0, tl.minimum(s_hi // BLOCK_N + 1, tl.cdiv(C, BLOCK_N)))
+        n_whole = tl.minimum(tl.minimum((s_lo + 1) // BLOCK_N, C // BLOCK_N), n_end)
+        row0 = bh * C  # < 2**31 (routable)
+        bias_base = BIAS + b.to(tl.int64) * stride_bb + h.to(tl.int64) * stride_bh
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for j in range(0, n_whole):  # every slot at or before every query's own, inside C
+            m_i, l_i, acc = _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, bh, row0, bias_base, stride_bc,
+                                          qslot, C, qk_scale, BLOCK_N, HEAD_DIM, TMA, False)
+        for j in range(n_whole, n_end):
+            m_i, l_i, acc = _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, bh, row0, bias_base, stride_bc,
+                                          qslot, C, qk_scale, BLOCK_N, HEAD_DIM, TMA, True)
+        store_rows(OUT, LSE, pid_q.to(tl.int64) * T + t, row_ok, offs_d, acc, m_i, l_i, HEAD_DIM, WRITE_LSE)
 
 
 def launch_ordered(q, keys, values, bias, cache_position, order, out, lse, qk_scale, pdl, launch, tma=None, **tiles):

@@ -319,9 +319,9 @@ def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_s
     [B, Hq, T] tensor to receive each query's natural-log log-sum-exp, or None. key_scale: an fp32 [B, Hkv, C]
     per-slot factor of the scores (before the soft cap), or None. full_tiles (default FULL_TILES): the full slot
     tiles' loads without a mask (fp32 bit for bit; 16-bit within one rounding of a probability). ordered (default
-    _ordered_prefill_kernels.ORDERED; True, False, or a dict of that kernel's launch overrides and `tma`): the rows
-    whose live slots hold their positions in order, slot j position j + delta, go to _ordered_prefill_kernels.py
-    (where `routable`), the others to _prefill_attention_kernel. No checks (the caller's:
+    _ordered_prefill_kernels.ORDERED where its default_route gains; True, False, or a dict of that kernel's launch
+    overrides and `tma`): the rows whose live slots hold their positions in order, slot j position j + delta, go to
+    _ordered_prefill_kernels.py (where `routable`), the others to _prefill_attention_kernel. No checks (the caller's:
     clustered_attention.triton_clustered_attention, expanded_attention's gathered slots); runs under Triton's
     interpreter on CPU tensors."""
     B, Hq, T, D = (int(n) for n in q.shape)
@@ -330,7 +330,11 @@ def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_s
     cfg = prefill_launch_config(B, Hkv, G, T, C, D, q.element_size(), **overrides)
     n_tiles = cfg["n_tiles"]
     pdl, launch = _pdl.launch_options(q)
-    ordered = _ordered.ORDERED if ordered is None else ordered
+    if ordered is None:  # the default: on where it gains (_ordered.default_route; on CPU, the interpreter, always)
+        from kvrewrite.kernels.clustered_attention import _num_sms  # (that module imports this one)
+
+        ordered = _ordered.ORDERED and (not q.is_cuda or _ordered.default_route(
+            B, Hq, T, D, q.element_size(), _ordered.tma_refusal(keys, values) is None, _num_sms(q.device)))
     if ordered is not False and not _ordered.routable(keys, values, window, softcap, key_scale):
         ordered = False
     ordered_tuning = dict(ordered) if isinstance(ordered, dict) else {}
