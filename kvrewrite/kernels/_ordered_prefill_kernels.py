@@ -105,7 +105,8 @@ def routable(keys, values, window: int, softcap: float, key_scale) -> bool:
 
 def tma_refusal(keys, values, traced_ok: bool = False):
     """Why the tiles cannot take TMA descriptors (a phrase), or None. traced_ok: fake tensors (a trace) are not a
-    reason by themselves (traced_route: the launch runs later, in an opaque op, on the real tensors)."""
+    reason by themselves, and their addresses and memory are not checked (traced_route: the launch runs later, in an
+    opaque op, which checks the real tensors and takes pointer loads where they refuse)."""
     from torch._subclasses.fake_tensor import is_fake
 
     if is_fake(keys) and not traced_ok:
@@ -114,6 +115,8 @@ def tma_refusal(keys, values, traced_ok: bool = False):
         return "a CUDA device of compute capability 9.0 or newer"
     if keys.element_size() != 2 or keys.dtype != values.dtype:
         return f"16-bit keys and values (got {keys.dtype}, {values.dtype})"
+    if is_fake(keys):
+        return None
     if int(keys.shape[-1]) * 2 % 16 or keys.data_ptr() % 16 or values.data_ptr() % 16:
         return "16-byte aligned rows"
     if offload.is_host_memory(keys) or offload.is_host_memory(values):
@@ -274,14 +277,15 @@ def ordered_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, b
                     cache_position: torch.Tensor, order: torch.Tensor, qk_scale: float,
                     write_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The ordered rows' attention, into new (out [B, Hq, T, D] contiguous, lse fp32 [B, Hq, T] or [0]): the rows
-    `order` marks out of order are left unwritten (launch_prefill's general kernel writes them next). TMA
-    descriptors, built here on the real tensors (on CPU tensors, Triton's interpreter: how the tests run it)."""
+    `order` marks out of order are left unwritten (launch_prefill's general kernel writes them next). TMA descriptors
+    built here on the real tensors where tma_refusal allows, pointer loads elsewhere (on CPU tensors, Triton's
+    interpreter: how the tests run it)."""
     B, Hq, T, D = (int(n) for n in q.shape)
     out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, T) if write_lse else (0,), dtype=torch.float32, device=q.device)
     pdl, launch = _pdl.launch_options(q, direct=True)
     launch_ordered(q, keys, values, bias, cache_position, order, out, lse if write_lse else None, qk_scale, pdl,
-                   launch, tma=True, direct=True)
+                   launch, direct=True)
     return out, lse
 
 
