@@ -22,10 +22,12 @@ prefill kernels on grids the slot loop splits, interleaved, twice each (clustere
 PREFILL_SPLIT_GRIDS). --sketch also times kvrewrite::sketch_attention (ClusterGen) over the same slots with roles
 0/1/2 drawn over the past (the fresh block exact): its decode kernel's slot loop against its prefill kernel
 (sketch_attention.PREFILL_KERNEL), with and without FULL_TILES, each checked against the op's reference on row 0.
---ordered times the ordered prefill kernel's routing (_ordered_prefill_kernels.ORDERED: rows whose slots hold their
-tokens in position order, the clusterkv and full cases here; the chelsea cases' rows all go to the general kernel, so
-there it times the routing's cost) against the default, with TMA where it serves and with pointer loads, interleaved,
-twice.
+--ordered times the ordered prefill kernel's route (_ordered_prefill_kernels.py: rows whose slots hold their tokens in
+position order, the clusterkv and full cases here; the chelsea cases' rows all go to the general kernel, so there it
+times the route's cost): the default (the route, with TMA where it serves), the general kernel alone (ordered=False),
+and the route's pointer loads (what a traced prefill takes) with their tiles and with 4 warps and 2 stages,
+interleaved, twice. --graph times every launch inside a CUDA graph (GRAPH_CALLS calls a replay), without the host
+work an eager launch adds (which a small batch's multi-launch op shows: the ordered route at batch 1).
 """
 import argparse
 import itertools
@@ -49,6 +51,25 @@ CASES = {  # name: (T, n_past, C, first query position)
     "clusterkv 32k chunk 2048 (16k used)": (2048, 16384, 32768 + 2048 + 320, 16384),
 }
 MAX_ERR_BF16 = 0.03
+# --graph: time GRAPH_CALLS calls captured in one CUDA graph (the median of GRAPH_REPLAYS replays, the first two
+# dropped), not eager launches: an op of several launches at a small batch times its host work eagerly (stop 60:
+# the ordered route at batch 1, 0.92-1.00 ms eagerly against 0.652 in a graph)
+GRAPH = False
+GRAPH_CALLS, GRAPH_REPLAYS = 5, 12
+
+
+def _ms(f) -> float:
+    """Milliseconds of one call of f: triton.testing.do_bench's median, or with GRAPH one call's share of a CUDA
+    graph replay."""
+    if not GRAPH:
+        return _bench_ms(f)
+    import statistics
+
+    from kvrewrite.bench.cuda_graphs import capture, timed_replays_us, warm_up
+
+    warm_up(f, 2)
+    graph = capture(lambda: [f() for _ in range(GRAPH_CALLS)])
+    return statistics.median(timed_replays_us(graph, GRAPH_REPLAYS, per=GRAPH_CALLS)[2:]) / 1e3
 
 
 def make_inputs(T, n_past, C, start, seed=0, device="cuda", batch=1):
@@ -77,7 +98,7 @@ def sdpa_ms(q, k, v, n_used) -> dict:
                 return F.scaled_dot_product_attention(q, kd, vd, enable_gqa=True, scale=D ** -0.5)
         try:
             f()
-            out[name] = _bench_ms(f)
+            out[name] = _ms(f)
         except RuntimeError as e:  # the backend refuses the shape or is not built in
             out[name] = None
             out[f"{name}_error"] = str(e)[:200]
@@ -94,7 +115,7 @@ def variants() -> list:
 def _timed(f, ref, flops, tuning) -> dict:
     """One launch variant's row: its median ms, TFLOP/s and largest error on row 0 against ref."""
     err = (f()[:1].float() - ref).abs().max().item()
-    ms = _bench_ms(f)
+    ms = _ms(f)
     return dict(tuning=tuning, ms=ms, tflops=flops / ms / 1e9, err=err)
 
 
@@ -134,7 +155,8 @@ def run_case(name, sweep: bool, batch: int = 1, ab: bool = False, sketch: bool =
                      for t in ({}, dict(prefill_kernel=False), dict(prefill_split_grids=True))]
     if ordered:  # A B C A B C
         res["ordered"] = [dict(timed(**t), round=r) for r in range(2)
-                          for t in ({}, dict(ordered=True), dict(ordered=dict(tma=False)))]
+                          for t in ({}, dict(ordered=False), dict(ordered=dict(tma=False)),
+                                    dict(ordered=dict(tma=False, num_warps=4, num_stages=2)))]
     if sweep:
         res["sweep"] = []
         for tuning in variants():
@@ -162,11 +184,15 @@ def main(argv=None):
                    help="also time sketch_attention (ClusterGen) over the same slots: its decode kernel's slot loop "
                         "against its prefill kernel, with and without FULL_TILES")
     p.add_argument("--ordered", action="store_true",
-                   help="also time the ordered prefill kernel's routing (TMA where it serves, and pointer loads) "
-                        "against the default, interleaved, twice")
+                   help="also time the general kernel alone and the ordered route's pointer loads against the "
+                        "default (the route, TMA where it serves), interleaved, twice")
+    p.add_argument("--graph", action="store_true",
+                   help=f"time {GRAPH_CALLS} calls captured in a CUDA graph (no host time) instead of eager launches")
     args = p.parse_args(argv)
+    global GRAPH
+    GRAPH = args.graph
     rows = []
-    doc = dict(env=env_info(), rows=rows)
+    doc = dict(env=env_info(), rows=rows, graph=args.graph)
     bad = []
     for name in args.cases.split(","):
         r = run_case(name, args.sweep, args.batch, args.ab, args.sketch, args.ordered)
