@@ -125,6 +125,18 @@ def tma_refusal(keys, values, traced_ok: bool = False):
 
 
 @triton_jit()
+def _kv_tile(DESC, PTR, bh, start, row0, offs_n, n_ok, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+             TMA: tl.constexpr):
+    """The keys or values [BLOCK_N, HEAD_DIM] of slots offs_n = start + [0, BLOCK_N) of row bh: through the descriptor
+    (zeros from C on) with TMA, else pointer loads from row0 = bh * C, 0 where n_ok is False."""
+    if TMA:
+        return DESC.load([bh, start, 0]).reshape(BLOCK_N, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM)
+    return tl.load(PTR + (row0 + offs_n).to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=n_ok[:, None],
+                   other=0.0)
+
+
+@triton_jit()
 def _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, bh, row0, bias_base, stride_bc, qslot, C, qk_scale,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr, MASKED: tl.constexpr):
     """The online softmax after slot tile j: (m_i, l_i, acc). qslot: each query's own slot (position - delta, at most
@@ -139,12 +151,7 @@ def _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, bh, row0, bias_base
         n_ok = offs_n < C
     else:
         n_ok = tl.full([BLOCK_N], 1, tl.int1)
-    if TMA:
-        k = K_DESC.load([bh, start, 0]).reshape(BLOCK_N, HEAD_DIM)
-    else:
-        offs_d = tl.arange(0, HEAD_DIM)
-        k = tl.load(K + (row0 + offs_n).to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=n_ok[:, None], other=0.0)
+    k = _kv_tile(K_DESC, K, bh, start, row0, offs_n, n_ok, BLOCK_N, HEAD_DIM, TMA)
     if q.dtype == tl.float32:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -157,12 +164,7 @@ def _ordered_tile(m_i, l_i, acc, q, j, K, V, K_DESC, V_DESC, bh, row0, bias_base
     if MASKED:
         s = tl.where(offs_n[None, :] <= qslot[:, None], s, float("-inf"))
     m_new, l_i, alpha, p = softmax_probs(m_i, l_i, s)
-    if TMA:
-        v = V_DESC.load([bh, start, 0]).reshape(BLOCK_N, HEAD_DIM)
-    else:
-        offs_d = tl.arange(0, HEAD_DIM)
-        v = tl.load(V + (row0 + offs_n).to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=n_ok[:, None], other=0.0)
+    v = _kv_tile(V_DESC, V, bh, start, row0, offs_n, n_ok, BLOCK_N, HEAD_DIM, TMA)
     return m_new, l_i, softmax_acc(acc, alpha, p, v)
 
 

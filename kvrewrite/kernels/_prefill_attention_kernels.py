@@ -330,10 +330,11 @@ def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_s
     cfg = prefill_launch_config(B, Hkv, G, T, C, D, q.element_size(), **overrides)
     n_tiles = cfg["n_tiles"]
     pdl, launch = _pdl.launch_options(q)
+    traced_tma = _ordered.traced_route(keys, values)  # a trace whose ordered rows would take the opaque op (TMA)
     if ordered is None:  # the default: on where it gains (_ordered.default_route; on CPU, the interpreter, always)
         from kvrewrite.kernels.clustered_attention import _num_sms  # (that module imports this one)
 
-        tma = _ordered.tma_refusal(keys, values) is None or _ordered.traced_route(keys, values)
+        tma = traced_tma or _ordered.tma_refusal(keys, values) is None
         ordered = _ordered.ORDERED and (not q.is_cuda or _ordered.default_route(
             B, Hq, T, D, q.element_size(), tma, _num_sms(q.device)))
     if ordered is not False and not _ordered.routable(keys, values, window, softcap, key_scale):
@@ -343,7 +344,7 @@ def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_s
     ranges = tile_ranges(bias, slot_pos, n_tiles, cfg["block_n"], pdl, launch, order)
     # inside a trace with TRACED_TMA the ordered rows come first, from an opaque op that launches on the real tensors
     # (TMA); the general kernel then writes the other rows into its outputs
-    traced = order is not None and not ordered_tuning and _ordered.traced_route(keys, values)
+    traced = order is not None and not ordered_tuning and traced_tma
     if traced:
         out, lse_rows = torch.ops.kvrewrite.ordered_prefill(q, keys, values, bias, cache_position, order, qk_scale,
                                                             lse is not None)
@@ -360,9 +361,10 @@ def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_s
         FULL_TILES=FULL_TILES if full_tiles is None else bool(full_tiles), SKIP_ORDERED=order is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )
-    if traced and lse is not None:
-        lse.copy_(lse_rows)
-    elif order is not None and not traced:
+    if traced:
+        if lse is not None:
+            lse.copy_(lse_rows)
+    elif order is not None:
         _ordered.launch_ordered(q, keys, values, bias, cache_position, order, out, lse, qk_scale, pdl, launch,
                                 **ordered_tuning)
     return out
