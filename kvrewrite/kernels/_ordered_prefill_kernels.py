@@ -14,30 +14,33 @@ row, the minima of position - index and of index - position over the live slots 
 order); they sum to 0 exactly when every live slot sits at position index + delta (delta the first). This kernel
 computes those rows and returns at once on the others, and _prefill_attention_kernel (SKIP_ORDERED) returns at once
 on the rows this one takes. Any layout stays exact: a row with one slot out of order, or none live, goes to the general
-kernel. Taken only without a window, soft cap or key scale (those keep the general kernel), and by default (no
-`ordered` given) always with TMA, with pointer loads only where their grid is several waves (default_route).
+kernel. Taken only without a window, soft cap or key scale (those keep the general kernel). Both load forms beat the
+general kernel at every batch (inside CUDA graphs, batches 1-8, docs/bench.md "Stop 61 runs"), so the default takes
+the route wherever it can.
 
 Loads: the keys and values through host-side TMA descriptors over the state viewed [B * Hkv, C, D], blocks [1, BLOCK_N,
 D] (a tile past C reads zeros, not the next row), where `tma_refusal` allows: a Hopper-class GPU, 16-bit contiguous
-device memory, real tensors (eager launches, CUDA graph capture). Pointer loads elsewhere, with their own tiles
-(POINTER_TILES): under torch.compile / torch.export tracing (wrap_triton outside Dynamo records no descriptor metadata:
-a KeyError in triton_kernel_wrap.get_tensor_names, torch 2.11), so `rw.compile`'s prefill takes them (TRACED_TMA, off
-until timed: an opaque op there instead, kvrewrite::ordered_prefill, that launches with TMA on the real tensors at run
-time); for fp32 and for offload's host-mapped state. Every tile loads the same way and the bias unmasked (read at
-min(slot, C - 1)): a masked bias load, or pointer loads in the masked tiles, made sm_90 spill in the whole-tile loop
-(TMA form, 128 x 64 tiles: 17 local stores and 36 loads a tile before, 7 and 8 now; the pointer form's 8 warps none).
-Dead slots (padding, past the fill) are read and weighted 0, so their values must be finite: the state starts at zeros
-and cache_append writes only the model's rows. A row out of order reads nothing (reading q first and skipping the branch
-spills less: 9.92 ms against 10.2-10.3 below, but costs chelsea's chunk 1-3%).
+device memory, real tensors (eager launches, CUDA graph capture, and `rw.compile`, which keeps the op opaque to
+Inductor: runtime._OpaqueOpsCall). Pointer loads elsewhere, with their own tiles (POINTER_TILES): where Inductor or
+the exporters trace the op's body (torch.compile of the model by hand, torch.export: wrap_triton outside Dynamo records
+no descriptor metadata, a KeyError in triton_kernel_wrap.get_tensor_names, torch 2.11), for fp32, and for offload's
+host-mapped state. Every tile loads the same way and the bias unmasked (read at min(slot, C - 1)): a masked bias load,
+or pointer loads in the masked tiles, made sm_90 spill in the whole-tile loop (TMA form, 128 x 64 tiles: 17 local
+stores and 36 loads a tile before, 7 and 8 now; the pointer form's 8 warps none). Dead slots (padding, past the fill)
+are read and weighted 0, so their values must be finite: the state starts at zeros and cache_append writes only the
+model's rows. A row out of order reads nothing (reading q first and skipping the branch spills less: 9.92 ms against
+10.2-10.3 below, but costs chelsea's chunk 1-3%).
 
-Measured (docs/bench.md "Stop 60 runs"; H200, bf16): ClusterKV's 2048-query chunk over 16k slots at batch 8 10.17-10.34
-ms with TMA, 10.98-11.00 with pointer loads, against the general kernel's 12.00-12.17 and cuDNN's 8.16-8.23 (SDPA
-over the same keys without the causal mask); `full`'s 1024-query chunk at batch 8 5.09-5.34 (TMA) against 6.01-6.06;
-at batch 1 inside a CUDA graph 0.652 against 0.775 with TMA (eager launches show their host work: 0.92-1.00; the
-pointer loads' tiles at batch 1 in a graph are not yet timed). Rows out of order (chelsea's chunk at batch 8):
-5.46-5.48 against 5.45-5.50. ClusterKV's compiled batch-8 32k prefill (pointer loads): 1.14x dense in two runs,
-against 1.21-1.23x with the general kernel. GPU tests: tests/kernels/test_ordered_prefill_gpu.py; without a GPU:
-tests/kernels/test_ordered_prefill_triton.py.
+Measured (docs/bench.md "Stop 60 runs", "Stop 61 runs"; H200, bf16): ClusterKV's 2048-query chunk over 16k slots at
+batch 8 10.17-10.34 ms with TMA, 10.98-11.00 with pointer loads, against the general kernel's 12.00-12.17 and cuDNN's
+8.16-8.23 (SDPA over the same keys without the causal mask); `full`'s 1024-query chunk at batch 8 5.09-5.34 (TMA)
+against 6.01-6.06. Inside CUDA graphs at batches 1, 2 and 4 both forms beat the general kernel: `full`'s chunk at
+batch 1 0.621-0.626 ms (TMA) and 0.671-0.672 (pointer loads) against 0.776-0.781, ClusterKV's at batch 4 5.23-5.27
+and 5.52-5.58 against 6.12-6.18 (eager launches at batch 1 show their host work). Rows out of order (chelsea's chunk
+at batch 8): 5.46-5.48 against 5.45-5.50. ClusterKV's compiled batch-8 32k prefill (TMA: the op stays opaque):
+1.14x dense in three runs with chunks of 2048 (1.13x in one with 4096), against 1.21-1.23x with the general
+kernel. GPU tests:
+tests/kernels/test_ordered_prefill_gpu.py; without a GPU: tests/kernels/test_ordered_prefill_triton.py.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 
@@ -46,7 +49,6 @@ from torch.library import wrap_triton
 
 from kvrewrite import offload
 from kvrewrite.kernels._online_softmax import softmax_acc, softmax_probs, store_rows
-from kvrewrite.kernels import _pdl
 from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
 from kvrewrite.kernels._triton_op import triton_jit
 
@@ -79,23 +81,6 @@ def launch_config(D: int, itemsize: int, tma: bool, block_m=None, block_n=None, 
     return dict(block_m=block_m or m, block_n=block_n or n, num_warps=num_warps or w, num_stages=num_stages or s)
 
 
-# The default route with pointer loads (POINTER_TILES' 8 warps: one program an SM) only where its grid is at least
-# this many waves of programs: at batch 1 (1024 queries, 32 heads: 256 programs on 132 SMs) the form ran 0.90 ms
-# inside a CUDA graph (2 stages) against the general kernel's 0.775, while the TMA form's 4 warps (two programs an
-# SM, one wave) ran 0.652 (docs/bench.md "Stop 60 runs"). A smaller grid keeps the general kernel: what ran before.
-MIN_POINTER_WAVES = 4
-
-
-def default_route(B: int, Hq: int, T: int, D: int, itemsize: int, tma: bool, sms: int) -> bool:
-    """Does launch_prefill's default (ORDERED, no `ordered` given) offer this call's rows to the ordered kernel?
-    Always with TMA; with pointer loads where the grid of POINTER_TILES' launch (query blocks x B x Hq) fills `sms`
-    SMs MIN_POINTER_WAVES times or more. An explicit `ordered` is taken as given."""
-    if tma:
-        return True
-    programs = -(-T // launch_config(D, itemsize, False)["block_m"]) * B * Hq
-    return programs >= MIN_POINTER_WAVES * sms
-
-
 def routable(keys, values, window: int, softcap: float, key_scale) -> bool:
     """Can launch_prefill offer the rows of this call to the ordered kernel? No window, soft cap or key scale, and
     contiguous keys and values of fewer than 2**31 rows of B * Hkv * C (the kernel indexes them flat)."""
@@ -103,20 +88,16 @@ def routable(keys, values, window: int, softcap: float, key_scale) -> bool:
             and keys.shape == values.shape and keys.numel() // max(int(keys.shape[-1]), 1) < 2**31)
 
 
-def tma_refusal(keys, values, traced_ok: bool = False):
-    """Why the tiles cannot take TMA descriptors (a phrase), or None. traced_ok: fake tensors (a trace) are not a
-    reason by themselves, and their addresses and memory are not checked (traced_route: the launch runs later, in an
-    opaque op, which checks the real tensors and takes pointer loads where they refuse)."""
+def tma_refusal(keys, values):
+    """Why the tiles cannot take TMA descriptors (a phrase), or None."""
     from torch._subclasses.fake_tensor import is_fake
 
-    if is_fake(keys) and not traced_ok:
+    if is_fake(keys):
         return "tracing (torch.compile / torch.export): no descriptor metadata outside Dynamo"
     if not keys.is_cuda or torch.cuda.get_device_capability(keys.device)[0] < 9:
         return "a CUDA device of compute capability 9.0 or newer"
     if keys.element_size() != 2 or keys.dtype != values.dtype:
         return f"16-bit keys and values (got {keys.dtype}, {values.dtype})"
-    if is_fake(keys):
-        return None
     if int(keys.shape[-1]) * 2 % 16 or keys.data_ptr() % 16 or values.data_ptr() % 16:
         return "16-byte aligned rows"
     if offload.is_host_memory(keys) or offload.is_host_memory(values):
@@ -229,12 +210,11 @@ def _ordered_prefill_kernel(
 
 
 def launch_ordered(q, keys, values, bias, cache_position, order, out, lse, qk_scale, pdl, launch, tma=None,
-                   direct=False, **tiles):
+                   **tiles):
     """Launch _ordered_prefill_kernel into `out` (and `lse`) for the ordered rows of `order` (_prefill_attention_kernels
     .order_stats, filled by tile_ranges). tma: None (TMA where tma_refusal allows), True (forced: ValueError naming
-    what refuses it, except on CPU tensors, where Triton's interpreter takes descriptors), False. direct: launch the
-    kernel itself, not through wrap_triton (in a custom op's body: ordered_prefill). tiles: launch_config's
-    overrides."""
+    what refuses it, except on CPU tensors, where Triton's interpreter takes descriptors), False. tiles:
+    launch_config's overrides."""
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, C = int(keys.shape[1]), int(keys.shape[2])
     why = tma_refusal(keys, values) if tma is not False else "off"
@@ -248,50 +228,9 @@ def launch_ordered(q, keys, values, bias, cache_position, order, out, lse, qk_sc
 
         k_desc = TensorDescriptor.from_tensor(keys.view(B * Hkv, C, D), [1, cfg["block_n"], D])
         v_desc = TensorDescriptor.from_tensor(values.view(B * Hkv, C, D), [1, cfg["block_n"], D])
-    kernel = _ordered_prefill_kernel if direct else wrap_triton(_ordered_prefill_kernel)
-    kernel[(triton.cdiv(T, cfg["block_m"]), B * Hq)](
+    wrap_triton(_ordered_prefill_kernel)[(triton.cdiv(T, cfg["block_m"]), B * Hq)](
         q, keys, values, bias, cache_position, order, k_desc, v_desc, out, out if lse is None else lse,
         *q.stride(), *bias.stride(), Hkv, Hq // Hkv, T, C, qk_scale,
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], TMA=use_tma, WRITE_LSE=lse is not None, PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )
-
-
-# -- the launch with TMA inside a trace ------------------------------------------------------------------------
-# TRACED_TMA: under torch.compile / torch.export tracing (fake tensors) launch_prefill calls kvrewrite::ordered_prefill,
-# an opaque op that Inductor keeps as an extern call: it runs on the real tensors, so the kernel takes TMA descriptors
-# there too (its pointer loads' 10.98-11.00 ms against TMA's 10.17-10.34 on ClusterKV's batch-8 chunk, "Stop 60 runs").
-# Off until timed end to end and its GPU tests have run (tests/kernels/test_ordered_prefill_gpu.py); AOTInductor
-# would call the op through the dispatcher (a Python kernel: the package must be loaded where kvrewrite is imported).
-TRACED_TMA = False
-
-
-def traced_route(keys, values) -> bool:
-    """Does launch_prefill take kvrewrite::ordered_prefill here? TRACED_TMA, a trace (fake keys) and TMA descriptors
-    for these tensors once real (tma_refusal(traced_ok=True))."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return TRACED_TMA and is_fake(keys) and tma_refusal(keys, values, traced_ok=True) is None
-
-
-@torch.library.custom_op("kvrewrite::ordered_prefill", mutates_args=(), device_types=("cuda", "cpu"))
-def ordered_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
-                    cache_position: torch.Tensor, order: torch.Tensor, qk_scale: float,
-                    write_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ordered rows' attention, into new (out [B, Hq, T, D] contiguous, lse fp32 [B, Hq, T] or [0]): the rows
-    `order` marks out of order are left unwritten (launch_prefill's general kernel writes them next). TMA descriptors
-    built here on the real tensors where tma_refusal allows, pointer loads elsewhere (on CPU tensors, Triton's
-    interpreter: how the tests run it)."""
-    B, Hq, T, D = (int(n) for n in q.shape)
-    out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, Hq, T) if write_lse else (0,), dtype=torch.float32, device=q.device)
-    pdl, launch = _pdl.launch_options(q, direct=True)
-    launch_ordered(q, keys, values, bias, cache_position, order, out, lse if write_lse else None, qk_scale, pdl,
-                   launch, direct=True)
-    return out, lse
-
-
-@ordered_prefill.register_fake
-def _(q, keys, values, bias, cache_position, order, qk_scale, write_lse):
-    B, Hq, T, D = q.shape
-    return q.new_empty((B, Hq, T, D)), q.new_empty((B, Hq, T) if write_lse else (0,), dtype=torch.float32)

@@ -319,8 +319,7 @@ def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_s
     [B, Hq, T] tensor to receive each query's natural-log log-sum-exp, or None. key_scale: an fp32 [B, Hkv, C]
     per-slot factor of the scores (before the soft cap), or None. full_tiles (default FULL_TILES): the full slot
     tiles' loads without a mask (fp32 bit for bit; 16-bit within one rounding of a probability). ordered (default
-    _ordered_prefill_kernels.ORDERED where its default_route gains; True, False, or a dict of that kernel's launch
-    overrides and `tma`): the rows whose live slots hold their positions in order, slot j position j + delta, go to
+    _ordered_prefill_kernels.ORDERED; True, False, or a dict of that kernel's launch overrides and `tma`): the rows whose live slots hold their positions in order, slot j position j + delta, go to
     _ordered_prefill_kernels.py (where `routable`), the others to _prefill_attention_kernel. No checks (the caller's:
     clustered_attention.triton_clustered_attention, expanded_attention's gathered slots); runs under Triton's
     interpreter on CPU tensors."""
@@ -330,30 +329,18 @@ def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_s
     cfg = prefill_launch_config(B, Hkv, G, T, C, D, q.element_size(), **overrides)
     n_tiles = cfg["n_tiles"]
     pdl, launch = _pdl.launch_options(q)
-    traced_tma = _ordered.traced_route(keys, values)  # a trace whose ordered rows would take the opaque op (TMA)
-    if ordered is None:  # the default: on where it gains (_ordered.default_route; on CPU, the interpreter, always)
-        from kvrewrite.kernels.clustered_attention import _num_sms  # (that module imports this one)
-
-        tma = traced_tma or _ordered.tma_refusal(keys, values) is None
-        ordered = _ordered.ORDERED and (not q.is_cuda or _ordered.default_route(
-            B, Hq, T, D, q.element_size(), tma, _num_sms(q.device)))
+    if ordered is None:
+        ordered = _ordered.ORDERED
     if ordered is not False and not _ordered.routable(keys, values, window, softcap, key_scale):
         ordered = False
     ordered_tuning = dict(ordered) if isinstance(ordered, dict) else {}
     order = None if ordered is False else order_stats(B, Hkv, q.device)
     ranges = tile_ranges(bias, slot_pos, n_tiles, cfg["block_n"], pdl, launch, order)
-    # inside a trace with TRACED_TMA the ordered rows come first, from an opaque op that launches on the real tensors
-    # (TMA); the general kernel then writes the other rows into its outputs
-    traced = order is not None and not ordered_tuning and traced_tma
-    if traced:
-        out, lse_rows = torch.ops.kvrewrite.ordered_prefill(q, keys, values, bias, cache_position, order, qk_scale,
-                                                            lse is not None)
-    else:
-        out, lse_rows = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device), lse
+    out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
     ks = bias if key_scale is None else key_scale  # an unused pointer without it: any fp32 [B, Hkv, C]
     wrap_triton(_prefill_attention_kernel)[(cfg["m_blocks"], B * Hkv)](
         q, keys, values, bias, slot_pos, cache_position, ks, ranges, ranges if order is None else order, out,
-        out if lse is None else lse_rows,
+        out if lse is None else lse,
         *q.stride(), *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(), *ks.stride(),
         Hkv, G, T, C, n_tiles, window, qk_scale, softcap_log2,
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], HAS_WINDOW=window > 0, SOFTCAP=softcap > 0,
@@ -361,10 +348,7 @@ def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_s
         FULL_TILES=FULL_TILES if full_tiles is None else bool(full_tiles), SKIP_ORDERED=order is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
     )
-    if traced:
-        if lse is not None:
-            lse.copy_(lse_rows)
-    elif order is not None:
+    if order is not None:
         _ordered.launch_ordered(q, keys, values, bias, cache_position, order, out, lse, qk_scale, pdl, launch,
                                 **ordered_tuning)
     return out

@@ -415,23 +415,6 @@ def test_decode_splits_change_only_where_the_grid_overflows_the_sms():
     assert prefill == _launch_config(64, 8, 4, 64, 6656, 128, 132)  # prefill chunks keep their rule
 
 
-def test_ordered_route_default_takes_pointer_loads_only_on_a_full_grid():
-    """launch_prefill's default offers ordered rows to the ordered kernel always with TMA, and with pointer loads (the
-    traced prefill) only where POINTER_TILES' grid is MIN_POINTER_WAVES waves of one program an SM or more: batch 1's
-    1024-query chunk over 32 query heads (256 programs on 132 SMs) keeps the general kernel, batch 8's takes it."""
-    from kvrewrite.kernels import _ordered_prefill_kernels as op
-
-    assert op.default_route(1, 32, 1024, 128, 2, True, 132)
-    assert not op.default_route(1, 32, 1024, 128, 2, False, 132)
-    assert op.default_route(8, 32, 1024, 128, 2, False, 132)
-    block_m = op.launch_config(128, 2, False)["block_m"]
-    edge = op.MIN_POINTER_WAVES * 132  # programs: ceil(T / block_m) * B * Hq
-    T = block_m * edge // 33  # 33 heads: the grid just reaches the edge
-    assert op.default_route(1, 33, T, 128, 2, False, 132) == (-(-T // block_m) * 33 >= edge)
-    assert op.default_route(1, 33, T + block_m, 128, 2, False, 132)
-    assert not op.default_route(1, 33, T - block_m, 128, 2, False, 132)
-
-
 def test_resident_program_counts_match_the_kernel_compiled_for_hopper():
     """RESIDENT_PROGRAMS(_PENDING), which size large-batch decode grids, are what the decode kernel compiled for sm_90
     by this Triton allows (registers and shared memory per SM; kvrewrite/bench/occupancy.py, no GPU needed): a Triton

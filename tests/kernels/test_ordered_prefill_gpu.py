@@ -115,7 +115,6 @@ def test_op_under_compile_and_in_a_cuda_graph(monkeypatch):
     body traced on fake tensors: pointer loads) and captured in a CUDA graph (the TMA descriptors' addresses captured,
     the queries changed in place before the replay): the eager output each time."""
     monkeypatch.setattr(op, "ORDERED", True)
-    monkeypatch.setattr(op, "MIN_POINTER_WAVES", 0)  # the traced default takes it on this small grid too
     args = ordered_state(2, 32, 8, 256, 1024, 1400, 128, pads=(0, 40), seed=12, dtype=torch.bfloat16, device="cuda")
     q = args[0].contiguous()
     rest = args[1:]
@@ -137,33 +136,3 @@ def test_op_under_compile_and_in_a_cuda_graph(monkeypatch):
     static_q.copy_(new_q)
     graph.replay()
     torch.testing.assert_close(static_out, attend(new_q), atol=0, rtol=0)
-
-
-def test_traced_tma_route_under_compile_and_cuda_graphs(monkeypatch):
-    """TRACED_TMA on: under torch.compile the ordered rows come from kvrewrite::ordered_prefill (an extern call that
-    launches with TMA on the real tensors: launch_ordered called directly at run time), in mode="reduce-overhead" too
-    (its CUDA graph replayed with new queries): the eager output (the same kernel, TMA both ways) bit for bit."""
-    monkeypatch.setattr(op, "ORDERED", True)
-    monkeypatch.setattr(op, "TRACED_TMA", True)
-    args = ordered_state(2, 32, 8, 256, 1024, 1400, 128, pads=(0, 40), seed=13, dtype=torch.bfloat16, device="cuda")
-    q = args[0].contiguous()
-    rest = args[1:]
-    direct = []
-    launch = op.launch_ordered
-
-    def spy(*a, **kw):
-        direct.append(kw.get("direct", False))
-        return launch(*a, **kw)
-
-    def attend(x):
-        return torch.ops.kvrewrite.clustered_attention(x, *rest, 128 ** -0.5, 0)
-
-    eager = attend(q)
-    monkeypatch.setattr(op, "launch_ordered", spy)
-    torch.testing.assert_close(torch.compile(attend, fullgraph=True)(q), eager, atol=0, rtol=0)
-    assert True in direct, direct  # the opaque op's launch, at run time
-    graphed = torch.compile(attend, fullgraph=True, mode="reduce-overhead")
-    for _ in range(3):  # cudagraph trees record on a later call
-        graphed(q)
-    new_q = torch.randn_like(q)
-    torch.testing.assert_close(graphed(new_q).clone(), attend(new_q), atol=0, rtol=0)

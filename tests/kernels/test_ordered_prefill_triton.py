@@ -136,38 +136,3 @@ def test_routing_needs_no_window_cap_or_key_scale_and_contiguous_state():
     assert not pk._ordered.routable(strided, strided, 0, 0.0, None)
     assert pk._ordered.routable(args[1], args[2], 0, 0.0, None)
     assert not pk._ordered.routable(args[1], args[2], 0, 30.0, None)
-
-
-def test_traced_route_through_the_opaque_op(monkeypatch):
-    """TRACED_TMA's route (inside a trace, kvrewrite::ordered_prefill on the real tensors, then the general kernel into
-    its outputs), taken here on real CPU tensors by forcing traced_route: the direct route's output and lse bit for
-    bit, with a row out of order in the batch (the general kernel's); the op's fake and schema (opcheck)."""
-    args = list(ordered_state(2, 8, 2, 37, 40, 100, pads=(0, 21), seed=8))
-    perm = torch.arange(100)
-    perm[3], perm[50] = 50, 3
-    for i in (1, 2, 3, 4):  # batch 1, KV head 0: two live slots swapped, so that row is out of order
-        args[i] = args[i].clone()
-        args[i][1, 0] = args[i][1, 0][perm]
-    B, Hq, T = 2, 8, 37
-    lse_direct = torch.full((B, Hq, T), math.nan)
-    direct = _prefill(*args, 0, lse_direct)
-    calls = []
-    real_op = torch.ops.kvrewrite.ordered_prefill
-
-    def op_spy(*a):
-        calls.append(a)
-        return real_op(*a)
-
-    monkeypatch.setattr(pk._ordered, "traced_route", lambda keys, values: True)
-    monkeypatch.setattr(torch.ops.kvrewrite, "ordered_prefill", op_spy)
-    lse_traced = torch.full((B, Hq, T), math.nan)
-    traced = _prefill(*args, 0, lse_traced)
-    assert len(calls) == 1
-    assert torch.equal(traced, direct) and torch.equal(lse_traced, lse_direct)
-    order = pk.order_stats(B, 2, "cpu")
-    pk.tile_ranges(args[3], args[4], math.ceil(100 / 16), 16, False, {}, order)
-    assert order.sum(1).tolist()[2] != 0 and (order.sum(1) == 0).sum() == 3
-    monkeypatch.undo()  # opcheck looks the op up by name
-    q, keys, values, bias, _, cp = args
-    torch.library.opcheck(real_op, (q, keys, values, bias, cp, order, 0.36, True),
-                          test_utils=("test_schema", "test_faketensor"))
