@@ -1,7 +1,8 @@
 """kvrewrite::kmeans_cluster on the GPU: ClusterKV's clustering of one Llama-3.1-8B layer.
 
-Layout: B 1, Hkv 8, D 128, bf16, prompts of 8k, 32k and 128k tokens, capacity C = prompt + 1024, K = ceil(2 C / 80)
-cluster ids; ClusterKV's settings (n_sink 16, 80 tokens per cluster, window 320 into 4 clusters, 20 iterations).
+Layout: B 1 (--batch: B sequences, 8 B rows), Hkv 8, D 128, bf16, prompts of 8k, 32k and 128k tokens, capacity
+C = prompt + 1024, K = ceil(2 C / 80) cluster ids; ClusterKV's settings (n_sink 16, 80 tokens per cluster, window 320
+into 4 clusters, 20 iterations).
 Keys: a mixture (one random direction per 80 tokens, random norms, noise), so the k-means has structure. Calls:
 - prefill: every row due (fill = prompt, cluster_end 0): L = prompt - 16 points into ceil(L / 80) clusters (410 at
   32k); a row stops iterating once its labels stop changing (exact: the rest would change nothing), so this depends on
@@ -22,7 +23,7 @@ centroid and can move others, so this is a sanity figure, not a test; the tests 
 The cost in a real prefill (prefill_cost, --prefill-out): kvrewrite's 32k prefill with `full` and `clusterkv`
 timed alternately, and HF's dense prefill; the clustering = clusterkv - full (30 compressed layers).
 
-Run:  python -m kvrewrite.bench.kmeans_cluster --out kmeans_cluster.json [--sweep]
+Run:  python -m kvrewrite.bench.kmeans_cluster --out kmeans_cluster.json [--sweep] [--batch B] [--prompts 32768]
       python -m kvrewrite.bench.kmeans_cluster --prefill-out clusterkv_prefill.json
 """
 import argparse
@@ -181,7 +182,7 @@ def run(cfg: Config, sweep: bool = False) -> dict:
     _op(s, kw)  # the prefill clustering, then the decode-time calls
     res.n_clusters = int(s["n_clusters"][0, 0])
     res.programs = max(km._GRIDS.values(), default=0)
-    if cfg.prompt <= 32768:
+    if cfg.prompt <= 32768 and cfg.B == 1:  # (its host loop over the rows: minutes at batch 8)
         ref = {f: t.clone() for f, t in s.items()}
         ref["cluster_end"].copy_(end0)
         ref["n_clusters"].copy_(n0)
@@ -204,9 +205,9 @@ def run(cfg: Config, sweep: bool = False) -> dict:
     res.window_eager_us = eager_us(timed(end1, n1), restore(end1, n1))
     del s
     torch.cuda.empty_cache()
-    print(f"prompt {cfg.prompt:>6} ({res.n_clusters} clusters): prefill {res.prefill_graph_us / 1e3:6.2f} ms graph "
-          f"({res.prefill_eager_us / 1e3:6.2f} eager; every iteration {res.prefill_all_iters_graph_us / 1e3:6.2f}; "
-          f"iters=0 {res.prefill_iters0_graph_us:7.1f} us, "
+    print(f"prompt {cfg.prompt:>6} batch {cfg.B} ({res.n_clusters} clusters): prefill "
+          f"{res.prefill_graph_us / 1e3:6.2f} ms graph ({res.prefill_eager_us / 1e3:6.2f} eager; every iteration "
+          f"{res.prefill_all_iters_graph_us / 1e3:6.2f}; iters=0 {res.prefill_iters0_graph_us:7.1f} us, "
           f"{res.per_iter_us:6.1f} us/iter; one launch per phase {res.prefill_launches_us / 1e3:6.2f} ms) | "
           f"window {res.window_graph_us:6.1f} us ({res.window_eager_us:6.1f} eager) | not due "
           f"{res.not_due_graph_us:5.1f} us ({res.not_due_eager_us:5.1f} eager) | reference {res.reference_ms:7.1f} ms,"
@@ -270,14 +271,19 @@ def main():
     parser.add_argument("--out", default="kmeans_cluster.json")
     parser.add_argument("--sweep", action="store_true", help="also time the prefill call under the SWEEP knobs")
     parser.add_argument("--prompts", default=None, help="comma-separated prompt lengths (default 8192,32768,131072)")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="sequences per call: 8 x batch rows (the reference runs at batch 1 only)")
     parser.add_argument("--prefill-out", default=None,
                         help="instead: the clustering's share of a real 32k prefill (prefill_cost) into this JSON")
     args = parser.parse_args()
     if args.prefill_out:
         prefill_cost(args.prefill_out)
         return
+    if args.batch < 1:
+        parser.error(f"--batch must be at least 1, got {args.batch}")
     env, copy = start_run()
-    configs = [Config(int(p)) for p in args.prompts.split(",")] if args.prompts else get_configs()
+    prompts = [int(p) for p in args.prompts.split(",")] if args.prompts else [c.prompt for c in get_configs()]
+    configs = [Config(p, B=args.batch) for p in prompts]
     rows = [run(cfg, args.sweep) for cfg in configs]
     with open(args.out, "w") as f:
         json.dump(dict(env=env, copy_gbps=copy, rows=rows), f, indent=1)

@@ -15,8 +15,8 @@ order); they sum to 0 exactly when every live slot sits at position index + delt
 computes those rows and returns at once on the others, and _prefill_attention_kernel (SKIP_ORDERED) returns at once
 on the rows this one takes. Any layout stays exact: a row with one slot out of order, or none live, goes to the general
 kernel. Taken only without a window, soft cap or key scale (those keep the general kernel). Both load forms beat the
-general kernel at every batch (inside CUDA graphs, batches 1-8, docs/bench.md "Stop 61 runs"), so the default takes
-the route wherever it can.
+general kernel at every batch timed (1, 2 and 4 inside CUDA graphs, 8 eagerly: docs/bench.md "Stop 60 runs", "Stop 61
+runs"), so the default takes the route wherever it can.
 
 Loads: the keys and values through host-side TMA descriptors over the state viewed [B * Hkv, C, D], blocks [1, BLOCK_N,
 D] (a tile past C reads zeros, not the next row), where `tma_refusal` allows: a Hopper-class GPU, 16-bit contiguous
@@ -39,8 +39,8 @@ batch 1 0.621-0.626 ms (TMA) and 0.671-0.672 (pointer loads) against 0.776-0.781
 and 5.52-5.58 against 6.12-6.18 (eager launches at batch 1 show their host work). Rows out of order (chelsea's chunk
 at batch 8): 5.46-5.48 against 5.45-5.50. ClusterKV's compiled batch-8 32k prefill (TMA: the op stays opaque):
 1.14x dense in three runs with chunks of 2048 (1.13x in one with 4096), against 1.21-1.23x with the general
-kernel. GPU tests:
-tests/kernels/test_ordered_prefill_gpu.py; without a GPU: tests/kernels/test_ordered_prefill_triton.py.
+kernel. GPU tests: tests/kernels/test_ordered_prefill_gpu.py; without a GPU:
+tests/kernels/test_ordered_prefill_triton.py.
 """
 from __future__ import annotations  # the kernels' `tl.constexpr` annotations stay strings without Triton
 

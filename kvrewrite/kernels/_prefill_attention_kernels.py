@@ -319,8 +319,9 @@ def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_s
     [B, Hq, T] tensor to receive each query's natural-log log-sum-exp, or None. key_scale: an fp32 [B, Hkv, C]
     per-slot factor of the scores (before the soft cap), or None. full_tiles (default FULL_TILES): the full slot
     tiles' loads without a mask (fp32 bit for bit; 16-bit within one rounding of a probability). ordered (default
-    _ordered_prefill_kernels.ORDERED; True, False, or a dict of that kernel's launch overrides and `tma`): the rows whose live slots hold their positions in order, slot j position j + delta, go to
-    _ordered_prefill_kernels.py (where `routable`), the others to _prefill_attention_kernel. No checks (the caller's:
+    _ordered_prefill_kernels.ORDERED; True, False, or a dict of that kernel's launch overrides and `tma`): the rows
+    whose live slots hold their positions in order, slot j position j + delta, go to _ordered_prefill_kernels.py
+    (where `routable`), the others to _prefill_attention_kernel. No checks (the caller's:
     clustered_attention.triton_clustered_attention, expanded_attention's gathered slots); runs under Triton's
     interpreter on CPU tensors."""
     B, Hq, T, D = (int(n) for n in q.shape)

@@ -106,3 +106,30 @@ def test_a_custom_ops_own_launch_says_direct(monkeypatch):
 
     probe(torch.zeros(1))
     assert seen == [((False, {}), (True, {"launch_pdl": True}))]
+
+
+def test_opaque_call_runs_a_triton_op_body_on_real_tensors():
+    """Under the opaque call (rw.compile) Inductor keeps a torch.library.triton_op whole and calls it at run time, so
+    its body sees real tensors there (fake ones only while the graph is traced): what lets the ordered prefill kernel
+    build its TMA descriptors under rw.compile (_ordered_prefill_kernels.tma_refusal). Without the call the body is
+    traced into the graph and never runs on real tensors."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    seen = []
+
+    @torch.library.triton_op("kvrewrite_test::real_or_fake", mutates_args=())
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        seen.append(is_fake(x))
+        return x * 2
+
+    def step(x):
+        return probe(x) + 1
+
+    x = torch.arange(4.0)
+    torch._dynamo.reset()
+    assert torch.equal(_OpaqueOpsCall(torch.compile(step, fullgraph=True))(x), x * 2 + 1)
+    assert seen and seen[-1] is False, seen
+    torch._dynamo.reset()
+    seen.clear()
+    assert torch.equal(torch.compile(step, fullgraph=True)(x), x * 2 + 1)
+    assert seen and all(seen), seen
