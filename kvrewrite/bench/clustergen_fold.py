@@ -17,6 +17,9 @@ whatever the case): one call per case at the first batch size, the decode case o
 Run:  python -m kvrewrite.bench.clustergen_fold --out docs/bench/clustergen_fold_h100.json
 --calib-sweep also times the δ calibration's launch variants (chunk size, warps) on the first chunk's fold;
 --dist-sweep the distance launch's (tiles, keys per program, warps) on a later chunk's fold and a decode step's.
+--form-sweep the launches' other forms (FORM_VARIANTS: the resolve's step per opening, RESOLVE_EVENTS; the distances
+on tensor cores, DIST_DOT) on every case, each checked against the default's state (the fields that differ listed:
+the dot form rounds otherwise, so a near-tie may go the other way on these random keys).
 """
 import argparse
 import json
@@ -108,17 +111,17 @@ def time_kernel(s0, reps, graph, **knobs):
     return statistics.median(out[2:]), s
 
 
-def profile_launches(s0):
+def profile_launches(s0, **knobs):
     """{kernel name: us} of one eager call (torch.profiler, CUDA activity), after a warm call."""
     from torch.profiler import ProfilerActivity, profile
 
     s = {f: x.clone() for f, x in s0.items()}
-    fold(s)
+    fold(s, **knobs)
     for f in FIELDS:
         s[f].copy_(s0[f])
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fold(s)
+        fold(s, **knobs)
         torch.cuda.synchronize()
     return {e.key: round(e.device_time_total, 1) for e in prof.key_averages() if e.device_time_total > 0}
 
@@ -130,6 +133,11 @@ CALIB_VARIANTS = [(kk.CAL_CH, kk.CAL_WARPS), (64, 8), (128, 8), (512, 8), (256, 
 DIST_VARIANTS = [(kk.DIST_BF, kk.DIST_BM, kk.DIST_FO, 4), (32, 32, 1024, 4), (8, 32, 1024, 4), (16, 64, 1024, 4),
                  (16, 16, 1024, 4), (16, 32, 512, 4), (16, 32, 256, 4), (32, 64, 1024, 8), (16, 32, 1024, 8),
                  (64, 32, 1024, 8)]
+
+
+FORM_VARIANTS = [{}, dict(resolve_events=True), dict(resolve_events=True, res_b=128), dict(dist_dot=True),
+                 dict(dist_dot=True, dist_bf=32), dict(dist_dot=True, resolve_events=True),
+                 dict(dist_dot=True, resolve_events=True, res_b=128)]
 
 
 def knob_sweep(s0, want, variants: list, label: str) -> list:
@@ -145,9 +153,9 @@ def knob_sweep(s0, want, variants: list, label: str) -> list:
             except Exception as e:  # noqa: BLE001  (a launch that does not compile, e.g. out of registers)
                 out.append(dict(knobs, round=r, error=repr(e)[:200]))
                 continue
-            same_state = all(torch.equal(got[f], want[f]) for f in FIELDS)
-            out.append(dict(knobs, round=r, graph_us=us, same_state=same_state))
-            print(f"    {label} {knobs} round {r}: {us:9.1f} us, same state {same_state}", flush=True)
+            differ = [f for f in FIELDS if not torch.equal(got[f], want[f])]
+            out.append(dict(knobs, round=r, graph_us=us, same_state=not differ, fields_differ=differ))
+            print(f"    {label} {knobs} round {r}: {us:9.1f} us, same state {not differ} {differ or ''}", flush=True)
     return out
 
 
@@ -175,6 +183,9 @@ def main():
     parser.add_argument("--calib-sweep", action="store_true",
                         help="also time the δ calibration's launches (CALIB_VARIANTS) on prefill_first at every "
                              "batch, each checked equal to the default's state")
+    parser.add_argument("--form-sweep", action="store_true",
+                        help="also time the launches' other forms (FORM_VARIANTS) on every case at every batch, each "
+                             "checked against the default's state")
     parser.add_argument("--dist-sweep", action="store_true",
                         help="also time the distance launch's variants (DIST_VARIANTS) on prefill_later and decode at "
                              "every batch, each checked against the default's state")
@@ -210,6 +221,10 @@ def main():
             if args.dist_sweep and name != "prefill_first":
                 row["dist_sweep"] = knob_sweep(s0, got, [dict(dist_bf=bf, dist_bm=bm, dist_fo=fo, dist_warps=w)
                                                          for bf, bm, fo, w in DIST_VARIANTS], "dist")
+            if args.form_sweep:
+                row["form_sweep"] = knob_sweep(s0, got, FORM_VARIANTS, "form")
+                row["form_launch_us"] = profile_launches(s0, dist_dot=True, resolve_events=True)
+                print(name, "launches, both forms", row["form_launch_us"], flush=True)
             if args.sweep and B == args.batches[0] and name != "prefill_later":  # the resolve launch's warps
                 row["graph_us_by_resolve_warps"] = {w: time_kernel(s0, 5, graph=True, num_warps_seq=w)[0]
                                                     for w in (1, 2, 4, 8)}

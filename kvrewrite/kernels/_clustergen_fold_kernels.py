@@ -15,18 +15,21 @@ Launches:
    KS = the kept (sinks, window) slots in order; INFO = [due, |F|, n_kept].
 2. calibrate (grid rows; rows with F and delta < 0 only): greedy k-center over F's keys, min(M_target, M_max, |F|)
    passes over F, each updating every point's squared distance to its nearest centre (scratch D2, -1 marks a
-   chosen point) and finding the farthest (first on ties; per-lane running maxima, one reduction per pass); delta = fp32(1.001) * sqrt_rn(max d2).
+   chosen point) and finding the farthest (first on ties; per-lane running maxima, one reduction per pass);
+   delta = fp32(1.001) * sqrt_rn(max d2).
 3. distances (grid cluster blocks x F blocks x rows): for every folded key, the nearest of the clusters open
    BEFORE the fold (min and first argmin per block of clusters): the parallel part of the leader clustering;
-   the first cluster block also writes w_f = ||v_f||^2 (fp32).
+   the first cluster block also writes w_f = ||v_f||^2 (fp32). DIST_DOT: the distances through the dot product
+   on tensor cores (below).
 4. resolve (grid rows): the fp64 prefix sums of w (mu_old + cumsum); then F in blocks of RB keys, in order: the
    block's nearest old cluster (the partial minima of launch 3), its nearest cluster opened earlier in this fold
    (a distance tile against the leaders opened so far), the block's own distance tile; then the exact sequential
    rule key by key on those numbers (join i* if d^2 <= delta^2, else open, else force), in registers: a key that
    opens a cluster offers it to the block's later keys (one column of the tile), so a step costs two small
-   reductions (three when it opens). ASSIGN =
-   each folded key's cluster, NL = the leaders opened in this fold in order, JC = joiners per cluster (int32
-   atomics), INFO += [n_clusters after, n_forced now].
+   reductions (three when it opens). RESOLVE_EVENTS: a step per opening instead of per key (the keys before the
+   next far key join at once; once no cluster is free the far keys left are forced at once), the offered column
+   computed when a key opens. ASSIGN = each folded key's cluster, NL = the leaders opened in this fold in order,
+   JC = joiners per cluster (int32 atomics), INFO += [n_clusters after, n_forced now].
 5. reservoirs (grid sketch blocks x rows): per sketch slot j the hash uniform (mix32_triton), the key-slot draw
    floor(u n) (integers) and its joiner (a scan of ASSIGN for cluster i's m-th), the value-slot draw (binary
    search of the prefix sums); the taken samples copy key, value and slot_pos; every sketch slot's bias and role.
@@ -34,9 +37,12 @@ Launches:
    staged in scratch then written to [0, n_kept) (bias 0, role 0); [n_kept, fill) freed (bias -inf, role 0);
    fill = n_kept.
 
-Distances are sum((a - b)^2) in fp32 over D (as the reference: no ||a||^2 - 2ab + ||b||^2 expansion), in chunks
-of DC dims: a different summation order than torch's, so fp32 distances agree to rounding (exactly on inputs
-whose sums are exact, e.g. small-integer keys: how the tests make every decision exact).
+Distances are sum((a - b)^2) in fp32 over D (as the reference), in chunks of DC dims: a different summation order
+than torch's, so fp32 distances agree to rounding (exactly on inputs whose sums are exact, e.g. small-integer keys:
+how the tests make every decision exact). With DIST_DOT launch 3 expands them, ||a||^2 + ||b||^2 - 2 a.b (fp32 norms,
+the product on tensor cores, clamped at 0): exact on those inputs too, and otherwise off the direct form by a few
+ulp of the keys' squared norms, so a near-tie (two clusters, or a distance and delta, that close) may decide
+otherwise than the reference.
 
 Freed slots: the reference writes bias -inf / role 0 on [n_kept, C - S); these kernels on [n_kept, fill) only,
 so that a decode call's work does not grow with the capacity. Identical whenever [fill, C - S) already holds bias
@@ -67,7 +73,23 @@ SPLIT_CH = 1024  # slots per chunk of the split pass
 # launch's barriers (stop 59), whose race gave other states too: the pipelined loop is worth a retry.
 CAL_CH, CAL_WARPS = 256, 8
 DIST_BF, DIST_BM, DIST_FO = 16, 32, 1024  # launch 3: keys x clusters per tile, keys per program
+# DIST_DOT: launch 3's distances as ||a||^2 + ||b||^2 - 2 a.b with the product on tensor cores (DOT_BF x DOT_BM tiles,
+# the block's representatives loaded once), instead of sum((a - b)^2) on CUDA cores in DC-dim steps. Why: at a later
+# prefill chunk's fold (2048 keys, 407 open clusters, batch 8, H200) the distance launch took 4.95 of the fold's 8.45
+# ms (docs/bench.md "Stop 59 runs"), about 2.4 s of ClusterGen's batch-8 32k prefill, for work a tensor core does in
+# microseconds. What changes: the rounding (the expansion's, clamped at 0), so a key whose two nearest clusters, or
+# whose nearest distance and delta, agree to ~1e-7 of its squared norm may decide otherwise than the reference; on
+# inputs whose sums are exact (small-integer keys: the tests) every decision is the reference's. Off until timed on a
+# GPU (`python -m kvrewrite.bench.clustergen_fold --batches 8 1 --no-reference --dist-sweep`).
+DIST_DOT = False
+DOT_BF, DOT_BM = 64, 64
 RES_B, RES_BL = 32, 32  # launch 4: keys per sequential block, leaders per tile
+# RESOLVE_EVENTS: launch 4 takes a step per key that opens a cluster (the keys before the next one that is farther
+# than delta from every cluster join their nearest at once; once no cluster is free, every far key left is forced at
+# once) instead of a step per key: the same rule and the same results (nothing but an opening changes another key's
+# nearest cluster). Why: a later prefill chunk's fold opens no cluster (all M open) yet stepped through its 2048 keys
+# one by one, 1.82 ms a fold at batch 8 (docs/bench.md "Stop 59 runs"). Off until its GPU tests have run.
+RESOLVE_EVENTS = False
 DC = 8  # dims per step of a distance tile
 SK_BS = 32  # sketch slots per program of launch 5 (128 spilled ~6.6 KB per thread on sm_90)
 SCAN_CH = 16  # ASSIGN entries per step of launch 5's joiner scan
@@ -112,6 +134,21 @@ def _d2_tile(KA, offa, ma, KB, offb, mb, D, BA: tl.constexpr, BB: tl.constexpr, 
         b = tl.load(KB + offb[:, None] + dd[None, :], mask=mb[:, None] & md[None, :], other=0.0).to(tl.float32)
         diff = a[:, None, :] - b[None, :, :]
         acc += tl.sum(diff * diff, axis=2)
+    return acc
+
+
+@triton_jit()
+def _d2_col(KA, offa, ma, offb, D, BA: tl.constexpr, DCH: tl.constexpr):
+    """[BA] fp32 sum over D of (a - b)^2, rows a at KA + offa against the one row b at KA + offb (a scalar offset),
+    in _d2_tile's chunks."""
+    acc = tl.zeros([BA], tl.float32)
+    for d0 in range(0, D, DCH):
+        dd = d0 + tl.arange(0, DCH)
+        md = dd < D
+        a = tl.load(KA + offa[:, None] + dd[None, :], mask=ma[:, None] & md[None, :], other=0.0).to(tl.float32)
+        b = tl.load(KA + offb + dd, mask=md, other=0.0).to(tl.float32)
+        diff = a - b[None, :]
+        acc += tl.sum(diff * diff, axis=1)
     return acc
 
 
@@ -193,9 +230,24 @@ def _cg_calib_kernel(K, FS, INFO, DELTA, D2, BUDGET, C, D, n_sink, window, t, vs
 
 
 # -- launch 3: distances to the clusters open before the fold -----------------------------------------
+@triton_jit()
+def _d2_dot(KA, offa, ma, rb, nb, D, BLOCK_D: tl.constexpr):
+    """[BA, BB] fp32 ||a||^2 + ||b||^2 - 2 a.b (DIST_DOT), rows a at KA + offa (element offsets) against the loaded
+    rows rb [BB, BLOCK_D] (zero past D) with their fp32 squared norms nb; the product on tensor cores (16-bit keys:
+    exact products, fp32 sums; fp32 keys: IEEE), clamped at 0 (the expansion's rounding can leave a tiny negative)."""
+    dcol = tl.arange(0, BLOCK_D)
+    a = tl.load(KA + offa[:, None] + dcol[None, :], mask=ma[:, None] & (dcol < D)[None, :], other=0.0)
+    af = a.to(tl.float32)
+    if a.dtype == tl.float32:
+        ab = tl.dot(a, tl.trans(rb), input_precision="ieee")
+    else:
+        ab = tl.dot(a, tl.trans(rb))
+    return tl.maximum(tl.sum(af * af, axis=1)[:, None] + nb[None, :] - 2.0 * ab, 0.0)
+
+
 @triton_jit(do_not_specialize=["C", "D", "Mmax", "NCB"])
 def _cg_dist_kernel(K, V, REP, FS, INFO, NCL, PD, PI, W, C, D, Mmax, NCB, BF: tl.constexpr, BM: tl.constexpr,
-                    FO: tl.constexpr, DCH: tl.constexpr, BLOCK_D: tl.constexpr):
+                    FO: tl.constexpr, DCH: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr):
     cb = tl.program_id(0)
     fo = tl.program_id(1)
     row = tl.program_id(2).to(tl.int64)
@@ -205,14 +257,14 @@ def _cg_dist_kernel(K, V, REP, FS, INFO, NCL, PD, PI, W, C, D, Mmax, NCB, BF: tl
     f_lo = fo * FO
     if (due != 0) & (f_lo < nF):
         f_hi = tl.minimum(f_lo + FO, nF)
+        dcol = tl.arange(0, BLOCK_D)
         if cb == 0:  # w_f = ||v_f||^2 in fp32
-            dcol = tl.arange(0, BLOCK_D)
             for f0 in range(f_lo, f_hi, BF):
                 f = f0 + tl.arange(0, BF)
                 m = f < f_hi
                 slot = tl.load(FS + base + f, mask=m, other=0).to(tl.int64)
-                v = tl.load(V + (base + slot)[:, None] * D + dcol[None, :], mask=m[:, None] & (dcol < D)[None, :],
-                            other=0.0).to(tl.float32)
+                v = tl.load(V + (base + slot)[:, None] * D + dcol[None, :],
+                            mask=m[:, None] & (dcol < D)[None, :], other=0.0).to(tl.float32)
                 tl.store(W + base + f, tl.sum(v * v, axis=1), mask=m)
         nc_old = tl.load(NCL + row).to(tl.int32)
         i0 = cb * BM
@@ -220,11 +272,18 @@ def _cg_dist_kernel(K, V, REP, FS, INFO, NCL, PD, PI, W, C, D, Mmax, NCB, BF: tl
             i = i0 + tl.arange(0, BM)
             mi = i < nc_old
             offr = (row * Mmax + i).to(tl.int64) * D
+            if DOT:  # the block's representatives and their norms, loaded once for every key tile
+                rb = tl.load(REP + offr[:, None] + dcol[None, :], mask=mi[:, None] & (dcol < D)[None, :], other=0.0)
+                rbf = rb.to(tl.float32)
+                nb = tl.sum(rbf * rbf, axis=1)
             for f0 in range(f_lo, f_hi, BF):
                 f = f0 + tl.arange(0, BF)
                 m = f < f_hi
                 slot = tl.load(FS + base + f, mask=m, other=0).to(tl.int64)
-                acc = _d2_tile(K, (base + slot) * D, m, REP, offr, mi, D, BF, BM, DCH)
+                if DOT:
+                    acc = _d2_dot(K, (base + slot) * D, m, rb, nb, D, BLOCK_D)
+                else:
+                    acc = _d2_tile(K, (base + slot) * D, m, REP, offr, mi, D, BF, BM, DCH)
                 acc = tl.where(mi[None, :], acc, float("inf"))
                 dmin = tl.min(acc, axis=1)
                 imin = tl.min(tl.where(acc == dmin[:, None], i[None, :], 2147483647), axis=1)
@@ -236,7 +295,7 @@ def _cg_dist_kernel(K, V, REP, FS, INFO, NCL, PD, PI, W, C, D, Mmax, NCB, BF: tl
 @triton_jit(do_not_specialize=["C", "D", "Mmax", "NCB", "n_sink", "window", "t", "vs_bits", "ct_bits"])
 def _cg_resolve_kernel(K, FS, INFO, NCL, DELTA, MU, PD, PI, W, P, ASSIGN, NL, JC, BUDGET, C, D, Mmax, NCB, n_sink,
                        window, t, vs_bits, ct_bits, BM: tl.constexpr, RB: tl.constexpr, BL: tl.constexpr,
-                       DCH: tl.constexpr, CH: tl.constexpr):
+                       DCH: tl.constexpr, CH: tl.constexpr, EVENTS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * C
     due = tl.load(INFO + row * 8)
@@ -288,28 +347,55 @@ def _cg_resolve_kernel(K, FS, INFO, NCL, DELTA, MU, PD, PI, W, P, ASSIGN, NL, JC
                 better = dmin < bd
                 bd = tl.where(better, dmin, bd)
                 bi = tl.where(better, nc_old + lmin, bi)
-            # the block's own distances, then the exact sequential rule; a key that opens cluster idx offers it to
-            # the block's later keys (strict <: clusters are offered in index order, the lowest index wins ties)
-            dd = _d2_tile(K, offk, mf, K, offk, mf, D, RB, RB, DCH)
             lead = tl.zeros([RB], tl.int32)  # 1: opened a cluster
             cid = tl.zeros([RB], tl.int32)
             n_here = tl.minimum(nF - f0, RB)
-            for q in range(0, n_here):
-                sel = fl == q
-                best_d = tl.min(tl.where(sel, bd, float("inf")), axis=0)
-                best_i = tl.max(tl.where(sel, bi, -1), axis=0)
-                far = best_d > dd2
-                opn = far & (nc < M32)
-                forced += (far & (nc >= M32)).to(tl.int32)
-                idx = tl.where(opn, nc, best_i)
-                lead = tl.where(sel, opn.to(tl.int32), lead)
-                cid = tl.where(sel, idx, cid)
-                if opn:
-                    col = tl.min(tl.where(fl[None, :] == q, dd, float("inf")), axis=1)  # d2 of every key to key q
-                    better = (col < bd) & (fl > q)
-                    bd = tl.where(better, col, bd)
-                    bi = tl.where(better, idx, bi)
-                nc += opn.to(tl.int32)
+            if EVENTS:
+                # the same rule, a step per key that opens a cluster: the keys before the next far one join their
+                # nearest (nothing changes for the others); once no cluster is free every far key left is forced
+                q0 = tl.zeros([], tl.int32)
+                while q0 < n_here:
+                    rest = (fl >= q0) & mf
+                    far_v = rest & (bd > dd2)
+                    if nc >= M32:
+                        forced += tl.sum(far_v.to(tl.int32), axis=0)
+                        cid = tl.where(rest, bi, cid)
+                        q0 = n_here
+                    else:
+                        qf = tl.min(tl.where(far_v, fl, RB), axis=0)
+                        cid = tl.where(rest & (fl < qf), bi, cid)
+                        if qf < n_here:  # key qf opens cluster nc and offers it to the block's later keys
+                            sel = fl == qf
+                            lead = tl.where(sel, 1, lead)
+                            cid = tl.where(sel, nc, cid)
+                            qslot = tl.max(tl.where(sel, slot, -1), axis=0)
+                            col = _d2_col(K, offk, mf, (base + qslot) * D, D, RB, DCH)  # d2 of every key to key qf
+                            better = (col < bd) & (fl > qf)
+                            bd = tl.where(better, col, bd)
+                            bi = tl.where(better, nc, bi)
+                            nc += 1
+                        q0 = qf + 1
+            else:
+                # the block's own distances, then the exact sequential rule key by key; a key that opens cluster idx
+                # offers it to the block's later keys (strict <: clusters are offered in index order, the lowest
+                # index wins ties)
+                dd = _d2_tile(K, offk, mf, K, offk, mf, D, RB, RB, DCH)
+                for q in range(0, n_here):
+                    sel = fl == q
+                    best_d = tl.min(tl.where(sel, bd, float("inf")), axis=0)
+                    best_i = tl.max(tl.where(sel, bi, -1), axis=0)
+                    far = best_d > dd2
+                    opn = far & (nc < M32)
+                    forced += (far & (nc >= M32)).to(tl.int32)
+                    idx = tl.where(opn, nc, best_i)
+                    lead = tl.where(sel, opn.to(tl.int32), lead)
+                    cid = tl.where(sel, idx, cid)
+                    if opn:
+                        col = tl.min(tl.where(fl[None, :] == q, dd, float("inf")), axis=1)  # d2 of every key to key q
+                        better = (col < bd) & (fl > q)
+                        bd = tl.where(better, col, bd)
+                        bi = tl.where(better, idx, bi)
+                    nc += opn.to(tl.int32)
             tl.store(ASSIGN + base + f, cid, mask=mf)
             tl.atomic_add(JC + row * Mmax + cid, tl.full([RB], 1, tl.int32), mask=mf)  # int32: deterministic
             tl.store(NL + base + nl + tl.cumsum(lead, axis=0) - lead, f, mask=lead != 0)
@@ -492,15 +578,17 @@ def _bits(x: float) -> int:
 def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep, count, n_clusters, mu, delta,
                            n_seen, n_forced, *, n_sink: int, window: int, t: int, value_share: float,
                            cluster_target: float, seed: int, layer: int, head_offset: int = 0,
-                           dist_bm: int = DIST_BM, dist_fo: int = DIST_FO, dist_bf: int = DIST_BF, dist_warps: int = 4,
-                           res_b: int = RES_B, res_bl: int = RES_BL, num_warps_seq: int = 4, cal_ch: int = CAL_CH,
+                           dist_bm: int | None = None, dist_fo: int = DIST_FO, dist_bf: int | None = None,
+                           dist_warps: int = 4, dist_dot: bool | None = None, res_b: int = RES_B, res_bl: int = RES_BL,
+                           num_warps_seq: int = 4, resolve_events: bool | None = None, cal_ch: int = CAL_CH,
                            cal_warps: int = CAL_WARPS) -> None:
     """Launch the six kernels (module docstring); mutates the state as the op. The inputs are checked by the op
     (kvrewrite/kernels/clustergen_fold.py); here only what the kernels add: contiguous tensors. Knobs (powers of
     two; every value gives the same result): dist_bm clusters per distance block, dist_fo keys per distance
-    program, dist_bf keys per distance tile, dist_warps the distance launch's warps; res_b keys per sequential
-    block, res_bl leaders per tile, num_warps_seq the resolve launch's warps; cal_ch points per chunk of a
-    calibration pass, cal_warps its warps.
+    program, dist_bf keys per distance tile (defaults DIST_BM, DIST_BF; DOT_BM, DOT_BF with the dot form, where both
+    must be at least 16), dist_warps the distance launch's warps, dist_dot its form (default DIST_DOT); res_b keys
+    per sequential block, res_bl leaders per tile, num_warps_seq the resolve launch's warps, resolve_events its form
+    (default RESOLVE_EVENTS); cal_ch points per chunk of a calibration pass, cal_warps its warps.
     Under TRITON_INTERPRET=1 it runs on CPU tensors (how the kernels are tested without a GPU)."""
     if triton is None:
         raise NotImplementedError(f"{NAME} needs Triton (pip install triton)")
@@ -517,6 +605,13 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
         return
     dev = keys.device
     block_d = triton.next_power_of_2(D)
+    dist_dot = DIST_DOT if dist_dot is None else bool(dist_dot)
+    resolve_events = RESOLVE_EVENTS if resolve_events is None else bool(resolve_events)
+    dist_bm = dist_bm or (DOT_BM if dist_dot else DIST_BM)
+    dist_bf = dist_bf or (DOT_BF if dist_dot else DIST_BF)
+    if dist_dot and min(dist_bm, dist_bf) < 16:
+        raise ValueError(f"{NAME}: the dot form of the distances needs dist_bm and dist_bf >= 16 (tensor-core tiles), "
+                         f"got {dist_bm} and {dist_bf}")
     ncb = triton.cdiv(Mmax, dist_bm)
     nk = max(n_sink + window, 1)
     vs, ct = _bits(value_share), _bits(cluster_target)
@@ -539,10 +634,11 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
                               num_warps=cal_warps)
     _cg_dist_kernel[(ncb, triton.cdiv(C, dist_fo), rows)](keys, values, rep, fs, info, n_clusters, pd, pi, w, C, D,
                                                           Mmax, ncb, BF=dist_bf, BM=dist_bm, FO=dist_fo, DCH=DC,
-                                                          BLOCK_D=block_d, num_warps=dist_warps)
+                                                          BLOCK_D=max(block_d, 16) if dist_dot else block_d,
+                                                          DOT=dist_dot, num_warps=dist_warps)
     _cg_resolve_kernel[(rows,)](keys, fs, info, n_clusters, delta, mu, pd, pi, w, p, assign, nl, jc, budget, C, D,
                                 Mmax, ncb, *sz, BM=dist_bm, RB=res_b, BL=res_bl, DCH=DC, CH=SPLIT_CH,
-                                num_warps=num_warps_seq)
+                                EVENTS=resolve_events, num_warps=num_warps_seq)
     _cg_reservoir_kernel[(triton.cdiv(C, SK_BS), rows)](keys, values, bias, slot_pos, role, fs, info, count, jc,
                                                         assign, p, mu, n_seen, budget, C, D, Mmax, H, *sz, hbase,
                                                         head_offset, BS=SK_BS, SCH=SCAN_CH,

@@ -8,6 +8,8 @@ any summation order), so every discrete decision must match exactly; biases with
 quotient, one ulp apart at most). Also: a CUDA graph capture replayed on new state, the op's CUDA dispatch, the
 Triton mix32.
 """
+import functools
+
 import pytest
 import torch
 
@@ -101,9 +103,15 @@ CASES = {  # name: dtype, B, H, D, n_sink, window, t, Bt, g, groups, prompt leng
 }
 
 
+FORMS = {"default": {}, "events": dict(resolve_events=True), "dot-events": dict(dist_dot=True, resolve_events=True)}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_reference_prefill_chunks_then_decode(name):
+def test_matches_reference_prefill_chunks_then_decode(name, form):
+    """Every launch form (the module's defaults; RESOLVE_EVENTS; DIST_DOT with it, exact here: integer keys)."""
     dtype, B, H, D, n_sink, window, t, Bt, g, groups, lens, pads = CASES[name]
+    launch = functools.partial(kk.triton_clustergen_fold, **FORMS[form])
     kw = dict(n_sink=n_sink, window=window, t=t, value_share=0.5, cluster_target=0.9, seed=11, layer=5)
     S = Bt - n_sink - window
     chunk2 = 150
@@ -117,13 +125,13 @@ def test_matches_reference_prefill_chunks_then_decode(name):
             append(st, b, h, float("nan"), 0.0, 0, pad=True)
         for n in range(lens[r]):
             append(st, b, h, *src.next(b, h), n)
-    fold_both(st, kw, 200, f"{name} prefill")  # the short row is not due
+    fold_both(st, kw, 200, f"{name} prefill", launch)  # the short row is not due
     assert int((st["delta"] > 0).sum()) == B * H - 1
     for r in range(B * H):  # a second chunk: many clusters open before the fold
         b, h = divmod(r, H)
         for n in range(chunk2):
             append(st, b, h, *src.next(b, h), 1000 + n)
-    fold_both(st, kw, 100, f"{name} chunk 2")
+    fold_both(st, kw, 100, f"{name} chunk 2", launch)
     if name.startswith("fp16"):
         assert int(st["n_clusters"].max()) > 64  # several distance blocks
     for step in range(3):
@@ -131,7 +139,7 @@ def test_matches_reference_prefill_chunks_then_decode(name):
             b, h = divmod(r, H)
             for n in range(g):
                 append(st, b, h, *src.next(b, h, far=(n + 1) * (step < 2)), 2000 + step * g + n)
-        fold_both(st, kw, n_sink + window + g, f"{name} decode {step}")
+        fold_both(st, kw, n_sink + window + g, f"{name} decode {step}", launch)
     assert int(st["n_forced"].max()) > 0
 
 
@@ -203,7 +211,8 @@ def test_mix32_triton_equals_mix32():
     assert y.cpu().tolist() == [mix32(int(x)) for x in xs]
 
 
-def test_replays_of_a_batch_fold_give_one_state():
+@pytest.mark.parametrize("form", ["default", "dot-events"])
+def test_replays_of_a_batch_fold_give_one_state(form):
     """A later prefill chunk's fold at the bench's batch-8 32k layout (random bf16 keys, 407 clusters open, 2048 folded
     keys a row), replayed from one state 40 times in a CUDA graph: one state every time, and every freed slot
     [n_kept, old fill) at bias -inf. Before stop 59's barriers in the pack launch, 1-5 replays of 40 left 512 freed
@@ -213,13 +222,13 @@ def test_replays_of_a_batch_fold_give_one_state():
     s0 = cf.states(8)[0]["prefill_later"]
     old_fill = s0["fill"].clone()
     s = {f: x.clone() for f, x in s0.items()}
-    cf.fold(s)
+    cf.fold(s, **FORMS[form])
     torch.cuda.synchronize()
     for f in cf.FIELDS:
         s[f].copy_(s0[f])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        cf.fold(s)
+        cf.fold(s, **FORMS[form])
     first = None
     for i in range(40):
         for f in cf.FIELDS:
