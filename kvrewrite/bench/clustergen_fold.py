@@ -17,8 +17,8 @@ whatever the case): one call per case at the first batch size, the decode case o
 Run:  python -m kvrewrite.bench.clustergen_fold --out docs/bench/clustergen_fold_h100.json
 --calib-sweep also times the δ calibration's launch variants (chunk size, warps) on the first chunk's fold;
 --dist-sweep the distance launch's (tiles, keys per program, warps) on a later chunk's fold and a decode step's.
---form-sweep the launches' other forms (FORM_VARIANTS: the resolve's step per opening, RESOLVE_EVENTS; the distances
-on tensor cores, DIST_DOT) on every case, each checked against the default's state (the fields that differ listed:
+--form-sweep the launches' other forms (FORM_VARIANTS: the resolve's step per opening, RESOLVE_EVENTS; the reservoirs'
+joiner index, JOINER_INDEX; the distances on tensor cores, DIST_DOT) on every case, each checked against the default's state (the fields that differ listed:
 the dot form rounds otherwise, so a near-tie may go the other way on these random keys).
 """
 import argparse
@@ -135,9 +135,9 @@ DIST_VARIANTS = [(kk.DIST_BF, kk.DIST_BM, kk.DIST_FO, 4), (32, 32, 1024, 4), (8,
                  (64, 32, 1024, 8)]
 
 
-FORM_VARIANTS = [{}, dict(resolve_events=True), dict(resolve_events=True, res_b=128), dict(dist_dot=True),
-                 dict(dist_dot=True, dist_bf=32), dict(dist_dot=True, resolve_events=True),
-                 dict(dist_dot=True, resolve_events=True, res_b=128)]
+ALL_FORMS = dict(dist_dot=True, resolve_events=True, joiner_index=True)
+FORM_VARIANTS = [{}, dict(resolve_events=True), dict(resolve_events=True, res_b=128), dict(joiner_index=True),
+                 dict(dist_dot=True), dict(dist_dot=True, dist_bf=32), ALL_FORMS, dict(ALL_FORMS, res_b=128)]
 
 
 def knob_sweep(s0, want, variants: list, label: str) -> list:
@@ -223,8 +223,8 @@ def main():
                                                          for bf, bm, fo, w in DIST_VARIANTS], "dist")
             if args.form_sweep:
                 row["form_sweep"] = knob_sweep(s0, got, FORM_VARIANTS, "form")
-                row["form_launch_us"] = profile_launches(s0, dist_dot=True, resolve_events=True)
-                print(name, "launches, both forms", row["form_launch_us"], flush=True)
+                row["form_launch_us"] = profile_launches(s0, **ALL_FORMS)
+                print(name, "launches, every other form", row["form_launch_us"], flush=True)
             if args.sweep and B == args.batches[0] and name != "prefill_later":  # the resolve launch's warps
                 row["graph_us_by_resolve_warps"] = {w: time_kernel(s0, 5, graph=True, num_warps_seq=w)[0]
                                                     for w in (1, 2, 4, 8)}

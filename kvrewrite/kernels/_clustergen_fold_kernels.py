@@ -29,10 +29,12 @@ Launches:
    reductions (three when it opens). RESOLVE_EVENTS: a step per opening instead of per key (the keys before the
    next far key join at once; once no cluster is free the far keys left are forced at once), the offered column
    computed when a key opens. ASSIGN = each folded key's cluster, NL = the leaders opened in this fold in order,
-   JC = joiners per cluster (int32 atomics), INFO += [n_clusters after, n_forced now].
+   JC = joiners per cluster (int32 atomics), INFO += [n_clusters after, n_forced now]. JOINER_INDEX: also each
+   cluster's joiners of the fold listed in F order (JO offsets, JL keys).
 5. reservoirs (grid sketch blocks x rows): per sketch slot j the hash uniform (mix32_triton), the key-slot draw
-   floor(u n) (integers) and its joiner (a scan of ASSIGN for cluster i's m-th), the value-slot draw (binary
-   search of the prefix sums); the taken samples copy key, value and slot_pos; every sketch slot's bias and role.
+   floor(u n) (integers) and its joiner (a scan of ASSIGN for cluster i's m-th; JOINER_INDEX: read off JL), the
+   value-slot draw (binary search of the prefix sums); the taken samples copy key, value and slot_pos; every sketch
+   slot's bias and role.
 6. pack (grid rows): new representatives, count += joiners, n_clusters, n_forced, n_seen, mu; the kept slots
    staged in scratch then written to [0, n_kept) (bias 0, role 0); [n_kept, fill) freed (bias -inf, role 0);
    fill = n_kept.
@@ -90,9 +92,15 @@ RES_B, RES_BL = 32, 32  # launch 4: keys per sequential block, leaders per tile
 # nearest cluster). Why: a later prefill chunk's fold opens no cluster (all M open) yet stepped through its 2048 keys
 # one by one, 1.82 ms a fold at batch 8 (docs/bench.md "Stop 59 runs"). Off until its GPU tests have run.
 RESOLVE_EVENTS = False
-DC = 8  # dims per step of a distance tile
 SK_BS = 32  # sketch slots per program of launch 5 (128 spilled ~6.6 KB per thread on sm_90)
 SCAN_CH = 16  # ASSIGN entries per step of launch 5's joiner scan
+# JOINER_INDEX: launch 4 also lists each cluster's joiners of the fold in F order (each key's rank among them as it
+# resolves a block, then offsets and a scatter: JO, JL), and launch 5 reads a key slot's m-th joiner there instead
+# of scanning ASSIGN (SCAN_CH entries a step over all |F| keys, in every program with a slot to take). The same
+# sample. Why: launch 5 took 1.69 ms of a later prefill chunk's 8.45 ms fold at batch 8 (docs/bench.md "Stop 59
+# runs"), nearly every program scanning its 2048 ASSIGN entries. Off until timed on a GPU.
+JOINER_INDEX = False
+DC = 8  # dims per step of a distance tile
 PACK_B = 16  # slots per step of launch 6
 
 
@@ -293,9 +301,9 @@ def _cg_dist_kernel(K, V, REP, FS, INFO, NCL, PD, PI, W, C, D, Mmax, NCB, BF: tl
 
 # -- launch 4: the sequential resolve ----------------------------------------------------------------
 @triton_jit(do_not_specialize=["C", "D", "Mmax", "NCB", "n_sink", "window", "t", "vs_bits", "ct_bits"])
-def _cg_resolve_kernel(K, FS, INFO, NCL, DELTA, MU, PD, PI, W, P, ASSIGN, NL, JC, BUDGET, C, D, Mmax, NCB, n_sink,
-                       window, t, vs_bits, ct_bits, BM: tl.constexpr, RB: tl.constexpr, BL: tl.constexpr,
-                       DCH: tl.constexpr, CH: tl.constexpr, EVENTS: tl.constexpr):
+def _cg_resolve_kernel(K, FS, INFO, NCL, DELTA, MU, PD, PI, W, P, ASSIGN, NL, JC, JR, JO, JL, BUDGET, C, D, Mmax, NCB,
+                       n_sink, window, t, vs_bits, ct_bits, BM: tl.constexpr, RB: tl.constexpr, BL: tl.constexpr,
+                       DCH: tl.constexpr, CH: tl.constexpr, EVENTS: tl.constexpr, JIDX: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * C
     due = tl.load(INFO + row * 8)
@@ -397,20 +405,40 @@ def _cg_resolve_kernel(K, FS, INFO, NCL, DELTA, MU, PD, PI, W, P, ASSIGN, NL, JC
                         bi = tl.where(better, idx, bi)
                     nc += opn.to(tl.int32)
             tl.store(ASSIGN + base + f, cid, mask=mf)
+            if JIDX:  # each key's rank among its cluster's joiners of this fold (JC: the earlier blocks' counts)
+                before = tl.load(JC + row * Mmax + cid, mask=mf, other=0)
+                earlier = (cid[:, None] == cid[None, :]) & (fl[None, :] < fl[:, None]) & mf[None, :]
+                tl.store(JR + base + f, before + tl.sum(earlier.to(tl.int32), axis=1), mask=mf)
+                tl.debug_barrier()  # every thread's JC read before the block's increments
             tl.atomic_add(JC + row * Mmax + cid, tl.full([RB], 1, tl.int32), mask=mf)  # int32: deterministic
             tl.store(NL + base + nl + tl.cumsum(lead, axis=0) - lead, f, mask=lead != 0)
             nl += tl.sum(lead, axis=0)
             tl.debug_barrier()
         tl.store(INFO + row * 8 + 3, nc)
+        if JIDX:  # the joiners of each cluster listed in F order: JO = offsets (exclusive cumsum of JC), JL = keys
+            carry32 = tl.zeros([], tl.int32)
+            for c0 in range(0, nc, CH):
+                c = c0 + tl.arange(0, CH)
+                mc = c < nc
+                cnt = tl.load(JC + row * Mmax + c, mask=mc, other=0)
+                tl.store(JO + row * Mmax + c, carry32 + tl.cumsum(cnt, axis=0) - cnt, mask=mc)
+                carry32 += tl.sum(cnt, axis=0)
+            tl.debug_barrier()  # the offsets stored before any thread reads them
+            for c0 in range(0, nF, CH):
+                fa = c0 + tl.arange(0, CH)
+                m = fa < nF
+                a = tl.load(ASSIGN + base + fa, mask=m, other=0)
+                at = tl.load(JO + row * Mmax + a, mask=m, other=0) + tl.load(JR + base + fa, mask=m, other=0)
+                tl.store(JL + base + at, fa, mask=m)
         tl.store(INFO + row * 8 + 4, forced)
 
 
 # -- launch 5: reservoirs, sketch bias and role ------------------------------------------------------
 @triton_jit(do_not_specialize=["C", "D", "Mmax", "H", "n_sink", "window", "t", "vs_bits", "ct_bits", "hbase",
                                "hoff"])
-def _cg_reservoir_kernel(K, V, BIAS, POS, ROLE, FS, INFO, COUNT, JC, ASSIGN, P, MU, NSEEN, BUDGET, C, D, Mmax, H,
-                         n_sink, window, t, vs_bits, ct_bits, hbase, hoff, BS: tl.constexpr, SCH: tl.constexpr,
-                         LOG_C: tl.constexpr, DCOPY: tl.constexpr):
+def _cg_reservoir_kernel(K, V, BIAS, POS, ROLE, FS, INFO, COUNT, JC, ASSIGN, JO, JL, P, MU, NSEEN, BUDGET, C, D,
+                         Mmax, H, n_sink, window, t, vs_bits, ct_bits, hbase, hoff, BS: tl.constexpr,
+                         SCH: tl.constexpr, LOG_C: tl.constexpr, DCOPY: tl.constexpr, JIDX: tl.constexpr):
     blk = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     base = row * C
@@ -442,16 +470,20 @@ def _cg_reservoir_kernel(K, V, BIAS, POS, ROLE, FS, INFO, COUNT, JC, ASSIGN, P, 
             pick = (h24 * n_tot) >> 24  # floor(u n), exact
             take_k = open_j & (pick >= n_old)
             want = (pick - n_old + 1).to(tl.int32)  # the cluster's want-th joiner of this fold
-            src_k = tl.zeros([BS], tl.int32)
-            if tl.sum(take_k.to(tl.int32), axis=0) > 0:
-                run = tl.zeros([BS], tl.int32)
-                for c0 in range(0, nF, SCH):
-                    fa = c0 + tl.arange(0, SCH)
-                    a = tl.load(ASSIGN + base + fa, mask=fa < nF, other=-1)
-                    eq = (a[None, :] == ci[:, None]) & take_k[:, None]
-                    cum = run[:, None] + tl.cumsum(eq.to(tl.int32), axis=1)
-                    src_k += tl.sum(tl.where(eq & (cum == want[:, None]), fa[None, :], 0), axis=1)
-                    run += tl.sum(eq.to(tl.int32), axis=1)
+            if JIDX:  # the resolve's list of the cluster's joiners, in F order
+                src_k = tl.load(JL + base + tl.load(JO + row * Mmax + ci, mask=take_k, other=0) + want - 1,
+                                mask=take_k, other=0)
+            else:  # a scan of ASSIGN for the cluster's want-th joiner
+                src_k = tl.zeros([BS], tl.int32)
+                if tl.sum(take_k.to(tl.int32), axis=0) > 0:
+                    run = tl.zeros([BS], tl.int32)
+                    for c0 in range(0, nF, SCH):
+                        fa = c0 + tl.arange(0, SCH)
+                        a = tl.load(ASSIGN + base + fa, mask=fa < nF, other=-1)
+                        eq = (a[None, :] == ci[:, None]) & take_k[:, None]
+                        cum = run[:, None] + tl.cumsum(eq.to(tl.int32), axis=1)
+                        src_k += tl.sum(tl.where(eq & (cum == want[:, None]), fa[None, :], 0), axis=1)
+                        run += tl.sum(eq.to(tl.int32), axis=1)
             mu_old = tl.load(MU + row).to(tl.float64)
             mu_new = tl.load(P + base + nF - 1)
             x = h24.to(tl.float64) * (1.0 / 16777216.0) * mu_new
@@ -580,15 +612,16 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
                            cluster_target: float, seed: int, layer: int, head_offset: int = 0,
                            dist_bm: int | None = None, dist_fo: int = DIST_FO, dist_bf: int | None = None,
                            dist_warps: int = 4, dist_dot: bool | None = None, res_b: int = RES_B, res_bl: int = RES_BL,
-                           num_warps_seq: int = 4, resolve_events: bool | None = None, cal_ch: int = CAL_CH,
-                           cal_warps: int = CAL_WARPS) -> None:
+                           num_warps_seq: int = 4, resolve_events: bool | None = None,
+                           joiner_index: bool | None = None, cal_ch: int = CAL_CH, cal_warps: int = CAL_WARPS) -> None:
     """Launch the six kernels (module docstring); mutates the state as the op. The inputs are checked by the op
     (kvrewrite/kernels/clustergen_fold.py); here only what the kernels add: contiguous tensors. Knobs (powers of
     two; every value gives the same result): dist_bm clusters per distance block, dist_fo keys per distance
     program, dist_bf keys per distance tile (defaults DIST_BM, DIST_BF; DOT_BM, DOT_BF with the dot form, where both
     must be at least 16), dist_warps the distance launch's warps, dist_dot its form (default DIST_DOT); res_b keys
     per sequential block, res_bl leaders per tile, num_warps_seq the resolve launch's warps, resolve_events its form
-    (default RESOLVE_EVENTS); cal_ch points per chunk of a calibration pass, cal_warps its warps.
+    (default RESOLVE_EVENTS); joiner_index: the reservoirs' joiner lookup (default JOINER_INDEX); cal_ch points per
+    chunk of a calibration pass, cal_warps its warps.
     Under TRITON_INTERPRET=1 it runs on CPU tensors (how the kernels are tested without a GPU)."""
     if triton is None:
         raise NotImplementedError(f"{NAME} needs Triton (pip install triton)")
@@ -607,6 +640,7 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
     block_d = triton.next_power_of_2(D)
     dist_dot = DIST_DOT if dist_dot is None else bool(dist_dot)
     resolve_events = RESOLVE_EVENTS if resolve_events is None else bool(resolve_events)
+    joiner_index = JOINER_INDEX if joiner_index is None else bool(joiner_index)
     dist_bm = dist_bm or (DOT_BM if dist_dot else DIST_BM)
     dist_bf = dist_bf or (DOT_BF if dist_dot else DIST_BF)
     if dist_dot and min(dist_bm, dist_bf) < 16:
@@ -616,14 +650,16 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
     nk = max(n_sink + window, 1)
     vs, ct = _bits(value_share), _bits(cluster_target)
     hbase = mix32(mix32(seed) ^ (layer & MASK32))
-    i32 = torch.empty(4, rows, C, dtype=torch.int32, device=dev)
+    i32 = torch.empty(6 if joiner_index else 4, rows, C, dtype=torch.int32, device=dev)
     fs, ks, assign, nl = i32[0], i32[1], i32[2], i32[3]
+    jr, jl = (i32[4], i32[5]) if joiner_index else (assign, assign)  # (unread without the index)
     f32 = torch.empty(2, rows, C, dtype=torch.float32, device=dev)
     d2, w = f32[0], f32[1]
     p = torch.empty(rows, C, dtype=torch.float64, device=dev)
     pd = torch.empty(rows, ncb, C, dtype=torch.float32, device=dev)
     pi = torch.empty(rows, ncb, C, dtype=torch.int32, device=dev)
     jc = torch.zeros(rows, Mmax, dtype=torch.int32, device=dev)
+    jo = torch.empty(rows, Mmax, dtype=torch.int32, device=dev) if joiner_index else jc  # (unread without the index)
     info = torch.zeros(rows, 8, dtype=torch.int32, device=dev)
     xk = torch.empty(rows, nk, D, dtype=keys.dtype, device=dev)
     xv = torch.empty(rows, nk, D, dtype=values.dtype, device=dev)
@@ -636,12 +672,13 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
                                                           Mmax, ncb, BF=dist_bf, BM=dist_bm, FO=dist_fo, DCH=DC,
                                                           BLOCK_D=max(block_d, 16) if dist_dot else block_d,
                                                           DOT=dist_dot, num_warps=dist_warps)
-    _cg_resolve_kernel[(rows,)](keys, fs, info, n_clusters, delta, mu, pd, pi, w, p, assign, nl, jc, budget, C, D,
-                                Mmax, ncb, *sz, BM=dist_bm, RB=res_b, BL=res_bl, DCH=DC, CH=SPLIT_CH,
-                                EVENTS=resolve_events, num_warps=num_warps_seq)
+    _cg_resolve_kernel[(rows,)](keys, fs, info, n_clusters, delta, mu, pd, pi, w, p, assign, nl, jc, jr, jo, jl,
+                                budget, C, D, Mmax, ncb, *sz, BM=dist_bm, RB=res_b, BL=res_bl, DCH=DC, CH=SPLIT_CH,
+                                EVENTS=resolve_events, JIDX=joiner_index, num_warps=num_warps_seq)
     _cg_reservoir_kernel[(triton.cdiv(C, SK_BS), rows)](keys, values, bias, slot_pos, role, fs, info, count, jc,
-                                                        assign, p, mu, n_seen, budget, C, D, Mmax, H, *sz, hbase,
-                                                        head_offset, BS=SK_BS, SCH=SCAN_CH,
-                                                        LOG_C=max(C, 1).bit_length(), DCOPY=min(block_d, 32))
+                                                        assign, jo, jl, p, mu, n_seen, budget, C, D, Mmax, H, *sz,
+                                                        hbase, head_offset, BS=SK_BS, SCH=SCAN_CH,
+                                                        LOG_C=max(C, 1).bit_length(), DCOPY=min(block_d, 32),
+                                                        JIDX=joiner_index)
     _cg_pack_kernel[(rows,)](keys, values, bias, slot_pos, role, fill, rep, count, jc, n_clusters, n_forced, n_seen,
                              mu, ks, fs, nl, info, p, xk, xv, xp, C, D, Mmax, nk, PB=PACK_B, BLOCK_D=block_d)

@@ -103,13 +103,15 @@ CASES = {  # name: dtype, B, H, D, n_sink, window, t, Bt, g, groups, prompt leng
 }
 
 
-FORMS = {"default": {}, "events": dict(resolve_events=True), "dot-events": dict(dist_dot=True, resolve_events=True)}
+FORMS = {"default": {}, "events": dict(resolve_events=True), "index": dict(joiner_index=True),
+         "all": dict(dist_dot=True, resolve_events=True, joiner_index=True)}
 
 
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_reference_prefill_chunks_then_decode(name, form):
-    """Every launch form (the module's defaults; RESOLVE_EVENTS; DIST_DOT with it, exact here: integer keys)."""
+    """Every launch form (the module's defaults; RESOLVE_EVENTS; JOINER_INDEX; the three with DIST_DOT, exact here:
+    integer keys)."""
     dtype, B, H, D, n_sink, window, t, Bt, g, groups, lens, pads = CASES[name]
     launch = functools.partial(kk.triton_clustergen_fold, **FORMS[form])
     kw = dict(n_sink=n_sink, window=window, t=t, value_share=0.5, cluster_target=0.9, seed=11, layer=5)
@@ -211,7 +213,7 @@ def test_mix32_triton_equals_mix32():
     assert y.cpu().tolist() == [mix32(int(x)) for x in xs]
 
 
-@pytest.mark.parametrize("form", ["default", "dot-events"])
+@pytest.mark.parametrize("form", ["default", "all"])
 def test_replays_of_a_batch_fold_give_one_state(form):
     """A later prefill chunk's fold at the bench's batch-8 32k layout (random bf16 keys, 407 clusters open, 2048 folded
     keys a row), replayed from one state 40 times in a CUDA graph: one state every time, and every freed slot

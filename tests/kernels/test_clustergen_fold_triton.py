@@ -113,14 +113,15 @@ CASES = {  # name: (n_sink, window, t, value_share, cluster_target, Bt, groups, 
 
 
 @pytest.mark.parametrize("knobs", [{}, dict(cal_ch=2, cal_warps=4, dist_bf=4, dist_warps=2),
-                                   dict(resolve_events=True), dict(dist_dot=True, dist_bf=16, dist_bm=16, res_b=4)],
-                         ids=["small", "smaller", "events", "dot"])
+                                   dict(resolve_events=True), dict(dist_dot=True, dist_bf=16, dist_bm=16, res_b=4),
+                                   dict(joiner_index=True), dict(joiner_index=True, resolve_events=True, res_b=4)],
+                         ids=["small", "smaller", "events", "dot", "index", "index-events"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_reference_prefill_then_decode_folds(name, knobs):
     """Prompt folds then decode folds, every output against the reference; the launch knobs change no decision (the
     calibration's chunks: each lane keeps its first farthest point, the lanes' first wins; the distance tiles: each
-    key's first nearest cluster), nor do the resolve's steps per opening (RESOLVE_EVENTS) or the distances' dot form
-    (DIST_DOT: exact here, the keys are small integers)."""
+    key's first nearest cluster), nor do the resolve's steps per opening (RESOLVE_EVENTS), the reservoirs' joiner
+    index (JOINER_INDEX) or the distances' dot form (DIST_DOT: exact here, the keys are small integers)."""
     n_sink, window, t, vs, ct, Bt, groups, lens, g = CASES[name]
     kw = dict(n_sink=n_sink, window=window, t=t, value_share=vs, cluster_target=ct, seed=7, layer=3)
     gen = torch.Generator().manual_seed(len(name))
