@@ -18,8 +18,9 @@ Run:  python -m kvrewrite.bench.clustergen_fold --out docs/bench/clustergen_fold
 --calib-sweep also times the δ calibration's launch variants (chunk size, warps) on the first chunk's fold;
 --dist-sweep the distance launch's (tiles, keys per program, warps) on a later chunk's fold and a decode step's.
 --form-sweep the launches' other forms (FORM_VARIANTS: the resolve's step per opening, RESOLVE_EVENTS; the reservoirs'
-joiner index, JOINER_INDEX; the distances on tensor cores, DIST_DOT) on every case, each checked against the default's state (the fields that differ listed:
-the dot form rounds otherwise, so a near-tie may go the other way on these random keys).
+joiner index, JOINER_INDEX; the distances on tensor cores, DIST_DOT) on every case, each checked against the default's
+state (the fields that differ listed: the dot form rounds otherwise, so a near-tie may go the other way on these
+random keys).
 """
 import argparse
 import json
