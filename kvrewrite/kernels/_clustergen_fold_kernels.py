@@ -72,11 +72,13 @@ SPLIT_CH = 1024  # slots per chunk of the split pass
 # 2012, 204 centres: 57.6-58.1 ms at 64 points, 23.9 at 256, 91.8-93.0 at 128, 106-108 at 256 with 16 warps; stop
 # 58, docs/bench.md). A pipelined chunk loop (tl.range num_stages 3) once gave another state and failed a GPU test
 # (not traced; the loop loads and stores each point's running distance D2): not used. Those runs predate the pack
-# launch's barriers (stop 59), whose race gave other states too: the pipelined loop is worth a retry.
+# launch's barriers (stop 59), whose race gave other states too: the pipelined loop is worth a retry (the launcher's
+# cal_stages; in the bench's --calib-sweep).
 CAL_CH, CAL_WARPS = 256, 8
 DIST_BF, DIST_BM, DIST_FO = 16, 32, 1024  # launch 3: keys x clusters per tile, keys per program
 # DIST_DOT: launch 3's distances as ||a||^2 + ||b||^2 - 2 a.b with the product on tensor cores (DOT_BF x DOT_BM tiles,
-# the block's representatives loaded once), instead of sum((a - b)^2) on CUDA cores in DC-dim steps. Why: at a later
+# the block's representatives loaded once), instead of sum((a - b)^2) on CUDA cores in DC-dim steps; launch 4's
+# distances to the leaders opened in the fold too (its RES_B x RES_BL tiles). Why: at a later
 # prefill chunk's fold (2048 keys, 407 open clusters, batch 8, H200) the distance launch took 4.95 of the fold's 8.45
 # ms (docs/bench.md "Stop 59 runs"), about 2.4 s of ClusterGen's batch-8 32k prefill, for work a tensor core does in
 # microseconds. What changes: the rounding (the expansion's, clamped at 0), so a key whose two nearest clusters, or
@@ -198,7 +200,7 @@ def _cg_split_kernel(BIAS, ROLE, FILL, BUDGET, FS, KS, INFO, C, n_sink, window, 
 # -- launch 2: δ calibration -------------------------------------------------------------------------
 @triton_jit(do_not_specialize=["C", "D", "n_sink", "window", "t", "vs_bits", "ct_bits", "Mmax"])
 def _cg_calib_kernel(K, FS, INFO, DELTA, D2, BUDGET, C, D, n_sink, window, t, vs_bits, ct_bits, Mmax,
-                     CH: tl.constexpr, BLOCK_D: tl.constexpr):
+                     CH: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * C
     due = tl.load(INFO + row * 8)
@@ -215,7 +217,7 @@ def _cg_calib_kernel(K, FS, INFO, DELTA, D2, BUDGET, C, D, n_sink, window, t, vs
             c = tl.load(K + (base + cslot) * D + dcol, mask=dm, other=0.0).to(tl.float32)
             lane_best = tl.full([CH], -2.0, tl.float32)  # per lane: the largest d2 so far, the first on ties
             lane_i = tl.zeros([CH], tl.int32)
-            for c0 in range(0, nF, CH):
+            for c0 in tl.range(0, nF, CH, num_stages=STAGES):  # (STAGES None: the compiler's choice)
                 f = c0 + tl.arange(0, CH)
                 m = f < nF
                 slot = tl.load(FS + base + f, mask=m, other=0).to(tl.int64)
@@ -303,7 +305,8 @@ def _cg_dist_kernel(K, V, REP, FS, INFO, NCL, PD, PI, W, C, D, Mmax, NCB, BF: tl
 @triton_jit(do_not_specialize=["C", "D", "Mmax", "NCB", "n_sink", "window", "t", "vs_bits", "ct_bits"])
 def _cg_resolve_kernel(K, FS, INFO, NCL, DELTA, MU, PD, PI, W, P, ASSIGN, NL, JC, JR, JO, JL, BUDGET, C, D, Mmax, NCB,
                        n_sink, window, t, vs_bits, ct_bits, BM: tl.constexpr, RB: tl.constexpr, BL: tl.constexpr,
-                       DCH: tl.constexpr, CH: tl.constexpr, EVENTS: tl.constexpr, JIDX: tl.constexpr):
+                       DCH: tl.constexpr, CH: tl.constexpr, EVENTS: tl.constexpr, JIDX: tl.constexpr,
+                       DOT: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * C
     due = tl.load(INFO + row * 8)
@@ -328,6 +331,7 @@ def _cg_resolve_kernel(K, FS, INFO, NCL, DELTA, MU, PD, PI, W, P, ASSIGN, NL, JC
         nl = tl.zeros([], tl.int32)
         ncb = tl.cdiv(nc_old, BM)
         fl = tl.arange(0, RB)
+        dcol = tl.arange(0, BLOCK_D)
         for f0 in range(0, nF, RB):
             f = f0 + fl
             mf = f < nF
@@ -348,7 +352,13 @@ def _cg_resolve_kernel(K, FS, INFO, NCL, DELTA, MU, PD, PI, W, P, ASSIGN, NL, JC
                 ml = lo < nl
                 lf = tl.load(NL + base + lo, mask=ml, other=0)
                 lslot = tl.load(FS + base + lf, mask=ml, other=0).to(tl.int64)
-                acc = _d2_tile(K, offk, mf, K, (base + lslot) * D, ml, D, RB, BL, DCH)
+                if DOT:
+                    lrow = tl.load(K + ((base + lslot) * D)[:, None] + dcol[None, :],
+                                   mask=ml[:, None] & (dcol < D)[None, :], other=0.0)
+                    lrf = lrow.to(tl.float32)
+                    acc = _d2_dot(K, offk, mf, lrow, tl.sum(lrf * lrf, axis=1), D, BLOCK_D)
+                else:
+                    acc = _d2_tile(K, offk, mf, K, (base + lslot) * D, ml, D, RB, BL, DCH)
                 acc = tl.where(ml[None, :], acc, float("inf"))
                 dmin = tl.min(acc, axis=1)
                 lmin = tl.min(tl.where(acc == dmin[:, None], lo[None, :], 2147483647), axis=1)
@@ -613,7 +623,8 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
                            dist_bm: int | None = None, dist_fo: int = DIST_FO, dist_bf: int | None = None,
                            dist_warps: int = 4, dist_dot: bool | None = None, res_b: int = RES_B, res_bl: int = RES_BL,
                            num_warps_seq: int = 4, resolve_events: bool | None = None,
-                           joiner_index: bool | None = None, cal_ch: int = CAL_CH, cal_warps: int = CAL_WARPS) -> None:
+                           joiner_index: bool | None = None, cal_ch: int = CAL_CH, cal_warps: int = CAL_WARPS,
+                           cal_stages: int | None = None) -> None:
     """Launch the six kernels (module docstring); mutates the state as the op. The inputs are checked by the op
     (kvrewrite/kernels/clustergen_fold.py); here only what the kernels add: contiguous tensors. Knobs (powers of
     two; every value gives the same result): dist_bm clusters per distance block, dist_fo keys per distance
@@ -621,7 +632,8 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
     must be at least 16), dist_warps the distance launch's warps, dist_dot its form (default DIST_DOT); res_b keys
     per sequential block, res_bl leaders per tile, num_warps_seq the resolve launch's warps, resolve_events its form
     (default RESOLVE_EVENTS); joiner_index: the reservoirs' joiner lookup (default JOINER_INDEX); cal_ch points per
-    chunk of a calibration pass, cal_warps its warps.
+    chunk of a calibration pass, cal_warps its warps, cal_stages the software pipelining of its chunk loop (None: the
+    compiler's choice, which does not pipeline it).
     Under TRITON_INTERPRET=1 it runs on CPU tensors (how the kernels are tested without a GPU)."""
     if triton is None:
         raise NotImplementedError(f"{NAME} needs Triton (pip install triton)")
@@ -643,9 +655,9 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
     joiner_index = JOINER_INDEX if joiner_index is None else bool(joiner_index)
     dist_bm = dist_bm or (DOT_BM if dist_dot else DIST_BM)
     dist_bf = dist_bf or (DOT_BF if dist_dot else DIST_BF)
-    if dist_dot and min(dist_bm, dist_bf) < 16:
-        raise ValueError(f"{NAME}: the dot form of the distances needs dist_bm and dist_bf >= 16 (tensor-core tiles), "
-                         f"got {dist_bm} and {dist_bf}")
+    if dist_dot and min(dist_bm, dist_bf, res_b, res_bl) < 16:
+        raise ValueError(f"{NAME}: the dot form of the distances needs dist_bm, dist_bf, res_b and res_bl >= 16 "
+                         f"(tensor-core tiles), got {dist_bm}, {dist_bf}, {res_b} and {res_bl}")
     ncb = triton.cdiv(Mmax, dist_bm)
     nk = max(n_sink + window, 1)
     vs, ct = _bits(value_share), _bits(cluster_target)
@@ -667,14 +679,15 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
     sz = (n_sink, window, t, vs, ct)
     _cg_split_kernel[(rows,)](bias, role, fill, budget, fs, ks, info, C, n_sink, window, CH=SPLIT_CH)
     _cg_calib_kernel[(rows,)](keys, fs, info, delta, d2, budget, C, D, *sz, Mmax, CH=cal_ch, BLOCK_D=block_d,
-                              num_warps=cal_warps)
+                              STAGES=cal_stages, num_warps=cal_warps)
     _cg_dist_kernel[(ncb, triton.cdiv(C, dist_fo), rows)](keys, values, rep, fs, info, n_clusters, pd, pi, w, C, D,
                                                           Mmax, ncb, BF=dist_bf, BM=dist_bm, FO=dist_fo, DCH=DC,
                                                           BLOCK_D=max(block_d, 16) if dist_dot else block_d,
                                                           DOT=dist_dot, num_warps=dist_warps)
     _cg_resolve_kernel[(rows,)](keys, fs, info, n_clusters, delta, mu, pd, pi, w, p, assign, nl, jc, jr, jo, jl,
                                 budget, C, D, Mmax, ncb, *sz, BM=dist_bm, RB=res_b, BL=res_bl, DCH=DC, CH=SPLIT_CH,
-                                EVENTS=resolve_events, JIDX=joiner_index, num_warps=num_warps_seq)
+                                EVENTS=resolve_events, JIDX=joiner_index, DOT=dist_dot,
+                                BLOCK_D=max(block_d, 16) if dist_dot else block_d, num_warps=num_warps_seq)
     _cg_reservoir_kernel[(triton.cdiv(C, SK_BS), rows)](keys, values, bias, slot_pos, role, fs, info, count, jc,
                                                         assign, jo, jl, p, mu, n_seen, budget, C, D, Mmax, H, *sz,
                                                         hbase, head_offset, BS=SK_BS, SCH=SCAN_CH,

@@ -113,9 +113,10 @@ CASES = {  # name: (n_sink, window, t, value_share, cluster_target, Bt, groups, 
 
 
 @pytest.mark.parametrize("knobs", [{}, dict(cal_ch=2, cal_warps=4, dist_bf=4, dist_warps=2),
-                                   dict(resolve_events=True), dict(dist_dot=True, dist_bf=16, dist_bm=16, res_b=4),
-                                   dict(joiner_index=True), dict(joiner_index=True, resolve_events=True, res_b=4)],
-                         ids=["small", "smaller", "events", "dot", "index", "index-events"])
+                                   dict(resolve_events=True), dict(dist_dot=True, dist_bf=16, dist_bm=16, res_b=16, res_bl=16),
+                                   dict(joiner_index=True), dict(joiner_index=True, resolve_events=True, res_b=4),
+                                   dict(cal_stages=3)],
+                         ids=["small", "smaller", "events", "dot", "index", "index-events", "cal-stages"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_reference_prefill_then_decode_folds(name, knobs):
     """Prompt folds then decode folds, every output against the reference; the launch knobs change no decision (the
