@@ -77,8 +77,9 @@ SPLIT_CH = 1024  # slots per chunk of the split pass
 CAL_CH, CAL_WARPS = 256, 8
 DIST_BF, DIST_BM, DIST_FO = 16, 32, 1024  # launch 3: keys x clusters per tile, keys per program
 # DIST_DOT: launch 3's distances as ||a||^2 + ||b||^2 - 2 a.b with the product on tensor cores (DOT_BF x DOT_BM tiles,
-# the block's representatives loaded once), instead of sum((a - b)^2) on CUDA cores in DC-dim steps; launch 4's
-# distances to the leaders opened in the fold too (its RES_B x RES_BL tiles). Why: at a later
+# every cluster block in one program, so each key leaves one running minimum and launch 4 reads one, not one per
+# block), instead of sum((a - b)^2) on CUDA cores in DC-dim steps; launch 4's distances to the leaders opened in the
+# fold too (its RES_B x RES_BL tiles). Why: at a later
 # prefill chunk's fold (2048 keys, 407 open clusters, batch 8, H200) the distance launch took 4.95 of the fold's 8.45
 # ms (docs/bench.md "Stop 59 runs"), about 2.4 s of ClusterGen's batch-8 32k prefill, for work a tensor core does in
 # microseconds. What changes: the rounding (the expansion's, clamped at 0), so a key whose two nearest clusters, or
@@ -86,7 +87,7 @@ DIST_BF, DIST_BM, DIST_FO = 16, 32, 1024  # launch 3: keys x clusters per tile, 
 # inputs whose sums are exact (small-integer keys: the tests) every decision is the reference's. Off until timed on a
 # GPU (`python -m kvrewrite.bench.clustergen_fold --batches 8 1 --no-reference --dist-sweep`).
 DIST_DOT = False
-DOT_BF, DOT_BM = 64, 64
+DOT_BF, DOT_BM, DOT_FO = 64, 64, 256  # keys x clusters per tile, keys per program (its loop covers every cluster)
 RES_B, RES_BL = 32, 32  # launch 4: keys per sequential block, leaders per tile
 # RESOLVE_EVENTS: launch 4 takes a step per key that opens a cluster (the keys before the next one that is farther
 # than delta from every cluster join their nearest at once; once no cluster is free, every far key left is forced at
@@ -241,18 +242,25 @@ def _cg_calib_kernel(K, FS, INFO, DELTA, D2, BUDGET, C, D, n_sink, window, t, vs
 
 # -- launch 3: distances to the clusters open before the fold -----------------------------------------
 @triton_jit()
-def _d2_dot(KA, offa, ma, rb, nb, D, BLOCK_D: tl.constexpr):
-    """[BA, BB] fp32 ||a||^2 + ||b||^2 - 2 a.b (DIST_DOT), rows a at KA + offa (element offsets) against the loaded
-    rows rb [BB, BLOCK_D] (zero past D) with their fp32 squared norms nb; the product on tensor cores (16-bit keys:
-    exact products, fp32 sums; fp32 keys: IEEE), clamped at 0 (the expansion's rounding can leave a tiny negative)."""
+def _rows(KA, off, m, D, BLOCK_D: tl.constexpr):
+    """The rows at KA + off [B] (element offsets) as [B, BLOCK_D] (zero past D and where m is false) and their fp32
+    squared norms."""
     dcol = tl.arange(0, BLOCK_D)
-    a = tl.load(KA + offa[:, None] + dcol[None, :], mask=ma[:, None] & (dcol < D)[None, :], other=0.0)
-    af = a.to(tl.float32)
+    x = tl.load(KA + off[:, None] + dcol[None, :], mask=m[:, None] & (dcol < D)[None, :], other=0.0)
+    xf = x.to(tl.float32)
+    return x, tl.sum(xf * xf, axis=1)
+
+
+@triton_jit()
+def _d2_dot(a, na, b, nb):
+    """[BA, BB] fp32 ||a||^2 + ||b||^2 - 2 a.b (DIST_DOT) of loaded rows a, b and their squared norms (_rows); the
+    product on tensor cores (16-bit keys: exact products, fp32 sums; fp32 keys: IEEE), clamped at 0 (the expansion's
+    rounding can leave a tiny negative)."""
     if a.dtype == tl.float32:
-        ab = tl.dot(a, tl.trans(rb), input_precision="ieee")
+        ab = tl.dot(a, tl.trans(b), input_precision="ieee")
     else:
-        ab = tl.dot(a, tl.trans(rb))
-    return tl.maximum(tl.sum(af * af, axis=1)[:, None] + nb[None, :] - 2.0 * ab, 0.0)
+        ab = tl.dot(a, tl.trans(b))
+    return tl.maximum(na[:, None] + nb[None, :] - 2.0 * ab, 0.0)
 
 
 @triton_jit(do_not_specialize=["C", "D", "Mmax", "NCB"])
@@ -277,28 +285,43 @@ def _cg_dist_kernel(K, V, REP, FS, INFO, NCL, PD, PI, W, C, D, Mmax, NCB, BF: tl
                             mask=m[:, None] & (dcol < D)[None, :], other=0.0).to(tl.float32)
                 tl.store(W + base + f, tl.sum(v * v, axis=1), mask=m)
         nc_old = tl.load(NCL + row).to(tl.int32)
-        i0 = cb * BM
-        if i0 < nc_old:
-            i = i0 + tl.arange(0, BM)
-            mi = i < nc_old
-            offr = (row * Mmax + i).to(tl.int64) * D
-            if DOT:  # the block's representatives and their norms, loaded once for every key tile
-                rb = tl.load(REP + offr[:, None] + dcol[None, :], mask=mi[:, None] & (dcol < D)[None, :], other=0.0)
-                rbf = rb.to(tl.float32)
-                nb = tl.sum(rbf * rbf, axis=1)
-            for f0 in range(f_lo, f_hi, BF):
-                f = f0 + tl.arange(0, BF)
-                m = f < f_hi
-                slot = tl.load(FS + base + f, mask=m, other=0).to(tl.int64)
-                if DOT:
-                    acc = _d2_dot(K, (base + slot) * D, m, rb, nb, D, BLOCK_D)
-                else:
+        if DOT:  # every cluster block in this program (grid 1 x ...): one running minimum per key, NCB = 1
+            if nc_old > 0:
+                for f0 in range(f_lo, f_hi, BF):
+                    f = f0 + tl.arange(0, BF)
+                    m = f < f_hi
+                    slot = tl.load(FS + base + f, mask=m, other=0).to(tl.int64)
+                    a, na = _rows(K, (base + slot) * D, m, D, BLOCK_D)
+                    bd = tl.full([BF], float("inf"), tl.float32)
+                    bi = tl.zeros([BF], tl.int32)
+                    for i0 in range(0, nc_old, BM):  # blocks in order, strict <: the first nearest on ties
+                        i = i0 + tl.arange(0, BM)
+                        mi = i < nc_old
+                        rb, nb = _rows(REP, (row * Mmax + i).to(tl.int64) * D, mi, D, BLOCK_D)
+                        acc = tl.where(mi[None, :], _d2_dot(a, na, rb, nb), float("inf"))
+                        dmin = tl.min(acc, axis=1)
+                        imin = tl.min(tl.where(acc == dmin[:, None], i[None, :], 2147483647), axis=1)
+                        better = dmin < bd
+                        bd = tl.where(better, dmin, bd)
+                        bi = tl.where(better, imin, bi)
+                    tl.store(PD + row * NCB * C + f, bd, mask=m)
+                    tl.store(PI + row * NCB * C + f, bi, mask=m)
+        else:
+            i0 = cb * BM
+            if i0 < nc_old:
+                i = i0 + tl.arange(0, BM)
+                mi = i < nc_old
+                offr = (row * Mmax + i).to(tl.int64) * D
+                for f0 in range(f_lo, f_hi, BF):
+                    f = f0 + tl.arange(0, BF)
+                    m = f < f_hi
+                    slot = tl.load(FS + base + f, mask=m, other=0).to(tl.int64)
                     acc = _d2_tile(K, (base + slot) * D, m, REP, offr, mi, D, BF, BM, DCH)
-                acc = tl.where(mi[None, :], acc, float("inf"))
-                dmin = tl.min(acc, axis=1)
-                imin = tl.min(tl.where(acc == dmin[:, None], i[None, :], 2147483647), axis=1)
-                tl.store(PD + (row * NCB + cb) * C + f, dmin, mask=m)
-                tl.store(PI + (row * NCB + cb) * C + f, imin, mask=m)
+                    acc = tl.where(mi[None, :], acc, float("inf"))
+                    dmin = tl.min(acc, axis=1)
+                    imin = tl.min(tl.where(acc == dmin[:, None], i[None, :], 2147483647), axis=1)
+                    tl.store(PD + (row * NCB + cb) * C + f, dmin, mask=m)
+                    tl.store(PI + (row * NCB + cb) * C + f, imin, mask=m)
 
 
 # -- launch 4: the sequential resolve ----------------------------------------------------------------
@@ -329,14 +352,18 @@ def _cg_resolve_kernel(K, FS, INFO, NCL, DELTA, MU, PD, PI, W, P, ASSIGN, NL, JC
         nc = nc_old
         forced = tl.zeros([], tl.int32)
         nl = tl.zeros([], tl.int32)
-        ncb = tl.cdiv(nc_old, BM)
+        if DOT:  # launch 3 kept one running minimum per key over every cluster block
+            ncb = tl.minimum(tl.cdiv(nc_old, BM), 1)
+        else:
+            ncb = tl.cdiv(nc_old, BM)
         fl = tl.arange(0, RB)
-        dcol = tl.arange(0, BLOCK_D)
         for f0 in range(0, nF, RB):
             f = f0 + fl
             mf = f < nF
             slot = tl.load(FS + base + f, mask=mf, other=0).to(tl.int64)
             offk = (base + slot) * D
+            if DOT:  # the block's keys and norms, for its tiles against the leaders
+                ka, nka = _rows(K, offk, mf, D, BLOCK_D)
             # nearest old cluster (lowest index on ties: blocks in order, strict <)
             bd = tl.full([RB], float("inf"), tl.float32)
             bi = tl.zeros([RB], tl.int32)
@@ -353,10 +380,8 @@ def _cg_resolve_kernel(K, FS, INFO, NCL, DELTA, MU, PD, PI, W, P, ASSIGN, NL, JC
                 lf = tl.load(NL + base + lo, mask=ml, other=0)
                 lslot = tl.load(FS + base + lf, mask=ml, other=0).to(tl.int64)
                 if DOT:
-                    lrow = tl.load(K + ((base + lslot) * D)[:, None] + dcol[None, :],
-                                   mask=ml[:, None] & (dcol < D)[None, :], other=0.0)
-                    lrf = lrow.to(tl.float32)
-                    acc = _d2_dot(K, offk, mf, lrow, tl.sum(lrf * lrf, axis=1), D, BLOCK_D)
+                    lrow, nlr = _rows(K, (base + lslot) * D, ml, D, BLOCK_D)
+                    acc = _d2_dot(ka, nka, lrow, nlr)
                 else:
                     acc = _d2_tile(K, offk, mf, K, (base + lslot) * D, ml, D, RB, BL, DCH)
                 acc = tl.where(ml[None, :], acc, float("inf"))
@@ -620,20 +645,21 @@ def _bits(x: float) -> int:
 def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep, count, n_clusters, mu, delta,
                            n_seen, n_forced, *, n_sink: int, window: int, t: int, value_share: float,
                            cluster_target: float, seed: int, layer: int, head_offset: int = 0,
-                           dist_bm: int | None = None, dist_fo: int = DIST_FO, dist_bf: int | None = None,
+                           dist_bm: int | None = None, dist_fo: int | None = None, dist_bf: int | None = None,
                            dist_warps: int = 4, dist_dot: bool | None = None, res_b: int = RES_B, res_bl: int = RES_BL,
                            num_warps_seq: int = 4, resolve_events: bool | None = None,
                            joiner_index: bool | None = None, cal_ch: int = CAL_CH, cal_warps: int = CAL_WARPS,
                            cal_stages: int | None = None) -> None:
     """Launch the six kernels (module docstring); mutates the state as the op. The inputs are checked by the op
-    (kvrewrite/kernels/clustergen_fold.py); here only what the kernels add: contiguous tensors. Knobs (powers of
-    two; every value gives the same result): dist_bm clusters per distance block, dist_fo keys per distance
-    program, dist_bf keys per distance tile (defaults DIST_BM, DIST_BF; DOT_BM, DOT_BF with the dot form, where both
-    must be at least 16), dist_warps the distance launch's warps, dist_dot its form (default DIST_DOT); res_b keys
-    per sequential block, res_bl leaders per tile, num_warps_seq the resolve launch's warps, resolve_events its form
-    (default RESOLVE_EVENTS); joiner_index: the reservoirs' joiner lookup (default JOINER_INDEX); cal_ch points per
-    chunk of a calibration pass, cal_warps its warps, cal_stages the software pipelining of its chunk loop (None: the
-    compiler's choice, which does not pipeline it).
+    (kvrewrite/kernels/clustergen_fold.py); here only what the kernels add: contiguous tensors. Knobs (sizes are
+    powers of two; every value gives the same result, but dist_dot's rounding on near-ties): dist_bm clusters per
+    distance block, dist_fo keys per distance program, dist_bf keys per distance tile (defaults DIST_BM, DIST_FO,
+    DIST_BF; DOT_BM, DOT_FO, DOT_BF with the dot form, whose tiles must be at least 16), dist_warps the distance
+    launch's warps, dist_dot its form (default DIST_DOT); res_b keys per sequential block, res_bl leaders per tile,
+    num_warps_seq the resolve launch's warps, resolve_events its form (default RESOLVE_EVENTS); joiner_index the
+    reservoirs' joiner lookup (default JOINER_INDEX); cal_ch points per chunk of a calibration pass, cal_warps its
+    warps, cal_stages the software pipelining of its chunk loop (None: the compiler's choice, which does not
+    pipeline it).
     Under TRITON_INTERPRET=1 it runs on CPU tensors (how the kernels are tested without a GPU)."""
     if triton is None:
         raise NotImplementedError(f"{NAME} needs Triton (pip install triton)")
@@ -658,7 +684,8 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
     if dist_dot and min(dist_bm, dist_bf, res_b, res_bl) < 16:
         raise ValueError(f"{NAME}: the dot form of the distances needs dist_bm, dist_bf, res_b and res_bl >= 16 "
                          f"(tensor-core tiles), got {dist_bm}, {dist_bf}, {res_b} and {res_bl}")
-    ncb = triton.cdiv(Mmax, dist_bm)
+    dist_fo = dist_fo or (DOT_FO if dist_dot else DIST_FO)
+    ncb = 1 if dist_dot else triton.cdiv(Mmax, dist_bm)  # the dot form keeps one minimum per key
     nk = max(n_sink + window, 1)
     vs, ct = _bits(value_share), _bits(cluster_target)
     hbase = mix32(mix32(seed) ^ (layer & MASK32))

@@ -109,12 +109,15 @@ CASES = {  # name: (n_sink, window, t, value_share, cluster_target, Bt, groups, 
     "groups": (2, 3, 2, 0.5, 0.5, 70, 5, [36, 30, 33, 12], 3),   # row 3 below the threshold at the first fold
     "uniform-overflow": (1, 2, 3, 0.4, 0.9, 34, 0, [40, 37, 20, 39], 2),
     "no-sink-no-window": (0, 0, 1, 0.3, 0.5, 30, 3, [30, 27, 29, 28], 1),
+    "many-clusters": (1, 2, 1, 0.3, 0.9, 80, 0, [96, 90, 93, 75], 3),  # ~50 open: 16-cluster blocks cross, ties
 }
 
 
-@pytest.mark.parametrize("knobs", [{}, dict(cal_ch=2, cal_warps=4, dist_bf=4, dist_warps=2),
-                                   dict(resolve_events=True), dict(dist_dot=True, dist_bf=16, dist_bm=16, res_b=16, res_bl=16),
-                                   dict(joiner_index=True), dict(joiner_index=True, resolve_events=True, res_b=4),
+DOT = dict(dist_dot=True, dist_bf=16, dist_bm=16, dist_fo=32, res_b=16, res_bl=16)  # the dot form's smallest tiles
+
+
+@pytest.mark.parametrize("knobs", [{}, dict(cal_ch=2, cal_warps=4, dist_bf=4, dist_warps=2), dict(resolve_events=True),
+                                   DOT, dict(joiner_index=True), dict(joiner_index=True, resolve_events=True, res_b=4),
                                    dict(cal_stages=3)],
                          ids=["small", "smaller", "events", "dot", "index", "index-events", "cal-stages"])
 @pytest.mark.parametrize("name", list(CASES))
@@ -168,6 +171,26 @@ def test_calibration_takes_the_first_farthest_point(knobs):
         append(st, 0, 0, torch.tensor([x, y, 0, 0, 0.0]), torch.ones(D), n)
     fold_both(st, kw, 0, **knobs)
     assert float(st["delta"]) == pytest.approx(3 * 1.001)  # r = 3: the first farthest point's radius (last: sqrt 10)
+
+
+@pytest.mark.parametrize("knobs", [dict(dist_bm=16), DOT], ids=["direct", "dot"])
+def test_nearest_cluster_ties_go_to_the_lower_index_across_blocks(knobs):
+    """25 open clusters, 16 a distance block: representatives 3 and 20 (two blocks) equal, the one folded key nearest
+    to both: it joins cluster 3, as the reference's first argmin (the dot form's running minimum over the blocks keeps
+    the first)."""
+    kw = dict(n_sink=0, window=0, t=1, value_share=0.3, cluster_target=0.5, seed=7, layer=3)  # M 56
+    B, H, D, Bt = 1, 1, 5, 80
+    st = new_state(B, H, 1 + 2 + Bt, D, 58, Bt)
+    reps = torch.stack([torch.tensor([float(i), 2.0 * (i % 3), 0, 0, 0]) * 3 for i in range(25)])
+    reps[20] = reps[3]
+    st["rep"][0, 0, :25] = reps
+    st["count"][0, 0, :25] = 1
+    st["n_clusters"][0, 0] = 25
+    st["n_seen"][0, 0] = 25
+    st["delta"][0, 0] = 2.0
+    append(st, 0, 0, reps[3] + torch.tensor([1.0, 0, 0, 0, 0]), torch.ones(D), 0)
+    fold_both(st, kw, 0, **knobs)
+    assert int(st["count"][0, 0, 3]) == 2 and int(st["count"][0, 0, 20]) == 1
 
 
 def test_head_offset_matches_reference():
