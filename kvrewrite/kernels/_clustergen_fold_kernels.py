@@ -79,13 +79,13 @@ DIST_BF, DIST_BM, DIST_FO = 16, 32, 1024  # launch 3: keys x clusters per tile, 
 # DIST_DOT: launch 3's distances as ||a||^2 + ||b||^2 - 2 a.b with the product on tensor cores (DOT_BF x DOT_BM tiles,
 # every cluster block in one program, so each key leaves one running minimum and launch 4 reads one, not one per
 # block), instead of sum((a - b)^2) on CUDA cores in DC-dim steps; launch 4's distances to the leaders opened in the
-# fold too (its RES_B x RES_BL tiles). Why: at a later
-# prefill chunk's fold (2048 keys, 407 open clusters, batch 8, H200) the distance launch took 4.95 of the fold's 8.45
-# ms (docs/bench.md "Stop 59 runs"), about 2.4 s of ClusterGen's batch-8 32k prefill, for work a tensor core does in
-# microseconds. What changes: the rounding (the expansion's, clamped at 0), so a key whose two nearest clusters, or
-# whose nearest distance and delta, agree to ~1e-7 of its squared norm may decide otherwise than the reference; on
-# inputs whose sums are exact (small-integer keys: the tests) every decision is the reference's. Off until timed on a
-# GPU (`python -m kvrewrite.bench.clustergen_fold --batches 8 1 --no-reference --dist-sweep`).
+# fold too (its RES_B x RES_BL tiles). Why: at a later prefill chunk's fold (2048 keys, 407 open clusters, batch 8,
+# H200) the distance launch took 4.95 of the fold's 8.45 ms (docs/bench.md "Stop 59 runs"), about 2.4 s of
+# ClusterGen's batch-8 32k prefill, for work a tensor core does in microseconds. What changes: the rounding (the
+# expansion's, clamped at 0), so a key whose two nearest clusters, or whose nearest distance and delta, agree to ~1e-7
+# of its squared norm may decide otherwise than the reference; on inputs whose sums are exact (small-integer keys: the
+# tests) every decision is the reference's. Off until timed on a GPU (`python -m kvrewrite.bench.clustergen_fold
+# --batches 8 1 --no-reference --form-sweep`).
 DIST_DOT = False
 DOT_BF, DOT_BM, DOT_FO = 64, 64, 256  # keys x clusters per tile, keys per program (its loop covers every cluster)
 RES_B, RES_BL = 32, 32  # launch 4: keys per sequential block, leaders per tile
@@ -441,7 +441,7 @@ def _cg_resolve_kernel(K, FS, INFO, NCL, DELTA, MU, PD, PI, W, P, ASSIGN, NL, JC
                     nc += opn.to(tl.int32)
             tl.store(ASSIGN + base + f, cid, mask=mf)
             if JIDX:  # each key's rank among its cluster's joiners of this fold (JC: the earlier blocks' counts)
-                before = tl.load(JC + row * Mmax + cid, mask=mf, other=0)
+                before = tl.load(JC + row * Mmax + cid, mask=mf, other=0, cache_modifier=".cg")  # (atomics: L2)
                 earlier = (cid[:, None] == cid[None, :]) & (fl[None, :] < fl[:, None]) & mf[None, :]
                 tl.store(JR + base + f, before + tl.sum(earlier.to(tl.int32), axis=1), mask=mf)
                 tl.debug_barrier()  # every thread's JC read before the block's increments
@@ -455,7 +455,7 @@ def _cg_resolve_kernel(K, FS, INFO, NCL, DELTA, MU, PD, PI, W, P, ASSIGN, NL, JC
             for c0 in range(0, nc, CH):
                 c = c0 + tl.arange(0, CH)
                 mc = c < nc
-                cnt = tl.load(JC + row * Mmax + c, mask=mc, other=0)
+                cnt = tl.load(JC + row * Mmax + c, mask=mc, other=0, cache_modifier=".cg")
                 tl.store(JO + row * Mmax + c, carry32 + tl.cumsum(cnt, axis=0) - cnt, mask=mc)
                 carry32 += tl.sum(cnt, axis=0)
             tl.debug_barrier()  # the offsets stored before any thread reads them
@@ -463,7 +463,8 @@ def _cg_resolve_kernel(K, FS, INFO, NCL, DELTA, MU, PD, PI, W, P, ASSIGN, NL, JC
                 fa = c0 + tl.arange(0, CH)
                 m = fa < nF
                 a = tl.load(ASSIGN + base + fa, mask=m, other=0)
-                at = tl.load(JO + row * Mmax + a, mask=m, other=0) + tl.load(JR + base + fa, mask=m, other=0)
+                at = (tl.load(JO + row * Mmax + a, mask=m, other=0, cache_modifier=".cg")
+                      + tl.load(JR + base + fa, mask=m, other=0, cache_modifier=".cg"))
                 tl.store(JL + base + at, fa, mask=m)
         tl.store(INFO + row * 8 + 4, forced)
 
