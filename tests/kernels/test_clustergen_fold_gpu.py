@@ -111,7 +111,7 @@ FORMS = {"default": {}, "events": dict(resolve_events=True), "index": dict(joine
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_reference_prefill_chunks_then_decode(name, form):
     """Every launch form (the module's defaults; RESOLVE_EVENTS; JOINER_INDEX; the calibration's pipelined chunk loop;
-    the first two with DIST_DOT, exact here: integer keys)."""
+    both with DIST_DOT, exact here: integer keys)."""
     dtype, B, H, D, n_sink, window, t, Bt, g, groups, lens, pads = CASES[name]
     launch = functools.partial(kk.triton_clustergen_fold, **FORMS[form])
     kw = dict(n_sink=n_sink, window=window, t=t, value_share=0.5, cluster_target=0.9, seed=11, layer=5)
