@@ -21,7 +21,9 @@ reference's [Hq, T, C] logits of every row would not fit). --ab times the defaul
 prefill kernels on grids the slot loop splits, interleaved, twice each (clustered_attention.PREFILL_KERNEL and
 PREFILL_SPLIT_GRIDS). --sketch also times kvrewrite::sketch_attention (ClusterGen) over the same slots with roles
 0/1/2 drawn over the past (the fresh block exact): its decode kernel's slot loop against its prefill kernel
-(sketch_attention.PREFILL_KERNEL), with and without FULL_TILES, each checked against the op's reference on row 0.
+(sketch_attention.PREFILL_KERNEL), with and without FULL_TILES, then over ClusterGen's layout (a few exact slots, then
+sketch slots of roles 1 and 2) the prefill kernel with and without ONE_EXP, each checked against the op's reference on
+row 0.
 --ordered times the ordered prefill kernel's route (_ordered_prefill_kernels.py: rows whose slots hold their tokens in
 position order, the clusterkv and full cases here; the chelsea cases' rows all go to the general kernel, so there it
 times the route's cost): the default (the route, with TMA where it serves), the general kernel alone (ordered=False),
@@ -51,6 +53,7 @@ CASES = {  # name: (T, n_past, C, first query position)
     "clusterkv 32k chunk 2048 (16k used)": (2048, 16384, 32768 + 2048 + 320, 16384),
 }
 MAX_ERR_BF16 = 0.03
+SKETCH_EXACT = 36  # --sketch's ClusterGen layout: the exact slots (sinks and window) before the sketch slots
 # --graph: time GRAPH_CALLS calls captured in one CUDA graph (the median of GRAPH_REPLAYS replays, the first two
 # dropped), not eager launches: an op of several launches at a small batch times its host work eagerly (stop 60:
 # the ordered route at batch 1, 0.92-1.00 ms eagerly against 0.652 in a graph)
@@ -122,18 +125,29 @@ def _timed(f, ref, flops, tuning) -> dict:
 def sketch_rows(args, n_past, scale, flops) -> list:
     """sketch_attention's launches over the case's slots with roles 0/1/2 drawn over the past: the decode kernel's
     slot loop, the prefill kernel with and without FULL_TILES (ms, TFLOP/s, the largest error against the op's
-    reference on row 0)."""
+    reference on row 0); then, over ClusterGen's layout (the past's first SKETCH_EXACT slots exact, the rest sketch
+    slots, roles 1 and 2), the prefill kernel with and without ONE_EXP (one exponential a score in tiles without an
+    exact slot)."""
     from kvrewrite.kernels import sketch_attention as sa
 
     q, k, v, bias, pos, cp = args
     g = torch.Generator(device=q.device).manual_seed(1)
     role = torch.zeros(bias.shape, dtype=torch.int8, device=q.device)
     role[..., :n_past] = torch.randint(0, 3, (*bias.shape[:2], n_past), device=q.device, generator=g).to(torch.int8)
-    row0 = [x[:1] for x in (q, k, v, bias, pos)]
-    ref = sa.reference_sketch_attention(*(x.float() for x in row0[:3]), *row0[3:], cp, role[:1], scale)
-    return [_timed(lambda: sa._launch(q, k, v, bias, pos, cp, role, scale, **tuning), ref, flops, tuning)
-            for tuning in (dict(prefill_kernel=False), dict(prefill_kernel=True, full_tiles=True),
-                           dict(prefill_kernel=True, full_tiles=False))]
+    layout = torch.zeros_like(role)
+    exact = min(SKETCH_EXACT, n_past)
+    layout[..., exact:n_past] = torch.randint(1, 3, (*bias.shape[:2], n_past - exact), device=q.device,
+                                              generator=g).to(torch.int8)
+    drawn = (dict(prefill_kernel=False), dict(prefill_kernel=True, full_tiles=True),
+             dict(prefill_kernel=True, full_tiles=False))
+    clustergen = (dict(prefill_kernel=True, one_exp=False), dict(prefill_kernel=True, one_exp=True))
+    rows = []
+    for roles, tunings in ((role, drawn), (layout, clustergen)):
+        row0 = [x[:1] for x in (q, k, v, bias, pos)]
+        ref = sa.reference_sketch_attention(*(x.float() for x in row0[:3]), *row0[3:], cp, roles[:1], scale)
+        rows += [dict(_timed(lambda: sa._launch(q, k, v, bias, pos, cp, roles, scale, **tuning), ref, flops, tuning),
+                      layout="clustergen" if roles is layout else "drawn") for tuning in tunings]
+    return rows
 
 
 def run_case(name, sweep: bool, batch: int = 1, ab: bool = False, sketch: bool = False,
@@ -209,8 +223,8 @@ def main(argv=None):
             print(f"    ordered round {v['round']}: {v['ms']:7.3f} ms {v['tflops']:6.1f} TFLOP/s err {v['err']:.1e}  "
                   f"{v['tuning'] or 'default'}", flush=True)
         for v in r.get("sketch", []):
-            print(f"    sketch {v['ms']:7.3f} ms {v['tflops']:6.1f} TFLOP/s err {v['err']:.1e}  {v['tuning']}",
-                  flush=True)
+            print(f"    sketch ({v['layout']} roles) {v['ms']:7.3f} ms {v['tflops']:6.1f} TFLOP/s err {v['err']:.1e}  "
+                  f"{v['tuning']}", flush=True)
         for v in sorted((v for v in r.get("sweep", []) if "ms" in v), key=lambda v: v["ms"])[:5]:
             print(f"    {v['ms']:7.3f} ms {v['tflops']:6.1f} TFLOP/s err {v['err']:.1e}  {v['tuning']}", flush=True)
         bad += [(name, v) for v in [kv, *r.get("ab", []), *r.get("ordered", []), *r.get("sweep", []),
