@@ -84,8 +84,9 @@ DIST_BF, DIST_BM, DIST_FO = 16, 32, 1024  # launch 3: keys x clusters per tile, 
 # ClusterGen's batch-8 32k prefill, for work a tensor core does in microseconds. What changes: the rounding (the
 # expansion's, clamped at 0), so a key whose two nearest clusters, or whose nearest distance and delta, agree to ~1e-7
 # of its squared norm may decide otherwise than the reference; on inputs whose sums are exact (small-integer keys: the
-# tests) every decision is the reference's. Off until timed on a GPU (`python -m kvrewrite.bench.clustergen_fold
-# --batches 8 1 --no-reference --form-sweep`).
+# tests) every decision is the reference's; on real keys (SmolLM2-135M, three layers, 1,600 tokens in three folds,
+# fp32, interpreter; docs/bench.md "Stop 61 runs") the same state as the direct form. Off until timed on a GPU
+# (`python -m kvrewrite.bench.clustergen_fold --batches 8 1 --no-reference --form-sweep`).
 DIST_DOT = False
 DOT_BF, DOT_BM, DOT_FO = 64, 64, 256  # keys x clusters per tile, keys per program (its loop covers every cluster)
 RES_B, RES_BL = 32, 32  # launch 4: keys per sequential block, leaders per tile
