@@ -141,12 +141,12 @@ def sketch_rows(args, n_past, scale, flops) -> list:
     drawn = (dict(prefill_kernel=False), dict(prefill_kernel=True, full_tiles=True),
              dict(prefill_kernel=True, full_tiles=False))
     clustergen = (dict(prefill_kernel=True, one_exp=False), dict(prefill_kernel=True, one_exp=True))
+    row0 = [x[:1] for x in (q, k, v, bias, pos)]
     rows = []
-    for roles, tunings in ((role, drawn), (layout, clustergen)):
-        row0 = [x[:1] for x in (q, k, v, bias, pos)]
+    for name, roles, tunings in (("drawn", role, drawn), ("clustergen", layout, clustergen)):
         ref = sa.reference_sketch_attention(*(x.float() for x in row0[:3]), *row0[3:], cp, roles[:1], scale)
         rows += [dict(_timed(lambda: sa._launch(q, k, v, bias, pos, cp, roles, scale, **tuning), ref, flops, tuning),
-                      layout="clustergen" if roles is layout else "drawn") for tuning in tunings]
+                      layout=name) for tuning in tunings]
     return rows
 
 

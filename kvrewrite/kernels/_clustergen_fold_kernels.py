@@ -276,15 +276,13 @@ def _cg_dist_kernel(K, V, REP, FS, INFO, NCL, PD, PI, W, C, D, Mmax, NCB, BF: tl
     f_lo = fo * FO
     if (due != 0) & (f_lo < nF):
         f_hi = tl.minimum(f_lo + FO, nF)
-        dcol = tl.arange(0, BLOCK_D)
         if cb == 0:  # w_f = ||v_f||^2 in fp32
             for f0 in range(f_lo, f_hi, BF):
                 f = f0 + tl.arange(0, BF)
                 m = f < f_hi
                 slot = tl.load(FS + base + f, mask=m, other=0).to(tl.int64)
-                v = tl.load(V + (base + slot)[:, None] * D + dcol[None, :],
-                            mask=m[:, None] & (dcol < D)[None, :], other=0.0).to(tl.float32)
-                tl.store(W + base + f, tl.sum(v * v, axis=1), mask=m)
+                _, w = _rows(V, (base + slot) * D, m, D, BLOCK_D)
+                tl.store(W + base + f, w, mask=m)
         nc_old = tl.load(NCL + row).to(tl.int32)
         if DOT:  # every cluster block in this program (grid 1 x ...): one running minimum per key, NCB = 1
             if nc_old > 0:

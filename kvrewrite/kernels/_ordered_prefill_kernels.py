@@ -209,8 +209,7 @@ def _ordered_prefill_kernel(
         store_rows(OUT, LSE, pid_q.to(tl.int64) * T + t, row_ok, offs_d, acc, m_i, l_i, HEAD_DIM, WRITE_LSE)
 
 
-def launch_ordered(q, keys, values, bias, cache_position, order, out, lse, qk_scale, pdl, launch, tma=None,
-                   **tiles):
+def launch_ordered(q, keys, values, bias, cache_position, order, out, lse, qk_scale, pdl, launch, tma=None, **tiles):
     """Launch _ordered_prefill_kernel into `out` (and `lse`) for the ordered rows of `order` (_prefill_attention_kernels
     .order_stats, filled by tile_ranges). tma: None (TMA where tma_refusal allows), True (forced: ValueError naming
     what refuses it, except on CPU tensors, where Triton's interpreter takes descriptors), False. tiles:

@@ -330,8 +330,7 @@ def launch_prefill(q, keys, values, bias, slot_pos, cache_position, window, qk_s
     cfg = prefill_launch_config(B, Hkv, G, T, C, D, q.element_size(), **overrides)
     n_tiles = cfg["n_tiles"]
     pdl, launch = _pdl.launch_options(q)
-    if ordered is None:
-        ordered = _ordered.ORDERED
+    ordered = _ordered.ORDERED if ordered is None else ordered
     if ordered is not False and not _ordered.routable(keys, values, window, softcap, key_scale):
         ordered = False
     ordered_tuning = dict(ordered) if isinstance(ordered, dict) else {}
