@@ -659,7 +659,8 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
     num_warps_seq the resolve launch's warps, resolve_events its form (default RESOLVE_EVENTS); joiner_index the
     reservoirs' joiner lookup (default JOINER_INDEX); cal_ch points per chunk of a calibration pass, cal_warps its
     warps, cal_stages the software pipelining of its chunk loop (None: the compiler's choice, which does not
-    pipeline it).
+    pipeline it; the stages of cal_ch rows must fit shared memory: fp32 D 128 at 256 points and 3 stages asks 270
+    KB, Triton's OutOfResources).
     Under TRITON_INTERPRET=1 it runs on CPU tensors (how the kernels are tested without a GPU)."""
     if triton is None:
         raise NotImplementedError(f"{NAME} needs Triton (pip install triton)")
