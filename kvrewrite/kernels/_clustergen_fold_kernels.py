@@ -94,7 +94,7 @@ RES_B, RES_BL = 32, 32  # launch 4: keys per sequential block, leaders per tile
 # than delta from every cluster join their nearest at once; once no cluster is free, every far key left is forced at
 # once) instead of a step per key: the same rule and the same results (nothing but an opening changes another key's
 # nearest cluster). Why: a later prefill chunk's fold opens no cluster (all M open) yet stepped through its 2048 keys
-# one by one, 1.82 ms a fold at batch 8 (docs/bench.md "Stop 59 runs"). Off until its GPU tests have run.
+# one by one, 1.82 ms a fold at batch 8 (docs/bench.md "Stop 59 runs"). Off until timed (its GPU tests passed, stop 61).
 RESOLVE_EVENTS = False
 SK_BS = 32  # sketch slots per program of launch 5 (128 spilled ~6.6 KB per thread on sm_90)
 SCAN_CH = 16  # ASSIGN entries per step of launch 5's joiner scan
