@@ -22,8 +22,7 @@ prefill kernels on grids the slot loop splits, interleaved, twice each (clustere
 PREFILL_SPLIT_GRIDS). --sketch also times kvrewrite::sketch_attention (ClusterGen) over the same slots with roles
 0/1/2 drawn over the past (the fresh block exact): its decode kernel's slot loop against its prefill kernel
 (sketch_attention.PREFILL_KERNEL), with and without FULL_TILES, then over ClusterGen's layout (a few exact slots, then
-sketch slots of roles 1 and 2) the prefill kernel with and without ONE_EXP, each checked against the op's reference on
-row 0.
+sketch slots of roles 1 and 2) the prefill kernel, each checked against the op's reference on row 0.
 --ordered times the ordered prefill kernel's route (_ordered_prefill_kernels.py: rows whose slots hold their tokens in
 position order, the clusterkv and full cases here; the chelsea cases' rows all go to the general kernel, so there it
 times the route's cost): the default (the route, with TMA where it serves), the general kernel alone (ordered=False),
@@ -126,8 +125,7 @@ def sketch_rows(args, n_past, scale, flops) -> list:
     """sketch_attention's launches over the case's slots with roles 0/1/2 drawn over the past: the decode kernel's
     slot loop, the prefill kernel with and without FULL_TILES (ms, TFLOP/s, the largest error against the op's
     reference on row 0); then, over ClusterGen's layout (the past's first SKETCH_EXACT slots exact, the rest sketch
-    slots, roles 1 and 2), the prefill kernel with and without ONE_EXP (one exponential a score in tiles without an
-    exact slot)."""
+    slots, roles 1 and 2), the prefill kernel."""
     from kvrewrite.kernels import sketch_attention as sa
 
     q, k, v, bias, pos, cp = args
@@ -140,7 +138,7 @@ def sketch_rows(args, n_past, scale, flops) -> list:
                                               generator=g).to(torch.int8)
     drawn = (dict(prefill_kernel=False), dict(prefill_kernel=True, full_tiles=True),
              dict(prefill_kernel=True, full_tiles=False))
-    clustergen = (dict(prefill_kernel=True, one_exp=False), dict(prefill_kernel=True, one_exp=True))
+    clustergen = (dict(prefill_kernel=True),)
     row0 = [x[:1] for x in (q, k, v, bias, pos)]
     rows = []
     for name, roles, tunings in (("drawn", role, drawn), ("clustergen", layout, clustergen)):

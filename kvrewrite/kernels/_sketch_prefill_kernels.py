@@ -25,7 +25,7 @@ from torch.library import wrap_triton
 
 from kvrewrite.kernels import _pdl
 from kvrewrite.kernels import _prefill_attention_kernels as pk
-from kvrewrite.kernels._online_softmax import softmax_acc, softmax_tile
+from kvrewrite.kernels._online_softmax import softmax_tile
 from kvrewrite.kernels._pdl import gdc_launch_dependents, gdc_wait
 from kvrewrite.kernels._prefill_attention_kernels import _seen_tiles, tile_scores
 from kvrewrite.kernels._query_block import block_rows, query_block
@@ -36,20 +36,16 @@ try:
 except ImportError:  # CPU-only installs import this module too; only launching needs Triton
     tl = None
 
-# ONE_EXP: a tile without an exact slot (role 0) takes one exponential a score, against the max of the one sum the
-# score is in (role 1: Z; role 2: N), instead of one for each sum: the same numbers (the other sum's term is exp2(-inf)
-# = 0 either way), bit for bit. Why: sm_90 offline, this kernel's hot loop runs 1,036 instructions a tile for 12
-# tensor-core products where clustered_attention's runs 728 (stop 60), the second exponential of every score the
-# largest difference; at a prefill chunk most tiles are the past's sketch slots (roles 1 and 2), the fresh chunk's
-# are exact (both forms there). Off until timed on a GPU (`python -m kvrewrite.bench.attention_prefill --batch 8
-# --cases "chelsea 32k chunk 2048" --sketch`).
-ONE_EXP = False
-
+# Tried and dropped (stop 62): ONE_EXP, a tile without an exact slot (role 0) taking one exponential a score against its
+# own sum's max instead of one for each sum (the same output bit for bit). Over ClusterGen's layout (36 exact slots,
+# then roles 1 and 2), a 2048-query chunk over 16k slots at batch 8 on an H200: 9.12-9.14 ms against 7.92 without, two
+# runs (`python -m kvrewrite.bench.attention_prefill --batch 8 --cases "chelsea 32k chunk 2048" --sketch`; docs/bench.md
+# "Stop 62 runs"): slower, not profiled.
 
 @triton_jit()
 def _sketch_tile(m_n, l_n, acc, m_z, l_z, q, j, k_base, v_base, bias_base, pos_base, role_base, ranges, offs_d,
                  stride_kc, stride_kd, stride_vc, stride_vd, stride_bc, stride_pc, stride_rc, C, qk_scale, qpos_min,
-                 qpos_max, q_rel, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ONE_EXP: tl.constexpr):
+                 qpos_max, q_rel, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     """Both sums after slot tile j of the query block: (m_n, l_n, acc, m_z, l_z). l_n is the numerator's own sum
     (softmax_tile's; the output does not use it)."""
     s, v_ptrs, n_ok = tile_scores(q, j, k_base, v_base, bias_base, pos_base, bias_base, ranges, offs_d, stride_kc,
@@ -57,31 +53,14 @@ def _sketch_tile(m_n, l_n, acc, m_z, l_z, q, j, k_base, v_base, bias_base, pos_b
                                   0.0, qpos_min, qpos_max, q_rel, -1, BLOCK_N, False, False, False, MASKED)
     offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
     role = tl.load(role_base + offs_n * stride_rc, mask=n_ok, other=3)
-    if ONE_EXP and (tl.max((role == 0).to(tl.int32), axis=0) == 0):
-        # no exact slot in the tile: each score is in one sum only (role 1: Z, role 2: N), so one exponential a score,
-        # against its own sum's max; the same numbers as the form below (exp2(-inf) = 0 exactly there)
-        in_z = (role == 1)[None, :]
-        in_n = (role == 2)[None, :]
-        m_z_new = tl.maximum(m_z, tl.max(tl.where(in_z, s, float("-inf")), axis=1))
-        base_z = tl.where(m_z_new == float("-inf"), 0.0, m_z_new)
-        m_n_new = tl.maximum(m_n, tl.max(tl.where(in_n, s, float("-inf")), axis=1))
-        base_n = tl.where(m_n_new == float("-inf"), 0.0, m_n_new)
-        e = tl.exp2(s - tl.where(in_z, base_z[:, None], base_n[:, None]))
-        l_z = l_z * tl.exp2(m_z - base_z) + tl.sum(tl.where(in_z, e, 0.0), axis=1)
-        alpha = tl.exp2(m_n - base_n)
-        p = tl.where(in_n, e, 0.0)
-        l_n = l_n * alpha + tl.sum(p, axis=1)
-        acc = softmax_acc(acc, alpha, p, tl.load(v_ptrs, mask=n_ok[:, None], other=0.0))
-        m_n = m_n_new
-    else:
-        # -- denominator (roles 0, 1): its own running max; a row that has seen nothing keeps m = -inf, l = 0 -------
-        s_z = tl.where(((role == 0) | (role == 1))[None, :], s, float("-inf"))
-        m_z_new = tl.maximum(m_z, tl.max(s_z, axis=1))
-        base_z = tl.where(m_z_new == float("-inf"), 0.0, m_z_new)
-        l_z = l_z * tl.exp2(m_z - base_z) + tl.sum(tl.exp2(s_z - base_z[:, None]), axis=1)
-        # -- numerator (roles 0, 2): the online softmax's max and p @ v --------------------------------------------
-        s_n = tl.where(((role == 0) | (role == 2))[None, :], s, float("-inf"))
-        m_n, l_n, acc = softmax_tile(m_n, l_n, acc, s_n, v_ptrs, n_ok)
+    # -- denominator (roles 0, 1): its own running max; a row that has seen nothing keeps m = -inf, l = 0 -----------
+    s_z = tl.where(((role == 0) | (role == 1))[None, :], s, float("-inf"))
+    m_z_new = tl.maximum(m_z, tl.max(s_z, axis=1))
+    base_z = tl.where(m_z_new == float("-inf"), 0.0, m_z_new)
+    l_z = l_z * tl.exp2(m_z - base_z) + tl.sum(tl.exp2(s_z - base_z[:, None]), axis=1)
+    # -- numerator (roles 0, 2): the online softmax's max and p @ v ------------------------------------------------
+    s_n = tl.where(((role == 0) | (role == 2))[None, :], s, float("-inf"))
+    m_n, l_n, acc = softmax_tile(m_n, l_n, acc, s_n, v_ptrs, n_ok)
     return m_n, l_n, acc, m_z_new, l_z
 
 
@@ -103,7 +82,6 @@ def _sketch_prefill_kernel(
     SCAN: tl.constexpr,  # tile ranges read at once while bounding the loop
     PDL: tl.constexpr,  # launched with PDL: wait for the previous kernel before any load (kernels/_pdl.py)
     FULL_TILES: tl.constexpr,  # the full slot tiles' loads without a mask (_prefill_attention_kernels.FULL_TILES)
-    ONE_EXP: tl.constexpr,  # tiles without an exact slot take one exponential a score (module's ONE_EXP)
 ):
     if PDL:
         gdc_wait()
@@ -137,12 +115,12 @@ def _sketch_prefill_kernel(
             m_n, l_n, acc, m_z, l_z = _sketch_tile(
                 m_n, l_n, acc, m_z, l_z, q, j, k_base, v_base, bias_base, pos_base, role_base, ranges, offs_d,
                 stride_kc, stride_kd, stride_vc, stride_vd, stride_bc, stride_pc, stride_rc, C, qk_scale, qpos_min,
-                qpos_max, q_rel, BLOCK_N, False, ONE_EXP)
+                qpos_max, q_rel, BLOCK_N, False)
     for j in range(tl.maximum(lo, n_full), hi):
         m_n, l_n, acc, m_z, l_z = _sketch_tile(
             m_n, l_n, acc, m_z, l_z, q, j, k_base, v_base, bias_base, pos_base, role_base, ranges, offs_d, stride_kc,
             stride_kd, stride_vc, stride_vd, stride_bc, stride_pc, stride_rc, C, qk_scale, qpos_min, qpos_max, q_rel,
-            BLOCK_N, True, ONE_EXP)
+            BLOCK_N, True)
 
     # -- epilogue: 2^(m_N - m_Z) acc / l_Z in two halves (sketch_attention.py's docstring says why) ----------------
     base_n = tl.where(m_n == float("-inf"), 0.0, m_n)
@@ -156,11 +134,11 @@ def _sketch_prefill_kernel(
 
 
 def launch_sketch_prefill(q, keys, values, bias, slot_pos, cache_position, role, qk_scale, full_tiles=None,
-                          one_exp=None, **overrides):
+                          **overrides):
     """Launch the tile ranges, then the kernel; returns the output [B, Hq, T, D] (contiguous). The tiles, warps and
     stages are clustered_attention's prefill kernel's (prefill_launch_config; overrides: block_m, block_n, num_warps,
-    num_stages); full_tiles: default _prefill_attention_kernels.FULL_TILES; one_exp: default ONE_EXP. No checks (the
-    caller's: sketch_attention.triton_sketch_attention); runs under Triton's interpreter on CPU tensors."""
+    num_stages); full_tiles: default _prefill_attention_kernels.FULL_TILES. No checks (the caller's:
+    sketch_attention.triton_sketch_attention); runs under Triton's interpreter on CPU tensors."""
     B, Hq, T, D = (int(n) for n in q.shape)
     Hkv, C = int(keys.shape[1]), int(keys.shape[2])
     G = Hq // Hkv
@@ -173,8 +151,7 @@ def launch_sketch_prefill(q, keys, values, bias, slot_pos, cache_position, role,
         *q.stride(), *keys.stride(), *values.stride(), *bias.stride(), *slot_pos.stride(), *role.stride(),
         Hkv, G, T, C, cfg["n_tiles"], qk_scale,
         HEAD_DIM=D, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], SCAN=pk.SCAN, PDL=pdl,
-        FULL_TILES=pk.FULL_TILES if full_tiles is None else bool(full_tiles),
-        ONE_EXP=ONE_EXP if one_exp is None else bool(one_exp), num_warps=cfg["num_warps"],
+        FULL_TILES=pk.FULL_TILES if full_tiles is None else bool(full_tiles), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **launch,
     )
     return out

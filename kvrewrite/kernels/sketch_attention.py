@@ -348,15 +348,13 @@ def _launch(q, keys, values, bias, slot_pos, cache_position, role, scale, past_o
     G = Hq // Hkv
     prefill_kernel = overrides.pop("prefill_kernel", PREFILL_KERNEL)
     full_tiles = overrides.pop("full_tiles", None)
-    one_exp = overrides.pop("one_exp", None)
     if prefill_kernel and G * T > 16 and B * Hq * T * D > 0:  # a prefill chunk (the decode launch takes <= 16 rows)
         return _sketch_prefill.launch_sketch_prefill(q, keys, values, bias, slot_pos, cache_position, role,
-                                                     scale * 1.4426950408889634, full_tiles, one_exp,
+                                                     scale * 1.4426950408889634, full_tiles,
                                                      **_prefill.prefill_overrides(overrides))
-    for name, value in (("full_tiles", full_tiles), ("one_exp", one_exp)):
-        if value is not None:
-            raise ValueError(f"sketch_attention: {name} tunes the prefill kernel (_sketch_prefill_kernels.py); this "
-                             f"launch takes the decode kernel (G * T = {G * T}, prefill_kernel {prefill_kernel})")
+    if full_tiles is not None:
+        raise ValueError("sketch_attention: full_tiles tunes the prefill kernel (_sketch_prefill_kernels.py); this "
+                         f"launch takes the decode kernel (G * T = {G * T}, prefill_kernel {prefill_kernel})")
     out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out

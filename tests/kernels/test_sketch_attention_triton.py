@@ -151,8 +151,6 @@ def test_prefill_kernel_is_taken_for_prefill_rows(monkeypatch):
     q1 = q[:, :, :4]  # 16 rows: the decode launch
     check(q1, keys, values, bias, slot_pos, cp[:4], role, 0.25)
     assert len(calls) == 2
-    with pytest.raises(ValueError, match="one_exp tunes the prefill kernel"):
-        sa._launch(q1, keys, values, bias, slot_pos, cp[:4], role, 0.25, one_exp=True)
     with pytest.raises(ValueError, match="full_tiles tunes the prefill kernel"):
         sa._launch(q1, keys, values, bias, slot_pos, cp[:4], role, 0.25, full_tiles=True)
 
@@ -183,35 +181,6 @@ def test_prefill_kernel_large_value_weight_and_nothing_visible():
         assert err < 1e-4, f"full_tiles {full_tiles}: max |diff| / row max {err:.3g}"
 
 
-@pytest.mark.parametrize("order", ["appended", "shuffled"])
-def test_prefill_kernel_one_exponential_a_score_is_the_same(order):
-    """ONE_EXP (a tile without an exact slot takes one exponential a score): the past's slots roles 1 and 2, the
-    fresh chunk's exact, appended (whole tiles of sketch slots take the one-exponential
-    form) and shuffled (most tiles mix, both forms in one row); bit for bit the two-exponential form's output, and
-    the reference's; with value weights of +80 over denominator weights of -20 too."""
-    B, Hq, Hkv, T, C, D = 2, 8, 2, 20, 86, 16
-    q, keys, values, bias, slot_pos, cp, role = make_inputs(B, Hq, Hkv, T, C, D, torch.float32, seed=11)
-    g = torch.Generator().manual_seed(12)
-    past = (torch.arange(C) < C - T).expand(B, Hkv, C)
-    role = torch.where(past, torch.randint(1, 3, role.shape, generator=g, dtype=torch.int8), torch.zeros_like(role))
-    heavy = bias.clone()
-    heavy[past] = torch.where(role[past] == 2, 80.0, -20.0)
-    heavy_values = torch.where(((role == 2) & past)[..., None], values * math.exp(-60), values)
-    for b, vals in ((bias, values), (heavy, heavy_values)):
-        args = [q, keys, vals, b, slot_pos, cp, role]
-        if order == "shuffled":
-            perm = torch.randperm(C, generator=torch.Generator().manual_seed(1))
-            args[1:5] = [x[:, :, perm] for x in args[1:5]]
-            args[6] = args[6][:, :, perm]
-        tiles = dict(block_m=16, block_n=16)
-        one = sa._launch(*args, D**-0.5, prefill_kernel=True, one_exp=True, **tiles)
-        two = sa._launch(*args, D**-0.5, prefill_kernel=True, one_exp=False, **tiles)
-        assert torch.equal(one, two)
-        ref = sa.reference_sketch_attention(*args, D**-0.5)
-        err = ((one - ref).abs() / ref.abs().amax(-1, keepdim=True).clamp_min(1e-30)).max().item()
-        assert err < 1e-4, f"max |diff| / row max {err:.3g}"
-
-
 def test_prefill_kernel_every_role_zero_is_clustered_attention():
     """Every slot exact (role 0): clustered_attention's prefill kernel, within the epilogue's rounding (a product
     by 2^0 / l against a division by l)."""
@@ -227,15 +196,13 @@ def test_prefill_kernel_every_role_zero_is_clustered_attention():
 
 def test_attention_prefill_bench_sketch_rows(monkeypatch):
     """bench.attention_prefill --sketch's rows (interpreted, one call each instead of the timing): the decode
-    kernel and the prefill kernel with and without FULL_TILES, then over ClusterGen's layout with and without
-    ONE_EXP, each within the bench's bound of the reference (fp32 inputs: the interpreter's bf16 is not the
-    GPU's)."""
+    kernel and the prefill kernel with and without FULL_TILES, then the prefill kernel over ClusterGen's layout, each
+    within the bench's bound of the reference (fp32 inputs: the interpreter's bf16 is not the GPU's)."""
     from kvrewrite.bench import attention_prefill as ap
 
     monkeypatch.setattr(ap, "_bench_ms", lambda f: f() is not None and 1.0)
     args = [x.float() if x.is_floating_point() else x for x in ap.make_inputs(20, 40, 70, 100, device="cpu")]
     rows = ap.sketch_rows(args, 40, ap.D**-0.5, 1e9)
-    assert [r["tuning"].get("full_tiles") for r in rows] == [None, True, False, None, None]
-    assert [r["tuning"].get("one_exp") for r in rows] == [None, None, None, False, True]
-    assert [r["layout"] for r in rows] == ["drawn"] * 3 + ["clustergen"] * 2
+    assert [r["tuning"].get("full_tiles") for r in rows] == [None, True, False, None]
+    assert [r["layout"] for r in rows] == ["drawn"] * 3 + ["clustergen"]
     assert all(r["err"] < ap.MAX_ERR_BF16 and r["ms"] == 1.0 for r in rows), rows
