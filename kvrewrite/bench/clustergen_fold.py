@@ -15,13 +15,12 @@ Each timed call starts from the same state (copied in untimed), CUDA events arou
 whatever the case): one call per case at the first batch size, the decode case only at the others.
 
 Run:  python -m kvrewrite.bench.clustergen_fold --out docs/bench/clustergen_fold_h100.json
---calib-sweep also times the δ calibration's launch variants (chunk size, warps, pipelined stages) on the first chunk's
-fold;
+--calib-sweep also times the δ calibration's launch variants (chunk size, warps) on the first chunk's fold;
 --dist-sweep the distance launch's (tiles, keys per program, warps) on a later chunk's fold and a decode step's.
---form-sweep the launches' other forms (FORM_VARIANTS: the resolve's step per opening, RESOLVE_EVENTS; the reservoirs'
-joiner index, JOINER_INDEX; the distances on tensor cores, DIST_DOT) on every case, each checked against the default's
-state (the fields that differ listed: the dot form rounds otherwise, so a near-tie may go the other way on these
-random keys).
+--form-sweep the launches' other forms (FORM_VARIANTS: the direct form, DIRECT, with no step per opening, no joiner
+index, the distances on CUDA cores and stop 61's resolve blocks; each of the three defaults alone over it) on every
+case, each checked against the default's state (the fields that differ listed: the dot form rounds otherwise, so a
+near-tie may go the other way on these random keys).
 """
 import argparse
 import json
@@ -128,10 +127,8 @@ def profile_launches(s0, **knobs):
     return {e.key: round(e.device_time_total, 1) for e in prof.key_averages() if e.device_time_total > 0}
 
 
-# (points per chunk, warps, software-pipelined stages of the chunk loop) of the δ calibration's launch; the first is
-# the default (CAL_CH, CAL_WARPS, not pipelined)
-CALIB_VARIANTS = [(kk.CAL_CH, kk.CAL_WARPS, None), (64, 8, None), (128, 8, None), (512, 8, None), (256, 16, None),
-                  (512, 16, None), (256, 8, 2), (256, 8, 3), (128, 8, 3), (128, 4, 2)]
+# (points per chunk, warps) of the δ calibration's launch; the first is the default (CAL_CH, CAL_WARPS)
+CALIB_VARIANTS = [(kk.CAL_CH, kk.CAL_WARPS), (64, 8), (128, 8), (512, 8), (256, 16), (512, 16), (128, 4)]
 # (keys per tile, clusters per block, keys per program, warps) of the distance launch (launch 3); the first is the
 # default (DIST_BF, DIST_BM, DIST_FO, 4 warps)
 DIST_VARIANTS = [(kk.DIST_BF, kk.DIST_BM, kk.DIST_FO, 4), (32, 32, 1024, 4), (8, 32, 1024, 4), (16, 64, 1024, 4),
@@ -139,9 +136,10 @@ DIST_VARIANTS = [(kk.DIST_BF, kk.DIST_BM, kk.DIST_FO, 4), (32, 32, 1024, 4), (8,
                  (64, 32, 1024, 8)]
 
 
-ALL_FORMS = dict(dist_dot=True, resolve_events=True, joiner_index=True)
-FORM_VARIANTS = [{}, dict(resolve_events=True), dict(resolve_events=True, res_b=128), dict(joiner_index=True),
-                 dict(dist_dot=True), dict(dist_dot=True, dist_bf=32), ALL_FORMS, dict(ALL_FORMS, res_b=128)]
+# the fold before stop 62's defaults (DIST_DOT, RESOLVE_EVENTS, JOINER_INDEX on, RES_B 128)
+DIRECT = dict(dist_dot=False, resolve_events=False, joiner_index=False, res_b=32)
+FORM_VARIANTS = [{}, DIRECT, dict(DIRECT, resolve_events=True), dict(DIRECT, joiner_index=True),
+                 dict(DIRECT, dist_dot=True), dict(res_b=32), dict(dist_dot=False), dict(dist_bf=32)]
 
 
 def knob_sweep(s0, want, variants: list, label: str) -> list:
@@ -220,15 +218,15 @@ def main():
             row["launch_us"] = profile_launches(s0)
             print(name, "launches", row["launch_us"], flush=True)
             if args.calib_sweep and name == "prefill_first":
-                row["calib_sweep"] = knob_sweep(s0, got, [dict(cal_ch=ch, cal_warps=w, cal_stages=st)
-                                                          for ch, w, st in CALIB_VARIANTS], "calib")
+                row["calib_sweep"] = knob_sweep(s0, got, [dict(cal_ch=ch, cal_warps=w) for ch, w in CALIB_VARIANTS],
+                                                "calib")
             if args.dist_sweep and name != "prefill_first":
                 row["dist_sweep"] = knob_sweep(s0, got, [dict(dist_bf=bf, dist_bm=bm, dist_fo=fo, dist_warps=w)
                                                          for bf, bm, fo, w in DIST_VARIANTS], "dist")
             if args.form_sweep:
                 row["form_sweep"] = knob_sweep(s0, got, FORM_VARIANTS, "form")
-                row["form_launch_us"] = profile_launches(s0, **ALL_FORMS)
-                print(name, "launches, every other form", row["form_launch_us"], flush=True)
+                row["form_launch_us"] = profile_launches(s0, **DIRECT)
+                print(name, "launches, the direct form", row["form_launch_us"], flush=True)
             if args.sweep and B == args.batches[0] and name != "prefill_later":  # the resolve launch's warps
                 row["graph_us_by_resolve_warps"] = {w: time_kernel(s0, 5, graph=True, num_warps_seq=w)[0]
                                                     for w in (1, 2, 4, 8)}

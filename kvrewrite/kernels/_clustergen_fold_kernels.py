@@ -19,8 +19,8 @@ Launches:
    delta = fp32(1.001) * sqrt_rn(max d2).
 3. distances (grid cluster blocks x F blocks x rows): for every folded key, the nearest of the clusters open
    BEFORE the fold (min and first argmin per block of clusters): the parallel part of the leader clustering;
-   the first cluster block also writes w_f = ||v_f||^2 (fp32). DIST_DOT: the distances through the dot product
-   on tensor cores (below).
+   the first cluster block also writes w_f = ||v_f||^2 (fp32). DIST_DOT (the default): the distances through the
+   dot product on tensor cores, every cluster block in one program (below).
 4. resolve (grid rows): the fp64 prefix sums of w (mu_old + cumsum); then F in blocks of RB keys, in order: the
    block's nearest old cluster (the partial minima of launch 3), its nearest cluster opened earlier in this fold
    (a distance tile against the leaders opened so far), the block's own distance tile; then the exact sequential
@@ -39,12 +39,12 @@ Launches:
    staged in scratch then written to [0, n_kept) (bias 0, role 0); [n_kept, fill) freed (bias -inf, role 0);
    fill = n_kept.
 
-Distances are sum((a - b)^2) in fp32 over D (as the reference), in chunks of DC dims: a different summation order
-than torch's, so fp32 distances agree to rounding (exactly on inputs whose sums are exact, e.g. small-integer keys:
-how the tests make every decision exact). With DIST_DOT launch 3 expands them, ||a||^2 + ||b||^2 - 2 a.b (fp32 norms,
-the product on tensor cores, clamped at 0): exact on those inputs too, and otherwise off the direct form by a few
-ulp of the keys' squared norms, so a near-tie (two clusters, or a distance and delta, that close) may decide
-otherwise than the reference.
+The direct form's distances (dist_dot=False) are sum((a - b)^2) in fp32 over D (as the reference), in chunks of DC
+dims: a different summation order than torch's, so fp32 distances agree to rounding (exactly on inputs whose sums
+are exact, e.g. small-integer keys: how the tests make every decision exact). With DIST_DOT (the default) launch 3
+expands them, ||a||^2 + ||b||^2 - 2 a.b (fp32 norms, the product on tensor cores, clamped at 0): exact on those
+inputs too, and otherwise off the direct form by a few ulp of the keys' squared norms, so a near-tie (two clusters,
+or a distance and delta, that close) may decide otherwise than the reference.
 
 Freed slots: the reference writes bias -inf / role 0 on [n_kept, C - S); these kernels on [n_kept, fill) only,
 so that a decode call's work does not grow with the capacity. Identical whenever [fill, C - S) already holds bias
@@ -70,40 +70,47 @@ NAME = "triton_clustergen_fold"
 SPLIT_CH = 1024  # slots per chunk of the split pass
 # launch 2: points per chunk of a pass and warps. 256 and 8 by an H200 sweep of the first chunk's fold (batch 8, |F|
 # 2012, 204 centres: 57.6-58.1 ms at 64 points, 23.9 at 256, 91.8-93.0 at 128, 106-108 at 256 with 16 warps; stop
-# 58, docs/bench.md). A pipelined chunk loop (tl.range num_stages 3) once gave another state and failed a GPU test
-# (not traced; the loop loads and stores each point's running distance D2): not used. Those runs predate the pack
-# launch's barriers (stop 59), whose race gave other states too: the pipelined loop is worth a retry (the launcher's
-# cal_stages; in the bench's --calib-sweep).
+# 58, docs/bench.md). Tried and dropped: the chunk loop software-pipelined (tl.range num_stages 2 or 3). Stop 61 built
+# it as a knob (its GPU test passed: the same state); stop 62 timed it on an H200 at batch 8 (two runs; docs/bench.md
+# "Stop 62 runs"): 88.4-88.8 ms at 256 points and 2 stages, 175 at 3, 63-67 at 128 points, against 23.9 without.
 CAL_CH, CAL_WARPS = 256, 8
 DIST_BF, DIST_BM, DIST_FO = 16, 32, 1024  # launch 3: keys x clusters per tile, keys per program
-# DIST_DOT: launch 3's distances as ||a||^2 + ||b||^2 - 2 a.b with the product on tensor cores (DOT_BF x DOT_BM tiles,
-# every cluster block in one program, so each key leaves one running minimum and launch 4 reads one, not one per
-# block), instead of sum((a - b)^2) on CUDA cores in DC-dim steps; launch 4's distances to the leaders opened in the
-# fold too (its RES_B x RES_BL tiles). Why: at a later prefill chunk's fold (2048 keys, 407 open clusters, batch 8,
-# H200) the distance launch took 4.95 of the fold's 8.45 ms (docs/bench.md "Stop 59 runs"), about 2.4 s of
-# ClusterGen's batch-8 32k prefill, for work a tensor core does in microseconds. What changes: the rounding (the
-# expansion's, clamped at 0), so a key whose two nearest clusters, or whose nearest distance and delta, agree to ~1e-7
-# of its squared norm may decide otherwise than the reference; on inputs whose sums are exact (small-integer keys: the
-# tests) every decision is the reference's; on real keys (SmolLM2-135M, three layers, 1,600 tokens in three folds,
-# fp32, interpreter; docs/bench.md "Stop 61 runs") the same state as the direct form. Off until timed on a GPU
-# (`python -m kvrewrite.bench.clustergen_fold --batches 8 1 --no-reference --form-sweep`).
-DIST_DOT = False
+# DIST_DOT (on): launch 3's distances as ||a||^2 + ||b||^2 - 2 a.b with the product on tensor cores (DOT_BF x DOT_BM
+# tiles, every cluster block in one program, so each key leaves one running minimum and launch 4 reads one, not one per
+# block), instead of sum((a - b)^2) on CUDA cores in DC-dim steps (dist_dot=False: the direct form); launch 4's
+# distances to the leaders opened in the fold too (its RES_B x RES_BL tiles). Why: at a later prefill chunk's fold (2048
+# keys, 407 open clusters, batch 8, H200) the direct distance launch took 4.95 of the fold's 8.45 ms (docs/bench.md
+# "Stop 59 runs"). What changes: the rounding (the expansion's, clamped at 0), so a key whose two nearest clusters, or
+# whose nearest distance and delta, agree to ~1e-7 of its squared norm may decide otherwise than the reference; on
+# inputs whose sums are exact (small-integer keys: the tests) every decision is the reference's; on real keys
+# (SmolLM2-135M, fp32 in the interpreter, stop 61; SmolLM2-135M and Qwen2.5-0.5B, bf16, on an H200 with RES_B 128, stop
+# 62: 297 folds; docs/bench.md) the same state as the direct form; on random normal bf16 keys at batch 8 (all distances
+# within a few percent of each other) some decisions differ. Timed with RESOLVE_EVENTS and JOINER_INDEX (H200, batch 8,
+# CUDA-graph replays, two runs; `python -m kvrewrite.bench.clustergen_fold --form-sweep`, docs/bench.md "Stop 62 runs"):
+# a later chunk's fold 8.50 -> 1.11 ms, the first chunk's 23.96 -> 16.30, a decode step's 423 -> 342 us.
+DIST_DOT = True
 DOT_BF, DOT_BM, DOT_FO = 64, 64, 256  # keys x clusters per tile, keys per program (its loop covers every cluster)
-RES_B, RES_BL = 32, 32  # launch 4: keys per sequential block, leaders per tile
-# RESOLVE_EVENTS: launch 4 takes a step per key that opens a cluster (the keys before the next one that is farther
+# launch 4: keys per sequential block, leaders per tile. RES_B 128 with the three forms (H200, stop 62) took a later
+# prefill chunk's fold at batch 8 from 1.11 to 0.93 ms and the fold bench's decode case from 342 to 353 us, but end to
+# end it made ClusterGen's batch-1 compressing decode step 11.52 ms against 8.62 at 32 (4.67 against 4.59 ms/token;
+# docs/bench.md "Stop 62 runs"; not explained): 32 stays.
+RES_B, RES_BL = 32, 32
+# RESOLVE_EVENTS (on): launch 4 takes a step per key that opens a cluster (the keys before the next one that is farther
 # than delta from every cluster join their nearest at once; once no cluster is free, every far key left is forced at
 # once) instead of a step per key: the same rule and the same results (nothing but an opening changes another key's
 # nearest cluster). Why: a later prefill chunk's fold opens no cluster (all M open) yet stepped through its 2048 keys
-# one by one, 1.82 ms a fold at batch 8 (docs/bench.md "Stop 59 runs"). Off until timed (its GPU tests passed, stop 61).
-RESOLVE_EVENTS = False
+# one by one, 1.82 ms a fold at batch 8 (docs/bench.md "Stop 59 runs"). Alone (stop 62, batch 8): 8.50 -> 7.07 ms
+# a later chunk's fold, 423 -> 404 us a decode step's.
+RESOLVE_EVENTS = True
 SK_BS = 32  # sketch slots per program of launch 5 (128 spilled ~6.6 KB per thread on sm_90)
 SCAN_CH = 16  # ASSIGN entries per step of launch 5's joiner scan
-# JOINER_INDEX: launch 4 also lists each cluster's joiners of the fold in F order (each key's rank among them as it
+# JOINER_INDEX (on): launch 4 also lists each cluster's joiners of the fold in F order (each key's rank among them as it
 # resolves a block, then offsets and a scatter: JO, JL), and launch 5 reads a key slot's m-th joiner there instead
 # of scanning ASSIGN (SCAN_CH entries a step over all |F| keys, in every program with a slot to take). The same
 # sample. Why: launch 5 took 1.69 ms of a later prefill chunk's 8.45 ms fold at batch 8 (docs/bench.md "Stop 59
-# runs"), nearly every program scanning its 2048 ASSIGN entries. Off until timed on a GPU.
-JOINER_INDEX = False
+# runs"), nearly every program scanning its 2048 ASSIGN entries. Alone (stop 62, batch 8): 8.50 -> 7.02 ms a later
+# chunk's fold.
+JOINER_INDEX = True
 DC = 8  # dims per step of a distance tile
 PACK_B = 16  # slots per step of launch 6
 
@@ -202,7 +209,7 @@ def _cg_split_kernel(BIAS, ROLE, FILL, BUDGET, FS, KS, INFO, C, n_sink, window, 
 # -- launch 2: δ calibration -------------------------------------------------------------------------
 @triton_jit(do_not_specialize=["C", "D", "n_sink", "window", "t", "vs_bits", "ct_bits", "Mmax"])
 def _cg_calib_kernel(K, FS, INFO, DELTA, D2, BUDGET, C, D, n_sink, window, t, vs_bits, ct_bits, Mmax,
-                     CH: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr):
+                     CH: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * C
     due = tl.load(INFO + row * 8)
@@ -219,7 +226,7 @@ def _cg_calib_kernel(K, FS, INFO, DELTA, D2, BUDGET, C, D, n_sink, window, t, vs
             c = tl.load(K + (base + cslot) * D + dcol, mask=dm, other=0.0).to(tl.float32)
             lane_best = tl.full([CH], -2.0, tl.float32)  # per lane: the largest d2 so far, the first on ties
             lane_i = tl.zeros([CH], tl.int32)
-            for c0 in tl.range(0, nF, CH, num_stages=STAGES):  # (STAGES None: the compiler's choice)
+            for c0 in range(0, nF, CH):
                 f = c0 + tl.arange(0, CH)
                 m = f < nF
                 slot = tl.load(FS + base + f, mask=m, other=0).to(tl.int64)
@@ -646,21 +653,18 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
                            n_seen, n_forced, *, n_sink: int, window: int, t: int, value_share: float,
                            cluster_target: float, seed: int, layer: int, head_offset: int = 0,
                            dist_bm: int | None = None, dist_fo: int | None = None, dist_bf: int | None = None,
-                           dist_warps: int = 4, dist_dot: bool | None = None, res_b: int = RES_B, res_bl: int = RES_BL,
-                           num_warps_seq: int = 4, resolve_events: bool | None = None,
-                           joiner_index: bool | None = None, cal_ch: int = CAL_CH, cal_warps: int = CAL_WARPS,
-                           cal_stages: int | None = None) -> None:
+                           dist_warps: int = 4, dist_dot: bool | None = None, res_b: int | None = None,
+                           res_bl: int = RES_BL, num_warps_seq: int = 4, resolve_events: bool | None = None,
+                           joiner_index: bool | None = None, cal_ch: int = CAL_CH, cal_warps: int = CAL_WARPS) -> None:
     """Launch the six kernels (module docstring); mutates the state as the op. The inputs are checked by the op
     (kvrewrite/kernels/clustergen_fold.py); here only what the kernels add: contiguous tensors. Knobs (sizes are
     powers of two; every value gives the same result, but dist_dot's rounding on near-ties): dist_bm clusters per
     distance block, dist_fo keys per distance program, dist_bf keys per distance tile (defaults DIST_BM, DIST_FO,
     DIST_BF; DOT_BM, DOT_FO, DOT_BF with the dot form, whose tiles must be at least 16), dist_warps the distance
-    launch's warps, dist_dot its form (default DIST_DOT); res_b keys per sequential block, res_bl leaders per tile,
-    num_warps_seq the resolve launch's warps, resolve_events its form (default RESOLVE_EVENTS); joiner_index the
-    reservoirs' joiner lookup (default JOINER_INDEX); cal_ch points per chunk of a calibration pass, cal_warps its
-    warps, cal_stages the software pipelining of its chunk loop (None: the compiler's choice, which does not
-    pipeline it; the stages of cal_ch rows must fit shared memory: fp32 D 128 at 256 points and 3 stages asks 270
-    KB, Triton's OutOfResources).
+    launch's warps, dist_dot its form (default DIST_DOT); res_b keys per sequential block (default RES_B), res_bl
+    leaders per tile, num_warps_seq the resolve launch's warps, resolve_events its form (default RESOLVE_EVENTS);
+    joiner_index the reservoirs' joiner lookup (default JOINER_INDEX); cal_ch points per chunk of a calibration pass,
+    cal_warps its warps.
     Under TRITON_INTERPRET=1 it runs on CPU tensors (how the kernels are tested without a GPU)."""
     if triton is None:
         raise NotImplementedError(f"{NAME} needs Triton (pip install triton)")
@@ -680,6 +684,7 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
     dist_dot = DIST_DOT if dist_dot is None else bool(dist_dot)
     resolve_events = RESOLVE_EVENTS if resolve_events is None else bool(resolve_events)
     joiner_index = JOINER_INDEX if joiner_index is None else bool(joiner_index)
+    res_b = res_b or RES_B
     dist_bm = dist_bm or (DOT_BM if dist_dot else DIST_BM)
     dist_bf = dist_bf or (DOT_BF if dist_dot else DIST_BF)
     if dist_dot and min(dist_bm, dist_bf, res_b, res_bl) < 16:
@@ -707,7 +712,7 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
     sz = (n_sink, window, t, vs, ct)
     _cg_split_kernel[(rows,)](bias, role, fill, budget, fs, ks, info, C, n_sink, window, CH=SPLIT_CH)
     _cg_calib_kernel[(rows,)](keys, fs, info, delta, d2, budget, C, D, *sz, Mmax, CH=cal_ch, BLOCK_D=block_d,
-                              STAGES=cal_stages, num_warps=cal_warps)
+                              num_warps=cal_warps)
     _cg_dist_kernel[(ncb, triton.cdiv(C, dist_fo), rows)](keys, values, rep, fs, info, n_clusters, pd, pi, w, C, D,
                                                           Mmax, ncb, BF=dist_bf, BM=dist_bm, FO=dist_fo, DCH=DC,
                                                           BLOCK_D=max(block_d, 16) if dist_dot else block_d,

@@ -103,16 +103,16 @@ CASES = {  # name: dtype, B, H, D, n_sink, window, t, Bt, g, groups, prompt leng
 }
 
 
-FORMS = {"default": {}, "events": dict(resolve_events=True), "index": dict(joiner_index=True),
-         "cal-stages": dict(cal_ch=128, cal_stages=2),  # (fp32 rows at 256 points and 3 stages: 270 KB of shared)
-         "all": dict(dist_dot=True, resolve_events=True, joiner_index=True)}
+DIRECT = dict(dist_dot=False, resolve_events=False, joiner_index=False, res_b=32)  # the forms before stop 62
+FORMS = {"default": {}, "direct": DIRECT, "events": dict(DIRECT, resolve_events=True),
+         "index": dict(DIRECT, joiner_index=True), "dot": dict(DIRECT, dist_dot=True)}
 
 
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_reference_prefill_chunks_then_decode(name, form):
-    """Every launch form (the module's defaults; RESOLVE_EVENTS; JOINER_INDEX; the calibration's pipelined chunk loop;
-    both with DIST_DOT, exact here: integer keys)."""
+    """Every launch form (the module's defaults: DIST_DOT, RESOLVE_EVENTS and JOINER_INDEX; the direct form without
+    them; each of the three alone over it; DIST_DOT exact here: integer keys)."""
     dtype, B, H, D, n_sink, window, t, Bt, g, groups, lens, pads = CASES[name]
     launch = functools.partial(kk.triton_clustergen_fold, **FORMS[form])
     kw = dict(n_sink=n_sink, window=window, t=t, value_share=0.5, cluster_target=0.9, seed=11, layer=5)
@@ -214,14 +214,14 @@ def test_mix32_triton_equals_mix32():
     assert y.cpu().tolist() == [mix32(int(x)) for x in xs]
 
 
-@pytest.mark.parametrize("case,form", [("prefill_later", "default"), ("prefill_later", "all"),
-                                       ("prefill_first", "cal-stages")])
+@pytest.mark.parametrize("case,form", [("prefill_later", "default"), ("prefill_later", "direct"),
+                                       ("prefill_first", "default")])
 def test_replays_of_a_batch_fold_give_one_state(case, form):
     """A later prefill chunk's fold at the bench's batch-8 32k layout (random bf16 keys, 407 clusters open, 2048 folded
     keys a row), replayed from one state 40 times in a CUDA graph: one state every time, and every freed slot
     [n_kept, old fill) at bias -inf. Before stop 59's barriers in the pack launch, 1-5 replays of 40 left 512 freed
     slots of one row at bias 0 (a warp read the row's fill after another had written n_kept) on an H200. Also with
-    the other launch forms, and the first chunk's fold (its δ calibration) with the calibration's loop pipelined."""
+    the direct form (no DIST_DOT, RESOLVE_EVENTS, JOINER_INDEX), and the first chunk's fold (its δ calibration)."""
     from kvrewrite.bench import clustergen_fold as cf
 
     s0 = cf.states(8)[0][case]

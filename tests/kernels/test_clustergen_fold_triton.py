@@ -25,7 +25,8 @@ from kvrewrite.kernels._hash import mix32_triton  # noqa: E402
 from kvrewrite.kernels.clustergen_fold import reference_clustergen_fold  # noqa: E402
 from kvrewrite.kernels.kmeans_cluster import mix32  # noqa: E402
 
-SMALL = dict(dist_bm=4, dist_fo=16, res_b=8, res_bl=4, cal_ch=8)  # every block boundary crossed at these sizes
+DIRECT = dict(dist_dot=False, resolve_events=False, joiner_index=False)  # the fold's forms before stop 62's defaults
+SMALL = dict(DIRECT, dist_bm=4, dist_fo=16, res_b=8, res_bl=4, cal_ch=8)  # every block boundary crossed at these sizes
 FIELDS = ("keys", "values", "bias", "slot_pos", "fill", "budget", "role", "rep", "count", "n_clusters", "mu", "delta",
           "n_seen", "n_forced")
 
@@ -114,12 +115,14 @@ CASES = {  # name: (n_sink, window, t, value_share, cluster_target, Bt, groups, 
 
 
 DOT = dict(dist_dot=True, dist_bf=16, dist_bm=16, dist_fo=32, res_b=16, res_bl=16)  # the dot form's smallest tiles
+DEFAULTS = dict(dist_dot=None, resolve_events=None, joiner_index=None, dist_bf=16, dist_bm=16, dist_fo=32, res_b=16,
+                res_bl=16)  # the module's forms (None: DIST_DOT, RESOLVE_EVENTS, JOINER_INDEX) at the smallest tiles
 
 
 @pytest.mark.parametrize("knobs", [{}, dict(cal_ch=2, cal_warps=4, dist_bf=4, dist_warps=2), dict(resolve_events=True),
                                    DOT, dict(joiner_index=True), dict(joiner_index=True, resolve_events=True, res_b=4),
-                                   dict(cal_stages=3)],
-                         ids=["small", "smaller", "events", "dot", "index", "index-events", "cal-stages"])
+                                   DEFAULTS],
+                         ids=["small", "smaller", "events", "dot", "index", "index-events", "defaults"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_reference_prefill_then_decode_folds(name, knobs):
     """Prompt folds then decode folds, every output against the reference; the launch knobs change no decision (the
