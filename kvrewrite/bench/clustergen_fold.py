@@ -18,7 +18,7 @@ Run:  python -m kvrewrite.bench.clustergen_fold --out docs/bench/clustergen_fold
 --calib-sweep also times the δ calibration's launch variants (chunk size, warps) on the first chunk's fold;
 --dist-sweep the distance launch's (tiles, keys per program, warps) on a later chunk's fold and a decode step's.
 --form-sweep the launches' other forms (FORM_VARIANTS: the direct form, DIRECT, with no step per opening, no joiner
-index, the distances on CUDA cores and stop 61's resolve blocks; each of the three defaults alone over it) on every
+index and the distances on CUDA cores; each of the three defaults alone over it; the resolve's 128-key blocks) on every
 case, each checked against the default's state (the fields that differ listed: the dot form rounds otherwise, so a
 near-tie may go the other way on these random keys).
 """
@@ -136,10 +136,10 @@ DIST_VARIANTS = [(kk.DIST_BF, kk.DIST_BM, kk.DIST_FO, 4), (32, 32, 1024, 4), (8,
                  (64, 32, 1024, 8)]
 
 
-# the fold before stop 62's defaults (DIST_DOT, RESOLVE_EVENTS, JOINER_INDEX on, RES_B 128)
-DIRECT = dict(dist_dot=False, resolve_events=False, joiner_index=False, res_b=32)
+# the fold before stop 62's defaults (DIST_DOT, RESOLVE_EVENTS and JOINER_INDEX on)
+DIRECT = dict(dist_dot=False, resolve_events=False, joiner_index=False)
 FORM_VARIANTS = [{}, DIRECT, dict(DIRECT, resolve_events=True), dict(DIRECT, joiner_index=True),
-                 dict(DIRECT, dist_dot=True), dict(res_b=32), dict(dist_dot=False), dict(dist_bf=32)]
+                 dict(DIRECT, dist_dot=True), dict(res_b=128), dict(dist_dot=False), dict(dist_bf=32)]
 
 
 def knob_sweep(s0, want, variants: list, label: str) -> list:
