@@ -17,6 +17,7 @@ whatever the case): one call per case at the first batch size, the decode case o
 Run:  python -m kvrewrite.bench.clustergen_fold --out docs/bench/clustergen_fold_h100.json
 --calib-sweep also times the δ calibration's launch variants (chunk size, warps) on the first chunk's fold;
 --dist-sweep the distance launch's (tiles, keys per program, warps) on a later chunk's fold and a decode step's.
+--reservoir-sweep the reservoir launch's (sketch slots per program, warps: RESERVOIR_VARIANTS) on the same two.
 --form-sweep the launches' other forms (FORM_VARIANTS: the direct form, DIRECT, with no step per opening, no joiner
 index and the distances on CUDA cores; each of the three defaults alone over it; the resolve's 128-key blocks) on every
 case, each checked against the default's state (the fields that differ listed: the dot form rounds otherwise, so a
@@ -136,6 +137,8 @@ DIST_VARIANTS = [(kk.DIST_BF, kk.DIST_BM, kk.DIST_FO, 4), (32, 32, 1024, 4), (8,
                  (64, 32, 1024, 8)]
 
 
+# (sketch slots per program, warps) of the reservoir launch (launch 5); the first is the default (SK_BS, SK_WARPS)
+RESERVOIR_VARIANTS = [(kk.SK_BS, kk.SK_WARPS), (64, 4), (128, 4), (128, 8), (256, 8), (16, 4), (32, 2)]
 # the fold before stop 62's defaults (DIST_DOT, RESOLVE_EVENTS and JOINER_INDEX on)
 DIRECT = dict(dist_dot=False, resolve_events=False, joiner_index=False)
 FORM_VARIANTS = [{}, DIRECT, dict(DIRECT, resolve_events=True), dict(DIRECT, joiner_index=True),
@@ -145,8 +148,8 @@ FORM_VARIANTS = [{}, DIRECT, dict(DIRECT, resolve_events=True), dict(DIRECT, joi
 def knob_sweep(s0, want, variants: list, label: str) -> list:
     """One case's whole fold replayed from a CUDA graph with each launch-knob dict of variants, interleaved over two
     rounds; each variant's state checked against the default's (want) field for field: --calib-sweep (the first
-    chunk's fold, its δ calibration the bulk) and --dist-sweep (a later chunk's and a decode step's, the distance
-    launch the bulk)."""
+    chunk's fold, its δ calibration the bulk), --dist-sweep and --reservoir-sweep (a later chunk's and a decode
+    step's), --form-sweep (every case)."""
     out = []
     for r in range(2):
         for knobs in variants:
@@ -188,6 +191,9 @@ def main():
     parser.add_argument("--form-sweep", action="store_true",
                         help="also time the launches' other forms (FORM_VARIANTS) on every case at every batch, each "
                              "checked against the default's state")
+    parser.add_argument("--reservoir-sweep", action="store_true",
+                        help="also time the reservoir launch's variants (RESERVOIR_VARIANTS) on prefill_later and "
+                             "decode at every batch, each checked against the default's state")
     parser.add_argument("--dist-sweep", action="store_true",
                         help="also time the distance launch's variants (DIST_VARIANTS) on prefill_later and decode at "
                              "every batch, each checked against the default's state")
@@ -223,6 +229,9 @@ def main():
             if args.dist_sweep and name != "prefill_first":
                 row["dist_sweep"] = knob_sweep(s0, got, [dict(dist_bf=bf, dist_bm=bm, dist_fo=fo, dist_warps=w)
                                                          for bf, bm, fo, w in DIST_VARIANTS], "dist")
+            if args.reservoir_sweep and name != "prefill_first":
+                row["reservoir_sweep"] = knob_sweep(s0, got, [dict(sk_bs=b, sk_warps=w) for b, w in RESERVOIR_VARIANTS],
+                                                    "reservoir")
             if args.form_sweep:
                 row["form_sweep"] = knob_sweep(s0, got, FORM_VARIANTS, "form")
                 row["form_launch_us"] = profile_launches(s0, **DIRECT)

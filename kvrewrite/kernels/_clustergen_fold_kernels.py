@@ -103,7 +103,12 @@ RES_B, RES_BL = 32, 32
 # one by one, 1.82 ms a fold at batch 8 (docs/bench.md "Stop 59 runs"). Alone (stop 62, batch 8): 8.50 -> 7.07 ms
 # a later chunk's fold, 423 -> 404 us a decode step's.
 RESOLVE_EVENTS = True
-SK_BS = 32  # sketch slots per program of launch 5 (128 spilled ~6.6 KB per thread on sm_90)
+# launch 5: sketch slots a program, and its warps. With the ASSIGN scan (JOINER_INDEX off) 128 slots at 4 warps spilled
+# ~6.6 KB a thread on sm_90; with the joiner index none of (64, 4), (128, 4), (128, 8), (256, 8) spills (offline sm_90,
+# bf16: 64, 120, 64 and 120 registers; 40 at 32). Why fewer programs may pay: at batch 8 a decode fold's reservoir
+# launch took 247 of its ~340 us (H200, stop 62, the fold bench's launch profile), 8x its batch-1 time for 8x the rows:
+# ~17k programs of a few dependent loads each. Untimed: `python -m kvrewrite.bench.clustergen_fold --reservoir-sweep`.
+SK_BS, SK_WARPS = 32, 4
 SCAN_CH = 16  # ASSIGN entries per step of launch 5's joiner scan
 # JOINER_INDEX (on): launch 4 also lists each cluster's joiners of the fold in F order (each key's rank among them as it
 # resolves a block, then offsets and a scatter: JO, JL), and launch 5 reads a key slot's m-th joiner there instead
@@ -656,7 +661,8 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
                            dist_bm: int | None = None, dist_fo: int | None = None, dist_bf: int | None = None,
                            dist_warps: int = 4, dist_dot: bool | None = None, res_b: int | None = None,
                            res_bl: int = RES_BL, num_warps_seq: int = 4, resolve_events: bool | None = None,
-                           joiner_index: bool | None = None, cal_ch: int = CAL_CH, cal_warps: int = CAL_WARPS) -> None:
+                           joiner_index: bool | None = None, cal_ch: int = CAL_CH, cal_warps: int = CAL_WARPS,
+                           sk_bs: int | None = None, sk_warps: int | None = None) -> None:
     """Launch the six kernels (module docstring); mutates the state as the op. The inputs are checked by the op
     (kvrewrite/kernels/clustergen_fold.py); here only what the kernels add: contiguous tensors. Knobs (sizes are
     powers of two; every value gives the same result, but dist_dot's rounding on near-ties): dist_bm clusters per
@@ -665,7 +671,7 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
     launch's warps, dist_dot its form (default DIST_DOT); res_b keys per sequential block (default RES_B), res_bl
     leaders per tile, num_warps_seq the resolve launch's warps, resolve_events its form (default RESOLVE_EVENTS);
     joiner_index the reservoirs' joiner lookup (default JOINER_INDEX); cal_ch points per chunk of a calibration pass,
-    cal_warps its warps.
+    cal_warps its warps; sk_bs sketch slots per reservoir program, sk_warps its warps (defaults SK_BS, SK_WARPS).
     Under TRITON_INTERPRET=1 it runs on CPU tensors (how the kernels are tested without a GPU)."""
     if triton is None:
         raise NotImplementedError(f"{NAME} needs Triton (pip install triton)")
@@ -686,6 +692,7 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
     resolve_events = RESOLVE_EVENTS if resolve_events is None else bool(resolve_events)
     joiner_index = JOINER_INDEX if joiner_index is None else bool(joiner_index)
     res_b = res_b or RES_B
+    sk_bs, sk_warps = sk_bs or SK_BS, sk_warps or SK_WARPS
     dist_bm = dist_bm or (DOT_BM if dist_dot else DIST_BM)
     dist_bf = dist_bf or (DOT_BF if dist_dot else DIST_BF)
     if dist_dot and min(dist_bm, dist_bf, res_b, res_bl) < 16:
@@ -722,10 +729,10 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
                                 budget, C, D, Mmax, ncb, *sz, BM=dist_bm, RB=res_b, BL=res_bl, DCH=DC, CH=SPLIT_CH,
                                 EVENTS=resolve_events, JIDX=joiner_index, DOT=dist_dot,
                                 BLOCK_D=max(block_d, 16) if dist_dot else block_d, num_warps=num_warps_seq)
-    _cg_reservoir_kernel[(triton.cdiv(C, SK_BS), rows)](keys, values, bias, slot_pos, role, fs, info, count, jc,
+    _cg_reservoir_kernel[(triton.cdiv(C, sk_bs), rows)](keys, values, bias, slot_pos, role, fs, info, count, jc,
                                                         assign, jo, jl, p, mu, n_seen, budget, C, D, Mmax, H, *sz,
-                                                        hbase, head_offset, BS=SK_BS, SCH=SCAN_CH,
+                                                        hbase, head_offset, BS=sk_bs, SCH=SCAN_CH,
                                                         LOG_C=max(C, 1).bit_length(), DCOPY=min(block_d, 32),
-                                                        JIDX=joiner_index)
+                                                        JIDX=joiner_index, num_warps=sk_warps)
     _cg_pack_kernel[(rows,)](keys, values, bias, slot_pos, role, fill, rep, count, jc, n_clusters, n_forced, n_seen,
                              mu, ks, fs, nl, info, p, xk, xv, xp, C, D, Mmax, nk, PB=PACK_B, BLOCK_D=block_d)

@@ -105,14 +105,15 @@ CASES = {  # name: dtype, B, H, D, n_sink, window, t, Bt, g, groups, prompt leng
 
 DIRECT = dict(dist_dot=False, resolve_events=False, joiner_index=False, res_b=32)  # the forms before stop 62
 FORMS = {"default": {}, "direct": DIRECT, "events": dict(DIRECT, resolve_events=True),
-         "index": dict(DIRECT, joiner_index=True), "dot": dict(DIRECT, dist_dot=True)}
+         "index": dict(DIRECT, joiner_index=True), "dot": dict(DIRECT, dist_dot=True),
+         "reservoir-128": dict(sk_bs=128, sk_warps=8)}
 
 
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_reference_prefill_chunks_then_decode(name, form):
     """Every launch form (the module's defaults: DIST_DOT, RESOLVE_EVENTS and JOINER_INDEX; the direct form without
-    them; each of the three alone over it; DIST_DOT exact here: integer keys)."""
+    them; each of the three alone over it; the reservoirs in 128-slot programs; DIST_DOT exact here: integer keys)."""
     dtype, B, H, D, n_sink, window, t, Bt, g, groups, lens, pads = CASES[name]
     launch = functools.partial(kk.triton_clustergen_fold, **FORMS[form])
     kw = dict(n_sink=n_sink, window=window, t=t, value_share=0.5, cluster_target=0.9, seed=11, layer=5)
