@@ -157,6 +157,30 @@ def test_synthetic_fill_matches_a_real_prefill(tiny_llama):
     assert torch.equal(real._next_cache_position, fake._next_cache_position)
 
 
+def test_synthetic_fill_replays_clustergen_prefill_chunk_by_chunk(tiny_llama):
+    """ClusterGen's synthetic state is built as a real prefill builds it, a fold a chunk (REPLAY_CHUNKS): the
+    schedule, fills and exact slots' positions of a real prefill, every token but the exact ones folded (n_seen), δ
+    calibrated and clusters open in every row (a fill of the kept slots alone left the sketch empty); a context that
+    is not a multiple of the prefill chunk is refused by name."""
+    import kvrewrite
+
+    model, captured = tiny_llama
+    kw = dict(budget=0.5, max_length=300, captured=captured, window=4, n_sink=2, t=2, interval=4)
+    real, fake = (kvrewrite.apply(model, "clustergen", **kw) for _ in range(2))
+    real.prefill(torch.randint(1, 128, (2, 256)), max_new_tokens=40)
+    e2e.synthetic_fill(fake, 256, 40)
+    assert real.schedule.fill == fake.schedule.fill and real.schedule.threshold == fake.schedule.threshold
+    for i in range(2):
+        r, f = real.layer_state(i), fake.layer_state(i)
+        assert torch.equal(r["fill"], f["fill"]) and torch.equal(r["n_seen"], f["n_seen"])
+        kept = int(f["fill"].max())
+        assert kept == 6 and torch.equal(r["slot_pos"][..., :kept], f["slot_pos"][..., :kept])
+        assert (f["delta"] > 0).all() and (f["n_clusters"] > 0).all() and (f["role"] == 1).any(-1).all()
+    assert torch.equal(real._next_position, fake._next_position)
+    with pytest.raises(ValueError, match="multiple of the prefill chunk"):
+        e2e.synthetic_fill(fake, 250, 40)
+
+
 def test_attention_bench_bytes_model():
     """kvrewrite.bench.attention counts what the op reads: decode graphs pass past_only=True, so no positions
     (4 B of bias per slot over SDPA's bytes), and 12 B (bias + int64 position) without it."""

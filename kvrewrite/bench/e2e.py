@@ -24,9 +24,11 @@ Decisions (what exactly is timed):
   H200, 46-68 s): the README's fastest path.
 - State before decode: at batch 1 (at every batch with `--batch-prefill`), the real chunked prefill of n random
   tokens a row (timed, compression included) leaves the state. At batch > 1 the state is otherwise filled
-  synthetically (speed does not depend on values): each layer holds exactly the slots the method has after a real prefill (min(n, B) with
-  B = round(budget * (n + new)); n for full), random keys/values, bias 0, increasing slot positions; the
-  host schedule mirrors it, so re-compression happens every g steps as in a real run.
+  synthetically (speed does not depend on values): each layer holds exactly the slots the method has after a real
+  prefill (min(n, B) with B = round(budget * (n + new)); n for full), random keys/values, bias 0, increasing slot
+  positions; the host schedule mirrors it, so re-compression happens every g steps as in a real run. ClusterGen,
+  whose sketch a real prefill builds fold by fold, gets the prompt's chunks of random keys replayed through its
+  compression op instead (REPLAY_CHUNKS; before stop 62 its synthetic state had an empty sketch).
 - HF rows: the StaticCache is filled with random keys/values (HF reads all max_cache_len slots every step
   whatever they hold; the mask hides the unwritten ones).
 - Prefill (batch 1; every batch with `--batch-prefill`): kvrewrite's real chunked prefill of the batch
@@ -570,36 +572,77 @@ class KVDecoder:
         return statistics.mean(f for fills in self.rw.schedule.fill for f in fills) if self.rw.schedule.fill else 0.0
 
 
+# Methods whose state after a prompt is built by every chunk's compression, not by its slot count alone: ClusterGen's
+# sketch (the clusters, δ, the samples) comes from one fold per prefill chunk. A fill of the kept slots alone would
+# leave its sketch empty and δ uncalibrated, so that the first decode fold calibrates on g keys and the later ones open
+# clusters: decode work a real prompt's state does not have. Their synthetic fill replays the chunks instead.
+REPLAY_CHUNKS = ("clustergen",)
+
+
 def synthetic_fill(rw, n: int, new_tokens: int) -> None:
     """State as a real prefill of n tokens leaves it (see the module docstring), without running one: every layer
     holds the slots the host schedule says a prefill leaves (its compression rule applied once to n tokens), with
     random keys and values, then the prefill graph's compression ops run on it (they act where due: ClusterKV
-    clusters the prompt; the others' rows are already at their target)."""
+    clusters the prompt; the others' rows are already at their target). A method of REPLAY_CHUNKS instead gets the
+    prompt's chunks one by one, each followed by the compression ops (replay_chunks)."""
     from kvrewrite.eval.prefill import compression_nodes
 
     B = rw.batch_size
     rw.reset(n, new_tokens, prompt_slots=n)
-    rw.schedule.step([n] * B, n, compress=True)
     g = torch.Generator(device=rw.l0_fill.device).manual_seed(1)
-    for info, fills in zip(rw.layers, rw.schedule.fill):
-        f = fills[0]
-        st = rw.layer_state(info.index)
-        st["keys"][:, :, :f].normal_(generator=g)
-        st["values"][:, :, :f].normal_(generator=g)
-        st["bias"][:, :, :f] = 0.0
-        pos = torch.linspace(0, n - 1, f, device=st["slot_pos"].device).round().long() if f < n else \
-            torch.arange(n, device=st["slot_pos"].device)
-        st["slot_pos"][:, :, :f] = pos
-        st["fill"].fill_(f)
-    if rw.method.name == "ems":
-        for info in rw.layers:
-            if not info.window:
-                ems_table(rw.layer_state(info.index), rw.method, n)
-    for node in compression_nodes(rw.prefill_graph):
-        st = rw.layer_state(node.meta["kvrewrite"]["layer"])
-        node.target(*(st[a.name.split("_", 1)[1]] for a in node.args), **node.kwargs)
+    if rw.method.name in REPLAY_CHUNKS:
+        replay_chunks(rw, n, g)
+    else:
+        rw.schedule.step([n] * B, n, compress=True)
+        for info, fills in zip(rw.layers, rw.schedule.fill):
+            f = fills[0]
+            st = rw.layer_state(info.index)
+            st["keys"][:, :, :f].normal_(generator=g)
+            st["values"][:, :, :f].normal_(generator=g)
+            st["bias"][:, :, :f] = 0.0
+            pos = torch.linspace(0, n - 1, f, device=st["slot_pos"].device).round().long() if f < n else \
+                torch.arange(n, device=st["slot_pos"].device)
+            st["slot_pos"][:, :, :f] = pos
+            st["fill"].fill_(f)
+        if rw.method.name == "ems":
+            for info in rw.layers:
+                if not info.window:
+                    ems_table(rw.layer_state(info.index), rw.method, n)
+        for node in compression_nodes(rw.prefill_graph):
+            st = rw.layer_state(node.meta["kvrewrite"]["layer"])
+            node.target(*(st[a.name.split("_", 1)[1]] for a in node.args), **node.kwargs)
     rw._next_position = torch.full((B,), n, dtype=torch.long, device=rw.l0_fill.device)
     rw._next_cache_position = torch.tensor([n], device=rw.l0_fill.device)
+
+
+def replay_chunks(rw, n: int, g) -> None:
+    """The prompt's n tokens in the runtime's prefill chunks (n a multiple of the chunk, as the runtime pads it), each
+    appended to every layer with random keys and values at positions in order, then the prefill graph's compression
+    ops (due as in a real prefill) and the host schedule's step: the state the real prefill's compression builds, but
+    for the values. Sliding-window layers are refused (their eviction runs in the attention's path, not here)."""
+    from kvrewrite.eval.prefill import compression_nodes
+
+    T = rw.prefill_chunk
+    windowed = [info.index for info in rw.layers if info.window]
+    if windowed or n % T:
+        raise ValueError(f"synthetic_fill: {rw.method.name}'s state is replayed chunk by chunk, which needs no "
+                         f"sliding-window layers (layers {windowed} have one) and a context that is a multiple of the "
+                         f"prefill chunk ({n} tokens, chunks of {T}); time a real prefill instead (drop --no-prefill)")
+    B = rw.batch_size
+    nodes = compression_nodes(rw.prefill_graph)
+    for c0 in range(0, n, T):
+        for info, fills in zip(rw.layers, rw.schedule.fill):
+            f = fills[0]
+            st = rw.layer_state(info.index)
+            st["keys"][:, :, f:f + T].normal_(generator=g)
+            st["values"][:, :, f:f + T].normal_(generator=g)
+            st["bias"][:, :, f:f + T] = 0.0
+            st["slot_pos"][:, :, f:f + T] = torch.arange(c0, c0 + T, device=st["slot_pos"].device)
+            st["fill"].fill_(f + T)
+        for node in nodes:
+            st = rw.layer_state(node.meta["kvrewrite"]["layer"])
+            node.target(*(st[a.name.split("_", 1)[1]] for a in node.args), **node.kwargs)
+        rw.schedule.step([T] * B, T, compress=True)
 
 
 def ems_table(st: dict, m, n: int) -> None:

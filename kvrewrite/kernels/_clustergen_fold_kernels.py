@@ -92,9 +92,9 @@ DIST_DOT = True
 DOT_BF, DOT_BM, DOT_FO = 64, 64, 256  # keys x clusters per tile, keys per program (its loop covers every cluster)
 # launch 4: keys per sequential block, leaders per tile. RES_B 128 with the three forms (H200, stop 62) took a later
 # prefill chunk's fold at batch 8 from 1.11 to 0.93 ms and the fold bench's decode case from 342 to 353 us, but end to
-# end it made ClusterGen's batch-1 compressing decode step 11.52 ms against 8.62 at 32 (4.67 against 4.59 ms/token,
-# on `--no-prefill`'s synthetic state, whose decode folds open clusters: a likely reason, docs/bench.md "Stop 62
-# runs"): 32 stays.
+# end it made ClusterGen's batch-1 compressing decode step 11.52 ms against 8.62 at 32 (4.67 against 4.59 ms/token)
+# on `--no-prefill`'s synthetic state, which then left the sketch empty, so its decode folds opened a cluster a key
+# (docs/bench.md "Stop 62 runs"; the bench now replays the prompt's folds): 32 stays until timed on a real state.
 RES_B, RES_BL = 32, 32
 # RESOLVE_EVENTS (on): launch 4 takes a step per key that opens a cluster (the keys before the next one that is farther
 # than delta from every cluster join their nearest at once; once no cluster is free, every far key left is forced at
