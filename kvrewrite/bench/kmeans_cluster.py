@@ -203,7 +203,7 @@ def run(cfg: Config, sweep: bool = False) -> dict:
     s["fill"] += 220  # a full window
     res.window_graph_us = _graph_us(timed(end1, n1)) - res.restore_graph_us
     res.window_eager_us = eager_us(timed(end1, n1), restore(end1, n1))
-    del s
+    s.clear()  # the state's tensors freed before the next prompt length (the closures keep the dict)
     torch.cuda.empty_cache()
     print(f"prompt {cfg.prompt:>6} batch {cfg.B} ({res.n_clusters} clusters): prefill "
           f"{res.prefill_graph_us / 1e3:6.2f} ms graph ({res.prefill_eager_us / 1e3:6.2f} eager; every iteration "
