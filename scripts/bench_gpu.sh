@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole `kvrewrite bench` grid on one GPU, in phases; each phase is cut by its own timeout and
 # rewrites its JSON after every row, so a cut run keeps its rows.
-#   scripts/bench_gpu.sh [OUTDIR] [PHASES]     (PHASES: any of a b c d e f, default "a b c d")
+#   scripts/bench_gpu.sh [OUTDIR] [PHASES]     (PHASES: any of a to k, default "a b c d")
 # a: batch 1, 16k/32k/64k, HF eager + kvrewrite methods (real prefill), hf-compiled at 32k
 # b: 32k, batch 16 and the largest batch that fits per system, every system (synthetic state)
 # c: 32k batch 1 and 16 (CB=1: batch 1 only), kvrewrite decode through rw.compile(mode="reduce-overhead") (Inductor)
@@ -19,6 +19,10 @@
 # j: EMS's decode-time kernels at 32k (not default): the expanded attention's launch variants (bench/ems_attention.py:
 #    split counts and the narrow form among them), the redundancy by TBM count at batch 1 and 8 (bench/ems_prefill.py:
 #    its launch variants)
+# k: stop 62's ClusterGen and ClusterKV checks (not default): the fold's reservoir launch variants (bench/clustergen_fold.py
+#    --reservoir-sweep, batches 8 and 1), ClusterGen's 32k batch-1 decode on the replayed synthetic state with the
+#    resolve's 32- and 128-key blocks, and ClusterKV's clustering against HF's dense prefill (bench/kmeans_cluster.py
+#    --prefill-out); ClusterGen's batch-8 prefill is phase e with ES=clustergen
 set -o pipefail
 OUT=${1:-out/bench}
 PHASES=${2:-a b c d}
@@ -58,6 +62,15 @@ for p in $PHASES; do
          timeout ${TJ:-300} python -m kvrewrite.bench.ems_prefill --batch $jb --kernels redundancy \
            --out "$OUT/ems_redundancy_b$jb.json" 2>&1 | tee -a "$OUT/log.txt"
        done ;;
+    k) timeout ${TK:-300} python -m kvrewrite.bench.clustergen_fold --batches 8 1 --no-reference --reservoir-sweep \
+         --out "$OUT/clustergen_fold_reservoir.json" 2>&1 | tee -a "$OUT/log.txt"
+       for rb in 32 128; do
+         timeout ${TK:-300} $B --systems clustergen --contexts 32768 --batches 1 --no-prefill --fuse-projections --gemv \
+           --kv-compile inductor --kernel-option _clustergen_fold_kernels.RES_B=$rb --out "$OUT/e2e_clustergen_b1_rb$rb.json" \
+           --plot /tmp/e2e_k.png 2>&1 | tee -a "$OUT/log.txt"
+       done
+       timeout ${TK:-300} python -m kvrewrite.bench.kmeans_cluster --prefill-out "$OUT/clusterkv_prefill_cost.json" 2>&1 \
+         | tee -a "$OUT/log.txt" ;;
   esac
 done
 python - "$OUT" <<'PY'
