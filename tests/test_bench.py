@@ -9,6 +9,7 @@ import torch
 
 from kvrewrite.bench import e2e
 from kvrewrite.cli import main
+from kvrewrite.methods import METHODS
 
 TINY = ["--model", "tiny-llama", "--device", "cpu", "--reps", "1", "--intervals", "1", "--new-tokens", "98"]
 
@@ -179,6 +180,38 @@ def test_synthetic_fill_replays_clustergen_prefill_chunk_by_chunk(tiny_llama):
     assert torch.equal(real._next_position, fake._next_position)
     with pytest.raises(ValueError, match="multiple of the prefill chunk"):
         e2e.synthetic_fill(fake, 250, 40)
+
+
+# method: {field: why the synthetic state may leave it as reset where a real prefill sets it}
+SYNTHETIC_LEAVES = {
+    "h2o": {"score": "accumulated attention: zeros tie, and a compression still moves the slots over the target",
+            "order": "the identity: the synthetic slots are in temporal order"},
+    "snapkv": {"order": "the identity: the synthetic slots are in temporal order"},
+    "kvmerger": {"score": "as h2o's", "degree": "no merge yet: random keys' merges come at decode as after a prefill"},
+    "ems": {"key_scale": "the Global-Local statistics: zeros rank the entries by ties, the same work",
+            "s_glo": "as key_scale", "s_loc_past": "as key_scale"},
+}
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "full"])
+def test_synthetic_fill_sets_what_a_real_prefill_sets(tiny_llama, method):
+    """Every method's own state fields that a real prefill changes from the reset state, the synthetic fill changes
+    too, but those SYNTHETIC_LEAVES names with its reason (ClusterGen's sketch was such a field until its fill
+    replayed the folds: an empty sketch made its decode rows time another state)."""
+    import kvrewrite
+
+    model, captured = tiny_llama
+    kw = dict(budget=0.5, max_length=300, captured=captured,
+              **{"clustergen": dict(window=4, n_sink=2, t=2, interval=4),
+                 "ems": dict(window=4, kernel=3, interval=4)}.get(method, {}))
+    real, fake = (kvrewrite.apply(model, method, **kw) for _ in range(2))
+    real.prefill(torch.randint(1, 128, (2, 256)), max_new_tokens=40)
+    fake.reset(256, 40, prompt_slots=256)
+    reset = [{k: v.clone() for k, v in fake.layer_state(i).items()} for i in range(2)]
+    e2e.synthetic_fill(fake, 256, 40)
+    left = {k for i in range(2) for k, v in real.layer_state(i).items()
+            if not torch.equal(v, reset[i][k]) and torch.equal(fake.layer_state(i)[k], reset[i][k])}
+    assert left == set(SYNTHETIC_LEAVES.get(method, {})), f"{method}: set by a real prefill only: {sorted(left)}"
 
 
 def test_attention_bench_bytes_model():
