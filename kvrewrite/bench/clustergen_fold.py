@@ -40,7 +40,8 @@ KW = dict(n_sink=N_SINK, window=WINDOW, t=T, value_share=0.5, cluster_target=0.5
 STEP_MS = 6.1  # a plain decode step at 32k, B = 1, 32 layers (the method's bandwidth-floor reference)
 
 
-def empty(B, Bt, C, Mmax):
+def empty(B, Bt, C, Mmax, H=H, D=D):
+    """A reset state on the GPU (bf16 keys and values): B rows of H KV heads, capacity C, budget Bt, M_max clusters."""
     z = lambda *s, dt=torch.int64: torch.zeros(*s, dtype=dt, device="cuda")  # noqa: E731
     return dict(keys=z(B, H, C, D, dt=torch.bfloat16), values=z(B, H, C, D, dt=torch.bfloat16),
                 bias=torch.full((B, H, C), float("-inf"), device="cuda"), slot_pos=z(B, H, C), fill=z(B, H),

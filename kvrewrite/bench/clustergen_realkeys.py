@@ -15,11 +15,9 @@ import json
 
 import torch
 
-FIELDS = ("keys", "values", "bias", "slot_pos", "fill", "budget", "role", "rep", "count", "n_clusters", "mu", "delta",
-          "n_seen", "n_forced")
-DIRECT = dict(dist_dot=False, resolve_events=False, joiner_index=False)
-N_SINK, WINDOW, T, G, CHUNK, TOKENS = 4, 32, 8, 32, 256, 2048
-KW = dict(n_sink=N_SINK, window=WINDOW, t=T, value_share=0.5, cluster_target=0.5, seed=0)
+from kvrewrite.bench.clustergen_fold import DIRECT, FIELDS, G, KW, T, empty
+
+CHUNK, TOKENS = 256, 2048
 
 
 def dump(out: str, models: list) -> None:
@@ -39,16 +37,10 @@ def dump(out: str, models: list) -> None:
 
 
 def _state(H: int, D: int) -> dict:
+    """A reset state of one row of H KV heads: budget 0.2 of TOKENS, room for a chunk."""
     Bt = round(0.2 * TOKENS)
     C = Bt + G - 1 + CHUNK
-    Mmax = -(-(C // 2) // T) + 1
-    z = lambda *s, dt=torch.int64: torch.zeros(*s, dtype=dt, device="cuda")  # noqa: E731
-    return dict(keys=z(1, H, C, D, dt=torch.bfloat16), values=z(1, H, C, D, dt=torch.bfloat16),
-                bias=torch.full((1, H, C), float("-inf"), device="cuda"), slot_pos=z(1, H, C), fill=z(1, H),
-                budget=torch.tensor([Bt, N_SINK + WINDOW + G], device="cuda"), role=z(1, H, C, dt=torch.int8),
-                rep=z(1, H, Mmax, D, dt=torch.bfloat16), count=z(1, H, Mmax, dt=torch.int32), n_clusters=z(1, H),
-                mu=torch.zeros(1, H, device="cuda"), delta=torch.full((1, H), -1.0, device="cuda"), n_seen=z(1, H),
-                n_forced=z(1, H))
+    return empty(1, Bt, C, -(-(C // 2) // T) + 1, H=H, D=D)
 
 
 def check(out: str, paths: list) -> list:
@@ -72,8 +64,8 @@ def check(out: str, paths: list) -> list:
                     s["bias"][0, :, f:f + n] = 0.0
                     s["fill"] += n
                 pos += n
-                kk.triton_clustergen_fold(*(direct[f] for f in FIELDS), **KW, layer=layer, **DIRECT)
-                kk.triton_clustergen_fold(*(default[f] for f in FIELDS), **KW, layer=layer)
+                kk.triton_clustergen_fold(*(direct[f] for f in FIELDS), **dict(KW, layer=layer), **DIRECT)
+                kk.triton_clustergen_fold(*(default[f] for f in FIELDS), **dict(KW, layer=layer))
                 folds += 1
                 fields = [f for f in FIELDS if not torch.equal(direct[f].nan_to_num(), default[f].nan_to_num())]
                 if fields:

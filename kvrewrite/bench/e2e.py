@@ -608,9 +608,7 @@ def synthetic_fill(rw, n: int, new_tokens: int) -> None:
             for info in rw.layers:
                 if not info.window:
                     ems_table(rw.layer_state(info.index), rw.method, n)
-        for node in compression_nodes(rw.prefill_graph):
-            st = rw.layer_state(node.meta["kvrewrite"]["layer"])
-            node.target(*(st[a.name.split("_", 1)[1]] for a in node.args), **node.kwargs)
+        run_compression(rw, compression_nodes(rw.prefill_graph))
     rw._next_position = torch.full((B,), n, dtype=torch.long, device=rw.l0_fill.device)
     rw._next_cache_position = torch.tensor([n], device=rw.l0_fill.device)
 
@@ -639,10 +637,15 @@ def replay_chunks(rw, n: int, g) -> None:
             st["bias"][:, :, f:f + T] = 0.0
             st["slot_pos"][:, :, f:f + T] = torch.arange(c0, c0 + T, device=st["slot_pos"].device)
             st["fill"].fill_(f + T)
-        for node in nodes:
-            st = rw.layer_state(node.meta["kvrewrite"]["layer"])
-            node.target(*(st[a.name.split("_", 1)[1]] for a in node.args), **node.kwargs)
+        run_compression(rw, nodes)
         rw.schedule.step([T] * B, T, compress=True)
+
+
+def run_compression(rw, nodes) -> None:
+    """Call the prefill graph's compression ops (`nodes`) on the layers' state, each where due on the device."""
+    for node in nodes:
+        st = rw.layer_state(node.meta["kvrewrite"]["layer"])
+        node.target(*(st[a.name.split("_", 1)[1]] for a in node.args), **node.kwargs)
 
 
 def ems_table(st: dict, m, n: int) -> None:
