@@ -17,7 +17,7 @@ whatever the case): one call per case at the first batch size, the decode case o
 Run:  python -m kvrewrite.bench.clustergen_fold --out docs/bench/clustergen_fold_h100.json
 --calib-sweep also times the δ calibration's launch variants (chunk size, warps) on the first chunk's fold;
 --dist-sweep the distance launch's (tiles, keys per program, warps) on a later chunk's fold and a decode step's.
---reservoir-sweep the reservoir launch's (sketch slots per program, warps: RESERVOIR_VARIANTS) on the same two.
+--reservoir-sweep the reservoir launch's knobs (slots per program, warps, form: RESERVOIR_VARIANTS) on the same two.
 --form-sweep the launches' other forms (FORM_VARIANTS: the direct form, DIRECT, with no step per opening, no joiner
 index and the distances on CUDA cores; each of the three defaults alone over it; the resolve's 128-key blocks) on every
 case, each checked against the default's state (the fields that differ listed: the dot form rounds otherwise, so a
@@ -138,8 +138,9 @@ DIST_VARIANTS = [(kk.DIST_BF, kk.DIST_BM, kk.DIST_FO, 4), (32, 32, 1024, 4), (8,
                  (64, 32, 1024, 8)]
 
 
-# (sketch slots per program, warps) of the reservoir launch (launch 5); the first is the default (SK_BS, SK_WARPS)
-RESERVOIR_VARIANTS = [(kk.SK_BS, kk.SK_WARPS), (64, 4), (128, 4), (128, 8), (256, 8), (16, 4), (32, 2)]
+# the reservoir launch's (launch 5) knobs; the first is the default (SK_BS, SK_WARPS, SK_SPLIT)
+RESERVOIR_VARIANTS = [{}, dict(sk_split=not kk.SK_SPLIT), dict(sk_bs=16), dict(sk_bs=64), dict(sk_bs=16, sk_warps=2),
+                      dict(sk_bs=64, sk_warps=8), dict(sk_bs=128, sk_warps=8)]
 # the fold before stop 62's defaults (DIST_DOT, RESOLVE_EVENTS and JOINER_INDEX on)
 DIRECT = dict(dist_dot=False, resolve_events=False, joiner_index=False)
 FORM_VARIANTS = [{}, DIRECT, dict(DIRECT, resolve_events=True), dict(DIRECT, joiner_index=True),
@@ -231,8 +232,7 @@ def main():
                 row["dist_sweep"] = knob_sweep(s0, got, [dict(dist_bf=bf, dist_bm=bm, dist_fo=fo, dist_warps=w)
                                                          for bf, bm, fo, w in DIST_VARIANTS], "dist")
             if args.reservoir_sweep and name != "prefill_first":
-                row["reservoir_sweep"] = knob_sweep(s0, got, [dict(sk_bs=b, sk_warps=w) for b, w in RESERVOIR_VARIANTS],
-                                                    "reservoir")
+                row["reservoir_sweep"] = knob_sweep(s0, got, RESERVOIR_VARIANTS, "reservoir")
             if args.form_sweep:
                 row["form_sweep"] = knob_sweep(s0, got, FORM_VARIANTS, "form")
                 row["form_launch_us"] = profile_launches(s0, **DIRECT)

@@ -103,12 +103,18 @@ RES_B, RES_BL = 32, 32
 # one by one, 1.82 ms a fold at batch 8 (docs/bench.md "Stop 59 runs"). Alone (stop 62, batch 8): 8.50 -> 7.07 ms
 # a later chunk's fold, 423 -> 404 us a decode step's.
 RESOLVE_EVENTS = True
-# launch 5: sketch slots a program, and its warps. With the ASSIGN scan (JOINER_INDEX off) 128 slots at 4 warps spilled
-# ~6.6 KB a thread on sm_90; with the joiner index none of (64, 4), (128, 4), (128, 8), (256, 8) spills (offline sm_90,
-# bf16: 64, 120, 64 and 120 registers; 40 at 32). Why fewer programs may pay: at batch 8 a decode fold's reservoir
-# launch took 247 of its ~340 us (H200, stop 62, the fold bench's launch profile), 8x its batch-1 time for 8x the rows:
-# ~17k programs of a few dependent loads each. Untimed: `python -m kvrewrite.bench.clustergen_fold --reservoir-sweep`.
+# launch 5: sketch slots a program, and its warps. Timed (H200, stop 63, the fold bench's --reservoir-sweep, two rounds,
+# the fold's whole CUDA-graph replay): with D specialised, 64 slots 3-5% faster than 32 at batch 8's decode fold (97
+# against 100-103 us) and within 1% elsewhere; 16 slots at 4 warps 30% slower there; 32 stays. The slots a program
+# change the reduction layout of a value sample's ||v||^2, so a value slot's bias can differ in its last bits (16 at 4
+# warps did); every other field is the same for any value.
 SK_BS, SK_WARPS = 32, 4
+# SK_SPLIT (launch 5's form, on): the kept value samples' ||v||^2 in one unrolled pass of independent loads over 32-bit
+# row offsets, and the taken samples' copies only in a block that takes any; off: one loop over D chunks that copies,
+# then re-reads, each chunk in turn (a store before each load, so nothing overlaps). The same bits (wj sums its chunks in
+# the same order). Why: a decode fold takes a few samples a row, yet every program walked the copy loop. Timed (H200,
+# stop 63, D specialised, two rounds): a decode fold 100-103 against 110-112 us at batch 8, 51 against 53 at batch 1.
+SK_SPLIT = True
 SCAN_CH = 16  # ASSIGN entries per step of launch 5's joiner scan
 # JOINER_INDEX (on): launch 4 also lists each cluster's joiners of the fold in F order (each key's rank among them as it
 # resolves a block, then offsets and a scatter: JO, JL), and launch 5 reads a key slot's m-th joiner there instead
@@ -120,6 +126,13 @@ JOINER_INDEX = True
 DC = 8  # dims per step of a distance tile
 PACK_B = 16  # slots per step of launch 6
 
+
+# D is specialised (kept out of every do_not_specialize list): Triton then knows a head dimension that is a multiple of
+# 16 and vectorises the row loads and masks; unspecialised, every launch compiled for any D, with scalar 2-byte loads
+# (offline sm_90, bf16, D 128, the default launches, stop 63: registers a thread 255 with a 96-byte spill -> 61 for the
+# calibration, 220 -> 116 distances, 168 -> 72 resolve, 168 -> 40 reservoirs, 168 -> 40 pack). The whole fold, H200,
+# CUDA-graph replays (stop 63; with SK_SPLIT; docs/bench.md "Stop 63 runs"): batch 8 decode 357 -> 101 us, first chunk
+# 16.3 -> 5.9 ms, later chunk 1.09 -> 0.43 ms; batch 1 decode 112 -> 52 us, first chunk 15.0 -> 5.1, later 0.52 -> 0.28.
 
 # -- helpers -----------------------------------------------------------------------------------------
 @triton_jit()
@@ -213,7 +226,7 @@ def _cg_split_kernel(BIAS, ROLE, FILL, BUDGET, FS, KS, INFO, C, n_sink, window, 
 
 
 # -- launch 2: δ calibration -------------------------------------------------------------------------
-@triton_jit(do_not_specialize=["C", "D", "n_sink", "window", "t", "vs_bits", "ct_bits", "Mmax"])
+@triton_jit(do_not_specialize=["C", "n_sink", "window", "t", "vs_bits", "ct_bits", "Mmax"])
 def _cg_calib_kernel(K, FS, INFO, DELTA, D2, BUDGET, C, D, n_sink, window, t, vs_bits, ct_bits, Mmax,
                      CH: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -277,7 +290,7 @@ def _d2_dot(a, na, b, nb):
     return tl.maximum(na[:, None] + nb[None, :] - 2.0 * ab, 0.0)
 
 
-@triton_jit(do_not_specialize=["C", "D", "Mmax", "NCB"])
+@triton_jit(do_not_specialize=["C", "Mmax", "NCB"])
 def _cg_dist_kernel(K, V, REP, FS, INFO, NCL, PD, PI, W, C, D, Mmax, NCB, BF: tl.constexpr, BM: tl.constexpr,
                     FO: tl.constexpr, DCH: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr):
     cb = tl.program_id(0)
@@ -337,7 +350,7 @@ def _cg_dist_kernel(K, V, REP, FS, INFO, NCL, PD, PI, W, C, D, Mmax, NCB, BF: tl
 
 
 # -- launch 4: the sequential resolve ----------------------------------------------------------------
-@triton_jit(do_not_specialize=["C", "D", "Mmax", "NCB", "n_sink", "window", "t", "vs_bits", "ct_bits"])
+@triton_jit(do_not_specialize=["C", "Mmax", "NCB", "n_sink", "window", "t", "vs_bits", "ct_bits"])
 def _cg_resolve_kernel(K, FS, INFO, NCL, DELTA, MU, PD, PI, W, P, ASSIGN, NL, JC, JR, JO, JL, BUDGET, C, D, Mmax, NCB,
                        n_sink, window, t, vs_bits, ct_bits, BM: tl.constexpr, RB: tl.constexpr, BL: tl.constexpr,
                        DCH: tl.constexpr, CH: tl.constexpr, EVENTS: tl.constexpr, JIDX: tl.constexpr,
@@ -482,11 +495,12 @@ def _cg_resolve_kernel(K, FS, INFO, NCL, DELTA, MU, PD, PI, W, P, ASSIGN, NL, JC
 
 
 # -- launch 5: reservoirs, sketch bias and role ------------------------------------------------------
-@triton_jit(do_not_specialize=["C", "D", "Mmax", "H", "n_sink", "window", "t", "vs_bits", "ct_bits", "hbase",
+@triton_jit(do_not_specialize=["C", "Mmax", "H", "n_sink", "window", "t", "vs_bits", "ct_bits", "hbase",
                                "hoff"])
 def _cg_reservoir_kernel(K, V, BIAS, POS, ROLE, FS, INFO, COUNT, JC, ASSIGN, JO, JL, P, MU, NSEEN, BUDGET, C, D,
                          Mmax, H, n_sink, window, t, vs_bits, ct_bits, hbase, hoff, BS: tl.constexpr,
-                         SCH: tl.constexpr, LOG_C: tl.constexpr, DCOPY: tl.constexpr, JIDX: tl.constexpr):
+                         SCH: tl.constexpr, LOG_C: tl.constexpr, DCOPY: tl.constexpr, JIDX: tl.constexpr,
+                         SPLIT: tl.constexpr, BLOCK_D: tl.constexpr):
     blk = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     base = row * C
@@ -548,19 +562,40 @@ def _cg_reservoir_kernel(K, V, BIAS, POS, ROLE, FS, INFO, COUNT, JC, ASSIGN, JO,
             sslot = tl.load(FS + base + src, mask=take, other=0).to(tl.int64)
             wj = tl.zeros([BS], tl.float32)  # ||v_j||^2 of the sample the slot holds after the fold
             keep_v = is_val & ~take
-            for d0 in range(0, D, DCOPY):  # D in chunks: [BS, D] tiles of 64-bit addresses spill
-                dcol = d0 + tl.arange(0, DCOPY)
-                dm = (dcol < D)[None, :]
-                at = (base + slot)[:, None] * D + dcol[None, :]
-                fr = (base + sslot)[:, None] * D + dcol[None, :]
-                mt = take[:, None] & dm
-                tl.store(K + at, tl.load(K + fr, mask=mt), mask=mt)
-                vsrc = tl.load(V + fr, mask=mt, other=0.0)
-                tl.store(V + at, vsrc, mask=mt)
-                vkeep = tl.load(V + at, mask=keep_v[:, None] & dm, other=0.0)
-                vv = tl.where(take[:, None], vsrc, vkeep).to(tl.float32)
-                wj += tl.sum(vv * vv, axis=1)
-            tl.store(POS + base + slot, tl.load(POS + base + sslot, mask=take), mask=take)
+            if SPLIT:  # the kept values' norms in one unrolled pass, then the copies where the block takes any
+                Kr = K + base * D  # the row's base pointers: 32-bit offsets in the tiles (C * D < 2^31, checked)
+                Vr = V + base * D
+                at_r = (C - S + j).to(tl.int32)[:, None] * D
+                for d0 in tl.static_range(0, BLOCK_D, DCOPY):  # independent loads, chunk order as below
+                    dcol = d0 + tl.arange(0, DCOPY)
+                    vkeep = tl.load(Vr + at_r + dcol[None, :], mask=keep_v[:, None] & (dcol < D)[None, :],
+                                    other=0.0).to(tl.float32)
+                    wj += tl.sum(vkeep * vkeep, axis=1)
+                if tl.sum(take.to(tl.int32), axis=0) > 0:
+                    fr_r = sslot.to(tl.int32)[:, None] * D
+                    for c0 in range(0, D, DCOPY):  # a taken row's wj: 0 above, then its chunks in order
+                        ccol = c0 + tl.arange(0, DCOPY)
+                        mt = take[:, None] & (ccol < D)[None, :]
+                        tl.store(Kr + at_r + ccol[None, :], tl.load(Kr + fr_r + ccol[None, :], mask=mt), mask=mt)
+                        vsrc = tl.load(Vr + fr_r + ccol[None, :], mask=mt, other=0.0)
+                        tl.store(Vr + at_r + ccol[None, :], vsrc, mask=mt)
+                        vt = vsrc.to(tl.float32)
+                        wj += tl.sum(vt * vt, axis=1)
+                    tl.store(POS + base + slot, tl.load(POS + base + sslot, mask=take), mask=take)
+            else:
+                for d0 in range(0, D, DCOPY):  # D in chunks: [BS, D] tiles of 64-bit addresses spill
+                    dcol = d0 + tl.arange(0, DCOPY)
+                    dm = (dcol < D)[None, :]
+                    at = (base + slot)[:, None] * D + dcol[None, :]
+                    fr = (base + sslot)[:, None] * D + dcol[None, :]
+                    mt = take[:, None] & dm
+                    tl.store(K + at, tl.load(K + fr, mask=mt), mask=mt)
+                    vsrc = tl.load(V + fr, mask=mt, other=0.0)
+                    tl.store(V + at, vsrc, mask=mt)
+                    vkeep = tl.load(V + at, mask=keep_v[:, None] & dm, other=0.0)
+                    vv = tl.where(take[:, None], vsrc, vkeep).to(tl.float32)
+                    wj += tl.sum(vv * vv, axis=1)
+                tl.store(POS + base + slot, tl.load(POS + base + sslot, mask=take), mask=take)
             mu32 = mu_new.to(tl.float32)
             b_key = tl.where(open_j, tl.log(n_tot.to(tl.float32) / t), float("-inf"))
             b_val = tl.where(wj > 0, tl.log(mu32 / (s.to(tl.float32) * wj)), float("-inf"))
@@ -571,7 +606,7 @@ def _cg_reservoir_kernel(K, V, BIAS, POS, ROLE, FS, INFO, COUNT, JC, ASSIGN, JO,
 
 
 # -- launch 6: state scalars, new representatives, pack ----------------------------------------------
-@triton_jit(do_not_specialize=["C", "D", "Mmax", "NK"])
+@triton_jit(do_not_specialize=["C", "Mmax", "NK"])
 def _cg_pack_kernel(K, V, BIAS, POS, ROLE, FILL, REP, COUNT, JC, NCL, NFORCED, NSEEN, MU, KS, FS, NL, INFO, P, XK, XV,
                     XP, C, D, Mmax, NK, PB: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -662,16 +697,19 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
                            dist_warps: int = 4, dist_dot: bool | None = None, res_b: int | None = None,
                            res_bl: int = RES_BL, num_warps_seq: int = 4, resolve_events: bool | None = None,
                            joiner_index: bool | None = None, cal_ch: int = CAL_CH, cal_warps: int = CAL_WARPS,
-                           sk_bs: int | None = None, sk_warps: int | None = None) -> None:
+                           sk_bs: int | None = None, sk_warps: int | None = None,
+                           sk_split: bool | None = None) -> None:
     """Launch the six kernels (module docstring); mutates the state as the op. The inputs are checked by the op
     (kvrewrite/kernels/clustergen_fold.py); here only what the kernels add: contiguous tensors. Knobs (sizes are
-    powers of two; every value gives the same result, but dist_dot's rounding on near-ties): dist_bm clusters per
+    powers of two; every value gives the same result, but dist_dot's rounding on near-ties and the last bits below): dist_bm clusters per
     distance block, dist_fo keys per distance program, dist_bf keys per distance tile (defaults DIST_BM, DIST_FO,
     DIST_BF; DOT_BM, DOT_FO, DOT_BF with the dot form, whose tiles must be at least 16), dist_warps the distance
     launch's warps, dist_dot its form (default DIST_DOT); res_b keys per sequential block (default RES_B), res_bl
     leaders per tile, num_warps_seq the resolve launch's warps, resolve_events its form (default RESOLVE_EVENTS);
     joiner_index the reservoirs' joiner lookup (default JOINER_INDEX); cal_ch points per chunk of a calibration pass,
-    cal_warps its warps; sk_bs sketch slots per reservoir program, sk_warps its warps (defaults SK_BS, SK_WARPS).
+    cal_warps its warps; sk_bs sketch slots per reservoir program, sk_warps its warps, sk_split its form (defaults
+    SK_BS, SK_WARPS, SK_SPLIT; the split form's 32-bit offsets need C * D < 2^31, else the loop form runs: the same
+    bits). sk_bs and sk_warps can round a value slot's bias otherwise in its last bits (SK_BS's comment).
     Under TRITON_INTERPRET=1 it runs on CPU tensors (how the kernels are tested without a GPU)."""
     if triton is None:
         raise NotImplementedError(f"{NAME} needs Triton (pip install triton)")
@@ -693,6 +731,7 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
     joiner_index = JOINER_INDEX if joiner_index is None else bool(joiner_index)
     res_b = res_b or RES_B
     sk_bs, sk_warps = sk_bs or SK_BS, sk_warps or SK_WARPS
+    sk_split = (SK_SPLIT if sk_split is None else bool(sk_split)) and C * D < 2 ** 31
     dist_bm = dist_bm or (DOT_BM if dist_dot else DIST_BM)
     dist_bf = dist_bf or (DOT_BF if dist_dot else DIST_BF)
     if dist_dot and min(dist_bm, dist_bf, res_b, res_bl) < 16:
@@ -733,6 +772,7 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
                                                         assign, jo, jl, p, mu, n_seen, budget, C, D, Mmax, H, *sz,
                                                         hbase, head_offset, BS=sk_bs, SCH=SCAN_CH,
                                                         LOG_C=max(C, 1).bit_length(), DCOPY=min(block_d, 32),
-                                                        JIDX=joiner_index, num_warps=sk_warps)
+                                                        JIDX=joiner_index, SPLIT=sk_split, BLOCK_D=block_d,
+                                                        num_warps=sk_warps)
     _cg_pack_kernel[(rows,)](keys, values, bias, slot_pos, role, fill, rep, count, jc, n_clusters, n_forced, n_seen,
                              mu, ks, fs, nl, info, p, xk, xv, xp, C, D, Mmax, nk, PB=PACK_B, BLOCK_D=block_d)

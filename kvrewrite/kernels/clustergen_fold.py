@@ -71,7 +71,11 @@ chunk's fold 51 ms (B = 1) / 74 ms (B = 8), 42.5 / 60 ms of it the δ calibratio
 32 layers, once per generation); with the calibration's 256-point chunks (stop 58, H200) that fold is 21.9 / 23.9 ms
 (50.9 / 57.6-58.1 with 64-point chunks in the same run; docs/bench.md "Stop 58 runs"). The first version
 (docs/bench/clustergen_fold_h100.json) took 663 us per decode fold, 549 of it a reservoir launch that spilled
-registers.
+registers. "Without register spills" held only where D's divisibility was known: until stop 63 every launch compiled
+for an unspecialised D, with scalar loads and 168-255 registers a thread (the calibration spilling); with D
+specialised (H200, CUDA-graph replays, docs/bench.md "Stop 63 runs") a decode fold takes 52 us (B = 1) / 101 us
+(B = 8), a later chunk's 0.28 / 0.43 ms, the first chunk's 5.1 / 5.9 ms (112 / 357 us, 0.52 / 1.09 ms and 15.0 /
+16.3 ms before, same lease).
 
 The reference: static-shape tensor code vectorised over rows: the leader part is a loop over the static bound
 C - n_sink - window of folded positions, the calibration a loop over M_max greedy steps; no host reads on CUDA,

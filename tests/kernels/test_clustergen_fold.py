@@ -521,3 +521,24 @@ def test_state_too_small_is_refused():
 def test_opcheck():
     p, st = small_state()
     torch.library.opcheck(OP, tuple(st[f] for f in N.STATE), p.kwargs())
+
+
+def test_fold_launches_specialise_the_head_dimension():
+    """Every Triton launch of the fold lets Triton specialise D (no `do_not_specialize` names it): unspecialised, the
+    kernels compiled for any D, with scalar loads and 168-255 registers a thread, 2.5-3.5x slower on an H200
+    (docs/bench.md "Stop 63 runs"). Read from the source, so the check runs without Triton."""
+    import ast
+    import pathlib
+
+    import kvrewrite.kernels._clustergen_fold_kernels as kk
+
+    tree = ast.parse(pathlib.Path(kk.__file__).read_text())
+    kernels = {}
+    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_cg_")):
+        for dec in fn.decorator_list:
+            if (isinstance(dec, ast.Call) and getattr(dec.func, "id", "") == "triton_jit"
+                    and "D" in [a.arg for a in fn.args.args]):
+                names = [ast.literal_eval(kw.value) for kw in dec.keywords if kw.arg == "do_not_specialize"]
+                kernels[fn.name] = names[0] if names else []
+    assert len(kernels) == 5, sorted(kernels)  # calibration, distances, resolve, reservoirs, pack (split has no D)
+    assert not [k for k, names in kernels.items() if "D" in names]

@@ -106,7 +106,7 @@ CASES = {  # name: dtype, B, H, D, n_sink, window, t, Bt, g, groups, prompt leng
 DIRECT = dict(dist_dot=False, resolve_events=False, joiner_index=False, res_b=32)  # the forms before stop 62
 FORMS = {"default": {}, "direct": DIRECT, "events": dict(DIRECT, resolve_events=True),
          "index": dict(DIRECT, joiner_index=True), "dot": dict(DIRECT, dist_dot=True),
-         "reservoir-128": dict(sk_bs=128, sk_warps=8)}
+         "reservoir-128": dict(sk_bs=128, sk_warps=8), "reservoir-loop": dict(sk_split=False)}
 
 
 @pytest.mark.parametrize("form", list(FORMS))

@@ -121,15 +121,15 @@ DEFAULTS = dict(dist_dot=None, resolve_events=None, joiner_index=None, dist_bf=1
 
 @pytest.mark.parametrize("knobs", [{}, dict(cal_ch=2, cal_warps=4, dist_bf=4, dist_warps=2), dict(resolve_events=True),
                                    DOT, dict(joiner_index=True), dict(joiner_index=True, resolve_events=True, res_b=4),
-                                   DEFAULTS, dict(DEFAULTS, sk_bs=8, sk_warps=2)],
+                                   DEFAULTS, dict(DEFAULTS, sk_bs=8, sk_warps=2), dict(DEFAULTS, sk_split=False)],
                          ids=["small", "smaller", "events", "dot", "index", "index-events", "defaults",
-                              "defaults-reservoir-8"])
+                              "defaults-reservoir-8", "defaults-reservoir-loop"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_reference_prefill_then_decode_folds(name, knobs):
     """Prompt folds then decode folds, every output against the reference; the launch knobs change no decision (the
     calibration's chunks: each lane keeps its first farthest point, the lanes' first wins; the distance tiles: each
     key's first nearest cluster), nor do the resolve's steps per opening (RESOLVE_EVENTS), the reservoirs' joiner
-    index (JOINER_INDEX) and slots per program, or the distances' dot form (DIST_DOT: exact here, the keys are small
+    index (JOINER_INDEX), slots per program and form (SK_SPLIT), or the distances' dot form (DIST_DOT: exact here, the keys are small
     integers)."""
     n_sink, window, t, vs, ct, Bt, groups, lens, g = CASES[name]
     kw = dict(n_sink=n_sink, window=window, t=t, value_share=vs, cluster_target=ct, seed=7, layer=3)
