@@ -1,8 +1,9 @@
 """Registers, shared memory and programs per SM of a Triton kernel compiled for Hopper (sm_90), without a GPU.
 
-    python -m kvrewrite.bench.occupancy          # the decode attention kernels' variants (clustered_attention, EMS)
-                                                 # and EMS's redundancy kernels (its two tiers, RECIP_NORMS or
-                                                 # not, CENTRE_LIST's walk in both layouts)
+    python -m kvrewrite.bench.occupancy          # the decode attention kernels' variants (clustered_attention, EMS),
+                                                 # clustergen_fold's launches (registers, spills) and EMS's
+                                                 # redundancy kernels (its two tiers, RECIP_NORMS or not,
+                                                 # CENTRE_LIST's walk in both layouts)
 
 Triton compiles for a named target on any machine (its wheel carries ptxas and cuobjdump): this reads the
 registers a thread from the cubin (cuobjdump --dump-resource-usage) and the shared memory from the compile's
@@ -42,7 +43,8 @@ def programs_per_sm(regs_per_thread: int, shared_bytes: int, num_warps: int, sm:
 
 def _sm90_compile(jit_fn, types: dict, constexprs: dict, aligned, num_warps: int, num_stages: int, sass: bool,
                   options: dict) -> tuple:
-    """(registers a thread, shared bytes, the cuobjdump -sass listing or "") of `jit_fn` compiled for sm_90."""
+    """(registers a thread, shared bytes, the cuobjdump -sass listing or "", stack bytes a thread: its spills) of
+    `jit_fn` compiled for sm_90."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -71,10 +73,10 @@ def _sm90_compile(jit_fn, types: dict, constexprs: dict, aligned, num_warps: int
                                check=True).stdout
         listing = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True,
                                  check=True).stdout if sass else ""
-    regs = re.search(r"REG:(\d+)", usage)
-    if regs is None:
-        raise RuntimeError(f"sm90_resources: no register count in cuobjdump's output:\n{usage}")
-    return int(regs.group(1)), int(compiled.metadata.shared), listing
+    regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+    if regs is None or stack is None:
+        raise RuntimeError(f"sm90_resources: no register or stack size in cuobjdump's output:\n{usage}")
+    return int(regs.group(1)), int(compiled.metadata.shared), listing, int(stack.group(1))
 
 
 def sm90_resources(jit_fn, types: dict, constexprs: dict, aligned=(), num_warps: int = 4, num_stages: int = 2,
@@ -83,8 +85,8 @@ def sm90_resources(jit_fn, types: dict, constexprs: dict, aligned=(), num_warps:
     static SASS instructions: a size, not a time) from the same compile. types: Triton type of every argument that
     is not a constexpr ("*bf16", "i32", "fp32", ...); constexprs: name -> value; aligned: integer arguments taken
     as multiples of 16 (pointers always are 16-byte aligned)."""
-    regs, shared, listing = _sm90_compile(jit_fn, types, constexprs, aligned, num_warps, num_stages, instructions,
-                                          options)
+    regs, shared, listing, _ = _sm90_compile(jit_fn, types, constexprs, aligned, num_warps, num_stages, instructions,
+                                             options)
     if not instructions:
         return regs, shared
     return regs, shared, len(sass_instructions(listing))
@@ -191,6 +193,42 @@ def expanded_decode_resources(split: bool, write_s: bool, head_dim: int = 128, d
     return regs, shared, cfg["num_warps"]
 
 
+def clustergen_fold_resources(head_dim: int = 128, dtype: str = "bf16") -> dict:
+    """{kernel name: (registers a thread, stack bytes a thread, warps)} of clustergen_fold's five launches that read
+    keys (kernels/_clustergen_fold_kernels.py) compiled for sm_90 as triton_clustergen_fold launches them by default
+    at the Llama layout's 32k budget 0.2 (C 8633): D specialised (a multiple of 16), every other integer not. A
+    stack above 0 is a spill (docs/bench.md "Stop 63 runs": unspecialised D, 168-255 registers and the
+    calibration's 96-byte stack)."""
+    from kvrewrite.kernels import _clustergen_fold_kernels as kk
+
+    pointers = dict(K=f"*{dtype}", V=f"*{dtype}", REP=f"*{dtype}", XK=f"*{dtype}", XV=f"*{dtype}", BIAS="*fp32",
+                    POS="*i64", XP="*i64", ROLE="*i8", FILL="*i64", BUDGET="*i64", NCL="*i64", NSEEN="*i64",
+                    NFORCED="*i64", MU="*fp32", DELTA="*fp32", D2="*fp32", W="*fp32", PD="*fp32", P="*fp64")
+    INT32_POINTERS = ("FS", "KS", "INFO", "COUNT", "JC", "ASSIGN", "JO", "JL", "JR", "NL", "PI")
+    block_d = 1 << (head_dim - 1).bit_length()
+    dot_d = max(block_d, 16) if kk.DIST_DOT else block_d
+    launches = {  # kernel: (constexprs, warps) as triton_clustergen_fold's defaults give them
+        "_cg_calib_kernel": (dict(CH=kk.CAL_CH, BLOCK_D=block_d), kk.CAL_WARPS),
+        "_cg_dist_kernel": (dict(BF=kk.DOT_BF if kk.DIST_DOT else kk.DIST_BF, BM=kk.DOT_BM if kk.DIST_DOT else kk.DIST_BM,
+                                 FO=kk.DOT_FO if kk.DIST_DOT else kk.DIST_FO, DCH=kk.DC, BLOCK_D=dot_d,
+                                 DOT=kk.DIST_DOT), 4),
+        "_cg_resolve_kernel": (dict(BM=kk.DOT_BM if kk.DIST_DOT else kk.DIST_BM, RB=kk.RES_B, BL=kk.RES_BL, DCH=kk.DC,
+                                    CH=kk.SPLIT_CH, EVENTS=kk.RESOLVE_EVENTS, JIDX=kk.JOINER_INDEX, DOT=kk.DIST_DOT,
+                                    BLOCK_D=dot_d), 4),
+        "_cg_reservoir_kernel": (dict(BS=kk.SK_BS, SCH=kk.SCAN_CH, LOG_C=8633 .bit_length(), DCOPY=min(block_d, 32),
+                                      JIDX=kk.JOINER_INDEX, SPLIT=kk.SK_SPLIT, BLOCK_D=block_d), kk.SK_WARPS),
+        "_cg_pack_kernel": (dict(PB=kk.PACK_B, BLOCK_D=block_d), 4),
+    }
+    out = {}
+    for name, (constexprs, warps) in launches.items():
+        kernel = getattr(kk, name)
+        types = {n: pointers.get(n, "*i32" if n in INT32_POINTERS else "i64" if n == "hbase" else "i32")
+                 for n in inspect.signature(kernel.fn).parameters if n not in constexprs}
+        regs, _, _, stack = _sm90_compile(kernel, types, constexprs, ("D",), warps, 3, False, {})
+        out[name] = (regs, stack, warps)
+    return out
+
+
 def redundancy_resources(recip: bool, big: bool, head_dim: int = 128, dtype: str = "bf16",
                          listed: bool = False, rows: bool | None = None) -> tuple:
     """(registers, shared bytes, warps, static SASS instructions) of ems_redundancy's main kernel as its launcher
@@ -234,6 +272,8 @@ def main(argv=None):
                 print(f"EMS expanded attention, {'narrow' if narrow else 'full width'}, S written {write_s!s:5}, "
                       f"split {split!s:5}: {regs} registers, {shared} B shared, {warps} warps: "
                       f"{programs_per_sm(regs, shared, warps)} programs per SM", flush=True)
+    for name, (regs, stack, warps) in clustergen_fold_resources().items():  # bf16, D 128
+        print(f"clustergen_fold {name}: {regs} registers, {stack} B stack (spills), {warps} warps", flush=True)
     for big in (True, False):  # ems_redundancy's two tiers, R by division (the default) and RECIP_NORMS' form
         for recip in (False, True):
             regs, shared, warps, n = redundancy_resources(recip, big)

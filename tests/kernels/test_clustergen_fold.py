@@ -542,3 +542,17 @@ def test_fold_launches_specialise_the_head_dimension():
                 kernels[fn.name] = names[0] if names else []
     assert len(kernels) == 5, sorted(kernels)  # calibration, distances, resolve, reservoirs, pack (split has no D)
     assert not [k for k, names in kernels.items() if "D" in names]
+
+
+def test_fold_launches_compile_for_hopper_without_spills():
+    """The five key-reading launches at their defaults, compiled for sm_90 for the measured layout (bf16, D 128;
+    kvrewrite/bench/occupancy.py, no GPU needed): no stack (no spill), and the reservoirs and pack at <= 64 registers
+    (40 here; 168 when D was unspecialised). A Triton or launch change that spills fails here."""
+    pytest.importorskip("triton")
+    from kvrewrite.bench.occupancy import clustergen_fold_resources
+
+    got = clustergen_fold_resources(128, "bf16")
+    assert set(got) == {"_cg_calib_kernel", "_cg_dist_kernel", "_cg_resolve_kernel", "_cg_reservoir_kernel",
+                        "_cg_pack_kernel"}
+    assert all(stack == 0 for _, stack, _ in got.values()), got
+    assert got["_cg_reservoir_kernel"][0] <= 64 and got["_cg_pack_kernel"][0] <= 64, got
