@@ -207,12 +207,12 @@ def clustergen_fold_resources(head_dim: int = 128, dtype: str = "bf16") -> dict:
     INT32_POINTERS = ("FS", "KS", "INFO", "COUNT", "JC", "ASSIGN", "JO", "JL", "JR", "NL", "PI")
     block_d = 1 << (head_dim - 1).bit_length()
     dot_d = max(block_d, 16) if kk.DIST_DOT else block_d
+    bf, bm = (kk.DOT_BF, kk.DOT_BM) if kk.DIST_DOT else (kk.DIST_BF, kk.DIST_BM)
     launches = {  # kernel: (constexprs, warps) as triton_clustergen_fold's defaults give them
         "_cg_calib_kernel": (dict(CH=kk.CAL_CH, BLOCK_D=block_d), kk.CAL_WARPS),
-        "_cg_dist_kernel": (dict(BF=kk.DOT_BF if kk.DIST_DOT else kk.DIST_BF, BM=kk.DOT_BM if kk.DIST_DOT else kk.DIST_BM,
-                                 FO=kk.DOT_FO if kk.DIST_DOT else kk.DIST_FO, DCH=kk.DC, BLOCK_D=dot_d,
+        "_cg_dist_kernel": (dict(BF=bf, BM=bm, FO=kk.DOT_FO if kk.DIST_DOT else kk.DIST_FO, DCH=kk.DC, BLOCK_D=dot_d,
                                  DOT=kk.DIST_DOT), 4),
-        "_cg_resolve_kernel": (dict(BM=kk.DOT_BM if kk.DIST_DOT else kk.DIST_BM, RB=kk.RES_B, BL=kk.RES_BL, DCH=kk.DC,
+        "_cg_resolve_kernel": (dict(BM=bm, RB=kk.RES_B, BL=kk.RES_BL, DCH=kk.DC,
                                     CH=kk.SPLIT_CH, EVENTS=kk.RESOLVE_EVENTS, JIDX=kk.JOINER_INDEX, DOT=kk.DIST_DOT,
                                     BLOCK_D=dot_d), 4),
         "_cg_reservoir_kernel": (dict(BS=kk.SK_BS, SCH=kk.SCAN_CH, LOG_C=8633 .bit_length(), DCOPY=min(block_d, 32),

@@ -111,8 +111,8 @@ RESOLVE_EVENTS = True
 SK_BS, SK_WARPS = 32, 4
 # SK_SPLIT (launch 5's form, on): the kept value samples' ||v||^2 in one unrolled pass of independent loads over 32-bit
 # row offsets, and the taken samples' copies only in a block that takes any; off: one loop over D chunks that copies,
-# then re-reads, each chunk in turn (a store before each load, so nothing overlaps). The same bits (wj sums its chunks in
-# the same order). Why: a decode fold takes a few samples a row, yet every program walked the copy loop. Timed (H200,
+# then re-reads, each chunk in turn (a store before each load, so nothing overlaps). The same bits (wj sums its chunks
+# in the same order). Why: a decode fold takes a few samples a row, yet every program walked the copy loop. Timed (H200,
 # stop 63, D specialised, two rounds): a decode fold 100-103 against 110-112 us at batch 8, 51 against 53 at batch 1.
 SK_SPLIT = True
 SCAN_CH = 16  # ASSIGN entries per step of launch 5's joiner scan
@@ -701,9 +701,9 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
                            sk_split: bool | None = None) -> None:
     """Launch the six kernels (module docstring); mutates the state as the op. The inputs are checked by the op
     (kvrewrite/kernels/clustergen_fold.py); here only what the kernels add: contiguous tensors. Knobs (sizes are
-    powers of two; every value gives the same result, but dist_dot's rounding on near-ties and the last bits below): dist_bm clusters per
-    distance block, dist_fo keys per distance program, dist_bf keys per distance tile (defaults DIST_BM, DIST_FO,
-    DIST_BF; DOT_BM, DOT_FO, DOT_BF with the dot form, whose tiles must be at least 16), dist_warps the distance
+    powers of two; every value gives the same result, but dist_dot's rounding on near-ties and the last bits named
+    below): dist_bm clusters per distance block, dist_fo keys per distance program, dist_bf keys per distance tile
+    (defaults DIST_BM, DIST_FO, DIST_BF; DOT_BM, DOT_FO, DOT_BF with the dot form, whose tiles must be at least 16), dist_warps the distance
     launch's warps, dist_dot its form (default DIST_DOT); res_b keys per sequential block (default RES_B), res_bl
     leaders per tile, num_warps_seq the resolve launch's warps, resolve_events its form (default RESOLVE_EVENTS);
     joiner_index the reservoirs' joiner lookup (default JOINER_INDEX); cal_ch points per chunk of a calibration pass,

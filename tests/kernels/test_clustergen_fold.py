@@ -525,7 +525,7 @@ def test_opcheck():
 
 def test_fold_launches_specialise_the_head_dimension():
     """Every Triton launch of the fold lets Triton specialise D (no `do_not_specialize` names it): unspecialised, the
-    kernels compiled for any D, with scalar loads and 168-255 registers a thread, 2.5-3.5x slower on an H200
+    kernels compiled for any D, with scalar loads and 168-255 registers a thread, 1.9-3.5x slower on an H200
     (docs/bench.md "Stop 63 runs"). Read from the source, so the check runs without Triton."""
     import ast
     import pathlib
