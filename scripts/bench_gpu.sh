@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole `kvrewrite bench` grid on one GPU, in phases; each phase is cut by its own timeout and
 # rewrites its JSON after every row, so a cut run keeps its rows.
-#   scripts/bench_gpu.sh [OUTDIR] [PHASES]     (PHASES: any of a to k, default "a b c d")
+#   scripts/bench_gpu.sh [OUTDIR] [PHASES]     (PHASES: any of a to l, default "a b c d")
 # a: batch 1, 16k/32k/64k, HF eager + kvrewrite methods (real prefill), hf-compiled at 32k
 # b: 32k, batch 16 and the largest batch that fits per system, every system (synthetic state)
 # c: 32k batch 1 and 16 (CB=1: batch 1 only), kvrewrite decode through rw.compile(mode="reduce-overhead") (Inductor)
@@ -23,6 +23,9 @@
 #    --reservoir-sweep, batches 8 and 1), ClusterGen's 32k batch-1 decode on the replayed synthetic state with the
 #    resolve's 32- and 128-key blocks, and ClusterKV's clustering against HF's dense prefill (bench/kmeans_cluster.py
 #    --prefill-out); ClusterGen's batch-8 prefill is phase e with ES=clustergen
+# l: stop 63's ClusterGen follow-ups (not default): ClusterGen's largest batch at 32k (issue 21's row, --isolate), its
+#    batch-1 decode profile with a layer trace, and clustergen-kcenter's re-selection with its resident / warps knobs
+#    (its select launch spills 344 B a thread offline: docs/bench.md "Stop 63 runs")
 set -o pipefail
 OUT=${1:-out/bench}
 PHASES=${2:-a b c d}
@@ -71,6 +74,12 @@ for p in $PHASES; do
        done
        timeout ${TK:-300} python -m kvrewrite.bench.kmeans_cluster --prefill-out "$OUT/clusterkv_prefill_cost.json" 2>&1 \
          | tee -a "$OUT/log.txt" ;;
+    l) timeout ${TL:-500} $B --systems clustergen --contexts 32768 --batches max --isolate --no-prefill --fuse-projections \
+         --kv-compile inductor --out "$OUT/e2e_clustergen_max_batch.json" --plot /tmp/e2e_l.png 2>&1 | tee -a "$OUT/log.txt"
+       timeout ${TL:-500} python -m kvrewrite.bench.profile_decode --method clustergen --fuse-projections --gemv \
+         --layer-trace 24 2>&1 | tee "$OUT/decode_profile_clustergen.txt" | tail -60
+       timeout ${TL:-500} python -m kvrewrite.bench.kcenter_compress --reference none \
+         --out "$OUT/kcenter_compress.json" 2>&1 | tee -a "$OUT/log.txt" ;;
   esac
 done
 python - "$OUT" <<'PY'
