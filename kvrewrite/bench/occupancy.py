@@ -205,27 +205,16 @@ def clustergen_fold_resources(head_dim: int = 128, dtype: str = "bf16") -> dict:
                     POS="*i64", XP="*i64", ROLE="*i8", FILL="*i64", BUDGET="*i64", NCL="*i64", NSEEN="*i64",
                     NFORCED="*i64", MU="*fp32", DELTA="*fp32", D2="*fp32", W="*fp32", PD="*fp32", P="*fp64")
     INT32_POINTERS = ("FS", "KS", "INFO", "COUNT", "JC", "ASSIGN", "JO", "JL", "JR", "NL", "PI")
-    block_d = 1 << (head_dim - 1).bit_length()
-    dot_d = max(block_d, 16) if kk.DIST_DOT else block_d
-    bf, bm = (kk.DOT_BF, kk.DOT_BM) if kk.DIST_DOT else (kk.DIST_BF, kk.DIST_BM)
-    launches = {  # kernel: (constexprs, warps) as triton_clustergen_fold's defaults give them
-        "_cg_calib_kernel": (dict(CH=kk.CAL_CH, BLOCK_D=block_d), kk.CAL_WARPS),
-        "_cg_dist_kernel": (dict(BF=bf, BM=bm, FO=kk.DOT_FO if kk.DIST_DOT else kk.DIST_FO, DCH=kk.DC, BLOCK_D=dot_d,
-                                 DOT=kk.DIST_DOT), 4),
-        "_cg_resolve_kernel": (dict(BM=bm, RB=kk.RES_B, BL=kk.RES_BL, DCH=kk.DC,
-                                    CH=kk.SPLIT_CH, EVENTS=kk.RESOLVE_EVENTS, JIDX=kk.JOINER_INDEX, DOT=kk.DIST_DOT,
-                                    BLOCK_D=dot_d), 4),
-        "_cg_reservoir_kernel": (dict(BS=kk.SK_BS, SCH=kk.SCAN_CH, LOG_C=8633 .bit_length(), DCOPY=min(block_d, 32),
-                                      JIDX=kk.JOINER_INDEX, SPLIT=kk.SK_SPLIT, BLOCK_D=block_d), kk.SK_WARPS),
-        "_cg_pack_kernel": (dict(PB=kk.PACK_B, BLOCK_D=block_d), 4),
-    }
+    cfg = kk.launch_config(8633, head_dim)  # the launcher's defaults at C 8633
     out = {}
-    for name, (constexprs, warps) in launches.items():
-        kernel = getattr(kk, name)
+    for launch, meta in cfg.items():
+        constexprs = dict(meta)
+        warps = constexprs.pop("num_warps", 4)  # Triton's default where the launcher passes none
+        kernel = getattr(kk, f"_cg_{launch}_kernel")
         types = {n: pointers.get(n, "*i32" if n in INT32_POINTERS else "i64" if n == "hbase" else "i32")
                  for n in inspect.signature(kernel.fn).parameters if n not in constexprs}
         regs, _, _, stack = _sm90_compile(kernel, types, constexprs, ("D",), warps, 3, False, {})
-        out[name] = (regs, stack, warps)
+        out[kernel.fn.__name__] = (regs, stack, warps)
     return out
 
 

@@ -690,27 +690,55 @@ def _bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
+def launch_config(C: int, D: int, *, dist_bm: int | None = None, dist_fo: int | None = None,
+                  dist_bf: int | None = None, dist_warps: int = 4, dist_dot: bool | None = None,
+                  res_b: int | None = None, res_bl: int = RES_BL, num_warps_seq: int = 4,
+                  resolve_events: bool | None = None, joiner_index: bool | None = None, cal_ch: int = CAL_CH,
+                  cal_warps: int = CAL_WARPS, sk_bs: int | None = None, sk_warps: int | None = None,
+                  sk_split: bool | None = None) -> dict:
+    """{launch: its constexprs and num_warps} of the five launches that read keys ("calib", "dist", "resolve",
+    "reservoir", "pack") for a state of capacity C and head dimension D, with the knobs resolved as
+    triton_clustergen_fold's docstring says: what it launches, and what bench/occupancy.py compiles offline."""
+    block_d = triton.next_power_of_2(D)
+    dist_dot = DIST_DOT if dist_dot is None else bool(dist_dot)
+    res_b = res_b or RES_B
+    dist_bm = dist_bm or (DOT_BM if dist_dot else DIST_BM)
+    dist_bf = dist_bf or (DOT_BF if dist_dot else DIST_BF)
+    if dist_dot and min(dist_bm, dist_bf, res_b, res_bl) < 16:
+        raise ValueError(f"{NAME}: the dot form of the distances needs dist_bm, dist_bf, res_b and res_bl >= 16 "
+                         f"(tensor-core tiles), got {dist_bm}, {dist_bf}, {res_b} and {res_bl}")
+    joiner_index = JOINER_INDEX if joiner_index is None else bool(joiner_index)
+    dist_d = max(block_d, 16) if dist_dot else block_d  # tl.dot's tiles
+    return dict(
+        calib=dict(CH=cal_ch, BLOCK_D=block_d, num_warps=cal_warps),
+        dist=dict(BF=dist_bf, BM=dist_bm, FO=dist_fo or (DOT_FO if dist_dot else DIST_FO), DCH=DC, BLOCK_D=dist_d,
+                  DOT=dist_dot, num_warps=dist_warps),
+        resolve=dict(BM=dist_bm, RB=res_b, BL=res_bl, DCH=DC, CH=SPLIT_CH,
+                     EVENTS=RESOLVE_EVENTS if resolve_events is None else bool(resolve_events), JIDX=joiner_index,
+                     DOT=dist_dot, BLOCK_D=dist_d, num_warps=num_warps_seq),
+        reservoir=dict(BS=sk_bs or SK_BS, SCH=SCAN_CH, LOG_C=max(C, 1).bit_length(), DCOPY=min(block_d, 32),
+                       JIDX=joiner_index, SPLIT=(SK_SPLIT if sk_split is None else bool(sk_split)) and C * D < 2 ** 31,
+                       BLOCK_D=block_d, num_warps=sk_warps or SK_WARPS),
+        pack=dict(PB=PACK_B, BLOCK_D=block_d),
+    )
+
+
 def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep, count, n_clusters, mu, delta,
                            n_seen, n_forced, *, n_sink: int, window: int, t: int, value_share: float,
-                           cluster_target: float, seed: int, layer: int, head_offset: int = 0,
-                           dist_bm: int | None = None, dist_fo: int | None = None, dist_bf: int | None = None,
-                           dist_warps: int = 4, dist_dot: bool | None = None, res_b: int | None = None,
-                           res_bl: int = RES_BL, num_warps_seq: int = 4, resolve_events: bool | None = None,
-                           joiner_index: bool | None = None, cal_ch: int = CAL_CH, cal_warps: int = CAL_WARPS,
-                           sk_bs: int | None = None, sk_warps: int | None = None,
-                           sk_split: bool | None = None) -> None:
+                           cluster_target: float, seed: int, layer: int, head_offset: int = 0, **knobs) -> None:
     """Launch the six kernels (module docstring); mutates the state as the op. The inputs are checked by the op
-    (kvrewrite/kernels/clustergen_fold.py); here only what the kernels add: contiguous tensors. Knobs (sizes are
-    powers of two; every value gives the same result, but dist_dot's rounding on near-ties and the last bits named
-    below): dist_bm clusters per distance block, dist_fo keys per distance program, dist_bf keys per distance tile
-    (defaults DIST_BM, DIST_FO, DIST_BF; DOT_BM, DOT_FO, DOT_BF with the dot form, whose tiles must be at least 16), dist_warps the distance
-    launch's warps, dist_dot its form (default DIST_DOT); res_b keys per sequential block (default RES_B), res_bl
-    leaders per tile, num_warps_seq the resolve launch's warps, resolve_events its form (default RESOLVE_EVENTS);
-    joiner_index the reservoirs' joiner lookup (default JOINER_INDEX); cal_ch points per chunk of a calibration pass,
-    cal_warps its warps; sk_bs sketch slots per reservoir program, sk_warps its warps, sk_split its form (defaults
-    SK_BS, SK_WARPS, SK_SPLIT; the split form's 32-bit offsets need C * D < 2^31, else the loop form runs: the same
-    bits). sk_bs and sk_warps can round a value slot's bias otherwise in its last bits (SK_BS's comment).
-    Under TRITON_INTERPRET=1 it runs on CPU tensors (how the kernels are tested without a GPU)."""
+    (kvrewrite/kernels/clustergen_fold.py); here only what the kernels add: contiguous tensors. Knobs (launch_config's
+    keywords; sizes are powers of two; every value gives the same result, but dist_dot's rounding on near-ties and the
+    last bits named below): dist_bm clusters per distance block, dist_fo keys per distance program, dist_bf keys per
+    distance tile (defaults DIST_BM, DIST_FO, DIST_BF; DOT_BM, DOT_FO, DOT_BF with the dot form, whose tiles must be
+    at least 16), dist_warps the distance launch's warps, dist_dot its form (default DIST_DOT); res_b keys per
+    sequential block (default RES_B), res_bl leaders per tile, num_warps_seq the resolve launch's warps,
+    resolve_events its form (default RESOLVE_EVENTS); joiner_index the reservoirs' joiner lookup (default
+    JOINER_INDEX); cal_ch points per chunk of a calibration pass, cal_warps its warps; sk_bs sketch slots per reservoir
+    program, sk_warps its warps, sk_split its form (defaults SK_BS, SK_WARPS, SK_SPLIT; the split form's 32-bit
+    offsets need C * D < 2^31, else the loop form runs: the same bits). sk_bs and sk_warps can round a value slot's
+    bias otherwise in its last bits (SK_BS's comment). Under TRITON_INTERPRET=1 it runs on CPU tensors (how the
+    kernels are tested without a GPU)."""
     if triton is None:
         raise NotImplementedError(f"{NAME} needs Triton (pip install triton)")
     state = dict(keys=keys, values=values, bias=bias, slot_pos=slot_pos, fill=fill, budget=budget, role=role,
@@ -725,20 +753,10 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
     if rows == 0 or C == 0 or D == 0:
         return
     dev = keys.device
-    block_d = triton.next_power_of_2(D)
-    dist_dot = DIST_DOT if dist_dot is None else bool(dist_dot)
-    resolve_events = RESOLVE_EVENTS if resolve_events is None else bool(resolve_events)
-    joiner_index = JOINER_INDEX if joiner_index is None else bool(joiner_index)
-    res_b = res_b or RES_B
-    sk_bs, sk_warps = sk_bs or SK_BS, sk_warps or SK_WARPS
-    sk_split = (SK_SPLIT if sk_split is None else bool(sk_split)) and C * D < 2 ** 31
-    dist_bm = dist_bm or (DOT_BM if dist_dot else DIST_BM)
-    dist_bf = dist_bf or (DOT_BF if dist_dot else DIST_BF)
-    if dist_dot and min(dist_bm, dist_bf, res_b, res_bl) < 16:
-        raise ValueError(f"{NAME}: the dot form of the distances needs dist_bm, dist_bf, res_b and res_bl >= 16 "
-                         f"(tensor-core tiles), got {dist_bm}, {dist_bf}, {res_b} and {res_bl}")
-    dist_fo = dist_fo or (DOT_FO if dist_dot else DIST_FO)
-    ncb = 1 if dist_dot else triton.cdiv(Mmax, dist_bm)  # the dot form keeps one minimum per key
+    cfg = launch_config(C, D, **knobs)
+    dist, resolve, reservoir = cfg["dist"], cfg["resolve"], cfg["reservoir"]
+    joiner_index = resolve["JIDX"]
+    ncb = 1 if dist["DOT"] else triton.cdiv(Mmax, dist["BM"])  # the dot form keeps one minimum per key
     nk = max(n_sink + window, 1)
     vs, ct = _bits(value_share), _bits(cluster_target)
     hbase = mix32(mix32(seed) ^ (layer & MASK32))
@@ -758,21 +776,13 @@ def triton_clustergen_fold(keys, values, bias, slot_pos, fill, budget, role, rep
     xp = torch.empty(rows, nk, dtype=torch.int64, device=dev)
     sz = (n_sink, window, t, vs, ct)
     _cg_split_kernel[(rows,)](bias, role, fill, budget, fs, ks, info, C, n_sink, window, CH=SPLIT_CH)
-    _cg_calib_kernel[(rows,)](keys, fs, info, delta, d2, budget, C, D, *sz, Mmax, CH=cal_ch, BLOCK_D=block_d,
-                              num_warps=cal_warps)
-    _cg_dist_kernel[(ncb, triton.cdiv(C, dist_fo), rows)](keys, values, rep, fs, info, n_clusters, pd, pi, w, C, D,
-                                                          Mmax, ncb, BF=dist_bf, BM=dist_bm, FO=dist_fo, DCH=DC,
-                                                          BLOCK_D=max(block_d, 16) if dist_dot else block_d,
-                                                          DOT=dist_dot, num_warps=dist_warps)
+    _cg_calib_kernel[(rows,)](keys, fs, info, delta, d2, budget, C, D, *sz, Mmax, **cfg["calib"])
+    _cg_dist_kernel[(ncb, triton.cdiv(C, dist["FO"]), rows)](keys, values, rep, fs, info, n_clusters, pd, pi, w, C, D,
+                                                             Mmax, ncb, **dist)
     _cg_resolve_kernel[(rows,)](keys, fs, info, n_clusters, delta, mu, pd, pi, w, p, assign, nl, jc, jr, jo, jl,
-                                budget, C, D, Mmax, ncb, *sz, BM=dist_bm, RB=res_b, BL=res_bl, DCH=DC, CH=SPLIT_CH,
-                                EVENTS=resolve_events, JIDX=joiner_index, DOT=dist_dot,
-                                BLOCK_D=max(block_d, 16) if dist_dot else block_d, num_warps=num_warps_seq)
-    _cg_reservoir_kernel[(triton.cdiv(C, sk_bs), rows)](keys, values, bias, slot_pos, role, fs, info, count, jc,
-                                                        assign, jo, jl, p, mu, n_seen, budget, C, D, Mmax, H, *sz,
-                                                        hbase, head_offset, BS=sk_bs, SCH=SCAN_CH,
-                                                        LOG_C=max(C, 1).bit_length(), DCOPY=min(block_d, 32),
-                                                        JIDX=joiner_index, SPLIT=sk_split, BLOCK_D=block_d,
-                                                        num_warps=sk_warps)
+                                budget, C, D, Mmax, ncb, *sz, **resolve)
+    _cg_reservoir_kernel[(triton.cdiv(C, reservoir["BS"]), rows)](keys, values, bias, slot_pos, role, fs, info, count,
+                                                                  jc, assign, jo, jl, p, mu, n_seen, budget, C, D,
+                                                                  Mmax, H, *sz, hbase, head_offset, **reservoir)
     _cg_pack_kernel[(rows,)](keys, values, bias, slot_pos, role, fill, rep, count, jc, n_clusters, n_forced, n_seen,
-                             mu, ks, fs, nl, info, p, xk, xv, xp, C, D, Mmax, nk, PB=PACK_B, BLOCK_D=block_d)
+                             mu, ks, fs, nl, info, p, xk, xv, xp, C, D, Mmax, nk, **cfg["pack"])
