@@ -597,13 +597,9 @@ def synthetic_fill(rw, n: int, new_tokens: int) -> None:
         for info, fills in zip(rw.layers, rw.schedule.fill):
             f = fills[0]
             st = rw.layer_state(info.index)
-            st["keys"][:, :, :f].normal_(generator=g)
-            st["values"][:, :, :f].normal_(generator=g)
-            st["bias"][:, :, :f] = 0.0
             pos = torch.linspace(0, n - 1, f, device=st["slot_pos"].device).round().long() if f < n else \
                 torch.arange(n, device=st["slot_pos"].device)
-            st["slot_pos"][:, :, :f] = pos
-            st["fill"].fill_(f)
+            fill_random(st, 0, f, pos, g)
         if rw.method.name == "ems":
             for info in rw.layers:
                 if not info.window:
@@ -630,15 +626,20 @@ def replay_chunks(rw, n: int, g) -> None:
     nodes = compression_nodes(rw.prefill_graph)
     for c0 in range(0, n, T):
         for info, fills in zip(rw.layers, rw.schedule.fill):
-            f = fills[0]
             st = rw.layer_state(info.index)
-            st["keys"][:, :, f:f + T].normal_(generator=g)
-            st["values"][:, :, f:f + T].normal_(generator=g)
-            st["bias"][:, :, f:f + T] = 0.0
-            st["slot_pos"][:, :, f:f + T] = torch.arange(c0, c0 + T, device=st["slot_pos"].device)
-            st["fill"].fill_(f + T)
+            fill_random(st, fills[0], fills[0] + T, torch.arange(c0, c0 + T, device=st["slot_pos"].device), g)
         run_compression(rw, nodes)
         rw.schedule.step([T] * B, T, compress=True)
+
+
+def fill_random(st: dict, lo: int, hi: int, pos, g) -> None:
+    """Slots [lo, hi) of a layer's state as appended tokens: random keys then values (g), bias 0, positions pos;
+    fill = hi."""
+    st["keys"][:, :, lo:hi].normal_(generator=g)
+    st["values"][:, :, lo:hi].normal_(generator=g)
+    st["bias"][:, :, lo:hi] = 0.0
+    st["slot_pos"][:, :, lo:hi] = pos
+    st["fill"].fill_(hi)
 
 
 def run_compression(rw, nodes) -> None:
